@@ -1,0 +1,54 @@
+"""`python -m deployer render [--config FILE] [--out DIR]`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from .render import DEFAULT_CONFIG, DEFAULT_OUT, write
+from .settings import ConfigError, load
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    path = Path(args.config)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        print(f"error: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as exc:
+        print(f"error: {path}: not valid JSON: {exc}", file=sys.stderr)
+        return 2
+    try:
+        settings = load(raw)
+    except ConfigError as exc:
+        print(f"error: {path}: invalid configuration", file=sys.stderr)
+        for line in exc.errors:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    for written in write(settings, Path(args.out)):
+        print(f"wrote {written}")
+    d = settings.deploy
+    print(f"namespace {settings.namespace}: {d.p_instances_num} prefill + {d.d_instances_num} decode "
+          f"engines, Coordinator on nodePort {d.coordinator_node_port}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployer",
+                                     description="Render the Coordinator's Kubernetes deployment.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    render = sub.add_parser("render", help="render the manifests and the cluster user_config.json")
+    render.add_argument("--config", default=str(DEFAULT_CONFIG),
+                        help="input user_config.json (default: %(default)s)")
+    render.add_argument("--out", default=str(DEFAULT_OUT),
+                        help="output directory (default: %(default)s)")
+    render.set_defaults(func=_cmd_render)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

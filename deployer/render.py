@@ -1,0 +1,204 @@
+"""Render the Kubernetes bundle and the cluster user_config.json from validated settings.
+
+All YAML comes from the Jinja templates in ``templates/``; Python only computes values
+(names, labels, argument lists, the instance list) and hands them to the templates, which
+emit every scalar through the ``j`` filter (JSON encoding, always a valid YAML scalar).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import jinja2
+
+from .settings import CONFIG_PATH_IN_CONTAINER, EngineConfig, Settings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE_DIR = REPO_ROOT / "templates"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "user_config.json"
+DEFAULT_OUT = Path(__file__).resolve().parent / "deployment"
+
+COORDINATOR_NAME = "motor-coordinator"
+CONFIGMAP_NAME = "motor-coordinator-config"
+INFER_SERVICE = "motor-coordinator-infer"
+MGMT_SERVICE = "motor-coordinator-mgmt"
+METRICS_SERVICE = "motor-coordinator-metrics"
+ENGINE_NAME = {"prefill": "motor-engine-prefill", "decode": "motor-engine-decode"}
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+OUTPUT_FILES = ("coordinator_init.yaml", "engine_prefill.yaml", "engine_decode.yaml", "user_config.json")
+
+
+def _json_scalar(value: Any) -> str:
+    """Encode a value as JSON, which YAML reads back as the same scalar, list or mapping."""
+    return json.dumps(value, ensure_ascii=True)
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["j"] = _json_scalar
+    return env
+
+
+def labels(settings: Settings, component: str) -> Dict[str, str]:
+    """Selector labels of one component (also put on its pods)."""
+    return {
+        "app.kubernetes.io/name": "motor",
+        "app.kubernetes.io/instance": settings.namespace,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def engine_address(settings: Settings, role: str, index: int) -> str:
+    name = ENGINE_NAME[role]
+    eng = settings.prefill if role == "prefill" else settings.decode
+    return (f"{name}-{index}.{name}.{settings.namespace}.svc."
+            f"{settings.deploy.cluster_domain}:{eng.port}")
+
+
+def instances(settings: Settings) -> List[Dict[str, Any]]:
+    """Every prefill and decode pod by its stable DNS name, then any static instances of the input."""
+    out: List[Dict[str, Any]] = []
+    model = settings.prefill.served_model_name
+    for role, count in (("prefill", settings.deploy.p_instances_num), ("decode", settings.deploy.d_instances_num)):
+        for i in range(count):
+            out.append({"id": len(out) + 1, "role": role, "model_name": model,
+                        "endpoints": [{"id": 0, "address": engine_address(settings, role, i)}]})
+    for extra in settings.raw.get("motor_coordinator_config", {}).get("instances", []):
+        item = copy.deepcopy(extra)
+        item["id"] = len(out) + 1
+        out.append(item)
+    return out
+
+
+def models(settings: Settings) -> List[Dict[str, Any]]:
+    """The served model first (SLOs from the input entry of the same id), then other input models
+    that static instances still serve."""
+    coord = settings.raw.get("motor_coordinator_config", {})
+    given = {m.get("id"): m for m in coord.get("models", []) if isinstance(m, dict)}
+    name = settings.prefill.served_model_name
+    entry = copy.deepcopy(given.get(name, {}))
+    entry.update({"id": name, "p_max_seqlen": settings.prefill.max_model_len,
+                  "d_max_seqlen": settings.decode.max_model_len})
+    entry.setdefault("slo_ttft", 1000)
+    entry.setdefault("slo_tpot", 50)
+    out = [entry]
+    for inst in coord.get("instances", []):
+        mid = inst.get("model_name")
+        if mid != name and mid in given and all(m["id"] != mid for m in out):
+            out.append(copy.deepcopy(given[mid]))
+    return out
+
+
+def cluster_user_config(settings: Settings) -> Dict[str, Any]:
+    """The user_config.json the Coordinator pods read: the input with every default filled in,
+    the Coordinator bound to 0.0.0.0 and the engine pods listed as instances."""
+    cfg = copy.deepcopy(settings.raw)
+    cfg["motor_deploy_config"] = dataclasses.asdict(settings.deploy)
+    cfg["motor_engine_prefill_config"] = dataclasses.asdict(settings.prefill)
+    cfg["motor_engine_decode_config"] = dataclasses.asdict(settings.decode)
+    coord = cfg["motor_coordinator_config"]
+    coord.setdefault("api_config", {})["coordinator_api_host"] = "0.0.0.0"
+    coord["models"] = models(settings)
+    coord["instances"] = instances(settings)
+    return cfg
+
+
+def engine_args(settings: Settings, role: str) -> List[str]:
+    eng: EngineConfig = settings.prefill if role == "prefill" else settings.decode
+    kv = {"kv_connector": eng.kv_connector, "kv_role": KV_ROLE[role], "kv_buffer_device": eng.kv_buffer_device}
+    if eng.kv_connector_extra_config:
+        kv["kv_connector_extra_config"] = eng.kv_connector_extra_config
+    args = [
+        eng.model_path,
+        "--host", "0.0.0.0",
+        "--port", str(eng.port),
+        "--served-model-name", eng.served_model_name,
+        "--max-model-len", str(eng.max_model_len),
+        "--tensor-parallel-size", str(eng.tensor_parallel_size),
+        "--pipeline-parallel-size", str(eng.pipeline_parallel_size),
+        "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
+        "--kv-transfer-config", json.dumps(kv, separators=(",", ":")),
+    ]
+    return args + list(eng.extra_args)
+
+
+def _engine_context(settings: Settings, role: str) -> Dict[str, Any]:
+    eng: EngineConfig = settings.prefill if role == "prefill" else settings.decode
+    name = ENGINE_NAME[role]
+    res = copy.deepcopy(dataclasses.asdict(eng.resources))
+    if eng.accelerator_num:
+        res.setdefault("requests", {})[eng.accelerator_resource_name] = str(eng.accelerator_num)
+        res.setdefault("limits", {})[eng.accelerator_resource_name] = str(eng.accelerator_num)
+    probe_period = 10
+    return {
+        "role": role,
+        "name": name,
+        "service_name": name,
+        "replicas": settings.deploy.p_instances_num if role == "prefill" else settings.deploy.d_instances_num,
+        "labels": labels(settings, f"engine-{role}"),
+        "engine": eng,
+        "args": engine_args(settings, role),
+        "resources": {k: v for k, v in res.items() if v},
+        "extra_env": [{"name": k, "value": v} for k, v in sorted(eng.env.items())],
+        "probe_period": probe_period,
+        "startup_failure_threshold": -(-eng.startup_timeout_seconds // probe_period),
+    }
+
+
+def render(settings: Settings) -> Dict[str, str]:
+    """Return {file name: text} for the whole bundle."""
+    env = environment()
+    cfg = cluster_user_config(settings)
+    config_text = json.dumps(cfg, indent=2, ensure_ascii=True) + "\n"
+    d = settings.deploy
+    c = settings.coordinator
+    ctx = {
+        "s": settings,
+        "deploy": d,
+        "coord": c,
+        "namespace": settings.namespace,
+        "coordinator_name": COORDINATOR_NAME,
+        "configmap_name": CONFIGMAP_NAME,
+        "infer_service": INFER_SERVICE,
+        "mgmt_service": MGMT_SERVICE,
+        "metrics_service": METRICS_SERVICE,
+        "coordinator_labels": labels(settings, "coordinator"),
+        "config_path": CONFIG_PATH_IN_CONTAINER,
+        "config_dir": str(Path(CONFIG_PATH_IN_CONTAINER).parent),
+        "config_file": Path(CONFIG_PATH_IN_CONTAINER).name,
+        "config_text": config_text,
+        "config_hash": hashlib.sha256(config_text.encode()).hexdigest()[:16],
+        "tls_enabled": c.infer_tls or c.mgmt_tls,
+        "mgmt_scheme": "HTTPS" if c.mgmt_tls else "HTTP",
+        "termination_grace": settings.termination_grace_seconds,
+        "coordinator_resources": {k: v for k, v in dataclasses.asdict(d.coordinator_resources).items() if v},
+    }
+    out = {
+        "coordinator_init.yaml": env.get_template("coordinator_init.yaml.j2").render(ctx),
+        "user_config.json": config_text,
+    }
+    for role in ("prefill", "decode"):
+        ectx = dict(ctx, **_engine_context(settings, role))
+        out[f"engine_{role}.yaml"] = env.get_template("engine.yaml.j2").render(ectx)
+    return {name: out[name] for name in OUTPUT_FILES}
+
+
+def write(settings: Settings, out_dir: Path) -> List[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render(settings).items():
+        path = out_dir / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written

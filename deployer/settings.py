@@ -1,0 +1,520 @@
+"""Every deployment key, its default and its validation, in one place.
+
+`load(raw)` takes the whole parsed `user_config.json` and returns a `Settings`
+object, or raises `ConfigError` listing each bad value as
+``<key path>: <what is wrong>``.
+
+Sections:
+- ``motor_deploy_config``: cluster-side settings (namespace, images, counts, ports, TLS secret).
+- ``motor_engine_prefill_config`` / ``motor_engine_decode_config``: the vLLM engines.
+- ``motor_coordinator_config``: owned by the Coordinator. The deployer reads the keys it needs
+  (ports, TLS, drain timeout, models, instances, pd_dispatch) and passes the rest through untouched.
+
+Unknown keys in the deployer-owned sections are errors (they are almost always typos);
+unknown keys in ``motor_coordinator_config`` are left for the Coordinator to judge.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
+
+CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
+NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
+MAX_INSTANCES = 64
+ROLES = ("prefill", "decode", "union")
+PD_DISPATCH = ("handoff", "trigger")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# Environment variables the engine template sets itself; `env` may not override them.
+MANAGED_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_HOST", "POD_IP", "POD_NAME")
+
+
+class ConfigError(ValueError):
+    """Bad input. ``errors`` holds one ``key.path: message`` line per problem."""
+
+    def __init__(self, errors: List[str]):
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+def _doc(text: str) -> Dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass
+class ResourceSpec:
+    """Kubernetes-style ``{"requests": {...}, "limits": {...}}`` for cpu and memory."""
+    requests: Dict[str, str] = field(default_factory=dict, metadata=_doc("cpu/memory requests"))
+    limits: Dict[str, str] = field(default_factory=dict, metadata=_doc("cpu/memory limits"))
+
+
+@dataclass
+class DeployConfig:
+    job_id: str = field(default="mindie-motor", metadata=_doc(
+        "deployment name; also the Kubernetes namespace everything is created in (DNS-1123 label)"))
+    create_namespace: bool = field(default=True, metadata=_doc(
+        "render a Namespace object for job_id at the top of coordinator_init.yaml"))
+    cluster_domain: str = field(default="cluster.local", metadata=_doc(
+        "cluster DNS domain used in the engines' stable names"))
+    image_name: str = field(default="motor-coordinator:latest", metadata=_doc(
+        "Coordinator image (its working directory holds app.py)"))
+    engine_image_name: str = field(default="vllm/vllm-openai:latest", metadata=_doc(
+        "vLLM engine image (must provide `vllm serve` and NIXL); pin a version in production"))
+    image_pull_policy: str = field(default="IfNotPresent", metadata=_doc(
+        "Always, IfNotPresent or Never, for every container"))
+    image_pull_secrets: List[str] = field(default_factory=list, metadata=_doc(
+        "names of docker-registry Secrets for every pod"))
+    coordinator_replicas: int = field(default=1, metadata=_doc("Coordinator pods, 1..16"))
+    p_instances_num: int = field(default=1, metadata=_doc(
+        f"prefill instances (one pod each), 1..{MAX_INSTANCES}"))
+    d_instances_num: int = field(default=1, metadata=_doc(
+        f"decode instances (one pod each), 1..{MAX_INSTANCES}"))
+    coordinator_node_port: int = field(default=31015, metadata=_doc(
+        "nodePort of the inference Service, 30000..32767"))
+    coordinator_resources: ResourceSpec = field(default_factory=lambda: ResourceSpec(
+        requests={"cpu": "1", "memory": "1Gi"}, limits={"cpu": "2", "memory": "2Gi"}),
+        metadata=_doc("Coordinator container requests/limits"))
+    coordinator_node_selector: Dict[str, str] = field(default_factory=dict, metadata=_doc(
+        "nodeSelector of the Coordinator pods"))
+    coordinator_tolerations: List[Dict[str, Any]] = field(default_factory=list, metadata=_doc(
+        "tolerations of the Coordinator pods (Kubernetes Toleration objects)"))
+    service_account_name: str = field(default="", metadata=_doc(
+        "service account of the Coordinator pods; empty: the namespace default. "
+        "No API token is mounted either way"))
+    run_as_user: int = field(default=1000, metadata=_doc(
+        "non-root UID (and GID) the Coordinator runs as"))
+    prestop_sleep_seconds: int = field(default=5, metadata=_doc(
+        "preStop sleep before SIGTERM, so Service endpoints stop routing to a terminating pod, 0..300"))
+    termination_grace_period_seconds: int = field(default=0, metadata=_doc(
+        "0: prestop_sleep_seconds + shutdown_config.drain_timeout + 10; "
+        "otherwise must exceed prestop + drain"))
+    tls_secret_name: str = field(default="motor-coordinator-tls", metadata=_doc(
+        "Secret mounted when infer_tls_config or mgmt_tls_config enables TLS"))
+    tls_mount_path: str = field(default="/etc/motor-tls", metadata=_doc(
+        "where that Secret is mounted; cert_file/key_file/ca_file must lie under it"))
+    weight_mount_path: str = field(default="/mnt/weight/", metadata=_doc(
+        "host directory with model weights, mounted read-only at the same path in engine pods; "
+        "empty: no mount (model_path is then a Hugging Face id or baked into the image)"))
+    dshm_size: str = field(default="8Gi", metadata=_doc(
+        "size of the memory-backed /dev/shm of engine pods"))
+
+
+@dataclass
+class EngineConfig:
+    engine_type: str = field(default="vllm", metadata=_doc("only `vllm` is supported"))
+    model_path: str = field(default="/mnt/weight/qwen3", metadata=_doc(
+        "model directory inside the container (or a Hugging Face id), the `vllm serve` positional"))
+    served_model_name: str = field(default="qwen3", metadata=_doc(
+        "--served-model-name; the model id clients send. Must be equal for prefill and decode"))
+    max_model_len: int = field(default=8192, metadata=_doc(
+        "--max-model-len; also the Coordinator's p_max_seqlen / d_max_seqlen"))
+    tensor_parallel_size: int = field(default=1, metadata=_doc("--tensor-parallel-size"))
+    pipeline_parallel_size: int = field(default=1, metadata=_doc("--pipeline-parallel-size"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_doc("--gpu-memory-utilization, (0, 1]"))
+    port: int = field(default=8000, metadata=_doc("engine HTTP port (--port), probes on /health"))
+    side_channel_port: int = field(default=5600, metadata=_doc(
+        "VLLM_NIXL_SIDE_CHANNEL_PORT (NIXL handshake); the host is the pod IP"))
+    kv_connector: str = field(default="NixlConnector", metadata=_doc(
+        "kv_connector of --kv-transfer-config; kv_role is kv_producer (prefill) / kv_consumer (decode)"))
+    kv_buffer_device: str = field(default="cuda", metadata=_doc(
+        "kv_buffer_device of --kv-transfer-config (`cuda`, or `cpu` for CPU engines)"))
+    kv_connector_extra_config: Dict[str, Any] = field(default_factory=dict, metadata=_doc(
+        "kv_connector_extra_config of --kv-transfer-config, omitted when empty"))
+    accelerator_resource_name: str = field(default="nvidia.com/gpu", metadata=_doc(
+        "extended resource requested for the accelerators"))
+    accelerator_num: int = field(default=1, metadata=_doc(
+        "accelerators per pod; 0 for CPU engines, otherwise >= tensor * pipeline parallel size"))
+    resources: ResourceSpec = field(default_factory=lambda: ResourceSpec(
+        requests={"cpu": "4", "memory": "32Gi"}, limits={"cpu": "16", "memory": "64Gi"}),
+        metadata=_doc("engine container cpu/memory requests/limits"))
+    startup_timeout_seconds: int = field(default=1800, metadata=_doc(
+        "how long the startup probe waits for /health (model load), >= 30"))
+    extra_args: List[str] = field(default_factory=list, metadata=_doc(
+        "further `vllm serve` arguments, appended as given"))
+    env: Dict[str, str] = field(default_factory=dict, metadata=_doc(
+        "further environment variables (not the deployer-managed NIXL ones)"))
+    node_selector: Dict[str, str] = field(default_factory=dict, metadata=_doc("nodeSelector of the engine pods"))
+    tolerations: List[Dict[str, Any]] = field(default_factory=list, metadata=_doc(
+        "tolerations of the engine pods"))
+
+
+@dataclass
+class CoordinatorView:
+    """What the deployer reads from ``motor_coordinator_config`` (defaults as the Coordinator's)."""
+    infer_port: int = 1025
+    mgmt_port: int = 1026
+    obs_port: int = 1027
+    infer_tls: bool = False
+    mgmt_tls: bool = False
+    tls_files: List[str] = field(default_factory=list)
+    drain_timeout: float = 30
+    pd_dispatch: str = "handoff"
+
+
+@dataclass
+class Settings:
+    deploy: DeployConfig
+    prefill: EngineConfig
+    decode: EngineConfig
+    coordinator: CoordinatorView
+    raw: Dict[str, Any]  # the whole input, untouched
+
+    @property
+    def namespace(self) -> str:
+        return self.deploy.job_id
+
+    @property
+    def termination_grace_seconds(self) -> int:
+        if self.deploy.termination_grace_period_seconds:
+            return self.deploy.termination_grace_period_seconds
+        return int(self.deploy.prestop_sleep_seconds + self.coordinator.drain_timeout + 10)
+
+
+SECTIONS = {
+    "motor_deploy_config": DeployConfig,
+    "motor_engine_prefill_config": EngineConfig,
+    "motor_engine_decode_config": EngineConfig,
+}
+
+
+# --------------------------------------------------------------------------- generic typed loading
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin in (list, List):
+        return "a list"
+    if origin in (dict, Dict):
+        return "an object"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
+
+
+def _check_type(value: Any, tp: Any, path: str, errors: List[str]) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: must be an object")
+            return tp()
+        return _load_dataclass(tp, value, path, errors)
+    if origin in (list, List):
+        (item_tp,) = get_args(tp)
+        if not isinstance(value, list):
+            errors.append(f"{path}: must be {_type_name(tp)}")
+            return []
+        return [_check_type(v, item_tp, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        _, val_tp = get_args(tp)
+        if not isinstance(value, dict):
+            errors.append(f"{path}: must be an object")
+            return {}
+        return {k: _check_type(v, val_tp, f"{path}.{k}", errors) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, tp)
+    if not ok:
+        errors.append(f"{path}: must be {_type_name(tp)} (got {value!r})")
+    return value
+
+
+def _load_dataclass(cls: type, data: Dict[str, Any], path: str, errors: List[str]) -> Any:
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            errors.append(f"{path}.{key}: unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _check_type(copy.deepcopy(data[f.name]), hints[f.name], f"{path}.{f.name}", errors)
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- semantic checks
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_QUANTITY = re.compile(r"^(?P<num>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suf>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
+_SUFFIX = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+           "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
+_LOOPBACK = re.compile(r"^(127\.|localhost\b|\[?::1\]?:|0\.0\.0\.0)")
+
+
+def parse_quantity(text: str) -> Optional[float]:
+    m = _QUANTITY.match(text) if isinstance(text, str) else None
+    if not m:
+        return None
+    return float(m.group("num")) * _SUFFIX[m.group("suf")]
+
+
+def _port(value: Any, path: str, errors: List[str]) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and not 1 <= value <= 65535:
+        errors.append(f"{path}: must be 1..65535 (got {value})")
+
+
+def _in_range(value: Any, lo: float, hi: float, path: str, errors: List[str], what: str = "") -> None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not lo <= value <= hi:
+        errors.append(f"{path}: must be {lo}..{hi}{what} (got {value})")
+
+
+def _check_resources(res: ResourceSpec, path: str, errors: List[str]) -> None:
+    for part in ("requests", "limits"):
+        for name, qty in getattr(res, part).items():
+            if name not in ("cpu", "memory", "ephemeral-storage"):
+                errors.append(f"{path}.{part}.{name}: only cpu, memory, ephemeral-storage here")
+            elif parse_quantity(qty) is None:
+                errors.append(f"{path}.{part}.{name}: not a Kubernetes quantity (got {qty!r})")
+    for name, req in res.requests.items():
+        lim = res.limits.get(name)
+        rq, lq = parse_quantity(req), parse_quantity(lim) if lim is not None else None
+        if rq is not None and lq is not None and rq > lq:
+            errors.append(f"{path}.requests.{name}: {req} exceeds limits.{name} {lim}")
+
+
+def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
+    p = "motor_deploy_config"
+    if not _DNS_LABEL.match(d.job_id) or len(d.job_id) > 40:
+        errors.append(f"{p}.job_id: must be a DNS-1123 label of at most 40 characters "
+                      f"(lowercase letters, digits, '-'; got {d.job_id!r})")
+    if not _DNS_SUBDOMAIN.match(d.cluster_domain):
+        errors.append(f"{p}.cluster_domain: must be a DNS name (got {d.cluster_domain!r})")
+    for key in ("image_name", "engine_image_name"):
+        val = getattr(d, key)
+        if not val or any(c.isspace() for c in val):
+            errors.append(f"{p}.{key}: must be a non-empty image reference (got {val!r})")
+    if d.image_pull_policy not in PULL_POLICIES:
+        errors.append(f"{p}.image_pull_policy: must be one of {', '.join(PULL_POLICIES)} "
+                      f"(got {d.image_pull_policy!r})")
+    for i, name in enumerate(d.image_pull_secrets):
+        if isinstance(name, str) and not _DNS_SUBDOMAIN.match(name):
+            errors.append(f"{p}.image_pull_secrets[{i}]: not a valid Secret name (got {name!r})")
+    _in_range(d.coordinator_replicas, 1, 16, f"{p}.coordinator_replicas", errors)
+    _in_range(d.p_instances_num, 1, MAX_INSTANCES, f"{p}.p_instances_num", errors)
+    _in_range(d.d_instances_num, 1, MAX_INSTANCES, f"{p}.d_instances_num", errors)
+    _in_range(d.coordinator_node_port, NODE_PORT_MIN, NODE_PORT_MAX, f"{p}.coordinator_node_port", errors)
+    _check_resources(d.coordinator_resources, f"{p}.coordinator_resources", errors)
+    if d.service_account_name and not _DNS_SUBDOMAIN.match(d.service_account_name):
+        errors.append(f"{p}.service_account_name: not a valid name (got {d.service_account_name!r})")
+    _in_range(d.run_as_user, 1, 2 ** 31 - 1, f"{p}.run_as_user", errors, " (non-root)")
+    _in_range(d.prestop_sleep_seconds, 0, 300, f"{p}.prestop_sleep_seconds", errors)
+    if d.termination_grace_period_seconds < 0:
+        errors.append(f"{p}.termination_grace_period_seconds: must be >= 0")
+    if not _DNS_SUBDOMAIN.match(d.tls_secret_name):
+        errors.append(f"{p}.tls_secret_name: not a valid Secret name (got {d.tls_secret_name!r})")
+    for key in ("tls_mount_path",):
+        val = getattr(d, key)
+        if not val.startswith("/") or val.rstrip("/") in ("", "/etc/motor"):
+            errors.append(f"{p}.{key}: must be an absolute directory other than / and /etc/motor (got {val!r})")
+    if d.weight_mount_path and not d.weight_mount_path.startswith("/"):
+        errors.append(f"{p}.weight_mount_path: must be an absolute path or empty (got {d.weight_mount_path!r})")
+    if parse_quantity(d.dshm_size) is None:
+        errors.append(f"{p}.dshm_size: not a Kubernetes quantity (got {d.dshm_size!r})")
+
+
+def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[str]) -> None:
+    if e.engine_type != "vllm":
+        errors.append(f"{p}.engine_type: only 'vllm' is supported (got {e.engine_type!r})")
+    if not e.model_path:
+        errors.append(f"{p}.model_path: must not be empty")
+    elif (e.model_path.startswith("/") and deploy.weight_mount_path
+          and not (e.model_path.rstrip("/") + "/").startswith(deploy.weight_mount_path.rstrip("/") + "/")):
+        errors.append(f"{p}.model_path: {e.model_path!r} is not under "
+                      f"motor_deploy_config.weight_mount_path {deploy.weight_mount_path!r}")
+    if not e.served_model_name or any(c.isspace() for c in e.served_model_name):
+        errors.append(f"{p}.served_model_name: must be a non-empty name without spaces")
+    _in_range(e.max_model_len, 16, 10_000_000, f"{p}.max_model_len", errors)
+    _in_range(e.tensor_parallel_size, 1, 64, f"{p}.tensor_parallel_size", errors)
+    _in_range(e.pipeline_parallel_size, 1, 64, f"{p}.pipeline_parallel_size", errors)
+    if isinstance(e.gpu_memory_utilization, (int, float)) and not 0 < e.gpu_memory_utilization <= 1:
+        errors.append(f"{p}.gpu_memory_utilization: must be in (0, 1] (got {e.gpu_memory_utilization})")
+    _port(e.port, f"{p}.port", errors)
+    _port(e.side_channel_port, f"{p}.side_channel_port", errors)
+    if e.port == e.side_channel_port:
+        errors.append(f"{p}.side_channel_port: clashes with {p}.port ({e.port})")
+    if not e.kv_connector or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", e.kv_connector):
+        errors.append(f"{p}.kv_connector: must be a connector class name (got {e.kv_connector!r})")
+    if not e.kv_buffer_device:
+        errors.append(f"{p}.kv_buffer_device: must not be empty")
+    if not _DNS_SUBDOMAIN.match(e.accelerator_resource_name.split("/")[0] if e.accelerator_resource_name else ""):
+        errors.append(f"{p}.accelerator_resource_name: not a resource name (got {e.accelerator_resource_name!r})")
+    if isinstance(e.accelerator_num, int) and isinstance(e.tensor_parallel_size, int) \
+            and isinstance(e.pipeline_parallel_size, int):
+        need = e.tensor_parallel_size * e.pipeline_parallel_size
+        if e.accelerator_num < 0:
+            errors.append(f"{p}.accelerator_num: must be >= 0")
+        elif 0 < e.accelerator_num < need:
+            errors.append(f"{p}.accelerator_num: {e.accelerator_num} is fewer than "
+                          f"tensor_parallel_size * pipeline_parallel_size = {need}")
+    _check_resources(e.resources, f"{p}.resources", errors)
+    _in_range(e.startup_timeout_seconds, 30, 86400, f"{p}.startup_timeout_seconds", errors)
+    for name in e.env:
+        if not _ENV_NAME.match(name):
+            errors.append(f"{p}.env.{name}: not a valid environment variable name")
+        elif name in MANAGED_ENGINE_ENV:
+            errors.append(f"{p}.env.{name}: set by the deployer; use side_channel_port instead")
+
+
+def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> CoordinatorView:
+    p = "motor_coordinator_config"
+    view = CoordinatorView()
+    if raw is None:
+        errors.append(f"{p}: missing (the Coordinator's own section is required)")
+        return view
+    if not isinstance(raw, dict):
+        errors.append(f"{p}: must be an object")
+        return view
+
+    def sub(name: str) -> Dict[str, Any]:
+        val = raw.get(name, {})
+        if not isinstance(val, dict):
+            errors.append(f"{p}.{name}: must be an object")
+            return {}
+        return val
+
+    api = sub("api_config")
+    ports = {}
+    for key, attr in (("coordinator_api_infer_port", "infer_port"), ("coordinator_api_mgmt_port", "mgmt_port"),
+                      ("coordinator_obs_port", "obs_port")):
+        val = api.get(key, getattr(view, attr))
+        path = f"{p}.api_config.{key}"
+        if not isinstance(val, int) or isinstance(val, bool):
+            errors.append(f"{path}: must be an integer (got {val!r})")
+            continue
+        _port(val, path, errors)
+        if val in ports:
+            errors.append(f"{path}: clashes with {p}.api_config.{ports[val]} ({val})")
+        ports[val] = key
+        setattr(view, attr, val)
+
+    for key, attr in (("infer_tls_config", "infer_tls"), ("mgmt_tls_config", "mgmt_tls")):
+        tls = sub(key)
+        enabled = tls.get("enable_tls", False)
+        if not isinstance(enabled, bool):
+            errors.append(f"{p}.{key}.enable_tls: must be true or false (got {enabled!r})")
+            continue
+        setattr(view, attr, enabled)
+        if not enabled:
+            continue
+        mount = deploy.tls_mount_path.rstrip("/") + "/"
+        for fkey in ("cert_file", "key_file", "ca_file"):
+            val = tls.get(fkey, "")
+            fpath = f"{p}.{key}.{fkey}"
+            if not isinstance(val, str):
+                errors.append(f"{fpath}: must be a string")
+            elif not val:
+                if fkey != "ca_file":
+                    errors.append(f"{fpath}: required when enable_tls is true")
+            elif not val.startswith(mount) or len(val) == len(mount):
+                errors.append(f"{fpath}: must be a file under motor_deploy_config.tls_mount_path "
+                              f"{deploy.tls_mount_path!r}, where Secret {deploy.tls_secret_name!r} "
+                              f"is mounted (got {val!r})")
+            else:
+                view.tls_files.append(val)
+
+    shutdown = sub("shutdown_config")
+    drain = shutdown.get("drain_timeout", view.drain_timeout)
+    if not isinstance(drain, (int, float)) or isinstance(drain, bool) or drain < 0:
+        errors.append(f"{p}.shutdown_config.drain_timeout: must be a number >= 0 (got {drain!r})")
+    else:
+        view.drain_timeout = drain
+
+    sched = sub("scheduler_config")
+    dispatch = sched.get("pd_dispatch", view.pd_dispatch)
+    if dispatch not in PD_DISPATCH:
+        errors.append(f"{p}.scheduler_config.pd_dispatch: must be one of {', '.join(PD_DISPATCH)} "
+                      f"(got {dispatch!r})")
+    else:
+        view.pd_dispatch = dispatch
+
+    models = raw.get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        errors.append(f"{p}.models: must be a list of objects")
+
+    instances = raw.get("instances", [])
+    if not isinstance(instances, list):
+        errors.append(f"{p}.instances: must be a list")
+        instances = []
+    for i, inst in enumerate(instances):
+        ipath = f"{p}.instances[{i}]"
+        if not isinstance(inst, dict):
+            errors.append(f"{ipath}: must be an object")
+            continue
+        role = inst.get("role")
+        if role not in ROLES:
+            errors.append(f"{ipath}.role: unknown role {role!r}, must be one of {', '.join(ROLES)}")
+        eps = inst.get("endpoints")
+        if not isinstance(eps, list) or not eps:
+            errors.append(f"{ipath}.endpoints: must be a non-empty list")
+            continue
+        for j, ep in enumerate(eps):
+            addr = ep.get("address") if isinstance(ep, dict) else None
+            if not isinstance(addr, str) or ":" not in addr:
+                errors.append(f"{ipath}.endpoints[{j}].address: must be 'host:port' (got {addr!r})")
+            elif _LOOPBACK.match(addr):
+                errors.append(f"{ipath}.endpoints[{j}].address: {addr!r} is a loopback address, "
+                              f"unreachable from the Coordinator pod")
+    return view
+
+
+def load(raw: Any) -> Settings:
+    """Validate the whole user_config.json object and return the effective settings."""
+    if not isinstance(raw, dict):
+        raise ConfigError(["user_config.json: the top level must be a JSON object"])
+    errors: List[str] = []
+    parsed = {}
+    for section, cls in SECTIONS.items():
+        data = raw.get(section, {})
+        if not isinstance(data, dict):
+            errors.append(f"{section}: must be an object")
+            data = {}
+        parsed[section] = _load_dataclass(cls, data, section, errors)
+    deploy = parsed["motor_deploy_config"]
+    prefill = parsed["motor_engine_prefill_config"]
+    decode = parsed["motor_engine_decode_config"]
+    if not errors:  # semantic checks only make sense on well-typed values
+        _check_deploy(deploy, errors)
+        _check_engine(prefill, "motor_engine_prefill_config", deploy, errors)
+        _check_engine(decode, "motor_engine_decode_config", deploy, errors)
+        if prefill.served_model_name != decode.served_model_name:
+            errors.append(f"motor_engine_decode_config.served_model_name: {decode.served_model_name!r} "
+                          f"differs from motor_engine_prefill_config.served_model_name "
+                          f"{prefill.served_model_name!r}; a P/D pair serves one model")
+        if prefill.kv_connector != decode.kv_connector:
+            errors.append(f"motor_engine_decode_config.kv_connector: {decode.kv_connector!r} differs "
+                          f"from motor_engine_prefill_config.kv_connector {prefill.kv_connector!r}")
+    view = _coordinator_view(raw.get("motor_coordinator_config"), deploy, errors)
+    if not errors and deploy.termination_grace_period_seconds and \
+            deploy.termination_grace_period_seconds <= deploy.prestop_sleep_seconds + view.drain_timeout:
+        errors.append(f"motor_deploy_config.termination_grace_period_seconds: "
+                      f"{deploy.termination_grace_period_seconds} must exceed prestop_sleep_seconds + "
+                      f"motor_coordinator_config.shutdown_config.drain_timeout "
+                      f"({deploy.prestop_sleep_seconds} + {view.drain_timeout})")
+    if errors:
+        raise ConfigError(errors)
+    return Settings(deploy=deploy, prefill=prefill, decode=decode, coordinator=view, raw=copy.deepcopy(raw))
+
+
+def defaults_as_dict(cls: type) -> Dict[str, Any]:
+    """The defaults of one section, as they appear in user_config.json."""
+    return dataclasses.asdict(cls())
+
+
+def key_docs(cls: type, prefix: str) -> List[tuple]:
+    """(key path, default, doc) for every key of a section, nested objects flattened."""
+    rows = []
+    inst = cls()
+    for f in dataclasses.fields(cls):
+        val = getattr(inst, f.name)
+        doc = f.metadata.get("doc", "")
+        if dataclasses.is_dataclass(val):
+            val = dataclasses.asdict(val)
+        rows.append((f"{prefix}.{f.name}", val, doc))
+    return rows
