@@ -1,0 +1,47 @@
+"""SimConfig: every knob of one simulated vLLM server."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+FAULT_KNOBS = (
+    "fail_status", "fail_first_n", "hang_before_first_byte", "slow_first_byte_s",
+    "stall_mid_stream_after_n", "close_mid_stream_after_n", "malformed_chunk_after_n",
+    "eos_on_prefill", "health_status",
+)
+
+
+@dataclass
+class SimConfig:
+    role: str = "union"                 # union | prefill | decode
+    model: str = "sim-model"
+    host: str = "127.0.0.1"
+    port: int = 0                       # 0 = pick a free port
+    engine_id: Optional[str] = None     # default: a fresh uuid4
+    max_model_len: int = 8192
+    prefill_tokens_per_s: float = 8000.0
+    decode_step_ms: float = 10.0
+    decode_per_seq_ms: float = 0.5
+    kv_capacity_tokens: int = 200_000
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192  # prefill token budget per engine step
+    block_size: int = 16
+    speedup: float = 1.0
+    zero_latency: bool = False
+    kv_hold_timeout_s: float = 480.0    # VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    kv_transfer_tokens_per_s: float = 1_000_000.0   # simulated NIXL pull bandwidth
+    prefix_cache_blocks: int = 0        # LRU bound; 0 = kv_capacity_tokens // block_size
+    faults: Dict[str, Any] = field(default_factory=dict)
+    log_level: str = "WARNING"
+
+    def __post_init__(self):
+        if self.role not in ("union", "prefill", "decode"):
+            raise ValueError("role must be union, prefill or decode")
+        if not self.engine_id:
+            self.engine_id = str(uuid.uuid4())
+        if self.speedup <= 0:
+            raise ValueError("speedup must be > 0")
+        unknown = set(self.faults) - set(FAULT_KNOBS)
+        if unknown:
+            raise ValueError(f"unknown fault knobs: {sorted(unknown)}")

@@ -1,0 +1,215 @@
+"""Deterministic token accounting shared by the engine simulator and the Coordinator.
+
+Pure functions, no I/O, no dependencies beyond the standard library:
+
+* ``count_text_tokens(text)``: the token estimate used everywhere in the sim:
+  ``ceil(len(text.encode("utf-8")) / 4)``, and 0 for the empty string.
+* ``render_chat_prompt(messages, tools=None, system=None)``: a ChatML-like template
+  (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, ``<|im_start|>assistant\\n`` last).
+  ``content`` may be a string or a list of parts (OpenAI ``text``/``image_url`` parts, Anthropic
+  ``text``/``image``/``tool_use``/``tool_result``/``thinking`` blocks). Each image counts as
+  ``IMAGE_PLACEHOLDER`` (a fixed 256-byte marker = 64 tokens). Tools are serialised as JSON in a
+  leading system block.
+* ``chat_prompt_tokens(...)`` = ``count_text_tokens(render_chat_prompt(...))``.
+* ``completion_prompt_tokens(prompt)``: string → estimate; list of ints → its length; list of
+  strings / token lists → the sum.
+* ``generate(...)``: the deterministic "model": the word sequence a request produces.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from functools import lru_cache
+from typing import Any, Iterable, Optional, Sequence
+
+BYTES_PER_TOKEN = 4
+IMAGE_TOKENS = 64
+IMAGE_PLACEHOLDER = "<|image|>" + "#" * (IMAGE_TOKENS * BYTES_PER_TOKEN - len("<|image|>"))
+
+WORDS = (
+    "the of and to in is that it for on with as was at by an be this from or have are not "
+    "but had his they you were her she which one all their there we can has been if more when "
+    "will would who so no model token engine cache prefill decode stream batch queue block "
+    "latency river stone cloud light garden paper window music number table yellow quiet swift "
+    "bright ocean forest mountain silver simple little market winter summer signal vector kernel"
+).split()
+_NWORDS = len(WORDS)
+
+
+def count_text_tokens(text: str) -> int:
+    """ceil(utf-8 bytes / 4); at least 1 for a non-empty string, 0 for ''."""
+    if not text:
+        return 0
+    n = len(text.encode("utf-8"))
+    return (n + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        return str(part)
+    t = part.get("type")
+    if t in ("text", "input_text", "output_text"):
+        return str(part.get("text") or "")
+    if t in ("image_url", "image", "input_image"):
+        return IMAGE_PLACEHOLDER
+    if t == "thinking":
+        return str(part.get("thinking") or "")
+    if t == "tool_use":
+        return json.dumps({"name": part.get("name"), "input": part.get("input")},
+                          sort_keys=True, ensure_ascii=False)
+    if t == "tool_result":
+        return content_text(part.get("content"))
+    if t == "redacted_thinking":
+        return ""
+    if "text" in part:
+        return str(part.get("text") or "")
+    return json.dumps(part, sort_keys=True, ensure_ascii=False)
+
+
+def content_text(content: Any) -> str:
+    """Flatten message content (string, list of parts, None) to text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_part_text(p) for p in content)
+    return _part_text(content)
+
+
+def render_chat_prompt(messages: Sequence[dict], tools: Optional[Sequence[Any]] = None,
+                       system: Any = None) -> str:
+    """ChatML-like rendering of a conversation, ending with the generation prompt."""
+    out = []
+    if tools:
+        out.append("<|im_start|>system\n# Tools\n" +
+                   json.dumps(list(tools), sort_keys=True, ensure_ascii=False) + "<|im_end|>\n")
+    if system:
+        out.append("<|im_start|>system\n" + content_text(system) + "<|im_end|>\n")
+    for m in messages or ():
+        if not isinstance(m, dict):
+            continue
+        role = str(m.get("role") or "user")
+        body = content_text(m.get("content"))
+        tc = m.get("tool_calls")
+        if tc:
+            body += json.dumps(tc, sort_keys=True, ensure_ascii=False)
+        out.append("<|im_start|>" + role + "\n" + body + "<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def chat_prompt_tokens(messages, tools=None, system=None) -> int:
+    return count_text_tokens(render_chat_prompt(messages, tools=tools, system=system))
+
+
+def completion_prompt_text(prompt: Any) -> str:
+    """The text the sim treats as the prompt of a /v1/completions request."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if all(isinstance(x, int) for x in prompt):
+            return " ".join(str(x) for x in prompt)
+        return "\n".join(completion_prompt_text(x) for x in prompt)
+    return str(prompt)
+
+
+def completion_prompt_tokens(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return count_text_tokens(prompt)
+    if isinstance(prompt, list):
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            return len(prompt)
+        return sum(completion_prompt_tokens(x) for x in prompt)
+    return count_text_tokens(str(prompt))
+
+
+# --------------------------------------------------------------------------- generation
+
+def _h64(*parts: Any) -> int:
+    d = hashlib.blake2b(repr(parts).encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return struct.unpack("<Q", d)[0]
+
+
+def prompt_key(text: str) -> int:
+    return _h64("p", text)
+
+
+def eos_length(pkey: int, seed: Optional[int], temperature: Optional[float], choice: int) -> int:
+    """Where the 'model' would emit EOS: 8..64 tokens, a pure function of its inputs."""
+    return 8 + _h64("eos", pkey, seed, temperature, choice) % 57
+
+
+def token_word(pkey: int, seed: Optional[int], temperature: Optional[float], choice: int,
+               i: int) -> str:
+    return " " + WORDS[_h64("w", pkey, seed, temperature, choice, i) % _NWORDS]
+
+
+def token_logprob(pkey: int, choice: int, i: int, rank: int = 0) -> float:
+    base = -((_h64("lp", pkey, choice, i) % 1000) / 1000.0) * 1.5
+    return round(base - rank * 0.75, 6)
+
+
+@lru_cache(maxsize=4096)
+def generate(pkey: int, seed: Optional[int], temperature: Optional[float], choice: int,
+             max_tokens: int, ignore_eos: bool = False, min_tokens: int = 0,
+             stop: tuple = ()) -> tuple:
+    """Deterministic output of one choice.
+
+    Returns ``(pieces, text, finish_reason, stop_reason)``: ``pieces`` is one string per
+    generated token (the streamed deltas; a piece may be '' or cut short where a stop string
+    truncates the text), ``text`` the final text (= ''.join(pieces)).
+    """
+    eos = None if ignore_eos else max(eos_length(pkey, seed, temperature, choice), min_tokens, 1)
+    words = []
+    finish, stop_reason = "length", None
+    acc = ""
+    n = max(0, int(max_tokens))
+    for i in range(n):
+        if eos is not None and i + 1 == eos:
+            # the EOS token itself is generated but not shown
+            words.append("")
+            finish = "stop"
+            break
+        w = token_word(pkey, seed, temperature, choice, i)
+        words.append(w)
+        acc += w
+        if stop and i + 1 >= min_tokens:
+            hit = None
+            for s in stop:
+                if s:
+                    k = acc.find(s)
+                    if k >= 0 and (hit is None or k < hit[0]):
+                        hit = (k, s)
+            if hit is not None:
+                finish, stop_reason = "stop", hit[1]
+                acc = acc[:hit[0]]
+                break
+    # cut pieces so that they concatenate to the (possibly truncated) final text
+    pieces, pos = [], 0
+    total = len(acc)
+    for w in words:
+        end = min(pos + len(w), total)
+        pieces.append(acc[pos:end] if pos < total else "")
+        pos += len(w)
+    return tuple(pieces), acc, finish, stop_reason
+
+
+def block_hashes(text: str, block_tokens: int = 16) -> list:
+    """Chained hashes of full blocks of the prompt (block = block_tokens * 4 utf-8 bytes)."""
+    data = text.encode("utf-8")
+    step = block_tokens * BYTES_PER_TOKEN
+    out, prev = [], b""
+    for off in range(0, len(data) - step + 1, step):
+        prev = hashlib.blake2b(prev + data[off:off + step], digest_size=12).digest()
+        out.append(prev)
+    return out
+
+
+__all__ = [
+    "count_text_tokens", "render_chat_prompt", "chat_prompt_tokens", "completion_prompt_tokens",
+    "completion_prompt_text", "content_text", "generate", "prompt_key", "block_hashes", "WORDS",
+]
