@@ -1,0 +1,204 @@
+"""The Coordinator: `python app.py [--config PATH] [--workers N]`.
+
+One Sanic app serves three ports (inference, management, observability) from `num_workers` worker
+processes. Cross-worker state (instances, load, health) is made in `main_process_start` and handed to
+the workers through `shared_ctx`; each worker keeps its own aiohttp session on `app.ctx`. With no
+instances configured, the built-in engine simulator starts (one prefill and one decode instance on free
+loopback ports) so that every endpoint answers out of the box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from functools import partial
+
+# prometheus-client picks its multiprocess mode at import time: set the directory before any import.
+if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="motor-prom-")
+    os.environ["MOTOR_OWNS_PROM_DIR"] = "1"
+
+from sanic import Request, Sanic  # noqa: E402
+from sanic.worker.loader import AppLoader  # noqa: E402
+
+from config import ConfigError, Instance, Endpoint, Settings, load_settings, resolve_config_path, with_models_for_instances  # noqa: E402
+from engines import EngineClient  # noqa: E402
+from errors import CoordinatorError, NotFound, PayloadTooLarge  # noqa: E402
+from handlers import register  # noqa: E402
+from handlers.common import INFER, MGMT, OBS, api_of_path, error_response, request_id  # noqa: E402
+from scheduling.health import Health  # noqa: E402
+from scheduling.ledger import Ledger  # noqa: E402
+from scheduling.policies import make_policy  # noqa: E402
+from scheduling.registry import Registry  # noqa: E402
+from scheduling.scheduler import Scheduler  # noqa: E402
+from scheduling.shared import SharedState, worker_index  # noqa: E402
+from serving.admission import Admission  # noqa: E402
+from serving.background import Background  # noqa: E402
+from serving.dispatch import Dispatcher  # noqa: E402
+from serving.metrics import PrometheusObserver  # noqa: E402
+
+log = logging.getLogger("coordinator")
+APP_NAME = "motor_coordinator"
+
+
+def create_app(settings: Settings) -> Sanic:
+    app = Sanic(APP_NAME)
+    app.config.REQUEST_MAX_SIZE = max(settings.max_request_body_bytes, 10 * 1024 * 1024 + 1024)
+    app.config.RESPONSE_TIMEOUT = settings.infer_timeout_s + 60
+    app.config.REQUEST_TIMEOUT = 60
+    app.config.KEEP_ALIVE_TIMEOUT = 75
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = settings.drain_timeout_s
+    app.config.ACCESS_LOG = settings.access_log
+    app.config.FALLBACK_ERROR_FORMAT = "json"
+    app.config.MOTD = False
+    app.ctx.settings = settings
+    app.ctx.plane_by_port = {settings.infer_port: INFER, settings.mgmt_port: MGMT, settings.obs_port: OBS}
+    register(app)
+
+    @app.main_process_start
+    async def make_shared_state(app: Sanic):
+        shared = SharedState.create()
+        Registry(shared).apply("set", list(settings.instances))
+        for key, value in shared.as_shared_ctx().items():
+            setattr(app.shared_ctx, key, value)
+
+    @app.main_process_stop
+    async def remove_metrics_dir(app: Sanic):
+        if os.environ.get("MOTOR_OWNS_PROM_DIR"):
+            shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
+
+    @app.before_server_start
+    async def start_worker(app: Sanic):
+        shared = SharedState.from_shared_ctx(app.shared_ctx)
+        worker = worker_index()
+        ctx = app.ctx
+        ctx.started_at = int(time.time())
+        ctx.shared = shared
+        ctx.registry = Registry(shared)
+        ctx.ledger = Ledger(shared, worker, settings.num_workers)
+        ctx.health = Health(shared, settings.breaker_failure_threshold, settings.breaker_open_s)
+        policy = make_policy(settings.scheduler_type, shared, ctx.ledger, ctx.health)
+        ctx.scheduler = Scheduler(ctx.registry, ctx.ledger, ctx.health, policy)
+        ctx.client = EngineClient(settings)
+        ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
+        ctx.admission = Admission(settings, shared)
+        ctx.dispatcher = Dispatcher(settings, ctx.scheduler, ctx.ledger, ctx.health, ctx.client, ctx.observer)
+        ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
+        if worker == 0:  # one worker checks health and scrapes engines for all of them
+            ctx.background.start()
+
+    @app.before_server_stop
+    async def drain(app: Sanic):
+        app.ctx.admission.set_draining()
+
+    @app.after_server_stop
+    async def stop_worker(app: Sanic):
+        await app.ctx.background.stop()
+        await app.ctx.client.close()
+
+    @app.on_request(priority=100)
+    async def plane_guard(request: Request):
+        route = request.route
+        if route is not None and route.ctx.plane != app.ctx.plane_by_port.get(request.server_port):
+            raise NotFound(f"no route {request.method} {request.path} on this port", code="not_found")
+
+    @app.exception(Exception)
+    async def render_error(request: Request, exc: Exception):
+        api = api_of_path(request.path)
+        rid = request_id(request)
+        if isinstance(exc, CoordinatorError):
+            return error_response(exc, api, rid)
+        status = getattr(exc, "status_code", 500)
+        if status == 413:
+            return error_response(PayloadTooLarge("request body exceeds the configured size limit"), api, rid)
+        if status == 404:
+            return error_response(NotFound(f"no route {request.method} {request.path}", code="not_found"), api, rid)
+        if status >= 500:
+            log.exception("unhandled error on %s", request.path, exc_info=exc)
+            err = CoordinatorError("internal error")
+        else:
+            err = CoordinatorError(str(exc) or "bad request")
+            err.status = status
+            err.openai_type = "invalid_request_error"
+        return error_response(err, api, rid)
+
+    return app
+
+
+def start_simulator(settings: Settings) -> Settings:
+    """No instances configured: start one prefill and one decode simulator and register them."""
+    from engine_sim import SimConfig, launch
+
+    model = settings.models[0].id if settings.models else "qwen3"
+    handles = [launch(SimConfig(role=role, model=model)) for role in ("prefill", "decode")]
+    instances = tuple(
+        Instance(i, h.config.role, model, (Endpoint(0, h.address),)) for i, h in enumerate(handles, start=1)
+    )
+    for inst in instances:
+        log.info("built-in engine simulator: %s instance of %s on http://%s", inst.role, model, inst.endpoints[0].address)
+    return replace(settings, instances=instances)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="MindIE Motor Coordinator (PD-disaggregated LLM gateway)")
+    parser.add_argument("--config", help="user_config.json (default: $USER_CONFIG_PATH, else deployer/user_config.json)")
+    parser.add_argument("--workers", type=int, help="override inference_workers_config.num_workers")
+    return parser.parse_args(argv)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    for name in ("sanic.root", "sanic.error", "sanic.server"):
+        logging.getLogger(name).setLevel(max(logging.getLevelName(level), logging.INFO))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    path = resolve_config_path(args.config)
+    try:
+        settings = load_settings(path)
+        if args.workers is not None:
+            if not 1 <= args.workers <= 64:
+                raise ConfigError("--workers: must be 1..64")
+            settings = replace(settings, num_workers=args.workers)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    log.info("config loaded from %s", path)
+    if not settings.instances:
+        settings = start_simulator(settings)
+    settings = with_models_for_instances(settings)
+
+    loader = AppLoader(factory=partial(create_app, settings))
+    app = loader.load()
+    infer_ssl = _ssl(settings.infer_tls)
+    mgmt_ssl = _ssl(settings.mgmt_tls)
+    common = dict(host=settings.host, workers=settings.num_workers, access_log=settings.access_log, motd=False)
+    app.prepare(port=settings.infer_port, ssl=infer_ssl, **common)
+    app.prepare(port=settings.mgmt_port, ssl=mgmt_ssl, **common)
+    app.prepare(port=settings.obs_port, ssl=mgmt_ssl, **common)
+    scheme = "https" if infer_ssl else "http"
+    log.info(
+        "Coordinator on %s://%s:%d (inference), %s:%d (management), %s:%d (metrics), %d worker(s)",
+        scheme, settings.host, settings.infer_port, settings.host, settings.mgmt_port, settings.host,
+        settings.obs_port, settings.num_workers,
+    )
+    Sanic.serve(primary=app, app_loader=loader)
+    return 0
+
+
+def _ssl(tls) -> dict | None:
+    if not tls.enable_tls:
+        return None
+    return {"cert": tls.cert_file, "key": tls.key_file}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The Coordinator's error tree and the one place that renders it into OpenAI's or Anthropic's envelope.
+
+    CoordinatorError                 base: an HTTP status and a message
+    ├── InvalidRequest               400: the body or a field is wrong
+    │   └── UnsupportedMediaType     415: the body is not application/json
+    ├── Unauthorized                 401: missing or wrong API key
+    ├── Forbidden                    403: the request names a target it may not use
+    ├── NotFound                     404: unknown model or route
+    ├── PayloadTooLarge              413: the body exceeds the configured limit
+    ├── RateLimited                  429: over the in-flight cap, the rate limit or the SLO budget
+    ├── ServiceUnavailable           503: no usable engine instance, or shutting down
+    └── UpstreamError                502: an engine failed
+        ├── UpstreamConnectError     502: the engine could not be reached
+        ├── UpstreamTimeout          504: the engine missed a deadline
+        ├── UpstreamProtocolError    502: the engine answered something unparseable
+        └── EngineStatusError        the engine answered an error status (relayed as is when 4xx)
+"""
+
+from __future__ import annotations
+
+import ujson
+
+OPENAI = "openai"
+ANTHROPIC = "anthropic"
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+class CoordinatorError(Exception):
+    """Base of every error the Coordinator answers with."""
+
+    status = 500
+    openai_type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    @property
+    def anthropic_type(self) -> str:
+        return _ANTHROPIC_TYPES.get(self.status, "api_error")
+
+
+class InvalidRequest(CoordinatorError):
+    """The request body or one of its fields is invalid."""
+
+    status = 400
+    openai_type = "invalid_request_error"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """The request does not carry Content-Type: application/json."""
+
+    status = 415
+
+
+class Unauthorized(CoordinatorError):
+    """The API key is missing or wrong."""
+
+    status = 401
+    openai_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(CoordinatorError):
+    """The request names a target that is not a registered instance."""
+
+    status = 403
+    openai_type = "permission_error"
+    code = "forbidden"
+
+
+class NotFound(CoordinatorError):
+    """The model (or route) does not exist."""
+
+    status = 404
+    openai_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(CoordinatorError):
+    """The body exceeds rate_limit_config.max_request_body_size."""
+
+    status = 413
+    openai_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(CoordinatorError):
+    """Too many requests: the in-flight cap, the rate limit or the SLO admission said no."""
+
+    status = 429
+    openai_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, reason: str = "rate_limit"):
+        super().__init__(message, headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))})
+        self.reason = reason
+
+
+class ServiceUnavailable(CoordinatorError):
+    """No engine instance can take the request, or the Coordinator is draining."""
+
+    status = 503
+    openai_type = "server_error"
+    code = "service_unavailable"
+
+
+class UpstreamError(CoordinatorError):
+    """An engine failed to serve the request."""
+
+    status = 502
+    openai_type = "server_error"
+    code = "upstream_error"
+    retryable = True
+
+
+class UpstreamConnectError(UpstreamError):
+    """The engine could not be reached."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The engine missed the connect, first-byte, idle or total deadline."""
+
+    status = 504
+    code = "upstream_timeout"
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The engine answered something the Coordinator could not parse."""
+
+    retryable = False
+
+
+class EngineStatusError(UpstreamError):
+    """The engine answered an error status; its body is kept to relay 4xx answers unchanged."""
+
+    RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+    def __init__(self, status: int, body: bytes, content_type: str = "application/json"):
+        super().__init__(f"engine answered HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.retryable = status in self.RETRYABLE_STATUSES
+
+    @property
+    def is_client_error(self) -> bool:
+        return 400 <= self.status < 500 and self.status not in (408, 429)
+
+
+def error_body(err: CoordinatorError, api: str) -> dict:
+    """The error envelope of one API."""
+    if api == ANTHROPIC:
+        return {"type": "error", "error": {"type": err.anthropic_type, "message": err.message}}
+    return {"error": {"message": err.message, "type": err.openai_type, "param": err.param, "code": err.code}}
+
+
+def render(err: CoordinatorError, api: str) -> tuple[int, bytes, dict]:
+    """Status, body bytes and headers of an error answered before any byte of a response was sent.
+
+    A 4xx from an engine is relayed unchanged: the engine already speaks the route's protocol.
+    """
+    if isinstance(err, EngineStatusError) and err.is_client_error:
+        return err.status, err.body, {"Content-Type": err.content_type}
+    status = err.status if err.status < 500 or not isinstance(err, EngineStatusError) else 502
+    return status, ujson.dumps(error_body(err, api)).encode(), {"Content-Type": "application/json", **err.headers}
+
+
+def sse_error_event(err: CoordinatorError, api: str) -> bytes:
+    """The one SSE event that ends a stream which already started."""
+    body = ujson.dumps(error_body(err, api))
+    if api == ANTHROPIC:
+        return b"event: error\ndata: " + body.encode() + b"\n\n"
+    return b"data: " + body.encode() + b"\n\n"

@@ -1,0 +1,19 @@
+"""Anthropic Messages routes: /v1/messages and /v1/messages/count_tokens (vLLM engines only)."""
+
+from sanic import Blueprint, Request
+
+from errors import ANTHROPIC
+from handlers.common import INFER, serve_inference
+from serving.job import COUNT_TOKENS, MESSAGES
+
+bp = Blueprint("anthropic")
+
+
+@bp.post(MESSAGES, ctx_plane=INFER)
+async def messages(request: Request):
+    return await serve_inference(request, MESSAGES, ANTHROPIC)
+
+
+@bp.post(COUNT_TOKENS, ctx_plane=INFER)
+async def count_tokens(request: Request):
+    return await serve_inference(request, COUNT_TOKENS, ANTHROPIC)

@@ -1,0 +1,140 @@
+"""What every inference handler shares: request ids, auth, body checks, the response sink, error answers."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+
+from sanic import HTTPResponse, Request
+
+from errors import ANTHROPIC, OPENAI, CoordinatorError, InvalidRequest, PayloadTooLarge, Unauthorized, UnsupportedMediaType, render, sse_error_event
+from serving.job import job_from_body, parse_body
+from serving.observe import RequestRecord
+
+log = logging.getLogger("coordinator.handlers")
+REQUEST_ID = "X-Request-Id"
+INFER, MGMT, OBS = "infer", "mgmt", "obs"
+
+
+def request_id(request: Request) -> str:
+    rid = request.headers.get(REQUEST_ID)
+    return rid if rid and len(rid) <= 128 and rid.isprintable() else uuid.uuid4().hex
+
+
+def check_api_key(request: Request, api: str) -> None:
+    cfg = request.app.ctx.settings.api_key
+    if not cfg.enable_api_key:
+        return
+    presented = []
+    value = request.headers.get(cfg.header_name)
+    if value is not None and value.startswith(cfg.key_prefix):
+        presented.append(value[len(cfg.key_prefix):])
+    if api == ANTHROPIC and request.headers.get("x-api-key") is not None:
+        presented.append(request.headers["x-api-key"])
+    for key in presented:
+        # Compare against every valid key so timing reveals neither the key nor which one matched.
+        if any([hmac.compare_digest(key.encode(), valid.encode()) for valid in cfg.valid_keys]):
+            return
+    raise Unauthorized("Missing or invalid API key." if presented else "Missing API key.")
+
+
+def check_body(request: Request, limit: int) -> bytes:
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        raise UnsupportedMediaType("Content-Type must be application/json")
+    body = request.body or b""
+    if len(body) > limit:
+        raise PayloadTooLarge(f"request body of {len(body)} bytes exceeds the limit of {limit} bytes")
+    return body
+
+
+def error_response(err: CoordinatorError, api: str, rid: str) -> HTTPResponse:
+    status, body, headers = render(err, api)
+    headers[REQUEST_ID] = rid
+    return HTTPResponse(body, status=status, headers=headers, content_type=headers.pop("Content-Type", "application/json"))
+
+
+class SanicSink:
+    """The dispatcher's view of the client connection."""
+
+    __slots__ = ("request", "rid", "started", "response", "api")
+
+    def __init__(self, request: Request, rid: str, api: str):
+        self.request, self.rid, self.api = request, rid, api
+        self.started = False
+        self.response = None
+
+    async def json(self, status: int, body: bytes) -> None:
+        self.response = HTTPResponse(body, status=status, headers={REQUEST_ID: self.rid}, content_type="application/json")
+
+    async def start_stream(self) -> None:
+        self.response = await self.request.respond(
+            content_type="text/event-stream", headers={REQUEST_ID: self.rid, "Cache-Control": "no-cache"}
+        )
+        self.started = True
+
+    async def send(self, data: bytes) -> None:
+        await self.response.send(data)
+
+
+async def serve_inference(request: Request, route: str, api: str, authenticate: bool = True):
+    """Validate, authenticate and dispatch one inference request; the whole life of its response."""
+    ctx = request.app.ctx
+    rid = request_id(request)
+    rec = RequestRecord(rid, route)
+    sink = SanicSink(request, rid, api)
+    ctx.observer.request_started()
+    try:
+        if authenticate:
+            check_api_key(request, api)
+        raw = check_body(request, ctx.settings.max_request_body_bytes)
+        job = job_from_body(route, api, raw, parse_body(raw), rid)
+        job.slo_ttft_ms = _slo_header(request, "x-slo-ttft-ms")
+        job.slo_tpot_ms = _slo_header(request, "x-slo-tpot-ms")
+        rec.model, rec.stream = job.model, job.stream
+        async with ctx.admission.admit(job, rec):
+            await ctx.dispatcher.serve(job, sink, rec)
+        if sink.started:
+            await sink.response.eof()
+            return None
+        return sink.response
+    except CoordinatorError as e:
+        rec.status, rec.error = e.status, e.message
+        if sink.started:
+            await sink.send(sse_error_event(e, api))
+            await sink.response.eof()
+            return None
+        return error_response(e, api, rid)
+    except asyncio.CancelledError:
+        rec.status, rec.disconnect_phase = 499, "streaming" if sink.started else "before_first_byte"
+        raise
+    except Exception as e:  # never a traceback to the client
+        log.exception("request_id=%s failed", rid)
+        err = CoordinatorError(f"internal error: {type(e).__name__}")
+        rec.status, rec.error = 500, err.message
+        if sink.started:
+            await sink.send(sse_error_event(err, api))
+            await sink.response.eof()
+            return None
+        return error_response(err, api, rid)
+    finally:
+        ctx.observer.request_done(rec)
+
+
+def _slo_header(request: Request, name: str) -> float:
+    value = request.headers.get(name)
+    if value is None:
+        return 0.0
+    try:
+        v = float(value)
+    except ValueError:
+        raise InvalidRequest(f"header {name} must be a number of milliseconds") from None
+    if not v > 0:
+        raise InvalidRequest(f"header {name} must be positive")
+    return v
+
+
+def api_of_path(path: str) -> str:
+    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI

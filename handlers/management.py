@@ -1,0 +1,122 @@
+"""Management port: Kubernetes probes and live instance management (MindIE-PyMotor's routes and replies)."""
+
+from __future__ import annotations
+
+import hmac
+
+import ujson
+from sanic import Blueprint, Request, json
+
+from handlers.common import MGMT
+from scheduling.registry import RefreshError, parse_refresh_body
+
+bp = Blueprint("management")
+MAX_REFRESH_BYTES = 10 * 1024 * 1024
+
+
+def _probe(message: str, **extra):
+    return json({"status": "ok", "message": message, **extra})
+
+
+@bp.get("/startup", ctx_plane=MGMT)
+async def startup(request: Request):
+    return _probe("started")
+
+
+@bp.get("/liveness", ctx_plane=MGMT)
+async def liveness(request: Request):
+    return _probe("alive")
+
+
+@bp.get("/readiness", ctx_plane=MGMT)
+async def readiness(request: Request):
+    ctx = request.app.ctx
+    if ctx.admission.draining:
+        return json({"status": "ok", "message": "draining", "ready": False}, status=503)
+    n = len(ctx.registry.view().instances)
+    return _probe(f"ready, {n} instances registered", ready=True)
+
+
+def _refused(status: int, message: str, event: str | None = None):
+    return json(
+        {"request_id": "refresh_request", "status": "failed", "message": message, "data": {"event_type": event}},
+        status=status,
+    )
+
+
+def _authorized(request: Request) -> bool:
+    cfg = request.app.ctx.settings.mgmt_api_key
+    if not cfg.enable_api_key:
+        return True
+    value = request.headers.get(cfg.header_name)
+    if value is None or not value.startswith(cfg.key_prefix):
+        return False
+    key = value[len(cfg.key_prefix):].encode()
+    return any([hmac.compare_digest(key, valid.encode()) for valid in cfg.valid_keys])
+
+
+@bp.get("/instances", ctx_plane=MGMT)
+async def instances(request: Request):
+    if not _authorized(request):
+        return json({"status": "failed", "message": "missing or invalid management key"}, status=401)
+    ctx = request.app.ctx
+    view = ctx.registry.view()
+    out = []
+    for iid, inst in view.instances.items():
+        endpoints = []
+        for t in (t for t in view.targets if t.instance_id == iid):
+            requests, prompt_tokens, decode_tokens, prefilling = ctx.ledger.load(t.slot)
+            running, waiting, kv_usage = ctx.health.engine_load(t.slot)
+            endpoints.append(
+                {
+                    "id": t.endpoint_id,
+                    "address": t.address,
+                    "healthy": ctx.health.is_healthy(t.slot),
+                    "breaker": ctx.health.breaker(t.slot),
+                    "load": {
+                        "inflight_requests": requests,
+                        "inflight_prompt_tokens": prompt_tokens,
+                        "inflight_decode_tokens": decode_tokens,
+                        "prefilling_requests": prefilling,
+                        "engine_running": running,
+                        "engine_waiting": waiting,
+                        "engine_kv_cache_usage": kv_usage,
+                    },
+                }
+            )
+        out.append(
+            {
+                **inst.to_json(),
+                "paused": iid in view.paused,
+                "healthy": any(e["healthy"] for e in endpoints),
+                "endpoints": endpoints,
+            }
+        )
+    return json({"version": view.version, "instances": out})
+
+
+@bp.post("/instances/refresh", ctx_plane=MGMT)
+async def refresh(request: Request):
+    if not _authorized(request):
+        return _refused(401, "missing or invalid management key")
+    raw = request.body or b""
+    if len(raw) > MAX_REFRESH_BYTES:
+        return _refused(413, f"body exceeds {MAX_REFRESH_BYTES} bytes")
+    try:
+        body = ujson.loads(raw)
+    except ValueError as e:
+        return _refused(400, f"body is not valid JSON: {e}")
+    event = body.get("event") if isinstance(body, dict) else None
+    try:
+        event, items = parse_refresh_body(body)
+        count = request.app.ctx.registry.apply(event, items)
+    except RefreshError as e:
+        return _refused(e.status, str(e), event)
+    return json(
+        {
+            "request_id": "refresh_request",
+            "status": "success",
+            "message": f"{event} applied to {count} instances",
+            "data": {"event_type": event, "instance_count": count},
+        }
+    )

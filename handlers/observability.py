@@ -1,0 +1,18 @@
+"""Observability port: GET /health and GET /metrics (Prometheus text, summed across workers)."""
+
+from sanic import Blueprint, HTTPResponse, Request, json
+
+from handlers.common import OBS
+
+bp = Blueprint("observability")
+
+
+@bp.get("/health", ctx_plane=OBS)
+async def health(request: Request):
+    return json({"status": "ok"})
+
+
+@bp.get("/metrics", ctx_plane=OBS)
+async def metrics(request: Request):
+    body, content_type = request.app.ctx.observer.exposition()
+    return HTTPResponse(body, content_type=content_type)

@@ -1,0 +1,19 @@
+"""OpenAI-compatible inference routes: /v1/chat/completions and /v1/completions."""
+
+from sanic import Blueprint, Request
+
+from errors import OPENAI
+from handlers.common import INFER, serve_inference
+from serving.job import CHAT, COMPLETIONS
+
+bp = Blueprint("openai")
+
+
+@bp.post(CHAT, ctx_plane=INFER)
+async def chat_completions(request: Request):
+    return await serve_inference(request, CHAT, OPENAI)
+
+
+@bp.post(COMPLETIONS, ctx_plane=INFER)
+async def completions(request: Request):
+    return await serve_inference(request, COMPLETIONS, OPENAI)

@@ -1,0 +1,62 @@
+"""Background work done by one worker for all: active health checks and engine /metrics scraping.
+
+Results land in the shared health table, so every worker routes by them. A failed health check marks
+the endpoint unhealthy at once; a passing one marks it healthy again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from config import Settings
+from engines import EngineClient
+from errors import UpstreamError
+from scheduling.health import Health
+from scheduling.registry import Registry, Target
+from scheduling.scrape import parse_engine_metrics
+
+log = logging.getLogger("coordinator.background")
+
+
+class Background:
+    def __init__(self, settings: Settings, registry: Registry, health: Health, client: EngineClient):
+        self.s, self.registry, self.health, self.client = settings, registry, health, client
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self.tasks = [
+            asyncio.create_task(self._every(self.s.health_check_interval_s, self._check)),
+            asyncio.create_task(self._every(self.s.metrics_scrape_interval_s, self._scrape)),
+        ]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _every(self, interval_s: float, job) -> None:
+        while True:
+            targets = self.registry.view().targets
+            await asyncio.gather(*(job(t) for t in targets), return_exceptions=True)
+            await asyncio.sleep(interval_s)
+
+    async def _check(self, t: Target) -> None:
+        try:
+            status, _ = await self.client.get(t.url + "/health", timeout_s=max(1.0, self.s.health_check_interval_s))
+            healthy = status == 200
+        except UpstreamError:
+            healthy = False
+        if healthy != self.health.is_healthy(t.slot):
+            log.warning("instance %d endpoint %s is now %s", t.instance_id, t.address, "healthy" if healthy else "unhealthy")
+        self.health.set_healthy(t.slot, healthy)
+
+    async def _scrape(self, t: Target) -> None:
+        try:
+            status, body = await self.client.get(t.url + "/metrics", timeout_s=max(1.0, self.s.metrics_scrape_interval_s))
+        except UpstreamError:
+            return
+        if status != 200:
+            return
+        m = parse_engine_metrics(body.decode("utf-8", "replace"))
+        self.health.set_engine_load(t.slot, m.get("running", 0.0), m.get("waiting", 0.0), m.get("kv_usage", 0.0))

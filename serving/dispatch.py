@@ -1,0 +1,346 @@
+"""The flows of one inference request: whole (one engine), PD handoff, PD trigger; retries and fallback.
+
+Retries happen only before the first byte reaches the client: connect errors, timeouts before the
+first byte, and engine 408/429/5xx, each attempt with a fresh engine request id and on another instance
+when one exists, backing off from `retry_delay`. After the first byte an error becomes one SSE error
+event. Leases on the ledger are released in `finally`, so cancellation (a client disconnect: Sanic
+cancels the handler) and errors both give the capacity back; the upstream `async with` blocks close the
+engine connections, which aborts the engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Protocol, TypeVar
+
+import ujson
+
+from config import Settings
+from engines import EngineClient
+from errors import (
+    ANTHROPIC,
+    EngineStatusError,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    ServiceUnavailable,
+    UpstreamError,
+    UpstreamProtocolError,
+)
+from scheduling.health import Health
+from scheduling.ledger import Ledger
+from scheduling.policies import JobInfo
+from scheduling.registry import Target
+from scheduling.scheduler import NoCapacity, Plan, Scheduler
+from serving.job import COUNT_TOKENS, MESSAGES, Job
+from serving.legs import PREFILL_TICKET, decode_leg, dumps, prefill_body, prefill_leg
+from serving.observe import Observer, RequestRecord
+from serving.usage import EventSplitter, fix_event, fix_response, prefill_usage
+
+T = TypeVar("T")
+log = logging.getLogger("coordinator.serving")
+
+_PROMPT_TOO_LONG = (b"maximum context length", b"prompt is too long", b"too long")
+
+
+class Sink(Protocol):
+    """Where the client's answer goes; implemented by the HTTP handler."""
+
+    started: bool
+
+    async def json(self, status: int, body: bytes) -> None: ...
+
+    async def start_stream(self) -> None: ...
+
+    async def send(self, data: bytes) -> None: ...
+
+
+class Dispatcher:
+    def __init__(
+        self, settings: Settings, scheduler: Scheduler, ledger: Ledger, health: Health, client: EngineClient, observer: Observer
+    ):
+        self.s = settings
+        self.scheduler, self.ledger, self.health, self.client, self.obs = scheduler, ledger, health, client, observer
+
+    # -- entry points ----------------------------------------------------------------------------
+
+    def job_info(self, job: Job) -> JobInfo:
+        model = self.s.model(job.model)
+        view = self.scheduler.registry.view()
+        if model is None and job.model not in view.models():
+            raise NotFound(f"The model `{job.model}` does not exist.", param="model")
+        return JobInfo(
+            model=job.model,
+            prompt_tokens=job.prompt_tokens,
+            max_tokens=job.max_tokens,
+            slo_ttft_ms=job.slo_ttft_ms or (model.slo_ttft_ms if model else 1000),
+            slo_tpot_ms=job.slo_tpot_ms or (model.slo_tpot_ms if model else 50),
+        )
+
+    async def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> None:
+        info = self.job_info(job)
+        if job.route in (MESSAGES, COUNT_TOKENS):
+            self._require_vllm(job)
+        if job.route == COUNT_TOKENS:
+            await self._count_tokens(job, info, sink, rec)
+            return
+        if job.metaserver is not None:
+            await self._metaserver(job, info, sink, rec)
+            return
+        plan = self._plan(info, frozenset())
+        if plan.disaggregated:
+            if self.s.pd_dispatch == "trigger":
+                await self._trigger(job, info, plan, sink, rec)
+            else:
+                await self._handoff(job, info, plan, sink, rec)
+        else:
+            await self._whole(job, info, plan.target, sink, rec)
+
+    # -- planning and retries --------------------------------------------------------------------
+
+    def _require_vllm(self, job: Job) -> None:
+        view = self.scheduler.registry.view()
+        kinds = {t.engine_type for t in view.targets if t.model == job.model}
+        model = self.s.model(job.model)
+        if (model and model.engine_type != "vllm") or (kinds and "vllm" not in kinds):
+            raise InvalidRequest(
+                f"model `{job.model}` is not served by vLLM engines; /v1/messages is available only with vLLM backends"
+            )
+
+    def _plan(self, info: JobInfo, exclude: frozenset[int]) -> Plan:
+        try:
+            return self.scheduler.plan(info, exclude)
+        except NoCapacity as e:
+            raise ServiceUnavailable(str(e)) from None
+
+    def _record(self, target: Target, err: Exception | None) -> None:
+        """Feed the breaker: transport errors and 5xx count, 4xx and prompt-too-long do not."""
+        if err is None:
+            self.health.record_success(target.slot)
+        elif isinstance(err, EngineStatusError):
+            if err.status >= 500 and not any(m in err.body for m in _PROMPT_TOO_LONG):
+                self.health.record_failure(target.slot)
+            else:
+                self.health.record_success(target.slot)
+        elif isinstance(err, UpstreamError):
+            self.health.record_failure(target.slot)
+
+    async def _attempts(
+        self,
+        job: Job,
+        sink: Sink,
+        rec: RequestRecord,
+        first: Target,
+        repick: Callable[[frozenset[int]], Target],
+        call: Callable[[Target, str], Awaitable[T]],
+    ) -> T:
+        target, attempt, exclude = first, 0, set()
+        while True:
+            rid = job.request_id if attempt == 0 else f"{job.request_id}-{attempt}"
+            try:
+                result = await call(target, rid)
+            except UpstreamError as e:
+                self._record(target, e)
+                if not e.retryable or sink.started or attempt >= self.s.max_retry:
+                    raise
+                attempt += 1
+                rec.retries += 1
+                self.obs.retry(job, target, e)
+                exclude.add(target.slot)
+                await asyncio.sleep(self.s.retry_delay_s * (2 ** (attempt - 1)))
+                try:
+                    target = repick(frozenset(exclude))
+                except NoCapacity:
+                    try:  # no other instance: the same one again
+                        target = repick(frozenset())
+                    except NoCapacity:
+                        raise e from None
+                continue
+            self._record(target, None)
+            return result
+
+    # -- whole requests --------------------------------------------------------------------------
+
+    async def _whole(
+        self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, retry: bool = True
+    ) -> None:
+        def repick(exclude: frozenset[int]) -> Target:
+            return self.scheduler.plan(info, exclude, allow_pd=False).target if retry else target
+
+        async def call(t: Target, rid: str) -> None:
+            rec.target = t
+            lease = self.ledger.lease(t.slot, job.prompt_tokens, job.max_tokens)
+            try:
+                if job.stream:
+                    async with self.client.stream(t.url + job.route, job.raw, rid) as es:
+                        async for chunk in es.chunks():
+                            if not sink.started:
+                                lease.prefill_done()
+                                rec.first_token()
+                                await sink.start_stream()
+                            await sink.send(chunk)
+                else:
+                    _, data = await self.client.post(t.url + job.route, job.raw, rid, timeout_s=self.s.infer_timeout_s)
+                    rec.first_token()
+                    await sink.json(200, data)
+            finally:
+                lease.release()
+
+        await self._attempts(job, sink, rec, target, repick, call)
+
+    async def _count_tokens(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
+        roles = ("union", "prefill", "decode")
+
+        def repick(exclude: frozenset[int]) -> Target:
+            return self.scheduler.pick_one(job.model, info, roles, exclude)
+
+        async def call(t: Target, rid: str) -> None:
+            rec.target = t
+            _, data = await self.client.post(t.url + job.route, job.raw, rid, timeout_s=self.s.first_token_timeout_s)
+            await sink.json(200, data)
+
+        try:
+            first = repick(frozenset())
+        except NoCapacity as e:
+            raise ServiceUnavailable(str(e)) from None
+        await self._attempts(job, sink, rec, first, repick, call)
+
+    # -- disaggregated: handoff ------------------------------------------------------------------
+
+    async def _prefill(self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes) -> dict:
+        """Run the prefill leg (with retries on other prefill instances); returns P's parsed response."""
+
+        def repick(exclude: frozenset[int]) -> Target:
+            plan = self.scheduler.plan(info, exclude)
+            if plan.prefill is None:
+                raise NoCapacity("no prefill instance left")
+            return plan.prefill
+
+        async def call(t: Target, rid: str) -> dict:
+            rec.prefill = t
+            lease = self.ledger.lease(t.slot, job.prompt_tokens, 1)
+            started = time.monotonic()
+            try:
+                _, data = await self.client.post(t.url + job.route, body, rid, timeout_s=self.s.first_token_timeout_s)
+            finally:
+                lease.release()
+            rec.prefill_s = time.monotonic() - started
+            try:
+                resp = ujson.loads(data)
+            except ValueError:
+                raise UpstreamProtocolError(f"prefill engine {t.url} answered invalid JSON") from None
+            if not isinstance(resp, dict):
+                raise UpstreamProtocolError(f"prefill engine {t.url} answered a non-object")
+            return resp
+
+        return await self._attempts(job, sink, rec, target, repick, call)
+
+    async def _decode(
+        self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes, p_usage: dict | None
+    ) -> None:
+        anthropic = job.api == ANTHROPIC
+
+        def repick(exclude: frozenset[int]) -> Target:
+            plan = self.scheduler.plan(info, exclude)
+            return plan.target
+
+        async def call(t: Target, rid: str) -> None:
+            rec.target = t
+            lease = self.ledger.lease(t.slot, 0, job.max_tokens, prefilling=False)
+            started = time.monotonic()
+            try:
+                if job.stream:
+                    splitter = EventSplitter()
+                    async with self.client.stream(t.url + job.route, body, rid) as es:
+                        async for chunk in es.chunks():
+                            if not sink.started:
+                                rec.first_token()
+                                await sink.start_stream()
+                            events = splitter.feed(chunk)
+                            if events:
+                                await sink.send(b"".join(fix_event(e, p_usage, anthropic) + b"\n\n" for e in events))
+                        if splitter.tail.strip():
+                            await sink.send(fix_event(splitter.tail, p_usage, anthropic) + b"\n\n")
+                else:
+                    _, data = await self.client.post(t.url + job.route, body, rid, timeout_s=self.s.infer_timeout_s)
+                    rec.first_token()
+                    try:
+                        resp = ujson.loads(data)
+                    except ValueError:
+                        raise UpstreamProtocolError(f"decode engine {t.url} answered invalid JSON") from None
+                    await sink.json(200, dumps(fix_response(resp, p_usage, anthropic)) if isinstance(resp, dict) else data)
+            finally:
+                lease.release()
+                rec.decode_s = time.monotonic() - started
+
+        await self._attempts(job, sink, rec, target, repick, call)
+
+    async def _handoff(self, job: Job, info: JobInfo, plan: Plan, sink: Sink, rec: RequestRecord) -> None:
+        p_resp = await self._prefill(job, info, plan.prefill, sink, rec, prefill_leg(job))
+        ticket = p_resp.get("kv_transfer_params")
+        if not isinstance(ticket, dict):
+            ticket = None
+            rec.missed_handoff = True
+            self.obs.missed_handoff(job, rec)
+        await self._decode(job, info, plan.target, sink, rec, decode_leg(job, ticket), prefill_usage(p_resp))
+
+    # -- disaggregated: trigger ------------------------------------------------------------------
+
+    async def _trigger(self, job: Job, info: JobInfo, plan: Plan, sink: Sink, rec: RequestRecord) -> None:
+        """D first: D asks this Coordinator's /v1/metaserver for the prefill on the P named here."""
+        p = plan.prefill
+        host, _, port = p.address.split("://", 1)[-1].rpartition(":")
+        ticket = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "request_id": job.request_id,
+            "remote_engine_id": str(p.instance_id),
+            "remote_host": host,
+            "remote_port": port,
+            "metaserver": self.metaserver_url,
+        }
+        rec.prefill = p
+        await self._decode(job, info, plan.target, sink, rec, decode_leg(job, ticket), None)
+
+    async def _metaserver(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
+        """Forward an engine's metaserver call to the registered instance it names, or one the scheduler picks."""
+        ktp = job.metaserver
+        role = "prefill" if ktp.get("do_remote_prefill") else "decode"
+        target = self._named_target(job.model, role, ktp)
+        if target is None:
+            try:
+                target = self.scheduler.pick_one(job.model, info, (role, "union"))
+            except NoCapacity as e:
+                raise ServiceUnavailable(str(e)) from None
+        if role == "prefill":
+            ticket = {**PREFILL_TICKET, "request_id": job.request_id}
+            job.body = prefill_body(job, ticket)
+            job.stream = False
+            job.raw = dumps(job.body)
+        await self._whole(job, info, target, sink, rec, retry=False)
+
+    def _named_target(self, model: str, role: str, ktp: dict) -> Target | None:
+        host, port, engine_id = ktp.get("remote_host"), ktp.get("remote_port"), ktp.get("remote_engine_id")
+        if host in (None, "") and engine_id in (None, ""):
+            return None
+        view = self.scheduler.registry.view()
+        allowed = [t for t in view.targets if t.model == model and t.role in (role, "union")]
+        for t in allowed:
+            if host not in (None, "") and t.address.split("://", 1)[-1] == f"{host}:{port}":
+                return t
+        for t in allowed:
+            t_host = t.address.split("://", 1)[-1].rpartition(":")[0]
+            if engine_id not in (None, "") and str(t.instance_id) == str(engine_id) and host in (None, "", t_host):
+                return t
+        raise Forbidden(
+            f"metaserver target {host}:{port} (engine {engine_id}) is not a registered {role} instance of model {model!r}"
+        )
+
+    @property
+    def metaserver_url(self) -> str:
+        host = self.s.host if self.s.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        scheme = "https" if self.s.infer_tls.enable_tls else "http"
+        return f"{scheme}://{host}:{self.s.infer_port}/v1/metaserver"
+

@@ -1,0 +1,151 @@
+"""One inference request as the Coordinator sees it: the parsed body, its route and what routing needs.
+
+Validation here is what routing and the prefill-leg rewrite need, and what the spec marks required;
+everything else is the engine's to judge (unknown fields pass through untouched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ujson
+
+from errors import InvalidRequest
+from scheduling.tokens import estimate_chat_tokens, estimate_messages_tokens, estimate_prompt_tokens
+
+CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"
+METASERVER = "/v1/metaserver"
+
+
+@dataclass
+class Job:
+    route: str  # one of the paths above
+    api: str  # errors.OPENAI or errors.ANTHROPIC
+    raw: bytes  # the client's body, forwarded as is when nothing changes
+    body: dict
+    model: str
+    stream: bool
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
+    metaserver: dict | None = None  # the PD control object of a /v1/metaserver call
+
+    @property
+    def include_usage(self) -> bool:
+        opts = self.body.get("stream_options")
+        return isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+
+def parse_body(raw: bytes) -> dict:
+    if not raw:
+        raise InvalidRequest("request body is empty: expected a JSON object")
+    try:
+        body = ujson.loads(raw)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
+    return model
+
+
+def _stream(body: dict) -> bool:
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    return stream
+
+
+def _max_tokens(body: dict, *keys: str, required: bool = False) -> int:
+    for key in keys:
+        v = body.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidRequest(f"'{key}' must be a positive integer", param=key)
+        return v
+    if required:
+        raise InvalidRequest(f"'{keys[0]}' is required and must be a positive integer", param=keys[0])
+    return 256
+
+
+def _messages(body: dict, roles: tuple[str, ...] | None, allow_empty: bool = False) -> list:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or (not messages and not allow_empty):
+        raise InvalidRequest("'messages' is required and must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content'", param=f"messages[{i}]")
+        role = m.get("role")
+        if not isinstance(role, str) or (roles is not None and role not in roles):
+            allowed = f" ({', '.join(roles)})" if roles else ""
+            raise InvalidRequest(f"messages[{i}].role must be a valid role{allowed}", param=f"messages[{i}].role")
+        if "content" not in m and not (role == "assistant" and m.get("tool_calls")):
+            raise InvalidRequest(f"messages[{i}].content is required", param=f"messages[{i}].content")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content")
+    return messages
+
+
+OPENAI_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+ANTHROPIC_ROLES = ("user", "assistant")
+
+
+def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str) -> Job:
+    model = _model(body)
+    if route == METASERVER:
+        return _metaserver_job(raw, body)
+    if route == CHAT:
+        stream = _stream(body)
+        prompt_tokens = estimate_chat_tokens(_messages(body, OPENAI_ROLES), body.get("tools"))
+        max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    elif route == COMPLETIONS:
+        stream = _stream(body)
+        if "prompt" not in body or body["prompt"] is None:
+            raise InvalidRequest("'prompt' is required", param="prompt")
+        prompt = body["prompt"]
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+            raise InvalidRequest("'prompt' must be a string, a list of strings or a list of token ids", param="prompt")
+        prompt_tokens = estimate_prompt_tokens(prompt)
+        max_tokens = _max_tokens(body, "max_tokens")
+    elif route == MESSAGES:
+        stream = _stream(body)
+        max_tokens = _max_tokens(body, "max_tokens", required=True)
+        prompt_tokens = estimate_messages_tokens(_messages(body, ANTHROPIC_ROLES), body.get("system"), body.get("tools"))
+    else:  # count_tokens
+        stream = False
+        max_tokens = 0
+        prompt_tokens = estimate_messages_tokens(_messages(body, ANTHROPIC_ROLES), body.get("system"), body.get("tools"))
+    return Job(route, api, raw, body, model, stream, request_id, prompt_tokens, max_tokens)
+
+
+def _metaserver_job(raw: bytes, body: dict) -> Job:
+    """A metaserver call is a chat or completions request plus the PD control object."""
+    ktp = body.get("kv_transfer_params")
+    if not isinstance(ktp, dict):
+        raise InvalidRequest("'kv_transfer_params' is required and must be an object", param="kv_transfer_params")
+    rid = ktp.get("request_id")
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequest("'kv_transfer_params.request_id' is required", param="kv_transfer_params.request_id")
+    if bool(ktp.get("do_remote_prefill")) == bool(ktp.get("do_remote_decode")):
+        raise InvalidRequest(
+            "exactly one of kv_transfer_params.do_remote_prefill and do_remote_decode must be true",
+            param="kv_transfer_params",
+        )
+    route = CHAT if "messages" in body else COMPLETIONS if "prompt" in body else None
+    if route is None:
+        raise InvalidRequest("one of 'messages' or 'prompt' is required", param="messages")
+    job = job_from_body(route, "openai", raw, body, rid)
+    job.metaserver = ktp
+    return job

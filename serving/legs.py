@@ -1,0 +1,60 @@
+"""The prefill and decode legs of a disaggregated request (vLLM NixlConnector protocol).
+
+The prefill leg must finish *because of the length cap*, or vLLM returns no `kv_transfer_params` and D
+silently recomputes the prompt: one token, `ignore_eos`, no stop conditions, no `min_tokens`, `n` 1,
+non-streaming, no `stream_options`. The decode leg is the client's own body plus P's ticket, unchanged.
+"""
+
+from __future__ import annotations
+
+import ujson
+
+from serving.job import MESSAGES, Job
+
+PREFILL_TICKET = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+_OPENAI_DROPPED = ("stream_options", "min_tokens", "stop", "stop_token_ids", "kv_transfer_params")
+_ANTHROPIC_DROPPED = ("stop_sequences", "kv_transfer_params")
+
+
+def dumps(obj: object) -> bytes:
+    return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode()
+
+
+def prefill_body(job: Job, ticket: dict | None = None) -> dict:
+    body = dict(job.body)
+    if job.route == MESSAGES:
+        for key in _ANTHROPIC_DROPPED:
+            body.pop(key, None)
+    else:
+        for key in _OPENAI_DROPPED:
+            body.pop(key, None)
+        body["ignore_eos"] = True
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        if "n" in body:
+            body["n"] = 1
+    body["stream"] = False
+    body["max_tokens"] = 1
+    body["kv_transfer_params"] = dict(PREFILL_TICKET) if ticket is None else ticket
+    return body
+
+
+def prefill_leg(job: Job) -> bytes:
+    return dumps(prefill_body(job))
+
+
+def decode_leg(job: Job, ticket: dict | None) -> bytes:
+    body = dict(job.body)
+    if ticket is None:
+        body.pop("kv_transfer_params", None)
+    else:
+        body["kv_transfer_params"] = ticket
+    return dumps(body)

@@ -1,0 +1,88 @@
+"""Usage fix-up for disaggregated requests and the SSE event splitter that finds the usage event.
+
+D reports the transferred prompt as cached tokens, so the client's usage takes the prompt and cached
+counts from P and the completion count from D, totals recomputed. Only the events that carry usage (or
+a ticket to strip) are parsed; every other byte is relayed as it came.
+"""
+
+from __future__ import annotations
+
+import ujson
+
+from serving.legs import dumps
+
+_USAGE_MARKS = (b'"usage":{', b'"usage": {')
+_TICKET_MARKS = (b'"kv_transfer_params":{', b'"kv_transfer_params": {')
+
+
+def prefill_usage(p_response: dict) -> dict | None:
+    usage = p_response.get("usage")
+    return usage if isinstance(usage, dict) else None
+
+
+def fix_openai_usage(usage: dict, p_usage: dict | None) -> None:
+    if not p_usage:
+        return
+    prompt = p_usage.get("prompt_tokens")
+    if isinstance(prompt, int):
+        usage["prompt_tokens"] = prompt
+    p_details = p_usage.get("prompt_tokens_details") or {}
+    cached = p_details.get("cached_tokens") if isinstance(p_details, dict) else None
+    if isinstance(usage.get("prompt_tokens_details"), dict) or cached is not None:
+        usage["prompt_tokens_details"] = {**(usage.get("prompt_tokens_details") or {}), "cached_tokens": cached or 0}
+    completion = usage.get("completion_tokens") or 0
+    usage["total_tokens"] = usage.get("prompt_tokens", 0) + completion
+
+
+def fix_anthropic_usage(usage: dict, p_usage: dict | None) -> None:
+    if not p_usage:
+        return
+    for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+        if key in p_usage and key in usage:
+            usage[key] = p_usage[key]
+
+
+def fix_response(obj: dict, p_usage: dict | None, anthropic: bool) -> dict:
+    """A decode response (JSON body or one SSE event's data) made fit for the client."""
+    obj.pop("kv_transfer_params", None)
+    usage = obj.get("usage")
+    if anthropic and isinstance(obj.get("message"), dict):  # message_start nests the message
+        obj["message"].pop("kv_transfer_params", None)
+        usage = obj["message"].get("usage")
+    if isinstance(usage, dict):
+        (fix_anthropic_usage if anthropic else fix_openai_usage)(usage, p_usage)
+    return obj
+
+
+def fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
+    """One complete SSE event (without its blank-line terminator); untouched unless it carries usage or a ticket."""
+    if not any(m in event for m in _USAGE_MARKS) and not any(m in event for m in _TICKET_MARKS):
+        return event
+    lines = event.split(b"\n")
+    for i, line in enumerate(lines):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            try:
+                obj = ujson.loads(payload)
+            except ValueError:
+                return event
+            if isinstance(obj, dict):
+                lines[i] = b"data: " + dumps(fix_response(obj, p_usage, anthropic))
+    return b"\n".join(lines)
+
+
+class EventSplitter:
+    """Cuts a byte stream into complete SSE events, keeping a partial tail for the next chunk."""
+
+    __slots__ = ("tail",)
+
+    def __init__(self) -> None:
+        self.tail = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        data = self.tail + chunk if self.tail else chunk
+        if b"\r\n" in data:
+            data = data.replace(b"\r\n", b"\n")
+        parts = data.split(b"\n\n")
+        self.tail = parts.pop()
+        return parts
