@@ -516,3 +516,34 @@ def test_zero_latency_and_cli_free_port():
         assert time.perf_counter() - t0 < 5
         assert h.stats()["completed"] == 20
         assert h.address == f"127.0.0.1:{h.port}" and h.port > 0
+
+
+def test_abort_non_streaming_and_kv_pressure(fresh):
+    # a non-streaming request whose client gives up is aborted in the engine too
+    h = fresh(role="prefill", speedup=1, prefill_tokens_per_s=2000)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(h.url + "/v1/completions", timeout=0.2, headers={"X-Request-Id": "nb"},
+                   json={"model": "m", "prompt": "z" * 20000, "max_tokens": 1,
+                         "kv_transfer_params": PREFILL_KVP})
+    deadline = time.time() + 5
+    while time.time() < deadline and h.stats()["aborted"] == 0:
+        time.sleep(0.02)
+    s = h.stats()
+    assert s["aborted_request_ids"] == ["nb"] and s["held_kv_tickets"] == 0
+    # held KV blocks admission: capacity for one prompt only
+    p = fresh(role="prefill", kv_capacity_tokens=512)
+    body = {"model": "m", "prompt": "q" * 1200, "max_tokens": 1, "kv_transfer_params": PREFILL_KVP}
+    kvp = httpx.post(p.url + "/v1/completions", json=body).json()["kv_transfer_params"]
+    assert 0.5 < p.stats()["kv_cache_usage_perc"] <= 1.0
+    out = []
+    t = threading.Thread(target=lambda: out.append(httpx.post(
+        p.url + "/v1/completions", timeout=10, json=dict(body, prompt="r" * 1200)).json()))
+    t.start()
+    deadline = time.time() + 3
+    while time.time() < deadline and p.stats()["waiting"] == 0:
+        time.sleep(0.01)
+    assert p.stats()["waiting"] == 1 and not out
+    httpx.post(p.url + "/sim/kv/pull", json={"remote_request_id": kvp["remote_request_id"],
+                                             "remote_engine_id": p.engine_id})
+    t.join(5)
+    assert out and out[0]["kv_transfer_params"]["do_remote_prefill"] is True
