@@ -1,0 +1,163 @@
+"""Test support: start the Coordinator as a real process on loopback ports and talk to it.
+
+`Coordinator` runs `python app.py --config FILE` (the same entry point users run) with free ports,
+waits for its management probes, and stops it with SIGTERM only after it is ready (sanic #2997).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import closing
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def instance(iid: int, role: str, model: str, *addresses: str, **extra) -> dict:
+    return {
+        "id": iid,
+        "role": role,
+        "model_name": model,
+        "endpoints": [{"id": i, "address": a} for i, a in enumerate(addresses)],
+        **extra,
+    }
+
+
+def coordinator_config(instances: list[dict], models: list[dict] | None = None, **sections) -> dict:
+    """A motor_coordinator_config object; `sections` override whole sections (api_key_config=...)."""
+    cfg = {
+        "api_config": {
+            "coordinator_api_host": "127.0.0.1",
+            "coordinator_api_infer_port": free_port(),
+            "coordinator_api_mgmt_port": free_port(),
+            "coordinator_obs_port": free_port(),
+        },
+        "inference_workers_config": {"num_workers": 1},
+        "scheduler_config": {"health_check_interval": 0.2, "metrics_scrape_interval": 0.2},
+        "exception_config": {"retry_delay": 0.01},
+        "log_config": {"log_level": "INFO"},
+        "models": models if models is not None else [],
+        "instances": instances,
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    return cfg
+
+
+class Coordinator:
+    """A running `python app.py` process."""
+
+    def __init__(self, config: dict, workers: int | None = None, wrap: bool = True, env: dict | None = None):
+        self.config = config
+        api = config["api_config"]
+        self.host = api["coordinator_api_host"]
+        self.infer_port = api["coordinator_api_infer_port"]
+        self.mgmt_port = api["coordinator_api_mgmt_port"]
+        self.obs_port = api["coordinator_obs_port"]
+        fd, self.config_path = tempfile.mkstemp(suffix=".json", prefix="motor-test-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"motor_coordinator_config": config} if wrap else config, f)
+        self.log_path = self.config_path + ".log"
+        args = [sys.executable, os.path.join(ROOT, "app.py"), "--config", self.config_path]
+        if workers is not None:
+            args += ["--workers", str(workers)]
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        try:
+            self.wait_ready()
+        except Exception:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.infer_port}"
+
+    @property
+    def mgmt(self) -> str:
+        return f"http://{self.host}:{self.mgmt_port}"
+
+    @property
+    def obs(self) -> str:
+        return f"http://{self.host}:{self.obs_port}"
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        workers = self.config.get("inference_workers_config", {}).get("num_workers", 1)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                r = httpx.get(self.mgmt + "/readiness", timeout=1.0)
+                # Every worker must be up before SIGTERM is safe; Sanic logs each one as ready.
+                if r.status_code == 200 and self.output().count("Worker ready") >= workers:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"coordinator not ready in {timeout_s}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+
+    def refresh(self, event: str, instances: list) -> httpx.Response:
+        return httpx.post(self.mgmt + "/instances/refresh", json={"event": event, "instances": instances}, timeout=5)
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.log.close()
+        for path in (self.config_path, self.log_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        return self.proc.returncode
+
+    def __enter__(self) -> "Coordinator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def sse_events(raw: bytes | str) -> list[str]:
+    """The data payloads of an SSE body, in order."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+
+
+def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
