@@ -33,6 +33,8 @@ class SimConfig:
     kv_transfer_tokens_per_s: float = 1_000_000.0   # simulated NIXL pull bandwidth
     prefix_cache_blocks: int = 0        # LRU bound; 0 = kv_capacity_tokens // block_size
     faults: Dict[str, Any] = field(default_factory=dict)
+    # Extra fields merged into issued tickets: newer vLLM versions add fields a gateway must relay unchanged.
+    ticket_extra: Dict[str, Any] = field(default_factory=dict)
     log_level: str = "WARNING"
 
     def __post_init__(self):

@@ -125,7 +125,7 @@ class Engine:
             received=0, completed=0, aborted=0, failed=0, held_kv_tickets=0, kv_pulled=0,
             kv_released=0, kv_expired=0, recomputes=0, remote_kv_hits=0,
             remote_kv_unreachable=0, prefix_cache_hit_tokens=0, prompt_tokens=0,
-            generation_tokens=0, tickets_issued=0, prefill_without_ticket=0,
+            generation_tokens=0, tickets_issued=0, prefill_without_ticket=0, metaserver_calls=0,
         )
         self.aborted_ids: List[str] = []
         self.ttft = Histogram(LAT_BUCKETS)

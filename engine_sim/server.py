@@ -609,6 +609,8 @@ class SimServer:
         """Returns the number of prompt tokens obtained from P (0 = recompute)."""
         kvp = req["kvp"]
         eng = self.engine
+        if kvp.get("metaserver") and not kvp.get("remote_request_id"):
+            kvp = await self._trigger_prefill(req, kvp)
         host, port = kvp.get("remote_host"), kvp.get("remote_port")
         rid = kvp.get("remote_request_id")
         if not host or not port or not rid:
@@ -635,6 +637,29 @@ class SimServer:
         eng.xfer.observe(time.monotonic() - t0)
         eng.stats["remote_kv_hits"] += 1
         return n
+
+    async def _trigger_prefill(self, req, kvp: dict) -> dict:
+        """Trigger mode: ask the gateway's metaserver for the prefill; returns P's ticket ({} = none)."""
+        body = {k: v for k, v in req["body"].items() if k in ("model", "messages", "prompt")}
+        body["stream"] = False
+        body["kv_transfer_params"] = {
+            "request_id": kvp.get("request_id") or req["id"],
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": kvp.get("remote_engine_id"),
+            "remote_host": kvp.get("remote_host"), "remote_port": kvp.get("remote_port"),
+        }
+        try:
+            async with self.session.post(kvp["metaserver"], json=body) as r:
+                data = await r.json(content_type=None) if r.status == 200 else None
+                status = r.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            raise ApiError(500, f"metaserver {kvp['metaserver']} failed: {type(e).__name__}",
+                           "InternalServerError")
+        self.engine.stats["metaserver_calls"] += 1
+        if status != 200 or not isinstance(data, dict):
+            raise ApiError(500, f"metaserver answered HTTP {status}", "InternalServerError")
+        ticket = data.get("kv_transfer_params")
+        return ticket if isinstance(ticket, dict) else {}
 
     # ------------------------------------------------------------------ run one request
     async def _run(self, request: web.Request, kind: str, req: dict, hdrs: dict):
@@ -693,6 +718,7 @@ class SimServer:
             "remote_port": self.port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
             "remote_num_tokens": req["prompt_tokens"], "remote_blocks_expiry_time": None,
             "transfer_mode": "pull", "remote_prefill_cached_tokens": 0,
+            **self.cfg.ticket_extra,
         }
 
     def _usage(self, req, completion: int) -> dict:

@@ -1,0 +1,272 @@
+"""Prefill/decode disaggregation: handoff legs, ticket relay, usage fix-up, trigger, metaserver, fallback."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL
+from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
+
+# A field a future vLLM might add to its ticket, with a float that a careless re-encoder could change.
+TICKET_EXTRA = {"future_field": {"nested": [1.5, "x", None]}, "remote_blocks_expiry_time": 1764475200.123456}
+
+
+def client(coord) -> openai.OpenAI:
+    return openai.OpenAI(base_url=coord.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def rid(req: dict) -> str | None:
+    return {k.lower(): v for k, v in req["headers"].items()}.get("x-request-id")
+
+
+def legs(p, d, path="/v1/chat/completions"):
+    p_req = [r for r in p.requests() if r["path"] == path][-1]
+    d_req = [r for r in d.requests() if r["path"] == path][-1]
+    return p_req, d_req
+
+
+@pytest.fixture(scope="module")
+def cluster(module_sims):
+    p = module_sims("prefill", ticket_extra=TICKET_EXTRA)
+    d = module_sims("decode")
+    cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)])
+    with Coordinator(cfg) as coord:
+        coord.p, coord.d = p, d
+        yield coord
+
+
+@pytest.fixture
+def fresh(cluster):
+    cluster.p.reset()
+    cluster.d.reset()
+    cluster.p.clear_faults()
+    return cluster
+
+
+def test_prefill_leg_is_length_capped_and_decode_leg_is_the_client_body(fresh):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me"}],
+        "max_completion_tokens": 12,
+        "stop": ["\n\n"],
+        "stop_token_ids": [7],
+        "min_tokens": 2,
+        "n": 1,
+        "temperature": 0.5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "custom_field": [1, 2],
+    }
+    with httpx.stream("POST", fresh.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "pd-rid-1"}, timeout=30) as r:
+        assert r.status_code == 200
+        r.read()
+    p_req, d_req = legs(fresh.p, fresh.d)
+    pb = p_req["body"]
+    assert pb["stream"] is False and "stream_options" not in pb
+    assert pb["max_tokens"] == 1 and pb["max_completion_tokens"] == 1
+    assert pb["ignore_eos"] is True and pb["n"] == 1
+    for dropped in ("stop", "stop_token_ids", "min_tokens"):
+        assert dropped not in pb
+    assert pb["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    }
+    assert pb["messages"] == body["messages"] and pb["custom_field"] == [1, 2] and pb["temperature"] == 0.5
+    db = d_req["body"]
+    ticket = db.pop("kv_transfer_params")
+    assert db == body  # the client's own body, limits and stream options restored
+    assert ticket["do_remote_prefill"] is True and ticket["remote_engine_id"] == fresh.p.engine_id
+    assert ticket["remote_host"] == "127.0.0.1" and ticket["remote_port"] == fresh.p.port
+    # Fields the Coordinator does not know are relayed unchanged, floats included.
+    assert ticket["future_field"] == TICKET_EXTRA["future_field"]
+    assert ticket["remote_blocks_expiry_time"] == TICKET_EXTRA["remote_blocks_expiry_time"]
+    assert repr(ticket["remote_blocks_expiry_time"]) == "1764475200.123456"
+    assert rid(p_req) == rid(d_req) == "pd-rid-1"
+    # The KV really moved: D pulled P's ticket instead of recomputing.
+    assert fresh.p.stats()["kv_pulled"] == 1
+    assert fresh.d.stats()["remote_kv_hits"] == 1 and fresh.d.stats()["recomputes"] == 0
+
+
+def test_ticket_is_relayed_byte_for_byte(fresh):
+    """The ticket D receives is, as JSON text, the exact object P issued (no re-encoding drift)."""
+    client(fresh).completions.create(model=MODEL, prompt="byte for byte", max_tokens=3)
+    _, d_req = legs(fresh.p, fresh.d, "/v1/completions")
+    ticket = d_req["body"]["kv_transfer_params"]
+    issued = {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": fresh.p.engine_id,
+        "remote_host": "127.0.0.1", "remote_port": fresh.p.port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+        "transfer_mode": "pull", "remote_prefill_cached_tokens": 0, **TICKET_EXTRA,
+    }
+    for key, value in issued.items():
+        assert json.dumps(ticket[key]) == json.dumps(value), key
+    assert ticket["remote_request_id"].startswith("cmpl-") and ticket["remote_block_ids"]
+
+
+def test_json_usage_comes_from_both_legs_and_ticket_is_hidden(fresh):
+    c = client(fresh)
+    prompt = [{"role": "user", "content": "usage accounting " * 40}]
+    first = c.chat.completions.create(model=MODEL, messages=prompt, max_tokens=6)
+    raw = first.model_dump()
+    assert "kv_transfer_params" not in raw or raw["kv_transfer_params"] is None
+    assert "kv_transfer_params" not in (first.model_extra or {})
+    p_prompt = fresh.p.stats()["prompt_tokens"]
+    assert first.usage.prompt_tokens == p_prompt
+    # D saw the whole prompt as transferred (cached) KV; the client is billed P's view: nothing cached yet.
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    # Same prompt again: P's prefix cache hits, and that is what the client sees as cached.
+    second = c.chat.completions.create(model=MODEL, messages=prompt, max_tokens=6)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
+def test_raw_json_has_no_ticket_key(fresh):
+    r = httpx.post(fresh.url + "/v1/completions", json={"model": MODEL, "prompt": "hide", "max_tokens": 2})
+    assert r.status_code == 200
+    assert b"kv_transfer_params" not in r.content
+    assert r.headers["x-request-id"]
+
+
+def test_streamed_usage_chunk_is_fixed_up(fresh):
+    stream = client(fresh).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "stream usage " * 30}], max_tokens=5,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert usage.prompt_tokens == fresh.p.stats()["prompt_tokens"]
+    assert usage.prompt_tokens_details.cached_tokens == 0  # D alone would have said the whole prompt
+    assert usage.completion_tokens == sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_completions_stream_through_pd(fresh):
+    with httpx.stream("POST", fresh.url + "/v1/completions", json={"model": MODEL, "prompt": "pd stream", "max_tokens": 4, "stream": True}, timeout=30) as r:
+        events = sse_events(r.read())
+    assert events[-1] == "[DONE]"
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]]
+    assert "".join(texts).strip()
+    assert all("kv_transfer_params" not in e for e in events)
+
+
+def test_decode_stream_is_incremental(sims):
+    p = sims("prefill")
+    d = sims("decode", speedup=1.0, decode_step_ms=50.0)
+    cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)])
+    with Coordinator(cfg) as coord:
+        started, arrivals = time.monotonic(), []
+        with httpx.stream("POST", coord.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "slow"}], "max_tokens": 16, "ignore_eos": True, "stream": True,
+        }) as r:
+            for line in r.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    arrivals.append(time.monotonic() - started)
+        assert len(arrivals) == 16
+        assert arrivals[0] < arrivals[-1] / 2
+
+
+def test_missed_handoff_is_served_and_counted(fresh):
+    fresh.p.set_faults(eos_on_prefill=True)
+    resp = client(fresh).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "eos"}], max_tokens=4)
+    assert resp.choices[0].message.content
+    _, d_req = legs(fresh.p, fresh.d)
+    assert "kv_transfer_params" not in d_req["body"]  # D recomputes the prompt
+    assert fresh.d.stats()["remote_kv_hits"] == 0
+    metrics = httpx.get(fresh.obs + "/metrics").text
+    line = [ln for ln in metrics.splitlines() if ln.startswith("motor_missed_handoffs_total{")]
+    assert line and float(line[0].rsplit(" ", 1)[1]) >= 1
+    assert "missed handoff" in fresh.output()
+
+
+def test_trigger_mode_decode_calls_metaserver(sims):
+    p, d = sims("prefill"), sims("decode")
+    cfg = coordinator_config(
+        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
+        scheduler_config={"pd_dispatch": "trigger"},
+    )
+    with Coordinator(cfg) as coord:
+        for stream in (False, True):
+            p.reset(), d.reset()
+            resp = client(coord).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "trigger me"}], max_tokens=4, stream=stream
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in resp if c.choices) if stream else resp.choices[0].message.content
+            assert text.strip()
+            d_req = [r for r in d.requests() if r["path"] == "/v1/chat/completions"][0]
+            ktp = d_req["body"]["kv_transfer_params"]
+            assert ktp["do_remote_prefill"] is True and ktp["metaserver"] == coord.url + "/v1/metaserver"
+            assert (ktp["remote_host"], ktp["remote_port"]) == ("127.0.0.1", str(p.port))
+            assert d.stats()["metaserver_calls"] == 1
+            p_req = [r for r in p.requests() if r["path"] == "/v1/chat/completions"][0]
+            assert p_req["body"]["max_tokens"] == 1 and p_req["body"]["kv_transfer_params"]["do_remote_decode"] is True
+            assert p.stats()["kv_pulled"] == 1 and d.stats()["remote_kv_hits"] == 1
+
+
+def _meta(coord, ktp: dict, **body):
+    return httpx.post(coord.url + "/v1/metaserver", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "meta"}], "stream": False,
+        "kv_transfer_params": {"request_id": "meta-1", **ktp}, **body,
+    }, timeout=30)
+
+
+def test_metaserver_forwards_to_the_named_registered_instance(fresh):
+    host, port = fresh.p.address.split(":")
+    r = _meta(fresh, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "1", "remote_host": host, "remote_port": port})
+    assert r.status_code == 200
+    assert r.json()["kv_transfer_params"]["remote_engine_id"] == fresh.p.engine_id  # P's answer, passed through
+    p_req = [x for x in fresh.p.requests() if x["path"] == "/v1/chat/completions"][-1]
+    assert rid(p_req) == "meta-1"
+    # Naming nothing: the scheduler picks a decode instance.
+    fresh.d.reset()
+    r = _meta(fresh, {"do_remote_decode": True, "do_remote_prefill": False}, max_tokens=3)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert fresh.d.stats()["received"] == 1
+
+
+def test_metaserver_refuses_unregistered_targets(fresh, sims):
+    stranger = sims("prefill")
+    host, port = stranger.address.split(":")
+    for ktp in (
+        {"do_remote_prefill": True, "remote_host": host, "remote_port": port, "remote_engine_id": "engine-p-0"},
+        {"do_remote_prefill": True, "remote_host": "127.0.0.2", "remote_port": "8000"},
+        {"do_remote_prefill": True, "remote_engine_id": "999"},
+        # A registered address, but of the wrong role.
+        {"do_remote_prefill": True, "remote_host": fresh.d.address.split(":")[0], "remote_port": fresh.d.address.split(":")[1], "remote_engine_id": "2"},
+    ):
+        r = _meta(fresh, ktp)
+        assert r.status_code == 403, ktp
+        assert "not a registered" in r.json()["error"]["message"]
+    assert stranger.stats()["received"] == 0
+
+
+@pytest.mark.parametrize("ktp", [{}, {"do_remote_prefill": True}, {"request_id": "x"}, {"request_id": "x", "do_remote_prefill": True, "do_remote_decode": True}])
+def test_metaserver_rejects_malformed_control_objects(fresh, ktp):
+    r = httpx.post(fresh.url + "/v1/metaserver", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": ktp})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"]
+
+
+def test_fallback_to_whole_requests_when_no_decode_is_healthy(sims):
+    from tests.support import free_port
+
+    p = sims("prefill")
+    dead_decode = f"127.0.0.1:{free_port()}"
+    cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, dead_decode)])
+    with Coordinator(cfg) as coord:
+        assert wait_until(lambda: httpx.get(coord.url + "/v1/models").json()["data"][0]["d_instances_num"] == 0)
+        resp = client(coord).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "fallback"}], max_tokens=5)
+        assert resp.choices[0].message.content
+        p_req = [r for r in p.requests() if r["path"] == "/v1/chat/completions"][-1]
+        assert "kv_transfer_params" not in p_req["body"] and p_req["body"]["max_tokens"] == 5  # served whole
+        # No usable instance at all: a clear 503.
+        assert coord.refresh("set", [instance(2, "decode", MODEL, dead_decode)]).status_code == 200
+        assert wait_until(lambda: httpx.get(coord.mgmt + "/instances").json()["instances"][0]["healthy"] is False)
+        r = httpx.post(coord.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503
+        assert MODEL in r.json()["error"]["message"]
