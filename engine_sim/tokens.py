@@ -21,7 +21,7 @@ import hashlib
 import json
 import struct
 from functools import lru_cache
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 BYTES_PER_TOKEN = 4
 IMAGE_TOKENS = 64

@@ -65,8 +65,10 @@ class Coordinator:
     """A running `python app.py` process."""
 
     def __init__(self, config: dict, workers: int | None = None, wrap: bool = True, env: dict | None = None):
-        self.config = config
-        api = config["api_config"]
+        """`config` is a motor_coordinator_config object, written wrapped in a whole user_config.json unless
+        `wrap` is false (then it is written as given: a bare section, or a whole file)."""
+        self.config = config.get("motor_coordinator_config", config)
+        api = self.config["api_config"]
         self.host = api["coordinator_api_host"]
         self.infer_port = api["coordinator_api_infer_port"]
         self.mgmt_port = api["coordinator_api_mgmt_port"]
