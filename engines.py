@@ -9,7 +9,6 @@ long and many. Every aiohttp or timeout exception becomes an `errors.Upstream*` 
 from __future__ import annotations
 
 import asyncio
-import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -70,7 +69,8 @@ class EngineClient:
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_connect=settings.connect_timeout_s),
             auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
+            # Bodies are relayed as bytes: ask engines for identity encoding, never decompress.
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
 
     async def close(self) -> None:
@@ -127,6 +127,3 @@ class EngineClient:
             else:
                 resp.release()
 
-
-def now() -> float:
-    return time.monotonic()
