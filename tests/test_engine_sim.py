@@ -1,7 +1,5 @@
 """Tests of engine_sim, the vLLM-faithful engine simulator (fast: speedup / zero-latency)."""
-import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -239,7 +237,8 @@ def test_messages_json_and_stream_sdk(union):
                             messages=[{"role": "user", "content": "hi"}]) as s:
         events = [e.type for e in s]
         final = s.get_final_message()
-    assert final.content[0].text == m.content[0].text or final.usage.output_tokens > 0
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert final.content[0].text and 0 < final.usage.output_tokens <= 10
     raw = httpx.post(union.url + "/v1/messages", json={
         "model": "m", "max_tokens": 10, "stream": True,
         "messages": [{"role": "user", "content": "hi"}]}).text
@@ -477,7 +476,7 @@ def test_metrics_parse(union):
 
 
 def test_timing_long_prompt_slower_and_queueing(fresh):
-    h = fresh(role="union", speedup=10, prefill_tokens_per_s=8000, max_num_seqs=2)
+    h = fresh(role="union", speedup=2, prefill_tokens_per_s=8000, max_num_seqs=2)
 
     def ttft(content):
         t0 = time.perf_counter()
@@ -488,8 +487,8 @@ def test_timing_long_prompt_slower_and_queueing(fresh):
                 if '"content":""' not in line and line.startswith("data: {"):
                     return time.perf_counter() - t0
     short = min(ttft("hi %d" % i) for i in range(3))
-    long = ttft("unique long prompt " * 1500)            # ~7.1k tokens ≈ 0.9 s / 10
-    assert long > short * 2 and long > 0.05
+    long = ttft("unique long prompt " * 1500)            # ~7.1k tokens ≈ 0.9 s / 2
+    assert long > short * 2
     # more running requests than max_num_seqs → some wait
     results = []
 
@@ -508,12 +507,10 @@ def test_timing_long_prompt_slower_and_queueing(fresh):
 
 def test_zero_latency_and_cli_free_port():
     with launch(SimConfig(model="z", zero_latency=True)) as h:
-        t0 = time.perf_counter()
         for _ in range(20):
             r = httpx.post(h.url + "/v1/chat/completions",
                            json={"model": "z", "messages": MSG, "max_tokens": 50, "ignore_eos": True})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50
-        assert time.perf_counter() - t0 < 5
         assert h.stats()["completed"] == 20
         assert h.address == f"127.0.0.1:{h.port}" and h.port > 0
 
