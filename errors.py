@@ -35,6 +35,12 @@ _ANTHROPIC_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+_ANTHROPIC_TYPE_NAMES = frozenset(_ANTHROPIC_TYPES.values()) | {"api_error", "billing_error", "timeout_error"}
+
+
+def anthropic_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status: any other 4xx is the client's fault, any 5xx the server's."""
+    return _ANTHROPIC_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "api_error")
 
 
 class CoordinatorError(Exception):
@@ -54,7 +60,7 @@ class CoordinatorError(Exception):
 
     @property
     def anthropic_type(self) -> str:
-        return _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return anthropic_type(self.status)
 
 
 class InvalidRequest(CoordinatorError):
@@ -172,12 +178,35 @@ def error_body(err: CoordinatorError, api: str) -> dict:
     return {"error": {"message": err.message, "type": err.openai_type, "param": err.param, "code": err.code}}
 
 
+def _anthropic_engine_error(err: EngineStatusError) -> bytes:
+    """An engine's 4xx in Anthropic's envelope, its status and message kept.
+
+    vLLM answers schema errors on /v1/messages in OpenAI's shape, and its Anthropic-shaped errors carry
+    OpenAI's type names (`BadRequestError`); the client gets Anthropic's types either way.
+    """
+    try:
+        body = ujson.loads(err.body)
+    except ValueError:
+        body = None
+    inner = body.get("error") if isinstance(body, dict) else None
+    message = inner.get("message") if isinstance(inner, dict) else None
+    if not isinstance(message, str) or not message:
+        message = err.body.decode("utf-8", "replace").strip() or f"engine answered HTTP {err.status}"
+    etype = inner.get("type") if isinstance(inner, dict) and body.get("type") == "error" else None
+    if etype not in _ANTHROPIC_TYPE_NAMES:
+        etype = anthropic_type(err.status)
+    return ujson.dumps({"type": "error", "error": {"type": etype, "message": message}}).encode()
+
+
 def render(err: CoordinatorError, api: str) -> tuple[int, bytes, dict]:
     """Status, body bytes and headers of an error answered before any byte of a response was sent.
 
-    A 4xx from an engine is relayed unchanged: the engine already speaks the route's protocol.
+    A 4xx from an engine is relayed unchanged on OpenAI routes (the engine speaks that protocol) and
+    put into Anthropic's envelope on Anthropic routes.
     """
     if isinstance(err, EngineStatusError) and err.is_client_error:
+        if api == ANTHROPIC:
+            return err.status, _anthropic_engine_error(err), {"Content-Type": "application/json"}
         return err.status, err.body, {"Content-Type": err.content_type}
     status = err.status if err.status < 500 or not isinstance(err, EngineStatusError) else 502
     return status, ujson.dumps(error_body(err, api)).encode(), {"Content-Type": "application/json", **err.headers}

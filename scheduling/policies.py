@@ -25,6 +25,7 @@ class JobInfo:
     slo_tpot_ms: float
     prompt_text: str = ""
     block_hashes: list[int] = field(default_factory=list)
+    engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
 
 
 class Policy:

@@ -77,6 +77,7 @@ class Dispatcher:
             max_tokens=job.max_tokens,
             slo_ttft_ms=job.slo_ttft_ms or (model.slo_ttft_ms if model else 1000),
             slo_tpot_ms=job.slo_tpot_ms or (model.slo_tpot_ms if model else 50),
+            engine_type="vllm" if job.route in (MESSAGES, COUNT_TOKENS) else None,
         )
 
     async def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> None:
@@ -101,12 +102,15 @@ class Dispatcher:
     # -- planning and retries --------------------------------------------------------------------
 
     def _require_vllm(self, job: Job) -> None:
+        """Anthropic routes exist only on vLLM engines: a model without any is the client's error, not a 5xx."""
         view = self.scheduler.registry.view()
         kinds = {t.engine_type for t in view.targets if t.model == job.model}
         model = self.s.model(job.model)
         if (model and model.engine_type != "vllm") or (kinds and "vllm" not in kinds):
+            kind = model.engine_type if model and model.engine_type != "vllm" else "/".join(sorted(kinds))
             raise InvalidRequest(
-                f"model `{job.model}` is not served by vLLM engines; /v1/messages is available only with vLLM backends"
+                f"model `{job.model}` is served by {kind} engines; {job.route} is available only with vLLM engines",
+                param="model",
             )
 
     def _plan(self, info: JobInfo, exclude: frozenset[int]) -> Plan:

@@ -102,6 +102,14 @@ OPENAI_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 ANTHROPIC_ROLES = ("user", "assistant")
 
 
+def _anthropic_messages(body: dict) -> list:
+    messages = _messages(body, ANTHROPIC_ROLES)
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), (str, list)):
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of content blocks", param=f"messages[{i}].content")
+    return messages
+
+
 def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str) -> Job:
     model = _model(body)
     if route == METASERVER:
@@ -122,11 +130,11 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str)
     elif route == MESSAGES:
         stream = _stream(body)
         max_tokens = _max_tokens(body, "max_tokens", required=True)
-        prompt_tokens = estimate_messages_tokens(_messages(body, ANTHROPIC_ROLES), body.get("system"), body.get("tools"))
+        prompt_tokens = estimate_messages_tokens(_anthropic_messages(body), body.get("system"), body.get("tools"))
     else:  # count_tokens
         stream = False
         max_tokens = 0
-        prompt_tokens = estimate_messages_tokens(_messages(body, ANTHROPIC_ROLES), body.get("system"), body.get("tools"))
+        prompt_tokens = estimate_messages_tokens(_anthropic_messages(body), body.get("system"), body.get("tools"))
     return Job(route, api, raw, body, model, stream, request_id, prompt_tokens, max_tokens)
 
 

@@ -35,11 +35,14 @@ def fix_openai_usage(usage: dict, p_usage: dict | None) -> None:
 
 
 def fix_anthropic_usage(usage: dict, p_usage: dict | None) -> None:
+    """The input side is P's: it processed the prompt. A cache count only D reports is the transferred KV."""
     if not p_usage:
         return
     for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
-        if key in p_usage and key in usage:
+        if key in p_usage:
             usage[key] = p_usage[key]
+        elif key != "input_tokens":
+            usage.pop(key, None)
 
 
 def fix_response(obj: dict, p_usage: dict | None, anthropic: bool) -> dict:
