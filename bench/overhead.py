@@ -1,0 +1,854 @@
+"""Gateway overhead benchmark: what the Coordinator costs per request, next to direct access and vllm-router.
+
+    python bench/overhead.py            # full run, about 4-5 minutes
+    python bench/overhead.py --quick    # about 1 minute
+    python bench/overhead.py --profile  # py-spy profiles of the chat and PD-streamed cells (1 worker)
+
+A fast fake vLLM engine (bench/fastfake.c, compiled here with gcc) answers in microseconds, so what the
+load generator sees beyond direct access is the gateway's own cost. The load generator (`wrk`) and the
+fakes share core 0; the gateway gets core 1 alone (with N workers and enough cores, cores 1..N). Cells:
+
+    chat              non-streaming chat, 16 output tokens
+    chat_stream       the same streamed: role chunk, 16 token chunks, usage chunk, [DONE]
+    pd_chat           PD: a prefill leg (one token + kv_transfer_params ticket), then the decode leg
+    pd_chat_stream    PD with a streamed decode leg
+
+each at `-c 32` (throughput, CPU per request) and at concurrency 1 (added latency = gateway p50 minus
+direct p50; for PD the direct figure is the prefill leg's p50 plus the decode leg's). Direct PD
+throughput drives one fake with alternating prefill and decode bodies and counts two legs as one request.
+CPU per request is the gateway's process-tree CPU time (utime+stime of the main process and every
+descendant, workers included, from /proc, before and after the cell) over the requests wrk completed.
+
+Needs `wrk` (`apt-get update && apt-get install -y wrk`), gcc and taskset. vllm-router is measured side
+by side when installed (`pip install vllm-router==0.1.17`; not a project dependency). --profile needs
+py-spy (`pip install py-spy==0.4.3`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import closing, contextmanager
+from dataclasses import asdict, dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OUT = os.path.join(HERE, "out")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+TOKEN_TEXT = "The quick brown fox jumps over the lazy dog and runs far into the green hills"
+MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]
+CELLS = ("chat", "chat_stream", "pd_chat", "pd_chat_stream")
+STREAMED = {"chat_stream", "pd_chat_stream"}
+PD = {"pd_chat", "pd_chat_stream"}
+
+# The issue's reference figures (one run on a 2-core machine, not this run): gateway CPU per request, µs.
+REFERENCE_US = {
+    "vllm-router 0.1.17 (issue)": {"chat": 71, "chat_stream": 261, "pd_chat": 145, "pd_chat_stream": 298},
+    "MindIE-PyMotor (issue)": {"chat": 3900, "chat_stream": 5200, "pd_chat": 6700, "pd_chat_stream": 8000},
+    "LiteLLM 1.82.6 (issue)": {"chat": 3700, "chat_stream": 15000},
+}
+
+
+def body(model: str, stream: bool, **extra) -> str:
+    b = {"model": model, "messages": MESSAGES, "max_tokens": 16, **extra}
+    if stream:
+        b["stream"] = True
+        b["stream_options"] = {"include_usage": True}
+    return json.dumps(b, separators=(",", ":"))
+
+
+PREFILL_LEG = {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}, "ignore_eos": True}
+DECODE_LEG = {
+    "kv_transfer_params": {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[2, 3]],
+        "remote_engine_id": "fastfake", "remote_request_id": "cmpl-fastfake", "remote_host": "127.0.0.1",
+        "remote_port": 1, "remote_num_tokens": 12,
+    }
+}
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+NICE = 0  # --nice: the niceness of everything the bench starts (negative needs root)
+
+
+def pinned(cores: str | None, args: list[str]) -> list[str]:
+    """`args` on `cores` (taskset) at the bench's niceness."""
+    if cores and shutil.which("taskset"):
+        args = ["taskset", "-c", cores, *args]
+    return ["nice", "-n", str(NICE), *args] if NICE else args
+
+
+def tree(root: int) -> list[int]:
+    """`root` and all its live descendants."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def cpu_seconds(root: int) -> float:
+    total = 0
+    for pid in tree(root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / CLK_TCK
+
+
+def peak_rss_mb(pids: list[int]) -> list[float]:
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        out.append(int(line.split()[1]) / 1024)
+        except OSError:
+            continue
+    return out
+
+
+def environ(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def wait_http(port: int, path: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
+        try:
+            status, _, _ = request(port, "GET", path, None, timeout_s=1)
+            if status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing answered 200 on 127.0.0.1:{port}{path} within {timeout_s:.0f}s")
+
+
+class Proc:
+    """A child process in its own session, stopped with SIGTERM then SIGKILL of its process group."""
+
+    def __init__(self, args: list[str], log_path: str, env: dict | None = None):
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.pid = self.proc.pid
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.log.close()
+
+
+def build_fake(workdir: str) -> str:
+    exe = os.path.join(workdir, "fastfake")
+    subprocess.run(["gcc", "-O2", "-o", exe, os.path.join(HERE, "fastfake.c")], check=True)
+    return exe
+
+
+# -- HTTP checks (correctness of each cell before it is timed) ------------------------------------
+
+
+def request(port: int, method: str, path: str, data: str | None, timeout_s: float = 10) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def check_answer(port: int, data: str, stream: bool) -> str:
+    """'' when the answer is a complete, faithful relay of the fake's; else what is wrong."""
+    status, _, raw = request(port, "POST", "/v1/chat/completions", data)
+    if status != 200:
+        return f"HTTP {status}: {raw[:200]!r}"
+    try:
+        if not stream:
+            obj = json.loads(raw)
+            text = obj["choices"][0]["message"]["content"]
+            usage = obj["usage"]
+        else:
+            events = [line[5:].strip() for line in raw.decode().splitlines() if line.startswith("data:")]
+            if events[-1:] != ["[DONE]"]:
+                return f"stream does not end with [DONE]: {events[-2:]}"
+            objs = [json.loads(e) for e in events[:-1]]
+            text = "".join(o["choices"][0]["delta"].get("content") or "" for o in objs if o.get("choices"))
+            usage = objs[-1].get("usage") or {}
+    except (ValueError, KeyError, IndexError) as e:
+        return f"unparsable answer ({type(e).__name__}: {e}): {raw[:200]!r}"
+    if text != TOKEN_TEXT:
+        return f"content {text!r} is not the engine's"
+    if usage.get("completion_tokens") != 16 or usage.get("prompt_tokens") != 12:
+        return f"usage {usage} is not 12 prompt + 16 completion tokens"
+    return ""
+
+
+# -- wrk ------------------------------------------------------------------------------------------
+
+WRK_DONE = r"""
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('BENCH {"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,"status":%d,' ..
+    '"timeout":%d,"p50_us":%d,"p99_us":%d,"mean_us":%.1f}\n', summary.requests, summary.duration, e.connect,
+    e.read, e.write, e.status, e.timeout, latency:percentile(50), latency:percentile(99), latency.mean))
+end
+"""
+
+
+def wrk_script(bodies: list[str]) -> str:
+    """One body for every request, or bodies taken in turn (the direct PD cells' prefill/decode legs)."""
+    head = 'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+    if len(bodies) == 1:
+        return head + f"wrk.body = [==[{bodies[0]}]==]\n" + WRK_DONE
+    items = ", ".join(f"[==[{b}]==]" for b in bodies)
+    return head + (
+        f"local bodies = {{{items}}}\nlocal n = 0\n"
+        "request = function()\n  n = n + 1\n"
+        '  return wrk.format("POST", nil, nil, bodies[(n - 1) % #bodies + 1])\nend\n'
+    ) + WRK_DONE
+
+
+def run_wrk(port: int, bodies: list[str], seconds: float, connections: int, threads: int, cores: str, workdir: str) -> dict:
+    path = os.path.join(workdir, f"wrk-{abs(hash(tuple(bodies)))}.lua")
+    with open(path, "w") as f:
+        f.write(wrk_script(bodies))
+    args = pinned(cores, [
+        "wrk", f"-t{min(threads, connections)}", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
+        "-s", path, f"http://127.0.0.1:{port}/v1/chat/completions",
+    ])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
+    for line in out.stdout.splitlines():
+        if line.startswith("BENCH "):
+            return json.loads(line[6:])
+    raise RuntimeError(f"wrk printed no result:\n{out.stdout}\n{out.stderr}")
+
+
+# -- gateways -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Engines:
+    union: int
+    prefill: int
+    decode: int
+    reads: int = 0  # counters() calls so far: each costs every fake one request on a connection of its own
+
+    def counters(self) -> tuple[int, int]:
+        """(requests served, connections accepted) by the three fakes, not counting those of these calls."""
+        self.reads += 1
+        reqs = conns = 0
+        for port in (self.union, self.prefill, self.decode):
+            _, _, raw = request(port, "GET", "/metrics", None)
+            for line in raw.decode().splitlines():
+                if line.startswith("fastfake_requests_total "):
+                    reqs += int(line.split()[1]) - self.reads
+                elif line.startswith("fastfake_connections_total "):
+                    conns += int(line.split()[1]) - self.reads
+        return reqs, conns
+
+
+class Gateway:
+    """A gateway under test: its process (tree), the port serving each cell and how to tell its workers."""
+
+    name = ""
+    label = ""
+    logs_requests = False  # writes one log line per request (with its status) that log_statuses() reads
+
+    def port(self, cell: str) -> int:
+        raise NotImplementedError
+
+    def body(self, cell: str) -> str:
+        raise NotImplementedError
+
+    def root_pid(self, cell: str) -> int:
+        raise NotImplementedError
+
+    def worker_pids(self) -> list[int]:
+        raise NotImplementedError
+
+    def log_statuses(self) -> dict[str, int]:
+        """Request statuses the gateway logged since the last call ({} when it does not log them)."""
+        return {}
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class Coordinator(Gateway):
+    name = "coordinator"
+
+    def __init__(self, engines: Engines, workers: int, log_level: str, cores: str, workdir: str):
+        self.workers, self.log_level = workers, log_level
+        self.logs_requests = log_level in ("DEBUG", "INFO")
+        self.label = f"Coordinator, {workers} worker{'s' if workers > 1 else ''}, log {log_level}"
+        self.infer_port, mgmt = free_port(), free_port()
+
+        def inst(iid: int, role: str, model: str, port: int) -> dict:
+            return {"id": iid, "role": role, "model_name": model, "endpoints": [{"id": 0, "address": f"127.0.0.1:{port}"}]}
+
+        config = {"motor_coordinator_config": {
+            "api_config": {
+                "coordinator_api_host": "127.0.0.1", "coordinator_api_infer_port": self.infer_port,
+                "coordinator_api_mgmt_port": mgmt, "coordinator_obs_port": free_port(),
+            },
+            "inference_workers_config": {"num_workers": workers},
+            "log_config": {"log_level": log_level},
+            "shutdown_config": {"drain_timeout": 2},
+            "models": [{"id": "bench"}, {"id": "bench-pd"}],
+            "instances": [
+                inst(1, "union", "bench", engines.union),
+                inst(2, "prefill", "bench-pd", engines.prefill),
+                inst(3, "decode", "bench-pd", engines.decode),
+            ],
+        }}
+        path = os.path.join(workdir, f"coordinator-{workers}-{log_level}.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        self.proc = Proc(
+            pinned(cores, [sys.executable, os.path.join(ROOT, "app.py"), "--config", path]),
+            path + ".log",
+        )
+        self.log_offset = 0
+        try:
+            wait_http(mgmt, "/readiness", 60, self.proc.proc)
+            # Every worker must be serving before a SIGTERM is safe (sanic #2997) and before timing starts.
+            deadline = time.monotonic() + 30
+            while len(self.worker_pids()) < workers and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.5)
+        except Exception:
+            self.stop()
+            raise
+
+    def port(self, cell: str) -> int:
+        return self.infer_port
+
+    def body(self, cell: str) -> str:
+        return body("bench-pd" if cell in PD else "bench", cell in STREAMED)
+
+    def root_pid(self, cell: str) -> int:
+        return self.proc.pid
+
+    def worker_pids(self) -> list[int]:
+        """Sanic's server workers (started with SANIC_WORKER_NAME=Sanic-Server-*), not its other helpers."""
+        return [
+            p for p in tree(self.proc.pid)
+            if any(v.startswith(b"SANIC_WORKER_NAME=Sanic-Server") for v in environ(p))
+        ]
+
+    def log_statuses(self) -> dict[str, int]:
+        with open(self.proc.log_path, "rb") as f:
+            f.seek(self.log_offset)
+            data = f.read()
+        self.log_offset += len(data)
+        counts: dict[str, int] = {}
+        for line in data.split(b"\n"):
+            i = line.find(b" status=")
+            if i >= 0 and b"request_id=" in line:
+                status = line[i + 8:].split(b" ", 1)[0].decode()
+                counts[status] = counts.get(status, 0) + 1
+        return counts
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class VllmRouter(Gateway):
+    """vllm-router 0.1.17: one process in regular mode (union engine), another in PD mode, started in turn."""
+
+    name = "vllm-router"
+    label = "vllm-router 0.1.17 (Rust)"
+
+    def __init__(self, engines: Engines, cores: str, workdir: str):
+        self.engines, self.cores, self.workdir = engines, cores, workdir
+        self.mode: str | None = None
+        self.proc: Proc | None = None
+        self.router_port = 0
+
+    def _ensure(self, cell: str) -> None:
+        mode = "pd" if cell in PD else "regular"
+        if self.mode == mode:
+            return
+        self.stop()
+        self.router_port = free_port()
+        e = self.engines
+        if mode == "pd":
+            workers = ["--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{e.prefill}",
+                       "--decode", f"http://127.0.0.1:{e.decode}"]
+        else:
+            workers = ["--worker-urls", f"http://127.0.0.1:{e.union}"]
+        args = [shutil.which("vllm-router"), "--host", "127.0.0.1", "--port", str(self.router_port),
+                *workers, "--policy", "round_robin", "--log-level", "warning",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        self.proc = Proc(pinned(self.cores, args), os.path.join(self.workdir, f"vllm-router-{mode}.log"))
+        self.mode = mode
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # ready when a real request goes through
+            if self.proc.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {self.proc.proc.returncode}")
+            try:
+                if request(self.router_port, "POST", "/v1/chat/completions", self.body(cell), timeout_s=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("vllm-router did not serve within 60 s")
+
+    def port(self, cell: str) -> int:
+        self._ensure(cell)
+        return self.router_port
+
+    def body(self, cell: str) -> str:
+        return body("bench", cell in STREAMED)
+
+    def root_pid(self, cell: str) -> int:
+        self._ensure(cell)
+        return self.proc.pid
+
+    def worker_pids(self) -> list[int]:
+        return [self.proc.pid] if self.proc else []
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.stop()
+        self.proc, self.mode = None, None
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    gateway: str
+    cell: str
+    rps: float = 0.0
+    p50_us: float = 0.0
+    p99_us: float = 0.0
+    requests: int = 0
+    errors: int = 0
+    cpu_us_per_req: float | None = None
+    cpu_util: float | None = None  # gateway CPU seconds per wall second: below its cores' count = not saturated
+    ratio_to_direct: float | None = None
+    upstream_per_req: float | None = None  # engine requests per client request (PD: 2)
+    upstream_conns_per_1k: float | None = None  # engine connections opened per 1,000 requests (0 with reuse)
+    c1_p50_us: float | None = None
+    c1_p99_us: float | None = None
+    added_p50_us: float | None = None
+    rss_mb: list[float] = field(default_factory=list)  # peak RSS of each worker process
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+    def add_errors(self, kinds: dict[str, int]) -> None:
+        for k, n in kinds.items():
+            if n:
+                self.error_kinds[k] = self.error_kinds.get(k, 0) + n
+        self.errors = sum(self.error_kinds.values())
+
+    def add_note(self, text: str) -> None:
+        self.note = f"{self.note}; {text}" if self.note else text
+
+
+def wrk_errors(res: dict) -> dict[str, int]:
+    """wrk's error counts by kind ("status" is non-2xx/3xx answers)."""
+    return {f"wrk {k}": res[k] for k in ("connect", "read", "write", "status", "timeout")}
+
+
+def settled_statuses(gw: Gateway, connections: int) -> tuple[dict[str, int], int]:
+    """Error statuses the gateway logged for the last run, once its log is quiet, and all lines logged.
+
+    wrk stops at its deadline with up to `connections` requests in flight, which the gateway logs as
+    499 (client gone): those are the load generator's doing and are not counted."""
+    counts: dict[str, int] = {}
+    quiet_since, deadline = time.monotonic(), time.monotonic() + 10
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < 0.5:
+        new = gw.log_statuses()
+        if new:
+            quiet_since = time.monotonic()
+        for k, n in new.items():
+            counts[k] = counts.get(k, 0) + n
+        time.sleep(0.1)
+    bad = {f"logged {k}": n for k, n in counts.items() if not k.startswith("2") and k != "499"}
+    if counts.get("499", 0) > connections:
+        bad["logged 499 beyond wrk's in-flight"] = counts["499"] - connections
+    return bad, sum(counts.values())
+
+
+def direct_bodies(cell: str) -> list[str]:
+    if cell in PD:
+        return [body("bench", False, **PREFILL_LEG), body("bench", cell in STREAMED, **DECODE_LEG)]
+    return [body("bench", cell in STREAMED)]
+
+
+def measure_direct(engines: Engines, opts, load_cores: str, workdir: str) -> dict[str, Cell]:
+    out = {}
+    legs_c1: dict[str, dict] = {}
+    if opts.latency > 0:
+        for name, data in (
+            ("chat", body("bench", False)), ("chat_stream", body("bench", True)),
+            ("prefill", body("bench", False, **PREFILL_LEG)), ("decode", body("bench", False, **DECODE_LEG)),
+            ("decode_stream", body("bench", True, **DECODE_LEG)),
+        ):
+            legs_c1[name] = run_wrk(engines.union, [data], opts.latency, 1, 1, load_cores, workdir)
+    for cell in CELLS:
+        bodies = direct_bodies(cell)
+        res = run_wrk(engines.union, bodies, opts.duration, opts.connections, opts.threads, load_cores, workdir)
+        legs = len(bodies)
+        c = Cell("direct", cell)
+        c.requests = res["requests"] // legs
+        c.rps = c.requests / (res["duration_us"] / 1e6)
+        c.add_errors(wrk_errors(res))
+        c.p50_us, c.p99_us = res["p50_us"], res["p99_us"]
+        if legs > 1:
+            c.note = "2 legs per request: req/s counts pairs, loaded latency is per leg"
+        if legs_c1:
+            if cell == "chat":
+                c.c1_p50_us, c.c1_p99_us = legs_c1["chat"]["p50_us"], legs_c1["chat"]["p99_us"]
+            elif cell == "chat_stream":
+                c.c1_p50_us, c.c1_p99_us = legs_c1["chat_stream"]["p50_us"], legs_c1["chat_stream"]["p99_us"]
+            else:
+                d = legs_c1["decode_stream" if cell in STREAMED else "decode"]
+                c.c1_p50_us = legs_c1["prefill"]["p50_us"] + d["p50_us"]
+                c.c1_p99_us = legs_c1["prefill"]["p99_us"] + d["p99_us"]
+        out[cell] = c
+        print(f"  direct {cell:15s} {c.rps:9.0f} req/s  p50 {c.p50_us / 1000:.2f} ms  errors {c.errors}", flush=True)
+    return out
+
+
+def measure_gateway(gw: Gateway, engines: Engines, opts, direct: dict[str, Cell], load_cores: str, gw_cores: int,
+                    workdir: str, latency: bool) -> dict[str, Cell]:
+    out = {}
+    for cell in CELLS:
+        c = Cell(gw.label, cell)
+        port = gw.port(cell)
+        data = gw.body(cell)
+        problem = check_answer(port, data, cell in STREAMED)
+        if problem:
+            c.note = f"wrong answer: {problem}"
+            c.add_errors({"wrong answer": 1})
+            print(f"  {gw.name} {cell}: {c.note}", flush=True)
+            out[cell] = c
+            continue
+        run_wrk(port, [data], opts.warmup, opts.connections, opts.threads, load_cores, workdir)
+        settled_statuses(gw, opts.connections)
+        root = gw.root_pid(cell)
+        up0 = engines.counters()
+        cpu0, t0 = cpu_seconds(root), time.monotonic()
+        res = run_wrk(port, [data], opts.duration, opts.connections, opts.threads, load_cores, workdir)
+        cpu1, t1 = cpu_seconds(root), time.monotonic()
+        up1 = engines.counters()
+        c.requests = res["requests"]
+        c.rps = c.requests / (res["duration_us"] / 1e6)
+        c.p50_us, c.p99_us = res["p50_us"], res["p99_us"]
+        c.add_errors(wrk_errors(res))
+        bad, logged = settled_statuses(gw, opts.connections)
+        c.add_errors(bad)
+        if gw.logs_requests and logged < c.requests:
+            c.add_note(f"only {logged} request log lines for {c.requests} requests at log INFO")
+        if c.requests:
+            c.cpu_us_per_req = (cpu1 - cpu0) / c.requests * 1e6
+            c.upstream_per_req = (up1[0] - up0[0]) / c.requests
+            c.upstream_conns_per_1k = (up1[1] - up0[1]) / c.requests * 1000
+        c.cpu_util = (cpu1 - cpu0) / (t1 - t0)
+        if c.cpu_util < 0.85 * gw_cores:
+            c.add_note(f"gateway not saturated ({c.cpu_util:.2f} of {gw_cores} core(s))")
+        d = direct.get(cell)
+        if d and d.rps:
+            c.ratio_to_direct = c.rps / d.rps
+        if latency and opts.latency > 0:
+            res1 = run_wrk(port, [data], opts.latency, 1, 1, load_cores, workdir)
+            c.c1_p50_us, c.c1_p99_us = res1["p50_us"], res1["p99_us"]
+            if d and d.c1_p50_us is not None:
+                c.added_p50_us = c.c1_p50_us - d.c1_p50_us
+            c.add_errors(wrk_errors(res1))
+            c.add_errors(settled_statuses(gw, 1)[0])
+        c.rss_mb = peak_rss_mb(gw.worker_pids())
+        print(
+            f"  {gw.name} {cell:15s} {c.rps:9.0f} req/s  {c.cpu_us_per_req or 0:7.0f} µs CPU/req  "
+            f"p50 {c.p50_us / 1000:.2f} ms  errors {c.errors}{'  ' + c.note if c.note else ''}",
+            flush=True,
+        )
+        out[cell] = c
+    return out
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def fmt(v, spec: str, scale: float = 1.0) -> str:
+    return "-" if v is None else format(v * scale, spec)
+
+
+def report(results: list[list[Cell]], header: str) -> str:
+    lines = [header, ""]
+    lines.append("| gateway | cell | req/s | x direct | p50 ms | p99 ms | CPU µs/req | CPU s/1k req "
+                 "| gateway cores busy | c=1 p50 ms | c=1 p99 ms | added p50 ms | peak RSS MB | engine req/req "
+                 "| engine conns/1k req | errors |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    notes = []
+    for group in results:
+        for c in group:
+            rss = "/".join(f"{m:.0f}" for m in c.rss_mb) if c.rss_mb else "-"
+            lines.append(
+                f"| {c.gateway} | {c.cell} | {c.rps:,.0f} | {fmt(c.ratio_to_direct, '.2f')} | {c.p50_us / 1000:.2f} | "
+                f"{c.p99_us / 1000:.2f} | {fmt(c.cpu_us_per_req, ',.0f')} | {fmt(c.cpu_us_per_req, '.3f', 1e-3)} | "
+                f"{fmt(c.cpu_util, '.2f')} | "
+                f"{fmt(c.c1_p50_us, '.3f', 1e-3)} | {fmt(c.c1_p99_us, '.3f', 1e-3)} | {fmt(c.added_p50_us, '.3f', 1e-3)} | "
+                f"{rss} | {fmt(c.upstream_per_req, '.2f')} | {fmt(c.upstream_conns_per_1k, '.1f')} | {c.errors} |"
+            )
+            if c.error_kinds:
+                c.add_note("errors: " + ", ".join(f"{k} {n}" for k, n in c.error_kinds.items()))
+            if c.note:
+                notes.append(f"- {c.gateway}, {c.cell}: {c.note}")
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines)
+
+
+def verdicts(results: list[list[Cell]]) -> str:
+    """The issue's figures, read from this run's table (1 worker, log INFO)."""
+    by = {(c.gateway, c.cell): c for g in results for c in g}
+    ours = {c.cell: c for g in results for c in g if c.gateway == "Coordinator, 1 worker, log INFO"}
+    router = {c.cell: c for g in results for c in g if c.gateway.startswith("vllm-router")}
+    lines = ["", "Figures (Coordinator, 1 worker on 1 core, log INFO):"]
+
+    def check(ok: bool | None, text: str) -> None:
+        lines.append(f"- [{'pass' if ok else 'FAIL' if ok is not None else 'n/a '}] {text}")
+
+    for cell, c in ours.items():
+        r = router.get(cell)
+        limit = 1.0 if cell in STREAMED else 2.0
+        if r and r.cpu_us_per_req and c.cpu_us_per_req:
+            ratio = c.cpu_us_per_req / r.cpu_us_per_req
+            check(ratio <= limit, f"{cell}: CPU/req {c.cpu_us_per_req:.0f} µs = {ratio:.2f}x vllm-router's "
+                                  f"{r.cpu_us_per_req:.0f} µs (limit {limit:g}x, same run)")
+        else:
+            check(None, f"{cell}: vllm-router not measured in this run")
+        for ref, cells in REFERENCE_US.items():
+            if ref.startswith("vllm-router") or cell not in cells or c.cpu_us_per_req is None:
+                continue
+            check(c.cpu_us_per_req * 20 <= cells[cell],
+                  f"{cell}: {c.cpu_us_per_req:.0f} µs x20 <= {ref} {cells[cell]} µs (their figure, another run)")
+        if cell not in STREAMED and c.added_p50_us is not None:
+            limit_us = 2000 if cell in PD else 1000
+            check(c.added_p50_us < limit_us, f"{cell}: c=1 added p50 {c.added_p50_us / 1000:.3f} ms < {limit_us / 1000:g} ms")
+    bad = [k for k, c in by.items() if c.errors]
+    check(not bad, "no cell with errors or non-2xx answers" + (f" (errors in {bad})" if bad else ""))
+    return "\n".join(lines)
+
+
+# -- profile --------------------------------------------------------------------------------------
+
+
+def top_frames(raw_path: str, n: int = 25) -> str:
+    """Self and inclusive sample shares per frame from py-spy's collapsed ('raw') output."""
+    self_s: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    with open(raw_path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            k = int(count)
+            total += k
+            frames = stack.split(";")
+            self_s[frames[-1]] = self_s.get(frames[-1], 0) + k
+            for fr in set(frames):
+                incl[fr] = incl.get(fr, 0) + k
+    if not total:
+        return "no samples"
+    out = [f"{total} samples", "", "self %  frame"]
+    out += [f"{v * 100 / total:6.1f}  {k}" for k, v in sorted(self_s.items(), key=lambda kv: -kv[1])[:n]]
+    out += ["", "incl %  frame"]
+    out += [f"{v * 100 / total:6.1f}  {k}" for k, v in sorted(incl.items(), key=lambda kv: -kv[1])[:n]]
+    return "\n".join(out)
+
+
+def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str) -> None:
+    spy = shutil.which("py-spy")
+    if not spy:
+        sys.exit("--profile needs py-spy: pip install py-spy==0.4.3")
+    os.makedirs(OUT, exist_ok=True)
+    gw = Coordinator(engines, 1, "INFO", gw_cores, workdir)
+    try:
+        worker = gw.worker_pids()[0]
+        for cell in ("chat", "pd_chat_stream"):
+            data = gw.body(cell)
+            run_wrk(gw.infer_port, [data], opts.warmup, opts.connections, opts.threads, load_cores, workdir)
+            raw = os.path.join(OUT, f"profile-{cell}.txt")
+            spy_proc = subprocess.Popen(pinned(load_cores, [
+                spy, "record", "--pid", str(worker), "--duration", str(int(opts.duration)), "--rate", "100", "--nonblocking",
+                "--format", "raw", "--function", "--output", raw, *(["--native"] if opts.native else []),
+            ]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            time.sleep(0.5)
+            cpu0 = cpu_seconds(gw.proc.pid)
+            res = run_wrk(gw.infer_port, [data], opts.duration, opts.connections, opts.threads, load_cores, workdir)
+            cpu1 = cpu_seconds(gw.proc.pid)
+            _, err = spy_proc.communicate(timeout=60)
+            print(f"\n## {cell}: {res['requests'] / (res['duration_us'] / 1e6):,.0f} req/s, "
+                  f"{(cpu1 - cpu0) / max(res['requests'], 1) * 1e6:.0f} µs CPU/req while profiled; "
+                  f"collapsed stacks in {os.path.relpath(raw, ROOT)} (speedscope.app opens them)\n")
+            print(top_frames(raw) if os.path.exists(raw) else f"py-spy failed: {err.decode()[-500:]}")
+    finally:
+        gw.stop()
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+@contextmanager
+def fakes(exe: str, cores: str, workdir: str):
+    procs = []
+    try:
+        ports = []
+        for role in ("union", "prefill", "decode"):
+            port = free_port()
+            procs.append(Proc(pinned(cores, [exe, str(port), "bench"]), os.path.join(workdir, f"fake-{role}.log")))
+            ports.append(port)
+        for p, port in zip(procs, ports):
+            wait_http(port, "/health", 10, p.proc)
+        yield Engines(*ports)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short cells (2 s), for a smoke run")
+    ap.add_argument("--duration", type=float, help="seconds per throughput cell (default 8; --quick 2)")
+    ap.add_argument("--latency", type=float, help="seconds per concurrency-1 cell (default 4; --quick 1; 0 skips)")
+    ap.add_argument("--warmup", type=float, help="seconds of load before each timed cell (default 1)")
+    ap.add_argument("--connections", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workers", default="1,2", help="worker counts to measure (log INFO), e.g. 1 or 1,2")
+    ap.add_argument("--no-warning", action="store_true", help="skip the 1-worker run at log level WARNING")
+    ap.add_argument("--no-router", action="store_true", help="skip vllm-router even when installed")
+    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--profile", action="store_true", help="profile the Coordinator's worker with py-spy instead")
+    ap.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="run gateway, fakes and wrk at this niceness (e.g. -10 as root) on a machine others share")
+    opts = ap.parse_args(argv)
+    global NICE
+    NICE = opts.nice
+    opts.duration = opts.duration or (2.0 if opts.quick else 8.0)
+    opts.latency = opts.latency if opts.latency is not None else (1.0 if opts.quick else 4.0)
+    opts.warmup = opts.warmup if opts.warmup is not None else 1.0
+    workers = [int(w) for w in opts.workers.split(",") if w]
+
+    missing = [t for t in ("wrk", "gcc") if not shutil.which(t)]
+    if missing:
+        print(f"missing: {', '.join(missing)}. Install with: apt-get update && apt-get install -y wrk gcc", file=sys.stderr)
+        return 2
+    ncpu = len(os.sched_getaffinity(0))
+    if ncpu < 2 or not shutil.which("taskset"):
+        load_cores, gw_core_sets = None, {w: None for w in workers}
+        layout = "no pinning (needs 2+ cores and taskset): gateway and load share the CPUs"
+    else:
+        cpus = sorted(os.sched_getaffinity(0))
+        load_cores = str(cpus[0])
+        gw_core_sets = {
+            w: ",".join(map(str, cpus[1:1 + w])) if ncpu >= 1 + w else str(cpus[1]) for w in workers + [1]
+        }
+        layout = f"wrk and fakes on core {load_cores}; gateway on core(s) " + ", ".join(
+            f"{gw_core_sets[w]} ({w} worker{'s' if w > 1 else ''})" for w in sorted(set(workers + [1])))
+
+    workdir = tempfile.mkdtemp(prefix="motor-bench-")
+    try:
+        exe = build_fake(workdir)
+        with fakes(exe, load_cores, workdir) as engines:
+            if opts.profile:
+                profile(engines, opts, load_cores, gw_core_sets[1], workdir)
+                return 0
+            t_start = time.monotonic()
+            print(f"# {layout}; wrk -t{opts.threads} -c{opts.connections}, {opts.duration:g} s per cell", flush=True)
+            direct = measure_direct(engines, opts, load_cores, workdir)
+            results = [list(direct.values())]
+            runs = [(w, "INFO", True) for w in workers]
+            if not opts.no_warning:
+                runs.insert(1 if 1 in workers else 0, (1, "WARNING", False))
+            for w, level, latency in runs:
+                cores = gw_core_sets[w]
+                gw = Coordinator(engines, w, level, cores, workdir)
+                try:
+                    n_cores = len(cores.split(",")) if cores else ncpu
+                    results.append(list(measure_gateway(gw, engines, opts, direct, load_cores, n_cores, workdir,
+                                                        latency and w == 1).values()))
+                finally:
+                    gw.stop()
+            if not opts.no_router and shutil.which("vllm-router"):
+                gw = VllmRouter(engines, gw_core_sets[1], workdir)
+                try:
+                    results.append(list(measure_gateway(gw, engines, opts, direct, load_cores, 1, workdir, True).values()))
+                finally:
+                    gw.stop()
+            elif not opts.no_router:
+                print("  vllm-router not installed (pip install vllm-router==0.1.17): not compared", flush=True)
+            header = (f"# Gateway overhead, {time.strftime('%Y-%m-%d %H:%M')}, {ncpu} CPUs, load average "
+                      f"{os.getloadavg()[0]:.1f}; {layout}{f', nice {NICE}' if NICE else ''}; wrk -t{opts.threads} -c{opts.connections}, "
+                      f"{opts.duration:g} s per cell, concurrency-1 cells {opts.latency:g} s; "
+                      f"total {time.monotonic() - t_start:.0f} s")
+            print()
+            print(report(results, header))
+            print(verdicts(results))
+            if opts.json:
+                with open(opts.json, "w") as f:
+                    json.dump({"header": header, "cells": [asdict(c) for g in results for c in g]}, f, indent=1)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Smoke test of bench/overhead.py: the C fake engine builds and speaks vLLM's shapes, the Coordinator relays
+it faithfully in every benchmark cell, and one short wrk cell runs and its output and CPU figures parse."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+
+import openai
+import pytest
+
+from bench import overhead
+
+pytestmark = pytest.mark.skipif(not shutil.which("gcc"), reason="the fake engine is compiled with gcc")
+
+
+@pytest.fixture(scope="module")
+def bench_cluster():
+    workdir = tempfile.mkdtemp(prefix="motor-bench-test-")
+    try:
+        with overhead.fakes(overhead.build_fake(workdir), None, workdir) as engines:
+            gw = overhead.Coordinator(engines, 1, "INFO", None, workdir)
+            try:
+                yield engines, gw, workdir
+            finally:
+                gw.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_fake_engine_speaks_vllm_pd(bench_cluster):
+    engines, _, _ = bench_cluster
+    status, _, raw = overhead.request(engines.prefill, "POST", "/v1/chat/completions",
+                                      overhead.body("bench", False, **overhead.PREFILL_LEG))
+    prefill = json.loads(raw)
+    assert status == 200
+    assert prefill["choices"][0]["finish_reason"] == "length"
+    assert prefill["usage"]["completion_tokens"] == 1
+    assert prefill["kv_transfer_params"]["do_remote_prefill"] is True
+    assert prefill["kv_transfer_params"]["remote_port"] == engines.prefill
+    for stream in (False, True):
+        assert overhead.check_answer(engines.union, overhead.body("bench", stream), stream) == ""
+    assert overhead.request(engines.decode, "GET", "/health", None)[0] == 200
+    status, _, metrics = overhead.request(engines.decode, "GET", "/metrics", None)
+    assert status == 200 and b"vllm:num_requests_waiting{" in metrics
+
+
+def test_every_cell_relays_faithfully(bench_cluster):
+    _, gw, _ = bench_cluster
+    for cell in overhead.CELLS:
+        assert overhead.check_answer(gw.infer_port, gw.body(cell), cell in overhead.STREAMED) == "", cell
+    # The SDK's view of a PD stream: usage billed once, with P's prompt count.
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.infer_port}/v1", api_key="unused", max_retries=0, timeout=30)
+    chunks = list(client.chat.completions.create(
+        model="bench-pd", messages=overhead.MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True},
+    ))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == overhead.TOKEN_TEXT
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (12, 16)
+
+
+def test_fake_counts_engine_requests_and_connections(bench_cluster):
+    engines, gw, _ = bench_cluster
+    before = engines.counters()
+    for _ in range(10):
+        assert overhead.check_answer(gw.infer_port, gw.body("pd_chat_stream"), True) == ""
+    reqs, conns = (b - a for a, b in zip(before, engines.counters()))
+    # Two legs per request, plus whatever health checks and scrapes ran meanwhile; pooled connections are
+    # reused (a gateway that reconnected per leg would open 20).
+    assert 20 <= reqs < 60
+    assert conns < 10
+
+
+@pytest.mark.skipif(not shutil.which("wrk"), reason="wrk is not installed (apt-get install -y wrk)")
+def test_one_short_wrk_cell(bench_cluster):
+    _, gw, workdir = bench_cluster
+    cpu0 = overhead.cpu_seconds(gw.proc.pid)
+    res = overhead.run_wrk(gw.infer_port, [gw.body("pd_chat_stream")], 1, 4, 2, None, workdir)
+    cpu1 = overhead.cpu_seconds(gw.proc.pid)
+    assert res["requests"] > 0
+    assert res["status"] == res["connect"] == res["read"] == res["timeout"] == 0
+    assert 0 < res["p50_us"] <= res["p99_us"]
+    assert cpu1 > cpu0
+    assert overhead.peak_rss_mb(gw.worker_pids())[0] > 10
