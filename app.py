@@ -10,6 +10,7 @@ loopback ports) so that every endpoint answers out of the box.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import shutil
@@ -30,18 +31,17 @@ from sanic.worker.loader import AppLoader  # noqa: E402
 from config import ConfigError, Instance, Endpoint, Settings, load_settings, resolve_config_path, with_models_for_instances  # noqa: E402
 from engines import EngineClient  # noqa: E402
 from errors import CoordinatorError, NotFound, PayloadTooLarge  # noqa: E402
-from handlers import register  # noqa: E402
-from handlers.common import INFER, MGMT, OBS, api_of_path, error_response, request_id  # noqa: E402
+from handlers import docs, register  # noqa: E402
+from handlers.common import INFER, MGMT, OBS, REQUEST_ID, api_of_path, error_response, request_id  # noqa: E402
 from scheduling.health import Health  # noqa: E402
 from scheduling.ledger import Ledger  # noqa: E402
-from scheduling.policies import make_policy  # noqa: E402
 from scheduling.registry import Registry  # noqa: E402
-from scheduling.scheduler import Scheduler  # noqa: E402
+from scheduling.scheduler import build_scheduler  # noqa: E402
 from scheduling.shared import SharedState, worker_index  # noqa: E402
 from serving.admission import Admission  # noqa: E402
 from serving.background import Background  # noqa: E402
 from serving.dispatch import Dispatcher  # noqa: E402
-from serving.metrics import PrometheusObserver  # noqa: E402
+from serving.metrics import PrometheusObserver, clear_stale_files  # noqa: E402
 
 log = logging.getLogger("coordinator")
 APP_NAME = "motor_coordinator"
@@ -50,19 +50,22 @@ APP_NAME = "motor_coordinator"
 def create_app(settings: Settings) -> Sanic:
     app = Sanic(APP_NAME)
     app.config.REQUEST_MAX_SIZE = max(settings.max_request_body_bytes, 10 * 1024 * 1024 + 1024)
-    app.config.RESPONSE_TIMEOUT = settings.infer_timeout_s + 60
+    app.config.RESPONSE_TIMEOUT = response_timeout_s(settings)
     app.config.REQUEST_TIMEOUT = 60
     app.config.KEEP_ALIVE_TIMEOUT = 75
-    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = settings.drain_timeout_s
+    # The drain window is ours (before_server_stop); Sanic's own wait only lets the last error events out.
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 2.0
     app.config.ACCESS_LOG = settings.access_log
     app.config.FALLBACK_ERROR_FORMAT = "json"
     app.config.MOTD = False
     app.ctx.settings = settings
     app.ctx.plane_by_port = {settings.infer_port: INFER, settings.mgmt_port: MGMT, settings.obs_port: OBS}
     register(app)
+    docs.mount(app)
 
     @app.main_process_start
     async def make_shared_state(app: Sanic):
+        clear_stale_files()
         shared = SharedState.create()
         Registry(shared).apply("set", list(settings.instances))
         for key, value in shared.as_shared_ctx().items():
@@ -75,6 +78,7 @@ def create_app(settings: Settings) -> Sanic:
 
     @app.before_server_start
     async def start_worker(app: Sanic):
+        configure_logging(settings.log_level)  # workers are spawned: main()'s logging setup is not theirs
         shared = SharedState.from_shared_ctx(app.shared_ctx)
         worker = worker_index()
         ctx = app.ctx
@@ -83,8 +87,7 @@ def create_app(settings: Settings) -> Sanic:
         ctx.registry = Registry(shared)
         ctx.ledger = Ledger(shared, worker, settings.num_workers)
         ctx.health = Health(shared, settings.breaker_failure_threshold, settings.breaker_open_s)
-        policy = make_policy(settings.scheduler_type, shared, ctx.ledger, ctx.health)
-        ctx.scheduler = Scheduler(ctx.registry, ctx.ledger, ctx.health, policy)
+        ctx.scheduler = build_scheduler(settings, shared, ctx.registry, ctx.ledger, ctx.health)
         ctx.client = EngineClient(settings)
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
         ctx.admission = Admission(settings, shared)
@@ -95,7 +98,21 @@ def create_app(settings: Settings) -> Sanic:
 
     @app.before_server_stop
     async def drain(app: Sanic):
-        app.ctx.admission.set_draining()
+        # Readiness turns false and new requests get 503 at once; in-flight ones get the drain window.
+        await app.ctx.admission.drain(settings.drain_timeout_s)
+        # The management and metrics ports stop in Sanic tasks of their own ("RunServer"), which run these
+        # listeners too; Sanic's cleanup then waits for them without running the loop and spins forever
+        # (sanic/app.py shutdown_tasks). So the primary server lets them finish here, while the loop runs.
+        me = asyncio.current_task()
+        others = [t for t in asyncio.all_tasks() if t is not me and t.get_name() == "RunServer"]
+        if others and me.get_name() != "RunServer":
+            await asyncio.wait(others, timeout=5)
+
+    @app.signal("http.routing.after")
+    async def limit_body(request: Request, route, kwargs, handler):
+        # Sanic's REQUEST_MAX_SIZE is one limit for all ports; inference bodies get theirs before being read.
+        if request.stream is not None and getattr(route.ctx, "plane", None) == INFER:
+            request.stream.request_max_size = settings.max_request_body_bytes
 
     @app.after_server_stop
     async def stop_worker(app: Sanic):
@@ -105,8 +122,17 @@ def create_app(settings: Settings) -> Sanic:
     @app.on_request(priority=100)
     async def plane_guard(request: Request):
         route = request.route
-        if route is not None and route.ctx.plane != app.ctx.plane_by_port.get(request.server_port):
+        # A route without a plane is served on no port (fail closed).
+        # The socket's own port: request.server_port comes from the Host header, which the client writes.
+        port = request.conn_info.server_port if request.conn_info else None
+        if route is not None and getattr(route.ctx, "plane", None) != app.ctx.plane_by_port.get(port):
             raise NotFound(f"no route {request.method} {request.path} on this port", code="not_found")
+
+    @app.on_response(priority=100)
+    async def stamp_request_id(request: Request, response):
+        # Handlers that know the request id set it; this covers probes, /metrics, the docs pages.
+        if REQUEST_ID not in response.headers:
+            response.headers[REQUEST_ID] = request_id(request)
 
     @app.exception(Exception)
     async def render_error(request: Request, exc: Exception):
@@ -142,7 +168,20 @@ def start_simulator(settings: Settings) -> Settings:
     )
     for inst in instances:
         log.info("built-in engine simulator: %s instance of %s on http://%s", inst.role, model, inst.endpoints[0].address)
-    return replace(settings, instances=instances)
+    # The simulator can free a prefill's held KV when its decode leg never starts.
+    return replace(settings, instances=instances, kv_release_path=settings.kv_release_path or "/sim/kv/release")
+
+
+def response_timeout_s(s: Settings) -> float:
+    """Sanic's RESPONSE_TIMEOUT, which bounds every silent gap of a response, the wait for its first byte included.
+
+    It must never fire before the Coordinator's own deadlines: the longest wait before a first byte is
+    every attempt of both legs plus the backoffs (a non-streaming answer is all one gap). Once a stream
+    has started, keep-alive comments bound the gaps.
+    """
+    attempts = s.max_retry + 1
+    backoff = sum(s.retry_delay_s * 2**i for i in range(s.max_retry))
+    return attempts * (s.first_token_timeout_s + s.infer_timeout_s) + 2 * backoff + 60
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -112,6 +112,8 @@ class Settings:
     infer_timeout_s: float = 3600.0
     connect_timeout_s: float = 10.0
     stream_idle_timeout_s: float = 300.0
+    stream_keepalive_interval_s: float = 15.0
+    kv_release_path: str = ""
     max_request_body_bytes: int = 16 * 1024 * 1024
     max_inflight_requests: int = 0
     requests_per_second: float = 0.0
@@ -171,6 +173,13 @@ def _str(path: str, v: Any, choices: tuple[str, ...] | None = None, nonempty: bo
 def _obj(path: str, v: Any) -> dict:
     if not isinstance(v, dict):
         _fail(path, "must be an object")
+    return v
+
+
+def _release_path(path: str, v: Any) -> str:
+    v = _str(path, v)
+    if v and not v.startswith("/"):
+        _fail(path, "must be empty or a path starting with /")
     return v
 
 
@@ -314,6 +323,10 @@ def settings_from_dict(raw: dict, source_path: str = "") -> Settings:
         stream_idle_timeout_s=exc.get(
             "stream_idle_timeout", d.stream_idle_timeout_s, lambda p, v: _num(p, v, positive=True)
         ),
+        stream_keepalive_interval_s=exc.get(
+            "stream_keepalive_interval", d.stream_keepalive_interval_s, lambda p, v: _num(p, v, positive=True)
+        ),
+        kv_release_path=exc.get("kv_release_path", d.kv_release_path, _release_path),
     )
     exc.warn_unknown()
 

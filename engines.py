@@ -41,18 +41,27 @@ class EngineStream:
         self.status = resp.status
         self.idle_s, self.first_s, self.total_deadline = idle_s, first_s, total_deadline
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self, keepalive_s: float = 0.0) -> AsyncIterator[bytes]:
+        """The body as it arrives. While the engine is silent an empty chunk is yielded every `keepalive_s`
+        (0: never), so the caller can keep the client's connection busy; the deadlines keep running."""
         content = self.resp.content
         loop = asyncio.get_running_loop()
         wait = self.first_s
         phase = "first chunk"
         while True:
             deadline = min(loop.time() + wait, self.total_deadline)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    chunk = await content.readany()
-            except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-                raise _map(e, self.url, phase) from None
+            while True:
+                wake = min(deadline, loop.time() + keepalive_s) if keepalive_s > 0 else deadline
+                try:
+                    async with asyncio.timeout_at(wake):
+                        chunk = await content.readany()
+                    break
+                except asyncio.TimeoutError as e:
+                    if wake >= deadline:
+                        raise _map(e, self.url, phase) from None
+                except aiohttp.ClientError as e:
+                    raise _map(e, self.url, phase) from None
+                yield b""
             if not chunk:
                 return
             yield chunk

@@ -9,7 +9,18 @@ import uuid
 
 from sanic import HTTPResponse, Request
 
-from errors import ANTHROPIC, OPENAI, CoordinatorError, InvalidRequest, PayloadTooLarge, Unauthorized, UnsupportedMediaType, render, sse_error_event
+from errors import (
+    ANTHROPIC,
+    OPENAI,
+    CoordinatorError,
+    InvalidRequest,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    Unauthorized,
+    UnsupportedMediaType,
+    render,
+    sse_error_event,
+)
 from serving.job import job_from_body, parse_body
 from serving.observe import RequestRecord
 
@@ -57,16 +68,17 @@ def error_response(err: CoordinatorError, api: str, rid: str) -> HTTPResponse:
 
 
 class SanicSink:
-    """The dispatcher's view of the client connection."""
+    """The dispatcher's view of the client connection; what goes out is noted on the request's record."""
 
-    __slots__ = ("request", "rid", "started", "response", "api")
+    __slots__ = ("request", "rid", "started", "response", "api", "rec")
 
-    def __init__(self, request: Request, rid: str, api: str):
-        self.request, self.rid, self.api = request, rid, api
+    def __init__(self, request: Request, rid: str, api: str, rec: RequestRecord):
+        self.request, self.rid, self.api, self.rec = request, rid, api, rec
         self.started = False
         self.response = None
 
     async def json(self, status: int, body: bytes) -> None:
+        self.rec.answered(body)
         self.response = HTTPResponse(body, status=status, headers={REQUEST_ID: self.rid}, content_type="application/json")
 
     async def start_stream(self) -> None:
@@ -76,6 +88,7 @@ class SanicSink:
         self.started = True
 
     async def send(self, data: bytes) -> None:
+        self.rec.relayed(data)
         await self.response.send(data)
 
 
@@ -84,8 +97,7 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
     ctx = request.app.ctx
     rid = request_id(request)
     rec = RequestRecord(rid, route)
-    sink = SanicSink(request, rid, api)
-    ctx.observer.request_started()
+    sink = SanicSink(request, rid, api, rec)
     try:
         if authenticate:
             check_api_key(request, api)
@@ -93,7 +105,7 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
         job = job_from_body(route, api, raw, parse_body(raw), rid)
         job.slo_ttft_ms = _slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = _slo_header(request, "x-slo-tpot-ms")
-        rec.model, rec.stream = job.model, job.stream
+        rec.model, rec.stream, rec.prompt_tokens = job.model, job.stream, job.prompt_tokens
         async with ctx.admission.admit(job, rec):
             await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
@@ -101,26 +113,31 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
             return None
         return sink.response
     except CoordinatorError as e:
-        rec.status, rec.error = e.status, e.message
-        if sink.started:
-            await sink.send(sse_error_event(e, api))
-            await sink.response.eof()
-            return None
-        return error_response(e, api, rid)
+        return await _fail(sink, rec, e, api, rid)
     except asyncio.CancelledError:
-        rec.status, rec.disconnect_phase = 499, "streaming" if sink.started else "before_first_byte"
-        raise
+        task = asyncio.current_task()
+        if not ctx.admission.was_cut(task):  # the client went away: nothing to answer
+            rec.status, rec.disconnect_phase = 499, "streaming" if sink.started else "before_first_byte"
+            raise
+        task.uncancel()  # the drain window ended it: the client is still there and hears why
+        return await _fail(sink, rec, ServiceUnavailable("the Coordinator is shutting down"), api, rid)
     except Exception as e:  # never a traceback to the client
         log.exception("request_id=%s failed", rid)
-        err = CoordinatorError(f"internal error: {type(e).__name__}")
-        rec.status, rec.error = 500, err.message
-        if sink.started:
-            await sink.send(sse_error_event(err, api))
-            await sink.response.eof()
-            return None
-        return error_response(err, api, rid)
+        return await _fail(sink, rec, CoordinatorError(f"internal error: {type(e).__name__}"), api, rid)
     finally:
         ctx.observer.request_done(rec)
+
+
+async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api: str, rid: str) -> HTTPResponse | None:
+    """An error answer: the error response, or one SSE error event once the stream has started."""
+    rec.status, rec.error = err.status, err.message
+    if rec.target is None and rec.prefill is None:  # refused before reaching an engine
+        rec.reject_reason = getattr(err, "reason", "")
+    if sink.started:
+        await sink.send(sse_error_event(err, api))
+        await sink.response.eof()
+        return None
+    return error_response(err, api, rid)
 
 
 def _slo_header(request: Request, name: str) -> float:

@@ -1,11 +1,13 @@
 """Admission at the door: draining, the global in-flight cap and the rate limit, held across all workers.
 
 The in-flight count and the rate limit's token bucket live in shared memory and are changed under the
-shared lock, so N workers admit what the configuration says, not N times it.
+shared lock, so N workers admit what the configuration says, not N times it. Each worker also keeps its
+own admitted requests, so that on shutdown it can wait for them (the drain window) and then end the rest.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -21,6 +23,9 @@ class Admission:
         self.cap = settings.max_inflight_requests
         self.rate = settings.requests_per_second
         self.burst_milli = int(max(1.0, self.rate) * 1000)
+        self.local: set[asyncio.Task] = set()  # this worker's admitted requests
+        self.cut: set[asyncio.Task] = set()  # those the drain window ended
+        self._drain: asyncio.Task | None = None
 
     @property
     def draining(self) -> bool:
@@ -51,7 +56,7 @@ class Admission:
     async def admit(self, job, rec) -> AsyncIterator[None]:
         g = self.shared.globals
         if g[G_DRAINING]:
-            raise ServiceUnavailable("the Coordinator is shutting down")
+            raise ServiceUnavailable("the Coordinator is shutting down", reason="draining")
         if self.rate > 0:
             wait_s = self._take_rate_token()
             if wait_s > 0:
@@ -60,8 +65,41 @@ class Admission:
             if self.cap and g[G_INFLIGHT] >= self.cap:
                 raise RateLimited(f"too many requests in flight (limit {self.cap})", reason="inflight_cap")
             g[G_INFLIGHT] += 1
+        task = asyncio.current_task()
+        self.local.add(task)
         try:
             yield
         finally:
+            self.local.discard(task)
             with self.shared.lock:
                 g[G_INFLIGHT] -= 1
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shutdown: refuse new requests, give this worker's in-flight ones `timeout_s`, then cancel the rest.
+
+        Idempotent (Sanic runs the stop listeners once per served port); the cancelled requests are in
+        `cut`, so their handlers can tell the client why the stream ends.
+        """
+        self.set_draining()
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._run_drain(timeout_s))
+        await asyncio.shield(self._drain)
+
+    async def _run_drain(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.local and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for task in list(self.local):
+            self.cut.add(task)
+            task.cancel()
+        deadline = loop.time() + 1.0  # time to write the error events
+        while self.local and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
+    def was_cut(self, task: asyncio.Task | None) -> bool:
+        """Did the drain window end this request (rather than its client going away)?"""
+        if task in self.cut:
+            self.cut.discard(task)
+            return True
+        return False

@@ -25,16 +25,19 @@ from errors import (
     Forbidden,
     InvalidRequest,
     NotFound,
+    RateLimited,
     ServiceUnavailable,
     UpstreamError,
     UpstreamProtocolError,
 )
 from scheduling.health import Health
-from scheduling.ledger import Ledger
+from scheduling.admission import OverBudget
+from scheduling.ledger import DECODE, PREFILL, WHOLE, Ledger
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
 from scheduling.scheduler import NoCapacity, Plan, Scheduler
-from serving.job import COUNT_TOKENS, MESSAGES, Job
+from scheduling.tokens import CHAT as CHAT_PROMPT, COMPLETION as COMPLETION_PROMPT, MESSAGES as MESSAGES_PROMPT, engine_uncached
+from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
 from serving.legs import PREFILL_TICKET, decode_leg, dumps, prefill_body, prefill_leg
 from serving.observe import Observer, RequestRecord
 from serving.usage import EventSplitter, fix_event, fix_response, prefill_usage
@@ -43,6 +46,7 @@ T = TypeVar("T")
 log = logging.getLogger("coordinator.serving")
 
 _PROMPT_TOO_LONG = (b"maximum context length", b"prompt is too long", b"too long")
+_PROMPT_KINDS = {CHAT: CHAT_PROMPT, COMPLETIONS: COMPLETION_PROMPT, MESSAGES: MESSAGES_PROMPT}  # how the scheduler reads a prompt
 
 
 class Sink(Protocol):
@@ -63,6 +67,7 @@ class Dispatcher:
     ):
         self.s = settings
         self.scheduler, self.ledger, self.health, self.client, self.obs = scheduler, ledger, health, client, observer
+        self._detached: set[asyncio.Task] = set()  # fire-and-forget engine calls, referenced until done
 
     # -- entry points ----------------------------------------------------------------------------
 
@@ -71,7 +76,7 @@ class Dispatcher:
         view = self.scheduler.registry.view()
         if model is None and job.model not in view.models():
             raise NotFound(f"The model `{job.model}` does not exist.", param="model")
-        return JobInfo(
+        info = JobInfo(
             model=job.model,
             prompt_tokens=job.prompt_tokens,
             max_tokens=job.max_tokens,
@@ -79,6 +84,9 @@ class Dispatcher:
             slo_tpot_ms=job.slo_tpot_ms or (model.slo_tpot_ms if model else 50),
             engine_type="vllm" if job.route in (MESSAGES, COUNT_TOKENS) else None,
         )
+        if job.route in _PROMPT_KINDS:
+            self.scheduler.prepare(info, _PROMPT_KINDS[job.route], job.body)
+        return info
 
     async def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> None:
         info = self.job_info(job)
@@ -90,9 +98,10 @@ class Dispatcher:
         if job.metaserver is not None:
             await self._metaserver(job, info, sink, rec)
             return
-        plan = self._plan(info, frozenset())
+        plan = await self._admit(info)
         if plan.disaggregated:
-            if self.s.pd_dispatch == "trigger":
+            # Trigger mode is MindIE's metaserver protocol for OpenAI routes; Messages always use the handoff.
+            if self.s.pd_dispatch == "trigger" and job.route != MESSAGES:
                 await self._trigger(job, info, plan, sink, rec)
             else:
                 await self._handoff(job, info, plan, sink, rec)
@@ -118,6 +127,15 @@ class Dispatcher:
             return self.scheduler.plan(info, exclude)
         except NoCapacity as e:
             raise ServiceUnavailable(str(e)) from None
+
+    async def _admit(self, info: JobInfo) -> Plan:
+        """The first plan, through SLO admission (`scheduler_config.admission`): it may wait, or be refused."""
+        try:
+            return await self.scheduler.admit(info)
+        except NoCapacity as e:
+            raise ServiceUnavailable(str(e)) from None
+        except OverBudget as e:
+            raise RateLimited(str(e), retry_after_s=e.retry_after_s, reason="slo_budget") from None
 
     def _record(self, target: Target, err: Exception | None) -> None:
         """Feed the breaker: transport errors and 5xx count, 4xx and prompt-too-long do not."""
@@ -175,16 +193,23 @@ class Dispatcher:
 
         async def call(t: Target, rid: str) -> None:
             rec.target = t
-            lease = self.ledger.lease(t.slot, job.prompt_tokens, job.max_tokens)
+            lease = self.scheduler.lease(t, info, WHOLE)
             try:
                 if job.stream:
                     async with self.client.stream(t.url + job.route, job.raw, rid) as es:
-                        async for chunk in es.chunks():
+                        async for chunk in es.chunks(self.s.stream_keepalive_interval_s):
+                            if not chunk:
+                                await self._keepalive(sink)
+                                continue
                             if not sink.started:
                                 lease.prefill_done()
                                 rec.first_token()
                                 await sink.start_stream()
+                            lease.events += chunk.count(b"data:")
                             await sink.send(chunk)
+                    if not sink.started:
+                        raise UpstreamProtocolError(f"engine {t.url} ended the stream without sending anything")
+                    lease.succeed()
                 else:
                     _, data = await self.client.post(t.url + job.route, job.raw, rid, timeout_s=self.s.infer_timeout_s)
                     rec.first_token()
@@ -224,19 +249,20 @@ class Dispatcher:
 
         async def call(t: Target, rid: str) -> dict:
             rec.prefill = t
-            lease = self.ledger.lease(t.slot, job.prompt_tokens, 1)
+            lease = self.scheduler.lease(t, info, PREFILL)
             started = time.monotonic()
             try:
                 _, data = await self.client.post(t.url + job.route, body, rid, timeout_s=self.s.first_token_timeout_s)
+                rec.prefill_s = time.monotonic() - started
+                try:
+                    resp = ujson.loads(data)
+                except ValueError:
+                    raise UpstreamProtocolError(f"prefill engine {t.url} answered invalid JSON") from None
+                if not isinstance(resp, dict):
+                    raise UpstreamProtocolError(f"prefill engine {t.url} answered a non-object")
+                lease.succeed(engine_uncached(resp.get("usage")))
             finally:
                 lease.release()
-            rec.prefill_s = time.monotonic() - started
-            try:
-                resp = ujson.loads(data)
-            except ValueError:
-                raise UpstreamProtocolError(f"prefill engine {t.url} answered invalid JSON") from None
-            if not isinstance(resp, dict):
-                raise UpstreamProtocolError(f"prefill engine {t.url} answered a non-object")
             return resp
 
         return await self._attempts(job, sink, rec, target, repick, call)
@@ -247,26 +273,34 @@ class Dispatcher:
         anthropic = job.api == ANTHROPIC
 
         def repick(exclude: frozenset[int]) -> Target:
-            plan = self.scheduler.plan(info, exclude)
-            return plan.target
+            # Another decode instance: the body carries P's ticket, which only a decode engine may take.
+            return self.scheduler.pick_one(job.model, info, ("decode",), exclude)
 
         async def call(t: Target, rid: str) -> None:
             rec.target = t
-            lease = self.ledger.lease(t.slot, 0, job.max_tokens, prefilling=False)
+            lease = self.scheduler.lease(t, info, DECODE)
             started = time.monotonic()
             try:
                 if job.stream:
                     splitter = EventSplitter()
                     async with self.client.stream(t.url + job.route, body, rid) as es:
-                        async for chunk in es.chunks():
+                        async for chunk in es.chunks(self.s.stream_keepalive_interval_s):
+                            if not chunk:
+                                await self._keepalive(sink)
+                                continue
                             if not sink.started:
+                                lease.first_token()
                                 rec.first_token()
                                 await sink.start_stream()
                             events = splitter.feed(chunk)
+                            lease.events += len(events)
                             if events:
                                 await sink.send(b"".join(fix_event(e, p_usage, anthropic) + b"\n\n" for e in events))
                         if splitter.tail.strip():
                             await sink.send(fix_event(splitter.tail, p_usage, anthropic) + b"\n\n")
+                    if not sink.started:
+                        raise UpstreamProtocolError(f"decode engine {t.url} ended the stream without sending anything")
+                    lease.succeed()
                 else:
                     _, data = await self.client.post(t.url + job.route, body, rid, timeout_s=self.s.infer_timeout_s)
                     rec.first_token()
@@ -282,13 +316,48 @@ class Dispatcher:
         await self._attempts(job, sink, rec, target, repick, call)
 
     async def _handoff(self, job: Job, info: JobInfo, plan: Plan, sink: Sink, rec: RequestRecord) -> None:
-        p_resp = await self._prefill(job, info, plan.prefill, sink, rec, prefill_leg(job))
+        hold = self.scheduler.hold(plan.target)  # D's batch counts this request while its prefill runs
+        try:
+            p_resp = await self._prefill(job, info, plan.prefill, sink, rec, prefill_leg(job))
+        finally:
+            hold.release()
         ticket = p_resp.get("kv_transfer_params")
         if not isinstance(ticket, dict):
             ticket = None
             rec.missed_handoff = True
             self.obs.missed_handoff(job, rec)
-        await self._decode(job, info, plan.target, sink, rec, decode_leg(job, ticket), prefill_usage(p_resp))
+        try:
+            await self._decode(job, info, plan.target, sink, rec, decode_leg(job, ticket), prefill_usage(p_resp))
+        except BaseException:  # an error or a client disconnect (cancellation) before D took the KV
+            if ticket is not None and rec.ttft_s is None:
+                self._release_kv(job, rec.prefill, ticket)
+            raise
+
+    def _release_kv(self, job: Job, p: Target | None, ticket: dict) -> None:
+        """Free the KV blocks P holds for a decode leg that will never pull them.
+
+        Only engines with a release route (`exception_config.kv_release_path`, e.g. engine_sim's
+        `/sim/kv/release`) can be told; vLLM has none and frees the blocks after its
+        VLLM_NIXL_ABORT_REQUEST_TIMEOUT. Runs detached: the request may be ending by cancellation.
+        """
+        rid = ticket.get("remote_request_id")
+        if not self.s.kv_release_path or p is None or not isinstance(rid, str):
+            return
+        task = asyncio.get_running_loop().create_task(self._post_release(job.request_id, p.url + self.s.kv_release_path, rid))
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+
+    async def _post_release(self, request_id: str, url: str, remote_request_id: str) -> None:
+        try:
+            await self.client.post(url, dumps({"remote_request_id": remote_request_id}), request_id, timeout_s=self.s.connect_timeout_s)
+            log.info("request_id=%s released prefill KV %s at %s", request_id, remote_request_id, url)
+        except UpstreamError as e:  # already pulled or expired (404), or P is gone: nothing left to free
+            log.info("request_id=%s prefill KV release at %s: %s", request_id, url, e)
+
+    async def _keepalive(self, sink: Sink) -> None:
+        """The engine is silent: an SSE comment keeps proxies and clients from timing the stream out."""
+        if sink.started:
+            await sink.send(b": keep-alive\n\n")
 
     # -- disaggregated: trigger ------------------------------------------------------------------
 

@@ -1,0 +1,428 @@
+"""The fault matrix: engine faults x streaming/non-streaming x union/PD, and client disconnects in every phase.
+
+One Coordinator serves a union model (two engines) and a PD model (two prefill, two decode engines), with
+short deadlines so hung engines resolve fast. Every case asserts what the client got, what each engine
+saw, that nothing leaked (engines idle, prefill KV freed, the Coordinator's ledger back to zero) and that
+the next request succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import uuid
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
+
+UNION, PD = "fault-union", "fault-pd"
+INFER_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+MAX_RETRY = 2
+TIMEOUTS = {"first_token_timeout": 1.0, "stream_idle_timeout": 0.5, "infer_timeout": 1.5, "connect_timeout": 1.0}
+
+
+@pytest.fixture(scope="module")
+def cluster(module_sims):
+    # speedup 5: 2 ms per decode step; prefill engines are slow (2500 prompt tokens/s) so a long prompt
+    # keeps the prefill leg busy long enough to disconnect during it.
+    u = [module_sims("union", model=UNION, speedup=5) for _ in range(2)]
+    p = [module_sims("prefill", model=PD, speedup=5, prefill_tokens_per_s=500) for _ in range(2)]
+    d = [module_sims("decode", model=PD, speedup=5) for _ in range(2)]
+    instances = [instance(i + 1, "union", UNION, s.address) for i, s in enumerate(u)]
+    instances += [instance(i + 11, "prefill", PD, s.address) for i, s in enumerate(p)]
+    instances += [instance(i + 21, "decode", PD, s.address) for i, s in enumerate(d)]
+    cfg = coordinator_config(
+        instances,
+        exception_config={
+            "max_retry": MAX_RETRY, "retry_delay": 0.01, "kv_release_path": "/sim/kv/release",
+            "stream_keepalive_interval": 0.15, **TIMEOUTS,
+        },
+        # The matrix provokes many failures on purpose: the breaker has its own tests (test_limits.py).
+        scheduler_config={"breaker_failure_threshold": 1000, "health_check_interval": 0.2, "metrics_scrape_interval": 0.2},
+    )
+    with Coordinator(cfg) as coord:
+        coord.sims = {"union": u, "prefill": p, "decode": d}
+        yield coord
+
+
+@pytest.fixture
+def c(cluster):
+    for group in cluster.sims.values():
+        for s in group:
+            s.clear_faults()
+            s.reset()
+    return cluster
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def model_of(where: str) -> str:
+    return UNION if where == "union" else PD
+
+
+def chat_body(model: str, stream: bool, max_tokens: int = 8, content: str = "hello there", **extra) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "ignore_eos": True, **extra}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+def call(c, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict, str]:
+    """Status, headers and raw body of one request (streamed bodies read to their end)."""
+    with httpx.stream("POST", c.url + path, json=body, timeout=30) as r:
+        return r.status_code, dict(r.headers), r.read().decode()
+
+
+def attempts(sims) -> list[dict]:
+    return [r for s in sims for r in s.requests() if r["path"] in INFER_PATHS]
+
+
+def rid_of(record: dict) -> str:
+    return {k.lower(): v for k, v in record["headers"].items()}["x-request-id"]
+
+
+def total(sims, key: str) -> int:
+    return sum(s.stats().get(key, 0) for s in sims)
+
+
+def ledger(c) -> list[dict]:
+    doc = httpx.get(c.mgmt + "/instances", timeout=5).json()
+    return [ep["load"] for inst in doc["instances"] for ep in inst["endpoints"]]
+
+
+def ledger_is_zero(c) -> bool:
+    keys = ("inflight_requests", "inflight_prompt_tokens", "inflight_decode_tokens", "prefilling_requests")
+    return all(load[k] == 0 for load in ledger(c) for k in keys)
+
+
+def engines_idle(c) -> bool:
+    for group in c.sims.values():
+        for s in group:
+            st = s.stats()
+            if st["running"] or st["waiting"] or st["held_kv_tickets"]:
+                return False
+    return True
+
+
+def assert_recovered(c, model: str, stream: bool) -> None:
+    """No leak anywhere, and with the faults gone the next request succeeds."""
+    for group in c.sims.values():
+        for s in group:
+            s.clear_faults()
+    assert wait_until(lambda: engines_idle(c), 5), [s.stats() for g in c.sims.values() for s in g]
+    assert wait_until(lambda: ledger_is_zero(c), 5), ledger(c)
+    status, _, text = call(c, chat_body(model, stream))
+    assert status == 200, text
+    if stream:
+        events = sse_events(text)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 8
+    else:
+        assert json.loads(text)["usage"]["completion_tokens"] == 8
+
+
+def openai_error(text: str) -> dict:
+    return json.loads(text)["error"]
+
+
+STREAM = pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+WHERE = pytest.mark.parametrize("where", ["union", "prefill", "decode"])
+
+
+# -- the matrix: faults before the first byte --------------------------------------------------------
+
+
+@WHERE
+@STREAM
+@pytest.mark.parametrize("status", [503, 429])
+def test_retryable_status_is_retried_on_each_instance_then_answered(c, where, stream, status):
+    sims = c.sims[where]
+    for s in sims:
+        s.set_faults(fail_status=status)
+    code, headers, text = call(c, chat_body(model_of(where), stream))
+    seen = attempts(sims)
+    assert len(seen) == 1 + MAX_RETRY
+    ids = [rid_of(r) for r in seen]
+    assert len(set(ids)) == len(ids)  # a fresh engine request id per attempt
+    assert all(s.stats()["received"] >= 1 for s in sims)  # the retry went to the other instance
+    # Nothing was streamed: a plain error answer in the OpenAI envelope, never SSE.
+    assert not headers["content-type"].startswith("text/event-stream")
+    if status == 429:
+        assert code == 429
+    else:
+        assert code == 502 and openai_error(text)["code"] == "upstream_error"
+    if where == "decode":  # D never took P's KV: the Coordinator freed it
+        assert wait_until(lambda: total(c.sims["prefill"], "kv_released") == 1)
+    if where == "prefill":
+        assert not attempts(c.sims["decode"])
+    assert_recovered(c, model_of(where), stream)
+
+
+@WHERE
+@STREAM
+def test_transient_failures_are_retried_until_success(c, where, stream):
+    sims = c.sims[where]
+    for s in sims:
+        s.set_faults(fail_first_n=1)  # then HTTP 500 once
+    code, _, text = call(c, chat_body(model_of(where), stream))
+    assert code == 200, text
+    seen = attempts(sims)
+    assert len(seen) == 1 + MAX_RETRY  # fails on one instance, then on the other, then succeeds
+    assert rid_of(seen[0]) != rid_of(seen[1]) and sorted(s.stats()["failed"] for s in sims) == [1, 1]
+    if stream:
+        assert sse_events(text)[-1] == "[DONE]"
+    else:
+        assert json.loads(text)["choices"][0]["message"]["content"]
+    assert_recovered(c, model_of(where), stream)
+
+
+@WHERE
+@STREAM
+def test_client_error_goes_straight_back(c, where, stream):
+    sims = c.sims[where]
+    for s in sims:
+        s.set_faults(fail_status=400)
+    code, _, text = call(c, chat_body(model_of(where), stream))
+    assert code == 400
+    assert len(attempts(sims)) == 1  # never retried
+    err = openai_error(text)
+    assert err["message"] == "simulated failure (status 400)" and err["code"] == 400  # the engine's own body
+    assert_recovered(c, model_of(where), stream)
+
+
+@WHERE
+@STREAM
+def test_engine_that_never_answers_hits_the_deadline_and_is_retried(c, where, stream):
+    sims = c.sims[where]
+    for s in sims:
+        s.set_faults(hang_before_first_byte=True)
+    code, _, text = call(c, chat_body(model_of(where), stream))
+    assert code == 504 and openai_error(text)["code"] == "upstream_timeout"
+    assert len(attempts(sims)) == 1 + MAX_RETRY
+    if where == "decode":
+        assert wait_until(lambda: total(c.sims["prefill"], "kv_released") == 1)
+    assert_recovered(c, model_of(where), stream)
+
+
+@WHERE
+@STREAM
+def test_slow_first_byte_within_the_deadline_is_served(c, where, stream):
+    sims = c.sims[where]
+    for s in sims:
+        s.set_faults(slow_first_byte_s=0.3)
+    code, _, text = call(c, chat_body(model_of(where), stream))
+    assert code == 200, text
+    assert len(attempts(sims)) == 1
+    assert_recovered(c, model_of(where), stream)
+
+
+@STREAM
+def test_eos_on_prefill_is_a_missed_handoff_and_decode_recomputes(c, stream):
+    for s in c.sims["prefill"]:
+        s.set_faults(eos_on_prefill=True)
+    code, _, text = call(c, chat_body(PD, stream))
+    assert code == 200, text
+    assert total(c.sims["prefill"], "prefill_without_ticket") == 1
+    d_req = attempts(c.sims["decode"])
+    assert len(d_req) == 1 and "kv_transfer_params" not in d_req[0]["body"]
+    metrics = httpx.get(c.obs + "/metrics").text
+    assert f'motor_missed_handoffs_total{{model="{PD}"}}' in metrics
+    assert_recovered(c, PD, stream)
+
+
+# -- the matrix: faults after the first byte ------------------------------------------------------------
+
+
+MID = pytest.mark.parametrize("where", ["union", "decode"])
+
+
+@MID
+@STREAM
+def test_stalled_stream_gets_keepalives_then_one_error_event(c, where, stream):
+    sims = c.sims[where]
+    for s in sims:
+        s.set_faults(stall_mid_stream_after_n=2)
+    # Long enough that the engine is still generating when the idle deadline ends the stream.
+    code, _, text = call(c, chat_body(model_of(where), stream, max_tokens=2000 if stream else 8))
+    assert code == 200
+    assert len(attempts(sims)) == 1  # after the first byte: never retried
+    if stream:
+        events = sse_events(text)
+        assert len(events) == 3 and json.loads(events[0])["choices"]
+        assert openai_error(events[-1])["code"] == "upstream_timeout"
+        assert ": keep-alive" in text.split("\n\n", 2)[2]  # comments while the engine was silent
+        assert wait_until(lambda: total(sims, "aborted") == 1)  # the Coordinator hung up: the engine aborted
+    else:  # the knob acts on SSE events: a JSON answer is unaffected
+        assert json.loads(text)["usage"]["completion_tokens"] == 8
+    assert_recovered(c, model_of(where), stream)
+
+
+@MID
+@STREAM
+def test_connection_closed_mid_stream_ends_with_one_error_event(c, where, stream):
+    sims = c.sims[where]
+    for s in sims:
+        s.set_faults(close_mid_stream_after_n=2)
+    code, _, text = call(c, chat_body(model_of(where), stream, max_tokens=2000 if stream else 8))
+    assert code == 200
+    assert len(attempts(sims)) == 1
+    if stream:
+        events = sse_events(text)
+        assert len(events) == 3 and openai_error(events[-1])["code"] == "upstream_error"
+        assert total(sims, "dropped") == 1
+    else:
+        assert json.loads(text)["choices"][0]["finish_reason"] == "length"
+    assert_recovered(c, model_of(where), stream)
+
+
+@MID
+@STREAM
+def test_malformed_chunk_is_relayed_and_the_stream_completes(c, where, stream):
+    sims = c.sims[where]
+    for s in sims:
+        s.set_faults(malformed_chunk_after_n=2)
+    code, _, text = call(c, chat_body(model_of(where), stream))
+    assert code == 200
+    if stream:
+        events = sse_events(text)
+        assert "{not json" in events  # bytes are relayed, not re-parsed
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 8
+    else:
+        assert json.loads(text)["usage"]["completion_tokens"] == 8
+    assert total(sims, "completed") == 1
+    assert_recovered(c, model_of(where), stream)
+
+
+def test_sdk_sees_a_mid_stream_error_as_an_api_error(c):
+    for s in c.sims["decode"]:
+        s.set_faults(close_mid_stream_after_n=3)
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    got = []
+    with pytest.raises(openai.APIError):
+        body = chat_body(PD, True, max_tokens=500)
+        body["extra_body"] = {"ignore_eos": body.pop("ignore_eos")}
+        for chunk in client.chat.completions.create(**body):
+            got.append(chunk)
+    assert len(got) == 3
+    assert_recovered(c, PD, True)
+
+
+def test_sdk_sees_exhausted_retries_as_a_server_error(c):
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=500)
+    client = anthropic.Anthropic(base_url=c.url, api_key="x", max_retries=0, timeout=30)
+    with pytest.raises(anthropic.InternalServerError) as exc:
+        client.messages.create(model=UNION, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.status_code == 502 and exc.value.body["type"] == "error"
+    assert len(attempts(c.sims["union"])) == 1 + MAX_RETRY
+    assert_recovered(c, UNION, False)
+
+
+# -- client disconnects, in every phase --------------------------------------------------------------
+
+
+class RawClient:
+    """One request on a raw socket, so the test decides exactly when the client goes away."""
+
+    def __init__(self, c, path: str, body: dict):
+        self.rid = "dc-" + uuid.uuid4().hex[:12]
+        data = json.dumps(body).encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {c.host}:{c.infer_port}\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {self.rid}\r\nContent-Length: {len(data)}\r\n\r\n"
+        )
+        self.sock = socket.create_connection((c.host, c.infer_port), timeout=10)
+        self.sock.sendall(head.encode() + data)
+        self.received = b""
+
+    def read_until(self, marker: bytes) -> None:
+        while marker not in self.received:
+            chunk = self.sock.recv(65536)
+            assert chunk, f"connection closed before {marker!r}: {self.received!r}"
+            self.received += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def body_for(api: str, model: str, stream: bool, max_tokens: int, content: str) -> tuple[str, dict]:
+    if api == "anthropic":
+        body = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}], "ignore_eos": True}
+        if stream:
+            body["stream"] = True
+        return "/v1/messages", body
+    return "/v1/chat/completions", chat_body(model, stream, max_tokens=max_tokens, content=content)
+
+
+def assert_aborted(sims, rid: str) -> None:
+    """The engines recorded the abort of this request (a late disconnect may also abort a retry of it)."""
+    assert wait_until(lambda: total(sims, "aborted") >= 1)
+    ids = sum((s.stats()["aborted_request_ids"] for s in sims), [])
+    assert ids[0] == rid and all(i.startswith(rid) for i in ids), ids
+
+
+def running(sims) -> int:
+    return sum(s.stats()["running"] for s in sims)
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+@STREAM
+@pytest.mark.parametrize("phase", ["union", "prefill", "between", "decode"])
+def test_client_disconnect_aborts_engine_requests(c, phase, stream, api):
+    P, D, U = c.sims["prefill"], c.sims["decode"], c.sims["union"]
+    model = UNION if phase == "union" else PD
+    # 5000 prompt tokens take 2 s on the slow prefill engines; 2000 output tokens take 4 s.
+    # A unique start defeats the engines' prefix cache, which would make the second long prefill instant.
+    content = uuid.uuid4().hex + (" word" * 4000 if phase == "prefill" else " hello")
+    if phase == "between":
+        for s in D:
+            s.set_faults(hang_before_first_byte=True)
+    path, body = body_for(api, model, stream, 2000, content)
+    client = RawClient(c, path, body)
+    if phase in ("union", "decode") and stream:
+        client.read_until(b"data:")
+    elif phase in ("union", "decode"):
+        assert wait_until(lambda: running(U if phase == "union" else D) == 1)
+    elif phase == "prefill":
+        assert wait_until(lambda: running(P) == 1)
+    elif phase == "between":
+        assert wait_until(lambda: len(attempts(D)) == 1)
+        assert total(P, "held_kv_tickets") == 1
+    client.close()
+
+    if phase == "union":
+        assert_aborted(U, client.rid)
+    elif phase == "prefill":
+        assert_aborted(P, client.rid)
+        time.sleep(0.2)
+        assert not attempts(D)  # the decode leg never started
+    elif phase == "between":  # D never pulled: P's held KV is released at once, not after its timeout
+        assert wait_until(lambda: total(P, "kv_released") == 1)
+        assert total(P, "held_kv_tickets") == 0
+    else:
+        assert_aborted(D, client.rid)
+        assert total(P, "kv_pulled") == 1
+    assert wait_until(lambda: ledger_is_zero(c), 5), ledger(c)
+    assert_recovered(c, model, stream)
+
+
+def test_disconnects_are_counted_by_phase(c):
+    before = _disconnects(c)
+    client = RawClient(c, *body_for("openai", UNION, True, 2000, "count me"))
+    client.read_until(b"data:")
+    client.close()
+    assert wait_until(lambda: _disconnects(c).get("streaming", 0) == before.get("streaming", 0) + 1)
+
+
+def _disconnects(c) -> dict:
+    out = {}
+    for line in httpx.get(c.obs + "/metrics").text.splitlines():
+        if line.startswith("motor_client_disconnects_total{"):
+            phase = line.split('phase="', 1)[1].split('"', 1)[0]
+            out[phase] = float(line.rsplit(" ", 1)[1])
+    return out
