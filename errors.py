@@ -127,6 +127,10 @@ class ServiceUnavailable(CoordinatorError):
     openai_type = "server_error"
     code = "service_unavailable"
 
+    def __init__(self, message: str, *, reason: str = "no_capacity"):
+        super().__init__(message)
+        self.reason = reason
+
 
 class UpstreamError(CoordinatorError):
     """An engine failed to serve the request."""
@@ -171,6 +175,10 @@ class EngineStatusError(UpstreamError):
         return 400 <= self.status < 500 and self.status not in (408, 429)
 
 
+def _dumps(obj: dict) -> bytes:
+    return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode()
+
+
 def error_body(err: CoordinatorError, api: str) -> dict:
     """The error envelope of one API."""
     if api == ANTHROPIC:
@@ -195,7 +203,7 @@ def _anthropic_engine_error(err: EngineStatusError) -> bytes:
     etype = inner.get("type") if isinstance(inner, dict) and body.get("type") == "error" else None
     if etype not in _ANTHROPIC_TYPE_NAMES:
         etype = anthropic_type(err.status)
-    return ujson.dumps({"type": "error", "error": {"type": etype, "message": message}}).encode()
+    return _dumps({"type": "error", "error": {"type": etype, "message": message}})
 
 
 def render(err: CoordinatorError, api: str) -> tuple[int, bytes, dict]:
@@ -209,12 +217,12 @@ def render(err: CoordinatorError, api: str) -> tuple[int, bytes, dict]:
             return err.status, _anthropic_engine_error(err), {"Content-Type": "application/json"}
         return err.status, err.body, {"Content-Type": err.content_type}
     status = err.status if err.status < 500 or not isinstance(err, EngineStatusError) else 502
-    return status, ujson.dumps(error_body(err, api)).encode(), {"Content-Type": "application/json", **err.headers}
+    return status, _dumps(error_body(err, api)), {"Content-Type": "application/json", **err.headers}
 
 
 def sse_error_event(err: CoordinatorError, api: str) -> bytes:
     """The one SSE event that ends a stream which already started."""
-    body = ujson.dumps(error_body(err, api))
+    body = _dumps(error_body(err, api))
     if api == ANTHROPIC:
-        return b"event: error\ndata: " + body.encode() + b"\n\n"
-    return b"data: " + body.encode() + b"\n\n"
+        return b"event: error\ndata: " + body + b"\n\n"
+    return b"data: " + body + b"\n\n"
