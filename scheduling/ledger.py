@@ -2,13 +2,20 @@
 
 Each worker writes only its own row (no lock); readers sum a slot's column over the worker rows. A
 `Lease` records exactly what one request added and takes it back once, whatever path the request ends
-on (completion, error, cancellation), so the ledger returns to zero.
+on (completion, error, cancellation), so the ledger returns to zero. A lease also carries the timings
+the learned model needs (start, first token, events seen); when a lease that was marked `succeed()`
+is released, the ledger's `observer` (the scheduler) learns from it. A `Hold` promises a decode slot to
+a request whose prefill is still running.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 from scheduling.shared import (
     L_DECODE_TOKENS,
+    L_HELD,
     L_PREFILLING,
     L_PROMPT_TOKENS,
     L_REQUESTS,
@@ -19,15 +26,23 @@ from scheduling.shared import (
 
 ROW = MAX_SLOTS * LEDGER_FIELDS
 
+# What a lease is for (the learned model reads each kind differently).
+PREFILL, DECODE, WHOLE = "prefill", "decode", "whole"
+
 
 class Ledger:
     def __init__(self, shared: SharedState, worker: int, num_workers: int):
         self.arr = shared.ledger
         self.base = worker * ROW
         self.rows = range(0, max(num_workers, worker + 1) * ROW, ROW)
+        self.observer: Callable[["Lease"], None] | None = None
 
-    def lease(self, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool = True) -> "Lease":
-        return Lease(self, slot, prompt_tokens, decode_tokens, prefilling)
+    def lease(self, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool = True, kind: str = "") -> "Lease":
+        """Take load on `slot`: one request, its uncached prompt tokens (while prefilling) and its output budget."""
+        return Lease(self, slot, prompt_tokens, decode_tokens, prefilling, kind or (PREFILL if prefilling else DECODE))
+
+    def hold(self, slot: int) -> "Hold":
+        return Hold(self, slot)
 
     def _add(self, slot: int, field: int, delta: int) -> None:
         self.arr[self.base + slot * LEDGER_FIELDS + field] += delta
@@ -44,8 +59,17 @@ class Ledger:
             f += arr[i + L_PREFILLING]
         return r, p, d, f
 
+    def requests(self, slot: int) -> int:
+        arr, i = self.arr, slot * LEDGER_FIELDS + L_REQUESTS
+        return sum(arr[row + i] for row in self.rows)
+
+    def held(self, slot: int) -> int:
+        """Decode slots promised to requests still in prefill, over all workers."""
+        arr, i = self.arr, slot * LEDGER_FIELDS + L_HELD
+        return sum(arr[row + i] for row in self.rows)
+
     def total_requests(self, slots) -> int:
-        return sum(self.load(s)[0] for s in slots)
+        return sum(self.requests(s) for s in slots)
 
     def is_zero(self) -> bool:
         """True when no worker holds anything on any slot (used by tests and soak checks)."""
@@ -55,12 +79,21 @@ class Ledger:
 class Lease:
     """What one request holds on one slot; `release()` is idempotent."""
 
-    __slots__ = ("ledger", "slot", "prompt_tokens", "decode_tokens", "prefilling", "released")
+    __slots__ = (
+        "ledger", "slot", "prompt_tokens", "decode_tokens", "prefilling", "released", "kind",
+        "started", "first_at", "ended", "events", "ok", "engine_uncached", "batch", "predicted", "shift", "hashes",
+    )
 
-    def __init__(self, ledger: Ledger, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool):
-        self.ledger, self.slot = ledger, slot
+    def __init__(self, ledger: Ledger, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool, kind: str):
+        self.ledger, self.slot, self.kind = ledger, slot, kind
         self.prompt_tokens, self.decode_tokens, self.prefilling = prompt_tokens, decode_tokens, prefilling
-        self.released = False
+        self.released = self.ok = False
+        self.started = time.monotonic()
+        self.first_at = self.ended = self.predicted = self.shift = 0.0
+        self.events = 0
+        self.engine_uncached = -1  # uncached prompt tokens as the engine reported them (-1: not reported)
+        self.batch = 0  # requests on the slot when this one started, itself included
+        self.hashes: list[int] = []
         ledger._add(slot, L_REQUESTS, 1)
         ledger._add(slot, L_DECODE_TOKENS, decode_tokens)
         if prefilling:
@@ -69,15 +102,50 @@ class Lease:
 
     def prefill_done(self) -> None:
         """The first token arrived: the prompt no longer waits for prefill."""
+        if not self.first_at:
+            self.first_at = time.monotonic()
         if self.prefilling and not self.released:
             self.prefilling = False
             self.ledger._add(self.slot, L_PROMPT_TOKENS, -self.prompt_tokens)
             self.ledger._add(self.slot, L_PREFILLING, -1)
 
+    first_token = prefill_done
+
+    def succeed(self, engine_uncached: int = -1) -> None:
+        """The engine answered in full: this lease's timings may be learned from when it is released."""
+        self.ok = True
+        self.engine_uncached = engine_uncached
+
     def release(self) -> None:
         if self.released:
             return
+        self.ended = time.monotonic()
+        observer = self.ledger.observer
+        if self.ok and observer is not None:
+            try:
+                observer(self)
+            finally:
+                self._give_back()
+        else:
+            self._give_back()
+
+    def _give_back(self) -> None:
         self.prefill_done()
         self.released = True
         self.ledger._add(self.slot, L_REQUESTS, -1)
         self.ledger._add(self.slot, L_DECODE_TOKENS, -self.decode_tokens)
+
+
+class Hold:
+    """A decode slot promised while the request's prefill runs; `release()` is idempotent."""
+
+    __slots__ = ("ledger", "slot", "released")
+
+    def __init__(self, ledger: Ledger, slot: int):
+        self.ledger, self.slot, self.released = ledger, slot, False
+        ledger._add(slot, L_HELD, 1)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.ledger._add(self.slot, L_HELD, -1)

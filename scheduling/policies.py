@@ -1,17 +1,42 @@
 """Instance selection policies (`scheduler_config.scheduler_type`).
 
 A policy gets the usable candidates of one role and the request's `JobInfo` and returns one target;
-`choose_pair` picks a prefill and a decode target together (policies that model the pair override it).
+`choose_pair` picks a prefill and a decode target together. Every policy reads only shared counters
+(the ledger, the health table with the engines' scraped gauges, the learned model, the prefix index),
+so its choice costs microseconds and every worker chooses from the same picture.
+
+* `round_robin`: one rotating counter shared by all workers (a pair takes one step of it).
+* `load_balance`: least load: our in-flight requests and tokens plus the engine's own queue and KV use.
+* `kv_cache_affinity`: the prefill goes to the instance that most recently prefilled the prompt's longest
+  cached prefix (chained block hashes over the whole rendered prompt), unless that instance's load
+  exceeds `affinity_overload_factor` times the least loaded one's (plus one request); decode by load.
+* `slo_aware`: predicts each candidate's TTFT (queue wait + uncached prefill + the decode engine's first
+  step) and TPOT (the decode engine's step time with one more sequence) from the learned model
+  (scheduling/predict.py), and picks, among the pairs predicted to meet the request's budgets with a
+  safety margin, the decode engine with the lowest predicted TPOT and the prefill engine that finishes
+  soonest. A cached prefix lowers a candidate's uncached tokens, so affinity is a lower prefill cost,
+  not a rule. Before the model knows a candidate it is tried once while idle, else load balancing.
+
+Every plan carries a verdict (`JobInfo.feasible`): True or False when the model can judge the chosen
+pair against the budgets, None when it cannot yet; SLO admission (scheduling/admission.py) acts on it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
 from scheduling.ledger import Ledger
+from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Target
 from scheduling.shared import G_RR, SharedState
+
+# A plan meets its budget when its predicted TTFT and TPOT are within these shares of them: room for the
+# model's error (queue waits are harder to predict than step times) and for the engines' noise.
+MARGIN = 0.85
+TPOT_MARGIN = 0.95
 
 
 @dataclass
@@ -26,22 +51,110 @@ class JobInfo:
     prompt_text: str = ""
     block_hashes: list[int] = field(default_factory=list)
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
+    arrived: float = field(default_factory=time.monotonic)
+    cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
+    # The verdict of the last plan: can the chosen engines meet the budgets? (None: cannot tell.)
+    feasible: bool | None = None
+    ttft_s: float = 0.0  # predicted for the chosen engines
+    tpot_s: float = 0.0
+    floor_s: float = 0.0  # predicted TTFT with empty queues: below this budget no wait can help
+    retry_after_s: float = 1.0
 
 
 class Policy:
     name = "base"
+    uses_prefix = False  # needs the rendered prompt's block hashes
 
-    def __init__(self, shared: SharedState, ledger: Ledger, health: Health):
+    def __init__(
+        self,
+        shared: SharedState,
+        ledger: Ledger,
+        health: Health,
+        predictor: Predictor | None = None,
+        index: PrefixIndex | None = None,
+        block_tokens: int = 16,
+        overload_factor: float = 2.0,
+    ):
         self.shared, self.ledger, self.health = shared, ledger, health
+        self.predictor = predictor
+        self.index = index
+        self.block_tokens = block_tokens
+        self.overload_factor = overload_factor
 
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
         raise NotImplementedError
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
-        return self.choose(ps, job), self.choose(ds, job)
+        p, d = self.choose(ps, job), self.choose(ds, job)
+        self.judge(p, d, job)
+        return p, d
 
-    def observe_prefill(self, target: Target, job: JobInfo) -> None:
-        """Called once a prefill on `target` finished (affinity policies remember the prefix)."""
+    def choose_whole(self, cands: list[Target], job: JobInfo) -> Target:
+        """One engine serves the request whole."""
+        t = self.choose(cands, job)
+        self.judge(None, t, job)
+        return t
+
+    def uncached(self, t: Target, job: JobInfo) -> int:
+        """The prompt tokens `t` must compute: those of its longest cached prefix are free."""
+        memo = job.cached.get(t.slot)
+        if memo is None:
+            blocks = self.index.cached_blocks(job.block_hashes, t.slot) if self.index is not None and job.block_hashes else 0
+            memo = job.cached[t.slot] = min(blocks * self.block_tokens, job.prompt_tokens - 1) if blocks else 0
+        return job.prompt_tokens - memo
+
+    # -- predictions ---------------------------------------------------------------------------
+
+    def decode_batch(self, t: Target, delay: float) -> float:
+        """Sequences `t` will be decoding when a request joins in `delay` seconds, itself included.
+
+        Requests promised to `t` (their prefill runs) will be there. Of those decoding now, the share still
+        running after `delay` is taken as 1 - delay / (a whole decode's length), as if their progress were
+        spread evenly (a decode lasts its mean output budget times the current step time).
+        """
+        requests, _, decode_tokens, _ = self.ledger.load(t.slot)
+        held = self.ledger.held(t.slot)
+        still = float(requests)
+        if requests and delay > 0.0:
+            step = self.predictor.step_s(t.slot, requests + held)
+            length = decode_tokens / requests * step
+            still = requests * (1.0 - delay / length) if delay < length else 0.0
+        return held + still + 1.0
+
+    def predict_decode(self, d: Target, delay: float = 0.0) -> tuple[float, float]:
+        """(seconds per token, seconds from the decode leg's start to its first token) for a request whose
+        decode leg starts in `delay` seconds."""
+        pred = self.predictor
+        tpot = pred.step_s(d.slot, self.decode_batch(d, delay))
+        return tpot, (pred.first_wait_s(d.slot) + tpot) if tpot != UNKNOWN else UNKNOWN
+
+    def predict_prefill(self, p: Target, job: JobInfo, now: float) -> tuple[float, float]:
+        """(seconds until `p` would finish this prompt's prefill, of which service without queueing)."""
+        service = self.predictor.prefill_s(p.slot, self.uncached(p, job))
+        return self.predictor.queue_wait_s(p.slot, now) + service, service
+
+    def judge(self, p: Target | None, d: Target, job: JobInfo) -> None:
+        """Set the job's verdict for this plan (p None: one engine serves the request whole)."""
+        job.feasible = None
+        if self.predictor is None:
+            return
+        ttft, service = self.predict_prefill(p or d, job, time.monotonic())
+        if ttft == UNKNOWN:
+            return
+        tpot, first = self.predict_decode(d, ttft)
+        if tpot == UNKNOWN:
+            return
+        extra = tpot if p is None else first
+        ttft, service = ttft + extra, service + extra
+        self._verdict(job, ttft, tpot, service)
+
+    def _verdict(self, job: JobInfo, ttft: float, tpot: float, floor: float) -> None:
+        ttft_budget = job.slo_ttft_ms / 1000.0 - (time.monotonic() - job.arrived)
+        tpot_budget = job.slo_tpot_ms / 1000.0
+        job.ttft_s, job.tpot_s, job.floor_s = ttft, tpot, floor
+        job.feasible = ttft <= MARGIN * ttft_budget and tpot <= TPOT_MARGIN * tpot_budget
+        if not job.feasible:
+            job.retry_after_s = max(1.0, ttft - MARGIN * ttft_budget)
 
 
 class RoundRobin(Policy):
@@ -49,11 +162,20 @@ class RoundRobin(Policy):
 
     name = "round_robin"
 
-    def choose(self, cands: list[Target], job: JobInfo) -> Target:
+    def _next(self) -> int:
         g = self.shared.globals
         n = g[G_RR]
         g[G_RR] = n + 1
-        return cands[n % len(cands)]
+        return n
+
+    def choose(self, cands: list[Target], job: JobInfo) -> Target:
+        return cands[self._next() % len(cands)]
+
+    def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
+        n = self._next()  # one step per request, so P and D each rotate through their own pool
+        p, d = ps[n % len(ps)], ds[n % len(ds)]
+        self.judge(p, d, job)
+        return p, d
 
 
 class LoadBalance(Policy):
@@ -84,8 +206,123 @@ class LoadBalance(Policy):
         return best
 
 
-POLICIES: dict[str, type[Policy]] = {RoundRobin.name: RoundRobin, LoadBalance.name: LoadBalance}
+class KvCacheAffinity(LoadBalance):
+    """Prefill where the prompt's longest prefix was prefilled last, unless that instance is overloaded."""
+
+    name = "kv_cache_affinity"
+    uses_prefix = True
+
+    def choose(self, cands: list[Target], job: JobInfo) -> Target:
+        if len(cands) == 1 or self.index is None or not job.block_hashes:
+            return super().choose(cands, job)
+        best_blocks, holders = 0, []
+        for t in cands:
+            blocks = self.index.cached_blocks(job.block_hashes, t.slot)
+            if blocks > best_blocks:
+                best_blocks, holders = blocks, [t]
+            elif blocks == best_blocks and blocks:
+                holders.append(t)
+        if not holders:
+            return super().choose(cands, job)
+        target = holders[0]
+        if len(holders) > 1:
+            last = self.index.last_owner(job.block_hashes, best_blocks)
+            target = next((t for t in holders if t.slot == last), holders[0])
+        least = min(self.score(t) for t in cands)
+        if self.score(target) > self.overload_factor * least + 1.0:
+            return super().choose(cands, job)
+        return target
+
+    def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
+        p, d = self.choose(ps, job), LoadBalance.choose(self, ds, job)
+        self.judge(p, d, job)
+        return p, d
 
 
-def make_policy(name: str, shared: SharedState, ledger: Ledger, health: Health) -> Policy:
-    return POLICIES.get(name, LoadBalance)(shared, ledger, health)
+class SloAware(LoadBalance):
+    """The pair predicted to meet the TTFT and TPOT budgets (see the module docstring)."""
+
+    name = "slo_aware"
+    uses_prefix = True
+
+    def _explore(self, cands: list[Target], known) -> Target | None:
+        """An idle candidate the model does not know yet (so it learns it), if any."""
+        for t in cands:
+            if not known(t.slot) and not self.ledger.requests(t.slot) and not self.ledger.held(t.slot):
+                return t
+        return None
+
+    def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float) -> tuple[Target, float, float] | None:
+        """The decode target with the lowest predicted TPOT, preferring those within the budget."""
+        budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
+        best = None
+        for d in ds:
+            tpot, first = self.predict_decode(d, delay)
+            if tpot == UNKNOWN:
+                return None
+            key = (tpot > budget, tpot)
+            if best is None or key < best[0]:
+                best = (key, d, tpot, first)
+        return best[1], best[2], best[3]
+
+    def _pick_prefill(self, ps: list[Target], job: JobInfo, now: float) -> tuple[Target, float, float] | None:
+        """The prefill target that finishes first: (it, its predicted finish, the least service time of any)."""
+        best, floor = None, UNKNOWN
+        for p in ps:
+            finish, service = self.predict_prefill(p, job, now)
+            if finish == UNKNOWN:
+                return None
+            if best is None or finish < best[1]:
+                best = (p, finish)
+            floor = min(floor, service)
+        return best[0], best[1], floor
+
+    def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
+        pred = self.predictor
+        job.feasible = None
+        p_pick = self._pick_prefill(ps, job, time.monotonic())
+        d_pick = self._pick_decode(ds, job, p_pick[1]) if p_pick is not None else None
+        if d_pick is None:
+            d = self._explore(ds, pred.decode_known) or LoadBalance.choose(self, ds, job)
+        else:
+            d = d_pick[0]
+        if p_pick is None:
+            return self._explore(ps, pred.prefill_known) or LoadBalance.choose(self, ps, job), d
+        if d_pick is None:
+            return p_pick[0], d
+        p, finish, floor = p_pick
+        _, tpot, first = d_pick
+        self._verdict(job, finish + first, tpot, floor + first)
+        return p, d
+
+    def choose_whole(self, cands: list[Target], job: JobInfo) -> Target:
+        return self.choose(cands, job)
+
+    def choose(self, cands: list[Target], job: JobInfo) -> Target:
+        """One engine for the whole request: the soonest first token among those within the TPOT budget."""
+        pred = self.predictor
+        job.feasible = None
+        now = time.monotonic()
+        budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
+        best = None
+        for t in cands:
+            finish, service = self.predict_prefill(t, job, now)
+            tpot = pred.step_s(t.slot, self.decode_batch(t, 0.0)) if finish != UNKNOWN else UNKNOWN
+            if tpot == UNKNOWN:
+                return self._explore(cands, lambda s: pred.prefill_known(s) and pred.decode_known(s)) or super().choose(cands, job)
+            key = (tpot > budget, finish + tpot)
+            if best is None or key < best[0]:
+                best = (key, t, finish + tpot, tpot, service + tpot)
+        _, t, ttft, tpot, floor = best
+        self._verdict(job, ttft, tpot, floor)
+        return t
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (RoundRobin, LoadBalance, KvCacheAffinity, SloAware)
+}
+
+
+def make_policy(name: str, shared: SharedState, ledger: Ledger, health: Health, **model) -> Policy:
+    """The policy named by scheduler_type; `model` passes predictor, index, block_tokens, overload_factor."""
+    return POLICIES.get(name, LoadBalance)(shared, ledger, health, **model)

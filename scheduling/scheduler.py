@@ -9,12 +9,19 @@ an engine kind sees only engines of that kind.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from scheduling.admission import OFF, REJECT, AdmissionQueue, OverBudget
+from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
-from scheduling.ledger import Ledger
-from scheduling.policies import JobInfo, Policy
+from scheduling.ledger import DECODE, PREFILL, WHOLE, Hold, Lease, Ledger
+from scheduling.policies import JobInfo, Policy, make_policy
+from scheduling.predict import Predictor
 from scheduling.registry import Registry, Target
+from scheduling.tokens import PromptMeter, make_meter
+
+log = logging.getLogger("coordinator.scheduler")
 
 
 class NoCapacity(Exception):
@@ -32,8 +39,104 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, registry: Registry, ledger: Ledger, health: Health, policy: Policy):
+    """Plans requests with one policy, admits them by SLO, and keeps the learned model up to date.
+
+    `predictor` and `index` are the shared learned model and prefix index the policy also holds (None:
+    nothing is learned). `tokenizers` maps model ids to `tokenizer_path`s for exact token counts.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        ledger: Ledger,
+        health: Health,
+        policy: Policy,
+        *,
+        admission: str = OFF,
+        queue: AdmissionQueue | None = None,
+        tokenizers: dict[str, str] | None = None,
+    ):
         self.registry, self.ledger, self.health, self.policy = registry, ledger, health, policy
+        self.predictor: Predictor | None = policy.predictor
+        self.index: PrefixIndex | None = policy.index
+        self.admission = admission
+        self.queue = queue
+        self.tokenizers = tokenizers or {}
+        self.meters: dict[str, PromptMeter] = {}
+        ledger.observer = self._observe
+
+    # -- before planning -------------------------------------------------------------------------
+
+    def meter(self, model: str) -> PromptMeter:
+        meter = self.meters.get(model)
+        if meter is None:
+            meter = self.meters[model] = make_meter(self.tokenizers.get(model, ""), self.policy.block_tokens)
+        return meter
+
+    def prepare(self, job: JobInfo, kind: str, body: dict) -> None:
+        """Count the prompt exactly (a tokenizer is configured) and hash its blocks (the policy uses them)."""
+        meter = self.meter(job.model)
+        hashes = self.policy.uses_prefix and self.index is not None
+        if meter.exact or hashes:
+            job.prompt_tokens, job.block_hashes = meter.measure(kind, body, hashes)
+
+    # -- admission -------------------------------------------------------------------------------
+
+    async def admit(self, job: JobInfo) -> "Plan":
+        """The first plan of a request, through SLO admission (raises OverBudget when refused)."""
+        plan = self.plan(job)
+        if job.feasible is not False or self.admission == OFF:
+            return plan
+        log.debug(
+            "over budget: model=%s ttft=%.3f/%.3f s tpot=%.4f/%.4f s floor=%.3f", job.model, job.ttft_s,
+            job.slo_ttft_ms / 1000, job.tpot_s, job.slo_tpot_ms / 1000, job.floor_s,
+        )
+        if self.admission == REJECT or self.queue is None:
+            raise OverBudget(
+                f"no instance of model {job.model!r} can meet the SLO budget now (predicted TTFT "
+                f"{job.ttft_s * 1000:.0f} ms of {job.slo_ttft_ms:.0f} ms, TPOT {job.tpot_s * 1000:.0f} ms of {job.slo_tpot_ms:.0f} ms)",
+                job.retry_after_s,
+            )
+        return await self.queue.wait(job, lambda: self.plan(job))
+
+    # -- leases and learning ---------------------------------------------------------------------
+
+    def lease(self, t: Target, job: JobInfo, kind: str) -> Lease:
+        """Take `t`'s load for one leg (PREFILL, DECODE) or a whole request (WHOLE)."""
+        if kind == DECODE:
+            lease = self.ledger.lease(t.slot, 0, job.max_tokens, prefilling=False, kind=DECODE)
+        else:
+            uncached = self.policy.uncached(t, job)
+            lease = self.ledger.lease(t.slot, uncached, 1 if kind == PREFILL else job.max_tokens, kind=kind)
+            lease.hashes = job.block_hashes
+            if self.predictor is not None:
+                lease.predicted, lease.shift = self.predictor.start_prefill(t.slot, uncached, lease.started)
+        lease.batch = self.ledger.requests(t.slot)
+        return lease
+
+    def hold(self, t: Target) -> Hold:
+        """Promise `t`'s decode batch a place while the request's prefill runs."""
+        return self.ledger.hold(t.slot)
+
+    def _observe(self, lease: Lease) -> None:
+        """A lease marked successful is being released: learn from its timings."""
+        try:
+            pred, slot = self.predictor, lease.slot
+            if lease.kind == PREFILL or (lease.kind == WHOLE and lease.first_at):
+                done = lease.ended if lease.kind == PREFILL else lease.first_at
+                tokens = lease.engine_uncached if lease.engine_uncached >= 0 else lease.prompt_tokens
+                if pred is not None and lease.predicted:
+                    pred.learn_prefill(slot, lease.started, done, tokens, lease.predicted, lease.shift)
+                if self.index is not None and lease.hashes:
+                    self.index.record(lease.hashes, slot)
+            if pred is not None and lease.kind != PREFILL and lease.first_at:
+                batch = (lease.batch + self.ledger.requests(slot)) / 2.0
+                started = lease.started if lease.kind == DECODE else lease.first_at
+                pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch)
+        except Exception:  # learning must never fail a request
+            log.exception("learning from a finished request failed")
+        if self.queue is not None:
+            self.queue.poke()
 
     def _usable(self, pool: list[Target], exclude: frozenset[int], job: JobInfo) -> list[Target]:
         usable, kind = self.health.usable, job.engine_type
@@ -43,6 +146,7 @@ class Scheduler:
         ]
 
     def plan(self, job: JobInfo, exclude: frozenset[int] = frozenset(), allow_pd: bool = True) -> Plan:
+        job.feasible = None
         view = self.registry.view()
         model = job.model
         p_pool, d_pool, u_pool = view.pool(model, "prefill"), view.pool(model, "decode"), view.pool(model, "union")
@@ -56,7 +160,7 @@ class Scheduler:
             whole = self._usable(u_pool, exclude, job) or self._usable(p_pool, exclude, job) or self._usable(d_pool, exclude, job)
         if not whole:
             raise NoCapacity(f"no healthy instance of model {model!r} is available")
-        return Plan(None, self.policy.choose(whole, job))
+        return Plan(None, self.policy.choose_whole(whole, job))
 
     def pick_one(self, model: str, job: JobInfo, roles: tuple[str, ...], exclude: frozenset[int] = frozenset()) -> Target:
         """One engine of the model, preferring roles in order (count_tokens, metaserver)."""
@@ -66,3 +170,15 @@ class Scheduler:
             if cands:
                 return self.policy.choose(cands, job)
         raise NoCapacity(f"no healthy instance of model {model!r} is available")
+
+
+def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health: Health) -> Scheduler:
+    """The scheduler `settings` (config.Settings) describe, on the shared learned model and prefix index."""
+    policy = make_policy(
+        settings.scheduler_type, shared, ledger, health,
+        predictor=Predictor(shared), index=PrefixIndex(shared),
+        block_tokens=settings.kv_affinity_block_size, overload_factor=settings.affinity_overload_factor,
+    )
+    queue = AdmissionQueue(shared, settings.admission_queue_size) if settings.admission == "queue" else None
+    tokenizers = {m.id: m.tokenizer_path for m in settings.models if m.tokenizer_path}
+    return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, tokenizers=tokenizers)

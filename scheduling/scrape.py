@@ -1,12 +1,26 @@
-"""Parsing the few engine gauges the scheduler uses out of a vLLM /metrics page (Prometheus text)."""
+"""The engine gauges and latency histograms the scheduler uses, out of a vLLM /metrics page.
+
+One worker scrapes every engine once per `metrics_scrape_interval` for all workers (serving/background.py)
+and writes what it read into the shared health table: the gauges as they are, the histograms as the
+mean TTFT and inter-token latency of the requests that finished during the last interval.
+"""
 
 from __future__ import annotations
+
+from scheduling.health import Health
+from scheduling.shared import H_ENGINE_ITL_S, H_ENGINE_TTFT_S
 
 WANTED = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:gpu_cache_usage_perc": "kv_usage",  # the name before vLLM 0.10
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    "vllm:time_to_first_token_seconds_count": "ttft_count",
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+    "vllm:time_per_output_token_seconds_sum": "itl_sum",  # the name before vLLM 0.11
+    "vllm:time_per_output_token_seconds_count": "itl_count",
 }
 
 
@@ -30,3 +44,23 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             continue
         out[key] = out.get(key, 0.0) + value
     return out
+
+
+class EngineScrapes:
+    """Turns successive scrapes of each slot into shared gauges and per-interval latency means."""
+
+    def __init__(self, health: Health):
+        self.health = health
+        self.last: dict[int, dict[str, float]] = {}  # slot -> the previous scrape's histogram totals
+
+    def update(self, slot: int, m: dict[str, float]) -> None:
+        self.health.set_engine_load(slot, m.get("running", 0.0), m.get("waiting", 0.0), m.get("kv_usage", 0.0))
+        prev = self.last.get(slot)
+        self.last[slot] = m
+        if prev is None:
+            return
+        for name, field in (("ttft", H_ENGINE_TTFT_S), ("itl", H_ENGINE_ITL_S)):
+            count = m.get(f"{name}_count", 0.0) - prev.get(f"{name}_count", 0.0)
+            total = m.get(f"{name}_sum", 0.0) - prev.get(f"{name}_sum", 0.0)
+            if count > 0 and total >= 0:  # a counter reset (engine restart) gives a negative delta: skip it
+                self.health.put(slot, field, total / count)

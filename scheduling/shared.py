@@ -19,9 +19,10 @@ MAX_WORKERS = 64
 MAX_SLOTS = 256
 DOC_BYTES = 1 << 20
 
-# Ledger counters, one group per (worker, slot).
-L_REQUESTS, L_PROMPT_TOKENS, L_DECODE_TOKENS, L_PREFILLING = range(4)
-LEDGER_FIELDS = 4
+# Ledger counters, one group per (worker, slot). L_HELD counts decode slots promised to requests whose
+# prefill is still running (their decode leg will join that engine's batch soon).
+L_REQUESTS, L_PROMPT_TOKENS, L_DECODE_TOKENS, L_PREFILLING, L_HELD = range(5)
+LEDGER_FIELDS = 5
 
 # Health table fields, one row per slot.
 (
@@ -33,18 +34,33 @@ LEDGER_FIELDS = 4
     H_WAITING,  # engine's vllm:num_requests_waiting
     H_KV_USAGE,  # engine's vllm:kv_cache_usage_perc (0..1)
     H_SCRAPED_AT,  # when the metrics above were read
-    H_PREFILL_TPS,  # learned uncached prefill tokens per second (EWMA; 0 = unknown)
-    H_DECODE_STEP_S,  # learned seconds per output token (EWMA; 0 = unknown)
-    H_DECODE_PER_SEQ_S,  # learned extra seconds per token per running sequence
-    H_QUEUE_DELAY_S,  # learned queueing delay before prefill starts
-) = range(12)
-HEALTH_FIELDS = 12
+    # The learned model of this endpoint (scheduling/predict.py); 0 = not learned yet. Slot reuse clears it.
+    H_PREFILL_TPS,  # uncached prompt tokens prefilled per second
+    H_DECODE_STEP_S,  # seconds per decode step with an empty batch (intercept)
+    H_DECODE_PER_SEQ_S,  # extra seconds per decode step per running sequence (slope)
+    H_QUEUE_DELAY_S,  # decode leg: wait from its start to its first step (KV pull, engine admission)
+    H_PREFILL_BASE_S,  # fixed seconds per prefill (HTTP, one step), on top of tokens / H_PREFILL_TPS
+    H_QUEUE_UNTIL,  # virtual time (time.monotonic) when the prefill work sent so far should be done
+    H_QUEUE_SHIFT_S,  # sum of corrections applied to H_QUEUE_UNTIL from observed completions
+    H_LAST_DONE,  # time (monotonic) of the last observed prefill completion
+    H_PF_N, H_PF_SX, H_PF_SY, H_PF_SXX, H_PF_SXY,  # decayed sums: prefill seconds vs uncached tokens
+    H_DC_N, H_DC_SX, H_DC_SY, H_DC_SXX, H_DC_SXY,  # decayed sums: seconds per token vs batch size
+    H_ENGINE_TTFT_S,  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
+    H_ENGINE_ITL_S,  # engine's mean inter-token latency over the last scrape interval
+) = range(28)
+HEALTH_FIELDS = 32
 
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 
 # Global counters.
 G_DOC_VERSION, G_DOC_LEN, G_RR, G_RATE_TOKENS_MILLI, G_RATE_STAMP_US, G_DRAINING, G_INFLIGHT = range(7)
-GLOBAL_FIELDS = 8
+G_ADMIT_QUEUED = 15  # requests waiting in SLO admission queues, all workers (scheduling/admission.py)
+GLOBAL_FIELDS = 16
+
+# The prefix index (scheduling/affinity.py): open-addressed entries of (chained block hash, bit mask of the
+# slots that prefilled that prefix, the slot that did so last).
+PREFIX_ENTRIES = 1 << 16
+PREFIX_FIELDS = 3
 
 
 @dataclass
@@ -55,7 +71,8 @@ class SharedState:
     ledger: Any  # RawArray int64 [MAX_WORKERS * MAX_SLOTS * LEDGER_FIELDS]
     health: Any  # RawArray double [MAX_SLOTS * HEALTH_FIELDS]
     globals: Any  # RawArray int64 [GLOBAL_FIELDS]
-    lock: Any  # a multiprocessing lock for the rare writes (instance refresh, rate limit bucket)
+    lock: Any  # a multiprocessing lock for the rare writes (instance refresh, rate limit bucket, learned model)
+    prefix: Any = None  # RawArray uint64 [PREFIX_ENTRIES * PREFIX_FIELDS]
 
     @classmethod
     def create(cls) -> "SharedState":
@@ -66,14 +83,18 @@ class SharedState:
             health=ctx.RawArray(ctypes.c_double, MAX_SLOTS * HEALTH_FIELDS),
             globals=ctx.RawArray(ctypes.c_int64, GLOBAL_FIELDS),
             lock=ctx.Lock(),
+            prefix=ctx.RawArray(ctypes.c_uint64, PREFIX_ENTRIES * PREFIX_FIELDS),
         )
 
     def as_shared_ctx(self) -> dict:
-        return {f"motor_{k}": getattr(self, k) for k in ("doc", "ledger", "health", "globals", "lock")}
+        return {f"motor_{k}": getattr(self, k) for k in _FIELDS}
 
     @classmethod
     def from_shared_ctx(cls, ctx: Any) -> "SharedState":
-        return cls(*(getattr(ctx, f"motor_{k}") for k in ("doc", "ledger", "health", "globals", "lock")))
+        return cls(*(getattr(ctx, f"motor_{k}") for k in _FIELDS))
+
+
+_FIELDS = ("doc", "ledger", "health", "globals", "lock", "prefix")
 
 
 def worker_index() -> int:

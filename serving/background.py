@@ -14,7 +14,7 @@ from engines import EngineClient
 from errors import UpstreamError
 from scheduling.health import Health
 from scheduling.registry import Registry, Target
-from scheduling.scrape import parse_engine_metrics
+from scheduling.scrape import EngineScrapes, parse_engine_metrics
 
 log = logging.getLogger("coordinator.background")
 
@@ -22,6 +22,7 @@ log = logging.getLogger("coordinator.background")
 class Background:
     def __init__(self, settings: Settings, registry: Registry, health: Health, client: EngineClient):
         self.s, self.registry, self.health, self.client = settings, registry, health, client
+        self.scrapes = EngineScrapes(health)
         self.tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -58,5 +59,4 @@ class Background:
             return
         if status != 200:
             return
-        m = parse_engine_metrics(body.decode("utf-8", "replace"))
-        self.health.set_engine_load(t.slot, m.get("running", 0.0), m.get("waiting", 0.0), m.get("kv_usage", 0.0))
+        self.scrapes.update(t.slot, parse_engine_metrics(body.decode("utf-8", "replace")))

@@ -1,0 +1,103 @@
+"""SLO admission (`scheduler_config.admission`): what happens when no engine can meet a request's budget.
+
+The policy's plan carries a verdict (scheduling/policies.py). `off` serves every plan. `reject`
+refuses a plan predicted to miss its TTFT or TPOT budget (`OverBudget`: the Coordinator answers 429
+with Retry-After) instead of piling more work on engines that are already late. `queue` parks it in a
+bounded wait list, earliest deadline (arrival + TTFT budget) first, and plans it again every tick (and
+at once when a request of this worker finishes); it leaves the list when a plan meets the budget that
+is left, or with `OverBudget` when the list is full or the budget left is below the predicted TTFT on
+empty queues (no wait can help any more).
+
+Each worker keeps its own list; their total length is bounded across workers by a shared counter. A
+verdict of None (the model does not know the engines yet) always admits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from typing import Callable
+
+from scheduling.policies import MARGIN
+from scheduling.shared import G_ADMIT_QUEUED, SharedState
+
+OFF, QUEUE, REJECT = "off", "queue", "reject"
+
+
+class OverBudget(Exception):
+    """No engine can meet the request's SLO budget now."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class AdmissionQueue:
+    """This worker's requests waiting for a plan within budget, earliest deadline first."""
+
+    def __init__(self, shared: SharedState, size: int, tick_s: float = 0.005, tries_per_tick: int = 8):
+        self.g, self.lock = shared.globals, shared.lock
+        self.size = size
+        self.tick_s = tick_s
+        self.tries = tries_per_tick
+        self.heap: list = []  # [deadline, seq, future, job, plan_fn]
+        self.seq = itertools.count()
+        self.pump: asyncio.Task | None = None
+        self.wake = asyncio.Event()
+
+    def __len__(self) -> int:
+        return sum(1 for e in self.heap if not e[2].done())
+
+    async def wait(self, job, plan: Callable[[], object]):
+        """Park `job` until `plan()` returns a plan whose verdict is not False; returns that plan."""
+        with self.lock:
+            if self.g[G_ADMIT_QUEUED] >= self.size:
+                raise OverBudget(f"the SLO admission queue is full ({self.size} requests)", job.retry_after_s)
+            self.g[G_ADMIT_QUEUED] += 1
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        heapq.heappush(self.heap, [job.arrived + job.slo_ttft_ms / 1000.0, next(self.seq), fut, job, plan])
+        if self.pump is None or self.pump.done():
+            self.pump = loop.create_task(self._pump())
+        try:
+            return await fut
+        finally:
+            if not fut.done():
+                fut.cancel()
+            with self.lock:
+                self.g[G_ADMIT_QUEUED] -= 1
+
+    def poke(self) -> None:
+        """Capacity was freed: try the waiting requests now rather than at the next tick."""
+        if self.heap:
+            self.wake.set()
+
+    async def _pump(self) -> None:
+        while self.heap:
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.tick_s)
+            except asyncio.TimeoutError:
+                pass
+            heap = self.heap
+            while heap and heap[0][2].done():
+                heapq.heappop(heap)
+            for entry in sorted(heap)[: self.tries]:
+                fut, job, plan = entry[2], entry[3], entry[4]
+                if fut.done():
+                    continue
+                try:
+                    result = plan()
+                except Exception as e:  # NoCapacity and the like: the waiting request answers it
+                    fut.set_exception(e)
+                    continue
+                if job.feasible is not False:
+                    fut.set_result(result)
+                    # Let the admitted request take its leases before the next one is judged.
+                    await asyncio.sleep(0)
+                    continue
+                left = job.slo_ttft_ms / 1000.0 - (time.monotonic() - job.arrived)
+                if MARGIN * left < job.floor_s:
+                    fut.set_exception(OverBudget("the SLO budget ran out while the request waited for capacity", job.retry_after_s))

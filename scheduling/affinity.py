@@ -1,0 +1,90 @@
+"""The prefix index: which engine slots hold the KV of which prompt prefixes, shared by all workers.
+
+After a prefill succeeds on a slot, every chained block hash of its prompt (scheduling/tokens.py) is
+recorded with that slot's bit. A prompt's cached prefix on a slot is then its longest run of leading
+blocks carrying the slot's bit: since block k's hash covers blocks 0..k, the recorded blocks of one
+slot form a prefix-closed set and a binary search finds the run's end in about log2(blocks) probes.
+
+The table lives in shared memory (made in the main process with the other shared arrays), so every
+worker routes by the prefills of every worker. It is an open-addressed hash table of fixed size
+(`PREFIX_ENTRIES`) with a few probes per key; when a key's probes are all taken, the entry of the
+probe position picked by the key's high bits is overwritten. Writers take no lock: a torn or
+overwritten entry only makes one routing hint wrong, and the engine's own prefix cache is what
+really decides hits. Slot bits are `slot % 64`, so with more than 64 endpoints two slots can share
+a bit. The index does not see engine evictions; a stale hint sends a request to an engine that
+recomputes the prefix, after which that engine holds it again.
+"""
+
+from __future__ import annotations
+
+from scheduling.shared import PREFIX_ENTRIES, PREFIX_FIELDS, SharedState
+
+PROBES = 4
+_MASK = PREFIX_ENTRIES - 1
+
+
+class PrefixIndex:
+    def __init__(self, shared: SharedState):
+        self.a = shared.prefix
+
+    def _find(self, key: int) -> int:
+        """The entry index holding `key`, or -1."""
+        a, i = self.a, key & _MASK
+        for _ in range(PROBES):
+            base = i * PREFIX_FIELDS
+            k = a[base]
+            if k == key:
+                return base
+            if k == 0:
+                return -1
+            i = (i + 1) & _MASK
+        return -1
+
+    def record(self, hashes: list[int], slot: int) -> None:
+        """`slot` has just prefilled a prompt with these block hashes."""
+        a, bit = self.a, 1 << (slot % 64)
+        for key in hashes:
+            key = key or 1  # 0 marks an empty entry
+            i, victim = key & _MASK, -1
+            for p in range(PROBES):
+                base = i * PREFIX_FIELDS
+                k = a[base]
+                if k == key:
+                    a[base + 1] |= bit
+                    a[base + 2] = slot
+                    break
+                if k == 0:
+                    a[base], a[base + 1], a[base + 2] = key, bit, slot
+                    break
+                if p == (key >> 60) % PROBES:
+                    victim = base
+                i = (i + 1) & _MASK
+            else:
+                a[victim], a[victim + 1], a[victim + 2] = key, bit, slot
+
+    def _has(self, key: int, bit: int) -> bool:
+        base = self._find(key or 1)
+        return base >= 0 and bool(self.a[base + 1] & bit)
+
+    def cached_blocks(self, hashes: list[int], slot: int) -> int:
+        """How many leading blocks of the prompt `slot` is believed to hold."""
+        if not hashes:
+            return 0
+        bit = 1 << (slot % 64)
+        lo, hi = 0, len(hashes)
+        if self._has(hashes[-1], bit):
+            return hi
+        while lo < hi:  # invariant: the first lo blocks are held, block hi (if any) is not
+            mid = (lo + hi + 1) // 2
+            if self._has(hashes[mid - 1], bit):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def last_owner(self, hashes: list[int], blocks: int) -> int:
+        """The slot that most recently prefilled the first `blocks` blocks (-1 when unknown)."""
+        if blocks <= 0:
+            return -1
+        base = self._find(hashes[blocks - 1] or 1)
+        return int(self.a[base + 2]) if base >= 0 else -1

@@ -1,0 +1,191 @@
+"""Learned speeds of every engine endpoint, shared by all workers: predicted TTFT and TPOT per candidate.
+
+Nothing here knows how fast an engine is: every figure comes from timings the dispatcher observes.
+
+Prefill (P and union endpoints). Each endpoint is modelled as one FIFO server (vLLM schedules prefill
+first come, first served, chunking long prompts). Its *virtual queue* `H_QUEUE_UNTIL` is when the
+prefill work sent so far should be done: a new prefill of `u` uncached tokens starts at
+max(now, queue end) and takes `base + u / rate`. When a prefill completes, the gap between its
+observed and predicted finish moves the queue end (requests behind it are late or early by the same
+amount), counting each correction once: a lease remembers the sum of corrections when it started.
+Its service time is the time from max(its start, the previous completion on that endpoint) to its
+completion; `rate` and `base` are a least-squares line through (uncached tokens, service time) pairs.
+
+Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
+a least-squares line through (mean batch during a request, its observed seconds per token) pairs. The
+wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean.
+
+The fits use exponentially decayed sums (the last ~`1/decay` samples dominate), updated under the
+shared lock, once per finished request. With too little spread in x, a slope is shrunk toward a
+prior (through the origin for prefill, a fixed part worth 4 sequences for decode), so a fresh model
+never claims that a bigger batch is free. An endpoint is "known" after `min_samples` observations;
+before that the policies fall back to load balancing (and the engine's own mean inter-token latency,
+from /metrics, stands in for an unknown decode model).
+"""
+
+from __future__ import annotations
+
+import time
+
+from scheduling.shared import (
+    H_DC_N,
+    H_DC_SX,
+    H_DC_SXX,
+    H_DC_SXY,
+    H_DC_SY,
+    H_DECODE_PER_SEQ_S,
+    H_DECODE_STEP_S,
+    H_ENGINE_ITL_S,
+    H_LAST_DONE,
+    H_PF_N,
+    H_PF_SX,
+    H_PF_SXX,
+    H_PF_SXY,
+    H_PF_SY,
+    H_PREFILL_BASE_S,
+    H_PREFILL_TPS,
+    H_QUEUE_DELAY_S,
+    H_QUEUE_SHIFT_S,
+    H_QUEUE_UNTIL,
+    HEALTH_FIELDS,
+    SharedState,
+)
+
+UNKNOWN = float("inf")
+
+
+class Predictor:
+    def __init__(self, shared: SharedState, decay: float = 1 / 32, min_samples: int = 3):
+        self.h, self.lock = shared.health, shared.lock
+        self.keep = 1.0 - decay
+        self.decay = decay
+        self.min_samples = min_samples
+
+    # -- reading (hot path: a few float loads) -------------------------------------------------
+
+    def prefill_known(self, slot: int) -> bool:
+        return self.h[slot * HEALTH_FIELDS + H_PREFILL_TPS] > 0.0
+
+    def queue_wait_s(self, slot: int, now: float) -> float:
+        wait = self.h[slot * HEALTH_FIELDS + H_QUEUE_UNTIL] - now
+        return wait if wait > 0.0 else 0.0
+
+    def prefill_s(self, slot: int, tokens: int) -> float:
+        """Service time of a prefill of `tokens` uncached tokens, without queueing (inf when unknown)."""
+        h, base = self.h, slot * HEALTH_FIELDS
+        rate = h[base + H_PREFILL_TPS]
+        return h[base + H_PREFILL_BASE_S] + tokens / rate if rate > 0.0 else UNKNOWN
+
+    def decode_known(self, slot: int) -> bool:
+        return self.h[slot * HEALTH_FIELDS + H_DC_N] >= self.min_samples or self.h[slot * HEALTH_FIELDS + H_ENGINE_ITL_S] > 0.0
+
+    def step_s(self, slot: int, batch: float) -> float:
+        """Seconds per output token with `batch` sequences running (inf when unknown)."""
+        h, base = self.h, slot * HEALTH_FIELDS
+        if h[base + H_DC_N] >= self.min_samples:
+            return h[base + H_DECODE_STEP_S] + h[base + H_DECODE_PER_SEQ_S] * batch
+        itl = h[base + H_ENGINE_ITL_S]
+        return itl if itl > 0.0 else UNKNOWN
+
+    def first_wait_s(self, slot: int) -> float:
+        return self.h[slot * HEALTH_FIELDS + H_QUEUE_DELAY_S]
+
+    # -- writing (once per request, under the shared lock) -------------------------------------
+
+    def start_prefill(self, slot: int, tokens: int, now: float) -> tuple[float, float]:
+        """Queue a prefill of `tokens` uncached tokens: (its predicted finish, the correction sum now)."""
+        h, base = self.h, slot * HEALTH_FIELDS
+        with self.lock:
+            end = h[base + H_QUEUE_UNTIL]
+            if end < now:
+                end = now
+            rate = h[base + H_PREFILL_TPS]
+            if rate > 0.0:
+                end += h[base + H_PREFILL_BASE_S] + tokens / rate
+            h[base + H_QUEUE_UNTIL] = end
+            return end, h[base + H_QUEUE_SHIFT_S]
+
+    def learn_prefill(self, slot: int, started: float, done: float, tokens: int, predicted: float, shift0: float) -> None:
+        """A prefill queued at `started` (see start_prefill) completed at `done` after `tokens` uncached tokens."""
+        h, base = self.h, slot * HEALTH_FIELDS
+        with self.lock:
+            shift = h[base + H_QUEUE_SHIFT_S]
+            late = done - (predicted + shift - shift0)
+            h[base + H_QUEUE_UNTIL] += late
+            h[base + H_QUEUE_SHIFT_S] = shift + late
+            last = h[base + H_LAST_DONE]
+            service = done - (started if started > last or last == 0.0 else last)
+            if done > last or last == 0.0:
+                h[base + H_LAST_DONE] = done
+            if service <= 0.0:
+                return  # finished in the same engine step as the previous one: its time is in that sample
+            n = self._add(base + H_PF_N, float(tokens), service)
+            if n < self.min_samples:
+                return
+            a, b = self._fit(base + H_PF_N, ratio_prior=True)
+            h[base + H_PREFILL_BASE_S] = a
+            h[base + H_PREFILL_TPS] = 1.0 / b if b > 0.0 else 1e12
+
+    def learn_decode(self, slot: int, started: float, first: float, done: float, events: int, batch: float) -> None:
+        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch."""
+        h, base = self.h, slot * HEALTH_FIELDS
+        with self.lock:
+            if events >= 5 and done > first:
+                per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
+                n = self._add(base + H_DC_N, batch, per_token)
+                if n >= self.min_samples:
+                    a, b = self._fit(base + H_DC_N, ratio_prior=False)
+                    h[base + H_DECODE_STEP_S] = a
+                    h[base + H_DECODE_PER_SEQ_S] = b
+            step = self.step_s(slot, batch)
+            if step == UNKNOWN:
+                return
+            wait = first - started - step
+            wait = wait if wait > 0.0 else 0.0
+            old = h[base + H_QUEUE_DELAY_S]
+            h[base + H_QUEUE_DELAY_S] = wait if old == 0.0 else self.keep * old + self.decay * wait
+
+    def _add(self, i: int, x: float, y: float) -> float:
+        """Decay the sums at i..i+4 (n, Sx, Sy, Sxx, Sxy) and add one (x, y) sample; returns n."""
+        h, k = self.h, self.keep
+        h[i] = k * h[i] + 1.0
+        h[i + 1] = k * h[i + 1] + x
+        h[i + 2] = k * h[i + 2] + y
+        h[i + 3] = k * h[i + 3] + x * x
+        h[i + 4] = k * h[i + 4] + x * y
+        return h[i]
+
+    def _fit(self, i: int, ratio_prior: bool) -> tuple[float, float]:
+        """Intercept and slope of y on x from the sums at i, the slope shrunk toward a prior."""
+        h = self.h
+        n, sx, sy, sxx, sxy = h[i], h[i + 1], h[i + 2], h[i + 3], h[i + 4]
+        mx, my = sx / n, sy / n
+        vx = max(0.0, sxx / n - mx * mx)
+        cxy = sxy / n - mx * my
+        if ratio_prior:  # prefill: time proportional to tokens unless the data say otherwise
+            prior = my / mx if mx > 0 else 0.0
+            weight = (0.1 * mx) ** 2
+        else:  # decode: the fixed part of a step costs about as much as 4 sequences
+            prior = my / (mx + 4.0)
+            weight = 0.5
+        b = (cxy + weight * prior) / (vx + weight) if vx + weight > 0 else prior
+        if b < 0.0:
+            b = 0.0
+        a = my - b * mx
+        if a < 0.0:
+            a, b = 0.0, (my / mx if mx > 0 else 0.0)
+        return a, b
+
+    def snapshot(self, slot: int) -> dict:
+        """The learned figures of one endpoint (for /metrics, logs and tests)."""
+        h, base = self.h, slot * HEALTH_FIELDS
+        return {
+            "prefill_tokens_per_s": h[base + H_PREFILL_TPS],
+            "prefill_base_s": h[base + H_PREFILL_BASE_S],
+            "queue_wait_s": self.queue_wait_s(slot, time.monotonic()),
+            "decode_step_s": h[base + H_DECODE_STEP_S],
+            "decode_per_seq_s": h[base + H_DECODE_PER_SEQ_S],
+            "decode_first_wait_s": h[base + H_QUEUE_DELAY_S],
+            "prefill_samples": h[base + H_PF_N],
+            "decode_samples": h[base + H_DC_N],
+        }

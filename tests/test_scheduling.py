@@ -1,0 +1,523 @@
+"""Scheduling without a server: token counts and block hashes, the prefix index, the learned model, the
+ledger, every policy, SLO admission and the engine-metrics scrape, on shared state made in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from config import Endpoint, Instance
+from engine_sim import tokens as sim_tokens
+from scheduling.admission import AdmissionQueue, OverBudget
+from scheduling.affinity import PrefixIndex
+from scheduling.health import Health
+from scheduling.ledger import DECODE, PREFILL, Ledger
+from scheduling.policies import JobInfo, make_policy
+from scheduling.predict import UNKNOWN, Predictor
+from scheduling.registry import Registry, Target
+from scheduling.scheduler import Scheduler
+from scheduling.scrape import EngineScrapes, parse_engine_metrics
+from scheduling.shared import H_ENGINE_ITL_S, H_ENGINE_TTFT_S, SharedState
+from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
+
+MODEL = "m"
+BLOCK = 16
+
+
+def target(slot: int, role: str) -> Target:
+    return Target(slot + 1, 0, slot, role, MODEL, "vllm", f"http://127.0.0.1:{9000 + slot}", f"127.0.0.1:{9000 + slot}", False)
+
+
+def job(prompt_tokens: int = 100, max_tokens: int = 50, ttft_ms: float = 2000, tpot_ms: float = 100, hashes=()) -> JobInfo:
+    return JobInfo(MODEL, prompt_tokens, max_tokens, ttft_ms, tpot_ms, block_hashes=list(hashes))
+
+
+class World:
+    """Shared state and one worker's view of it."""
+
+    def __init__(self, policy: str = "load_balance", worker: int = 0, shared: SharedState | None = None):
+        self.shared = shared or SharedState.create()
+        self.ledger = Ledger(self.shared, worker, 2)
+        self.health = Health(self.shared)
+        self.predictor = Predictor(self.shared)
+        self.index = PrefixIndex(self.shared)
+        self.policy = make_policy(policy, self.shared, self.ledger, self.health, predictor=self.predictor, index=self.index, block_tokens=BLOCK)
+
+
+def teach_prefill(pred: Predictor, slot: int, tokens_per_s: float, base_s: float = 0.01, samples: int = 12) -> None:
+    """Observed prefills, one after another, long ago (so no queue is left now)."""
+    t = time.monotonic() - 200
+    for k in range(samples):
+        tokens = 200 + 400 * (k % 5)
+        predicted, shift = pred.start_prefill(slot, tokens, t)
+        done = t + base_s + tokens / tokens_per_s
+        pred.learn_prefill(slot, t, done, tokens, predicted, shift)
+        t = done + 1.0
+
+
+def teach_decode(pred: Predictor, slot: int, step_s: float, per_seq_s: float, batches=range(1, 9)) -> None:
+    t = time.monotonic() - 200
+    for b in list(batches) * 2:
+        first = t + 0.02 + step_s + per_seq_s * b
+        done = first + (step_s + per_seq_s * b) * 40
+        pred.learn_decode(slot, t, first, done, 43, float(b))
+        t = done + 1.0
+
+
+# -- tokens --------------------------------------------------------------------------------------
+
+
+CHAT_BODY = {
+    "model": MODEL,
+    "messages": [
+        {"role": "system", "content": "You are terse. " * 40},
+        {"role": "user", "content": [{"type": "text", "text": "Describe "}, {"type": "image_url", "image_url": {"url": "x"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "1"},
+    ],
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+}
+
+
+def test_estimate_renders_the_prompt_as_the_engine_counts_it():
+    meter = PromptMeter(BLOCK)
+    tokens, hashes = meter.measure(CHAT, CHAT_BODY)
+    assert tokens == sim_tokens.chat_prompt_tokens(CHAT_BODY["messages"], tools=CHAT_BODY["tools"])
+    assert len(hashes) == len(sim_tokens.render_chat_prompt(CHAT_BODY["messages"], tools=CHAT_BODY["tools"]).encode()) // (BLOCK * 4)
+    anthropic = {"system": "Be brief.", "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]}
+    tokens, _ = meter.measure(MESSAGES, anthropic)
+    assert tokens == sim_tokens.chat_prompt_tokens(anthropic["messages"], system="Be brief.")
+    assert meter.measure(COMPLETION, {"prompt": [1, 2, 3, 4, 5]}, hashes=False) == (5, [])
+    assert meter.measure(COMPLETION, {"prompt": "abcdefgh"}) == (2, [])
+
+
+def test_block_hashes_are_chained_over_the_whole_prompt():
+    system = {"role": "system", "content": "shared system prompt " * 30}
+    a = PromptMeter(BLOCK).measure(CHAT, {"messages": [system, {"role": "user", "content": "first question " * 20}]})[1]
+    b = PromptMeter(BLOCK).measure(CHAT, {"messages": [system, {"role": "user", "content": "second question " * 20}]})[1]
+    other = PromptMeter(BLOCK).measure(CHAT, {"messages": [{"role": "system", "content": "another " * 75}, {"role": "user", "content": "first question " * 20}]})[1]
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared >= len("shared system prompt " * 30) // (BLOCK * 4)
+    assert a[shared:] != b[shared:] and a[0] != other[0]
+    # Tools are part of the prefix: the same conversation with tools shares nothing at the start.
+    with_tools = PromptMeter(BLOCK).measure(CHAT, {"messages": [system], "tools": [{"type": "function", "function": {"name": "g"}}]})[1]
+    assert with_tools[0] != a[0]
+    assert chained_hashes(b"x" * 130, 64) == chained_hashes(b"x" * 128, 64)
+    assert len(set(chained_hashes(b"x" * 640, 64))) == 10  # same blocks, different prefixes: all distinct
+
+
+def test_engine_uncached_reads_openai_usage():
+    assert engine_uncached({"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}}) == 36
+    assert engine_uncached({"prompt_tokens": 100}) == 100
+    assert engine_uncached({"input_tokens": 3}) == -1 and engine_uncached(None) == -1
+
+
+def test_exact_counts_with_a_local_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<s>", "<|im_start|>", "<|im_end|>", "[UNK]"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20, "system user assistant tools " * 20], trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+
+    meter = make_meter(str(tmp_path), BLOCK)
+    assert meter.exact
+    body = {"messages": [{"role": "system", "content": "the lazy dog"}, {"role": "user", "content": "quick brown fox " * 30}]}
+    rendered = "<s><|im_start|>system\nthe lazy dog<|im_end|>\n<|im_start|>user\n" + "quick brown fox " * 30 + "<|im_end|>\n<|im_start|>assistant\n"
+    expected = tok.encode(rendered, add_special_tokens=False).ids
+    tokens, hashes = meter.measure(CHAT, body)
+    assert tokens == len(expected)
+    assert tokens != PromptMeter(BLOCK).measure(CHAT, body)[0]
+    assert len(hashes) == len(expected) // BLOCK
+    assert meter.measure(COMPLETION, {"prompt": "the quick brown fox"})[0] == len(tok.encode("the quick brown fox").ids)
+
+
+def test_missing_tokenizer_falls_back_to_the_estimate(tmp_path):
+    meter = make_meter(str(tmp_path / "nowhere"), BLOCK)
+    assert not meter.exact
+    assert meter.measure(COMPLETION, {"prompt": "abcd" * 10})[0] == 10
+
+
+# -- prefix index --------------------------------------------------------------------------------
+
+
+def test_prefix_index_finds_each_slots_longest_cached_prefix():
+    index = PrefixIndex(SharedState.create())
+    meter = PromptMeter(BLOCK)
+    system = {"role": "system", "content": "policy text " * 100}
+    first = meter.measure(CHAT, {"messages": [system, {"role": "user", "content": "a" * 800}]})[1]
+    second = meter.measure(CHAT, {"messages": [system, {"role": "user", "content": "b" * 800}]})[1]
+    shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    assert index.cached_blocks(second, 3) == 0
+    index.record(first, 3)
+    assert index.cached_blocks(first, 3) == len(first)
+    assert index.cached_blocks(second, 3) == shared
+    assert index.cached_blocks(second, 4) == 0
+    assert index.last_owner(second, shared) == 3
+    index.record(second, 4)
+    assert index.last_owner(first, shared) == 4  # slot 4 prefilled the shared prefix more recently
+    assert index.cached_blocks(first, 3) == len(first)
+
+
+def test_prefix_index_survives_more_keys_than_entries():
+    index = PrefixIndex(SharedState.create())
+    keys = [(k * 0x9E3779B97F4A7C15) & (2**64 - 1) for k in range(1, 300_000)]
+    index.record(keys, 1)
+    recent = keys[-50:]
+    assert index.cached_blocks(recent, 2) == 0
+    assert 0 <= index.cached_blocks(keys, 1) <= len(keys)
+
+
+# -- learned model -------------------------------------------------------------------------------
+
+
+def test_predictor_learns_prefill_speed_and_queues_work():
+    pred = Predictor(SharedState.create())
+    assert not pred.prefill_known(0) and pred.prefill_s(0, 1000) == UNKNOWN
+    teach_prefill(pred, 0, tokens_per_s=2000.0, base_s=0.05)
+    teach_prefill(pred, 1, tokens_per_s=1000.0, base_s=0.05)
+    assert pred.prefill_known(0)
+    assert pred.prefill_s(0, 2000) == pytest.approx(1.05, rel=0.05)
+    assert pred.prefill_s(1, 2000) == pytest.approx(2.05, rel=0.05)
+
+    now = time.monotonic()
+    assert pred.queue_wait_s(0, now) == 0.0
+    ends = [pred.start_prefill(0, 2000, now) for _ in range(3)]
+    assert [round(e - now, 2) for e, _ in ends] == pytest.approx([1.05, 2.1, 3.15], abs=0.1)
+    assert pred.queue_wait_s(0, now) == pytest.approx(3.15, abs=0.1)
+    # The first finishes 0.5 s late: the two behind it are late by as much, and when the second finishes
+    # at its (corrected) time, nothing more moves.
+    (p1, s1), (p2, s2), _ = ends
+    pred.learn_prefill(0, now, p1 + 0.5, 2000, p1, s1)
+    assert pred.queue_wait_s(0, now) == pytest.approx(3.65, abs=0.1)
+    pred.learn_prefill(0, now, p2 + 0.5, 2000, p2, s2)
+    assert pred.queue_wait_s(0, now) == pytest.approx(3.65, abs=0.1)
+
+
+def test_predictor_learns_decode_step_growth_with_batch():
+    pred = Predictor(SharedState.create())
+    assert not pred.decode_known(2)
+    teach_decode(pred, 2, step_s=0.02, per_seq_s=0.005)
+    assert pred.step_s(2, 1) == pytest.approx(0.025, rel=0.05)
+    assert pred.step_s(2, 10) == pytest.approx(0.07, rel=0.05)
+    assert pred.first_wait_s(2) == pytest.approx(0.02, abs=0.01)
+
+
+def test_decode_slope_is_never_free_without_spread():
+    pred = Predictor(SharedState.create())
+    teach_decode(pred, 0, step_s=0.02, per_seq_s=0.005, batches=[2] * 6)
+    assert pred.step_s(0, 2) == pytest.approx(0.03, rel=0.05)
+    assert pred.step_s(0, 8) > pred.step_s(0, 2) * 1.3  # the prior keeps a bigger batch dearer
+
+
+def test_engine_itl_stands_in_for_an_unknown_decode_model():
+    world = World()
+    world.health.put(5, H_ENGINE_ITL_S, 0.04)
+    assert world.predictor.decode_known(5) and world.predictor.step_s(5, 3) == 0.04
+
+
+# -- ledger --------------------------------------------------------------------------------------
+
+
+def test_leases_and_holds_give_everything_back_once():
+    shared = SharedState.create()
+    a, b = Ledger(shared, 0, 2), Ledger(shared, 1, 2)
+    seen = []
+    a.observer = seen.append
+    l1 = a.lease(3, 500, 1)
+    l2 = b.lease(3, 300, 64, prefilling=False)
+    hold = a.hold(3)
+    assert a.load(3) == (2, 500, 65, 1) and b.held(3) == 1 and a.requests(3) == 2
+    l1.prefill_done()
+    assert a.load(3) == (2, 0, 65, 0)
+    l1.succeed()
+    for _ in range(2):
+        l1.release()
+        l2.release()
+        hold.release()
+    assert a.is_zero()
+    assert seen == [l1]  # only a successful lease is learned from, once
+
+
+def test_lease_timings():
+    ledger = Ledger(SharedState.create(), 0, 1)
+    lease = ledger.lease(0, 0, 10, prefilling=False)
+    lease.first_token()
+    first = lease.first_at
+    lease.first_token()
+    lease.release()
+    assert lease.started <= first == lease.first_at <= lease.ended
+
+
+# -- policies ------------------------------------------------------------------------------------
+
+
+def test_round_robin_is_shared_across_workers_and_rotates_pairs():
+    w0 = World("round_robin", 0)
+    w1 = World("round_robin", 1, w0.shared)
+    ps, ds = [target(0, "prefill"), target(1, "prefill")], [target(2, "decode"), target(3, "decode")]
+    picks = [(w0 if k % 2 else w1).policy.choose_pair(ps, ds, job()) for k in range(8)]
+    assert [p.slot for p, _ in picks] == [0, 1] * 4
+    assert [d.slot for _, d in picks] == [2, 3] * 4
+    assert [w0.policy.choose(ps, job()).slot for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_load_balance_prefers_the_least_loaded_and_spreads_ties():
+    w = World("load_balance")
+    cands = [target(0, "union"), target(1, "union"), target(2, "union")]
+    lease = w.ledger.lease(0, 4000, 256)
+    w.health.set_engine_load(1, running=3, waiting=2, kv_usage=0.5)
+    assert w.policy.choose(cands, job()).slot == 2
+    lease.release()
+    w.health.set_engine_load(1, 0, 0, 0)
+    assert {w.policy.choose(cands, job()).slot for _ in range(6)} == {0, 1, 2}
+
+
+def test_kv_cache_affinity_follows_the_prefix_until_overloaded():
+    w = World("kv_cache_affinity")
+    w.policy.overload_factor = 2.0
+    ps, ds = [target(0, "prefill"), target(1, "prefill")], [target(2, "decode"), target(3, "decode")]
+    hashes = chained_hashes(b"p" * 64 * 40, 64)
+    w.index.record(hashes[:30], 1)
+    for _ in range(3):
+        assert w.policy.choose_pair(ps, ds, job(700, hashes=hashes))[0].slot == 1
+    busy = [w.ledger.lease(1, 2000, 1) for _ in range(3)]
+    assert w.policy.choose(ps, job(700, hashes=hashes)).slot == 0  # 3+ requests vs 0: over the bound
+    for lease in busy:
+        lease.release()
+    assert w.policy.choose(ps, job(700, hashes=chained_hashes(b"q" * 64 * 40, 64))).slot in (0, 1)
+
+
+def slo_world() -> tuple[World, list[Target], list[Target]]:
+    """P0 fast (2000 tokens/s), P1 half as fast; D2 fast (20 ms + 5 ms/seq), D3 twice as slow."""
+    w = World("slo_aware")
+    teach_prefill(w.predictor, 0, 2000.0)
+    teach_prefill(w.predictor, 1, 1000.0)
+    teach_decode(w.predictor, 2, 0.02, 0.005)
+    teach_decode(w.predictor, 3, 0.04, 0.010)
+    return w, [target(0, "prefill"), target(1, "prefill")], [target(2, "decode"), target(3, "decode")]
+
+
+def test_slo_aware_sends_work_where_it_finishes_first():
+    w, ps, ds = slo_world()
+    info = job(4000, ttft_ms=5000, tpot_ms=100)
+    p, d = w.policy.choose_pair(ps, ds, info)
+    assert (p.slot, d.slot) == (0, 2) and info.feasible is True
+    assert info.ttft_s == pytest.approx(2.0 + 0.01 + 0.02 + 0.025, rel=0.1)
+    # Fill the fast prefill engine's queue (6 s of work): a short prompt now finishes first on the slow one.
+    now = time.monotonic()
+    for _ in range(3):
+        w.predictor.start_prefill(0, 4000, now)
+    p, _ = w.policy.choose_pair(ps, ds, job(500, ttft_ms=5000))
+    assert p.slot == 1
+    # A long prompt cannot make a 5 s budget anywhere now: the plan says so.
+    info = job(6000, ttft_ms=5000)
+    w.policy.choose_pair(ps, ds, info)
+    assert info.feasible is False and info.retry_after_s >= 1.0 and info.floor_s < info.ttft_s
+
+
+def test_slo_aware_counts_a_cached_prefix_as_cheaper_prefill():
+    w, ps, ds = slo_world()
+    hashes = chained_hashes(b"s" * 64 * 200, 64)  # 3200 tokens
+    w.index.record(hashes[:190], 1)  # the slow engine holds 3040 of them
+    info = job(3200, hashes=hashes)
+    p, _ = w.policy.choose_pair(ps, ds, info)
+    assert p.slot == 1 and w.policy.uncached(p, info) == 160
+
+
+def test_slo_aware_keeps_each_decode_engine_within_the_tpot_budget():
+    w, ps, ds = slo_world()
+    leases = []
+    picks = []
+    for _ in range(12):  # each decode joins now (delay 0: decode leases, not holds)
+        info = job(100, tpot_ms=60)
+        d = w.policy._pick_decode(ds, info, 0.0)[0]
+        picks.append(d.slot)
+        leases.append(w.ledger.lease(d.slot, 0, 1000, prefilling=False))
+    # D2 fits 7 sequences under 57 ms (20 + 5 * 7 = 55), D3 2 (40 + 10 * 2 = 60 > 57: only 1 within the margin)
+    assert picks.count(2) >= 7 and 1 <= picks.count(3) <= 5
+    info = job(100, tpot_ms=60)
+    w.policy.choose_pair(ps, ds, info)
+    assert info.feasible is False and info.tpot_s > 0.057
+    for lease in leases:
+        lease.release()
+
+
+def test_slo_aware_holds_count_for_the_decode_batch():
+    w, ps, ds = slo_world()
+    first = w.policy.predict_decode(ds[0], 1.0)[0]
+    holds = [w.ledger.hold(2) for _ in range(4)]
+    assert w.policy.predict_decode(ds[0], 1.0)[0] == pytest.approx(first + 4 * 0.005, rel=0.05)
+    for h in holds:
+        h.release()
+    # Requests decoding now mostly finish before a decode that starts much later.
+    leases = [w.ledger.lease(2, 0, 100, prefilling=False) for _ in range(4)]
+    assert w.policy.predict_decode(ds[0], 0.0)[0] > w.policy.predict_decode(ds[0], 30.0)[0]
+    for lease in leases:
+        lease.release()
+
+
+def test_slo_aware_tries_unknown_engines_while_idle_then_balances():
+    w = World("slo_aware")
+    ps, ds = [target(0, "prefill"), target(1, "prefill")], [target(2, "decode"), target(3, "decode")]
+    info = job()
+    p, d = w.policy.choose_pair(ps, ds, info)
+    assert info.feasible is None and p.slot == 0 and d.slot == 2
+    busy = [w.ledger.lease(0, 100, 1), w.ledger.lease(2, 0, 10, prefilling=False)]
+    p, d = w.policy.choose_pair(ps, ds, job())
+    assert (p.slot, d.slot) == (1, 3)
+    for lease in busy:
+        lease.release()
+
+
+def test_slo_aware_whole_requests():
+    w = World("slo_aware")
+    teach_prefill(w.predictor, 0, 2000.0)
+    teach_decode(w.predictor, 0, 0.02, 0.005)
+    teach_prefill(w.predictor, 1, 500.0)
+    teach_decode(w.predictor, 1, 0.02, 0.005)
+    info = job(3000, ttft_ms=3000)
+    assert w.policy.choose_whole([target(0, "union"), target(1, "union")], info).slot == 0
+    assert info.feasible is True
+
+
+# -- scheduler and admission ---------------------------------------------------------------------
+
+
+def scheduler(policy: str, admission: str, queue_size: int = 4) -> tuple[Scheduler, World]:
+    w = World(policy)
+    registry = Registry(w.shared)
+    registry.apply("set", [
+        Instance(1, "prefill", MODEL, (Endpoint(0, "127.0.0.1:9001"),)),
+        Instance(2, "decode", MODEL, (Endpoint(0, "127.0.0.1:9002"),)),
+    ])
+    queue = AdmissionQueue(w.shared, queue_size, tick_s=0.002) if admission == "queue" else None
+    return Scheduler(registry, w.ledger, w.health, w.policy, admission=admission, queue=queue), w
+
+
+def slots(sched: Scheduler) -> tuple[int, int]:
+    view = sched.registry.view()
+    return view.pool(MODEL, "prefill")[0].slot, view.pool(MODEL, "decode")[0].slot
+
+
+def test_scheduler_leases_feed_the_model_and_the_index():
+    sched, w = scheduler("slo_aware", "off")
+    p, d = slots(sched)
+    info = job(640, hashes=chained_hashes(b"z" * 64 * 40, 64))
+    lease = sched.lease(sched.registry.view().pool(MODEL, "prefill")[0], info, PREFILL)
+    assert lease.prompt_tokens == 640 and w.ledger.load(p)[1] == 640
+    lease.succeed(engine_uncached={"prompt_tokens": 640}["prompt_tokens"])
+    lease.release()
+    assert w.index.cached_blocks(info.block_hashes, p) == 40
+    assert w.shared.health  # the model saw one sample
+    dl = sched.lease(sched.registry.view().pool(MODEL, "decode")[0], info, DECODE)
+    dl.first_token()
+    dl.events = 20
+    dl.succeed()
+    dl.release()
+    assert w.ledger.is_zero()
+    again = job(640, hashes=info.block_hashes)
+    assert sched.policy.uncached(sched.registry.view().pool(MODEL, "prefill")[0], again) == 1
+
+
+def test_reject_admission_refuses_a_plan_over_budget():
+    sched, w = scheduler("slo_aware", "reject")
+    p, d = slots(sched)
+    teach_prefill(w.predictor, p, 1000.0)
+    teach_decode(w.predictor, d, 0.02, 0.005)
+    assert asyncio.run(sched.admit(job(500, ttft_ms=2000))).prefill.slot == p
+    with pytest.raises(OverBudget) as e:
+        asyncio.run(sched.admit(job(5000, ttft_ms=2000)))
+    assert e.value.retry_after_s >= 1.0 and "TTFT" in str(e.value)
+    off, w2 = scheduler("slo_aware", "off")
+    assert asyncio.run(off.admit(job(5000, ttft_ms=2000))).prefill is not None
+
+
+def test_queue_admission_waits_for_capacity_then_admits():
+    async def scenario():
+        sched, w = scheduler("slo_aware", "queue")
+        p, d = slots(sched)
+        teach_prefill(w.predictor, p, 1000.0)
+        teach_decode(w.predictor, d, 0.02, 0.005)
+        now = time.monotonic()
+        w.predictor.start_prefill(p, 2000, now)  # 2 s of work queued on the only prefill engine
+        info = job(400, ttft_ms=2000)
+        waiting = asyncio.ensure_future(sched.admit(info))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and len(sched.queue) == 1
+        # The queued work turns out to be done already: the correction empties the queue.
+        shift = w.predictor.start_prefill(p, 0, now)
+        w.predictor.learn_prefill(p, now, time.monotonic(), 2000, shift[0], shift[1])
+        sched.queue.poke()
+        plan = await asyncio.wait_for(waiting, 2.0)
+        assert plan.prefill.slot == p and info.feasible is True
+        assert w.shared.globals[15] == 0  # the shared queue count is back to zero
+
+    asyncio.run(scenario())
+
+
+def test_queue_admission_gives_up_when_no_wait_can_help_and_when_full():
+    async def scenario():
+        sched, w = scheduler("slo_aware", "queue", queue_size=1)
+        p, d = slots(sched)
+        teach_prefill(w.predictor, p, 1000.0)
+        teach_decode(w.predictor, d, 0.02, 0.005)
+        with pytest.raises(OverBudget, match="ran out"):
+            await asyncio.wait_for(sched.admit(job(5000, ttft_ms=2000)), 2.0)  # 5 s of prefill, 2 s budget
+        w.predictor.start_prefill(p, 3000, time.monotonic())
+        first = asyncio.ensure_future(sched.admit(job(500, ttft_ms=3000)))
+        await asyncio.sleep(0.02)
+        with pytest.raises(OverBudget, match="full"):
+            await sched.admit(job(500, ttft_ms=3000))
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        assert len(sched.queue) == 0
+
+    asyncio.run(scenario())
+
+
+def test_every_policy_judges_its_plan_when_the_model_knows_the_engines():
+    for name in ("round_robin", "load_balance", "kv_cache_affinity"):
+        sched, w = scheduler(name, "reject")
+        p, d = slots(sched)
+        teach_prefill(w.predictor, p, 1000.0)
+        teach_decode(w.predictor, d, 0.02, 0.005)
+        with pytest.raises(OverBudget):
+            asyncio.run(sched.admit(job(5000, ttft_ms=2000)))
+
+
+# -- engine metrics ------------------------------------------------------------------------------
+
+METRICS = """# HELP vllm:num_requests_running x
+vllm:num_requests_running{{model_name="m"}} {running}
+vllm:num_requests_waiting{{model_name="m"}} 2.0
+vllm:kv_cache_usage_perc{{model_name="m"}} 0.25
+vllm:time_to_first_token_seconds_sum{{model_name="m"}} {ttft_sum}
+vllm:time_to_first_token_seconds_count{{model_name="m"}} {ttft_count}
+vllm:inter_token_latency_seconds_bucket{{model_name="m",le="0.1"}} 3.0
+vllm:inter_token_latency_seconds_sum{{model_name="m"}} {itl_sum}
+vllm:inter_token_latency_seconds_count{{model_name="m"}} {itl_count}
+"""
+
+
+def test_scrape_keeps_gauges_and_interval_means():
+    health = Health(SharedState.create())
+    scrapes = EngineScrapes(health)
+    scrapes.update(4, parse_engine_metrics(METRICS.format(running=3, ttft_sum=10.0, ttft_count=10, itl_sum=1.0, itl_count=100)))
+    assert health.engine_load(4) == (3.0, 2.0, 0.25) and health.get(4, H_ENGINE_TTFT_S) == 0.0
+    scrapes.update(4, parse_engine_metrics(METRICS.format(running=5, ttft_sum=16.0, ttft_count=12, itl_sum=5.0, itl_count=200)))
+    assert health.get(4, H_ENGINE_TTFT_S) == pytest.approx(3.0)  # 6 s over 2 requests in the interval
+    assert health.get(4, H_ENGINE_ITL_S) == pytest.approx(0.04)
+    scrapes.update(4, parse_engine_metrics(METRICS.format(running=0, ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0)))
+    assert health.get(4, H_ENGINE_ITL_S) == pytest.approx(0.04)  # an engine restart is not a sample
