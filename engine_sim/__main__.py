@@ -28,7 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--zero-latency", action="store_true")
-    p.add_argument("--kv-hold-timeout-s", type=float, default=480.0)
+    p.add_argument("--kv-hold-timeout-s", type=float, default=30.0)
     p.add_argument("--faults", default=None, help="JSON object of fault knobs")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)

@@ -29,7 +29,7 @@ class SimConfig:
     block_size: int = 16
     speedup: float = 1.0
     zero_latency: bool = False
-    kv_hold_timeout_s: float = 480.0    # VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    kv_hold_timeout_s: float = 30.0     # NixlConnector's kv_lease_duration (vLLM 0.32; D's heartbeats extend it)
     kv_transfer_tokens_per_s: float = 1_000_000.0   # simulated NIXL pull bandwidth
     prefix_cache_blocks: int = 0        # LRU bound; 0 = kv_capacity_tokens // block_size
     faults: Dict[str, Any] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -264,9 +265,12 @@ class SimServer:
         hdrs = {k: v for k, v in request.headers.items()}
         try:
             body = json.loads(raw) if raw else None
-        except Exception:
+        except Exception as e:
             body = None
-            err = ApiError(400, "JSON decode error", "Bad Request", "body")
+            pos = getattr(e, "pos", 0)
+            detail = {"type": "json_invalid", "loc": f"body.{pos}", "msg": "JSON decode error",
+                      "input": "<dict of 0 items>", "ctx": {"error": getattr(e, "msg", str(e))}}
+            err = ApiError(400, "1 validation error:\n  " + repr(detail), "Bad Request", f"body.{pos}")
             self.records.append({"path": request.path, "headers": hdrs, "body": None,
                                  "raw": raw.decode("utf-8", "replace"), "time": time.time()})
             return {}, err
@@ -333,7 +337,8 @@ class SimServer:
         if m is not None and not isinstance(m, str):
             raise pydantic_style_error(("model",), "Input should be a valid string", "string_type", m)
         if m and m != self.cfg.model:
-            raise ApiError(404, f"The model `{m}` does not exist.", "NotFoundError")
+            raise ApiError(404, f"The model `{m}` does not exist. Valid aliases: {self.cfg.model}.",
+                           "NotFoundError", "model")
 
     def _count_tokens(self, body, hdrs):
         self._check_model(body, "count_tokens")
@@ -721,10 +726,31 @@ class SimServer:
             **self.cfg.ticket_extra,
         }
 
-    def _usage(self, req, completion: int) -> dict:
+    def _usage(self, req, completion: int, chat: bool, stream: bool = False) -> dict:
+        """Usage as vLLM 0.32 started with --enable-prompt-tokens-details serializes it, field for field."""
         p = req["prompt_tokens"]
-        return {"prompt_tokens": p, "total_tokens": p + completion, "completion_tokens": completion,
-                "prompt_tokens_details": {"cached_tokens": req["cached"]}}
+        details = {"cached_tokens": req["cached"]}
+        if chat:
+            details["created_cache_tokens"] = 0
+        elif not stream:
+            details["created_cache_tokens"] = None
+        if not stream:
+            details["multimodal_tokens"] = None
+        usage = {"prompt_tokens": p, "total_tokens": p + completion, "completion_tokens": completion,
+                 "prompt_tokens_details": details}
+        if not stream:
+            usage["completion_tokens_details"] = None
+        return usage
+
+    @staticmethod
+    def _anthropic_usage(req, completion: int) -> dict:
+        return {"input_tokens": req["prompt_tokens"], "output_tokens": completion,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": req["cached"]}
+
+    @property
+    def fingerprint(self) -> str:
+        """vLLM's `system_fingerprint`: the version and a hash of the engine's configuration."""
+        return "vllm-0.32.0-" + hashlib.sha256(self.cfg.engine_id.encode()).hexdigest()[:8]
 
     def _chat_logprobs(self, req, c, pieces):
         if not req["logprobs"]:
@@ -776,7 +802,7 @@ class SimServer:
                 })
             return {"id": req["id"], "object": "chat.completion", "created": created,
                     "model": model, "choices": choices, "service_tier": None,
-                    "system_fingerprint": None, "usage": self._usage(req, completion),
+                    "system_fingerprint": self.fingerprint, "usage": self._usage(req, completion, True),
                     "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
                     "kv_transfer_params": kvt, "ec_transfer_params": None, "metrics": None}
         if kind == "completions":
@@ -787,11 +813,11 @@ class SimServer:
                                 "logprobs": self._cmpl_logprobs(req, c, pieces),
                                 "finish_reason": g.finish[c], "stop_reason": g.stop_reason[c],
                                 "token_ids": None, "prompt_logprobs": None,
-                                "prompt_token_ids": None})
+                                "prompt_token_ids": None, "routed_experts": None})
             return {"id": req["id"], "object": "text_completion", "created": created,
                     "model": model, "choices": choices, "service_tier": None,
-                    "system_fingerprint": None, "usage": self._usage(req, completion),
-                    "kv_transfer_params": kvt}
+                    "system_fingerprint": self.fingerprint, "usage": self._usage(req, completion, False),
+                    "kv_transfer_params": kvt, "ec_transfer_params": None, "metrics": None}
         # messages (vLLM dumps with exclude_none)
         content = []
         pieces, kinds = g.pieces[0], g.kinds or []
@@ -805,8 +831,10 @@ class SimServer:
             content.append({"type": "tool_use", "id": g.tool[0], "name": g.tool[1],
                             "input": g.tool[2]})
         out = {"id": req["id"], "type": "message", "role": "assistant", "content": content,
-               "model": model, "stop_reason": _ANTH_STOP.get(g.finish[0], "end_turn"),
-               "usage": {"input_tokens": req["prompt_tokens"], "output_tokens": completion}}
+               "model": model, "stop_reason": _anthropic_stop(g)[0],
+               "usage": self._anthropic_usage(req, completion)}
+        if _anthropic_stop(g)[1] is not None:
+            out["stop_sequence"] = _anthropic_stop(g)[1]
         if kvt is not None:
             out["kv_transfer_params"] = kvt
         return out
@@ -841,20 +869,23 @@ class SimServer:
         done_tokens = [0] * len(g.pieces)
 
         def usage_now():
-            return self._usage(req, sum(done_tokens))
+            return self._usage(req, sum(done_tokens), chat, stream=True)
 
         if chat:
             for c in range(len(g.pieces)):
                 ch = {"index": c, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None}
                 extra = f',"usage":{dumps(usage_now())}' if cont else ""
-                await w.data(head + f'"choices":[{dumps(ch)}]{extra}}}')
+                await w.data(head + f'"choices":[{dumps(ch)}]{extra},"prompt_token_ids":null,"prompt_text":null}}')
         elif req["echo"]:
             for c in range(len(g.pieces)):
                 ch = {"index": c, "text": req["prompt_text"], "logprobs": None,
                       "finish_reason": None, "stop_reason": None}
                 await w.data(head + f'"choices":[{dumps(ch)}]}}')
         total = seq.max_len
+        # vLLM puts `system_fingerprint` on the stream's last chunk: the usage chunk, else the last choice chunk.
+        final_k = max(len(p) for p in g.pieces)
+        final = (final_k, max(c for c, p in enumerate(g.pieces) if len(p) == final_k))
         for k in range(1, total + 1):
             await _wait(seq, k)
             for c, pieces in enumerate(g.pieces):
@@ -880,10 +911,16 @@ class SimServer:
                     ch["stop_reason"] = g.stop_reason[c]
                 elif not chat:
                     ch["stop_reason"] = None
+                if not chat:
+                    ch["prompt_token_ids"] = None
+                ch["token_ids"] = None
                 extra = f',"usage":{dumps(usage_now())}' if cont else ""
+                if (k, c) == final and not req["include_usage"]:
+                    extra += f',"system_fingerprint":{dumps(self.fingerprint)}'
                 await w.data(head + f'"choices":[{dumps(ch)}]{extra}}}')
         if req["include_usage"]:
-            await w.data(head + f'"choices":[],"usage":{dumps(self._usage(req, sum(len(p) for p in g.pieces)))}}}')
+            await w.data(head + f'"choices":[],"usage":{dumps(self._usage(req, sum(len(p) for p in g.pieces), chat, stream=True))},'
+                         f'"system_fingerprint":{dumps(self.fingerprint)}}}')
         self._maybe_ticket(req, g)
         await w.raw(b"data: [DONE]\n\n")
 
@@ -891,7 +928,8 @@ class SimServer:
         model = self.cfg.model
         P = req["prompt_tokens"]
         await w.event("message_start", {"type": "message_start", "message": {
-            "id": req["id"], "content": [], "model": model, "stop_reason": None,
+            "id": req["id"], "type": "message", "role": "assistant", "content": [], "model": model,
+            "stop_reason": None,
             "stop_sequence": None, "usage": {"input_tokens": P, "output_tokens": 0}}})
         pieces, kinds = g.pieces[0], g.kinds or []
         idx = -1
@@ -930,8 +968,8 @@ class SimServer:
             await self._close_block(w, idx, cur, signature)
         completion = len(pieces)
         await w.event("message_delta", {"type": "message_delta", "delta": {
-            "stop_reason": _ANTH_STOP.get(g.finish[0], "end_turn")},
-            "usage": {"input_tokens": P, "output_tokens": completion}})
+            "stop_reason": _anthropic_stop(g)[0], "stop_sequence": _anthropic_stop(g)[1]},
+            "usage": self._anthropic_usage(req, completion)})
         self._maybe_ticket(req, g)
         await w.event("message_stop", {"type": "message_stop"})
 
@@ -947,6 +985,13 @@ class SimulatedClose(Exception):
 
 
 _ANTH_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _anthropic_stop(g: Gen) -> Tuple[str, Optional[str]]:
+    """vLLM's (stop_reason, stop_sequence): a matched stop string is reported as `stop_sequence`."""
+    if g.finish[0] == "stop" and isinstance(g.stop_reason[0], str):
+        return "stop_sequence", g.stop_reason[0]
+    return _ANTH_STOP.get(g.finish[0], "end_turn"), None
 
 
 def _etype(status: int) -> str:

@@ -98,7 +98,7 @@ def test_chat_json_shape_via_sdk(union):
     msg = raw["choices"][0]["message"]
     assert msg["role"] == "assistant" and msg["refusal"] is None and "reasoning" in msg
     assert raw["kv_transfer_params"] is None
-    assert raw["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert raw["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert raw["choices"][0]["stop_reason"] is None
 
 
