@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hmac
+import logging
 
 import ujson
 from sanic import Blueprint, Request, json
 
 from handlers.common import MGMT
 from scheduling.registry import RefreshError, parse_refresh_body
+from scheduling.status import instances_json
 
+log = logging.getLogger("coordinator.management")
 bp = Blueprint("management")
 MAX_REFRESH_BYTES = 10 * 1024 * 1024
 
@@ -61,38 +64,7 @@ async def instances(request: Request):
         return json({"status": "failed", "message": "missing or invalid management key"}, status=401)
     ctx = request.app.ctx
     view = ctx.registry.view()
-    out = []
-    for iid, inst in view.instances.items():
-        endpoints = []
-        for t in (t for t in view.targets if t.instance_id == iid):
-            requests, prompt_tokens, decode_tokens, prefilling = ctx.ledger.load(t.slot)
-            running, waiting, kv_usage = ctx.health.engine_load(t.slot)
-            endpoints.append(
-                {
-                    "id": t.endpoint_id,
-                    "address": t.address,
-                    "healthy": ctx.health.is_healthy(t.slot),
-                    "breaker": ctx.health.breaker(t.slot),
-                    "load": {
-                        "inflight_requests": requests,
-                        "inflight_prompt_tokens": prompt_tokens,
-                        "inflight_decode_tokens": decode_tokens,
-                        "prefilling_requests": prefilling,
-                        "engine_running": running,
-                        "engine_waiting": waiting,
-                        "engine_kv_cache_usage": kv_usage,
-                    },
-                }
-            )
-        out.append(
-            {
-                **inst.to_json(),
-                "paused": iid in view.paused,
-                "healthy": any(e["healthy"] for e in endpoints),
-                "endpoints": endpoints,
-            }
-        )
-    return json({"version": view.version, "instances": out})
+    return json({"version": view.version, "instances": instances_json(view, ctx.ledger, ctx.health)})
 
 
 @bp.post("/instances/refresh", ctx_plane=MGMT)
@@ -109,14 +81,15 @@ async def refresh(request: Request):
     event = body.get("event") if isinstance(body, dict) else None
     try:
         event, items = parse_refresh_body(body)
-        count = request.app.ctx.registry.apply(event, items)
+        result = request.app.ctx.registry.apply(event, items)
     except RefreshError as e:
         return _refused(e.status, str(e), event)
+    log.info("instances refresh %s: %s", event, result.message)
     return json(
         {
             "request_id": "refresh_request",
             "status": "success",
-            "message": f"{event} applied to {count} instances",
-            "data": {"event_type": event, "instance_count": count},
+            "message": f"{event}: {result.message}",
+            "data": {"event_type": event, "instance_count": result.instance_count},
         }
     )

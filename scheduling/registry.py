@@ -2,9 +2,12 @@
 
 A refresh (`set`, `add`, `del`, `pause`, `resume`) rewrites the document under the shared lock and bumps
 its version; every worker compares the version on each request and re-parses when it changed, so all
-workers route by the new set at once. Each endpoint of each instance gets a slot (see shared.py);
-slots of deleted endpoints are reused last, so a late release of a removed endpoint's load cannot land
-on a fresh one.
+workers route by the new set at once. An instance id names one engine for as long as it is registered:
+`set` and `add` keep a registered instance that comes again unchanged (its slots, load and pause state)
+and refuse one that comes back with another role, model or endpoints (409). Paused instances stay in the
+set and keep their in-flight requests; the scheduler gives them no new ones. Each endpoint of each
+instance gets a slot (see shared.py); slots of deleted endpoints are reused last, so a late release of a
+removed endpoint's load cannot land on a fresh one.
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ class Target:
     paused: bool
 
 
+@dataclass(frozen=True)
+class RefreshResult:
+    event: str
+    instance_count: int  # instances the request named
+    message: str  # what changed
+
+
 class Topology:
     """An immutable per-worker view of one version of the document: pools by (model, role)."""
 
@@ -75,6 +85,7 @@ class Topology:
                 self.targets.append(t)
                 self.pools.setdefault((inst.model_name, inst.role), []).append(t)
                 self.by_address[_hostport(ep.address)] = t
+        self.model_names = frozenset(model for model, _ in self.pools)
 
     def models(self) -> list[str]:
         return list(dict.fromkeys(t.model for t in self.targets))
@@ -127,42 +138,53 @@ class Registry:
         n = self.shared.globals[G_DOC_LEN]
         return ujson.loads(bytes(self.shared.doc[:n])) if n else []
 
-    def apply(self, event: str, instances: list[Instance | int]) -> int:
-        """Apply one refresh event; returns the number of instances it touched."""
+    def apply(self, event: str, items: list[Instance | int]) -> "RefreshResult":
+        """Apply one refresh event atomically: it is applied whole or, on a RefreshError, not at all."""
         with self.shared.lock:
             entries = self._entries()
             by_id = {e["id"]: e for e in entries}
-            if event == "set":
-                keep = [by_id[i.id] for i in instances if i.id in by_id and _same(by_id[i.id], i)]
-                keep_ids = {e["id"] for e in keep}
-                fresh: list[dict] = []
-                for inst in instances:
-                    fresh.append(by_id[inst.id] if inst.id in keep_ids else self._entry(inst, keep + fresh))
-                entries = fresh
-            elif event == "add":
-                for inst in instances:
+            if event in ("set", "add"):
+                for inst in items:
                     old = by_id.get(inst.id)
-                    if old is not None:
-                        if not _same(old, inst):
-                            raise RefreshError(f"instance {inst.id} exists with a different role, model or endpoints", 409)
-                        continue
-                    entry = self._entry(inst, entries)
-                    entries.append(entry)
-                    by_id[inst.id] = entry
+                    if old is not None and not _same(old, inst):
+                        raise RefreshError(
+                            f"instance {inst.id} is registered with a different role, model or endpoints; "
+                            "an id names one engine: del it first, or use a new id",
+                            409,
+                        )
+            if event == "set":
+                fresh = [inst for inst in items if inst.id not in by_id]
+                kept = [by_id[inst.id] for inst in items if inst.id in by_id]  # slots, load and pause state stay
+                new_entries: list[dict] = []
+                for inst in items:
+                    new_entries.append(by_id[inst.id] if inst.id in by_id else self._entry(inst, kept + new_entries))
+                _check_addresses(new_entries)
+                removed = len(entries) - len(kept)
+                entries = new_entries
+                message = f"{len(entries)} instances registered: {len(fresh)} added, {removed} removed, {len(kept)} unchanged"
+            elif event == "add":
+                fresh = [inst for inst in items if inst.id not in by_id]
+                for inst in fresh:
+                    entries.append(self._entry(inst, entries))
+                _check_addresses(entries)
+                message = f"{len(fresh)} added, {len(items) - len(fresh)} already registered"
             elif event == "del":
-                ids = {_id(i) for i in instances}
-                entries = [e for e in entries if e["id"] not in ids]
+                ids = {_id(i) for i in items}
+                kept_entries = [e for e in entries if e["id"] not in ids]
+                message = f"{len(entries) - len(kept_entries)} removed, {len(ids) - (len(entries) - len(kept_entries))} not registered"
+                entries = kept_entries
             elif event in ("pause", "resume"):
-                ids = {_id(i) for i in instances}
+                ids = {_id(i) for i in items}
                 missing = ids - set(by_id)
                 if missing:
                     raise RefreshError(f"unknown instance ids: {sorted(missing)}", 404)
                 for iid in ids:
                     by_id[iid]["paused"] = event == "pause"
+                message = f"{len(ids)} {'paused: they take no new requests and finish what they hold' if event == 'pause' else 'resumed'}"
             else:
                 raise RefreshError(f"unknown event {event!r}: use set, add, del, pause or resume")
             self._write(entries)
-            return len(instances)
+            return RefreshResult(event, len(items), message)
 
     def _entry(self, inst: Instance, live: list[dict]) -> dict:
         used = {s for e in live for s in e["slots"]}
@@ -202,8 +224,20 @@ def _same(entry: dict, inst: Instance) -> bool:
     return (
         entry["role"] == inst.role
         and entry["model_name"] == inst.model_name
+        and entry.get("engine_type", "vllm") == inst.engine_type
         and [(e["id"], e["address"]) for e in entry["endpoints"]] == [(e.id, e.address) for e in inst.endpoints]
     )
+
+
+def _check_addresses(entries: list[dict]) -> None:
+    """One engine address belongs to one endpoint of one instance: load, health and metaserver lookups key on it."""
+    owner: dict[str, int] = {}
+    for e in entries:
+        for ep in e["endpoints"]:
+            addr = _hostport(ep["address"])
+            if addr in owner:
+                raise RefreshError(f"endpoint address {addr} is registered twice (instances {owner[addr]} and {e['id']})", 409)
+            owner[addr] = e["id"]
 
 
 def parse_refresh_body(body: object) -> tuple[str, list]:
@@ -234,4 +268,4 @@ def parse_refresh_body(body: object) -> tuple[str, list]:
     return event, items
 
 
-__all__ = ["Registry", "Topology", "Target", "RefreshError", "parse_refresh_body", "Endpoint"]
+__all__ = ["Registry", "Topology", "Target", "RefreshError", "RefreshResult", "parse_refresh_body", "Endpoint"]

@@ -1,14 +1,37 @@
-"""What the Coordinator records about each request: one structured log line, and the metrics hooks."""
+"""What the Coordinator records about each request: one structured log line, and the metrics hooks.
+
+Token counts cost no parsing: a JSON answer's usage is found by searching its bytes from the end (usage
+comes last), and a stream's output is its number of `data:` events less the events that carry no token.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
 from scheduling.registry import Target
+from serving.job import CHAT, COMPLETIONS, MESSAGES
 
 log = logging.getLogger("coordinator.request")
+
+# SSE events of a stream that carry no token: OpenAI's role chunk and `[DONE]` (a usage chunk, when asked
+# for, adds one); Anthropic's message_start, content_block_start/stop, message_delta and message_stop.
+STREAM_FRAMING = {CHAT: 2, COMPLETIONS: 1, MESSAGES: 5}
+_OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
+_INPUT_KEYS = (b'"prompt_tokens":', b'"input_tokens":')
+_INT = re.compile(rb"\s*(\d+)")
+
+
+def _last_int(body: bytes, keys: tuple[bytes, ...]) -> int | None:
+    for key in keys:
+        i = body.rfind(key)
+        if i >= 0:
+            m = _INT.match(body, i + len(key))
+            if m:
+                return int(m.group(1))
+    return None
 
 
 @dataclass
@@ -30,12 +53,32 @@ class RequestRecord:
     status: int = 200
     error: str = ""
     disconnect_phase: str = ""
-    reject_reason: str = ""
-    events: int = 0  # SSE events relayed (about one per token)
+    reject_reason: str = ""  # why admission refused it (rate_limit, inflight_cap, slo_budget, draining, no_capacity)
+    prompt_tokens: int = 0  # the engine's count from a JSON answer's usage, else the Coordinator's estimate
+    output_tokens: int | None = None  # from a JSON answer's usage
+    events: int = 0  # SSE `data:` events relayed
+    duration_s: float = 0.0  # set when the request is done
 
     def first_token(self) -> None:
         if self.ttft_s is None:
             self.ttft_s = time.monotonic() - self.started
+
+    def answered(self, body: bytes) -> None:
+        """A JSON answer went out: take the token counts from its usage."""
+        self.output_tokens = _last_int(body, _OUTPUT_KEYS)
+        prompt = _last_int(body, _INPUT_KEYS)
+        if prompt is not None:
+            self.prompt_tokens = prompt
+
+    def relayed(self, data: bytes) -> None:
+        """Stream bytes went out."""
+        self.events += data.count(b"data:")
+
+    @property
+    def generated_tokens(self) -> int:
+        if self.output_tokens is not None:
+            return self.output_tokens
+        return max(0, self.events - STREAM_FRAMING.get(self.route, 0))
 
 
 def _name(t: Target | None) -> str:
@@ -45,18 +88,16 @@ def _name(t: Target | None) -> str:
 class Observer:
     """Logs one line per request; subclasses add metrics."""
 
-    def request_started(self) -> None:
-        """A request entered the Coordinator."""
-
     def request_done(self, rec: RequestRecord) -> None:
-        duration = time.monotonic() - rec.started
+        rec.duration_s = time.monotonic() - rec.started
         if log.isEnabledFor(logging.INFO):
             log.info(
-                "request_id=%s route=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s retries=%d "
-                "missed_handoff=%s duration_ms=%.1f%s",
-                rec.request_id, rec.route, rec.model, rec.stream, _name(rec.prefill), _name(rec.target), rec.status,
-                f"{rec.ttft_s * 1000:.1f}" if rec.ttft_s is not None else "-", rec.retries, rec.missed_handoff,
-                duration * 1000, f" error={rec.error!r}" if rec.error else "",
+                "request_id=%s route=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
+                "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s duration_ms=%.1f%s",
+                rec.request_id, rec.route, rec.model or "-", rec.stream, _name(rec.prefill), _name(rec.target), rec.status,
+                f"{rec.ttft_s * 1000:.1f}" if rec.stream and rec.ttft_s is not None else "-", rec.prompt_tokens,
+                rec.generated_tokens, rec.retries, rec.missed_handoff, rec.duration_s * 1000,
+                f" error={rec.error!r}" if rec.error else "",
             )
 
     def retry(self, job, target: Target, err: Exception) -> None:

@@ -1,0 +1,80 @@
+"""A point-in-time snapshot of each endpoint: health, breaker and load, as GET /instances and /metrics show them.
+
+Read from shared memory, so any worker answers for all of them. The ledger's numbers are the
+Coordinator's own in-flight work; the engine's are what its /metrics said at the last scrape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduling.health import Health
+from scheduling.ledger import Ledger
+from scheduling.registry import Target, Topology
+
+
+@dataclass(frozen=True)
+class EndpointStatus:
+    target: Target
+    healthy: bool
+    breaker: str  # closed, open or half_open
+    inflight_requests: int  # legs this Coordinator has in flight on the endpoint, all workers
+    inflight_prompt_tokens: int  # prompt tokens of those legs still prefilling
+    inflight_decode_tokens: int  # output tokens budgeted for those legs
+    prefilling_requests: int
+    held_decode_slots: int  # decode legs promised to requests whose prefill is still running
+    engine_running: float  # the engine's vllm:num_requests_running
+    engine_waiting: float  # the engine's vllm:num_requests_waiting
+    engine_kv_cache_usage: float  # the engine's vllm:kv_cache_usage_perc (0..1)
+
+    def load_json(self) -> dict:
+        return {
+            "inflight_requests": self.inflight_requests,
+            "inflight_prompt_tokens": self.inflight_prompt_tokens,
+            "inflight_decode_tokens": self.inflight_decode_tokens,
+            "prefilling_requests": self.prefilling_requests,
+            "held_decode_slots": self.held_decode_slots,
+            "engine_running": self.engine_running,
+            "engine_waiting": self.engine_waiting,
+            "engine_kv_cache_usage": self.engine_kv_cache_usage,
+        }
+
+
+def endpoint_status(view: Topology, ledger: Ledger, health: Health) -> list[EndpointStatus]:
+    out = []
+    for t in view.targets:
+        requests, prompt_tokens, decode_tokens, prefilling = ledger.load(t.slot)
+        running, waiting, kv_usage = health.engine_load(t.slot)
+        out.append(
+            EndpointStatus(
+                t, health.is_healthy(t.slot), health.breaker(t.slot), requests, prompt_tokens, decode_tokens,
+                prefilling, ledger.held(t.slot), running, waiting, kv_usage,
+            )
+        )
+    return out
+
+
+def instances_json(view: Topology, ledger: Ledger, health: Health) -> list[dict]:
+    """GET /instances: each instance with its endpoints' health, breaker and load."""
+    by_instance: dict[int, list[dict]] = {iid: [] for iid in view.instances}
+    for s in endpoint_status(view, ledger, health):
+        t = s.target
+        by_instance[t.instance_id].append(
+            {"id": t.endpoint_id, "address": t.address, "healthy": s.healthy, "breaker": s.breaker, "load": s.load_json()}
+        )
+    out = []
+    for iid, inst in view.instances.items():
+        endpoints = by_instance[iid]
+        healthy = any(e["healthy"] for e in endpoints)
+        paused = iid in view.paused
+        out.append(
+            {
+                **inst.to_json(),
+                "paused": paused,
+                "healthy": healthy,
+                # Takes new requests now: not paused, and some endpoint healthy with its breaker not open.
+                "schedulable": not paused and any(e["healthy"] and e["breaker"] != "open" for e in endpoints),
+                "endpoints": endpoints,
+            }
+        )
+    return out
