@@ -2,8 +2,10 @@
 
 The breaker opens after `failure_threshold` consecutive transport errors or 5xx answers (never 4xx,
 never a prompt-too-long error: callers decide what counts), rejects for `open_s`, then lets one probe
-through (half-open); the probe's success closes it, its failure reopens it. State lives in the shared
-health table, so a breaker opened by one worker stops traffic in every worker.
+through (half-open); the probe's success closes it, its failure reopens it. The probe is claimed when a
+request is actually sent (`attempt`), not when the scheduler merely looks at the slot, so a recovered
+instance that the policy did not pick stays eligible. State lives in the shared health table, so a
+breaker opened by one worker stops traffic in every worker on their next pick.
 """
 
 from __future__ import annotations
@@ -36,20 +38,23 @@ class Health:
         self.open_s = open_s
 
     def usable(self, slot: int) -> bool:
-        """May a new request go to this slot now? Claims the half-open probe when the open time is over."""
+        """May a new request go to this slot now? An open breaker admits a probe once its open time is over."""
         h, base = self.h, slot * HEALTH_FIELDS
         if h[base + H_HEALTHY] < 0.5:
             return False
-        state = h[base + H_BREAKER]
-        if state == BREAKER_CLOSED:
-            return True
-        now = time.time()
-        if now < h[base + H_OPEN_UNTIL]:
-            return False
-        # Open time is over (or a half-open probe timed out): this caller becomes the probe.
-        h[base + H_BREAKER] = BREAKER_HALF_OPEN
-        h[base + H_OPEN_UNTIL] = now + self.open_s
-        return True
+        return h[base + H_BREAKER] == BREAKER_CLOSED or time.time() >= h[base + H_OPEN_UNTIL]
+
+    def attempt(self, slot: int) -> None:
+        """A request is being sent to this slot: past an open breaker's open time, it is the half-open probe.
+
+        Until the probe answers (or `open_s` passes without an answer) no other request is let through.
+        """
+        h, base = self.h, slot * HEALTH_FIELDS
+        if h[base + H_BREAKER] != BREAKER_CLOSED:
+            now = time.time()
+            if now >= h[base + H_OPEN_UNTIL]:
+                h[base + H_BREAKER] = BREAKER_HALF_OPEN
+                h[base + H_OPEN_UNTIL] = now + self.open_s
 
     def record_success(self, slot: int) -> None:
         h, base = self.h, slot * HEALTH_FIELDS

@@ -40,7 +40,7 @@ from scheduling.tokens import CHAT as CHAT_PROMPT, COMPLETION as COMPLETION_PROM
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
 from serving.legs import PREFILL_TICKET, decode_leg, dumps, prefill_body, prefill_leg
 from serving.observe import Observer, RequestRecord
-from serving.usage import EventSplitter, fix_event, fix_response, prefill_usage
+from serving.usage import EventSplitter, fix_event, fix_events, fix_response, prefill_usage
 
 T = TypeVar("T")
 log = logging.getLogger("coordinator.serving")
@@ -161,6 +161,7 @@ class Dispatcher:
         target, attempt, exclude = first, 0, set()
         while True:
             rid = job.request_id if attempt == 0 else f"{job.request_id}-{attempt}"
+            self.health.attempt(target.slot)
             try:
                 result = await call(target, rid)
             except UpstreamError as e:
@@ -292,10 +293,10 @@ class Dispatcher:
                                 lease.first_token()
                                 rec.first_token()
                                 await sink.start_stream()
-                            events = splitter.feed(chunk)
-                            lease.events += len(events)
-                            if events:
-                                await sink.send(b"".join(fix_event(e, p_usage, anthropic) + b"\n\n" for e in events))
+                            block, count = splitter.complete(chunk)
+                            if count:
+                                lease.events += count
+                                await sink.send(fix_events(block, p_usage, anthropic))
                         if splitter.tail.strip():
                             await sink.send(fix_event(splitter.tail, p_usage, anthropic) + b"\n\n")
                     if not sink.started:

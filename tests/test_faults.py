@@ -137,9 +137,8 @@ WHERE = pytest.mark.parametrize("where", ["union", "prefill", "decode"])
 # -- the matrix: faults before the first byte --------------------------------------------------------
 
 
-@WHERE
 @STREAM
-@pytest.mark.parametrize("status", [503, 429])
+@pytest.mark.parametrize("where,status", [("union", 503), ("prefill", 503), ("decode", 503), ("union", 429)])
 def test_retryable_status_is_retried_on_each_instance_then_answered(c, where, stream, status):
     sims = c.sims[where]
     for s in sims:
@@ -192,6 +191,8 @@ def test_client_error_goes_straight_back(c, where, stream):
     assert len(attempts(sims)) == 1  # never retried
     err = openai_error(text)
     assert err["message"] == "simulated failure (status 400)" and err["code"] == 400  # the engine's own body
+    if where == "decode":  # D refused the leg: P's KV is freed
+        assert wait_until(lambda: total(c.sims["prefill"], "kv_released") == 1)
     assert_recovered(c, model_of(where), stream)
 
 

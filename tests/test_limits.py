@@ -1,0 +1,264 @@
+"""Limits and instance health across workers: in-flight cap, rate limit, body size, breaker, active health
+check; and graceful shutdown (drain window) on SIGTERM.
+
+Two-worker Coordinators throughout, because every limit must hold for the whole Coordinator, not per
+worker. Connections are not reused between requests, so the kernel spreads them over both workers.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.support import Coordinator, coordinator_config, free_port, instance, sse_events, wait_until
+
+MODEL, FLAKY, GONE = "lim", "lim-flaky", "lim-gone"
+CAP = 4
+OPEN_S = 3.0
+
+
+def chat(model: str, max_tokens: int = 4, content: str = "hi", **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+
+
+def post(c, body: dict, **kw) -> httpx.Response:
+    # A fresh connection per request: the kernel picks the worker.
+    with httpx.Client(timeout=30) as client:
+        return client.post(c.url + "/v1/chat/completions", json=body, **kw)
+
+
+def endpoints(c) -> dict[str, dict]:
+    doc = httpx.get(c.mgmt + "/instances", timeout=5).json()
+    return {ep["address"]: ep for inst in doc["instances"] for ep in inst["endpoints"]}
+
+
+def breaker_metric(c, instance_id: str) -> float:
+    for line in httpx.get(c.obs + "/metrics").text.splitlines():
+        if line.startswith("motor_instance_breaker_state{") and f'instance="{instance_id}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no breaker metric for instance {instance_id}")
+
+
+@pytest.fixture(scope="module")
+def cluster(module_sims):
+    u = module_sims("union", model=MODEL, speedup=5)
+    good, bad = module_sims("union", model=FLAKY, speedup=5), module_sims("union", model=FLAKY, speedup=5)
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = coordinator_config(
+        [
+            instance(1, "union", MODEL, u.address),
+            instance(2, "union", FLAKY, good.address),
+            instance(3, "union", FLAKY, bad.address),
+            instance(4, "union", GONE, dead),
+        ],
+        inference_workers_config={"num_workers": 2},
+        rate_limit_config={"max_inflight_requests": CAP, "max_request_body_size": 64 * 1024},
+        scheduler_config={"breaker_failure_threshold": 2, "breaker_open_time": OPEN_S, "health_check_interval": 0.2},
+        exception_config={"retry_delay": 0.01, "max_retry": 1, "connect_timeout": 1.0},
+    )
+    with Coordinator(cfg) as coord:
+        coord.u, coord.good, coord.bad, coord.dead = u, good, bad, dead
+        yield coord
+
+
+@pytest.fixture
+def c(cluster):
+    for s in (cluster.u, cluster.good, cluster.bad):
+        s.clear_faults()
+        s.reset()
+    return cluster
+
+
+def test_inflight_cap_holds_across_workers(c):
+    n = 2 * CAP
+    results: list[httpx.Response] = []
+    peak = [0]
+    start = threading.Barrier(n + 1)
+
+    def one(i: int):
+        start.wait()
+        # 1000 tokens at 2 ms per step: each admitted request holds its place for about 2 s.
+        results.append(post(c, chat(MODEL, 1000, f"cap {i}", ignore_eos=True)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    start.wait()
+    while any(t.is_alive() for t in threads):
+        peak[0] = max(peak[0], c.u.stats()["running"])
+        time.sleep(0.02)
+    ok = [r for r in results if r.status_code == 200]
+    refused = [r for r in results if r.status_code == 429]
+    assert len(ok) == CAP and len(refused) == n - CAP  # one cap for both workers, not one each
+    assert peak[0] <= CAP and c.u.stats()["received"] == CAP
+    for r in refused:
+        assert r.json()["error"]["code"] == "rate_limit_exceeded" and "in flight" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) >= 1
+    assert post(c, chat(MODEL)).status_code == 200  # the cap frees up as requests end
+
+
+def test_body_over_the_limit_is_refused_before_it_reaches_an_engine(c):
+    for size in (200 * 1024, 12 * 1024 * 1024):  # over the configured limit; over Sanic's own too
+        r = post(c, chat(MODEL, content="x" * size))
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(c.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 200_000}]})
+    assert r.status_code == 413 and r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
+    assert c.u.stats()["received"] == 0
+    assert post(c, chat(MODEL)).status_code == 200
+
+
+def test_host_header_cannot_move_a_route_to_another_port(c):
+    r = httpx.get(c.url + "/instances", headers={"Host": f"127.0.0.1:{c.mgmt_port}"})
+    assert r.status_code == 404
+    r = httpx.post(c.mgmt + "/v1/chat/completions", json=chat(MODEL), headers={"Host": f"127.0.0.1:{c.infer_port}"})
+    assert r.status_code == 404
+    assert c.u.stats()["received"] == 0
+
+
+def test_breaker_opens_on_5xx_stops_traffic_in_every_worker_and_recovers(c):
+    c.bad.set_faults(fail_status=500)
+    bad = endpoints(c)[c.bad.address]
+    assert bad["breaker"] == "closed"
+    # Every request succeeds (a failure on `bad` is retried on `good`) until the breaker opens.
+    while endpoints(c)[c.bad.address]["breaker"] != "open":
+        assert post(c, chat(FLAKY)).status_code == 200
+        assert c.bad.stats()["received"] <= 2  # threshold 2: opened by the second failure
+    seen = c.bad.stats()["received"]
+    assert breaker_metric(c, "3") == 1.0  # 1 = open
+    for _ in range(10):  # new connections, spread over both workers
+        assert post(c, chat(FLAKY)).status_code == 200
+    still_open = endpoints(c)[c.bad.address]["breaker"] == "open"
+    assert c.bad.stats()["received"] - seen <= (0 if still_open else 1)  # at most the half-open probe
+
+    c.bad.clear_faults()  # the engine recovers: after the open time one probe closes the breaker
+    assert wait_until(lambda: post(c, chat(FLAKY)).status_code == 200 and endpoints(c)[c.bad.address]["breaker"] == "closed", 3 * OPEN_S)
+    assert breaker_metric(c, "3") == 0.0
+    before = c.bad.stats()["completed"]
+    for _ in range(6):
+        assert post(c, chat(FLAKY)).status_code == 200
+    assert c.bad.stats()["completed"] > before  # back in rotation
+
+
+def test_client_errors_never_open_the_breaker(c):
+    for s in (c.good, c.bad):
+        s.set_faults(fail_status=400)
+    for _ in range(6):
+        assert post(c, chat(FLAKY)).status_code == 400
+    # A prompt longer than the engine's context: vLLM's prompt-too-long answer.
+    for s in (c.good, c.bad):
+        s.clear_faults()
+    for _ in range(4):
+        r = post(c, chat(FLAKY, content="long " * 8000))
+        assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    states = {addr: ep["breaker"] for addr, ep in endpoints(c).items() if addr in (c.good.address, c.bad.address)}
+    assert set(states.values()) == {"closed"}
+    assert c.good.stats()["received"] + c.bad.stats()["received"] == 10  # never retried either
+
+
+def test_active_health_check_takes_an_instance_out_and_back(c):
+    c.bad.set_faults(health_status=503)
+    assert wait_until(lambda: not endpoints(c)[c.bad.address]["healthy"])
+    before = c.bad.stats()["received"]
+    for _ in range(6):
+        assert post(c, chat(FLAKY)).status_code == 200
+    assert c.bad.stats()["received"] == before
+    c.bad.clear_faults()
+    assert wait_until(lambda: endpoints(c)[c.bad.address]["healthy"])
+
+
+def test_unreachable_instance_answers_fast_with_an_error(c):
+    assert wait_until(lambda: not endpoints(c)[c.dead]["healthy"])
+    r = post(c, chat(GONE))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+
+
+# -- rate limit and graceful shutdown (a second Coordinator, stopped by the last test) ---------------------
+
+RPS = 4.0
+
+
+@pytest.fixture(scope="module")
+def limited(module_sims):
+    """Rate-limited, two workers, a short drain window. `test_sigterm_drains...` ends it, so it runs last."""
+    u = module_sims("union", model=MODEL, speedup=5)
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, u.address)],
+        inference_workers_config={"num_workers": 2},
+        rate_limit_config={"requests_per_second": RPS},
+        shutdown_config={"drain_timeout": 1.5},
+    )
+    with Coordinator(cfg) as coord:
+        coord.u = u
+        yield coord
+
+
+def test_rate_limit_holds_across_workers(limited):
+    time.sleep(1.5)  # let the bucket fill (burst = RPS)
+    statuses, refused = [], []
+    started = time.monotonic()
+    for i in range(30):
+        r = post(limited, chat(MODEL, 1, f"rate {i}"))
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            refused.append(r)
+    elapsed = time.monotonic() - started
+    admitted = statuses.count(200)
+    assert admitted + len(refused) == 30
+    # One bucket for the whole Coordinator: the burst plus what refilled meanwhile (per-worker buckets would
+    # admit twice that).
+    assert 1 <= admitted <= RPS + RPS * elapsed + 1, (admitted, elapsed)
+    assert refused, "requests beyond the rate must be refused"
+    for r in refused:
+        assert r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
+    assert limited.u.stats()["received"] == admitted
+
+
+def test_sigterm_drains_in_flight_streams_then_ends_the_rest(limited):
+    time.sleep(1.0)  # tokens for the two streams
+    u = limited.u
+    out: dict[str, str] = {}
+    first: dict[str, threading.Event] = {"short": threading.Event(), "long": threading.Event()}
+
+    def stream(name: str, max_tokens: int):
+        body = chat(MODEL, max_tokens, name, ignore_eos=True, stream=True)
+        with httpx.stream("POST", limited.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            text = ""
+            for chunk in r.iter_text():
+                text += chunk
+                first[name].set()
+        out[name] = text
+
+    # At 2 ms per token: the short stream ends inside the 1.5 s drain window, the long one (6 s) does not.
+    threads = [threading.Thread(target=stream, args=a) for a in (("short", 400), ("long", 3000))]
+    for t in threads:
+        t.start()
+    assert all(e.wait(10) for e in first.values())
+    limited.proc.send_signal(signal.SIGTERM)
+
+    def not_ready() -> bool:
+        try:
+            r = httpx.get(limited.mgmt + "/readiness", timeout=1)
+            return r.status_code != 200 or r.json().get("ready") is False
+        except httpx.HTTPError:
+            return True  # the management port stopped listening: not ready either
+
+    assert wait_until(not_ready, 2)
+    try:  # new work is refused while the in-flight streams drain
+        r = post(limited, chat(MODEL))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+    except httpx.ConnectError:
+        pass
+    for t in threads:
+        t.join(20)
+    short, long = sse_events(out["short"]), sse_events(out["long"])
+    assert short[-1] == "[DONE]"  # finished inside the window
+    assert long[-1] != "[DONE]" and json.loads(long[-1])["error"]["code"] == "service_unavailable"
+    assert 2 < len(long) < 3000
+    assert wait_until(lambda: u.stats()["aborted"] == 1)  # the cut stream's engine request was aborted
+    assert limited.proc.wait(20) == 0
