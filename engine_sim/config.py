@@ -35,6 +35,9 @@ class SimConfig:
     faults: Dict[str, Any] = field(default_factory=dict)
     # Extra fields merged into issued tickets: newer vLLM versions add fields a gateway must relay unchanged.
     ticket_extra: Dict[str, Any] = field(default_factory=dict)
+    # /v1/messages usage with cache_creation/cache_read_input_tokens, as vLLM started with
+    # --enable-prompt-tokens-details answers (the OpenAI routes always carry prompt_tokens_details).
+    anthropic_cache_usage: bool = False
     log_level: str = "WARNING"
 
     def __post_init__(self):

@@ -742,10 +742,11 @@ class SimServer:
             usage["completion_tokens_details"] = None
         return usage
 
-    @staticmethod
-    def _anthropic_usage(req, completion: int) -> dict:
-        return {"input_tokens": req["prompt_tokens"], "output_tokens": completion,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": req["cached"]}
+    def _anthropic_usage(self, req, completion: int) -> dict:
+        usage = {"input_tokens": req["prompt_tokens"], "output_tokens": completion}
+        if self.cfg.anthropic_cache_usage:
+            usage.update(cache_creation_input_tokens=0, cache_read_input_tokens=req["cached"])
+        return usage
 
     @property
     def fingerprint(self) -> str:

@@ -99,7 +99,7 @@ def exchange(url: str, path: str, body) -> dict:
 @pytest.fixture(scope="module")
 def sims(model):
     # vLLM's CPU backend uses 128-token KV blocks (16 on GPUs, the simulator's default).
-    cfg = dict(model=model, max_model_len=512, block_size=128, speedup=50)
+    cfg = dict(model=model, max_model_len=512, block_size=128, anthropic_cache_usage=True, speedup=50)
     handles = {role: launch(SimConfig(role=role, **cfg)) for role in ("union", "prefill")}
     yield handles
     for h in handles.values():
