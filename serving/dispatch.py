@@ -354,6 +354,8 @@ class Dispatcher:
             log.info("request_id=%s released prefill KV %s at %s", request_id, remote_request_id, url)
         except UpstreamError as e:  # already pulled or expired (404), or P is gone: nothing left to free
             log.info("request_id=%s prefill KV release at %s: %s", request_id, url, e)
+        except RuntimeError as e:  # the worker is stopping and its engine session is closed
+            log.info("request_id=%s prefill KV release at %s skipped: %s", request_id, url, e)
 
     async def _keepalive(self, sink: Sink) -> None:
         """The engine is silent: an SSE comment keeps proxies and clients from timing the stream out."""

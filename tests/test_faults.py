@@ -313,6 +313,25 @@ def test_sdk_sees_a_mid_stream_error_as_an_api_error(c):
     assert_recovered(c, PD, True)
 
 
+def test_anthropic_stream_error_is_one_error_event_in_its_envelope(c):
+    for s in c.sims["decode"]:
+        s.set_faults(close_mid_stream_after_n=3)
+    body = {"model": PD, "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}], "stream": True, "ignore_eos": True}
+    code, _, text = call(c, body, "/v1/messages")
+    assert code == 200
+    last = text.strip().split("\n\n")[-1]
+    assert last.startswith("event: error\n")
+    err = json.loads(sse_events(last)[0])
+    assert err["type"] == "error" and err["error"]["type"] == "api_error"
+    assert len(sse_events(text)) == 4  # three relayed events, then the error
+    client = anthropic.Anthropic(base_url=c.url, api_key="x", max_retries=0, timeout=30)
+    with pytest.raises(anthropic.APIStatusError):
+        with client.messages.stream(model=PD, max_tokens=500, messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True}) as stream:
+            for _ in stream:
+                pass
+    assert_recovered(c, PD, True)
+
+
 def test_sdk_sees_exhausted_retries_as_a_server_error(c):
     for s in c.sims["union"]:
         s.set_faults(fail_status=500)
