@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import uuid
+import os
 
 from sanic import HTTPResponse, Request
 
@@ -31,7 +31,8 @@ INFER, MGMT, OBS = "infer", "mgmt", "obs"
 
 def request_id(request: Request) -> str:
     rid = request.headers.get(REQUEST_ID)
-    return rid if rid and len(rid) <= 128 and rid.isprintable() else uuid.uuid4().hex
+    # 128 random bits like uuid4().hex, at a tenth of its cost on the hot path.
+    return rid if rid and len(rid) <= 128 and rid.isprintable() else os.urandom(16).hex()
 
 
 def check_api_key(request: Request, api: str) -> None:

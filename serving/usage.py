@@ -11,8 +11,6 @@ import ujson
 
 from serving.legs import dumps
 
-_USAGE_MARKS = (b'"usage":{', b'"usage": {')
-_TICKET_MARKS = (b'"kv_transfer_params":{', b'"kv_transfer_params": {')
 
 
 def prefill_usage(p_response: dict) -> dict | None:
@@ -59,7 +57,7 @@ def fix_response(obj: dict, p_usage: dict | None, anthropic: bool) -> dict:
 
 def fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
     """One complete SSE event (without its blank-line terminator); untouched unless it carries usage or a ticket."""
-    if not any(m in event for m in _USAGE_MARKS) and not any(m in event for m in _TICKET_MARKS):
+    if not needs_fix(event):
         return event
     lines = event.split(b"\n")
     for i, line in enumerate(lines):
@@ -74,18 +72,39 @@ def fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
     return b"\n".join(lines)
 
 
+def needs_fix(data: bytes) -> bool:
+    """Does this stretch of SSE carry usage or a ticket? (Most token events do not: they pass as bytes.)"""
+    return (
+        b'"usage":{' in data
+        or b'"usage": {' in data
+        or b'"kv_transfer_params":{' in data
+        or b'"kv_transfer_params": {' in data
+    )
+
+
+def fix_events(block: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
+    """Complete SSE events, each ended by a blank line, with the usage-bearing ones fixed up."""
+    if not needs_fix(block):
+        return block
+    return b"".join(fix_event(e, p_usage, anthropic) + b"\n\n" for e in block[:-2].split(b"\n\n"))
+
+
 class EventSplitter:
-    """Cuts a byte stream into complete SSE events, keeping a partial tail for the next chunk."""
+    """Cuts a byte stream at SSE event boundaries, keeping a partial tail for the next chunk."""
 
     __slots__ = ("tail",)
 
     def __init__(self) -> None:
         self.tail = b""
 
-    def feed(self, chunk: bytes) -> list[bytes]:
+    def complete(self, chunk: bytes) -> tuple[bytes, int]:
+        """The complete events now available (with their terminators) and how many there are."""
         data = self.tail + chunk if self.tail else chunk
         if b"\r\n" in data:
             data = data.replace(b"\r\n", b"\n")
-        parts = data.split(b"\n\n")
-        self.tail = parts.pop()
-        return parts
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self.tail = data
+            return b"", 0
+        block, self.tail = data[: end + 2], data[end + 2 :]
+        return block, block.count(b"\n\n")

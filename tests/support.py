@@ -103,7 +103,7 @@ class Coordinator:
     def obs(self) -> str:
         return f"http://{self.host}:{self.obs_port}"
 
-    def wait_ready(self, timeout_s: float = 30.0) -> None:
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
         workers = self.config.get("inference_workers_config", {}).get("num_workers", 1)
         while time.monotonic() < deadline:
