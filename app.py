@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -108,6 +109,25 @@ def create_app(settings: Settings) -> Sanic:
         if others and me.get_name() != "RunServer":
             await asyncio.wait(others, timeout=5)
 
+    @app.after_server_start
+    async def drain_before_stopping(app: Sanic):
+        # Sanic's own stop-signal handler (the manager sends workers SIGINT) closes the management and
+        # metrics listeners at once, so probes would find nothing to answer them. This one drains first,
+        # with every port still serving: readiness 503 `ready: false`, liveness 200, new requests 503.
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task] = []
+
+        async def drain_then_stop() -> None:
+            await app.ctx.admission.drain(settings.drain_timeout_s)
+            app.stop(terminate=False)
+
+        def on_signal() -> None:
+            if not stopping:
+                stopping.append(loop.create_task(drain_then_stop()))
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+
     @app.signal("http.routing.after")
     async def limit_body(request: Request, route, kwargs, handler):
         # Sanic's REQUEST_MAX_SIZE is one limit for all ports; inference bodies get theirs before being read.
@@ -193,8 +213,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    for name in ("sanic.root", "sanic.error", "sanic.server"):
-        logging.getLogger(name).setLevel(max(logging.getLevelName(level), logging.INFO))
+    for name in ("sanic.root", "sanic.error", "sanic.server", "sanic.access"):
+        logger = logging.getLogger(name)
+        logger.setLevel(max(logging.getLevelName(level), logging.INFO))
+        logger.propagate = False  # Sanic's own handlers print these; the root handler would print them again
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,395 @@
+"""The management port: Kubernetes probes, GET /instances and live refresh (set, add, del, pause, resume).
+
+Most tests share one two-worker Coordinator in front of three union engines; an autouse fixture puts the
+instance set back to engines 1 and 2 before each test. Requests go out on fresh connections (one httpx
+call each), so both workers serve them; the per-request log lines name the worker's process id.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL
+from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
+
+WORKERS = 2
+BASELINE = (1, 2)
+LONG_STREAM_TOKENS = 400  # 10 ms per token at speedup 2: about 2 s
+
+
+@pytest.fixture(scope="module")
+def cluster(module_sims):
+    engines = {i: module_sims("union", speedup=2.0) for i in (1, 2, 3)}
+    cfg = coordinator_config(
+        [instance(i, "union", MODEL, engines[i].address) for i in BASELINE], inference_workers_config={"num_workers": WORKERS}
+    )
+    with Coordinator(cfg) as coord:
+        coord.engines = engines
+        coord.definitions = {i: instance(i, "union", MODEL, e.address) for i, e in engines.items()}
+        yield coord
+
+
+@pytest.fixture(autouse=True)
+def baseline(request):
+    if "cluster" not in request.fixturenames:
+        yield
+        return
+    coord = request.getfixturevalue("cluster")
+    assert coord.refresh("set", [coord.definitions[i] for i in BASELINE]).status_code == 200
+    assert coord.refresh("resume", list(BASELINE)).status_code == 200
+    for e in coord.engines.values():
+        e.clear_faults()
+        e.reset()
+    yield
+
+
+def chat(coord, max_tokens: int = 2, **extra) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, **extra}
+    return httpx.post(coord.url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def received(coord) -> dict[int, int]:
+    return {i: e.stats()["received"] for i, e in coord.engines.items()}
+
+
+def instances(coord) -> dict[int, dict]:
+    r = httpx.get(coord.mgmt + "/instances")
+    assert r.status_code == 200
+    return {i["id"]: i for i in r.json()["instances"]}
+
+
+def version(coord) -> int:
+    return httpx.get(coord.mgmt + "/instances").json()["version"]
+
+
+def worker_pids(coord, since: int = 0) -> set[str]:
+    """Process ids of the workers that logged a request line after output offset `since`."""
+    return set(re.findall(r"coordinator\.request\[(\d+)\]", coord.output()[since:]))
+
+
+# -- probes ------------------------------------------------------------------------------------------
+
+
+def test_probes_answer_ok_and_carry_a_request_id(cluster):
+    for path, message in (("/startup", "started"), ("/liveness", "alive")):
+        r = httpx.get(cluster.mgmt + path)
+        assert r.status_code == 200
+        assert r.json() == {"status": "ok", "message": message}
+        assert r.headers["x-request-id"]
+    r = httpx.get(cluster.mgmt + "/readiness", headers={"X-Request-Id": "probe-7"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok" and body["ready"] is True and body["message"]
+    assert r.headers["x-request-id"] == "probe-7"
+
+
+INFER_ROUTES = [
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/metaserver"), ("GET", "/v1/models"),
+    ("GET", "/docs"), ("GET", "/docs/openapi.json"), ("GET", "/docs/redoc"),
+]
+MGMT_ROUTES = [("GET", "/startup"), ("GET", "/liveness"), ("GET", "/readiness"), ("GET", "/instances"), ("POST", "/instances/refresh")]
+OBS_ROUTES = [("GET", "/health"), ("GET", "/metrics")]
+
+
+def test_every_route_is_served_on_its_own_port_only(cluster):
+    ports = {"infer": cluster.url, "mgmt": cluster.mgmt, "obs": cluster.obs}
+    planes = {"infer": INFER_ROUTES, "mgmt": MGMT_ROUTES, "obs": OBS_ROUTES}
+    for plane, routes in planes.items():
+        for method, path in routes:
+            for port_plane, base in ports.items():
+                # An empty JSON object: inference routes answer 400 on their own port, never 404.
+                r = httpx.request(method, base + path, json={} if method == "POST" else None)
+                if port_plane == plane:
+                    assert r.status_code != 404, (method, path, port_plane)
+                else:
+                    assert r.status_code == 404, (method, path, port_plane)
+                    assert "on this port" in r.json()["error"]["message"]
+                    assert r.headers["x-request-id"]
+    # Nothing reached an engine: the inference routes on their own port had invalid bodies.
+    assert sum(received(cluster).values()) == 0
+
+
+# -- GET /instances ----------------------------------------------------------------------------------
+
+
+def test_instances_show_role_model_endpoints_health_breaker_and_load(cluster):
+    insts = instances(cluster)
+    assert set(insts) == set(BASELINE)
+    one = insts[1]
+    assert (one["role"], one["model_name"], one["paused"], one["healthy"], one["schedulable"]) == ("union", MODEL, False, True, True)
+    (ep,) = one["endpoints"]
+    assert ep["address"] == cluster.engines[1].address and ep["id"] == 0
+    assert ep["healthy"] is True and ep["breaker"] == "closed"
+    assert set(ep["load"]) >= {"inflight_requests", "inflight_prompt_tokens", "inflight_decode_tokens", "engine_running",
+                               "engine_waiting", "engine_kv_cache_usage"}
+    assert ep["load"]["inflight_requests"] == 0
+
+
+def test_instances_show_the_load_of_a_request_in_flight(cluster):
+    cluster.refresh("pause", [2])
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": LONG_STREAM_TOKENS,
+        "stream": True, "ignore_eos": True,
+    }) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)
+        load = instances(cluster)[1]["endpoints"][0]["load"]
+        assert load["inflight_requests"] == 1 and load["inflight_decode_tokens"] > 0
+        # The engine's own gauge arrives with the next scrape.
+        assert wait_until(lambda: instances(cluster)[1]["endpoints"][0]["load"]["engine_running"] >= 1)
+    assert wait_until(lambda: instances(cluster)[1]["endpoints"][0]["load"]["inflight_requests"] == 0)
+
+
+# -- POST /instances/refresh -------------------------------------------------------------------------
+
+
+def test_refresh_events_reply_in_motor_shape(cluster):
+    d = cluster.definitions
+    r = cluster.refresh("add", [d[3]])
+    assert r.status_code == 200
+    body = r.json()
+    assert body["request_id"] == "refresh_request" and body["status"] == "success" and body["message"]
+    assert body["data"] == {"event_type": "add", "instance_count": 1}
+    assert set(instances(cluster)) == {1, 2, 3}
+
+    r = cluster.refresh("del", [{"id": 3}, 2])
+    assert r.status_code == 200 and r.json()["data"] == {"event_type": "del", "instance_count": 2}
+    assert set(instances(cluster)) == {1}
+
+    r = cluster.refresh("set", [d[2], d[3]])
+    assert r.status_code == 200 and r.json()["data"] == {"event_type": "set", "instance_count": 2}
+    assert set(instances(cluster)) == {2, 3}
+
+
+def test_add_of_a_registered_identical_instance_is_idempotent(cluster):
+    before = instances(cluster)
+    for _ in range(2):
+        r = cluster.refresh("add", [cluster.definitions[1]])
+        assert r.status_code == 200 and r.json()["status"] == "success"
+    assert instances(cluster) == before
+
+
+def test_set_keeps_the_pause_state_of_instances_it_keeps(cluster):
+    cluster.refresh("pause", [1])
+    cluster.refresh("set", [cluster.definitions[1], cluster.definitions[3]])
+    insts = instances(cluster)
+    assert insts[1]["paused"] is True and insts[3]["paused"] is False
+
+
+REFUSED = [
+    pytest.param(b"{not json", 400, "not valid JSON", id="malformed-json"),
+    pytest.param(b"[1, 2]", 400, "JSON object", id="not-an-object"),
+    pytest.param({"event": "replace", "instances": []}, 400, "event", id="unknown-event"),
+    pytest.param({"event": "set"}, 400, "instances", id="no-instances"),
+    pytest.param({"event": "add", "instances": [{"id": 9, "model_name": MODEL, "endpoints": [{"address": "127.0.0.1:9"}]}]},
+                 400, "instances[0].role", id="missing-role"),
+    pytest.param({"event": "add", "instances": [{"id": 9, "role": "union", "model_name": MODEL, "endpoints": [{"address": "nohost"}]}]},
+                 400, "instances[0].endpoints[0].address", id="bad-address"),
+    pytest.param({"event": "pause", "instances": ["one"]}, 400, "instances[0]", id="bad-id"),
+    pytest.param("duplicate", 400, "duplicate", id="duplicate-ids"),
+    pytest.param("other-role", 409, "different role", id="id-reused-other-role"),
+    pytest.param("other-endpoints", 409, "different role, model or endpoints", id="id-reused-other-endpoints"),
+    pytest.param("address-taken", 409, "registered twice", id="address-of-another-instance"),
+    pytest.param({"event": "pause", "instances": [42]}, 404, "42", id="pause-unknown"),
+]
+
+
+@pytest.mark.parametrize("body,status,words", REFUSED)
+def test_refresh_refusals_change_nothing(cluster, body, status, words):
+    d = cluster.definitions
+    special = {
+        "duplicate": {"event": "add", "instances": [d[3], {**d[3]}]},
+        "other-role": {"event": "add", "instances": [{**d[1], "role": "prefill"}]},
+        "other-endpoints": {"event": "set", "instances": [{**d[1], "endpoints": [{"id": 0, "address": "127.0.0.1:1"}]}, d[2]]},
+        "address-taken": {"event": "add", "instances": [{**d[3], "endpoints": d[1]["endpoints"]}]},
+    }
+    body = special.get(body, body) if isinstance(body, str) else body
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    before = version(cluster)
+    r = httpx.post(cluster.mgmt + "/instances/refresh", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == status
+    reply = r.json()
+    assert reply["request_id"] == "refresh_request" and reply["status"] == "failed"
+    assert words in reply["message"]
+    assert version(cluster) == before and set(instances(cluster)) == set(BASELINE)
+
+
+def test_refresh_body_over_10_mib_is_413(cluster):
+    padding = "x" * (10 * 1024 * 1024)
+    r = httpx.post(cluster.mgmt + "/instances/refresh", json={"event": "add", "instances": [], "pad": padding}, timeout=30)
+    assert r.status_code == 413
+    assert r.json()["status"] == "failed"
+    assert set(instances(cluster)) == set(BASELINE)
+
+
+def test_set_reroutes_every_worker_at_once(cluster):
+    # Both workers serve requests on the old set...
+    mark = len(cluster.output())
+    for _ in range(16):
+        assert chat(cluster).status_code == 200
+    assert wait_until(lambda: len(worker_pids(cluster, mark)) == WORKERS)
+    old = received(cluster)
+    assert old[1] + old[2] == 16 and old[3] == 0
+    # ...and right after the refresh answers, not one request reaches the engines it removed.
+    assert cluster.refresh("set", [cluster.definitions[3]]).status_code == 200
+    mark = len(cluster.output())
+    for _ in range(24):
+        assert chat(cluster).status_code == 200
+    assert wait_until(lambda: len(worker_pids(cluster, mark)) == WORKERS)
+    now = received(cluster)
+    assert (now[1], now[2]) == (old[1], old[2])
+    assert now[3] == 24
+
+
+def _long_stream(coord, out: dict) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": LONG_STREAM_TOKENS,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", coord.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        out["status"] = r.status_code
+        out["events"] = sse_events(r.read())
+
+
+def test_paused_instance_finishes_its_stream_takes_nothing_new_and_resumes(cluster):
+    a, b = cluster.engines[1], cluster.engines[2]
+    cluster.refresh("pause", [2])
+    out: dict = {}
+    stream = threading.Thread(target=_long_stream, args=(cluster, out))
+    stream.start()
+    try:
+        assert wait_until(lambda: a.stats()["running"] == 1, timeout_s=10)
+        # Drain engine 1 (the first step of its rolling restart) and bring engine 2 back.
+        assert cluster.refresh("pause", [1]).status_code == 200
+        assert cluster.refresh("resume", [2]).status_code == 200
+        insts = instances(cluster)
+        assert insts[1]["paused"] and not insts[1]["schedulable"] and insts[1]["endpoints"][0]["load"]["inflight_requests"] == 1
+        for _ in range(10):
+            assert chat(cluster).status_code == 200
+        assert a.stats()["received"] == 1 and b.stats()["received"] == 10
+        assert a.stats()["running"] == 1  # still streaming while the others went elsewhere
+    finally:
+        stream.join(60)
+    assert out["status"] == 200 and out["events"][-1] == "[DONE]"
+    chunks = [json.loads(e) for e in out["events"][:-1]]
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) == LONG_STREAM_TOKENS
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert a.stats()["aborted"] == 0
+
+    assert cluster.refresh("resume", [1]).status_code == 200
+    for _ in range(10):
+        assert chat(cluster).status_code == 200
+    assert a.stats()["received"] > 1  # back in the rotation
+
+
+def test_pausing_every_instance_of_a_model_is_503_until_resumed(cluster):
+    cluster.refresh("pause", list(BASELINE))
+    r = chat(cluster)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+    assert sum(received(cluster).values()) == 0
+    cluster.refresh("resume", [2])
+    assert chat(cluster).status_code == 200
+
+
+# -- management key ----------------------------------------------------------------------------------
+
+
+def test_management_key_protects_instances_but_never_the_probes(sims):
+    u = sims("union")
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, u.address)],
+        mgmt_api_key_config={"enable_api_key": True, "valid_keys": ["m-key"]},
+    )
+    with Coordinator(cfg) as coord:
+        for path in ("/startup", "/liveness", "/readiness"):
+            assert httpx.get(coord.mgmt + path).status_code == 200
+        body = {"event": "del", "instances": [1]}
+        for headers in ({}, {"X-Motor-Management-Key": "wrong"}, {"X-Motor-Management-Key": "m-ke"}, {"Authorization": "Bearer m-key"}):
+            assert httpx.get(coord.mgmt + "/instances", headers=headers).status_code == 401
+            r = httpx.post(coord.mgmt + "/instances/refresh", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["status"] == "failed"
+        good = {"X-Motor-Management-Key": "m-key"}
+        assert [i["id"] for i in httpx.get(coord.mgmt + "/instances", headers=good).json()["instances"]] == [1]
+        assert httpx.post(coord.mgmt + "/instances/refresh", json=body, headers=good).status_code == 200
+        assert httpx.get(coord.mgmt + "/instances", headers=good).json()["instances"] == []
+
+
+# -- probes through start-up and shutdown ------------------------------------------------------------
+
+
+def _poll(url: str, stop: threading.Event, seen: list) -> None:
+    while not stop.is_set():
+        try:
+            r = httpx.get(url, timeout=2)
+            seen.append((r.status_code, r.json()))
+        except httpx.TransportError:
+            seen.append(None)
+        time.sleep(0.02)
+
+
+def test_probes_during_start_up_answer_ok_from_their_first_answer(sims):
+    u = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, u.address)])
+    mgmt = f"http://127.0.0.1:{cfg['api_config']['coordinator_api_mgmt_port']}"
+    stop = threading.Event()
+    seen = {p: [] for p in ("/startup", "/liveness", "/readiness")}
+    pollers = [threading.Thread(target=_poll, args=(mgmt + p, stop, seen[p])) for p in seen]
+    for t in pollers:
+        t.start()
+    try:
+        with Coordinator(cfg):
+            assert wait_until(lambda: all(any(s for s in v) for v in seen.values()))
+    finally:
+        stop.set()
+        for t in pollers:
+            t.join()
+    for path, answers in seen.items():
+        answered = [a for a in answers if a is not None]
+        assert answered, path
+        # Not listening yet is a refused connection; once it answers, it answers 200 (never a 5xx).
+        assert all(status == 200 and body["status"] == "ok" for status, body in answered), (path, answered[:3])
+    assert all(body["ready"] is True for _, body in (a for a in seen["/readiness"] if a is not None))
+
+
+def test_probes_while_draining_say_not_ready_but_alive(sims):
+    u = sims("union", speedup=2.0)
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, u.address)], shutdown_config={"drain_timeout": 30},
+        inference_workers_config={"num_workers": WORKERS},
+    )
+    coord = Coordinator(cfg)
+    out: dict = {}
+    stream = threading.Thread(target=_long_stream, args=(coord, out))
+    try:
+        stream.start()
+        assert wait_until(lambda: u.stats()["running"] == 1, timeout_s=10)
+        coord.proc.send_signal(signal.SIGTERM)
+        readiness, liveness = [], []
+
+        def drained() -> bool:
+            try:
+                readiness.append(httpx.get(coord.mgmt + "/readiness", timeout=2))
+                liveness.append(httpx.get(coord.mgmt + "/liveness", timeout=2))
+            except httpx.TransportError:
+                pass
+            return bool(readiness) and readiness[-1].status_code == 503
+
+        assert wait_until(drained, timeout_s=10)
+        assert readiness[-1].json()["ready"] is False
+        assert liveness[-1].status_code == 200 and liveness[-1].json()["status"] == "ok"
+        assert u.stats()["running"] == 1  # the stream is still being served
+        # New requests are refused while the stream already in flight finishes.
+        r = chat(coord)
+        assert r.status_code == 503
+        stream.join(60)
+        assert out["status"] == 200 and out["events"][-1] == "[DONE]"
+        assert coord.proc.wait(30) == 0
+    finally:
+        stream.join(60)
+        coord.stop()

@@ -1,0 +1,297 @@
+"""The observability port and what the Coordinator records about requests: /metrics, /health, the request
+log line, the request id on every response, and the OpenAPI spec on the inference port.
+
+One two-worker Coordinator serves a union model, a PD model and a slow union model (for streams that
+last long enough to look at). Requests go out on fresh connections, so both workers serve them; the
+metrics are read back through either worker and must add up to exactly what was sent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import defaultdict
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import MODEL
+from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
+
+PD_MODEL, SLOW_MODEL = "pd-model", "slow-model"
+WORKERS = 2
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def cluster(module_sims):
+    u = module_sims("union")
+    p, d = module_sims("prefill", model=PD_MODEL), module_sims("decode", model=PD_MODEL)
+    slow = module_sims("union", model=SLOW_MODEL, speedup=1.0, decode_step_ms=20.0)
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, u.address), instance(2, "prefill", PD_MODEL, p.address),
+         instance(3, "decode", PD_MODEL, d.address), instance(4, "union", SLOW_MODEL, slow.address)],
+        exception_config={"retry_delay": 0.01, "max_retry": 2},
+        inference_workers_config={"num_workers": WORKERS},
+    )
+    with Coordinator(cfg) as coord:
+        coord.engines = {"union": u, "prefill": p, "decode": d, "slow": slow}
+        yield coord
+
+
+@pytest.fixture
+def c(cluster):
+    for e in cluster.engines.values():
+        e.clear_faults()
+        e.reset()
+    return cluster
+
+
+class Metrics:
+    """One scrape of /metrics: samples by name and labels."""
+
+    def __init__(self, text: str):
+        self.samples: dict[str, list[tuple[dict, float]]] = defaultdict(list)
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                self.samples[s.name].append((s.labels, s.value))
+
+    def get(self, name: str, **labels) -> float:
+        """The sum of the samples of `name` whose labels include `labels`."""
+        want = {k: str(v) for k, v in labels.items()}
+        return sum(v for lab, v in self.samples.get(name, []) if want.items() <= lab.items())
+
+
+def scrape(coord) -> Metrics:
+    r = httpx.get(coord.obs + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return Metrics(r.text)
+
+
+def delta(before: Metrics, after: Metrics, name: str, **labels) -> float:
+    return after.get(name, **labels) - before.get(name, **labels)
+
+
+def post(coord, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(coord.url + path, json=body, timeout=30, **kw)
+
+
+def chat_body(model: str = MODEL, max_tokens: int = 3, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "count me"}], "max_tokens": max_tokens, **extra}
+
+
+def worker_pids(coord, since: int) -> set[str]:
+    return set(re.findall(r"coordinator\.request\[(\d+)\]", coord.output()[since:]))
+
+
+# -- counts across workers ---------------------------------------------------------------------------
+
+
+def test_request_counts_add_up_across_workers(c):
+    before = scrape(c)
+    mark = len(c.output())
+    for _ in range(10):
+        assert post(c, CHAT, chat_body()).status_code == 200
+    for _ in range(8):
+        r = post(c, COMPLETIONS, {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": True})
+        assert r.status_code == 200 and sse_events(r.content)[-1] == "[DONE]"
+    for i in range(5):
+        assert post(c, CHAT, chat_body(model=f"no-such-model-{i}")).status_code == 404
+    for _ in range(4):
+        assert post(c, CHAT, {"model": MODEL, "messages": "not a list"}).status_code == 400
+    assert wait_until(lambda: len(worker_pids(c, mark)) == WORKERS)
+
+    # Every scrape, whichever worker answers it, sees the same totals.
+    scrapes = [scrape(c) for _ in range(6)]
+    for after in scrapes:
+        assert delta(before, after, "motor_requests_total", route=CHAT, model=MODEL, status=200) == 10
+        assert delta(before, after, "motor_requests_total", route=COMPLETIONS, model=MODEL, status=200) == 8
+        assert delta(before, after, "motor_requests_total", route=CHAT, model="other", status=400) == 4  # no model read
+        # Made-up model names do not become label values.
+        assert delta(before, after, "motor_requests_total", route=CHAT, model="other", status=404) == 5
+        assert not any(lab.get("model", "").startswith("no-such") for lab, _ in after.samples["motor_requests_total"])
+        assert delta(before, after, "motor_e2e_seconds_count", model=MODEL) == 18
+        assert delta(before, after, "motor_ttft_seconds_count", route=COMPLETIONS, model=MODEL) == 8
+        assert delta(before, after, "motor_ttft_seconds_count", route=CHAT, model=MODEL) == 0  # JSON: no first token to see
+
+
+def test_tokens_and_stream_latencies(c):
+    before = scrape(c)
+    usage = post(c, CHAT, chat_body(max_tokens=6, ignore_eos=True)).json()["usage"]
+    r = post(c, CHAT, chat_body(max_tokens=9, ignore_eos=True, stream=True, stream_options={"include_usage": False}))
+    tokens = [json.loads(e) for e in sse_events(r.content)[:-1]]
+    streamed = sum(1 for t in tokens if t["choices"] and t["choices"][0]["delta"].get("content"))
+    assert streamed == 9
+    after = scrape(c)
+    assert delta(before, after, "motor_generation_tokens_total", route=CHAT, model=MODEL) == usage["completion_tokens"] + 9
+    assert delta(before, after, "motor_prompt_tokens_total", route=CHAT, model=MODEL) >= usage["prompt_tokens"]
+    assert delta(before, after, "motor_tpot_seconds_count", route=CHAT, model=MODEL) == 1
+    ttft = delta(before, after, "motor_ttft_seconds_sum", route=CHAT, model=MODEL)
+    tpot = delta(before, after, "motor_tpot_seconds_sum", route=CHAT, model=MODEL)
+    e2e = delta(before, after, "motor_e2e_seconds_sum", route=CHAT, model=MODEL)
+    assert 0 < ttft < e2e and 0 < tpot < e2e
+
+
+def test_tpot_follows_the_engines_decode_speed(c):
+    """The slow model decodes at 20 ms a token, the fast one at 0.2 ms: the histogram must tell them apart."""
+    before = scrape(c)
+    for model in (MODEL, SLOW_MODEL):
+        r = post(c, CHAT, chat_body(model=model, max_tokens=20, ignore_eos=True, stream=True))
+        assert r.status_code == 200
+    after = scrape(c)
+    fast = delta(before, after, "motor_tpot_seconds_sum", model=MODEL)
+    slow = delta(before, after, "motor_tpot_seconds_sum", model=SLOW_MODEL)
+    assert delta(before, after, "motor_tpot_seconds_count", model=SLOW_MODEL) == 1
+    assert slow > 5 * fast
+
+
+def test_pd_legs_and_missed_handoffs(c):
+    before = scrape(c)
+    for stream in (False, True):
+        assert post(c, CHAT, chat_body(model=PD_MODEL, stream=stream)).status_code == 200
+    c.engines["prefill"].set_faults(eos_on_prefill=True)
+    assert post(c, CHAT, chat_body(model=PD_MODEL)).status_code == 200
+    after = scrape(c)
+    assert delta(before, after, "motor_leg_seconds_count", leg="prefill", model=PD_MODEL) == 3
+    assert delta(before, after, "motor_leg_seconds_count", leg="decode", model=PD_MODEL) == 3
+    assert delta(before, after, "motor_missed_handoffs_total", model=PD_MODEL) == 1
+
+
+def test_retries_and_breaker_state(c):
+    u = c.engines["union"]
+    before = scrape(c)
+    u.set_faults(fail_first_n=1)
+    assert post(c, CHAT, chat_body()).status_code == 200  # the retry succeeded
+    after = scrape(c)
+    assert delta(before, after, "motor_retries_total", model=MODEL) == 1
+    assert after.get("motor_instance_breaker_state", instance=1) == 0
+
+    u.set_faults(fail_status=500)
+    assert post(c, CHAT, chat_body()).status_code == 502  # three attempts, all failed: the breaker opens
+    assert scrape(c).get("motor_instance_breaker_state", instance=1) == 1
+    r = post(c, CHAT, chat_body())
+    assert r.status_code == 503  # the breaker refuses before any engine is tried
+    u.clear_faults()
+    assert scrape(c).get("motor_rejections_total", reason="no_capacity") >= 1
+    assert wait_until(lambda: post(c, CHAT, chat_body()).status_code == 200, timeout_s=15)  # half-open probe closes it
+    assert scrape(c).get("motor_instance_breaker_state", instance=1) == 0
+
+
+def _stream_slow(coord, out: dict, max_tokens: int = 100) -> None:
+    body = chat_body(model=SLOW_MODEL, max_tokens=max_tokens, ignore_eos=True, stream=True)
+    with httpx.stream("POST", coord.url + CHAT, json=body, timeout=60) as r:
+        out["events"] = sse_events(r.read())
+
+
+def test_inflight_and_engine_gauges(c):
+    slow = c.engines["slow"]
+    out: dict = {}
+    t = threading.Thread(target=_stream_slow, args=(c, out))
+    t.start()
+    try:
+        assert wait_until(lambda: slow.stats()["running"] == 1, timeout_s=10)
+        m = scrape(c)
+        assert m.get("motor_inflight_requests") == 1
+        assert m.get("motor_instance_inflight_requests", instance=4, role="union", model=SLOW_MODEL) == 1
+        assert m.get("motor_instance_inflight_requests", instance=1) == 0
+        # The engine's own gauge, relabelled, arrives with the next scrape of the engine.
+        assert wait_until(lambda: scrape(c).get("motor_engine_num_requests_running", instance=4, role="union") == 1)
+        assert m.get("motor_instance_healthy", instance=4) == 1 and m.get("motor_queued_requests") == 0
+    finally:
+        t.join(60)
+    assert out["events"][-1] == "[DONE]"
+    m = scrape(c)
+    assert m.get("motor_inflight_requests") == 0 and m.get("motor_instance_inflight_requests", instance=4) == 0
+
+
+def test_client_disconnects_by_phase(c):
+    slow = c.engines["slow"]
+    before = scrape(c)
+    with httpx.stream("POST", c.url + CHAT, json=chat_body(model=SLOW_MODEL, max_tokens=200, ignore_eos=True, stream=True), timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+    assert wait_until(lambda: slow.stats()["aborted"] == 1)
+    slow.set_faults(slow_first_byte_s=5)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(c.url + CHAT, json=chat_body(model=SLOW_MODEL), timeout=httpx.Timeout(30, read=0.5))
+    assert wait_until(lambda: delta(before, scrape(c), "motor_client_disconnects_total", phase="before_first_byte") == 1)
+    after = scrape(c)
+    assert delta(before, after, "motor_client_disconnects_total", phase="streaming") == 1
+    assert delta(before, after, "motor_requests_total", model=SLOW_MODEL, status=499) == 2
+
+
+def test_rejection_reasons(sims):
+    u = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, u.address)], rate_limit_config={"requests_per_second": 0.2})
+    with Coordinator(cfg) as coord:
+        codes = [post(coord, CHAT, chat_body()).status_code for _ in range(3)]
+        assert codes == [200, 429, 429]
+        m = scrape(coord)
+        assert m.get("motor_rejections_total", reason="rate_limit") == 2
+        assert m.get("motor_requests_total", status=429) == 2
+
+
+def test_health_answers(c):
+    r = httpx.get(c.obs + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+# -- request log line and request id -----------------------------------------------------------------
+
+
+def test_one_structured_log_line_per_request(c):
+    rid = "log-line-check-1"
+    assert post(c, CHAT, chat_body(model=PD_MODEL), headers={"X-Request-Id": rid}).status_code == 200
+    assert wait_until(lambda: f"request_id={rid} " in c.output())
+    lines = [line for line in c.output().splitlines() if f"request_id={rid} " in line]
+    assert len(lines) == 1
+    line = lines[0]
+    assert " INFO coordinator.request[" in line
+    for field in ("route=/v1/chat/completions", f"model={PD_MODEL}", "prefill=2/0@", "decode=3/0@", "status=200",
+                  "ttft_ms=", "prompt_tokens=", "output_tokens=3", "duration_ms="):
+        assert field in line, field
+    # No access log by default (Sanic's would read "... INFO: 127.0.0.1:PORT POST http://... 200 ...").
+    assert not re.search(r"(GET|POST) http://\S+ \d{3} ", c.output())
+
+
+def test_every_response_carries_a_request_id(c):
+    calls = [
+        ("GET", c.mgmt + "/startup", None), ("GET", c.mgmt + "/readiness", None), ("GET", c.mgmt + "/instances", None),
+        ("POST", c.mgmt + "/instances/refresh", {"event": "nope"}), ("GET", c.mgmt + "/nowhere", None),
+        ("GET", c.obs + "/metrics", None), ("GET", c.obs + "/health", None), ("GET", c.obs + "/nowhere", None),
+        ("GET", c.url + "/v1/models", None), ("GET", c.url + "/nowhere", None), ("GET", c.url + "/docs", None),
+        ("POST", c.url + CHAT, {"model": MODEL}), ("POST", c.url + CHAT, chat_body()),
+        ("POST", c.url + "/v1/messages", {"model": MODEL}), ("DELETE", c.url + "/v1/models", None),
+    ]
+    for method, url, body in calls:
+        r = httpx.request(method, url, json=body)
+        assert r.headers.get("x-request-id"), (method, url, r.status_code)
+        sent = httpx.request(method, url, json=body, headers={"X-Request-Id": "echo-me"})
+        assert sent.headers["x-request-id"] == "echo-me", (method, url)
+    with httpx.stream("POST", c.url + CHAT, json=chat_body(stream=True), headers={"X-Request-Id": "stream-id"}) as r:
+        assert r.headers["x-request-id"] == "stream-id"
+        r.read()
+
+
+# -- OpenAPI -----------------------------------------------------------------------------------------
+
+
+def test_openapi_spec_documents_the_inference_routes(c):
+    spec = httpx.get(c.url + "/docs/openapi.json").json()
+    assert set(spec["paths"]) == {
+        "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/metaserver", "/v1/models",
+    }
+    chat = spec["paths"]["/v1/chat/completions"]["post"]
+    body = chat["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert {"model", "messages", "stream", "max_tokens"} <= set(body)
+    assert "passed to the engine unchanged" in chat["description"]
+    responses = chat["responses"]
+    assert {"200", "400", "401", "404", "413", "429", "502", "503"} <= set(responses)
+    openai_error = responses["400"]["content"]["application/json"]["schema"]["properties"]["error"]["properties"]
+    assert set(openai_error) == {"message", "type", "param", "code"}
+    messages = spec["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]["properties"]
+    assert set(messages) == {"type", "error"}
+    page = httpx.get(c.url + "/docs")
+    assert page.status_code == 200 and "openapi.json" in page.text
