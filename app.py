@@ -212,7 +212,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    # The process id tells the workers' lines apart.
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s", stream=sys.stdout)
     for name in ("sanic.root", "sanic.error", "sanic.server", "sanic.access"):
         logger = logging.getLogger(name)
         logger.setLevel(max(logging.getLevelName(level), logging.INFO))
