@@ -9,6 +9,7 @@ import os
 
 from sanic import HTTPResponse, Request
 
+from config import ApiKeyConfig
 from errors import (
     ANTHROPIC,
     OPENAI,
@@ -35,20 +36,27 @@ def request_id(request: Request) -> str:
     return rid if rid and len(rid) <= 128 and rid.isprintable() else os.urandom(16).hex()
 
 
+def presented_key(request: Request, cfg: ApiKeyConfig) -> str | None:
+    """The key in the configured header after its prefix, if any."""
+    value = request.headers.get(cfg.header_name)
+    return value[len(cfg.key_prefix):] if value is not None and value.startswith(cfg.key_prefix) else None
+
+
+def valid_key(cfg: ApiKeyConfig, key: str) -> bool:
+    # Compare against every valid key so timing reveals neither the key nor which one matched.
+    return any([hmac.compare_digest(key.encode(), valid.encode()) for valid in cfg.valid_keys])
+
+
 def check_api_key(request: Request, api: str) -> None:
     cfg = request.app.ctx.settings.api_key
     if not cfg.enable_api_key:
         return
-    presented = []
-    value = request.headers.get(cfg.header_name)
-    if value is not None and value.startswith(cfg.key_prefix):
-        presented.append(value[len(cfg.key_prefix):])
+    key = presented_key(request, cfg)
+    presented = [] if key is None else [key]
     if api == ANTHROPIC and request.headers.get("x-api-key") is not None:
         presented.append(request.headers["x-api-key"])
-    for key in presented:
-        # Compare against every valid key so timing reveals neither the key nor which one matched.
-        if any([hmac.compare_digest(key.encode(), valid.encode()) for valid in cfg.valid_keys]):
-            return
+    if any(valid_key(cfg, key) for key in presented):
+        return
     raise Unauthorized("Missing or invalid API key." if presented else "Missing API key.")
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 import ujson
 from sanic import Blueprint, Request, json
 
-from handlers.common import MGMT
+from handlers.common import MGMT, presented_key, valid_key
 from scheduling.registry import RefreshError, parse_refresh_body
 from scheduling.status import instances_json
 
@@ -48,14 +47,12 @@ def _refused(status: int, message: str, event: str | None = None):
 
 
 def _authorized(request: Request) -> bool:
+    """The management key (`mgmt_api_key_config`), when enabled, guards /instances*; never the probes."""
     cfg = request.app.ctx.settings.mgmt_api_key
     if not cfg.enable_api_key:
         return True
-    value = request.headers.get(cfg.header_name)
-    if value is None or not value.startswith(cfg.key_prefix):
-        return False
-    key = value[len(cfg.key_prefix):].encode()
-    return any([hmac.compare_digest(key, valid.encode()) for valid in cfg.valid_keys])
+    key = presented_key(request, cfg)
+    return key is not None and valid_key(cfg, key)
 
 
 @bp.get("/instances", ctx_plane=MGMT)
