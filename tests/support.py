@@ -104,18 +104,26 @@ class Coordinator:
         return f"http://{self.host}:{self.obs_port}"
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
+        """Readiness answers and every worker has started (SIGTERM before that hangs Sanic, sanic #2997).
+
+        A worker counts as started when Sanic logs it ready, or when its process has been up for a few
+        seconds while the Coordinator answers (worker log lines can reach the shared log file late)."""
         deadline = time.monotonic() + timeout_s
         workers = self.config.get("inference_workers_config", {}).get("num_workers", 1)
+        answering_since = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"coordinator exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                r = httpx.get(self.mgmt + "/readiness", timeout=1.0)
-                # Every worker must be up before SIGTERM is safe; Sanic logs each one as ready.
-                if r.status_code == 200 and self.output().count("Worker ready") >= workers:
-                    return
+                ready = httpx.get(self.mgmt + "/readiness", timeout=1.0).status_code == 200
             except httpx.HTTPError:
-                pass
+                ready = False
+            if ready:
+                answering_since = answering_since or time.monotonic()
+                if self.output().count("Worker ready") >= workers:
+                    return
+                if len(self.worker_pids()) >= workers and time.monotonic() - answering_since > 3.0:
+                    return
             time.sleep(0.1)
         raise RuntimeError(f"coordinator not ready in {timeout_s}s:\n{self.output()}")
 
@@ -123,6 +131,23 @@ class Coordinator:
         self.log.flush()
         with open(self.log_path, "rb") as f:
             return f.read().decode("utf-8", "replace")
+
+    def worker_pids(self) -> list[int]:
+        """The Sanic worker processes of this Coordinator (spawned children of its main process)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == self.proc.pid and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                pids.append(int(entry))
+        return pids
 
     def refresh(self, event: str, instances: list) -> httpx.Response:
         return httpx.post(self.mgmt + "/instances/refresh", json={"event": event, "instances": instances}, timeout=5)
