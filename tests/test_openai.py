@@ -234,7 +234,7 @@ def test_two_workers_subprocess_serves_sdk_traffic(sims):
         for i in range(20):
             assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"n{i}"}], max_tokens=2).choices
         served = [a.stats()["received"], b.stats()["received"]]
-        assert sum(served) == 20 and min(served) >= 5  # both engines took a share
+        assert sum(served) == 20 and min(served) >= 3  # both engines took a share
         # The request log lines come from worker processes, not from the main process.
         served_by = {int(w.split("[")[1].rstrip("]:")) for w in coord.output().split() if w.startswith("coordinator.request[")}
         assert served_by and served_by <= set(coord.worker_pids())
