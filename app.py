@@ -10,6 +10,7 @@ loopback ports) so that every endpoint answers out of the box.
 from __future__ import annotations
 
 import argparse
+import gc
 import asyncio
 import logging
 import os
@@ -80,7 +81,11 @@ def create_app(settings: Settings) -> Sanic:
     @app.before_server_start
     async def start_worker(app: Sanic):
         configure_logging(settings.log_level)  # workers are spawned: main()'s logging setup is not theirs
-        shared = SharedState.from_shared_ctx(app.shared_ctx)
+        if hasattr(app.shared_ctx, "motor_doc"):
+            shared = SharedState.from_shared_ctx(app.shared_ctx)
+        else:  # Sanic's single_process mode runs no main_process_* listener: this process's memory will do
+            shared = SharedState.create()
+            Registry(shared).apply("set", list(settings.instances))
         worker = worker_index()
         ctx = app.ctx
         ctx.started_at = int(time.time())
@@ -96,6 +101,8 @@ def create_app(settings: Settings) -> Sanic:
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them
             ctx.background.start()
+        # Start-up objects live for the worker's life: keep them out of the cyclic collector's scans.
+        gc.freeze()
 
     @app.before_server_stop
     async def drain(app: Sanic):
@@ -212,7 +219,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def configure_logging(level: str) -> None:
-    # The process id tells the workers' lines apart.
+    # Per-record work the format does not use costs tens of µs a request: no caller frame lookup, no
+    # thread or process-name lookups. The process id (cheap) tells the workers' lines apart.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logMultiprocessing = False
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s", stream=sys.stdout)
     for name in ("sanic.root", "sanic.error", "sanic.server", "sanic.access"):
         logger = logging.getLogger(name)

@@ -96,7 +96,7 @@ class Settings:
     mgmt_api_key: ApiKeyConfig = ApiKeyConfig(header_name="X-Motor-Management-Key", key_prefix="")
     infer_tls: TlsConfig = TlsConfig()
     mgmt_tls: TlsConfig = TlsConfig()
-    scheduler_type: str = "load_balance"
+    scheduler_type: str = "slo_aware"
     pd_dispatch: str = "handoff"
     admission: str = "off"
     admission_queue_size: int = 256

@@ -36,7 +36,14 @@ from scheduling.shared import G_RR, SharedState
 # A plan meets its budget when its predicted TTFT and TPOT are within these shares of them: room for the
 # model's error (queue waits are harder to predict than step times) and for the engines' noise.
 MARGIN = 0.85
-TPOT_MARGIN = 0.95
+TPOT_MARGIN = 0.9
+# Predictions within 5 % (plus 2 ms for a TTFT, 0.5 ms for a TPOT) of the best are ties; ties go to the
+# first candidate in an order that rotates with every request, so equal idle engines share the traffic.
+TIE = 0.05
+
+
+def _clearly_less(a: float, b: float, absolute: float) -> bool:
+    return a < b - TIE * b - absolute
 
 
 @dataclass
@@ -55,8 +62,9 @@ class JobInfo:
     cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
     # The verdict of the last plan: can the chosen engines meet the budgets? (None: cannot tell.)
     feasible: bool | None = None
-    ttft_s: float = 0.0  # predicted for the chosen engines
+    ttft_s: float = 0.0  # predicted for the chosen engines, with their allowances for errors
     tpot_s: float = 0.0
+    tpot_model_s: float = 0.0  # the decode model's own TPOT prediction (its errors are learned)
     floor_s: float = 0.0  # predicted TTFT with empty queues: below this budget no wait can help
     retry_after_s: float = 1.0
 
@@ -108,18 +116,20 @@ class Policy:
     def decode_batch(self, t: Target, delay: float) -> float:
         """Sequences `t` will be decoding when a request joins in `delay` seconds, itself included.
 
-        Requests promised to `t` (their prefill runs) will be there. Of those decoding now, the share still
-        running after `delay` is taken as 1 - delay / (a whole decode's length), as if their progress were
-        spread evenly (a decode lasts its mean output budget times the current step time).
+        A decode lasts about L = (mean output budget) x (current step time). Of the requests decoding now,
+        1 - delay / L are still running after `delay` (their progress spread evenly). Requests promised to
+        `t` (prefilling now) start decoding at times spread over the next `delay` seconds, so min(1, L /
+        delay) of them are still running when this one joins.
         """
         requests, _, decode_tokens, _ = self.ledger.load(t.slot)
         held = self.ledger.held(t.slot)
-        still = float(requests)
-        if requests and delay > 0.0:
-            step = self.predictor.step_s(t.slot, requests + held)
-            length = decode_tokens / requests * step
-            still = requests * (1.0 - delay / length) if delay < length else 0.0
-        return held + still + 1.0
+        if delay <= 0.0 or not (requests or held):
+            return requests + held + 1.0
+        step = self.predictor.step_s(t.slot, requests + held)
+        length = (decode_tokens / requests if requests else 256.0) * step
+        running = requests * (1.0 - delay / length) if delay < length else 0.0
+        promised = held * (length / delay) if delay > length else float(held)
+        return running + promised + 1.0
 
     def predict_decode(self, d: Target, delay: float = 0.0) -> tuple[float, float]:
         """(seconds per token, seconds from the decode leg's start to its first token) for a request whose
@@ -128,29 +138,35 @@ class Policy:
         tpot = pred.step_s(d.slot, self.decode_batch(d, delay))
         return tpot, (pred.first_wait_s(d.slot) + tpot) if tpot != UNKNOWN else UNKNOWN
 
-    def predict_prefill(self, p: Target, job: JobInfo, now: float) -> tuple[float, float]:
-        """(seconds until `p` would finish this prompt's prefill, of which service without queueing)."""
-        service = self.predictor.prefill_s(p.slot, self.uncached(p, job))
-        return self.predictor.queue_wait_s(p.slot, now) + service, service
+    def predict_prefill(self, p: Target, job: JobInfo, now: float) -> tuple[float, float, float]:
+        """(seconds until `p` would finish this prompt's prefill, the same without queueing, the engine's
+        allowance for prediction errors): the first two are expected values, the allowance is what a
+        judgement against a budget adds to them."""
+        pred = self.predictor
+        service = pred.prefill_s(p.slot, self.uncached(p, job))
+        # No prefill of ours in flight there: whatever the virtual queue says, nothing waits ahead.
+        wait = pred.queue_wait_s(p.slot, now) if self.ledger.load(p.slot)[3] else 0.0
+        return wait + service, service, pred.allowance_s(p.slot)
 
     def judge(self, p: Target | None, d: Target, job: JobInfo) -> None:
         """Set the job's verdict for this plan (p None: one engine serves the request whole)."""
         job.feasible = None
         if self.predictor is None:
             return
-        ttft, service = self.predict_prefill(p or d, job, time.monotonic())
-        if ttft == UNKNOWN:
+        finish, service, allowance = self.predict_prefill(p or d, job, time.monotonic())
+        if finish == UNKNOWN:
             return
-        tpot, first = self.predict_decode(d, ttft)
+        tpot, first = self.predict_decode(d, finish if p is not None else 0.0)
         if tpot == UNKNOWN:
             return
-        extra = tpot if p is None else first
-        ttft, service = ttft + extra, service + extra
-        self._verdict(job, ttft, tpot, service)
+        extra = allowance + (tpot if p is None else first)
+        self._verdict(job, finish + extra, tpot, service + extra, self.predictor.tpot_allowance_s(d.slot))
 
-    def _verdict(self, job: JobInfo, ttft: float, tpot: float, floor: float) -> None:
+    def _verdict(self, job: JobInfo, ttft: float, tpot: float, floor: float, tpot_allowance: float = 0.0) -> None:
         ttft_budget = job.slo_ttft_ms / 1000.0 - (time.monotonic() - job.arrived)
         tpot_budget = job.slo_tpot_ms / 1000.0
+        job.tpot_model_s = tpot
+        tpot += tpot_allowance
         job.ttft_s, job.tpot_s, job.floor_s = ttft, tpot, floor
         job.feasible = ttft <= MARGIN * ttft_budget and tpot <= TPOT_MARGIN * tpot_budget
         if not job.feasible:
@@ -245,58 +261,78 @@ class SloAware(LoadBalance):
     name = "slo_aware"
     uses_prefix = True
 
-    def _explore(self, cands: list[Target], known) -> Target | None:
-        """An idle candidate the model does not know yet (so it learns it), if any."""
-        for t in cands:
+    def _explore(self, cands: list[Target], known, start: int) -> Target | None:
+        """An idle candidate the model does not know yet (so it learns it), if any; rotating, so that engines
+        it never learns (whole requests that do not stream teach nothing) still share the traffic."""
+        n = len(cands)
+        for k in range(n):
+            t = cands[(start + k) % n]
             if not known(t.slot) and not self.ledger.requests(t.slot) and not self.ledger.held(t.slot):
                 return t
         return None
 
-    def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float) -> tuple[Target, float, float] | None:
-        """The decode target with the lowest predicted TPOT, preferring those within the budget."""
+    def _rotation(self) -> int:
+        g = self.shared.globals
+        start = g[G_RR]
+        g[G_RR] = start + 1
+        return start
+
+    def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int) -> tuple | None:
+        """(target, TPOT, first-token wait, TPOT allowance) of the decode target with the lowest predicted TPOT
+        (allowance included), preferring those within the budget."""
         budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
         best = None
-        for d in ds:
+        n = len(ds)
+        for k in range(n):
+            d = ds[(start + k) % n]
             tpot, first = self.predict_decode(d, delay)
             if tpot == UNKNOWN:
                 return None
-            key = (tpot > budget, tpot)
-            if best is None or key < best[0]:
-                best = (key, d, tpot, first)
-        return best[1], best[2], best[3]
+            allowance = self.predictor.tpot_allowance_s(d.slot)
+            over = tpot + allowance > budget
+            if best is None or over < best[0] or (over == best[0] and _clearly_less(tpot + allowance, best[1], 0.0005)):
+                best = (over, tpot + allowance, d, tpot, first, allowance)
+        return best[2:]
 
-    def _pick_prefill(self, ps: list[Target], job: JobInfo, now: float) -> tuple[Target, float, float] | None:
-        """The prefill target that finishes first: (it, its predicted finish, the least service time of any)."""
+    def _pick_prefill(self, ps: list[Target], job: JobInfo, now: float, start: int) -> tuple[Target, float, float, float] | None:
+        """The prefill target that finishes first, allowance included: (it, its expected finish, its allowance,
+        the least service time of any, allowance included)."""
         best, floor = None, UNKNOWN
-        for p in ps:
-            finish, service = self.predict_prefill(p, job, now)
+        n = len(ps)
+        for k in range(n):
+            p = ps[(start + k) % n]
+            finish, service, allowance = self.predict_prefill(p, job, now)
             if finish == UNKNOWN:
                 return None
-            if best is None or finish < best[1]:
-                best = (p, finish)
-            floor = min(floor, service)
-        return best[0], best[1], floor
+            if best is None or _clearly_less(finish + allowance, best[1] + best[2], 0.002):
+                best = (p, finish, allowance)
+            floor = min(floor, service + allowance)
+        return best[0], best[1], best[2], floor
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
         pred = self.predictor
         job.feasible = None
-        p_pick = self._pick_prefill(ps, job, time.monotonic())
-        d_pick = self._pick_decode(ds, job, p_pick[1]) if p_pick is not None else None
+        start = self._rotation()
+        p_pick = self._pick_prefill(ps, job, time.monotonic(), start)
+        d_pick = self._pick_decode(ds, job, p_pick[1], start) if p_pick is not None else None
         if d_pick is None:
-            d = self._explore(ds, pred.decode_known) or LoadBalance.choose(self, ds, job)
+            d = self._explore(ds, pred.decode_known, start) or LoadBalance.choose(self, ds, job)
         else:
             d = d_pick[0]
         if p_pick is None:
-            return self._explore(ps, pred.prefill_known) or LoadBalance.choose(self, ps, job), d
+            return self._explore(ps, pred.prefill_known, start) or LoadBalance.choose(self, ps, job), d
         if d_pick is None:
             return p_pick[0], d
-        p, finish, floor = p_pick
-        _, tpot, first = d_pick
-        self._verdict(job, finish + first, tpot, floor + first)
+        p, finish, allowance, floor = p_pick
+        _, tpot, first, tpot_allowance = d_pick
+        self._verdict(job, finish + allowance + first, tpot, floor + first, tpot_allowance)
         return p, d
 
     def choose_whole(self, cands: list[Target], job: JobInfo) -> Target:
         return self.choose(cands, job)
+
+    def _whole_known(self, slot: int) -> bool:
+        return self.predictor.prefill_known(slot) and self.predictor.decode_known(slot)
 
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
         """One engine for the whole request: the soonest first token among those within the TPOT budget."""
@@ -305,15 +341,17 @@ class SloAware(LoadBalance):
         now = time.monotonic()
         budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
         best = None
-        for t in cands:
-            finish, service = self.predict_prefill(t, job, now)
+        n, start = len(cands), self._rotation()
+        for k in range(n):
+            t = cands[(start + k) % n]
+            finish, service, allowance = self.predict_prefill(t, job, now)
             tpot = pred.step_s(t.slot, self.decode_batch(t, 0.0)) if finish != UNKNOWN else UNKNOWN
             if tpot == UNKNOWN:
-                return self._explore(cands, lambda s: pred.prefill_known(s) and pred.decode_known(s)) or super().choose(cands, job)
-            key = (tpot > budget, finish + tpot)
-            if best is None or key < best[0]:
-                best = (key, t, finish + tpot, tpot, service + tpot)
-        _, t, ttft, tpot, floor = best
+                return self._explore(cands, self._whole_known, start) or super().choose(cands, job)
+            over, ttft = tpot > budget, finish + allowance + tpot
+            if best is None or over < best[0] or (over == best[0] and _clearly_less(ttft, best[1], 0.002)):
+                best = (over, ttft, t, tpot, service + allowance + tpot)
+        _, ttft, t, tpot, floor = best
         self._verdict(job, ttft, tpot, floor)
         return t
 

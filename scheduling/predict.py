@@ -11,6 +11,14 @@ amount), counting each correction once: a lease remembers the sum of corrections
 Its service time is the time from max(its start, the previous completion on that endpoint) to its
 completion; `rate` and `base` are a least-squares line through (uncached tokens, service time) pairs.
 
+Every prefill's error (observed minus predicted finish, as predicted when it was sent) feeds a tracked
+95th percentile per endpoint (stochastic quantile tracking: a late sample moves the estimate up by 19
+steps for every step an early one moves it down, the step a tenth of the mean error's size); this
+`allowance_s` is added to predictions judged against a budget, so an engine that stalls now and then
+is given room for its stalls, without one huge stall inflating it for long. Decode streams do the same
+with their observed seconds per token against the TPOT predicted when the request was planned
+(`tpot_allowance_s`), which also covers errors in the predicted batch.
+
 Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
 a least-squares line through (mean batch during a request, its observed seconds per token) pairs. The
 wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean.
@@ -37,6 +45,8 @@ from scheduling.shared import (
     H_DECODE_STEP_S,
     H_ENGINE_ITL_S,
     H_LAST_DONE,
+    H_LATE_DEV_S,
+    H_LATE_S,
     H_PF_N,
     H_PF_SX,
     H_PF_SXX,
@@ -47,6 +57,8 @@ from scheduling.shared import (
     H_QUEUE_DELAY_S,
     H_QUEUE_SHIFT_S,
     H_QUEUE_UNTIL,
+    H_TPOT_DEV_S,
+    H_TPOT_LATE_S,
     HEALTH_FIELDS,
     SharedState,
 )
@@ -76,6 +88,11 @@ class Predictor:
         rate = h[base + H_PREFILL_TPS]
         return h[base + H_PREFILL_BASE_S] + tokens / rate if rate > 0.0 else UNKNOWN
 
+    def allowance_s(self, slot: int) -> float:
+        """What to add to a predicted prefill finish so that 95 % finish by then."""
+        allowance = self.h[slot * HEALTH_FIELDS + H_LATE_S]
+        return allowance if allowance > 0.0 else 0.0
+
     def decode_known(self, slot: int) -> bool:
         return self.h[slot * HEALTH_FIELDS + H_DC_N] >= self.min_samples or self.h[slot * HEALTH_FIELDS + H_ENGINE_ITL_S] > 0.0
 
@@ -87,17 +104,25 @@ class Predictor:
         itl = h[base + H_ENGINE_ITL_S]
         return itl if itl > 0.0 else UNKNOWN
 
+    def tpot_allowance_s(self, slot: int) -> float:
+        """What to add to a predicted TPOT so that 95 % of streams stay within it."""
+        allowance = self.h[slot * HEALTH_FIELDS + H_TPOT_LATE_S]
+        return allowance if allowance > 0.0 else 0.0
+
     def first_wait_s(self, slot: int) -> float:
         return self.h[slot * HEALTH_FIELDS + H_QUEUE_DELAY_S]
 
     # -- writing (once per request, under the shared lock) -------------------------------------
 
-    def start_prefill(self, slot: int, tokens: int, now: float) -> tuple[float, float]:
-        """Queue a prefill of `tokens` uncached tokens: (its predicted finish, the correction sum now)."""
+    def start_prefill(self, slot: int, tokens: int, now: float, idle: bool = False) -> tuple[float, float]:
+        """Queue a prefill of `tokens` uncached tokens: (its predicted finish, the correction sum now).
+
+        `idle`: nothing else is prefilling there (the ledger says so), whatever the virtual queue holds.
+        """
         h, base = self.h, slot * HEALTH_FIELDS
         with self.lock:
             end = h[base + H_QUEUE_UNTIL]
-            if end < now:
+            if end < now or idle:
                 end = now
             rate = h[base + H_PREFILL_TPS]
             if rate > 0.0:
@@ -111,6 +136,9 @@ class Predictor:
         with self.lock:
             shift = h[base + H_QUEUE_SHIFT_S]
             late = done - (predicted + shift - shift0)
+            error = done - predicted
+            if h[base + H_PF_N] >= self.min_samples:  # the error of predictions made by a learned model
+                self._track(base + H_LATE_S, error)
             h[base + H_QUEUE_UNTIL] += late
             h[base + H_QUEUE_SHIFT_S] = shift + late
             last = h[base + H_LAST_DONE]
@@ -126,12 +154,17 @@ class Predictor:
             h[base + H_PREFILL_BASE_S] = a
             h[base + H_PREFILL_TPS] = 1.0 / b if b > 0.0 else 1e12
 
-    def learn_decode(self, slot: int, started: float, first: float, done: float, events: int, batch: float) -> None:
-        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch."""
+    def learn_decode(
+        self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0
+    ) -> None:
+        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, and
+        the seconds per token predicted when it was planned (0: none)."""
         h, base = self.h, slot * HEALTH_FIELDS
         with self.lock:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
+                if predicted > 0.0:
+                    self._track(base + H_TPOT_LATE_S, per_token - predicted)
                 n = self._add(base + H_DC_N, batch, per_token)
                 if n >= self.min_samples:
                     a, b = self._fit(base + H_DC_N, ratio_prior=False)
@@ -144,6 +177,13 @@ class Predictor:
             wait = wait if wait > 0.0 else 0.0
             old = h[base + H_QUEUE_DELAY_S]
             h[base + H_QUEUE_DELAY_S] = wait if old == 0.0 else self.keep * old + self.decay * wait
+
+    def _track(self, i: int, error: float, quantile: float = 0.95) -> None:
+        """Move the quantile estimate at i toward `quantile` of the errors; i + 1 holds the step scale."""
+        h = self.h
+        size = h[i + 1] = self.keep * h[i + 1] + self.decay * abs(error) if h[i + 1] else abs(error)
+        step = 0.1 * size
+        h[i] += step * quantile if error > h[i] else -step * (1.0 - quantile)
 
     def _add(self, i: int, x: float, y: float) -> float:
         """Decay the sums at i..i+4 (n, Sx, Sy, Sxx, Sxy) and add one (x, y) sample; returns n."""

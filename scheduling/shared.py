@@ -47,7 +47,11 @@ LEDGER_FIELDS = 5
     H_DC_N, H_DC_SX, H_DC_SY, H_DC_SXX, H_DC_SXY,  # decayed sums: seconds per token vs batch size
     H_ENGINE_TTFT_S,  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
     H_ENGINE_ITL_S,  # engine's mean inter-token latency over the last scrape interval
-) = range(28)
+    H_LATE_S,  # tracked 95th percentile of (observed - predicted) prefill finish, as predicted at dispatch
+    H_LATE_DEV_S,  # running mean of that error's size (the tracker's step scale)
+    H_TPOT_LATE_S,  # tracked 95th percentile of (observed - predicted at planning) seconds per output token
+    H_TPOT_DEV_S,  # running mean of that error's size
+) = range(32)
 HEALTH_FIELDS = 32
 
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2

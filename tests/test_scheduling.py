@@ -58,6 +58,13 @@ def teach_prefill(pred: Predictor, slot: int, tokens_per_s: float, base_s: float
         t = done + 1.0
 
 
+def queue_work(w: "World", slot: int, tokens: int):
+    """A prefill of ours in flight on `slot`: a ledger lease and its place in the virtual queue."""
+    lease = w.ledger.lease(slot, tokens, 1)
+    lease.predicted, lease.shift = w.predictor.start_prefill(slot, tokens, lease.started)
+    return lease
+
+
 def teach_decode(pred: Predictor, slot: int, step_s: float, per_seq_s: float, batches=range(1, 9)) -> None:
     t = time.monotonic() - 200
     for b in list(batches) * 2:
@@ -221,6 +228,23 @@ def test_decode_slope_is_never_free_without_spread():
     assert pred.step_s(0, 8) > pred.step_s(0, 2) * 1.3  # the prior keeps a bigger batch dearer
 
 
+def test_allowances_track_how_late_predictions_come_true():
+    pred = Predictor(SharedState.create())
+    teach_prefill(pred, 0, 1000.0)
+    assert pred.allowance_s(0) == pytest.approx(0.0, abs=0.01)  # an exact engine needs no room
+    t = time.monotonic() - 200
+    for k in range(200):  # one prefill in ten is 2 s late (a stall), the rest are on time
+        predicted, shift = pred.start_prefill(1, 1000, t)
+        late = 2.0 if k % 10 == 0 else 0.0
+        pred.learn_prefill(1, t, predicted + late, 1000, predicted, shift)
+        t = predicted + late + 1.0
+    assert 0.5 < pred.allowance_s(1) < 2.5  # covers the stalls (10 % of samples) at the 95th percentile
+    for k in range(100):  # decode streams 5 ms per token slower than planned
+        pred.learn_decode(2, t, t + 0.1, t + 0.1 + 0.025 * 40, 43, 2.0, predicted=0.020)
+        t += 2.0
+    assert pred.tpot_allowance_s(2) == pytest.approx(0.005, abs=0.002)
+
+
 def test_engine_itl_stands_in_for_an_unknown_decode_model():
     world = World()
     world.health.put(5, H_ENGINE_ITL_S, 0.04)
@@ -316,15 +340,17 @@ def test_slo_aware_sends_work_where_it_finishes_first():
     assert (p.slot, d.slot) == (0, 2) and info.feasible is True
     assert info.ttft_s == pytest.approx(2.0 + 0.01 + 0.02 + 0.025, rel=0.1)
     # Fill the fast prefill engine's queue (6 s of work): a short prompt now finishes first on the slow one.
-    now = time.monotonic()
-    for _ in range(3):
-        w.predictor.start_prefill(0, 4000, now)
+    queued = [queue_work(w, 0, 4000) for _ in range(3)]
     p, _ = w.policy.choose_pair(ps, ds, job(500, ttft_ms=5000))
     assert p.slot == 1
     # A long prompt cannot make a 5 s budget anywhere now: the plan says so.
     info = job(6000, ttft_ms=5000)
     w.policy.choose_pair(ps, ds, info)
     assert info.feasible is False and info.retry_after_s >= 1.0 and info.floor_s < info.ttft_s
+    for lease in queued:
+        lease.release()
+    w.policy.choose_pair(ps, ds, info)  # no prefill in flight: nothing waits, whatever the virtual queue says
+    assert info.ttft_s == pytest.approx(info.floor_s)
 
 
 def test_slo_aware_counts_a_cached_prefix_as_cheaper_prefill():
@@ -342,7 +368,7 @@ def test_slo_aware_keeps_each_decode_engine_within_the_tpot_budget():
     picks = []
     for _ in range(12):  # each decode joins now (delay 0: decode leases, not holds)
         info = job(100, tpot_ms=60)
-        d = w.policy._pick_decode(ds, info, 0.0)[0]
+        d = w.policy._pick_decode(ds, info, 0.0, 0)[0]
         picks.append(d.slot)
         leases.append(w.ledger.lease(d.slot, 0, 1000, prefilling=False))
     # D2 fits 7 sequences under 57 ms (20 + 5 * 7 = 55), D3 2 (40 + 10 * 2 = 60 > 57: only 1 within the margin)
@@ -366,6 +392,33 @@ def test_slo_aware_holds_count_for_the_decode_batch():
     assert w.policy.predict_decode(ds[0], 0.0)[0] > w.policy.predict_decode(ds[0], 30.0)[0]
     for lease in leases:
         lease.release()
+
+
+def test_decode_batch_forecast_discounts_what_will_have_finished():
+    w, ps, ds = slo_world()
+    leases = [w.ledger.lease(2, 0, 100, prefilling=False) for _ in range(4)]  # decodes of ~100 steps now
+    length = 100 * w.predictor.step_s(2, 4)
+    assert w.policy.decode_batch(ds[0], 0.0) == 5.0
+    assert w.policy.decode_batch(ds[0], length / 2) == pytest.approx(3.0, rel=0.05)  # half of them left
+    assert w.policy.decode_batch(ds[0], 2 * length) == 1.0
+    holds = [w.ledger.hold(2) for _ in range(4)]  # promised: they start within the delay, then run a while
+    longer = 100 * w.predictor.step_s(2, 8)  # 8 sequences make every step, and so every decode, longer
+    assert length < longer < 2 * length
+    assert w.policy.decode_batch(ds[0], 2 * length) == pytest.approx(1.0 + 4 * longer / (2 * length), rel=0.01)
+    for x in leases + holds:
+        x.release()
+
+
+def test_an_idle_engine_has_no_queue_whatever_the_virtual_queue_says():
+    w, ps, ds = slo_world()
+    w.predictor.start_prefill(0, 100_000, time.monotonic())  # 50 s of phantom work (a lost response, say)
+    assert w.predictor.queue_wait_s(0, time.monotonic()) > 40
+    finish, service, _ = w.policy.predict_prefill(ps[0], job(1000), time.monotonic())
+    assert finish == service
+    lease = w.ledger.lease(0, 1000, 1)
+    predicted, _ = w.predictor.start_prefill(0, 1000, lease.started, idle=True)
+    assert predicted - lease.started < 1.0
+    lease.release()
 
 
 def test_slo_aware_tries_unknown_engines_while_idle_then_balances():
@@ -450,15 +503,12 @@ def test_queue_admission_waits_for_capacity_then_admits():
         p, d = slots(sched)
         teach_prefill(w.predictor, p, 1000.0)
         teach_decode(w.predictor, d, 0.02, 0.005)
-        now = time.monotonic()
-        w.predictor.start_prefill(p, 2000, now)  # 2 s of work queued on the only prefill engine
+        busy = queue_work(w, p, 2000)  # 2 s of work on the only prefill engine
         info = job(400, ttft_ms=2000)
         waiting = asyncio.ensure_future(sched.admit(info))
         await asyncio.sleep(0.05)
         assert not waiting.done() and len(sched.queue) == 1
-        # The queued work turns out to be done already: the correction empties the queue.
-        shift = w.predictor.start_prefill(p, 0, now)
-        w.predictor.learn_prefill(p, now, time.monotonic(), 2000, shift[0], shift[1])
+        busy.release()  # it ends (an error, say): nothing is queued any more
         sched.queue.poke()
         plan = await asyncio.wait_for(waiting, 2.0)
         assert plan.prefill.slot == p and info.feasible is True
@@ -475,7 +525,7 @@ def test_queue_admission_gives_up_when_no_wait_can_help_and_when_full():
         teach_decode(w.predictor, d, 0.02, 0.005)
         with pytest.raises(OverBudget, match="ran out"):
             await asyncio.wait_for(sched.admit(job(5000, ttft_ms=2000)), 2.0)  # 5 s of prefill, 2 s budget
-        w.predictor.start_prefill(p, 3000, time.monotonic())
+        busy = queue_work(w, p, 3000)
         first = asyncio.ensure_future(sched.admit(job(500, ttft_ms=3000)))
         await asyncio.sleep(0.02)
         with pytest.raises(OverBudget, match="full"):
@@ -483,6 +533,7 @@ def test_queue_admission_gives_up_when_no_wait_can_help_and_when_full():
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         assert len(sched.queue) == 0
+        busy.release()
 
     asyncio.run(scenario())
 

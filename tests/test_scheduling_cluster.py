@@ -4,7 +4,10 @@ instances with two workers, and SLO admission answering 429 with Retry-After."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import subprocess
+import sys
 
 import anthropic
 import httpx
@@ -12,7 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL
-from tests.support import Coordinator, coordinator_config, instance, wait_until
+from tests.support import ROOT, Coordinator, coordinator_config, instance, wait_until
 
 LOAD_GAUGES = ("motor_instance_inflight_requests", "motor_instance_inflight_prompt_tokens", "motor_instance_inflight_decode_tokens")
 
@@ -176,3 +179,35 @@ def test_queue_admission_serves_what_fits_and_refuses_what_cannot(sims):
 
         assert [r.status_code for r in asyncio.run(burst())] == [200] * 8
         assert wait_until(lambda: max(load_samples(coord)) == 0.0)
+
+
+SINGLE_PROCESS = """
+import json, sys
+from app import create_app
+from config import settings_from_dict, with_models_for_instances
+settings = with_models_for_instances(settings_from_dict(json.loads(sys.argv[1])))
+create_app(settings).run(host="127.0.0.1", port=settings.infer_port, single_process=True, motd=False)
+"""
+
+
+def test_single_process_mode_makes_its_own_shared_state(sims):
+    """Sanic's single_process mode skips main_process_start: the worker makes the shared state itself."""
+    u = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, u.address)])
+    url = f"http://127.0.0.1:{cfg['api_config']['coordinator_api_infer_port']}"
+    proc = subprocess.Popen([sys.executable, "-c", SINGLE_PROCESS, json.dumps(cfg)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/v1/models", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(up, timeout_s=60)
+        r = httpx.post(url + "/v1/chat/completions", json={**chat(1, tokens=3), "stream": False}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert u.stats()["completed"] == 1
+    finally:
+        proc.terminate()
+        proc.wait(30)
