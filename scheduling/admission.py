@@ -9,7 +9,8 @@ is left, or with `OverBudget` when the list is full or the budget left is below 
 empty queues (no wait can help any more).
 
 Each worker keeps its own list; their total length is bounded across workers by a shared counter. A
-verdict of None (the model does not know the engines yet) always admits.
+verdict of None (the model does not know the engines yet) always admits, and so does a plan whose engines
+have nothing in flight (scheduler.py).
 """
 
 from __future__ import annotations

@@ -11,11 +11,13 @@ so its choice costs microseconds and every worker chooses from the same picture.
   cached prefix (chained block hashes over the whole rendered prompt), unless that instance's load
   exceeds `affinity_overload_factor` times the least loaded one's (plus one request); decode by load.
 * `slo_aware`: predicts each candidate's TTFT (queue wait + uncached prefill + the decode engine's first
-  step) and TPOT (the decode engine's step time with one more sequence) from the learned model
-  (scheduling/predict.py), and picks, among the pairs predicted to meet the request's budgets with a
-  safety margin, the decode engine with the lowest predicted TPOT and the prefill engine that finishes
-  soonest. A cached prefix lowers a candidate's uncached tokens, so affinity is a lower prefill cost,
-  not a rule. Before the model knows a candidate it is tried once while idle, else load balancing.
+  step) and TPOT (the decode engine's step time with the batch it will have when this request joins)
+  from the learned model (scheduling/predict.py), and takes the decode engine with the lowest predicted
+  TPOT (preferring those within budget) and the prefill engine that finishes soonest, each with its
+  learned allowance for prediction errors. A cached prefix lowers a candidate's uncached tokens, so
+  affinity is a lower prefill cost, not a rule; a faster or less busy engine is a sooner finish, so the
+  pair chosen is also the one that spends the least capacity on the request. Before the model knows a
+  candidate it is tried once while idle, else load balancing decides.
 
 Every plan carries a verdict (`JobInfo.feasible`): True or False when the model can judge the chosen
 pair against the budgets, None when it cannot yet; SLO admission (scheduling/admission.py) acts on it.
@@ -33,8 +35,8 @@ from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Target
 from scheduling.shared import G_RR, SharedState
 
-# A plan meets its budget when its predicted TTFT and TPOT are within these shares of them: room for the
-# model's error (queue waits are harder to predict than step times) and for the engines' noise.
+# A plan meets its budget when its predicted TTFT and TPOT, allowances included, are within these shares
+# of it: room for what the allowances miss (the Coordinator's own delays, sudden load).
 MARGIN = 0.85
 TPOT_MARGIN = 0.9
 # Predictions within 5 % (plus 2 ms for a TTFT, 0.5 ms for a TPOT) of the best are ties; ties go to the
@@ -65,7 +67,8 @@ class JobInfo:
     ttft_s: float = 0.0  # predicted for the chosen engines, with their allowances for errors
     tpot_s: float = 0.0
     tpot_model_s: float = 0.0  # the decode model's own TPOT prediction (its errors are learned)
-    floor_s: float = 0.0  # predicted TTFT with empty queues: below this budget no wait can help
+    floor_s: float = 0.0  # expected TTFT with empty queues (no allowance): below this budget no wait can help
+    hopeless: bool = False  # even that floor, or the expected TPOT, is over the budget
     retry_after_s: float = 1.0
 
 
@@ -159,8 +162,8 @@ class Policy:
         tpot, first = self.predict_decode(d, finish if p is not None else 0.0)
         if tpot == UNKNOWN:
             return
-        extra = allowance + (tpot if p is None else first)
-        self._verdict(job, finish + extra, tpot, service + extra, self.predictor.tpot_allowance_s(d.slot))
+        extra = tpot if p is None else first
+        self._verdict(job, finish + allowance + extra, tpot, service + extra, self.predictor.tpot_allowance_s(d.slot))
 
     def _verdict(self, job: JobInfo, ttft: float, tpot: float, floor: float, tpot_allowance: float = 0.0) -> None:
         ttft_budget = job.slo_ttft_ms / 1000.0 - (time.monotonic() - job.arrived)
@@ -169,6 +172,7 @@ class Policy:
         tpot += tpot_allowance
         job.ttft_s, job.tpot_s, job.floor_s = ttft, tpot, floor
         job.feasible = ttft <= MARGIN * ttft_budget and tpot <= TPOT_MARGIN * tpot_budget
+        job.hopeless = floor > ttft_budget or job.tpot_model_s > tpot_budget
         if not job.feasible:
             job.retry_after_s = max(1.0, ttft - MARGIN * ttft_budget)
 
@@ -296,7 +300,7 @@ class SloAware(LoadBalance):
 
     def _pick_prefill(self, ps: list[Target], job: JobInfo, now: float, start: int) -> tuple[Target, float, float, float] | None:
         """The prefill target that finishes first, allowance included: (it, its expected finish, its allowance,
-        the least service time of any, allowance included)."""
+        the least expected service time of any)."""
         best, floor = None, UNKNOWN
         n = len(ps)
         for k in range(n):
@@ -306,7 +310,7 @@ class SloAware(LoadBalance):
                 return None
             if best is None or _clearly_less(finish + allowance, best[1] + best[2], 0.002):
                 best = (p, finish, allowance)
-            floor = min(floor, service + allowance)
+            floor = min(floor, service)
         return best[0], best[1], best[2], floor
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
@@ -350,7 +354,7 @@ class SloAware(LoadBalance):
                 return self._explore(cands, self._whole_known, start) or super().choose(cands, job)
             over, ttft = tpot > budget, finish + allowance + tpot
             if best is None or over < best[0] or (over == best[0] and _clearly_less(ttft, best[1], 0.002)):
-                best = (over, ttft, t, tpot, service + allowance + tpot)
+                best = (over, ttft, t, tpot, service + tpot)
         _, ttft, t, tpot, floor = best
         self._verdict(job, ttft, tpot, floor)
         return t

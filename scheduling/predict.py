@@ -11,12 +11,11 @@ amount), counting each correction once: a lease remembers the sum of corrections
 Its service time is the time from max(its start, the previous completion on that endpoint) to its
 completion; `rate` and `base` are a least-squares line through (uncached tokens, service time) pairs.
 
-Every prefill's error (observed minus predicted finish, as predicted when it was sent) feeds a tracked
-95th percentile per endpoint (stochastic quantile tracking: a late sample moves the estimate up by 19
-steps for every step an early one moves it down, the step a tenth of the mean error's size); this
-`allowance_s` is added to predictions judged against a budget, so an engine that stalls now and then
-is given room for its stalls, without one huge stall inflating it for long. Decode streams do the same
-with their observed seconds per token against the TPOT predicted when the request was planned
+Every prefill's error (observed minus predicted finish, as predicted when it was sent) goes into a ring of
+the endpoint's last `ERROR_WINDOW` errors; their 95th percentile is its `allowance_s`, added to
+predictions judged against a budget, so an engine that stalls now and then is given room for its stalls,
+and forgets a stall once `ERROR_WINDOW` newer requests have come and gone. Decode streams do the same with
+their observed seconds per token against the TPOT predicted when the request was planned
 (`tpot_allowance_s`), which also covers errors in the predicted batch.
 
 Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
@@ -33,6 +32,7 @@ from /metrics, stands in for an unknown decode model).
 
 from __future__ import annotations
 
+import math
 import time
 
 from scheduling.shared import (
@@ -45,7 +45,7 @@ from scheduling.shared import (
     H_DECODE_STEP_S,
     H_ENGINE_ITL_S,
     H_LAST_DONE,
-    H_LATE_DEV_S,
+    H_LATE_N,
     H_LATE_S,
     H_PF_N,
     H_PF_SX,
@@ -57,8 +57,9 @@ from scheduling.shared import (
     H_QUEUE_DELAY_S,
     H_QUEUE_SHIFT_S,
     H_QUEUE_UNTIL,
-    H_TPOT_DEV_S,
     H_TPOT_LATE_S,
+    H_TPOT_N,
+    ERROR_WINDOW,
     HEALTH_FIELDS,
     SharedState,
 )
@@ -68,7 +69,7 @@ UNKNOWN = float("inf")
 
 class Predictor:
     def __init__(self, shared: SharedState, decay: float = 1 / 32, min_samples: int = 3):
-        self.h, self.lock = shared.health, shared.lock
+        self.h, self.lock, self.errors = shared.health, shared.lock, shared.errors
         self.keep = 1.0 - decay
         self.decay = decay
         self.min_samples = min_samples
@@ -138,7 +139,7 @@ class Predictor:
             late = done - (predicted + shift - shift0)
             error = done - predicted
             if h[base + H_PF_N] >= self.min_samples:  # the error of predictions made by a learned model
-                self._track(base + H_LATE_S, error)
+                self._track(slot, 0, base + H_LATE_S, base + H_LATE_N, error)
             h[base + H_QUEUE_UNTIL] += late
             h[base + H_QUEUE_SHIFT_S] = shift + late
             last = h[base + H_LAST_DONE]
@@ -164,7 +165,7 @@ class Predictor:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
-                    self._track(base + H_TPOT_LATE_S, per_token - predicted)
+                    self._track(slot, 1, base + H_TPOT_LATE_S, base + H_TPOT_N, per_token - predicted)
                 n = self._add(base + H_DC_N, batch, per_token)
                 if n >= self.min_samples:
                     a, b = self._fit(base + H_DC_N, ratio_prior=False)
@@ -178,12 +179,16 @@ class Predictor:
             old = h[base + H_QUEUE_DELAY_S]
             h[base + H_QUEUE_DELAY_S] = wait if old == 0.0 else self.keep * old + self.decay * wait
 
-    def _track(self, i: int, error: float, quantile: float = 0.95) -> None:
-        """Move the quantile estimate at i toward `quantile` of the errors; i + 1 holds the step scale."""
-        h = self.h
-        size = h[i + 1] = self.keep * h[i + 1] + self.decay * abs(error) if h[i + 1] else abs(error)
-        step = 0.1 * size
-        h[i] += step * quantile if error > h[i] else -step * (1.0 - quantile)
+    def _track(self, slot: int, ring: int, value: int, count: int, error: float) -> None:
+        """Record one error in the slot's ring and store the 95th percentile of the ring at h[value]."""
+        h, errors = self.h, self.errors
+        n = int(h[count])
+        start = (slot * 2 + ring) * ERROR_WINDOW
+        errors[start + n % ERROR_WINDOW] = error
+        h[count] = n + 1
+        n = min(n + 1, ERROR_WINDOW)
+        recent = sorted(errors[start : start + n])
+        h[value] = recent[math.ceil(0.95 * n) - 1]
 
     def _add(self, i: int, x: float, y: float) -> float:
         """Decay the sums at i..i+4 (n, Sx, Sy, Sxx, Sxy) and add one (x, y) sample; returns n."""

@@ -85,7 +85,7 @@ class Scheduler:
     async def admit(self, job: JobInfo) -> "Plan":
         """The first plan of a request, through SLO admission (raises OverBudget when refused)."""
         plan = self.plan(job)
-        if job.feasible is not False or self.admission == OFF:
+        if job.feasible is not False or self.admission == OFF or (self._idle(plan) and not job.hopeless):
             return plan
         log.debug(
             "over budget: model=%s ttft=%.3f/%.3f s tpot=%.4f/%.4f s floor=%.3f", job.model, job.ttft_s,
@@ -98,6 +98,12 @@ class Scheduler:
                 job.retry_after_s,
             )
         return await self.queue.wait(job, lambda: self.plan(job))
+
+    def _idle(self, plan: "Plan") -> bool:
+        """Engines with nothing of ours in flight serve a request as well as they ever will: unless even the
+        expected times miss the budget, refusing it would help no one, and serving it lets the model learn
+        (allowances inflated by a bad moment would otherwise refuse everything, and never see it pass)."""
+        return all(not self.ledger.requests(t.slot) and not self.ledger.held(t.slot) for t in (plan.prefill, plan.target) if t)
 
     # -- leases and learning ---------------------------------------------------------------------
 

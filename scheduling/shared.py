@@ -47,10 +47,10 @@ LEDGER_FIELDS = 5
     H_DC_N, H_DC_SX, H_DC_SY, H_DC_SXX, H_DC_SXY,  # decayed sums: seconds per token vs batch size
     H_ENGINE_TTFT_S,  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
     H_ENGINE_ITL_S,  # engine's mean inter-token latency over the last scrape interval
-    H_LATE_S,  # tracked 95th percentile of (observed - predicted) prefill finish, as predicted at dispatch
-    H_LATE_DEV_S,  # running mean of that error's size (the tracker's step scale)
-    H_TPOT_LATE_S,  # tracked 95th percentile of (observed - predicted at planning) seconds per output token
-    H_TPOT_DEV_S,  # running mean of that error's size
+    H_LATE_S,  # 95th percentile of the last ERROR_WINDOW prefill errors (observed - predicted finish)
+    H_LATE_N,  # prefill errors recorded so far (the next one goes to ring position n % ERROR_WINDOW)
+    H_TPOT_LATE_S,  # 95th percentile of the last ERROR_WINDOW TPOT errors (observed - predicted at planning)
+    H_TPOT_N,  # TPOT errors recorded so far
 ) = range(32)
 HEALTH_FIELDS = 32
 
@@ -66,6 +66,11 @@ GLOBAL_FIELDS = 16
 PREFIX_ENTRIES = 1 << 16
 PREFIX_FIELDS = 3
 
+# The learned model's recent prediction errors (scheduling/predict.py): per slot, a ring of prefill-finish
+# errors, then a ring of TPOT errors. The counts in the health table say how many entries are valid, so
+# a reused slot (counts cleared) ignores what its previous engine left.
+ERROR_WINDOW = 40
+
 
 @dataclass
 class SharedState:
@@ -77,6 +82,7 @@ class SharedState:
     globals: Any  # RawArray int64 [GLOBAL_FIELDS]
     lock: Any  # a multiprocessing lock for the rare writes (instance refresh, rate limit bucket, learned model)
     prefix: Any = None  # RawArray uint64 [PREFIX_ENTRIES * PREFIX_FIELDS]
+    errors: Any = None  # RawArray double [MAX_SLOTS * 2 * ERROR_WINDOW]
 
     @classmethod
     def create(cls) -> "SharedState":
@@ -88,6 +94,7 @@ class SharedState:
             globals=ctx.RawArray(ctypes.c_int64, GLOBAL_FIELDS),
             lock=ctx.Lock(),
             prefix=ctx.RawArray(ctypes.c_uint64, PREFIX_ENTRIES * PREFIX_FIELDS),
+            errors=ctx.RawArray(ctypes.c_double, MAX_SLOTS * 2 * ERROR_WINDOW),
         )
 
     def as_shared_ctx(self) -> dict:
@@ -98,7 +105,7 @@ class SharedState:
         return cls(*(getattr(ctx, f"motor_{k}") for k in _FIELDS))
 
 
-_FIELDS = ("doc", "ledger", "health", "globals", "lock", "prefix")
+_FIELDS = ("doc", "ledger", "health", "globals", "lock", "prefix", "errors")
 
 
 def worker_index() -> int:

@@ -20,7 +20,7 @@ from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
 from scheduling.scheduler import Scheduler
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
-from scheduling.shared import H_ENGINE_ITL_S, H_ENGINE_TTFT_S, SharedState
+from scheduling.shared import H_ENGINE_ITL_S, H_ENGINE_TTFT_S, H_LATE_S, SharedState
 from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
 
 MODEL = "m"
@@ -228,21 +228,29 @@ def test_decode_slope_is_never_free_without_spread():
     assert pred.step_s(0, 8) > pred.step_s(0, 2) * 1.3  # the prior keeps a bigger batch dearer
 
 
-def test_allowances_track_how_late_predictions_come_true():
+def test_allowances_cover_recent_errors_and_forget_old_ones():
     pred = Predictor(SharedState.create())
     teach_prefill(pred, 0, 1000.0)
     assert pred.allowance_s(0) == pytest.approx(0.0, abs=0.01)  # an exact engine needs no room
+    teach_prefill(pred, 1, 1000.0)
     t = time.monotonic() - 200
-    for k in range(200):  # one prefill in ten is 2 s late (a stall), the rest are on time
+
+    def prefill(late: float) -> None:
+        nonlocal t
         predicted, shift = pred.start_prefill(1, 1000, t)
-        late = 2.0 if k % 10 == 0 else 0.0
         pred.learn_prefill(1, t, predicted + late, 1000, predicted, shift)
         t = predicted + late + 1.0
-    assert 0.5 < pred.allowance_s(1) < 2.5  # covers the stalls (10 % of samples) at the 95th percentile
-    for k in range(100):  # decode streams 5 ms per token slower than planned
+
+    for k in range(40):  # one prefill in ten is 2 s late (a stall), the rest are on time
+        prefill(2.0 if k % 10 == 0 else 0.0)
+    assert pred.allowance_s(1) == pytest.approx(2.0, abs=0.1)  # 10 % of samples: above the 95th percentile
+    for _ in range(40):
+        prefill(0.0)
+    assert pred.allowance_s(1) < 0.1  # the stalls have left the window
+    for _ in range(40):  # decode streams 5 ms per token slower than planned
         pred.learn_decode(2, t, t + 0.1, t + 0.1 + 0.025 * 40, 43, 2.0, predicted=0.020)
         t += 2.0
-    assert pred.tpot_allowance_s(2) == pytest.approx(0.005, abs=0.002)
+    assert pred.tpot_allowance_s(2) == pytest.approx(0.005, abs=0.001)
 
 
 def test_engine_itl_stands_in_for_an_unknown_decode_model():
@@ -350,7 +358,7 @@ def test_slo_aware_sends_work_where_it_finishes_first():
     for lease in queued:
         lease.release()
     w.policy.choose_pair(ps, ds, info)  # no prefill in flight: nothing waits, whatever the virtual queue says
-    assert info.ttft_s == pytest.approx(info.floor_s)
+    assert info.ttft_s == pytest.approx(info.floor_s, rel=0.01)
 
 
 def test_slo_aware_counts_a_cached_prefix_as_cheaper_prefill():
@@ -536,6 +544,23 @@ def test_queue_admission_gives_up_when_no_wait_can_help_and_when_full():
         busy.release()
 
     asyncio.run(scenario())
+
+
+def test_idle_engines_are_never_refused_a_request_they_can_serve():
+    sched, w = scheduler("slo_aware", "reject")
+    p, d = slots(sched)
+    teach_prefill(w.predictor, p, 1000.0)
+    teach_decode(w.predictor, d, 0.02, 0.005)
+    w.health.put(p, H_LATE_S, 5.0)  # a bad moment left a 5 s allowance for prefill errors
+    assert w.predictor.allowance_s(p) == 5.0
+    plan = asyncio.run(sched.admit(job(500, ttft_ms=3000)))  # 0.5 s expected: served, and learned from
+    assert plan.prefill.slot == p
+    busy = w.ledger.lease(d, 0, 10, prefilling=False)
+    with pytest.raises(OverBudget):  # engines at work: the allowance counts
+        asyncio.run(sched.admit(job(500, ttft_ms=3000)))
+    busy.release()
+    with pytest.raises(OverBudget):  # idle, but even the expected time is over the budget
+        asyncio.run(sched.admit(job(5000, ttft_ms=3000)))
 
 
 def test_every_policy_judges_its_plan_when_the_model_knows_the_engines():
