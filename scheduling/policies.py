@@ -38,7 +38,7 @@ from scheduling.shared import G_RR, SharedState
 # A plan meets its budget when its predicted TTFT and TPOT, allowances included, are within these shares
 # of it: room for what the allowances miss (the Coordinator's own delays, sudden load).
 MARGIN = 0.85
-TPOT_MARGIN = 0.9
+TPOT_MARGIN = 0.85
 # Predictions within 5 % (plus 2 ms for a TTFT, 0.5 ms for a TPOT) of the best are ties; ties go to the
 # first candidate in an order that rotates with every request, so equal idle engines share the traffic.
 TIE = 0.05
