@@ -10,6 +10,8 @@ observed and predicted finish moves the queue end (requests behind it are late o
 amount), counting each correction once: a lease remembers the sum of corrections when it started.
 Its service time is the time from max(its start, the previous completion on that endpoint) to its
 completion; `rate` and `base` are a least-squares line through (uncached tokens, service time) pairs.
+When none of our prefills is in flight on the endpoint (the ledger says so), its queue is empty, whatever
+the virtual queue held (a lost or aborted request leaves phantom work there otherwise).
 
 Every prefill's error (observed minus predicted finish, as predicted when it was sent) goes into a ring of
 the endpoint's last `ERROR_WINDOW` errors; their 95th percentile is its `allowance_s`, added to
@@ -37,10 +39,6 @@ import time
 
 from scheduling.shared import (
     H_DC_N,
-    H_DC_SX,
-    H_DC_SXX,
-    H_DC_SXY,
-    H_DC_SY,
     H_DECODE_PER_SEQ_S,
     H_DECODE_STEP_S,
     H_ENGINE_ITL_S,
@@ -48,10 +46,6 @@ from scheduling.shared import (
     H_LATE_N,
     H_LATE_S,
     H_PF_N,
-    H_PF_SX,
-    H_PF_SXX,
-    H_PF_SXY,
-    H_PF_SY,
     H_PREFILL_BASE_S,
     H_PREFILL_TPS,
     H_QUEUE_DELAY_S,
