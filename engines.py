@@ -1,70 +1,218 @@
-"""The one place that talks to engines: a pooled aiohttp session per worker, deadlines, error mapping.
+"""The one place that talks to engines: pooled keep-alive HTTP/1.1 connections per worker, deadlines, error mapping.
+
+Each connection is an asyncio Protocol feeding httptools' (llhttp's) response parser, one exchange at a
+time; idle connections wait in a per-origin pool for the next request. This replaced aiohttp's client,
+whose request path was a third of the Coordinator's CPU per request (bench/overhead.py --profile): the
+Coordinator only ever needs a status and the body's bytes, so no header objects, no cookie jar, no
+tracing hooks, no per-request timer objects beyond one deadline per wait.
 
 Deadlines per leg: connect (`connect_timeout`), first byte (`first_token_timeout`: response headers and,
 when streaming, the first chunk), idle gap between chunks (`stream_idle_timeout`) and total
-(`infer_timeout`). aiohttp's own 300 s total and 100-connection defaults are replaced: LLM streams are
-long and many. Every aiohttp or timeout exception becomes an `errors.Upstream*` here and nowhere else.
+(`infer_timeout`). Every socket, parse or timeout failure becomes an `errors.Upstream*` here and nowhere
+else. Closing a connection whose response is unfinished is how an engine request is aborted (vLLM aborts
+a request whose client went away), so an exchange that ends early never returns its connection to the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from contextlib import asynccontextmanager
+from functools import lru_cache
 from typing import AsyncIterator
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 
 from config import Settings
-from errors import EngineStatusError, UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 
 MAX_ERROR_BODY = 64 * 1024
 MAX_JSON_BODY = 256 * 1024 * 1024
+STREAM_BUFFER = 1024 * 1024  # bytes of a stream held unread before the engine connection stops being read
+# vLLM (uvicorn) closes a connection idle for 5 s; reusing one it is closing would fail the request.
+IDLE_KEEPALIVE_S = 4.0
+_HEADERS, _DATA, _COMPLETE = 0, 1, 2  # what a waiting exchange waits for
+
+Origin = tuple[str, int, bool]  # host, port, TLS
 
 
-def _map(exc: BaseException, url: str, phase: str) -> UpstreamError:
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return UpstreamTimeout(f"engine {url} timed out ({phase})")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamConnectError(f"engine {url} unreachable: {exc.os_error or exc}")
-    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)):
-        return UpstreamConnectError(f"engine {url} dropped the connection ({phase}): {exc}")
-    if isinstance(exc, aiohttp.ClientResponseError):
-        return UpstreamProtocolError(f"engine {url} sent a bad response: {exc.message}")
-    return UpstreamConnectError(f"engine {url} failed ({phase}): {exc!r}")
+@lru_cache(maxsize=4096)
+def _split(url: str) -> tuple[Origin, bytes, bytes]:
+    """(origin, request target, Host header) of an engine URL; engine URLs are few, so each is parsed once."""
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or ""
+    port = parts.port or (443 if tls else 80)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return (host, port, tls), target.encode(), parts.netloc.rsplit("@", 1)[-1].encode()
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection to an engine and the state of its current exchange."""
+
+    def __init__(self, client: EngineClient, origin: Origin):
+        self.client, self.origin = client, origin
+        self.loop = asyncio.get_running_loop()
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.begin(streaming=False)
+
+    def begin(self, streaming: bool) -> None:
+        """Reset the exchange state for the next request on this connection."""
+        self.streaming = streaming
+        self.status = 0
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.complete = False
+        self.keep_alive = False
+        self.framed = False  # Content-Length or chunked: the body's end is known without closing
+        self.received = False
+        self.error: str | None = None
+        self.waiter: asyncio.Future | None = None
+        self.until = _COMPLETE
+        self.paused = False
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(f"sent a bad response: {e}")
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.client._forget(self)
+        if not self.complete and self.error is None:
+            if self.status and not self.framed:  # a body delimited by the connection's end (HTTP/1.0 style)
+                self.complete = True
+            else:
+                self.error = "dropped the connection"
+        self._wake()
+
+    # -- httptools callbacks ------------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-length" or name == b"transfer-encoding":
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.until == _HEADERS:
+            self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.streaming:
+            if self.buffered > STREAM_BUFFER and not self.paused:
+                self.paused = True  # the client reads slower than the engine writes: let TCP push back
+                self.transport.pause_reading()
+            if self.until == _DATA:
+                self._wake()
+        elif self.buffered > MAX_JSON_BODY:
+            self._fail(f"sent a body over {MAX_JSON_BODY} bytes")
+            self.close()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    # -- the exchange -------------------------------------------------------------------------------
+
+    def _fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def ready(self, until: int) -> bool:
+        if self.error is not None or self.complete:
+            return True
+        return bool(self.status) if until == _HEADERS else bool(self.chunks)
+
+    async def wait(self, until: int, deadline: float) -> None:
+        """Until `until` holds (or the exchange failed or ended); TimeoutError at `deadline`."""
+        if self.ready(until):
+            return
+        fut = self.loop.create_future()
+        self.waiter, self.until = fut, until
+        timer = self.loop.call_at(deadline, _expire, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def take(self) -> bytes:
+        """The body bytes received and not yet taken."""
+        chunks = self.chunks
+        if not chunks:
+            return b""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self.chunks, self.buffered = [], 0
+        if self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
 
 
 class EngineStream:
     """An open streaming response: `chunks()` yields raw bytes as they arrive, under the idle and total deadlines."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, url: str, idle_s: float, first_s: float, total_deadline: float):
-        self.resp, self.url = resp, url
-        self.status = resp.status
+    def __init__(self, conn: _Connection, url: str, idle_s: float, first_s: float, total_deadline: float):
+        self.conn, self.url = conn, url
+        self.status = conn.status
         self.idle_s, self.first_s, self.total_deadline = idle_s, first_s, total_deadline
 
     async def chunks(self, keepalive_s: float = 0.0) -> AsyncIterator[bytes]:
         """The body as it arrives. While the engine is silent an empty chunk is yielded every `keepalive_s`
         (0: never), so the caller can keep the client's connection busy; the deadlines keep running."""
-        content = self.resp.content
-        loop = asyncio.get_running_loop()
+        conn = self.conn
+        loop = conn.loop
         wait = self.first_s
         phase = "first chunk"
         while True:
             deadline = min(loop.time() + wait, self.total_deadline)
-            while True:
+            while not conn.ready(_DATA):
                 wake = min(deadline, loop.time() + keepalive_s) if keepalive_s > 0 else deadline
                 try:
-                    async with asyncio.timeout_at(wake):
-                        chunk = await content.readany()
-                    break
-                except asyncio.TimeoutError as e:
+                    await conn.wait(_DATA, wake)
+                except TimeoutError:
                     if wake >= deadline:
-                        raise _map(e, self.url, phase) from None
-                except aiohttp.ClientError as e:
-                    raise _map(e, self.url, phase) from None
-                yield b""
-            if not chunk:
+                        raise UpstreamTimeout(f"engine {self.url} timed out ({phase})") from None
+                    yield b""
+            chunk = conn.take()
+            if chunk:
+                yield chunk
+            elif conn.error is not None:
+                raise UpstreamConnectError(f"engine {self.url} {conn.error} ({phase})")
+            elif conn.complete:
                 return
-            yield chunk
             wait, phase = self.idle_s, "idle gap"
 
 
@@ -73,41 +221,112 @@ class EngineClient:
 
     def __init__(self, settings: Settings):
         self.s = settings
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=75, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_connect=settings.connect_timeout_s),
-            auto_decompress=False,
-            # Bodies are relayed as bytes: ask engines for identity encoding, never decompress.
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
+        self.idle: dict[Origin, list[_Connection]] = {}
+        self.is_closed = False
+        self._tls: ssl.SSLContext | None = None
 
     async def close(self) -> None:
-        await self.session.close()
+        self.is_closed = True
+        for conns in self.idle.values():
+            for conn in conns:
+                conn.close()
+        self.idle.clear()
 
-    def _headers(self, request_id: str) -> dict:
-        return {"Content-Type": "application/json", "X-Request-Id": request_id}
+    def _forget(self, conn: _Connection) -> None:
+        """A connection closed: out of the idle pool if it was there."""
+        idle = self.idle.get(conn.origin)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    async def _connect(self, origin: Origin, url: str, deadline: float) -> tuple[_Connection, bool]:
+        """An idle pooled connection (reused: True) or a new one."""
+        if self.is_closed:
+            raise RuntimeError("the engine client is closed")
+        loop = asyncio.get_running_loop()
+        idle = self.idle.get(origin)
+        now = loop.time()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < IDLE_KEEPALIVE_S:
+                return conn, True
+            conn.close()
+        host, port, tls = origin
+        if tls and self._tls is None:
+            self._tls = ssl.create_default_context()
+        try:
+            async with asyncio.timeout_at(min(deadline, now + self.s.connect_timeout_s)):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self, origin), host, port, ssl=self._tls if tls else None
+                )
+        except TimeoutError:
+            raise UpstreamTimeout(f"engine {url} timed out (connect)") from None
+        except OSError as e:
+            raise UpstreamConnectError(f"engine {url} unreachable: {e}") from None
+        return conn, False
+
+    def _release(self, conn: _Connection) -> None:
+        """Back to the pool when the exchange ended cleanly and both sides keep the connection; else closed."""
+        if conn.complete and conn.keep_alive and conn.error is None and not conn.closed and not self.is_closed:
+            conn.idle_since = conn.loop.time()
+            conn.begin(streaming=False)
+            self.idle.setdefault(conn.origin, []).append(conn)
+        else:
+            conn.close()
+
+    async def _exchange(
+        self, method: bytes, url: str, body: bytes | None, request_id: str | None, until: int, deadline: float, streaming: bool,
+        phase: str,
+    ) -> _Connection:
+        """Send one request and wait for `until` (headers or the whole response); the caller owns the connection."""
+        origin, target, host = _split(url)
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method, target, host)
+        if request_id is not None:
+            head += b"X-Request-Id: %s\r\n" % request_id.encode()
+        if body is not None:
+            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        head += b"\r\n"
+        while True:
+            conn, reused = await self._connect(origin, url, deadline)
+            conn.begin(streaming)
+            if body is None:
+                conn.transport.write(head)
+            elif len(body) < 65536:
+                conn.transport.write(head + body)
+            else:
+                conn.transport.writelines((head, body))
+            try:
+                await conn.wait(until, deadline)
+            except TimeoutError:
+                conn.close()
+                raise UpstreamTimeout(f"engine {url} timed out ({phase})") from None
+            except BaseException:
+                conn.close()
+                raise
+            if conn.error is None:
+                return conn
+            conn.close()
+            if reused and not conn.received:
+                continue  # the engine closed this idle connection as the request went out: a new one
+            if conn.error.startswith("sent"):
+                raise UpstreamProtocolError(f"engine {url} {conn.error}")
+            raise UpstreamConnectError(f"engine {url} {conn.error} ({phase})")
 
     async def post(self, url: str, body: bytes, request_id: str, *, timeout_s: float) -> tuple[int, bytes]:
         """A non-streaming exchange; raises EngineStatusError on a non-2xx answer."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with self.session.post(url, data=body, headers=self._headers(request_id)) as resp:
-                    data = await resp.read()
-                    status = resp.status
-        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-            raise _map(e, url, "response") from None
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        conn = await self._exchange(b"POST", url, body, request_id, _COMPLETE, deadline, False, "response")
+        status, data = conn.status, conn.take()
+        self._release(conn)
         if status >= 300:
             raise EngineStatusError(status, data[:MAX_ERROR_BODY])
         return status, data
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with self.session.get(url) as resp:
-                    return resp.status, await resp.read()
-        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-            raise _map(e, url, "get") from None
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        conn = await self._exchange(b"GET", url, None, None, _COMPLETE, deadline, False, "get")
+        status, data = conn.status, conn.take()
+        self._release(conn)
+        return status, data
 
     @asynccontextmanager
     async def stream(self, url: str, body: bytes, request_id: str) -> AsyncIterator[EngineStream]:
@@ -115,24 +334,17 @@ class EngineClient:
         s = self.s
         loop = asyncio.get_running_loop()
         total_deadline = loop.time() + s.infer_timeout_s
+        first_deadline = min(total_deadline, loop.time() + s.first_token_timeout_s)
+        conn = await self._exchange(b"POST", url, body, request_id, _HEADERS, first_deadline, True, "response headers")
         try:
-            async with asyncio.timeout_at(min(total_deadline, loop.time() + s.first_token_timeout_s)):
-                resp = await self.session.post(url, data=body, headers=self._headers(request_id))
-        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-            raise _map(e, url, "response headers") from None
-        try:
-            if resp.status >= 300:
+            if conn.status >= 300:
                 try:
-                    async with asyncio.timeout(s.connect_timeout_s):
-                        data = await resp.content.read(MAX_ERROR_BODY)
-                except (asyncio.TimeoutError, aiohttp.ClientError):
-                    data = b""
-                raise EngineStatusError(resp.status, data)
-            yield EngineStream(resp, url, s.stream_idle_timeout_s, s.first_token_timeout_s, total_deadline)
+                    await conn.wait(_COMPLETE, loop.time() + s.connect_timeout_s)
+                except TimeoutError:
+                    pass
+                raise EngineStatusError(conn.status, conn.take()[:MAX_ERROR_BODY] if conn.complete else b"")
+            yield EngineStream(conn, url, s.stream_idle_timeout_s, s.first_token_timeout_s, total_deadline)
         finally:
-            # Closing (not releasing) on an unfinished body aborts the engine request at once.
-            if not resp.content.at_eof():
-                resp.close()
-            else:
-                resp.release()
+            # Closing (not pooling) a connection with an unfinished body aborts the engine request at once.
+            self._release(conn)
 

@@ -409,7 +409,8 @@ def test_client_disconnect_aborts_engine_requests(c, phase, stream, api):
     elif phase in ("union", "decode"):
         assert wait_until(lambda: running(U if phase == "union" else D) == 1)
     elif phase == "prefill":
-        assert wait_until(lambda: running(P) == 1)
+        # Received, not running: P may still be finishing the step of a request an earlier case aborted.
+        assert wait_until(lambda: len(attempts(P)) == 1)
     elif phase == "between":
         assert wait_until(lambda: len(attempts(D)) == 1)
         assert total(P, "held_kv_tickets") == 1
