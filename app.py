@@ -135,12 +135,6 @@ def create_app(settings: Settings) -> Sanic:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
 
-    @app.signal("http.routing.after")
-    async def limit_body(request: Request, route, kwargs, handler):
-        # Sanic's REQUEST_MAX_SIZE is one limit for all ports; inference bodies get theirs before being read.
-        if request.stream is not None and getattr(route.ctx, "plane", None) == INFER:
-            request.stream.request_max_size = settings.max_request_body_bytes
-
     @app.after_server_stop
     async def stop_worker(app: Sanic):
         await app.ctx.background.stop()

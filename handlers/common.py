@@ -8,6 +8,7 @@ import logging
 import os
 
 from sanic import HTTPResponse, Request
+from sanic.exceptions import BadRequest as SanicBadRequest, PayloadTooLarge as SanicPayloadTooLarge
 
 from config import ApiKeyConfig
 from errors import (
@@ -60,14 +61,24 @@ def check_api_key(request: Request, api: str) -> None:
     raise Unauthorized("Missing or invalid API key." if presented else "Missing API key.")
 
 
-def check_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The JSON body, read under the inference limit.
+
+    Inference routes are streaming routes to Sanic, so the body is read here, not before the handler:
+    Sanic's REQUEST_MAX_SIZE is one limit for every port, and a declared length over this one is refused
+    before a byte of the body is read.
+    """
     content_type = request.headers.get("content-type", "")
     if content_type.split(";", 1)[0].strip().lower() != "application/json":
         raise UnsupportedMediaType("Content-Type must be application/json")
-    body = request.body or b""
-    if len(body) > limit:
-        raise PayloadTooLarge(f"request body of {len(body)} bytes exceeds the limit of {limit} bytes")
-    return body
+    request.stream.request_max_size = limit
+    try:
+        await request.receive_body()
+    except SanicPayloadTooLarge:
+        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes") from None
+    except SanicBadRequest as e:
+        raise InvalidRequest(f"unreadable request body: {e}") from None
+    return request.body or b""
 
 
 def error_response(err: CoordinatorError, api: str, rid: str) -> HTTPResponse:
@@ -110,7 +121,7 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
     try:
         if authenticate:
             check_api_key(request, api)
-        raw = check_body(request, ctx.settings.max_request_body_bytes)
+        raw = await read_body(request, ctx.settings.max_request_body_bytes)
         job = job_from_body(route, api, raw, parse_body(raw), rid)
         job.slo_ttft_ms = _slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = _slo_header(request, "x-slo-tpot-ms")

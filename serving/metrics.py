@@ -93,9 +93,28 @@ class SharedStateCollector:
             yield fam
 
 
+class _Series:
+    """The labelled children one (route, model, status) writes to, made on first use."""
+
+    __slots__ = ("requests", "e2e", "prompt_tokens", "output_tokens", "ttft", "tpot", "prefill_leg", "decode_leg")
+
+    def __init__(self, route: str, model: str, status: int):
+        self.requests = REQUESTS.labels(route, model, str(status))
+        if status >= 400:  # failed requests count, nothing more
+            return
+        self.e2e = E2E.labels(route, model)
+        self.prompt_tokens = PROMPT_TOKENS.labels(route, model)
+        self.output_tokens = OUTPUT_TOKENS.labels(route, model)
+        self.ttft = TTFT.labels(route, model)
+        self.tpot = TPOT.labels(route, model)
+        self.prefill_leg = LEG.labels("prefill", model)
+        self.decode_leg = LEG.labels("decode", model)
+
+
 class PrometheusObserver(Observer):
     def __init__(self, registry: Registry, ledger: Ledger, health: Health):
         self.registry = registry
+        self._children: dict[tuple[str, str, int], _Series] = {}
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             self.exposition_registry = CollectorRegistry()
             MultiProcessCollector(self.exposition_registry)
@@ -106,28 +125,36 @@ class PrometheusObserver(Observer):
     def _model(self, model: str) -> str:
         return model if model in self.registry.view().model_names else OTHER_MODEL
 
+    def _series(self, route: str, model: str, status: int) -> _Series:
+        # `labels()` takes a lock and builds its key on every call: a request reuses its series' children.
+        key = (route, model, status)
+        series = self._children.get(key)
+        if series is None:
+            series = self._children[key] = _Series(route, model, status)
+        return series
+
     def request_done(self, rec: RequestRecord) -> None:
         super().request_done(rec)
-        model = self._model(rec.model)
-        REQUESTS.labels(rec.route, model, str(rec.status)).inc()
+        series = self._series(rec.route, self._model(rec.model), rec.status)
+        series.requests.inc()
         if rec.status == 499:
             DISCONNECTS.labels(rec.disconnect_phase or "unknown").inc()
         if rec.reject_reason:
             REJECTIONS.labels(rec.reject_reason).inc()
         if rec.status >= 400:
             return
-        E2E.labels(rec.route, model).observe(rec.duration_s)
-        PROMPT_TOKENS.labels(rec.route, model).inc(rec.prompt_tokens)
+        series.e2e.observe(rec.duration_s)
+        series.prompt_tokens.inc(rec.prompt_tokens)
         tokens = rec.generated_tokens
-        OUTPUT_TOKENS.labels(rec.route, model).inc(tokens)
+        series.output_tokens.inc(tokens)
         if rec.stream and rec.ttft_s is not None:
-            TTFT.labels(rec.route, model).observe(rec.ttft_s)
+            series.ttft.observe(rec.ttft_s)
             if tokens > 1:
-                TPOT.labels(rec.route, model).observe((rec.duration_s - rec.ttft_s) / (tokens - 1))
+                series.tpot.observe((rec.duration_s - rec.ttft_s) / (tokens - 1))
         if rec.prefill_s is not None:
-            LEG.labels("prefill", model).observe(rec.prefill_s)
+            series.prefill_leg.observe(rec.prefill_s)
         if rec.decode_s is not None:
-            LEG.labels("decode", model).observe(rec.decode_s)
+            series.decode_leg.observe(rec.decode_s)
 
     def retry(self, job, target, err) -> None:
         super().retry(job, target, err)
