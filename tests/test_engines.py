@@ -1,0 +1,596 @@
+"""engines.EngineClient, the pooled HTTP/1.1 client, against scripted raw HTTP servers on 127.0.0.1.
+
+Each server is a bare `asyncio.start_server` whose connections run a script that writes exact bytes, so
+every test controls the framing: keep-alive reuse and the pool, stale idle connections, `Connection:
+close`, bodies ended by the connection's close, chunked streaming, error statuses, every deadline,
+refused, garbled and dropped connections, aborts by closing, backpressure and the request's own bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import random
+import socket
+from typing import Awaitable, Callable
+
+import pytest
+
+from config import Settings
+from engines import STREAM_BUFFER, EngineClient
+from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
+
+PATH = "/v1/chat/completions"
+RID = "req-7f3a"
+BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+OK_BODY = b'{"ok":1}'
+EVENTS = [b'data: {"i":%d}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
+SCENARIO_LIMIT_S = 8.0  # a hung scenario fails instead of waiting for pytest's timeout
+
+
+# -- scripted loopback servers --------------------------------------------------------------------
+
+
+class Peer:
+    """The server's side of one accepted connection."""
+
+    def __init__(self, server: Loopback, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.server, self.reader, self.writer = server, reader, writer
+
+    async def request(self) -> tuple[bytes, bytes] | None:
+        """The next request's (head, body), also recorded in `server.requests`; None once the client hung up."""
+        try:
+            head = await self.reader.readuntil(b"\r\n\r\n")
+            body = await self.reader.readexactly(int(parse_head(head)[1].get("content-length", 0)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.server.hangups += 1
+            return None
+        self.server.requests.append((head, body))
+        return head, body
+
+    async def send(self, data: bytes, piece: int | None = None) -> None:
+        """Write `data` at once, or `piece` bytes at a time with a pause between writes."""
+        step = piece or len(data) or 1
+        for i in range(0, len(data), step):
+            self.writer.write(data[i : i + step])
+            await self.writer.drain()
+            if piece:
+                await asyncio.sleep(0.001)
+
+
+Script = Callable[[Peer], Awaitable[None]]
+
+
+class Loopback:
+    """A raw HTTP server on 127.0.0.1 whose i-th accepted connection runs scripts[i] (the last one repeats).
+
+    A connection is closed when its script returns; a script failing (other than by the client going
+    away) fails the test when the server stops.
+    """
+
+    def __init__(self, *scripts: Script):
+        self.scripts = scripts
+        self.connections = 0  # accepted so far
+        self.hangups = 0  # connections the client closed (EOF or reset seen by a script's read)
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.errors: list[Exception] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> Loopback:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.origin = ("127.0.0.1", self.port, False)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = self.base + PATH
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self._server.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._server.wait_closed()
+        if exc_type is None and self.errors:
+            raise AssertionError(f"a server script failed: {self.errors[0]!r}") from self.errors[0]
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain callback running the script in a task of our own: cancelling a task asyncio made for a
+        # coroutine callback logs a spurious error on Python 3.11.
+        script = self.scripts[min(self.connections, len(self.scripts) - 1)]
+        self.connections += 1
+        task = asyncio.create_task(self._run(script, Peer(self, reader, writer)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, script: Script, peer: Peer) -> None:
+        try:
+            await script(peer)
+        except ConnectionError:
+            pass  # the client went away while the script wrote
+        except Exception as e:
+            self.errors.append(e)
+        finally:
+            peer.writer.close()
+
+
+def serve_each(*replies: bytes | None, close_after: int = 0, piece: int | None = None) -> Script:
+    """A script answering the n-th request of its connection with replies[n] (the last repeats; None: read
+    it, answer nothing) until the client hangs up, or closing once `close_after` requests were handled."""
+
+    async def script(peer: Peer) -> None:
+        handled = 0
+        while await peer.request() is not None:
+            reply = replies[min(handled, len(replies) - 1)] if replies else None
+            if reply is not None:
+                await peer.send(reply, piece)
+            handled += 1
+            if handled == close_after:
+                return
+
+    return script
+
+
+def parse_head(head: bytes) -> tuple[str, dict[str, str]]:
+    """The start line and the headers (names lowercased) of a request or response head."""
+    start, *lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    return start, headers
+
+
+def response(body: bytes, status: bytes = b"200 OK", extra: bytes = b"") -> bytes:
+    """A Content-Length framed HTTP/1.1 response; `extra` holds more header lines, each ending in CRLF."""
+    head = b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (status, len(body), extra)
+    return head + body
+
+
+def unframed(body: bytes, version: bytes) -> bytes:
+    """A response whose body ends where the connection does: no Content-Length, not chunked."""
+    return b"%s 200 OK\r\nContent-Type: application/json\r\n\r\n%s" % (version, body)
+
+
+def chunked(*pieces: bytes, end: bool = True) -> bytes:
+    """`pieces` in chunked encoding, followed by the terminating chunk when `end`."""
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + (b"0\r\n\r\n" if end else b"")
+
+
+def streamed(*pieces: bytes, status: bytes = b"200 OK", end: bool = True) -> bytes:
+    """A chunked HTTP/1.1 response carrying `pieces` as its chunks."""
+    head = b"HTTP/1.1 %s\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" % status
+    return head + chunked(*pieces, end=end)
+
+
+# -- the client's side ----------------------------------------------------------------------------
+
+
+def settings(**overrides) -> Settings:
+    """Default Settings with short deadlines (a wrong wait fails fast), then `overrides`."""
+    short = dict(connect_timeout_s=2.0, first_token_timeout_s=2.0, stream_idle_timeout_s=2.0, infer_timeout_s=5.0)
+    return dataclasses.replace(Settings(), **{**short, **overrides})
+
+
+class Engine:
+    """A Loopback server and an EngineClient for it, both closed on exit."""
+
+    def __init__(self, *scripts: Script, **overrides):
+        self.srv = Loopback(*scripts)
+        self.client = EngineClient(settings(**overrides))
+
+    async def __aenter__(self) -> tuple[Loopback, EngineClient]:
+        return await self.srv.__aenter__(), self.client
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+        await self.srv.__aexit__(*exc)
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_LIMIT_S))
+
+
+async def post(client: EngineClient, url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
+    return await client.post(url, BODY, RID, timeout_s=timeout_s)
+
+
+async def collect(
+    client: EngineClient, url: str, got: list[bytes], keepalive_s: float = 0.0, pause_s: float = 0.0
+) -> None:
+    """Stream `url`, appending every chunk to `got` (kept when the stream fails part way)."""
+    async with client.stream(url, BODY, RID) as es:
+        async for data in es.chunks(keepalive_s):
+            got.append(data)
+            if pause_s:
+                await asyncio.sleep(pause_s)
+
+
+async def call(kind: str, client: EngineClient, url: str, got: list[bytes] | None = None) -> None:
+    """One exchange of `kind`: "post" or "stream"."""
+    if kind == "post":
+        await post(client, url)
+    else:
+        await collect(client, url, [] if got is None else got)
+
+
+async def eventually(predicate: Callable[[], object], timeout_s: float = 1.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, f"not within {timeout_s} s"
+        await asyncio.sleep(0.01)
+
+
+def pooled(client: EngineClient, srv: Loopback) -> int:
+    """How many idle connections to `srv` the client holds."""
+    return len(client.idle.get(srv.origin, ()))
+
+
+# -- keep-alive and the pool ----------------------------------------------------------------------
+
+
+def test_keep_alive_reuses_one_connection():
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY))) as (srv, client):
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert pooled(client, srv) == 1
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert srv.connections == 1 and len(srv.requests) == 2
+            assert pooled(client, srv) == 1
+
+    run(scenario)
+
+
+def test_concurrent_exchanges_get_their_own_connections_then_share_the_pool():
+    async def echo_request_id(peer: Peer) -> None:
+        while (request := await peer.request()) is not None:
+            await asyncio.sleep(0.05)  # all three exchanges are in flight at once
+            await peer.send(response(parse_head(request[0])[1]["x-request-id"].encode()))
+
+    async def scenario():
+        async with Engine(echo_request_id) as (srv, client):
+            rids = ["a", "b", "c"]
+
+            async def exchanges():
+                return await asyncio.gather(*(client.post(srv.url, BODY, rid, timeout_s=2.0) for rid in rids))
+
+            assert await exchanges() == [(200, rid.encode()) for rid in rids]
+            assert srv.connections == 3 and pooled(client, srv) == 3
+            assert await exchanges() == [(200, rid.encode()) for rid in rids]
+            assert srv.connections == 3 and pooled(client, srv) == 3
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "first_connection, resent",
+    [
+        # closes as soon as it answered: the client may or may not have seen the FIN before the next request
+        pytest.param(serve_each(response(OK_BODY), close_after=1), None, id="closes-after-answering"),
+        # reads the next request, then closes without a byte: the client must send it again, on a new connection
+        pytest.param(serve_each(response(OK_BODY), None, close_after=2), True, id="closes-on-next-request"),
+    ],
+)
+def test_stale_idle_connection_is_replaced(first_connection, resent):
+    async def scenario():
+        async with Engine(first_connection, serve_each(response(OK_BODY))) as (srv, client):
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert srv.connections == 2
+            if resent:
+                assert [r[1] for r in srv.requests] == [BODY, BODY, BODY]
+
+    run(scenario)
+
+
+def test_connection_close_response_is_not_pooled():
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY, extra=b"Connection: close\r\n"))) as (srv, client):
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert pooled(client, srv) == 0
+            await eventually(lambda: srv.hangups == 1)  # the server kept it open: the client closed it
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert srv.connections == 2
+
+    run(scenario)
+
+
+BIG = bytes(range(256)) * 40  # 10 KiB: spans several reads when trickled
+
+
+@pytest.mark.parametrize("piece", [None, 5], ids=["whole", "trickled"])
+@pytest.mark.parametrize(
+    "reply, close_after, keeps_connection",
+    [
+        pytest.param(response(BIG[:300]), 0, True, id="content-length"),
+        pytest.param(streamed(BIG[:100], BIG[100:101], BIG[101:300]), 0, True, id="chunked"),
+        pytest.param(unframed(BIG[:300], b"HTTP/1.0"), 1, False, id="http1.0-until-close"),
+        pytest.param(unframed(BIG[:300], b"HTTP/1.1"), 1, False, id="http1.1-until-close"),
+    ],
+)
+def test_post_reads_every_framing(reply, close_after, keeps_connection, piece):
+    async def scenario():
+        async with Engine(serve_each(reply, close_after=close_after, piece=piece)) as (srv, client):
+            assert await post(client, srv.url) == (200, BIG[:300])
+            assert pooled(client, srv) == (1 if keeps_connection else 0)
+
+    run(scenario)
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+
+def test_chunked_stream_yields_as_it_arrives_then_pools_the_connection():
+    first_seen = asyncio.Event()
+
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(streamed(EVENTS[0], end=False))
+        await asyncio.wait_for(first_seen.wait(), 2.0)  # the first chunk reached the client before the rest went out
+        await peer.send(chunked(*EVENTS[1:]))
+        await serve_each(response(OK_BODY))(peer)
+
+    async def scenario():
+        async with Engine(script) as (srv, client):
+            got = []
+            async with client.stream(srv.url, BODY, RID) as es:
+                assert es.status == 200
+                async for data in es.chunks():
+                    got.append(data)
+                    first_seen.set()
+            assert b"".join(got) == b"".join(EVENTS) and b"" not in got
+            assert pooled(client, srv) == 1
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert srv.connections == 1
+
+    run(scenario)
+
+
+def test_backpressure_delivers_every_byte_to_a_slow_reader():
+    payload = random.Random(7).randbytes(4 << 20)
+    pieces = [payload[i : i + (64 << 10)] for i in range(0, len(payload), 64 << 10)]
+
+    async def scenario():
+        async with Engine(serve_each(streamed(*pieces))) as (srv, client):
+            got = []
+            await collect(client, srv.url, got, pause_s=0.01)
+            data = b"".join(got)
+            assert len(data) == len(payload)
+            assert hashlib.sha256(data).digest() == hashlib.sha256(payload).digest()
+            # Reading stops once STREAM_BUFFER bytes wait unread: no chunk holds much more than that (a
+            # socket read is at most 256 KiB), where an unpaused reader would hand over megabytes at once.
+            assert max(map(len, got)) <= STREAM_BUFFER + (512 << 10)
+            assert pooled(client, srv) == 1
+
+    run(scenario)
+
+
+# -- error statuses -------------------------------------------------------------------------------
+
+
+def test_post_error_status_raises_with_the_body():
+    error = b'{"error":"overloaded"}'
+
+    async def scenario():
+        async with Engine(serve_each(response(error, b"503 Service Unavailable"))) as (srv, client):
+            with pytest.raises(EngineStatusError) as e:
+                await post(client, srv.url)
+            assert e.value.status == 503 and e.value.body == error and e.value.retryable
+
+    run(scenario)
+
+
+def test_stream_error_status_raises_with_the_body():
+    error = b'{"error":{"message":"bad field"}}'
+
+    async def scenario():
+        async with Engine(serve_each(streamed(error[:10], error[10:], status=b"400 Bad Request"))) as (srv, client):
+            with pytest.raises(EngineStatusError) as e:
+                await collect(client, srv.url, [])
+            assert e.value.status == 400 and e.value.body == error and e.value.is_client_error
+
+    run(scenario)
+
+
+# -- deadlines ------------------------------------------------------------------------------------
+
+
+def test_post_times_out_when_the_engine_never_answers():
+    async def scenario():
+        async with Engine(serve_each(None)) as (srv, client):
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(UpstreamTimeout):
+                await post(client, srv.url, timeout_s=0.3)
+            assert 0.2 <= loop.time() - start < 5.0
+            await eventually(lambda: srv.hangups == 1)  # the timed-out connection was closed
+            assert pooled(client, srv) == 0
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "reply, limits, phase, before",
+    [
+        pytest.param(None, {"first_token_timeout_s": 0.3}, "response headers", b"", id="no-headers"),
+        pytest.param(streamed(end=False), {"first_token_timeout_s": 0.3}, "first chunk", b"", id="no-first-chunk"),
+        pytest.param(
+            streamed(EVENTS[0], end=False), {"stream_idle_timeout_s": 0.3}, "idle gap", EVENTS[0], id="idle-gap"
+        ),
+    ],
+)
+def test_stream_times_out_when_the_engine_stalls(reply, limits, phase, before):
+    async def scenario():
+        async with Engine(serve_each(reply), **limits) as (srv, client):
+            loop = asyncio.get_running_loop()
+            start, got = loop.time(), []
+            with pytest.raises(UpstreamTimeout) as e:
+                await collect(client, srv.url, got)
+            assert 0.2 <= loop.time() - start < 5.0
+            assert phase in str(e.value) and b"".join(got) == before
+            await eventually(lambda: srv.hangups == 1)
+
+    run(scenario)
+
+
+def test_stream_total_deadline_holds_despite_steady_chunks():
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(streamed(end=False))
+        while True:
+            await peer.send(chunked(EVENTS[0], end=False))
+            await asyncio.sleep(0.05)
+
+    async def scenario():
+        async with Engine(script, infer_timeout_s=0.4) as (srv, client):
+            loop = asyncio.get_running_loop()
+            start, got = loop.time(), []
+            with pytest.raises(UpstreamTimeout):
+                await collect(client, srv.url, got)
+            assert 0.3 <= loop.time() - start < 5.0
+            assert len(b"".join(got)) >= 2 * len(EVENTS[0])
+
+    run(scenario)
+
+
+def test_keepalive_yields_empty_chunks_until_the_deadline():
+    async def scenario():
+        async with Engine(serve_each(streamed(end=False)), first_token_timeout_s=0.5) as (srv, client):
+            got = []
+            with pytest.raises(UpstreamTimeout):
+                await collect(client, srv.url, got, keepalive_s=0.05)
+            assert len(got) >= 1 and set(got) == {b""}
+
+    run(scenario)
+
+
+# -- broken engines -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["post", "stream"])
+def test_refused_connection_is_unreachable(kind):
+    async def scenario():
+        with socket.socket() as sock:  # a port nothing listens on any more
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        client = EngineClient(settings())
+        with pytest.raises(UpstreamConnectError) as e:
+            await call(kind, client, f"http://127.0.0.1:{port}{PATH}")
+        assert "unreachable" in str(e.value)
+        await client.close()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("kind", ["post", "stream"])
+def test_garbage_response_is_a_protocol_error(kind):
+    async def scenario():
+        async with Engine(serve_each(b"NOT HTTP\r\n\r\n")) as (srv, client):
+            with pytest.raises(UpstreamProtocolError):
+                await call(kind, client, srv.url)
+            assert srv.connections == 1 and pooled(client, srv) == 0
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "kind, reply, before",
+    [
+        pytest.param("post", response(BIG[:100])[:-60], None, id="post-short-content-length"),
+        pytest.param(
+            "stream", streamed(EVENTS[0], EVENTS[1], end=False), EVENTS[0] + EVENTS[1], id="stream-no-last-chunk"
+        ),
+    ],
+)
+def test_connection_dropped_mid_body(kind, reply, before):
+    async def scenario():
+        async with Engine(serve_each(reply, close_after=1)) as (srv, client):
+            got = []
+            with pytest.raises(UpstreamConnectError) as e:
+                await call(kind, client, srv.url, got)
+            assert "dropped" in str(e.value)
+            if before is not None:
+                assert b"".join(got) == before
+            assert srv.connections == 1 and pooled(client, srv) == 0
+
+    run(scenario)
+
+
+# -- aborting by closing --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["break", "cancel"])
+def test_leaving_a_stream_early_closes_its_connection(how):
+    async def scenario():
+        async with Engine(serve_each(streamed(EVENTS[0], end=False))) as (srv, client):
+            got = []
+            if how == "break":
+                async with client.stream(srv.url, BODY, RID) as es:
+                    async for data in es.chunks():
+                        got.append(data)
+                        break
+            else:
+                task = asyncio.create_task(collect(client, srv.url, got))
+                await eventually(lambda: got)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert got == [EVENTS[0]]
+            await eventually(lambda: srv.hangups == 1)  # the engine sees the request's connection end
+            assert pooled(client, srv) == 0
+
+    run(scenario)
+
+
+# -- the request's bytes --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [len(BODY), 100_000], ids=["small", "large"])
+def test_request_line_headers_and_body(size):
+    body = (BODY * (size // len(BODY) + 1))[:size]
+
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY))) as (srv, client):
+            assert await client.post(srv.url, body, RID, timeout_s=2.0) == (200, OK_BODY)
+            [(head, got)] = srv.requests
+            start, headers = parse_head(head)
+            assert start == f"POST {PATH} HTTP/1.1"
+            assert headers["host"] == f"127.0.0.1:{srv.port}"
+            assert headers["x-request-id"] == RID
+            assert headers["content-type"] == "application/json"
+            assert headers["content-length"] == str(size)
+            assert got == body
+
+    run(scenario)
+
+
+def test_get_sends_no_body_and_returns_any_status():
+    async def scenario():
+        async with Engine(serve_each(response(b"no such route", b"404 Not Found"))) as (srv, client):
+            assert await client.get(srv.base + "/v1/models?x=1", timeout_s=2.0) == (404, b"no such route")
+            [(head, body)] = srv.requests
+            start, headers = parse_head(head)
+            assert start == "GET /v1/models?x=1 HTTP/1.1" and body == b""
+            assert "content-length" not in headers and "x-request-id" not in headers
+
+    run(scenario)
+
+
+# -- closing the client ---------------------------------------------------------------------------
+
+
+def test_closed_client_refuses_requests_and_closes_idle_connections():
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY))) as (srv, client):
+            await post(client, srv.url)
+            assert pooled(client, srv) == 1
+            await client.close()
+            await eventually(lambda: srv.hangups == 1)
+            with pytest.raises(RuntimeError):
+                await post(client, srv.url)
+            assert srv.connections == 1
+
+    run(scenario)
