@@ -62,11 +62,13 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.idle = False  # in the pool, between exchanges
         self.idle_since = 0.0
         self.begin(streaming=False)
 
     def begin(self, streaming: bool) -> None:
         """Reset the exchange state for the next request on this connection."""
+        self.idle = False
         self.streaming = streaming
         self.status = 0
         self.chunks: list[bytes] = []
@@ -86,6 +88,10 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.idle or self.complete:  # bytes no request asked for: this connection cannot be trusted again
+            self.keep_alive = False
+            self.close()
+            return
         self.received = True
         try:
             self.parser.feed_data(data)
@@ -105,17 +111,25 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # more than one response to one request: never pooled again
+            self.keep_alive = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         if name == b"content-length" or name == b"transfer-encoding":
             self.framed = True
 
     def on_headers_complete(self) -> None:
+        if self.complete:
+            return
         self.status = self.parser.get_status_code()
         if self.until == _HEADERS:
             self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.streaming:
@@ -129,6 +143,8 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def on_message_complete(self) -> None:
+        if self.complete:
+            return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()
@@ -197,7 +213,9 @@ class EngineStream:
         wait = self.first_s
         phase = "first chunk"
         while True:
-            deadline = min(loop.time() + wait, self.total_deadline)
+            deadline = loop.time() + wait
+            if deadline >= self.total_deadline:
+                deadline, phase = self.total_deadline, "total"
             while not conn.ready(_DATA):
                 wake = min(deadline, loop.time() + keepalive_s) if keepalive_s > 0 else deadline
                 try:
@@ -221,20 +239,20 @@ class EngineClient:
 
     def __init__(self, settings: Settings):
         self.s = settings
-        self.idle: dict[Origin, list[_Connection]] = {}
+        self.pool: dict[Origin, list[_Connection]] = {}
         self.is_closed = False
         self._tls: ssl.SSLContext | None = None
 
     async def close(self) -> None:
         self.is_closed = True
-        for conns in self.idle.values():
+        for conns in self.pool.values():
             for conn in conns:
                 conn.close()
-        self.idle.clear()
+        self.pool.clear()
 
     def _forget(self, conn: _Connection) -> None:
         """A connection closed: out of the idle pool if it was there."""
-        idle = self.idle.get(conn.origin)
+        idle = self.pool.get(conn.origin)
         if idle and conn in idle:
             idle.remove(conn)
 
@@ -243,7 +261,7 @@ class EngineClient:
         if self.is_closed:
             raise RuntimeError("the engine client is closed")
         loop = asyncio.get_running_loop()
-        idle = self.idle.get(origin)
+        idle = self.pool.get(origin)
         now = loop.time()
         while idle:
             conn = idle.pop()
@@ -267,9 +285,8 @@ class EngineClient:
     def _release(self, conn: _Connection) -> None:
         """Back to the pool when the exchange ended cleanly and both sides keep the connection; else closed."""
         if conn.complete and conn.keep_alive and conn.error is None and not conn.closed and not self.is_closed:
-            conn.idle_since = conn.loop.time()
-            conn.begin(streaming=False)
-            self.idle.setdefault(conn.origin, []).append(conn)
+            conn.idle, conn.idle_since = True, conn.loop.time()
+            self.pool.setdefault(conn.origin, []).append(conn)
         else:
             conn.close()
 

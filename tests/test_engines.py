@@ -226,7 +226,7 @@ async def eventually(predicate: Callable[[], object], timeout_s: float = 1.0) ->
 
 def pooled(client: EngineClient, srv: Loopback) -> int:
     """How many idle connections to `srv` the client holds."""
-    return len(client.idle.get(srv.origin, ()))
+    return len(client.pool.get(srv.origin, ()))
 
 
 # -- keep-alive and the pool ----------------------------------------------------------------------
@@ -282,6 +282,18 @@ def test_stale_idle_connection_is_replaced(first_connection, resent):
             assert srv.connections == 2
             if resent:
                 assert [r[1] for r in srv.requests] == [BODY, BODY, BODY]
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("stray", [response(b"WRONG"), b"HTTP/1.1 200 OK\r\nContent-Le"], ids=["whole", "partial"])
+def test_bytes_after_a_response_are_not_taken_and_the_connection_is_dropped(stray):
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY) + stray)) as (srv, client):
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert pooled(client, srv) == 0  # a connection that sent what nobody asked for is not reused
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert srv.connections == 2
 
     run(scenario)
 
