@@ -1,22 +1,28 @@
 """Smoke test of bench/overhead.py: the C fake engine builds and speaks vLLM's shapes, the Coordinator relays
-it faithfully in every benchmark cell, and one short wrk cell runs and its output and CPU figures parse."""
+it faithfully in every benchmark cell, and one short wrk cell runs and its output and CPU figures parse.
+And of bench/pick.py: a quick run times every policy on every cluster."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import openai
 import pytest
 
 from bench import overhead
-
-pytestmark = pytest.mark.skipif(not shutil.which("gcc"), reason="the fake engine is compiled with gcc")
+from tests.support import ROOT
 
 
 @pytest.fixture(scope="module")
 def bench_cluster():
+    if not shutil.which("gcc"):
+        pytest.skip("the fake engine is compiled with gcc")
     workdir = tempfile.mkdtemp(prefix="motor-bench-test-")
     try:
         with overhead.fakes(overhead.build_fake(workdir), None, workdir) as engines:
@@ -82,3 +88,19 @@ def test_one_short_wrk_cell(bench_cluster):
     assert 0 < res["p50_us"] <= res["p99_us"]
     assert cpu1 > cpu0
     assert overhead.peak_rss_mb(gw.worker_pids())[0] > 10
+
+
+def test_pick_bench_times_every_policy_on_every_cluster(tmp_path):
+    out = tmp_path / "pick.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pick.py"), "--quick", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| policy | cluster | prompt | pick µs (prepare+plan) | full µs (with leases) |" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    policies = ("round_robin", "load_balance", "kv_cache_affinity", "slo_aware")
+    clusters = ("1P+1D", "4P+4D", "16P+16D", "1U", "8U")
+    cells = [(r["policy"], r["cluster"], r["prompt"]) for r in rows]
+    assert sorted(cells) == sorted((p, c, prompt) for p in policies for c in clusters for prompt in ("short", "long"))
+    for r in rows:
+        assert math.isfinite(r["pick_us"]) and r["pick_us"] > 0, r
+        assert math.isfinite(r["full_us"]) and r["full_us"] > 0, r
