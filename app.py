@@ -139,6 +139,7 @@ def create_app(settings: Settings) -> Sanic:
     async def stop_worker(app: Sanic):
         await app.ctx.background.stop()
         await app.ctx.client.close()
+        app.ctx.observer.close()
 
     @app.on_request(priority=100)
     async def plane_guard(request: Request):

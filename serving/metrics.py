@@ -113,6 +113,7 @@ class _Series:
 
 class PrometheusObserver(Observer):
     def __init__(self, registry: Registry, ledger: Ledger, health: Health):
+        super().__init__()
         self.registry = registry
         self._children: dict[tuple[str, str, int], _Series] = {}
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

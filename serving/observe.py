@@ -6,8 +6,11 @@ comes last), and a stream's output is its number of `data:` events less the even
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -81,6 +84,50 @@ class RequestRecord:
         return max(0, self.events - STREAM_FRAMING.get(self.route, 0))
 
 
+class RequestLog:
+    """The one line per request, in the root handler's format, written to stdout in batches.
+
+    Made through `logging`, the line cost about 75 µs of CPU in a loaded worker (a LogRecord, the handler's
+    lock, a formatter, a write and a flush per line): a tenth of a streamed request. Here it is one
+    %-format into a buffer, written out `flush_s` later, or once `max_lines` wait, and at shutdown. The
+    `coordinator.request` logger's level still decides whether the line is made at all. Lines of other
+    loggers are written at once, so a request line may follow one logged up to `flush_s` after it.
+    """
+
+    def __init__(self, flush_s: float = 0.05, max_lines: int = 256):
+        self.flush_s, self.max_lines = flush_s, max_lines
+        self.lines: list[str] = []
+        self.prefix = f" INFO {log.name}[{os.getpid()}]: "
+        self._second, self._stamp = -1, ""
+        self._timer: asyncio.TimerHandle | None = None
+
+    def enabled(self) -> bool:
+        return log.isEnabledFor(logging.INFO)
+
+    def write(self, message: str) -> None:
+        now = time.time()
+        second = int(now)
+        if second != self._second:  # asctime's format, made once a second
+            self._second, self._stamp = second, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+        self.lines.append(f"{self._stamp},{int((now - second) * 1000):03d}{self.prefix}{message}\n")
+        if len(self.lines) >= self.max_lines:
+            self.flush()
+        elif self._timer is None:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
+            except RuntimeError:  # no event loop: nothing would flush later
+                self.flush()
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.lines:
+            out, self.lines = "".join(self.lines), []
+            sys.stdout.write(out)
+            sys.stdout.flush()
+
+
 def _name(t: Target | None) -> str:
     return f"{t.instance_id}/{t.endpoint_id}@{t.address}" if t else "-"
 
@@ -88,17 +135,25 @@ def _name(t: Target | None) -> str:
 class Observer:
     """Logs one line per request; subclasses add metrics."""
 
+    def __init__(self) -> None:
+        self.request_log = RequestLog()
+
     def request_done(self, rec: RequestRecord) -> None:
         rec.duration_s = time.monotonic() - rec.started
-        if log.isEnabledFor(logging.INFO):
-            log.info(
+        if self.request_log.enabled():
+            self.request_log.write(
                 "request_id=%s route=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
-                "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s duration_ms=%.1f%s",
-                rec.request_id, rec.route, rec.model or "-", rec.stream, _name(rec.prefill), _name(rec.target), rec.status,
-                f"{rec.ttft_s * 1000:.1f}" if rec.stream and rec.ttft_s is not None else "-", rec.prompt_tokens,
-                rec.generated_tokens, rec.retries, rec.missed_handoff, rec.duration_s * 1000,
-                f" error={rec.error!r}" if rec.error else "",
+                "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s duration_ms=%.1f%s" % (
+                    rec.request_id, rec.route, rec.model or "-", rec.stream, _name(rec.prefill), _name(rec.target),
+                    rec.status, f"{rec.ttft_s * 1000:.1f}" if rec.stream and rec.ttft_s is not None else "-",
+                    rec.prompt_tokens, rec.generated_tokens, rec.retries, rec.missed_handoff, rec.duration_s * 1000,
+                    f" error={rec.error!r}" if rec.error else "",
+                )
             )
+
+    def close(self) -> None:
+        """The worker stops: write out what is buffered."""
+        self.request_log.flush()
 
     def retry(self, job, target: Target, err: Exception) -> None:
         log.warning("request_id=%s retrying after %s on %s", job.request_id, err, _name(target))
