@@ -205,6 +205,11 @@ class EngineStream:
         self.status = conn.status
         self.idle_s, self.first_s, self.total_deadline = idle_s, first_s, total_deadline
 
+    @property
+    def finished(self) -> bool:
+        """The engine's answer is complete and every byte of it was yielded: the last chunk is out."""
+        return self.conn.complete and not self.conn.chunks and self.conn.error is None
+
     async def chunks(self, keepalive_s: float = 0.0) -> AsyncIterator[bytes]:
         """The body as it arrives. While the engine is silent an empty chunk is yielded every `keepalive_s`
         (0: never), so the caller can keep the client's connection busy; the deadlines keep running."""

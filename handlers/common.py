@@ -90,11 +90,11 @@ def error_response(err: CoordinatorError, api: str, rid: str) -> HTTPResponse:
 class SanicSink:
     """The dispatcher's view of the client connection; what goes out is noted on the request's record."""
 
-    __slots__ = ("request", "rid", "started", "response", "api", "rec")
+    __slots__ = ("request", "rid", "started", "ended", "response", "api", "rec")
 
     def __init__(self, request: Request, rid: str, api: str, rec: RequestRecord):
         self.request, self.rid, self.api, self.rec = request, rid, api, rec
-        self.started = False
+        self.started = self.ended = False
         self.response = None
 
     async def json(self, status: int, body: bytes) -> None:
@@ -107,9 +107,11 @@ class SanicSink:
         )
         self.started = True
 
-    async def send(self, data: bytes) -> None:
-        self.rec.relayed(data)
-        await self.response.send(data)
+    async def send(self, data: bytes, last: bool = False) -> None:
+        if self.ended:
+            return
+        self.ended = last
+        await self.response.send(data, end_stream=last)
 
 
 async def serve_inference(request: Request, route: str, api: str, authenticate: bool = True):

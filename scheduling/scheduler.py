@@ -162,6 +162,8 @@ class Scheduler:
         if allow_pd and p_pool and d_pool:
             ps, ds = self._usable(p_pool, exclude, job), self._usable(d_pool, exclude, job)
             if ps and ds:
+                if len(ps) == len(ds) == 1 and self.admission == OFF:
+                    return Plan(ps[0], ds[0])  # nothing to choose between and no verdict wanted: no predictions
                 p, d = self.policy.choose_pair(ps, ds, job)
                 return Plan(p, d)
             whole = self._usable(u_pool, exclude, job) or ps or ds
@@ -169,6 +171,8 @@ class Scheduler:
             whole = self._usable(u_pool, exclude, job) or self._usable(p_pool, exclude, job) or self._usable(d_pool, exclude, job)
         if not whole:
             raise NoCapacity(f"no healthy instance of model {model!r} is available")
+        if len(whole) == 1 and self.admission == OFF:
+            return Plan(None, whole[0])
         return Plan(None, self.policy.choose_whole(whole, job))
 
     def pick_one(self, model: str, job: JobInfo, roles: tuple[str, ...], exclude: frozenset[int] = frozenset()) -> Target:

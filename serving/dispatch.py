@@ -58,7 +58,8 @@ class Sink(Protocol):
 
     async def start_stream(self) -> None: ...
 
-    async def send(self, data: bytes) -> None: ...
+    async def send(self, data: bytes, last: bool = False) -> None:
+        """Relay stream bytes; `last` ends the response with them (one write fewer than a separate end)."""
 
 
 class Dispatcher:
@@ -206,8 +207,10 @@ class Dispatcher:
                                 lease.prefill_done()
                                 rec.first_token()
                                 await sink.start_stream()
-                            lease.events += chunk.count(b"data:")
-                            await sink.send(chunk)
+                            events = chunk.count(b"data:")
+                            lease.events += events
+                            rec.events += events
+                            await sink.send(chunk, es.finished)
                     if not sink.started:
                         raise UpstreamProtocolError(f"engine {t.url} ended the stream without sending anything")
                     lease.succeed()
@@ -296,8 +299,10 @@ class Dispatcher:
                             block, count = splitter.complete(chunk)
                             if count:
                                 lease.events += count
-                                await sink.send(fix_events(block, p_usage, anthropic))
+                                rec.events += block.count(b"data:")
+                                await sink.send(fix_events(block, p_usage, anthropic), es.finished and not splitter.tail)
                         if splitter.tail.strip():
+                            rec.events += splitter.tail.count(b"data:")
                             await sink.send(fix_event(splitter.tail, p_usage, anthropic) + b"\n\n")
                     if not sink.started:
                         raise UpstreamProtocolError(f"decode engine {t.url} ended the stream without sending anything")

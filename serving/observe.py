@@ -73,10 +73,6 @@ class RequestRecord:
         if prompt is not None:
             self.prompt_tokens = prompt
 
-    def relayed(self, data: bytes) -> None:
-        """Stream bytes went out."""
-        self.events += data.count(b"data:")
-
     @property
     def generated_tokens(self) -> int:
         if self.output_tokens is not None:
