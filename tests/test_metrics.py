@@ -295,3 +295,26 @@ def test_openapi_spec_documents_the_inference_routes(c):
     assert set(messages) == {"type", "error"}
     page = httpx.get(c.url + "/docs")
     assert page.status_code == 200 and "openapi.json" in page.text
+
+
+def test_batched_histogram_writes_what_observe_would():
+    """Observations counted into buckets and flushed once give the same samples as observing one by one."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from serving.metrics import LATENCY_BUCKETS, _PendingHistogram
+
+    values = [0.0, 0.003, 0.005, 0.0051, 0.3, 0.3, 2.5, 7.0, 599.0, 601.0, 1e6]
+    registry = CollectorRegistry()
+    direct = Histogram("direct_seconds", "d", ["k"], buckets=LATENCY_BUCKETS, registry=registry)
+    batched = Histogram("batched_seconds", "b", ["k"], buckets=LATENCY_BUCKETS, registry=registry)
+    pending = _PendingHistogram(batched.labels("x"))
+    for v in values:
+        direct.labels("x").observe(v)
+        pending.observe(v)
+    assert registry.get_sample_value("batched_seconds_count", {"k": "x"}) == 0  # nothing written before the flush
+    pending.flush()
+    pending.flush()  # a second flush with nothing pending writes nothing
+    samples = [("_count", {}), ("_sum", {})] + [("_bucket", {"le": le}) for le in [str(float(b)) for b in LATENCY_BUCKETS] + ["+Inf"]]
+    for suffix, labels in samples:
+        want = registry.get_sample_value("direct_seconds" + suffix, {"k": "x", **labels})
+        assert want is not None and registry.get_sample_value("batched_seconds" + suffix, {"k": "x", **labels}) == want, (suffix, labels)
