@@ -58,7 +58,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, client: EngineClient, origin: Origin):
         self.client, self.origin = client, origin
-        self.loop = asyncio.get_running_loop()
+        self.loop = client.loop
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -247,6 +247,14 @@ class EngineClient:
         self.pool: dict[Origin, list[_Connection]] = {}
         self.is_closed = False
         self._tls: ssl.SSLContext | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        # Looked up once: on Python 3.11 every get_running_loop() is a getpid() system call.
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     async def close(self) -> None:
         self.is_closed = True
@@ -265,7 +273,7 @@ class EngineClient:
         """An idle pooled connection (reused: True) or a new one."""
         if self.is_closed:
             raise RuntimeError("the engine client is closed")
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         idle = self.pool.get(origin)
         now = loop.time()
         while idle:
@@ -335,7 +343,7 @@ class EngineClient:
 
     async def post(self, url: str, body: bytes, request_id: str, *, timeout_s: float) -> tuple[int, bytes]:
         """A non-streaming exchange; raises EngineStatusError on a non-2xx answer."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        deadline = self.loop.time() + timeout_s
         conn = await self._exchange(b"POST", url, body, request_id, _COMPLETE, deadline, False, "response")
         status, data = conn.status, conn.take()
         self._release(conn)
@@ -344,7 +352,7 @@ class EngineClient:
         return status, data
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        deadline = self.loop.time() + timeout_s
         conn = await self._exchange(b"GET", url, None, None, _COMPLETE, deadline, False, "get")
         status, data = conn.status, conn.take()
         self._release(conn)
@@ -354,7 +362,7 @@ class EngineClient:
     async def stream(self, url: str, body: bytes, request_id: str) -> AsyncIterator[EngineStream]:
         """Open a streaming exchange; the body is read with `EngineStream.chunks()` inside the block."""
         s = self.s
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         total_deadline = loop.time() + s.infer_timeout_s
         first_deadline = min(total_deadline, loop.time() + s.first_token_timeout_s)
         conn = await self._exchange(b"POST", url, body, request_id, _HEADERS, first_deadline, True, "response headers")

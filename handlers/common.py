@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
+from random import getrandbits
 
 from sanic import HTTPResponse, Request
 from sanic.exceptions import BadRequest as SanicBadRequest, PayloadTooLarge as SanicPayloadTooLarge
@@ -33,8 +33,9 @@ INFER, MGMT, OBS = "infer", "mgmt", "obs"
 
 def request_id(request: Request) -> str:
     rid = request.headers.get(REQUEST_ID)
-    # 128 random bits like uuid4().hex, at a tenth of its cost on the hot path.
-    return rid if rid and len(rid) <= 128 and rid.isprintable() else os.urandom(16).hex()
+    # 128 random bits, like uuid4().hex: an id must be unique, not unguessable, so no getrandom syscall
+    # (each worker's generator is seeded from the OS when it starts).
+    return rid if rid and len(rid) <= 128 and rid.isprintable() else "%032x" % getrandbits(128)
 
 
 def presented_key(request: Request, cfg: ApiKeyConfig) -> str | None:
@@ -128,7 +129,7 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
         job.slo_ttft_ms = _slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = _slo_header(request, "x-slo-tpot-ms")
         rec.model, rec.stream, rec.prompt_tokens = job.model, job.stream, job.prompt_tokens
-        async with ctx.admission.admit(job, rec):
+        async with ctx.admission.admit():
             await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()

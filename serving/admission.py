@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from config import Settings
 from errors import RateLimited, ServiceUnavailable
 from scheduling.shared import G_DRAINING, G_INFLIGHT, G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, SharedState
+
+
+class Admitted:
+    """An admitted request's place: counted in flight, and known to this worker's drain, until released."""
+
+    __slots__ = ("admission", "task")
+
+    def __init__(self, admission: Admission):
+        self.admission, self.task = admission, None
+
+    async def __aenter__(self) -> None:
+        self.task = asyncio.current_task()
+        self.admission.local.add(self.task)
+
+    async def __aexit__(self, *exc) -> None:
+        self.admission._leave(self.task)
 
 
 class Admission:
@@ -52,8 +66,8 @@ class Admission:
             g[G_RATE_TOKENS_MILLI] = tokens
             return (1000 - tokens) / (1000 * self.rate)
 
-    @asynccontextmanager
-    async def admit(self, job, rec) -> AsyncIterator[None]:
+    def admit(self) -> "Admitted":
+        """Let one request in, or raise why not: `async with admission.admit():` holds its place until the block ends."""
         g = self.shared.globals
         if g[G_DRAINING]:
             raise ServiceUnavailable("the Coordinator is shutting down", reason="draining")
@@ -65,14 +79,12 @@ class Admission:
             if self.cap and g[G_INFLIGHT] >= self.cap:
                 raise RateLimited(f"too many requests in flight (limit {self.cap})", reason="inflight_cap")
             g[G_INFLIGHT] += 1
-        task = asyncio.current_task()
-        self.local.add(task)
-        try:
-            yield
-        finally:
-            self.local.discard(task)
-            with self.shared.lock:
-                g[G_INFLIGHT] -= 1
+        return Admitted(self)
+
+    def _leave(self, task: asyncio.Task | None) -> None:
+        self.local.discard(task)
+        with self.shared.lock:
+            self.shared.globals[G_INFLIGHT] -= 1
 
     async def drain(self, timeout_s: float) -> None:
         """Shutdown: refuse new requests, give this worker's in-flight ones `timeout_s`, then cancel the rest.

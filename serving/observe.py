@@ -37,7 +37,7 @@ def _last_int(body: bytes, keys: tuple[bytes, ...]) -> int | None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     """Facts gathered while one request is served, for its log line and metrics."""
 
