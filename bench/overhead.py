@@ -22,6 +22,10 @@ throughput drives one fake with alternating prefill and decode bodies and counts
 CPU per request is the gateway's process-tree CPU time (utime+stime of the main process and every
 descendant, workers included, from /proc, before and after the cell) over the requests wrk completed.
 
+The "floor" rows (bench/sanic_floor.py: Sanic relaying chat through the project's engine client, with
+nothing else) show what the framework and the relay cost in the same run; the Coordinator's own work is
+what it adds to them.
+
 Needs `wrk` (`apt-get update && apt-get install -y wrk`), gcc and taskset. vllm-router is measured side
 by side when installed (`pip install vllm-router==0.1.17`; not a project dependency). --profile needs
 py-spy (`pip install py-spy==0.4.3`).
@@ -317,6 +321,7 @@ class Gateway:
 
     name = ""
     label = ""
+    cells = CELLS
     logs_requests = False  # writes one log line per request (with its status) that log_statuses() reads
 
     def port(self, cell: str) -> int:
@@ -479,6 +484,40 @@ class VllmRouter(Gateway):
         self.proc, self.mode = None, None
 
 
+class SanicFloor(Gateway):
+    """bench/sanic_floor.py: Sanic and the engine client relaying to the union fake, nothing else (no PD)."""
+
+    name = "sanic-floor"
+    label = "Sanic + engine client only (floor)"
+    cells = ("chat", "chat_stream")
+
+    def __init__(self, engines: Engines, cores: str, workdir: str):
+        self.port_ = free_port()
+        args = [sys.executable, os.path.join(HERE, "sanic_floor.py"), str(self.port_),
+                f"http://127.0.0.1:{engines.union}/v1/chat/completions"]
+        self.proc = Proc(pinned(cores, args), os.path.join(workdir, "sanic-floor.log"))
+        try:
+            wait_http(self.port_, "/health", 60, self.proc.proc)
+        except Exception:
+            self.stop()
+            raise
+
+    def port(self, cell: str) -> int:
+        return self.port_
+
+    def body(self, cell: str) -> str:
+        return body("bench", cell in STREAMED)
+
+    def root_pid(self, cell: str) -> int:
+        return self.proc.pid
+
+    def worker_pids(self) -> list[int]:
+        return [self.proc.pid]
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
 # -- measuring ------------------------------------------------------------------------------------
 
 
@@ -582,7 +621,7 @@ def measure_direct(engines: Engines, opts, load_cores: str, workdir: str) -> dic
 def measure_gateway(gw: Gateway, engines: Engines, opts, direct: dict[str, Cell], load_cores: str, gw_cores: int,
                     workdir: str, latency: bool) -> dict[str, Cell]:
     out = {}
-    for cell in CELLS:
+    for cell in gw.cells:
         c = Cell(gw.label, cell)
         port = gw.port(cell)
         data = gw.body(cell)
@@ -747,7 +786,7 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
                 spy, "record", "--pid", str(worker), "--duration", str(int(opts.duration)), "--format", "raw", "--function",
                 "--output", raw,
                 # Native stacks need the target paused per sample: fewer samples keep it from crawling.
-                *(["--native", "--rate", "50"] if opts.native else ["--nonblocking", "--rate", "100"]),
+                *(["--native", "--rate", "50"] if opts.native else ["--nonblocking", "--rate", os.environ.get("SPY_RATE", "100")]),
             ]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             time.sleep(0.5)
             cpu0 = cpu_seconds(gw.proc.pid)
@@ -793,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", default="1,2", help="worker counts to measure (log INFO), e.g. 1 or 1,2")
     ap.add_argument("--no-warning", action="store_true", help="skip the 1-worker run at log level WARNING")
     ap.add_argument("--no-router", action="store_true", help="skip vllm-router even when installed")
+    ap.add_argument("--no-floor", action="store_true", help="skip the Sanic floor (bench/sanic_floor.py)")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--profile", action="store_true", help="profile the Coordinator's worker with py-spy instead")
     ap.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
@@ -845,6 +885,12 @@ def main(argv: list[str] | None = None) -> int:
                     n_cores = len(cores.split(",")) if cores else ncpu
                     results.append(list(measure_gateway(gw, engines, opts, direct, load_cores, n_cores, workdir,
                                                         latency and w == 1).values()))
+                finally:
+                    gw.stop()
+            if not opts.no_floor:
+                gw = SanicFloor(engines, gw_core_sets[1], workdir)
+                try:
+                    results.append(list(measure_gateway(gw, engines, opts, direct, load_cores, 1, workdir, True).values()))
                 finally:
                     gw.stop()
             if not opts.no_router and shutil.which("vllm-router"):
