@@ -2,7 +2,7 @@
 
 One Sanic app serves three ports (inference, management, observability) from `num_workers` worker
 processes. Cross-worker state (instances, load, health) is made in `main_process_start` and handed to
-the workers through `shared_ctx`; each worker keeps its own aiohttp session on `app.ctx`. With no
+the workers through `shared_ctx`; each worker keeps its own engine connection pool on `app.ctx`. With no
 instances configured, the built-in engine simulator starts (one prefill and one decode instance on free
 loopback ports) so that every endpoint answers out of the box.
 """
