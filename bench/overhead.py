@@ -786,7 +786,7 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
                 spy, "record", "--pid", str(worker), "--duration", str(int(opts.duration)), "--format", "raw", "--function",
                 "--output", raw,
                 # Native stacks need the target paused per sample: fewer samples keep it from crawling.
-                *(["--native", "--rate", "50"] if opts.native else ["--nonblocking", "--rate", os.environ.get("SPY_RATE", "100")]),
+                *(["--native", "--rate", "50"] if opts.native else ["--nonblocking", "--rate", str(opts.rate)]),
             ]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             time.sleep(0.5)
             cpu0 = cpu_seconds(gw.proc.pid)
@@ -836,6 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--profile", action="store_true", help="profile the Coordinator's worker with py-spy instead")
     ap.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
+    ap.add_argument("--rate", type=int, default=100, help="with --profile: py-spy samples per second (default 100)")
     ap.add_argument("--nice", type=int, default=0,
                     help="run gateway, fakes and wrk at this niceness (e.g. -10 as root) on a machine others share")
     opts = ap.parse_args(argv)

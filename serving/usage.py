@@ -72,21 +72,45 @@ def fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
     return b"\n".join(lines)
 
 
+_MARKERS = (b'"usage":{', b'"usage": {', b'"kv_transfer_params":{', b'"kv_transfer_params": {')
+
+
 def needs_fix(data: bytes) -> bool:
     """Does this stretch of SSE carry usage or a ticket? (Most token events do not: they pass as bytes.)"""
-    return (
-        b'"usage":{' in data
-        or b'"usage": {' in data
-        or b'"kv_transfer_params":{' in data
-        or b'"kv_transfer_params": {' in data
-    )
+    return _next_marker(data, 0) >= 0
+
+
+def _next_marker(data: bytes, start: int) -> int:
+    """Where the first usage or ticket object at or after `start` begins, or -1."""
+    found = -1
+    for marker in _MARKERS:
+        i = data.find(marker, start)
+        if i >= 0 and (found < 0 or i < found):
+            found = i
+    return found
 
 
 def fix_events(block: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
-    """Complete SSE events, each ended by a blank line, with the usage-bearing ones fixed up."""
-    if not needs_fix(block):
+    """Complete SSE events, each ended by a blank line, with the usage-bearing ones fixed up.
+
+    Only the events holding a marker are cut out and parsed; the bytes between them pass as they are
+    (a fast engine's whole stream can arrive as one block with its usage event last).
+    """
+    marker = _next_marker(block, 0)
+    if marker < 0:
         return block
-    return b"".join(fix_event(e, p_usage, anthropic) + b"\n\n" for e in block[:-2].split(b"\n\n"))
+    out, pos = [], 0
+    while marker >= 0:
+        start = block.rfind(b"\n\n", pos, marker)
+        start = pos if start < 0 else start + 2
+        end = block.find(b"\n\n", marker)
+        end = len(block) if end < 0 else end
+        out.append(block[pos:start])
+        out.append(fix_event(block[start:end], p_usage, anthropic))
+        pos = end
+        marker = _next_marker(block, pos)
+    out.append(block[pos:])
+    return b"".join(out)
 
 
 class EventSplitter:

@@ -1,0 +1,60 @@
+"""serving/usage.py without a server: the SSE block fix-up touches exactly the events that carry usage or a ticket."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving.usage import EventSplitter, fix_event, fix_events
+
+P_USAGE = {"prompt_tokens": 40, "total_tokens": 41, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+def chunk(i: int) -> bytes:
+    return b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"t%d"}}]}' % i
+
+
+USAGE_EVENT = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":16,"total_tokens":56,' \
+              b'"prompt_tokens_details":{"cached_tokens":40}},"kv_transfer_params":null}'
+TICKET_EVENT = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"}}],"kv_transfer_params": {"remote_block_ids":[1]}}'
+ANTHROPIC_START = b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":{"input_tokens":3,' \
+                  b'"cache_read_input_tokens":40,"output_tokens":1}}}'
+
+
+@pytest.mark.parametrize(
+    "events, anthropic",
+    [
+        ([chunk(i) for i in range(5)], False),  # nothing to fix: the same bytes come back
+        ([chunk(0), chunk(1), USAGE_EVENT, b"data: [DONE]"], False),
+        ([USAGE_EVENT, chunk(1), TICKET_EVENT, chunk(2), USAGE_EVENT], False),
+        ([ANTHROPIC_START, b'event: ping\ndata: {"type":"ping"}'], True),
+    ],
+)
+def test_fix_events_is_fix_event_on_each_event(events, anthropic):
+    block = b"".join(e + b"\n\n" for e in events)
+    want = b"".join(fix_event(e, P_USAGE, anthropic) + b"\n\n" for e in events)
+    got = fix_events(block, P_USAGE, anthropic)
+    assert got == want
+    if block == want:
+        assert got is block  # untouched blocks are not copied
+
+
+def test_usage_event_takes_the_prompt_side_from_prefill():
+    fixed = fix_events(b"".join(e + b"\n\n" for e in (chunk(0), USAGE_EVENT)), P_USAGE, False)
+    usage = json.loads(fixed.split(b"\n\n")[1][len(b"data: "):])["usage"]
+    assert usage["prompt_tokens"] == 40 and usage["total_tokens"] == 56
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 8}
+    assert b"kv_transfer_params" not in fixed
+
+
+def test_splitter_keeps_partial_events_for_the_next_chunk():
+    splitter = EventSplitter()
+    stream = b"".join(e + b"\r\n\r\n" for e in (chunk(0), USAGE_EVENT, b"data: [DONE]"))
+    blocks, count = [], 0
+    for i in range(0, len(stream), 7):  # cut anywhere, even inside "\r\n\r\n"
+        block, n = splitter.complete(stream[i : i + 7])
+        blocks.append(block)
+        count += n
+    assert count == 3 and splitter.tail == b""
+    assert b"".join(blocks) == stream.replace(b"\r\n", b"\n")
