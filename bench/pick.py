@@ -59,11 +59,12 @@ from config import SCHEDULER_TYPES, Endpoint, Instance, ModelConfig, Settings  #
 from scheduling.health import Health  # noqa: E402
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Ledger  # noqa: E402
 from scheduling.policies import JobInfo  # noqa: E402
-from scheduling.predict import Predictor  # noqa: E402
 from scheduling.registry import Registry, Target  # noqa: E402
 from scheduling.scheduler import Plan, Scheduler, build_scheduler  # noqa: E402
 from scheduling.shared import SharedState  # noqa: E402
 from scheduling.tokens import CHAT, estimate_chat_tokens  # noqa: E402
+# The learned model is warmed with the unit tests' history replays (needs requirements-test.txt's pytest).
+from tests.test_scheduling import teach_decode, teach_prefill  # noqa: E402
 
 MODEL = ModelConfig("bench", slo_ttft_ms=2000, slo_tpot_ms=50)
 BASE_PORT = 20000  # instance k listens (never) at 127.0.0.1:BASE_PORT+k
@@ -134,33 +135,12 @@ def build(policy: str, cluster: Cluster) -> Scheduler:
     return build_scheduler(settings, shared, registry, ledger, health)
 
 
-def teach_prefill(pred: Predictor, slot: int, tokens_per_s: float, base_s: float = 0.02, samples: int = 12) -> None:
-    """Prefills observed one after another long ago (tests/test_scheduling.py's way), so no queue is left now."""
-    t = time.monotonic() - 1000.0
-    for k in range(samples):
-        tokens = 200 + 400 * (k % 5)
-        predicted, shift = pred.start_prefill(slot, tokens, t)
-        done = t + base_s + tokens / tokens_per_s
-        pred.learn_prefill(slot, t, done, tokens, predicted, shift)
-        t = done + 1.0
-
-
-def teach_decode(pred: Predictor, slot: int, step_s: float, per_seq_s: float) -> None:
-    """Decode streams of 40 tokens observed long ago at batch sizes 1-8 (tests/test_scheduling.py's way)."""
-    t = time.monotonic() - 1000.0
-    for batch in list(range(1, 9)) * 2:
-        first = t + 0.02 + step_s + per_seq_s * batch
-        done = first + (step_s + per_seq_s * batch) * 40
-        pred.learn_decode(slot, t, first, done, 43, float(batch))
-        t = done + 1.0
-
-
 def warm(sched: Scheduler) -> None:
     """Make the cluster look like one in service (see the module docstring)."""
     view = sched.registry.view()
     for k, t in enumerate(view.targets):
         if t.role != "decode":
-            teach_prefill(sched.predictor, t.slot, PREFILL_TPS[k % 4])
+            teach_prefill(sched.predictor, t.slot, PREFILL_TPS[k % 4], base_s=0.02)
         if t.role != "prefill":
             teach_decode(sched.predictor, t.slot, DECODE_STEP_S[k % 4], DECODE_PER_SEQ_S)
     holder = (view.pool(MODEL.id, "prefill") or view.pool(MODEL.id, "union"))[-1]
