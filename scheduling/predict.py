@@ -34,7 +34,6 @@ from /metrics, stands in for an unknown decode model).
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 
@@ -182,8 +181,7 @@ class Predictor:
         errors[start + n % ERROR_WINDOW] = error
         h[count] = n + 1
         n = min(n + 1, ERROR_WINDOW)
-        # The 95th percentile is among the few largest: no need to sort the whole window.
-        h[value] = heapq.nlargest(n - math.ceil(0.95 * n) + 1, errors[start : start + n])[-1]
+        h[value] = sorted(errors[start : start + n])[math.ceil(0.95 * n) - 1]
 
     def _add(self, i: int, x: float, y: float) -> float:
         """Decay the sums at i..i+4 (n, Sx, Sy, Sxx, Sxy) and add one (x, y) sample; returns n."""
