@@ -1,0 +1,40 @@
+"""serving/legs.py without a server: the decode leg is the client's body plus P's ticket, and nothing else."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving.job import CHAT, job_from_body, parse_body
+from serving.legs import decode_leg
+
+TICKET = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.7", "remote_port": 5600}
+
+
+def job(raw: bytes):
+    return job_from_body(CHAT, "openai", raw, parse_body(raw), "rid-1")
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model":"m","messages":[{"role":"user","content":"hi \\u00e9"}],"max_tokens":4,"stream":true}',
+    b'  \n {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.5}  ',
+])
+def test_decode_leg_is_the_client_body_plus_the_ticket(raw):
+    sent = json.loads(decode_leg(job(raw), TICKET))
+    assert sent == {**json.loads(raw), "kv_transfer_params": TICKET}
+    assert decode_leg(job(raw), None) == raw  # no ticket (missed handoff): the body as the client sent it
+
+
+def test_a_client_ticket_is_replaced_or_dropped():
+    raw = b'{"model":"m","messages":[{"role":"user","content":"x"}],"kv_transfer_params":{"remote_host":"evil"}}'
+    sent = decode_leg(job(raw), TICKET)
+    assert sent.count(b"kv_transfer_params") == 1 and json.loads(sent)["kv_transfer_params"] == TICKET
+    assert "kv_transfer_params" not in json.loads(decode_leg(job(raw), None))
+
+
+def test_an_escaped_key_is_still_the_client_ticket():
+    # JSON escapes spell the same key: it must not survive next to (and after) the real ticket.
+    raw = b'{"model":"m","messages":[{"role":"user","content":"x"}],"kv_transfer\\u005fparams":{"remote_host":"evil"}}'
+    sent = json.loads(decode_leg(job(raw), TICKET))
+    assert sent["kv_transfer_params"] == TICKET
