@@ -4,6 +4,7 @@ Each server is a bare `asyncio.start_server` whose connections run a script that
 every test controls the framing: keep-alive reuse and the pool, stale idle connections, `Connection:
 close`, bodies ended by the connection's close, chunked streaming, error statuses, every deadline,
 refused, garbled and dropped connections, aborts by closing, backpressure and the request's own bytes.
+The https ones serve a certificate for 127.0.0.1 that a throwaway CA, made per module, signed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ import asyncio
 import dataclasses
 import hashlib
 import random
+import shutil
 import socket
+import ssl
+import subprocess
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import pytest
@@ -65,12 +70,14 @@ Script = Callable[[Peer], Awaitable[None]]
 class Loopback:
     """A raw HTTP server on 127.0.0.1 whose i-th accepted connection runs scripts[i] (the last one repeats).
 
-    A connection is closed when its script returns; a script failing (other than by the client going
-    away) fails the test when the server stops.
+    With `tls` (a server context) it serves https: a connection is accepted, and its script run, only once
+    its TLS handshake succeeded. A connection is closed when its script returns; a script failing (other
+    than by the client going away) fails the test when the server stops.
     """
 
-    def __init__(self, *scripts: Script):
+    def __init__(self, *scripts: Script, tls: ssl.SSLContext | None = None):
         self.scripts = scripts
+        self.tls = tls
         self.connections = 0  # accepted so far
         self.hangups = 0  # connections the client closed (EOF or reset seen by a script's read)
         self.requests: list[tuple[bytes, bytes]] = []
@@ -78,10 +85,10 @@ class Loopback:
         self._tasks: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> Loopback:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
-        self.origin = ("127.0.0.1", self.port, False)
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.origin = ("127.0.0.1", self.port, self.tls is not None)
+        self.base = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
         self.url = self.base + PATH
         return self
 
@@ -175,10 +182,10 @@ def settings(**overrides) -> Settings:
 
 
 class Engine:
-    """A Loopback server and an EngineClient for it, both closed on exit."""
+    """A Loopback server (https with `server_tls`) and an EngineClient for it, both closed on exit."""
 
-    def __init__(self, *scripts: Script, **overrides):
-        self.srv = Loopback(*scripts)
+    def __init__(self, *scripts: Script, server_tls: ssl.SSLContext | None = None, **overrides):
+        self.srv = Loopback(*scripts, tls=server_tls)
         self.client = EngineClient(settings(**overrides))
 
     async def __aenter__(self) -> tuple[Loopback, EngineClient]:
@@ -604,5 +611,181 @@ def test_closed_client_refuses_requests_and_closes_idle_connections():
             with pytest.raises(RuntimeError):
                 await post(client, srv.url)
             assert srv.connections == 1
+
+    run(scenario)
+
+
+# -- https engines --------------------------------------------------------------------------------
+#
+# The client trusts what `ssl.create_default_context()` loads, made on its first https connection: the
+# tests point SSL_CERT_FILE (which OpenSSL reads then) at the throwaway CA, or at another one.
+
+
+@dataclasses.dataclass(frozen=True)
+class Certs:
+    """PEM files: a throwaway CA, the certificate for IP 127.0.0.1 it signed, its key, and a CA that signed nothing."""
+
+    ca: str
+    cert: str
+    key: str
+    other_ca: str
+
+    def server_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+
+# Extensions as strict verification (Python 3.13's default context) wants them: critical basic
+# constraints, key identifiers on both sides, the address in subjectAltName (a CN is not looked at).
+OPENSSL_CNF = """\
+[req]
+distinguished_name = dn
+[dn]
+[ca]
+basicConstraints = critical, CA:TRUE
+keyUsage = critical, keyCertSign, cRLSign
+subjectKeyIdentifier = hash
+[server]
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+"""
+
+
+def openssl_certs(openssl: str, folder: Path) -> Certs:
+    """The Certs made by the openssl command line (P-256 keys: quick to make), in `folder`."""
+    (folder / "openssl.cnf").write_text(OPENSSL_CNF)
+
+    def sh(*args: str) -> None:
+        done = subprocess.run([openssl, *args], cwd=folder, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, f"openssl {args[0]} failed: {done.stderr}"
+
+    new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-config", "openssl.cnf")
+    for name in ("ca", "other-ca"):
+        sh("req", "-x509", *new_key, "-extensions", "ca", "-subj", f"/CN=engines test {name}", "-days", "1",
+           "-keyout", f"{name}.key", "-out", f"{name}.pem")  # fmt: skip
+    sh("req", "-new", *new_key, "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    sh("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-days", "1",
+       "-set_serial", str(random.getrandbits(63)), "-extfile", "openssl.cnf", "-extensions", "server",
+       "-out", "server.pem")  # fmt: skip
+    return Certs(*(str(folder / f) for f in ("ca.pem", "server.pem", "server.key", "other-ca.pem")))
+
+
+def cryptography_certs(folder: Path) -> Certs:
+    """The same Certs made with the cryptography package."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None, name: str) -> tuple:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+        ca = issuer is None
+        signer_cert, signer_key = issuer or (None, key)
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject if ca else signer_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.KeyUsage(not ca, False, False, False, False, ca, ca, False, False), critical=True)
+        )
+        if not ca:
+            b = (
+                b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+                .add_extension(
+                    x509.AuthorityKeyIdentifier.from_issuer_public_key(signer_key.public_key()), critical=False
+                )
+            )
+        cert = b.sign(signer_key, hashes.SHA256())
+        (folder / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        pem_key = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        (folder / f"{name}.key").write_bytes(pem_key)
+        return cert, key
+
+    ca = issue("engines test ca", None, "ca")
+    issue("engines test other-ca", None, "other-ca")
+    issue("127.0.0.1", ca, "server")
+    return Certs(*(str(folder / f) for f in ("ca.pem", "server.pem", "server.key", "other-ca.pem")))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    folder = tmp_path_factory.mktemp("engine-tls")
+    if openssl := shutil.which("openssl"):
+        return openssl_certs(openssl, folder)
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        pytest.skip("a throwaway CA needs the openssl command or the cryptography package: neither is here")
+    return cryptography_certs(folder)
+
+
+def test_https_post_pools_its_tls_connection(certs, monkeypatch):
+    monkeypatch.setenv("SSL_CERT_FILE", certs.ca)
+
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY)), server_tls=certs.server_context()) as (srv, client):
+            assert srv.url.startswith("https://127.0.0.1:")
+            assert await post(client, srv.url) == (200, OK_BODY)
+            [conn] = client.pool[srv.origin]
+            assert conn.transport.get_extra_info("ssl_object") is not None
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert srv.connections == 1 and len(srv.requests) == 2  # one handshake, two exchanges
+            assert client.pool[srv.origin] == [conn]
+            assert parse_head(srv.requests[1][0])[1]["host"] == f"127.0.0.1:{srv.port}"
+
+    run(scenario)
+
+
+def test_https_stream_yields_every_chunk(certs, monkeypatch):
+    monkeypatch.setenv("SSL_CERT_FILE", certs.ca)
+
+    async def scenario():
+        # trickled: the chunks arrive over many TLS records
+        async with Engine(serve_each(streamed(*EVENTS), piece=16), server_tls=certs.server_context()) as (srv, client):
+            got = []
+            await collect(client, srv.url, got)
+            assert b"".join(got) == b"".join(EVENTS)
+            assert pooled(client, srv) == 1 and srv.connections == 1
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("kind", ["post", "stream"])
+@pytest.mark.parametrize("trusted", ["other-ca", "system-store"])
+def test_https_untrusted_certificate_is_unreachable(certs, monkeypatch, trusted, kind):
+    if trusted == "other-ca":
+        monkeypatch.setenv("SSL_CERT_FILE", certs.other_ca)
+    else:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY)), server_tls=certs.server_context()) as (srv, client):
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(UpstreamConnectError) as e:
+                await call(kind, client, srv.url)
+            assert loop.time() - start < 1.0  # refused at the handshake, not at a deadline
+            assert e.value.status == 502
+            assert "unreachable" in str(e.value) and "certificate verify failed" in str(e.value)
+            assert srv.connections == 0 and not srv.requests and pooled(client, srv) == 0
 
     run(scenario)
