@@ -1,5 +1,6 @@
 """Smoke test of bench/overhead.py: the C fake engine builds and speaks vLLM's shapes, the Coordinator relays
-it faithfully in every benchmark cell, and one short wrk cell runs and its output and CPU figures parse.
+it faithfully in every benchmark cell (and so does the Sanic floor in its two), and one short wrk cell runs
+and its output and CPU figures parse.
 And of bench/pick.py: a quick run times every policy on every cluster."""
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ def test_fake_engine_speaks_vllm_pd(bench_cluster):
     assert overhead.request(engines.decode, "GET", "/health", None)[0] == 200
     status, _, metrics = overhead.request(engines.decode, "GET", "/metrics", None)
     assert status == 200 and b"vllm:num_requests_waiting{" in metrics
+
+
+def test_the_sanic_floor_relays_its_cells(bench_cluster):
+    engines, _, workdir = bench_cluster
+    floor = overhead.SanicFloor(engines, None, workdir)
+    try:
+        for cell in floor.cells:
+            assert overhead.check_answer(floor.port(cell), floor.body(cell), cell in overhead.STREAMED) == "", cell
+    finally:
+        floor.stop()
 
 
 def test_every_cell_relays_faithfully(bench_cluster):
