@@ -323,6 +323,7 @@ class Gateway:
     label = ""
     cells = CELLS
     logs_requests = False  # writes one log line per request (with its status) that log_statuses() reads
+    proc: Proc  # the gateway's root process (subclasses that start it lazily override root_pid and stop)
 
     def port(self, cell: str) -> int:
         raise NotImplementedError
@@ -331,7 +332,7 @@ class Gateway:
         raise NotImplementedError
 
     def root_pid(self, cell: str) -> int:
-        raise NotImplementedError
+        return self.proc.pid
 
     def worker_pids(self) -> list[int]:
         raise NotImplementedError
@@ -341,7 +342,7 @@ class Gateway:
         return {}
 
     def stop(self) -> None:
-        raise NotImplementedError
+        self.proc.stop()
 
 
 class Coordinator(Gateway):
@@ -396,9 +397,6 @@ class Coordinator(Gateway):
     def body(self, cell: str) -> str:
         return body("bench-pd" if cell in PD else "bench", cell in STREAMED)
 
-    def root_pid(self, cell: str) -> int:
-        return self.proc.pid
-
     def worker_pids(self) -> list[int]:
         """Sanic's server workers (started with SANIC_WORKER_NAME=Sanic-Server-*), not its other helpers."""
         return [
@@ -418,9 +416,6 @@ class Coordinator(Gateway):
                 status = line[i + 8:].split(b" ", 1)[0].decode()
                 counts[status] = counts.get(status, 0) + 1
         return counts
-
-    def stop(self) -> None:
-        self.proc.stop()
 
 
 class VllmRouter(Gateway):
@@ -492,30 +487,24 @@ class SanicFloor(Gateway):
     cells = ("chat", "chat_stream")
 
     def __init__(self, engines: Engines, cores: str, workdir: str):
-        self.port_ = free_port()
-        args = [sys.executable, os.path.join(HERE, "sanic_floor.py"), str(self.port_),
+        self.floor_port = free_port()
+        args = [sys.executable, os.path.join(HERE, "sanic_floor.py"), str(self.floor_port),
                 f"http://127.0.0.1:{engines.union}/v1/chat/completions"]
         self.proc = Proc(pinned(cores, args), os.path.join(workdir, "sanic-floor.log"))
         try:
-            wait_http(self.port_, "/health", 60, self.proc.proc)
+            wait_http(self.floor_port, "/health", 60, self.proc.proc)
         except Exception:
             self.stop()
             raise
 
     def port(self, cell: str) -> int:
-        return self.port_
+        return self.floor_port
 
     def body(self, cell: str) -> str:
         return body("bench", cell in STREAMED)
 
-    def root_pid(self, cell: str) -> int:
-        return self.proc.pid
-
     def worker_pids(self) -> list[int]:
         return [self.proc.pid]
-
-    def stop(self) -> None:
-        self.proc.stop()
 
 
 # -- measuring ------------------------------------------------------------------------------------

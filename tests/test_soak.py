@@ -10,13 +10,13 @@ growing after warm-up.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 
 import aiohttp
 import httpx
 import pytest
 
+from bench import overhead
 from tests.support import Coordinator, coordinator_config, instance, wait_until
 
 UNION, PD = "soak-union", "soak-pd"
@@ -95,19 +95,8 @@ async def drive(url: str, n: int, seed: int) -> dict:
 
 def tree_rss_kib(pid: int) -> int:
     """Resident memory of a process and all its descendants (Sanic's workers are children of the main process)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, []))
+    total = 0
+    for p in overhead.tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
