@@ -74,6 +74,8 @@ def test_every_cell_relays_faithfully(bench_cluster):
     ))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == overhead.TOKEN_TEXT
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (12, 16)
+    assert sum(1 for c in chunks if c.usage) == 1
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0  # P's (D reports the pulled KV as cached)
 
 
 def test_fake_counts_engine_requests_and_connections(bench_cluster):

@@ -424,7 +424,7 @@ def test_post_times_out_when_the_engine_never_answers():
             start = loop.time()
             with pytest.raises(UpstreamTimeout):
                 await post(client, srv.url, timeout_s=0.3)
-            assert 0.2 <= loop.time() - start < 5.0
+            assert 0.2 <= loop.time() - start < 2.0  # its own timeout, not the 5 s total of these settings
             await eventually(lambda: srv.hangups == 1)  # the timed-out connection was closed
             assert pooled(client, srv) == 0
 
@@ -467,9 +467,9 @@ def test_stream_total_deadline_holds_despite_steady_chunks():
         async with Engine(script, infer_timeout_s=0.4) as (srv, client):
             loop = asyncio.get_running_loop()
             start, got = loop.time(), []
-            with pytest.raises(UpstreamTimeout):
+            with pytest.raises(UpstreamTimeout) as e:
                 await collect(client, srv.url, got)
-            assert 0.3 <= loop.time() - start < 5.0
+            assert 0.3 <= loop.time() - start < 2.0 and "total" in str(e.value)
             assert len(b"".join(got)) >= 2 * len(EVENTS[0])
 
     run(scenario)
@@ -479,9 +479,10 @@ def test_keepalive_yields_empty_chunks_until_the_deadline():
     async def scenario():
         async with Engine(serve_each(streamed(end=False)), first_token_timeout_s=0.5) as (srv, client):
             got = []
-            with pytest.raises(UpstreamTimeout):
+            with pytest.raises(UpstreamTimeout) as e:
                 await collect(client, srv.url, got, keepalive_s=0.05)
-            assert len(got) >= 1 and set(got) == {b""}
+            assert len(got) >= 4 and set(got) == {b""}  # about one per 0.05 s of the 0.5 s wait
+            assert "first chunk" in str(e.value)
 
     run(scenario)
 

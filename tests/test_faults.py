@@ -226,13 +226,13 @@ def test_slow_first_byte_within_the_deadline_is_served(c, where, stream):
 def test_eos_on_prefill_is_a_missed_handoff_and_decode_recomputes(c, stream):
     for s in c.sims["prefill"]:
         s.set_faults(eos_on_prefill=True)
+    before = _missed_handoffs(c)
     code, _, text = call(c, chat_body(PD, stream))
     assert code == 200, text
     assert total(c.sims["prefill"], "prefill_without_ticket") == 1
     d_req = attempts(c.sims["decode"])
     assert len(d_req) == 1 and "kv_transfer_params" not in d_req[0]["body"]
-    metrics = httpx.get(c.obs + "/metrics").text
-    assert f'motor_missed_handoffs_total{{model="{PD}"}}' in metrics
+    assert _missed_handoffs(c) == before + 1
     assert_recovered(c, PD, stream)
 
 
@@ -438,6 +438,12 @@ def test_disconnects_are_counted_by_phase(c):
     client.read_until(b"data:")
     client.close()
     assert wait_until(lambda: _disconnects(c).get("streaming", 0) == before.get("streaming", 0) + 1)
+
+
+def _missed_handoffs(c) -> float:
+    prefix = f'motor_missed_handoffs_total{{model="{PD}"}} '
+    lines = [line for line in httpx.get(c.obs + "/metrics").text.splitlines() if line.startswith(prefix)]
+    return float(lines[0][len(prefix):]) if lines else 0.0
 
 
 def _disconnects(c) -> dict:

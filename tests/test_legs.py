@@ -21,8 +21,9 @@ def job(raw: bytes):
     b'  \n {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.5}  ',
 ])
 def test_decode_leg_is_the_client_body_plus_the_ticket(raw):
-    sent = json.loads(decode_leg(job(raw), TICKET))
-    assert sent == {**json.loads(raw), "kv_transfer_params": TICKET}
+    out = decode_leg(job(raw), TICKET)
+    assert json.loads(out) == {**json.loads(raw), "kv_transfer_params": TICKET}
+    assert out.endswith(raw[raw.index(b"{") + 1 :])  # the client's own bytes, not a re-encoding of them
     assert decode_leg(job(raw), None) == raw  # no ticket (missed handoff): the body as the client sent it
 
 

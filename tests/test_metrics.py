@@ -308,13 +308,17 @@ def test_batched_histogram_writes_what_observe_would():
     direct = Histogram("direct_seconds", "d", ["k"], buckets=LATENCY_BUCKETS, registry=registry)
     batched = Histogram("batched_seconds", "b", ["k"], buckets=LATENCY_BUCKETS, registry=registry)
     pending = _PendingHistogram(batched.labels("x"))
-    for v in values:
-        direct.labels("x").observe(v)
-        pending.observe(v)
-    assert registry.get_sample_value("batched_seconds_count", {"k": "x"}) == 0  # nothing written before the flush
-    pending.flush()
-    pending.flush()  # a second flush with nothing pending writes nothing
+    written = []
+    for part in (values[:5], values[5:]):  # two batches: a flush must leave nothing behind for the next one
+        for v in part:
+            direct.labels("x").observe(v)
+            pending.observe(v)
+        written.append(registry.get_sample_value("batched_seconds_count", {"k": "x"}))
+        pending.flush()
+    pending.flush()  # a flush with nothing pending writes nothing
+    assert written == [0, 5]  # nothing is written before a flush
     samples = [("_count", {}), ("_sum", {})] + [("_bucket", {"le": le}) for le in [str(float(b)) for b in LATENCY_BUCKETS] + ["+Inf"]]
     for suffix, labels in samples:
         want = registry.get_sample_value("direct_seconds" + suffix, {"k": "x", **labels})
-        assert want is not None and registry.get_sample_value("batched_seconds" + suffix, {"k": "x", **labels}) == want, (suffix, labels)
+        got = registry.get_sample_value("batched_seconds" + suffix, {"k": "x", **labels})
+        assert want is not None and got == pytest.approx(want, rel=1e-12), (suffix, labels)  # sums added in another order

@@ -41,9 +41,10 @@ def test_fix_events_is_fix_event_on_each_event(events, anthropic):
 
 
 def test_usage_event_takes_the_prompt_side_from_prefill():
-    fixed = fix_events(b"".join(e + b"\n\n" for e in (chunk(0), USAGE_EVENT)), P_USAGE, False)
+    p_usage = {**P_USAGE, "prompt_tokens": 30}  # P's count differs from D's 40: the client is billed P's
+    fixed = fix_events(b"".join(e + b"\n\n" for e in (chunk(0), USAGE_EVENT)), p_usage, False)
     usage = json.loads(fixed.split(b"\n\n")[1][len(b"data: "):])["usage"]
-    assert usage["prompt_tokens"] == 40 and usage["total_tokens"] == 56
+    assert usage["prompt_tokens"] == 30 and usage["total_tokens"] == 46
     assert usage["prompt_tokens_details"] == {"cached_tokens": 8}
     assert b"kv_transfer_params" not in fixed
 
