@@ -131,6 +131,10 @@ class ServiceUnavailable(CoordinatorError):
         super().__init__(message)
         self.reason = reason
 
+    @classmethod
+    def draining(cls) -> ServiceUnavailable:
+        return cls("the Coordinator is shutting down", reason="draining")
+
 
 class UpstreamError(CoordinatorError):
     """An engine failed to serve the request."""
@@ -175,7 +179,8 @@ class EngineStatusError(UpstreamError):
         return 400 <= self.status < 500 and self.status not in (408, 429)
 
 
-def _dumps(obj: dict) -> bytes:
+def dumps(obj: object) -> bytes:
+    """Compact JSON bytes, non-ASCII and slashes as they are (every body the Coordinator writes)."""
     return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode()
 
 
@@ -203,7 +208,7 @@ def _anthropic_engine_error(err: EngineStatusError) -> bytes:
     etype = inner.get("type") if isinstance(inner, dict) and body.get("type") == "error" else None
     if etype not in _ANTHROPIC_TYPE_NAMES:
         etype = anthropic_type(err.status)
-    return _dumps({"type": "error", "error": {"type": etype, "message": message}})
+    return dumps({"type": "error", "error": {"type": etype, "message": message}})
 
 
 def render(err: CoordinatorError, api: str) -> tuple[int, bytes, dict]:
@@ -217,12 +222,12 @@ def render(err: CoordinatorError, api: str) -> tuple[int, bytes, dict]:
             return err.status, _anthropic_engine_error(err), {"Content-Type": "application/json"}
         return err.status, err.body, {"Content-Type": err.content_type}
     status = err.status if err.status < 500 or not isinstance(err, EngineStatusError) else 502
-    return status, _dumps(error_body(err, api)), {"Content-Type": "application/json", **err.headers}
+    return status, dumps(error_body(err, api)), {"Content-Type": "application/json", **err.headers}
 
 
 def sse_error_event(err: CoordinatorError, api: str) -> bytes:
     """The one SSE event that ends a stream which already started."""
-    body = _dumps(error_body(err, api))
+    body = dumps(error_body(err, api))
     if api == ANTHROPIC:
         return b"event: error\ndata: " + body + b"\n\n"
     return b"data: " + body + b"\n\n"

@@ -143,7 +143,7 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
             rec.status, rec.disconnect_phase = 499, "streaming" if sink.started else "before_first_byte"
             raise
         task.uncancel()  # the drain window ended it: the client is still there and hears why
-        return await _fail(sink, rec, ServiceUnavailable("the Coordinator is shutting down"), api, rid)
+        return await _fail(sink, rec, ServiceUnavailable.draining(), api, rid)
     except Exception as e:  # never a traceback to the client
         log.exception("request_id=%s failed", rid)
         return await _fail(sink, rec, CoordinatorError(f"internal error: {type(e).__name__}"), api, rid)

@@ -48,9 +48,6 @@ class Admission:
     def set_draining(self) -> None:
         self.shared.globals[G_DRAINING] = 1
 
-    def inflight(self) -> int:
-        return int(self.shared.globals[G_INFLIGHT])
-
     def _take_rate_token(self) -> float:
         """0 when admitted, else seconds until a token is available."""
         g = self.shared.globals
@@ -70,7 +67,7 @@ class Admission:
         """Let one request in, or raise why not: `async with admission.admit():` holds its place until the block ends."""
         g = self.shared.globals
         if g[G_DRAINING]:
-            raise ServiceUnavailable("the Coordinator is shutting down", reason="draining")
+            raise ServiceUnavailable.draining()
         if self.rate > 0:
             wait_s = self._take_rate_token()
             if wait_s > 0:
