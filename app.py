@@ -97,7 +97,7 @@ def create_app(settings: Settings) -> Sanic:
         ctx.client = EngineClient(settings)
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
         ctx.admission = Admission(settings, shared)
-        ctx.dispatcher = Dispatcher(settings, ctx.scheduler, ctx.ledger, ctx.health, ctx.client, ctx.observer)
+        ctx.dispatcher = Dispatcher(settings, ctx.scheduler, ctx.health, ctx.client, ctx.observer)
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them
             ctx.background.start()

@@ -62,13 +62,11 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.idle = False  # in the pool, between exchanges
-        self.idle_since = 0.0
+        self.idle_since = 0.0  # when it last went back to the pool
         self.begin(streaming=False)
 
     def begin(self, streaming: bool) -> None:
         """Reset the exchange state for the next request on this connection."""
-        self.idle = False
         self.streaming = streaming
         self.status = 0
         self.chunks: list[bytes] = []
@@ -88,7 +86,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        if self.idle or self.complete:  # bytes no request asked for: this connection cannot be trusted again
+        # Bytes after the answer was complete (in the pool, or before it went back): nobody asked for them,
+        # so this connection cannot be trusted again.
+        if self.complete:
             self.keep_alive = False
             self.close()
             return
@@ -298,14 +298,13 @@ class EngineClient:
     def _release(self, conn: _Connection) -> None:
         """Back to the pool when the exchange ended cleanly and both sides keep the connection; else closed."""
         if conn.complete and conn.keep_alive and conn.error is None and not conn.closed and not self.is_closed:
-            conn.idle, conn.idle_since = True, conn.loop.time()
+            conn.idle_since = conn.loop.time()
             self.pool.setdefault(conn.origin, []).append(conn)
         else:
             conn.close()
 
     async def _exchange(
-        self, method: bytes, url: str, body: bytes | None, request_id: str | None, until: int, deadline: float, streaming: bool,
-        phase: str,
+        self, method: bytes, url: str, body: bytes | None, request_id: str | None, until: int, deadline: float, phase: str,
     ) -> _Connection:
         """Send one request and wait for `until` (headers or the whole response); the caller owns the connection."""
         origin, target, host = _split(url)
@@ -317,7 +316,7 @@ class EngineClient:
         head += b"\r\n"
         while True:
             conn, reused = await self._connect(origin, url, deadline)
-            conn.begin(streaming)
+            conn.begin(streaming=until == _HEADERS)  # a stream is handed over once its headers are in
             if body is None:
                 conn.transport.write(head)
             elif len(body) < 65536:
@@ -341,22 +340,24 @@ class EngineClient:
                 raise UpstreamProtocolError(f"engine {url} {conn.error}")
             raise UpstreamConnectError(f"engine {url} {conn.error} ({phase})")
 
-    async def post(self, url: str, body: bytes, request_id: str, *, timeout_s: float) -> tuple[int, bytes]:
-        """A non-streaming exchange; raises EngineStatusError on a non-2xx answer."""
-        deadline = self.loop.time() + timeout_s
-        conn = await self._exchange(b"POST", url, body, request_id, _COMPLETE, deadline, False, "response")
+    async def _read_all(
+        self, method: bytes, url: str, body: bytes | None, request_id: str | None, timeout_s: float, phase: str
+    ) -> tuple[int, bytes]:
+        """One exchange read to its end: (status, body)."""
+        conn = await self._exchange(method, url, body, request_id, _COMPLETE, self.loop.time() + timeout_s, phase)
         status, data = conn.status, conn.take()
         self._release(conn)
+        return status, data
+
+    async def post(self, url: str, body: bytes, request_id: str, *, timeout_s: float) -> tuple[int, bytes]:
+        """A non-streaming exchange; raises EngineStatusError on a non-2xx answer."""
+        status, data = await self._read_all(b"POST", url, body, request_id, timeout_s, "response")
         if status >= 300:
             raise EngineStatusError(status, data[:MAX_ERROR_BODY])
         return status, data
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        deadline = self.loop.time() + timeout_s
-        conn = await self._exchange(b"GET", url, None, None, _COMPLETE, deadline, False, "get")
-        status, data = conn.status, conn.take()
-        self._release(conn)
-        return status, data
+        return await self._read_all(b"GET", url, None, None, timeout_s, "get")
 
     @asynccontextmanager
     async def stream(self, url: str, body: bytes, request_id: str) -> AsyncIterator[EngineStream]:
@@ -365,7 +366,7 @@ class EngineClient:
         loop = self.loop
         total_deadline = loop.time() + s.infer_timeout_s
         first_deadline = min(total_deadline, loop.time() + s.first_token_timeout_s)
-        conn = await self._exchange(b"POST", url, body, request_id, _HEADERS, first_deadline, True, "response headers")
+        conn = await self._exchange(b"POST", url, body, request_id, _HEADERS, first_deadline, "response headers")
         try:
             if conn.status >= 300:
                 try:

@@ -57,7 +57,6 @@ class JobInfo:
     max_tokens: int
     slo_ttft_ms: float
     slo_tpot_ms: float
-    prompt_text: str = ""
     block_hashes: list[int] = field(default_factory=list)
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
     arrived: float = field(default_factory=time.monotonic)

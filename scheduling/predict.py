@@ -35,7 +35,6 @@ from /metrics, stands in for an unknown decode model).
 from __future__ import annotations
 
 import math
-import time
 
 from scheduling.shared import (
     H_DC_N,
@@ -213,17 +212,3 @@ class Predictor:
         if a < 0.0:
             a, b = 0.0, (my / mx if mx > 0 else 0.0)
         return a, b
-
-    def snapshot(self, slot: int) -> dict:
-        """The learned figures of one endpoint (for /metrics, logs and tests)."""
-        h, base = self.h, slot * HEALTH_FIELDS
-        return {
-            "prefill_tokens_per_s": h[base + H_PREFILL_TPS],
-            "prefill_base_s": h[base + H_PREFILL_BASE_S],
-            "queue_wait_s": self.queue_wait_s(slot, time.monotonic()),
-            "decode_step_s": h[base + H_DECODE_STEP_S],
-            "decode_per_seq_s": h[base + H_DECODE_PER_SEQ_S],
-            "decode_first_wait_s": h[base + H_QUEUE_DELAY_S],
-            "prefill_samples": h[base + H_PF_N],
-            "decode_samples": h[base + H_DC_N],
-        }

@@ -62,7 +62,8 @@ class Scheduler:
         self.admission = admission
         self.queue = queue
         self.tokenizers = tokenizers or {}
-        self.meters: dict[str, PromptMeter] = {}
+        # Loading a tokenizer (and compiling its chat template) blocks: done here, at start-up, not in a request.
+        self.meters: dict[str, PromptMeter] = {m: make_meter(path, policy.block_tokens) for m, path in self.tokenizers.items()}
         ledger.observer = self._observe
 
     # -- before planning -------------------------------------------------------------------------

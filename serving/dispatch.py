@@ -21,6 +21,7 @@ from config import Settings
 from engines import EngineClient
 from errors import (
     ANTHROPIC,
+    dumps,
     EngineStatusError,
     Forbidden,
     InvalidRequest,
@@ -32,13 +33,13 @@ from errors import (
 )
 from scheduling.health import Health
 from scheduling.admission import OverBudget
-from scheduling.ledger import DECODE, PREFILL, WHOLE, Ledger
+from scheduling.ledger import DECODE, PREFILL, WHOLE
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
 from scheduling.scheduler import NoCapacity, Plan, Scheduler
 from scheduling.tokens import CHAT as CHAT_PROMPT, COMPLETION as COMPLETION_PROMPT, MESSAGES as MESSAGES_PROMPT, engine_uncached
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
-from serving.legs import PREFILL_TICKET, decode_leg, dumps, prefill_body, prefill_leg
+from serving.legs import PREFILL_TICKET, decode_leg, prefill_body, prefill_leg
 from serving.observe import Observer, RequestRecord
 from serving.usage import EventSplitter, fix_event, fix_events, fix_response, prefill_usage
 
@@ -64,10 +65,10 @@ class Sink(Protocol):
 
 class Dispatcher:
     def __init__(
-        self, settings: Settings, scheduler: Scheduler, ledger: Ledger, health: Health, client: EngineClient, observer: Observer
+        self, settings: Settings, scheduler: Scheduler, health: Health, client: EngineClient, observer: Observer
     ):
         self.s = settings
-        self.scheduler, self.ledger, self.health, self.client, self.obs = scheduler, ledger, health, client, observer
+        self.scheduler, self.health, self.client, self.obs = scheduler, health, client, observer
         self._detached: set[asyncio.Task] = set()  # fire-and-forget engine calls, referenced until done
 
     # -- entry points ----------------------------------------------------------------------------
@@ -75,7 +76,7 @@ class Dispatcher:
     def job_info(self, job: Job) -> JobInfo:
         model = self.s.model(job.model)
         view = self.scheduler.registry.view()
-        if model is None and job.model not in view.models():
+        if model is None and job.model not in view.model_names:
             raise NotFound(f"The model `{job.model}` does not exist.", param="model")
         info = JobInfo(
             model=job.model,
@@ -123,9 +124,10 @@ class Dispatcher:
                 param="model",
             )
 
-    def _plan(self, info: JobInfo, exclude: frozenset[int]) -> Plan:
+    def _pick_one(self, job: Job, info: JobInfo, roles: tuple[str, ...]) -> Target:
+        """The first engine of a single-engine call (count_tokens, metaserver); none left is a 503."""
         try:
-            return self.scheduler.plan(info, exclude)
+            return self.scheduler.pick_one(job.model, info, roles)
         except NoCapacity as e:
             raise ServiceUnavailable(str(e)) from None
 
@@ -234,11 +236,7 @@ class Dispatcher:
             _, data = await self.client.post(t.url + job.route, job.raw, rid, timeout_s=self.s.first_token_timeout_s)
             await sink.json(200, data)
 
-        try:
-            first = repick(frozenset())
-        except NoCapacity as e:
-            raise ServiceUnavailable(str(e)) from None
-        await self._attempts(job, sink, rec, first, repick, call)
+        await self._attempts(job, sink, rec, self._pick_one(job, info, roles), repick, call)
 
     # -- disaggregated: handoff ------------------------------------------------------------------
 
@@ -359,7 +357,7 @@ class Dispatcher:
             log.info("request_id=%s released prefill KV %s at %s", request_id, remote_request_id, url)
         except UpstreamError as e:  # already pulled or expired (404), or P is gone: nothing left to free
             log.info("request_id=%s prefill KV release at %s: %s", request_id, url, e)
-        except RuntimeError as e:  # the worker is stopping and its engine session is closed
+        except RuntimeError as e:  # the worker is stopping and its engine client is closed
             log.info("request_id=%s prefill KV release at %s skipped: %s", request_id, url, e)
 
     async def _keepalive(self, sink: Sink) -> None:
@@ -391,10 +389,7 @@ class Dispatcher:
         role = "prefill" if ktp.get("do_remote_prefill") else "decode"
         target = self._named_target(job.model, role, ktp)
         if target is None:
-            try:
-                target = self.scheduler.pick_one(job.model, info, (role, "union"))
-            except NoCapacity as e:
-                raise ServiceUnavailable(str(e)) from None
+            target = self._pick_one(job, info, (role, "union"))
         if role == "prefill":
             ticket = {**PREFILL_TICKET, "request_id": job.request_id}
             job.body = prefill_body(job, ticket)

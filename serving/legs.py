@@ -7,8 +7,7 @@ non-streaming, no `stream_options`. The decode leg is the client's own body plus
 
 from __future__ import annotations
 
-import ujson
-
+from errors import dumps
 from serving.job import MESSAGES, Job
 
 PREFILL_TICKET = {
@@ -22,10 +21,6 @@ PREFILL_TICKET = {
 
 _OPENAI_DROPPED = ("stream_options", "min_tokens", "stop", "stop_token_ids", "kv_transfer_params")
 _ANTHROPIC_DROPPED = ("stop_sequences", "kv_transfer_params")
-
-
-def dumps(obj: object) -> bytes:
-    return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode()
 
 
 def prefill_body(job: Job, ticket: dict | None = None) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ujson
 
-from serving.legs import dumps
+from errors import dumps
 
 
 
@@ -57,8 +57,10 @@ def fix_response(obj: dict, p_usage: dict | None, anthropic: bool) -> dict:
 
 def fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
     """One complete SSE event (without its blank-line terminator); untouched unless it carries usage or a ticket."""
-    if not needs_fix(event):
-        return event
+    return _fix_event(event, p_usage, anthropic) if needs_fix(event) else event
+
+
+def _fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
     lines = event.split(b"\n")
     for i, line in enumerate(lines):
         if line.startswith(b"data:"):
@@ -106,7 +108,7 @@ def fix_events(block: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
         end = block.find(b"\n\n", marker)
         end = len(block) if end < 0 else end
         out.append(block[pos:start])
-        out.append(fix_event(block[start:end], p_usage, anthropic))
+        out.append(_fix_event(block[start:end], p_usage, anthropic))  # a marker is in it: no second scan
         pos = end
         marker = _next_marker(block, pos)
     out.append(block[pos:])
