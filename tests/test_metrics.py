@@ -74,6 +74,13 @@ def delta(before: Metrics, after: Metrics, name: str, **labels) -> float:
     return after.get(name, **labels) - before.get(name, **labels)
 
 
+def scrape_after(coord, before: Metrics, requests: int) -> Metrics:
+    """A scrape once `requests` more requests are counted: each worker writes its metrics within 50 ms of
+    a request, and a scrape answered by one worker may not see the other's last requests before that."""
+    assert wait_until(lambda: delta(before, scrape(coord), "motor_requests_total") >= requests, timeout_s=5)
+    return scrape(coord)
+
+
 def post(coord, path: str, body, **kw) -> httpx.Response:
     return httpx.post(coord.url + path, json=body, timeout=30, **kw)
 
@@ -103,7 +110,8 @@ def test_request_counts_add_up_across_workers(c):
         assert post(c, CHAT, {"model": MODEL, "messages": "not a list"}).status_code == 400
     assert wait_until(lambda: len(worker_pids(c, mark)) == WORKERS)
 
-    # Every scrape, whichever worker answers it, sees the same totals.
+    # Once written, every scrape, whichever worker answers it, sees the same totals.
+    scrape_after(c, before, 27)
     scrapes = [scrape(c) for _ in range(6)]
     for after in scrapes:
         assert delta(before, after, "motor_requests_total", route=CHAT, model=MODEL, status=200) == 10
@@ -124,7 +132,7 @@ def test_tokens_and_stream_latencies(c):
     tokens = [json.loads(e) for e in sse_events(r.content)[:-1]]
     streamed = sum(1 for t in tokens if t["choices"] and t["choices"][0]["delta"].get("content"))
     assert streamed == 9
-    after = scrape(c)
+    after = scrape_after(c, before, 2)
     assert delta(before, after, "motor_generation_tokens_total", route=CHAT, model=MODEL) == usage["completion_tokens"] + 9
     assert delta(before, after, "motor_prompt_tokens_total", route=CHAT, model=MODEL) >= usage["prompt_tokens"]
     assert delta(before, after, "motor_tpot_seconds_count", route=CHAT, model=MODEL) == 1
@@ -140,7 +148,7 @@ def test_tpot_follows_the_engines_decode_speed(c):
     for model in (MODEL, SLOW_MODEL):
         r = post(c, CHAT, chat_body(model=model, max_tokens=20, ignore_eos=True, stream=True))
         assert r.status_code == 200
-    after = scrape(c)
+    after = scrape_after(c, before, 2)
     fast = delta(before, after, "motor_tpot_seconds_sum", model=MODEL)
     slow = delta(before, after, "motor_tpot_seconds_sum", model=SLOW_MODEL)
     assert delta(before, after, "motor_tpot_seconds_count", model=SLOW_MODEL) == 1
@@ -153,7 +161,7 @@ def test_pd_legs_and_missed_handoffs(c):
         assert post(c, CHAT, chat_body(model=PD_MODEL, stream=stream)).status_code == 200
     c.engines["prefill"].set_faults(eos_on_prefill=True)
     assert post(c, CHAT, chat_body(model=PD_MODEL)).status_code == 200
-    after = scrape(c)
+    after = scrape_after(c, before, 3)
     assert delta(before, after, "motor_leg_seconds_count", leg="prefill", model=PD_MODEL) == 3
     assert delta(before, after, "motor_leg_seconds_count", leg="decode", model=PD_MODEL) == 3
     assert delta(before, after, "motor_missed_handoffs_total", model=PD_MODEL) == 1
@@ -217,7 +225,7 @@ def test_client_disconnects_by_phase(c):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(c.url + CHAT, json=chat_body(model=SLOW_MODEL), timeout=httpx.Timeout(30, read=0.5))
     assert wait_until(lambda: delta(before, scrape(c), "motor_client_disconnects_total", phase="before_first_byte") == 1)
-    after = scrape(c)
+    after = scrape_after(c, before, 2)
     assert delta(before, after, "motor_client_disconnects_total", phase="streaming") == 1
     assert delta(before, after, "motor_requests_total", model=SLOW_MODEL, status=499) == 2
 
