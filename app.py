@@ -141,8 +141,9 @@ def create_app(settings: Settings) -> Sanic:
         await app.ctx.client.close()
         app.ctx.observer.close()
 
+    # Middleware is plain functions: Sanic calls them without a coroutine to create and await.
     @app.on_request(priority=100)
-    async def plane_guard(request: Request):
+    def plane_guard(request: Request):
         route = request.route
         # A route without a plane is served on no port (fail closed).
         # The socket's own port: request.server_port comes from the Host header, which the client writes.
@@ -151,7 +152,7 @@ def create_app(settings: Settings) -> Sanic:
             raise NotFound(f"no route {request.method} {request.path} on this port", code="not_found")
 
     @app.on_response(priority=100)
-    async def stamp_request_id(request: Request, response):
+    def stamp_request_id(request: Request, response):
         # Handlers that know the request id set it; this covers probes, /metrics, the docs pages.
         if REQUEST_ID not in response.headers:
             response.headers[REQUEST_ID] = request_id(request)

@@ -9,6 +9,7 @@ from random import getrandbits
 
 from sanic import HTTPResponse, Request
 from sanic.exceptions import BadRequest as SanicBadRequest, PayloadTooLarge as SanicPayloadTooLarge
+from sanic.helpers import has_message_body
 
 from config import ApiKeyConfig
 from errors import (
@@ -88,6 +89,23 @@ def error_response(err: CoordinatorError, api: str, rid: str) -> HTTPResponse:
     return HTTPResponse(body, status=status, headers=headers, content_type=headers.pop("Content-Type", "application/json"))
 
 
+class RelayResponse(HTTPResponse):
+    """A response whose headers the Coordinator wrote: Sanic's per-header sanitizing is skipped.
+
+    Sanic strips CR, LF and NUL from every header name and value (a `str.translate` each, ten per
+    response). Here the names are constants and the values are constants, numbers and the request id,
+    which `request_id` accepts only when printable, so there is nothing to strip.
+    """
+
+    __slots__ = ()
+
+    @property
+    def processed_headers(self):
+        if has_message_body(self.status):
+            self.headers.setdefault("content-type", self.content_type)
+        return [(name.encode(), f"{value}".encode()) for name, value in self.headers.items()]
+
+
 class SanicSink:
     """The dispatcher's view of the client connection; what goes out is noted on the request's record."""
 
@@ -100,12 +118,12 @@ class SanicSink:
 
     async def json(self, status: int, body: bytes) -> None:
         self.rec.answered(body)
-        self.response = HTTPResponse(body, status=status, headers={REQUEST_ID: self.rid}, content_type="application/json")
+        self.response = RelayResponse(body, status=status, headers={REQUEST_ID: self.rid}, content_type="application/json")
 
     async def start_stream(self) -> None:
-        self.response = await self.request.respond(
+        self.response = await self.request.respond(RelayResponse(
             content_type="text/event-stream", headers={REQUEST_ID: self.rid, "Cache-Control": "no-cache"}
-        )
+        ))
         self.started = True
 
     async def send(self, data: bytes, last: bool = False) -> None:
