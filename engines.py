@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import AsyncIterator
 from urllib.parse import urlsplit
@@ -359,23 +358,38 @@ class EngineClient:
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         return await self._read_all(b"GET", url, None, None, timeout_s, "get")
 
-    @asynccontextmanager
-    async def stream(self, url: str, body: bytes, request_id: str) -> AsyncIterator[EngineStream]:
-        """Open a streaming exchange; the body is read with `EngineStream.chunks()` inside the block."""
-        s = self.s
-        loop = self.loop
+    def stream(self, url: str, body: bytes, request_id: str) -> StreamExchange:
+        """Open a streaming exchange: `async with client.stream(...) as es`, then `es.chunks()` inside the block."""
+        return StreamExchange(self, url, body, request_id)
+
+
+class StreamExchange:
+    """The `async with` of one streaming exchange (a plain class: a generator-based context manager costs more)."""
+
+    __slots__ = ("client", "url", "body", "request_id", "conn")
+
+    def __init__(self, client: EngineClient, url: str, body: bytes, request_id: str):
+        self.client, self.url, self.body, self.request_id = client, url, body, request_id
+        self.conn: _Connection | None = None
+
+    async def __aenter__(self) -> EngineStream:
+        client, s = self.client, self.client.s
+        loop = client.loop
         total_deadline = loop.time() + s.infer_timeout_s
         first_deadline = min(total_deadline, loop.time() + s.first_token_timeout_s)
-        conn = await self._exchange(b"POST", url, body, request_id, _HEADERS, first_deadline, "response headers")
-        try:
-            if conn.status >= 300:
+        conn = await client._exchange(b"POST", self.url, self.body, self.request_id, _HEADERS, first_deadline, "response headers")
+        if conn.status >= 300:
+            try:
                 try:
                     await conn.wait(_COMPLETE, loop.time() + s.connect_timeout_s)
                 except TimeoutError:
                     pass
                 raise EngineStatusError(conn.status, conn.take()[:MAX_ERROR_BODY] if conn.complete else b"")
-            yield EngineStream(conn, url, s.stream_idle_timeout_s, s.first_token_timeout_s, total_deadline)
-        finally:
-            # Closing (not pooling) a connection with an unfinished body aborts the engine request at once.
-            self._release(conn)
+            finally:
+                client._release(conn)
+        self.conn = conn
+        return EngineStream(conn, self.url, s.stream_idle_timeout_s, s.first_token_timeout_s, total_deadline)
 
+    async def __aexit__(self, *exc) -> None:
+        # Closing (not pooling) a connection with an unfinished body aborts the engine request at once.
+        self.client._release(self.conn)
