@@ -11,8 +11,8 @@ build_scheduler), over instances with loopback addresses that nothing ever conta
 union-only 1U and 8U), each on fresh shared state, and two chat bodies (short: one user message of 20
 words; long: 10 messages of 200 words, about 2,400 estimated prompt tokens), it times
 
-    pick    a fresh JobInfo, `prepare` (rendering the prompt and hashing its blocks, for the policies that
-            read them) and `plan`: what Dispatcher.job_info and the first plan cost a request
+    pick    a fresh JobInfo, `prepare` (rendering and counting the prompt, and hashing its blocks for the
+            policies that read them) and `plan`: what Dispatcher.job_info and the first plan cost a request
     full    the pick, then the chosen engines' load taken and given back as the dispatcher's handoff does:
             a decode hold, the prefill lease, the decode lease (a union engine: one whole lease)
 
@@ -62,7 +62,7 @@ from scheduling.policies import JobInfo  # noqa: E402
 from scheduling.registry import Registry, Target  # noqa: E402
 from scheduling.scheduler import Plan, Scheduler, build_scheduler  # noqa: E402
 from scheduling.shared import SharedState  # noqa: E402
-from scheduling.tokens import CHAT, estimate_chat_tokens  # noqa: E402
+from scheduling.tokens import CHAT  # noqa: E402
 # The learned model is warmed with the unit tests' history replays (needs requirements-test.txt's pytest).
 from tests.test_scheduling import teach_decode, teach_prefill  # noqa: E402
 
@@ -171,10 +171,9 @@ class Request:
 
     def __init__(self, sched: Scheduler, body: dict):
         self.sched, self.body = sched, body
-        self.tokens = estimate_chat_tokens(body["messages"])  # the request parser's estimate (serving/job.py)
 
     def pick(self) -> tuple[JobInfo, Plan]:
-        info = JobInfo(MODEL.id, self.tokens, MAX_TOKENS, MODEL.slo_ttft_ms, MODEL.slo_tpot_ms)
+        info = JobInfo(MODEL.id, 0, MAX_TOKENS, MODEL.slo_ttft_ms, MODEL.slo_tpot_ms)  # prepare() counts the prompt
         self.sched.prepare(info, CHAT, self.body)
         return info, self.sched.plan(info)
 
@@ -231,7 +230,7 @@ def run(batch_s: float, batches: int, report: Callable[[dict], None]) -> list[di
             warm(sched)
             for prompt, body in PROMPTS.items():
                 req = Request(sched, body)
-                row = {"policy": policy, "cluster": cluster.name, "prompt": prompt, "prompt_tokens": req.tokens}
+                row = {"policy": policy, "cluster": cluster.name, "prompt": prompt, "prompt_tokens": req.pick()[0].prompt_tokens}
                 for name, step in (("pick", req.pick), ("full", req.full)):
                     per_batch, n = measure(step, batch_s, batches)
                     row[f"{name}_us"] = round(statistics.median(per_batch), 2)

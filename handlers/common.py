@@ -146,7 +146,7 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
         job = job_from_body(route, api, raw, parse_body(raw), rid)
         job.slo_ttft_ms = _slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = _slo_header(request, "x-slo-tpot-ms")
-        rec.model, rec.stream, rec.prompt_tokens = job.model, job.stream, job.prompt_tokens
+        rec.model, rec.stream = job.model, job.stream
         async with ctx.admission.admit():
             await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:

@@ -75,11 +75,9 @@ class Scheduler:
         return meter
 
     def prepare(self, job: JobInfo, kind: str, body: dict) -> None:
-        """Count the prompt exactly (a tokenizer is configured) and hash its blocks (the policy uses them)."""
-        meter = self.meter(job.model)
+        """Count the prompt (exactly where a tokenizer is configured) and hash its blocks (the policy uses them)."""
         hashes = self.policy.uses_prefix and self.index is not None
-        if meter.exact or hashes:
-            job.prompt_tokens, job.block_hashes = meter.measure(kind, body, hashes)
+        job.prompt_tokens, job.block_hashes = self.meter(job.model).measure(kind, body, hashes)
 
     # -- admission -------------------------------------------------------------------------------
 

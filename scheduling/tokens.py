@@ -13,8 +13,8 @@ Two ways to count, chosen per model:
   layout of Qwen-style templates and of engine_sim) and counted as one token per 4 UTF-8 bytes, which
   tracks BPE tokenizers on English text within about 25 %. An image counts 64 tokens.
 
-The quick `estimate_*` functions (no rendering) give the request parser a size before any routing
-decision. Block hashes are chained: block k's hash covers the whole prompt up to the end of block k
+Every request of a prompt route is counted once, by its model's meter, before it is planned; the
+count is what the request line and metrics report when the engine's answer carries no usage. Block hashes are chained: block k's hash covers the whole prompt up to the end of block k
 (system prompt and tools included), so two prompts share block k's hash exactly when they share that
 prefix. The hash is CRC-32 and Adler-32 of the prefix side by side (64 bits, computed incrementally):
 not cryptographic; a collision only misroutes one request.
@@ -28,72 +28,14 @@ import os
 import zlib
 from array import array
 
-import ujson
-
 log = logging.getLogger("coordinator.tokens")
 
 BYTES_PER_TOKEN = 4
-TOKENS_PER_MESSAGE = 4
 IMAGE_TOKENS = 64
 IMAGE_PLACEHOLDER = "<|image|>" + "#" * (IMAGE_TOKENS * BYTES_PER_TOKEN - len("<|image|>"))
 
 # The prompt shapes of the inference routes.
 CHAT, MESSAGES, COMPLETION = "chat", "messages", "completion"
-
-
-# -- quick estimates (no rendering) -------------------------------------------------------------
-
-
-def estimate_text_tokens(text: str) -> int:
-    return (len(text.encode("utf-8", "ignore")) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN if text else 0
-
-
-def _content_tokens(content: object) -> int:
-    if isinstance(content, str):
-        return estimate_text_tokens(content)
-    if isinstance(content, list):
-        total = 0
-        for part in content:
-            if isinstance(part, dict):
-                kind = part.get("type")
-                if kind in ("image", "image_url", "input_image"):
-                    total += IMAGE_TOKENS
-                elif isinstance(part.get("text"), str):
-                    total += estimate_text_tokens(part["text"])
-                else:
-                    total += estimate_text_tokens(ujson.dumps(part))
-            elif isinstance(part, str):
-                total += estimate_text_tokens(part)
-        return total
-    return 0
-
-
-def estimate_chat_tokens(messages: list, tools: object = None) -> int:
-    total = TOKENS_PER_MESSAGE  # the assistant turn the template opens
-    for m in messages:
-        total += TOKENS_PER_MESSAGE + _content_tokens(m.get("content"))
-        if m.get("tool_calls"):
-            total += estimate_text_tokens(ujson.dumps(m["tool_calls"]))
-    if tools:
-        total += estimate_text_tokens(ujson.dumps(tools))
-    return total
-
-
-def estimate_messages_tokens(messages: list, system: object = None, tools: object = None) -> int:
-    total = estimate_chat_tokens(messages, tools)
-    if system:
-        total += TOKENS_PER_MESSAGE + _content_tokens(system)
-    return total
-
-
-def estimate_prompt_tokens(prompt: object) -> int:
-    if isinstance(prompt, str):
-        return estimate_text_tokens(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(estimate_prompt_tokens(p) for p in prompt)
-    return 0
 
 
 # -- rendering ---------------------------------------------------------------------------------

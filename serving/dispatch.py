@@ -80,7 +80,7 @@ class Dispatcher:
             raise NotFound(f"The model `{job.model}` does not exist.", param="model")
         info = JobInfo(
             model=job.model,
-            prompt_tokens=job.prompt_tokens,
+            prompt_tokens=0,  # counted by prepare() for the prompt routes
             max_tokens=job.max_tokens,
             slo_ttft_ms=job.slo_ttft_ms or (model.slo_ttft_ms if model else 1000),
             slo_tpot_ms=job.slo_tpot_ms or (model.slo_tpot_ms if model else 50),
@@ -92,6 +92,7 @@ class Dispatcher:
 
     async def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> None:
         info = self.job_info(job)
+        rec.prompt_tokens = info.prompt_tokens
         if job.route in (MESSAGES, COUNT_TOKENS):
             self._require_vllm(job)
         if job.route == COUNT_TOKENS:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import ujson
 
 from errors import InvalidRequest
-from scheduling.tokens import estimate_chat_tokens, estimate_messages_tokens, estimate_prompt_tokens
 
 CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"
 METASERVER = "/v1/metaserver"
@@ -26,7 +25,6 @@ class Job:
     model: str
     stream: bool
     request_id: str
-    prompt_tokens: int
     max_tokens: int
     slo_ttft_ms: float = 0.0
     slo_tpot_ms: float = 0.0
@@ -79,7 +77,7 @@ def _max_tokens(body: dict, *keys: str, required: bool = False) -> int:
     return 256
 
 
-def _messages(body: dict, roles: tuple[str, ...] | None, allow_empty: bool = False) -> list:
+def _checked_messages(body: dict, roles: tuple[str, ...] | None, allow_empty: bool = False) -> list:
     messages = body.get("messages")
     if not isinstance(messages, list) or (not messages and not allow_empty):
         raise InvalidRequest("'messages' is required and must be a non-empty list", param="messages")
@@ -102,8 +100,8 @@ OPENAI_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 ANTHROPIC_ROLES = ("user", "assistant")
 
 
-def _anthropic_messages(body: dict) -> list:
-    messages = _messages(body, ANTHROPIC_ROLES)
+def _checked_anthropic_messages(body: dict) -> list:
+    messages = _checked_messages(body, ANTHROPIC_ROLES)
     for i, m in enumerate(messages):
         if not isinstance(m.get("content"), (str, list)):
             raise InvalidRequest(f"messages[{i}].content must be a string or a list of content blocks", param=f"messages[{i}].content")
@@ -116,7 +114,7 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str)
         return _metaserver_job(raw, body)
     if route == CHAT:
         stream = _stream(body)
-        prompt_tokens = estimate_chat_tokens(_messages(body, OPENAI_ROLES), body.get("tools"))
+        _checked_messages(body, OPENAI_ROLES)
         max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
     elif route == COMPLETIONS:
         stream = _stream(body)
@@ -125,17 +123,16 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str)
         prompt = body["prompt"]
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
             raise InvalidRequest("'prompt' must be a string, a list of strings or a list of token ids", param="prompt")
-        prompt_tokens = estimate_prompt_tokens(prompt)
         max_tokens = _max_tokens(body, "max_tokens")
     elif route == MESSAGES:
         stream = _stream(body)
         max_tokens = _max_tokens(body, "max_tokens", required=True)
-        prompt_tokens = estimate_messages_tokens(_anthropic_messages(body), body.get("system"), body.get("tools"))
+        _checked_anthropic_messages(body)
     else:  # count_tokens
         stream = False
         max_tokens = 0
-        prompt_tokens = estimate_messages_tokens(_anthropic_messages(body), body.get("system"), body.get("tools"))
-    return Job(route, api, raw, body, model, stream, request_id, prompt_tokens, max_tokens)
+        _checked_anthropic_messages(body)
+    return Job(route, api, raw, body, model, stream, request_id, max_tokens)
 
 
 def _metaserver_job(raw: bytes, body: dict) -> Job:

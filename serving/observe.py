@@ -57,7 +57,7 @@ class RequestRecord:
     error: str = ""
     disconnect_phase: str = ""
     reject_reason: str = ""  # why admission refused it (rate_limit, inflight_cap, slo_budget, draining, no_capacity)
-    prompt_tokens: int = 0  # the engine's count from a JSON answer's usage, else the Coordinator's estimate
+    prompt_tokens: int = 0  # the engine's count from a JSON answer's usage, else the scheduler's count (prepare)
     output_tokens: int | None = None  # from a JSON answer's usage
     events: int = 0  # SSE `data:` events relayed
     duration_s: float = 0.0  # set when the request is done
