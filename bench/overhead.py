@@ -16,7 +16,9 @@ fakes share core 0; the gateway gets core 1 alone (with N workers and enough cor
     pd_chat           PD: a prefill leg (one token + kv_transfer_params ticket), then the decode leg
     pd_chat_stream    PD with a streamed decode leg
 
-each at `-c 32` (throughput, CPU per request) and at concurrency 1 (added latency = gateway p50 minus
+The Coordinator (1 worker, log INFO), the floor and vllm-router run side by side and are measured cell by
+cell in turn, so each ratio compares cells measured seconds apart; the other Coordinator runs follow.
+Each cell runs at `-c 32` (throughput, CPU per request) and at concurrency 1 (added latency = gateway p50 minus
 direct p50; for PD the direct figure is the prefill leg's p50 plus the decode leg's). Direct PD
 throughput drives one fake with alternating prefill and decode bodies and counts two legs as one request.
 CPU per request is the gateway's process-tree CPU time (utime+stime of the main process and every
@@ -608,9 +610,10 @@ def measure_direct(engines: Engines, opts, load_cores: str, workdir: str) -> dic
 
 
 def measure_gateway(gw: Gateway, engines: Engines, opts, direct: dict[str, Cell], load_cores: str, gw_cores: int,
-                    workdir: str, latency: bool) -> dict[str, Cell]:
+                    workdir: str, latency: bool, cells: tuple[str, ...] = ()) -> dict[str, Cell]:
+    """Measure `cells` (default: all the gateway serves) through `gw`."""
     out = {}
-    for cell in gw.cells:
+    for cell in cells or gw.cells:
         c = Cell(gw.label, cell)
         port = gw.port(cell)
         data = gw.body(cell)
@@ -865,32 +868,39 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {layout}; wrk -t{opts.threads} -c{opts.connections}, {opts.duration:g} s per cell", flush=True)
             direct = measure_direct(engines, opts, load_cores, workdir)
             results = [list(direct.values())]
-            runs = [(w, "INFO", True) for w in workers]
+            # The gateways the verdicts compare run side by side, measured cell by cell in turn: on a shared
+            # machine whose speed drifts over minutes, each ratio then compares neighbours in time.
+            pair = [Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir)] if 1 in workers else []
+            try:
+                if not opts.no_floor:
+                    pair.append(SanicFloor(engines, gw_core_sets[1], workdir))
+                if not opts.no_router and shutil.which("vllm-router"):
+                    pair.append(VllmRouter(engines, gw_core_sets[1], workdir))
+                elif not opts.no_router:
+                    print("  vllm-router not installed (pip install vllm-router==0.1.17): not compared", flush=True)
+                paired: dict[int, dict[str, Cell]] = {id(gw): {} for gw in pair}
+                for cell in CELLS:
+                    for gw in pair:
+                        if cell in gw.cells:
+                            paired[id(gw)].update(measure_gateway(gw, engines, opts, direct, load_cores, 1, workdir, True, (cell,)))
+            finally:
+                for gw in pair:
+                    gw.stop()
+            by_label = {gw.label: list(paired[id(gw)].values()) for gw in pair}
+            runs = [(w, "INFO", True) for w in workers if w != 1]
             if not opts.no_warning:
-                runs.insert(1 if 1 in workers else 0, (1, "WARNING", False))
+                runs.insert(0, (1, "WARNING", False))
             for w, level, latency in runs:
                 cores = gw_core_sets[w]
                 gw = Coordinator(engines, w, level, cores, workdir)
                 try:
                     n_cores = len(cores.split(",")) if cores else ncpu
-                    results.append(list(measure_gateway(gw, engines, opts, direct, load_cores, n_cores, workdir,
-                                                        latency and w == 1).values()))
+                    by_label[gw.label] = list(measure_gateway(gw, engines, opts, direct, load_cores, n_cores, workdir,
+                                                              latency and w == 1).values())
                 finally:
                     gw.stop()
-            if not opts.no_floor:
-                gw = SanicFloor(engines, gw_core_sets[1], workdir)
-                try:
-                    results.append(list(measure_gateway(gw, engines, opts, direct, load_cores, 1, workdir, True).values()))
-                finally:
-                    gw.stop()
-            if not opts.no_router and shutil.which("vllm-router"):
-                gw = VllmRouter(engines, gw_core_sets[1], workdir)
-                try:
-                    results.append(list(measure_gateway(gw, engines, opts, direct, load_cores, 1, workdir, True).values()))
-                finally:
-                    gw.stop()
-            elif not opts.no_router:
-                print("  vllm-router not installed (pip install vllm-router==0.1.17): not compared", flush=True)
+            # Coordinator rows first (1 worker, WARNING, more workers), then the floor and vllm-router.
+            results += [by_label[k] for k in sorted(by_label, key=lambda k: (not k.startswith("Coordinator"), k))]
             header = (f"# Gateway overhead, {time.strftime('%Y-%m-%d %H:%M')}, {ncpu} CPUs, load average "
                       f"{os.getloadavg()[0]:.1f}; {layout}{f', nice {NICE}' if NICE else ''}; wrk -t{opts.threads} -c{opts.connections}, "
                       f"{opts.duration:g} s per cell, concurrency-1 cells {opts.latency:g} s; "
