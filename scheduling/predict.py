@@ -177,8 +177,14 @@ class Predictor:
         h, errors = self.h, self.errors
         n = int(h[count])
         start = (slot * 2 + ring) * ERROR_WINDOW
-        errors[start + n % ERROR_WINDOW] = error
+        i = start + n % ERROR_WINDOW
+        evicted = errors[i]
+        errors[i] = error
         h[count] = n + 1
+        if n >= ERROR_WINDOW and error < h[value] and evicted < h[value]:
+            # A full window swapped two errors below its percentile: the errors above it, and so the
+            # percentile, are unchanged (most errors: no sort).
+            return
         n = min(n + 1, ERROR_WINDOW)
         h[value] = sorted(errors[start : start + n])[math.ceil(0.95 * n) - 1]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
 import time
 
 import pytest
@@ -20,7 +22,7 @@ from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
 from scheduling.scheduler import Scheduler
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
-from scheduling.shared import H_ENGINE_ITL_S, H_ENGINE_TTFT_S, H_LATE_S, SharedState
+from scheduling.shared import ERROR_WINDOW, H_ENGINE_ITL_S, H_ENGINE_TTFT_S, H_LATE_N, H_LATE_S, HEALTH_FIELDS, SharedState
 from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
 
 MODEL = "m"
@@ -251,6 +253,22 @@ def test_allowances_cover_recent_errors_and_forget_old_ones():
         pred.learn_decode(2, t, t + 0.1, t + 0.1 + 0.025 * 40, 43, 2.0, predicted=0.020)
         t += 2.0
     assert pred.tpot_allowance_s(2) == pytest.approx(0.005, abs=0.001)
+
+
+def test_allowance_is_the_exact_percentile_of_the_window():
+    """The ring skips its sort when a swap cannot move the percentile: it must still equal a full sort's,
+    with ties, negative errors, two slots and a window filling up."""
+    pred = Predictor(SharedState.create())
+    rng = random.Random(7)
+    seen: dict[int, list[float]] = {0: [], 3: []}
+    for step in range(5000):
+        slot = rng.choice((0, 3))
+        error = rng.choice((rng.gauss(0, 1), round(rng.gauss(0, 1), 1), 0.0))
+        base = slot * HEALTH_FIELDS
+        pred._track(slot, 0, base + H_LATE_S, base + H_LATE_N, error)
+        window = (seen[slot] + [error])[-ERROR_WINDOW:]
+        seen[slot] = window
+        assert pred.h[base + H_LATE_S] == sorted(window)[math.ceil(0.95 * len(window)) - 1], step
 
 
 def test_engine_itl_stands_in_for_an_unknown_decode_model():
