@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from functools import lru_cache
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable
 from urllib.parse import urlsplit
 
 import httptools
@@ -268,18 +268,23 @@ class EngineClient:
         if idle and conn in idle:
             idle.remove(conn)
 
-    async def _connect(self, origin: Origin, url: str, deadline: float) -> tuple[_Connection, bool]:
-        """An idle pooled connection (reused: True) or a new one."""
+    def _pooled(self, origin: Origin) -> _Connection | None:
+        """An idle pooled connection young enough to reuse, if any (older ones are closed on the way)."""
         if self.is_closed:
             raise RuntimeError("the engine client is closed")
-        loop = self.loop
         idle = self.pool.get(origin)
-        now = loop.time()
+        now = self.loop.time()
         while idle:
             conn = idle.pop()
             if not conn.closed and now - conn.idle_since < IDLE_KEEPALIVE_S:
-                return conn, True
+                return conn
             conn.close()
+        return None
+
+    async def _connect(self, origin: Origin, url: str, deadline: float) -> _Connection:
+        """A new connection."""
+        loop = self.loop
+        now = loop.time()
         host, port, tls = origin
         if tls and self._tls is None:
             self._tls = ssl.create_default_context()
@@ -292,7 +297,7 @@ class EngineClient:
             raise UpstreamTimeout(f"engine {url} timed out (connect)") from None
         except OSError as e:
             raise UpstreamConnectError(f"engine {url} unreachable: {e}") from None
-        return conn, False
+        return conn
 
     def _release(self, conn: _Connection) -> None:
         """Back to the pool when the exchange ended cleanly and both sides keep the connection; else closed."""
@@ -314,7 +319,11 @@ class EngineClient:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
         head += b"\r\n"
         while True:
-            conn, reused = await self._connect(origin, url, deadline)
+            # A pooled connection is taken without a coroutine: only opening a new one awaits.
+            conn = self._pooled(origin)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(origin, url, deadline)
             conn.begin(streaming=until == _HEADERS)  # a stream is handed over once its headers are in
             if body is None:
                 conn.transport.write(head)
@@ -340,23 +349,24 @@ class EngineClient:
             raise UpstreamConnectError(f"engine {url} {conn.error} ({phase})")
 
     async def _read_all(
-        self, method: bytes, url: str, body: bytes | None, request_id: str | None, timeout_s: float, phase: str
+        self, method: bytes, url: str, body: bytes | None, request_id: str | None, timeout_s: float, phase: str, check: bool,
     ) -> tuple[int, bytes]:
-        """One exchange read to its end: (status, body)."""
+        """One exchange read to its end: (status, body); with `check`, a non-2xx answer raises EngineStatusError."""
         conn = await self._exchange(method, url, body, request_id, _COMPLETE, self.loop.time() + timeout_s, phase)
         status, data = conn.status, conn.take()
         self._release(conn)
-        return status, data
-
-    async def post(self, url: str, body: bytes, request_id: str, *, timeout_s: float) -> tuple[int, bytes]:
-        """A non-streaming exchange; raises EngineStatusError on a non-2xx answer."""
-        status, data = await self._read_all(b"POST", url, body, request_id, timeout_s, "response")
-        if status >= 300:
+        if check and status >= 300:
             raise EngineStatusError(status, data[:MAX_ERROR_BODY])
         return status, data
 
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        return await self._read_all(b"GET", url, None, None, timeout_s, "get")
+    # post and get are plain functions returning the exchange's coroutine: awaiting them adds no coroutine of their own.
+
+    def post(self, url: str, body: bytes, request_id: str, *, timeout_s: float) -> Awaitable[tuple[int, bytes]]:
+        """A non-streaming exchange; raises EngineStatusError on a non-2xx answer."""
+        return self._read_all(b"POST", url, body, request_id, timeout_s, "response", True)
+
+    def get(self, url: str, timeout_s: float) -> Awaitable[tuple[int, bytes]]:
+        return self._read_all(b"GET", url, None, None, timeout_s, "get", False)
 
     def stream(self, url: str, body: bytes, request_id: str) -> StreamExchange:
         """Open a streaming exchange: `async with client.stream(...) as es`, then `es.chunks()` inside the block."""
