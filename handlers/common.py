@@ -147,7 +147,7 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
         job.slo_ttft_ms = _slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = _slo_header(request, "x-slo-tpot-ms")
         rec.model, rec.stream = job.model, job.stream
-        async with ctx.admission.admit():
+        with ctx.admission.admit():
             await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()

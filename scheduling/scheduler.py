@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Awaitable
 
 from scheduling.admission import OFF, REJECT, AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
@@ -82,7 +83,16 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------------------
 
     async def admit(self, job: JobInfo) -> "Plan":
-        """The first plan of a request, through SLO admission (raises OverBudget when refused)."""
+        """The first plan of a request, through SLO admission: at once, after a wait in the queue, or OverBudget."""
+        plan = self.try_admit(job)
+        return plan if plan is not None else await self.queued(job)
+
+    def try_admit(self, job: JobInfo) -> "Plan | None":
+        """The first plan if SLO admission lets the request in now; None when it must wait (`queued`).
+
+        Raises OverBudget when it is refused. Synchronous, so that the usual request (let in at once) costs no
+        coroutine; only a wait in the queue awaits.
+        """
         plan = self.plan(job)
         if job.feasible is not False or self.admission == OFF or (self._idle(plan) and not job.hopeless):
             return plan
@@ -96,7 +106,11 @@ class Scheduler:
                 f"{job.ttft_s * 1000:.0f} ms of {job.slo_ttft_ms:.0f} ms, TPOT {job.tpot_s * 1000:.0f} ms of {job.slo_tpot_ms:.0f} ms)",
                 job.retry_after_s,
             )
-        return await self.queue.wait(job, lambda: self.plan(job))
+        return None
+
+    def queued(self, job: JobInfo) -> Awaitable["Plan"]:
+        """Wait in the admission queue until a plan meets the budget (or the queue gives up: OverBudget)."""
+        return self.queue.wait(job, lambda: self.plan(job))
 
     def _idle(self, plan: "Plan") -> bool:
         """Engines with nothing of ours in flight serve a request as well as they ever will: unless even the

@@ -23,11 +23,12 @@ class Admitted:
     def __init__(self, admission: Admission):
         self.admission, self.task = admission, None
 
-    async def __aenter__(self) -> None:
+    # A plain (not async) context manager: entering and leaving never wait, so they need no coroutines.
+    def __enter__(self) -> None:
         self.task = asyncio.current_task()
         self.admission.local.add(self.task)
 
-    async def __aexit__(self, *exc) -> None:
+    def __exit__(self, *exc) -> None:
         self.admission._leave(self.task)
 
 
@@ -64,7 +65,7 @@ class Admission:
             return (1000 - tokens) / (1000 * self.rate)
 
     def admit(self) -> "Admitted":
-        """Let one request in, or raise why not: `async with admission.admit():` holds its place until the block ends."""
+        """Let one request in, or raise why not: `with admission.admit():` holds its place until the block ends."""
         g = self.shared.globals
         if g[G_DRAINING]:
             raise ServiceUnavailable.draining()

@@ -1,5 +1,8 @@
 """The flows of one inference request: whole (one engine), PD handoff, PD trigger; retries and fallback.
 
+The flows that only hand over to `_attempts` (`_whole`, `_prefill`, `_decode`) are plain functions
+returning its coroutine: every coroutine layer costs a loaded worker on each resumption and teardown.
+
 Retries happen only before the first byte reaches the client: connect errors, timeouts before the
 first byte, and engine 408/429/5xx, each attempt with a fresh engine request id and on another instance
 when one exists, backing off from `retry_delay`. After the first byte an error becomes one SSE error
@@ -63,6 +66,13 @@ class Sink(Protocol):
         """Relay stream bytes; `last` ends the response with them (one write fewer than a separate end)."""
 
 
+def _refusal(e: NoCapacity | OverBudget) -> ServiceUnavailable | RateLimited:
+    """Why a request gets no plan, as its answer: no usable instance (503) or over the SLO budget (429)."""
+    if isinstance(e, OverBudget):
+        return RateLimited(str(e), retry_after_s=e.retry_after_s, reason="slo_budget")
+    return ServiceUnavailable(str(e))
+
+
 class Dispatcher:
     def __init__(
         self, settings: Settings, scheduler: Scheduler, health: Health, client: EngineClient, observer: Observer
@@ -101,7 +111,7 @@ class Dispatcher:
         if job.metaserver is not None:
             await self._metaserver(job, info, sink, rec)
             return
-        plan = await self._admit(info)
+        plan = self._first_plan(info) or await self._queued_plan(info)
         if plan.disaggregated:
             # Trigger mode is MindIE's metaserver protocol for OpenAI routes; Messages always use the handoff.
             if self.s.pd_dispatch == "trigger" and job.route != MESSAGES:
@@ -130,16 +140,21 @@ class Dispatcher:
         try:
             return self.scheduler.pick_one(job.model, info, roles)
         except NoCapacity as e:
-            raise ServiceUnavailable(str(e)) from None
+            raise _refusal(e) from None
 
-    async def _admit(self, info: JobInfo) -> Plan:
-        """The first plan, through SLO admission (`scheduler_config.admission`): it may wait, or be refused."""
+    def _first_plan(self, info: JobInfo) -> Plan | None:
+        """The first plan, if SLO admission (`scheduler_config.admission`) lets the request in now (None: it waits)."""
         try:
-            return await self.scheduler.admit(info)
-        except NoCapacity as e:
-            raise ServiceUnavailable(str(e)) from None
-        except OverBudget as e:
-            raise RateLimited(str(e), retry_after_s=e.retry_after_s, reason="slo_budget") from None
+            return self.scheduler.try_admit(info)
+        except (NoCapacity, OverBudget) as e:
+            raise _refusal(e) from None
+
+    async def _queued_plan(self, info: JobInfo) -> Plan:
+        """The first plan after a wait in the admission queue (`scheduler_config.admission: queue`)."""
+        try:
+            return await self.scheduler.queued(info)
+        except (NoCapacity, OverBudget) as e:
+            raise _refusal(e) from None
 
     def _record(self, target: Target, err: Exception | None) -> None:
         """Feed the breaker: transport errors and 5xx count, 4xx and prompt-too-long do not."""
@@ -190,9 +205,9 @@ class Dispatcher:
 
     # -- whole requests --------------------------------------------------------------------------
 
-    async def _whole(
+    def _whole(
         self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, retry: bool = True
-    ) -> None:
+    ) -> Awaitable[None]:
         def repick(exclude: frozenset[int]) -> Target:
             return self.scheduler.plan(info, exclude, allow_pd=False).target if retry else target
 
@@ -224,7 +239,7 @@ class Dispatcher:
             finally:
                 lease.release()
 
-        await self._attempts(job, sink, rec, target, repick, call)
+        return self._attempts(job, sink, rec, target, repick, call)
 
     async def _count_tokens(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
         roles = ("union", "prefill", "decode")
@@ -241,7 +256,7 @@ class Dispatcher:
 
     # -- disaggregated: handoff ------------------------------------------------------------------
 
-    async def _prefill(self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes) -> dict:
+    def _prefill(self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes) -> Awaitable[dict]:
         """Run the prefill leg (with retries on other prefill instances); returns P's parsed response."""
 
         def repick(exclude: frozenset[int]) -> Target:
@@ -268,11 +283,11 @@ class Dispatcher:
                 lease.release()
             return resp
 
-        return await self._attempts(job, sink, rec, target, repick, call)
+        return self._attempts(job, sink, rec, target, repick, call)
 
-    async def _decode(
+    def _decode(
         self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes, p_usage: dict | None
-    ) -> None:
+    ) -> Awaitable[None]:
         anthropic = job.api == ANTHROPIC
 
         def repick(exclude: frozenset[int]) -> Target:
@@ -318,7 +333,7 @@ class Dispatcher:
                 lease.release()
                 rec.decode_s = time.monotonic() - started
 
-        await self._attempts(job, sink, rec, target, repick, call)
+        return self._attempts(job, sink, rec, target, repick, call)
 
     async def _handoff(self, job: Job, info: JobInfo, plan: Plan, sink: Sink, rec: RequestRecord) -> None:
         hold = self.scheduler.hold(plan.target)  # D's batch counts this request while its prefill runs
