@@ -141,12 +141,10 @@ class Predictor:
                 h[base + H_LAST_DONE] = done
             if service <= 0.0:
                 return  # finished in the same engine step as the previous one: its time is in that sample
-            n = self._add(base + H_PF_N, float(tokens), service)
-            if n < self.min_samples:
-                return
-            a, b = self._fit(base + H_PF_N, ratio_prior=True)
-            h[base + H_PREFILL_BASE_S] = a
-            h[base + H_PREFILL_TPS] = 1.0 / b if b > 0.0 else 1e12
+            fit = self._add_and_fit(base + H_PF_N, float(tokens), service, ratio_prior=True)
+            if fit is not None:
+                h[base + H_PREFILL_BASE_S] = fit[0]
+                h[base + H_PREFILL_TPS] = 1.0 / fit[1] if fit[1] > 0.0 else 1e12
 
     def learn_decode(
         self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0
@@ -159,11 +157,9 @@ class Predictor:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
                     self._track(slot, 1, base + H_TPOT_LATE_S, base + H_TPOT_N, per_token - predicted)
-                n = self._add(base + H_DC_N, batch, per_token)
-                if n >= self.min_samples:
-                    a, b = self._fit(base + H_DC_N, ratio_prior=False)
-                    h[base + H_DECODE_STEP_S] = a
-                    h[base + H_DECODE_PER_SEQ_S] = b
+                fit = self._add_and_fit(base + H_DC_N, batch, per_token, ratio_prior=False)
+                if fit is not None:
+                    h[base + H_DECODE_STEP_S], h[base + H_DECODE_PER_SEQ_S] = fit
             step = self.step_s(slot, batch)
             if step == UNKNOWN:
                 return
@@ -188,20 +184,17 @@ class Predictor:
         n = min(n + 1, ERROR_WINDOW)
         h[value] = sorted(errors[start : start + n])[math.ceil(0.95 * n) - 1]
 
-    def _add(self, i: int, x: float, y: float) -> float:
-        """Decay the sums at i..i+4 (n, Sx, Sy, Sxx, Sxy) and add one (x, y) sample; returns n."""
-        h, k = self.h, self.keep
-        h[i] = k * h[i] + 1.0
-        h[i + 1] = k * h[i + 1] + x
-        h[i + 2] = k * h[i + 2] + y
-        h[i + 3] = k * h[i + 3] + x * x
-        h[i + 4] = k * h[i + 4] + x * y
-        return h[i]
+    def _add_and_fit(self, i: int, x: float, y: float, ratio_prior: bool) -> tuple[float, float] | None:
+        """Decay the sums at i..i+4 (n, Sx, Sy, Sxx, Sxy) and add one (x, y) sample; then the intercept and
+        slope of y on x, the slope shrunk toward a prior (None until `min_samples` samples).
 
-    def _fit(self, i: int, ratio_prior: bool) -> tuple[float, float]:
-        """Intercept and slope of y on x from the sums at i, the slope shrunk toward a prior."""
-        h = self.h
-        n, sx, sy, sxx, sxy = h[i], h[i + 1], h[i + 2], h[i + 3], h[i + 4]
+        The sums are read once and written once: each access to the shared array costs more than the arithmetic.
+        """
+        h, k = self.h, self.keep
+        n, sx, sy, sxx, sxy = k * h[i] + 1.0, k * h[i + 1] + x, k * h[i + 2] + y, k * h[i + 3] + x * x, k * h[i + 4] + x * y
+        h[i], h[i + 1], h[i + 2], h[i + 3], h[i + 4] = n, sx, sy, sxx, sxy
+        if n < self.min_samples:
+            return None
         mx, my = sx / n, sy / n
         vx = max(0.0, sxx / n - mx * mx)
         cxy = sxy / n - mx * my
