@@ -350,7 +350,9 @@ class Gateway:
 class Coordinator(Gateway):
     name = "coordinator"
 
-    def __init__(self, engines: Engines, workers: int, log_level: str, cores: str, workdir: str):
+    def __init__(self, engines: Engines, workers: int, log_level: str, cores: str, workdir: str,
+                 root: str = ROOT, launcher: tuple[str, ...] = (), start_timeout_s: float = 60):
+        """`root`: the source tree whose app.py runs; `launcher`: a command that runs it (bench/instructions.py's valgrind)."""
         self.workers, self.log_level = workers, log_level
         self.logs_requests = log_level in ("DEBUG", "INFO")
         self.label = f"Coordinator, {workers} worker{'s' if workers > 1 else ''}, log {log_level}"
@@ -378,14 +380,14 @@ class Coordinator(Gateway):
         with open(path, "w") as f:
             json.dump(config, f)
         self.proc = Proc(
-            pinned(cores, [sys.executable, os.path.join(ROOT, "app.py"), "--config", path]),
+            pinned(cores, [*launcher, sys.executable, os.path.join(root, "app.py"), "--config", path]),
             path + ".log",
         )
         self.log_offset = 0
         try:
-            wait_http(mgmt, "/readiness", 60, self.proc.proc)
+            wait_http(mgmt, "/readiness", start_timeout_s, self.proc.proc)
             # Every worker must be serving before a SIGTERM is safe (sanic #2997) and before timing starts.
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + start_timeout_s
             while len(self.worker_pids()) < workers and time.monotonic() < deadline:
                 time.sleep(0.1)
             time.sleep(0.5)

@@ -1,7 +1,8 @@
 """Smoke test of bench/overhead.py: the C fake engine builds and speaks vLLM's shapes, the Coordinator relays
 it faithfully in every benchmark cell (and so does the Sanic floor in its two), and one short wrk cell runs
 and its output and CPU figures parse.
-And of bench/pick.py: a quick run times every policy on every cluster."""
+And of bench/pick.py: a quick run times every policy on every cluster; and of bench/instructions.py: one cell counted
+under callgrind."""
 
 from __future__ import annotations
 
@@ -117,3 +118,20 @@ def test_pick_bench_times_every_policy_on_every_cluster(tmp_path):
     for r in rows:
         assert math.isfinite(r["pick_us"]) and r["pick_us"] > 0, r
         assert math.isfinite(r["full_us"]) and r["full_us"] > 0, r
+
+
+@pytest.mark.skipif(not all(shutil.which(t) for t in ("valgrind", "callgrind_control", "wrk")),
+                    reason="needs valgrind and wrk (apt-get install -y valgrind wrk)")
+def test_instruction_count_of_one_cell():
+    """bench/instructions.py runs the Coordinator under callgrind and counts one cell's requests and instructions."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "instructions.py"), "--cells", "chat", "--seconds", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = [line for line in proc.stdout.splitlines() if line.startswith("| chat |")]
+    assert len(row) == 1, proc.stdout
+    per_request_k = float(row[0].split("|")[2])
+    # A chat request through the Coordinator is hundreds of thousands of instructions: not zero (nothing
+    # counted) and not tens of millions (the start-up or the whole run counted).
+    assert 100 < per_request_k < 5000, row
+    requests = [line for line in proc.stdout.splitlines() if " chat: " in line and "requests" in line]
+    assert requests and int(requests[0].split(" chat: ")[1].split()[0]) >= 5, proc.stdout
