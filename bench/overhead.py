@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from contextlib import closing, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -669,6 +669,19 @@ def measure_gateway(gw: Gateway, engines: Engines, opts, direct: dict[str, Cell]
     return out
 
 
+def median_round(cells: list[Cell]) -> Cell:
+    """The round whose CPU per request is the median, with every round's errors and the first round's latency."""
+    if len(cells) == 1:
+        return cells[0]
+    first = cells[0]
+    mid = sorted(cells, key=lambda c: c.cpu_us_per_req or 0.0)[len(cells) // 2]
+    out = replace(mid, error_kinds={}, errors=0, c1_p50_us=first.c1_p50_us, c1_p99_us=first.c1_p99_us, added_p50_us=first.added_p50_us)
+    for c in cells:
+        out.add_errors(c.error_kinds)
+    out.add_note(f"median of {len(cells)} rounds: " + " / ".join(f"{c.cpu_us_per_req or 0:.0f}" for c in cells) + " µs CPU/req")
+    return out
+
+
 # -- report ---------------------------------------------------------------------------------------
 
 
@@ -823,6 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, help="seconds of load before each timed cell (default 1)")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure the side-by-side gateways' cells this many times, interleaved, and report the median round")
     ap.add_argument("--workers", default="1,2", help="worker counts to measure (log INFO), e.g. 1 or 1,2")
     ap.add_argument("--no-warning", action="store_true", help="skip the 1-worker run at log level WARNING")
     ap.add_argument("--no-router", action="store_true", help="skip vllm-router even when installed")
@@ -880,15 +895,18 @@ def main(argv: list[str] | None = None) -> int:
                     pair.append(VllmRouter(engines, gw_core_sets[1], workdir))
                 elif not opts.no_router:
                     print("  vllm-router not installed (pip install vllm-router==0.1.17): not compared", flush=True)
-                paired: dict[int, dict[str, Cell]] = {id(gw): {} for gw in pair}
-                for cell in CELLS:
-                    for gw in pair:
-                        if cell in gw.cells:
-                            paired[id(gw)].update(measure_gateway(gw, engines, opts, direct, load_cores, 1, workdir, True, (cell,)))
+                rounds: dict[int, dict[str, list[Cell]]] = {id(gw): {} for gw in pair}
+                for r in range(opts.rounds):
+                    for cell in CELLS:
+                        for gw in pair:
+                            if cell in gw.cells:
+                                # Concurrency-1 latency is measured in the first round only.
+                                got = measure_gateway(gw, engines, opts, direct, load_cores, 1, workdir, r == 0, (cell,))
+                                rounds[id(gw)].setdefault(cell, []).append(got[cell])
             finally:
                 for gw in pair:
                     gw.stop()
-            by_label = {gw.label: list(paired[id(gw)].values()) for gw in pair}
+            by_label = {gw.label: [median_round(cells) for cells in rounds[id(gw)].values()] for gw in pair}
             runs = [(w, "INFO", True) for w in workers if w != 1]
             if not opts.no_warning:
                 runs.insert(0, (1, "WARNING", False))
@@ -905,7 +923,8 @@ def main(argv: list[str] | None = None) -> int:
             results += [by_label[k] for k in sorted(by_label, key=lambda k: (not k.startswith("Coordinator"), k))]
             header = (f"# Gateway overhead, {time.strftime('%Y-%m-%d %H:%M')}, {ncpu} CPUs, load average "
                       f"{os.getloadavg()[0]:.1f}; {layout}{f', nice {NICE}' if NICE else ''}; wrk -t{opts.threads} -c{opts.connections}, "
-                      f"{opts.duration:g} s per cell, concurrency-1 cells {opts.latency:g} s; "
+                      f"{opts.duration:g} s per cell{f' (median of {opts.rounds} interleaved rounds)' if opts.rounds > 1 else ''}, "
+                      f"concurrency-1 cells {opts.latency:g} s; "
                       f"total {time.monotonic() - t_start:.0f} s")
             print()
             print(report(results, header))
