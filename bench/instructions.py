@@ -12,7 +12,7 @@ connection for `--seconds`, then its counters are dumped. Requests are counted a
 PD request is two legs there). One connection keeps the count free of batching: with many connections a
 slower server handles more requests per event-loop pass, and each pass's fixed work is shared by more of
 them. What timers do (the request log's and metrics' 50 ms flushes) is shared by the requests of 50 ms,
-so it weighs more here than at full load. Repeated runs agree within about 1 %.
+so it weighs more here than at full load. Repeated runs agree within about 1-2 %.
 
 Under callgrind the Coordinator runs some 50 times slower: a tree takes about 2.5 minutes. Needs valgrind
 (with callgrind_control), wrk and gcc. Compare trees with a git worktree: `git worktree add /tmp/base HEAD~3`.
