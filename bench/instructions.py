@@ -8,8 +8,10 @@ CPU time per request on a shared machine moves by 10-30 % between runs (bench/ov
 instruction counts do not. Each tree's Coordinator (1 worker, log INFO, the configuration bench/overhead.py
 uses, on the same fake engines) runs under `valgrind --tool=callgrind` with instrumentation off; for each
 cell, after a warm-up, the worker is counted (`callgrind_control -i on`) while wrk sends requests over one
-connection for `--seconds`, then its counters are dumped. Requests are counted at the fake engines (a
-PD request is two legs there). One connection keeps the count free of batching: with many connections a
+connection for `--seconds`, then its counters are dumped; the requests are those wrk completed, and a
+cell with any wrk error or non-2xx answer stops the run. The count includes the worker's background work
+meanwhile (health checks and metrics scrapes of the three fakes, once a second: well under 1 % at the
+60-odd requests a second valgrind allows). One connection keeps the count free of batching: with many connections a
 slower server handles more requests per event-loop pass, and each pass's fixed work is shared by more of
 them. What timers do (the request log's and metrics' 50 ms flushes) is shared by the requests of 50 ms,
 so it weighs more here than at full load. Repeated runs agree within about 1-2 %.
@@ -61,13 +63,14 @@ def measure_tree(root: str, engines: overhead.Engines, cells: list[str], seconds
             data = gw.body(cell)
             overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir)  # warm-up, not counted
             subprocess.run(["callgrind_control", "-i", "on", worker], check=True, capture_output=True)
-            before = engines.counters()[0]
-            overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
-            legs = engines.counters()[0] - before
+            res = overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
             subprocess.run(["callgrind_control", "-d", worker], check=True, capture_output=True)
             subprocess.run(["callgrind_control", "-i", "off", worker], check=True, capture_output=True)
             time.sleep(0.5)  # the dump is written by the worker
-            requests = legs / (2 if cell in overhead.PD else 1)
+            errors = overhead.wrk_errors(res)
+            if any(errors.values()):
+                raise RuntimeError(f"{root} {cell}: wrk saw errors {errors}")
+            requests = res["requests"]
             instructions = count(out_dir, int(worker))
             results[cell] = {"requests": requests, "instructions": instructions, "per_request": instructions / max(requests, 1)}
             print(f"  {root} {cell}: {requests:.0f} requests, {instructions / max(requests, 1) / 1000:.1f} k instructions each", flush=True)
