@@ -8,6 +8,7 @@ metrics are read back through either worker and must add up to exactly what was 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -74,10 +75,10 @@ def delta(before: Metrics, after: Metrics, name: str, **labels) -> float:
     return after.get(name, **labels) - before.get(name, **labels)
 
 
-def scrape_after(coord, before: Metrics, requests: int) -> Metrics:
-    """A scrape once `requests` more requests are counted: each worker writes its metrics within 50 ms of
-    a request, and a scrape answered by one worker may not see the other's last requests before that."""
-    assert wait_until(lambda: delta(before, scrape(coord), "motor_requests_total") >= requests, timeout_s=5)
+def scrape_after(coord, before: Metrics, requests: int, **labels) -> Metrics:
+    """A scrape once `requests` more requests (of these labels) are counted: each worker writes its metrics
+    within 50 ms of a request, and a scrape answered by one worker may not see the other's last requests."""
+    assert wait_until(lambda: delta(before, scrape(coord), "motor_requests_total", **labels) >= requests, timeout_s=5)
     return scrape(coord)
 
 
@@ -111,7 +112,10 @@ def test_request_counts_add_up_across_workers(c):
     assert wait_until(lambda: len(worker_pids(c, mark)) == WORKERS)
 
     # Once written, every scrape, whichever worker answers it, sees the same totals.
-    scrape_after(c, before, 27)
+    scrape_after(c, before, 10, route=CHAT, model=MODEL, status=200)
+    scrape_after(c, before, 8, route=COMPLETIONS, model=MODEL, status=200)
+    scrape_after(c, before, 5, route=CHAT, model="other", status=404)
+    scrape_after(c, before, 4, route=CHAT, model="other", status=400)
     scrapes = [scrape(c) for _ in range(6)]
     for after in scrapes:
         assert delta(before, after, "motor_requests_total", route=CHAT, model=MODEL, status=200) == 10
@@ -132,7 +136,7 @@ def test_tokens_and_stream_latencies(c):
     tokens = [json.loads(e) for e in sse_events(r.content)[:-1]]
     streamed = sum(1 for t in tokens if t["choices"] and t["choices"][0]["delta"].get("content"))
     assert streamed == 9
-    after = scrape_after(c, before, 2)
+    after = scrape_after(c, before, 2, route=CHAT, model=MODEL, status=200)
     assert delta(before, after, "motor_generation_tokens_total", route=CHAT, model=MODEL) == usage["completion_tokens"] + 9
     assert delta(before, after, "motor_prompt_tokens_total", route=CHAT, model=MODEL) >= usage["prompt_tokens"]
     assert delta(before, after, "motor_tpot_seconds_count", route=CHAT, model=MODEL) == 1
@@ -148,7 +152,8 @@ def test_tpot_follows_the_engines_decode_speed(c):
     for model in (MODEL, SLOW_MODEL):
         r = post(c, CHAT, chat_body(model=model, max_tokens=20, ignore_eos=True, stream=True))
         assert r.status_code == 200
-    after = scrape_after(c, before, 2)
+    scrape_after(c, before, 1, model=MODEL, status=200)
+    after = scrape_after(c, before, 1, model=SLOW_MODEL, status=200)
     fast = delta(before, after, "motor_tpot_seconds_sum", model=MODEL)
     slow = delta(before, after, "motor_tpot_seconds_sum", model=SLOW_MODEL)
     assert delta(before, after, "motor_tpot_seconds_count", model=SLOW_MODEL) == 1
@@ -161,7 +166,7 @@ def test_pd_legs_and_missed_handoffs(c):
         assert post(c, CHAT, chat_body(model=PD_MODEL, stream=stream)).status_code == 200
     c.engines["prefill"].set_faults(eos_on_prefill=True)
     assert post(c, CHAT, chat_body(model=PD_MODEL)).status_code == 200
-    after = scrape_after(c, before, 3)
+    after = scrape_after(c, before, 3, model=PD_MODEL, status=200)
     assert delta(before, after, "motor_leg_seconds_count", leg="prefill", model=PD_MODEL) == 3
     assert delta(before, after, "motor_leg_seconds_count", leg="decode", model=PD_MODEL) == 3
     assert delta(before, after, "motor_missed_handoffs_total", model=PD_MODEL) == 1
@@ -225,7 +230,7 @@ def test_client_disconnects_by_phase(c):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(c.url + CHAT, json=chat_body(model=SLOW_MODEL), timeout=httpx.Timeout(30, read=0.5))
     assert wait_until(lambda: delta(before, scrape(c), "motor_client_disconnects_total", phase="before_first_byte") == 1)
-    after = scrape_after(c, before, 2)
+    after = scrape_after(c, before, 2, model=SLOW_MODEL, status=499)
     assert delta(before, after, "motor_client_disconnects_total", phase="streaming") == 1
     assert delta(before, after, "motor_requests_total", model=SLOW_MODEL, status=499) == 2
 
@@ -330,3 +335,30 @@ def test_batched_histogram_writes_what_observe_would():
         want = registry.get_sample_value("direct_seconds" + suffix, {"k": "x", **labels})
         got = registry.get_sample_value("batched_seconds" + suffix, {"k": "x", **labels})
         assert want is not None and got == pytest.approx(want, rel=1e-12), (suffix, labels)  # sums added in another order
+
+
+def test_metrics_reach_the_files_by_the_timer_without_a_scrape():
+    """A request's counts are written within `flush_s` by the worker's own timer, not only when it answers a scrape."""
+    from scheduling.health import Health
+    from scheduling.ledger import Ledger
+    from scheduling.registry import Registry
+    from scheduling.shared import SharedState
+    from serving.metrics import REQUESTS, PrometheusObserver
+    from serving.observe import RequestRecord
+
+    shared = SharedState.create()
+    registry = Registry(shared)
+    observer = PrometheusObserver(registry, Ledger(shared, 0, 1), Health(shared, 3, 1.0), flush_s=0.02)
+    child = REQUESTS.labels("/v1/timer-test", "other", "200")
+
+    async def scenario() -> tuple[float, float, float]:
+        start = child._value.get()
+        observer.request_done(RequestRecord("rid", "/v1/timer-test", model="nobody"))
+        observer.request_done(RequestRecord("rid2", "/v1/timer-test", model="nobody"))
+        at_once = child._value.get()
+        await asyncio.sleep(0.2)
+        return start, at_once, child._value.get()
+
+    start, at_once, later = asyncio.run(scenario())
+    assert at_once == start  # batched: nothing written at the request
+    assert later == start + 2  # the timer wrote both, with no scrape and no close
