@@ -108,6 +108,13 @@ def _checked_anthropic_messages(body: dict) -> list:
     return messages
 
 
+def _check_tools(body: dict) -> None:
+    """Both APIs take `tools` as a list (the scheduler renders it into the prompt it counts)."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be a list", param="tools")
+
+
 def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str) -> Job:
     model = _model(body)
     if route == METASERVER:
@@ -115,6 +122,7 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str)
     if route == CHAT:
         stream = _stream(body)
         _checked_messages(body, OPENAI_ROLES)
+        _check_tools(body)
         max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
     elif route == COMPLETIONS:
         stream = _stream(body)
@@ -128,10 +136,12 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str)
         stream = _stream(body)
         max_tokens = _max_tokens(body, "max_tokens", required=True)
         _checked_anthropic_messages(body)
+        _check_tools(body)
     else:  # count_tokens
         stream = False
         max_tokens = 0
         _checked_anthropic_messages(body)
+        _check_tools(body)
     return Job(route, api, raw, body, model, stream, request_id, max_tokens)
 
 
@@ -143,6 +153,11 @@ def _metaserver_job(raw: bytes, body: dict) -> Job:
     rid = ktp.get("request_id")
     if not isinstance(rid, str) or not rid:
         raise InvalidRequest("'kv_transfer_params.request_id' is required", param="kv_transfer_params.request_id")
+    if len(rid) > 128 or not rid.isprintable():  # it becomes the engine request's X-Request-Id header
+        raise InvalidRequest(
+            "'kv_transfer_params.request_id' must be printable and at most 128 characters",
+            param="kv_transfer_params.request_id",
+        )
     if bool(ktp.get("do_remote_prefill")) == bool(ktp.get("do_remote_decode")):
         raise InvalidRequest(
             "exactly one of kv_transfer_params.do_remote_prefill and do_remote_decode must be true",

@@ -427,6 +427,8 @@ BAD_BODIES = [
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": None}]}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": 7}]}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": USER, "stream": "yes"}).encode()),
+    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": USER, "tools": 1}).encode()),
+    ("/v1/messages/count_tokens", json.dumps({"model": MODEL, "messages": USER, "tools": "x"}).encode()),
     ("/v1/messages/count_tokens", b"{not json"),
     ("/v1/messages/count_tokens", json.dumps({"messages": USER}).encode()),
     ("/v1/messages/count_tokens", json.dumps({"model": MODEL, "messages": []}).encode()),

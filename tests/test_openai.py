@@ -144,6 +144,9 @@ BAD_BODIES = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(), 400),
     ("/v1/completions", json.dumps({"model": MODEL}).encode(), 400),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": 42}).encode(), 400),
+    # `tools` not a list: the scheduler renders tools into the prompt it counts (was a 500).
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": 1}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": "abc"}).encode(), 400),
     ("/v1/chat/completions", json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
 ]
 
