@@ -245,7 +245,11 @@ def test_metaserver_refuses_unregistered_targets(fresh, sims):
     assert stranger.stats()["received"] == 0
 
 
-@pytest.mark.parametrize("ktp", [{}, {"do_remote_prefill": True}, {"request_id": "x"}, {"request_id": "x", "do_remote_prefill": True, "do_remote_decode": True}])
+@pytest.mark.parametrize("ktp", [
+    {}, {"do_remote_prefill": True}, {"request_id": "x"}, {"request_id": "x", "do_remote_prefill": True, "do_remote_decode": True},
+    # The id becomes the engine request's X-Request-Id header: no CR/LF to inject a header with, no 1 MB id.
+    {"request_id": "x\r\nX-Injected: 1", "do_remote_prefill": True}, {"request_id": "x" * 129, "do_remote_prefill": True},
+])
 def test_metaserver_rejects_malformed_control_objects(fresh, ktp):
     r = httpx.post(fresh.url + "/v1/metaserver", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": ktp})
     assert r.status_code == 400
