@@ -82,11 +82,6 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------------
 
-    async def admit(self, job: JobInfo) -> "Plan":
-        """The first plan of a request, through SLO admission: at once, after a wait in the queue, or OverBudget."""
-        plan = self.try_admit(job)
-        return plan if plan is not None else await self.queued(job)
-
     def try_admit(self, job: JobInfo) -> "Plan | None":
         """The first plan if SLO admission lets the request in now; None when it must wait (`queued`).
 

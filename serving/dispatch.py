@@ -1,7 +1,8 @@
 """The flows of one inference request: whole (one engine), PD handoff, PD trigger; retries and fallback.
 
-The flows that only hand over to `_attempts` (`_whole`, `_prefill`, `_decode`) are plain functions
-returning its coroutine: every coroutine layer costs a loaded worker on each resumption and teardown.
+The flows that only hand over to `_attempts` (`_whole`, `_count_tokens`, `_prefill`, `_decode`) are
+plain functions returning its coroutine: every coroutine layer costs a loaded worker on each resumption
+and teardown.
 
 Retries happen only before the first byte reaches the client: connect errors, timeouts before the
 first byte, and engine 408/429/5xx, each attempt with a fresh engine request id and on another instance
@@ -241,7 +242,7 @@ class Dispatcher:
 
         return self._attempts(job, sink, rec, target, repick, call)
 
-    async def _count_tokens(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
+    def _count_tokens(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         roles = ("union", "prefill", "decode")
 
         def repick(exclude: frozenset[int]) -> Target:
@@ -252,7 +253,7 @@ class Dispatcher:
             _, data = await self.client.post(t.url + job.route, job.raw, rid, timeout_s=self.s.first_token_timeout_s)
             await sink.json(200, data)
 
-        await self._attempts(job, sink, rec, self._pick_one(job, info, roles), repick, call)
+        return self._attempts(job, sink, rec, self._pick_one(job, info, roles), repick, call)
 
     # -- disaggregated: handoff ------------------------------------------------------------------
 

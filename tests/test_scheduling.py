@@ -49,6 +49,11 @@ class World:
         self.policy = make_policy(policy, self.shared, self.ledger, self.health, predictor=self.predictor, index=self.index, block_tokens=BLOCK)
 
 
+async def admit(sched: Scheduler, job: JobInfo):
+    """A request's first plan as the dispatcher takes it: at once, or after a wait in the admission queue."""
+    return sched.try_admit(job) or await sched.queued(job)
+
+
 def teach_prefill(pred: Predictor, slot: int, tokens_per_s: float, base_s: float = 0.01, samples: int = 12) -> None:
     """Observed prefills, one after another, long ago (so no queue is left now)."""
     t = time.monotonic() - 200
@@ -515,12 +520,12 @@ def test_reject_admission_refuses_a_plan_over_budget():
     p, d = slots(sched)
     teach_prefill(w.predictor, p, 1000.0)
     teach_decode(w.predictor, d, 0.02, 0.005)
-    assert asyncio.run(sched.admit(job(500, ttft_ms=2000))).prefill.slot == p
+    assert asyncio.run(admit(sched, job(500, ttft_ms=2000))).prefill.slot == p
     with pytest.raises(OverBudget) as e:
-        asyncio.run(sched.admit(job(5000, ttft_ms=2000)))
+        asyncio.run(admit(sched, job(5000, ttft_ms=2000)))
     assert e.value.retry_after_s >= 1.0 and "TTFT" in str(e.value)
     off, w2 = scheduler("slo_aware", "off")
-    assert asyncio.run(off.admit(job(5000, ttft_ms=2000))).prefill is not None
+    assert asyncio.run(admit(off, job(5000, ttft_ms=2000))).prefill is not None
 
 
 def test_queue_admission_waits_for_capacity_then_admits():
@@ -531,7 +536,7 @@ def test_queue_admission_waits_for_capacity_then_admits():
         teach_decode(w.predictor, d, 0.02, 0.005)
         busy = queue_work(w, p, 2000)  # 2 s of work on the only prefill engine
         info = job(400, ttft_ms=2000)
-        waiting = asyncio.ensure_future(sched.admit(info))
+        waiting = asyncio.ensure_future(admit(sched, info))
         await asyncio.sleep(0.05)
         assert not waiting.done() and len(sched.queue) == 1
         busy.release()  # it ends (an error, say): nothing is queued any more
@@ -550,12 +555,12 @@ def test_queue_admission_gives_up_when_no_wait_can_help_and_when_full():
         teach_prefill(w.predictor, p, 1000.0)
         teach_decode(w.predictor, d, 0.02, 0.005)
         with pytest.raises(OverBudget, match="ran out"):
-            await asyncio.wait_for(sched.admit(job(5000, ttft_ms=2000)), 2.0)  # 5 s of prefill, 2 s budget
+            await asyncio.wait_for(admit(sched, job(5000, ttft_ms=2000)), 2.0)  # 5 s of prefill, 2 s budget
         busy = queue_work(w, p, 3000)
-        first = asyncio.ensure_future(sched.admit(job(500, ttft_ms=3000)))
+        first = asyncio.ensure_future(admit(sched, job(500, ttft_ms=3000)))
         await asyncio.sleep(0.02)
         with pytest.raises(OverBudget, match="full"):
-            await sched.admit(job(500, ttft_ms=3000))
+            await admit(sched, job(500, ttft_ms=3000))
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         assert len(sched.queue) == 0
@@ -571,14 +576,14 @@ def test_idle_engines_are_never_refused_a_request_they_can_serve():
     teach_decode(w.predictor, d, 0.02, 0.005)
     w.health.put(p, H_LATE_S, 5.0)  # a bad moment left a 5 s allowance for prefill errors
     assert w.predictor.allowance_s(p) == 5.0
-    plan = asyncio.run(sched.admit(job(500, ttft_ms=3000)))  # 0.5 s expected: served, and learned from
+    plan = asyncio.run(admit(sched, job(500, ttft_ms=3000)))  # 0.5 s expected: served, and learned from
     assert plan.prefill.slot == p
     busy = w.ledger.lease(d, 0, 10, prefilling=False)
     with pytest.raises(OverBudget):  # engines at work: the allowance counts
-        asyncio.run(sched.admit(job(500, ttft_ms=3000)))
+        asyncio.run(admit(sched, job(500, ttft_ms=3000)))
     busy.release()
     with pytest.raises(OverBudget):  # idle, but even the expected time is over the budget
-        asyncio.run(sched.admit(job(5000, ttft_ms=3000)))
+        asyncio.run(admit(sched, job(5000, ttft_ms=3000)))
 
 
 def test_every_policy_judges_its_plan_when_the_model_knows_the_engines():
@@ -588,7 +593,7 @@ def test_every_policy_judges_its_plan_when_the_model_knows_the_engines():
         teach_prefill(w.predictor, p, 1000.0)
         teach_decode(w.predictor, d, 0.02, 0.005)
         with pytest.raises(OverBudget):
-            asyncio.run(sched.admit(job(5000, ttft_ms=2000)))
+            asyncio.run(admit(sched, job(5000, ttft_ms=2000)))
 
 
 # -- engine metrics ------------------------------------------------------------------------------
