@@ -38,7 +38,7 @@ TTFT = Histogram("motor_ttft_seconds", "Time to first token of streamed requests
 TPOT = Histogram("motor_tpot_seconds", "Time per output token after the first, streamed requests", ["route", "model"], buckets=TPOT_BUCKETS)
 E2E = Histogram("motor_e2e_seconds", "End-to-end duration of successful requests", ["route", "model"], buckets=LATENCY_BUCKETS)
 LEG = Histogram("motor_leg_seconds", "Duration of each PD leg (prefill: until P answered; decode: until D's answer ended)", ["leg", "model"], buckets=LATENCY_BUCKETS)
-PROMPT_TOKENS = Counter("motor_prompt_tokens_total", "Prompt tokens of successful requests (engine usage, else estimated)", ["route", "model"])
+PROMPT_TOKENS = Counter("motor_prompt_tokens_total", "Prompt tokens of successful requests (engine usage, else the Coordinator's count)", ["route", "model"])
 OUTPUT_TOKENS = Counter("motor_generation_tokens_total", "Output tokens of successful requests (usage, or SSE events)", ["route", "model"])
 MISSED = Counter("motor_missed_handoffs_total", "Prefill legs that returned no kv_transfer_params (decode recomputed the prompt)", ["model"])
 RETRIES = Counter("motor_retries_total", "Engine attempts retried before the first byte, by the error that caused them", ["model", "reason"])
