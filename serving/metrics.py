@@ -12,7 +12,6 @@ sending made-up model names cannot grow the label set.
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import os
 from bisect import bisect_left
@@ -27,7 +26,7 @@ from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.shared import G_ADMIT_QUEUED, G_DRAINING, G_INFLIGHT
 from scheduling.status import endpoint_status
-from serving.observe import Observer, RequestRecord
+from serving.observe import FlushTimer, Observer, RequestRecord
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -179,10 +178,9 @@ class PrometheusObserver(Observer):
     def __init__(self, registry: Registry, ledger: Ledger, health: Health, flush_s: float = 0.05):
         super().__init__()
         self.registry = registry
-        self.flush_s = flush_s
         self._children: dict[tuple[str, str, int], _Series] = {}
         self._dirty: list[_Series] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = FlushTimer(self.flush, flush_s)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             self.exposition_registry = CollectorRegistry()
             MultiProcessCollector(self.exposition_registry)
@@ -202,9 +200,7 @@ class PrometheusObserver(Observer):
         return series
 
     def flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.disarm()
         dirty, self._dirty = self._dirty, []
         for series in dirty:
             series.flush()
@@ -215,13 +211,8 @@ class PrometheusObserver(Observer):
         self._add(series, rec)
         if not series.dirty:
             series.dirty = True
-            if self._timer is None:
-                try:
-                    self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
-                except RuntimeError:  # no event loop to call back: write at once
-                    series.flush()
-                    return
             self._dirty.append(series)
+            self._timer.arm()
 
     def _add(self, series: _Series, rec: RequestRecord) -> None:
         series.requests.amount += 1

@@ -13,6 +13,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from scheduling.registry import Target
 from serving.job import CHAT, COMPLETIONS, MESSAGES
@@ -80,6 +81,33 @@ class RequestRecord:
         return max(0, self.events - STREAM_FRAMING.get(self.route, 0))
 
 
+class FlushTimer:
+    """Calls `flush` `delay_s` after the first `arm()` since the last flush: what a batching writer shares.
+
+    With no running event loop (nothing would call back later) `arm()` flushes at once. The writer's
+    `flush` calls `disarm()` first, so a flush for another reason (a full batch, a scrape, shutdown)
+    cancels the pending call.
+    """
+
+    __slots__ = ("flush", "delay_s", "handle")
+
+    def __init__(self, flush: Callable[[], None], delay_s: float):
+        self.flush, self.delay_s = flush, delay_s
+        self.handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        if self.handle is None:
+            try:
+                self.handle = asyncio.get_running_loop().call_later(self.delay_s, self.flush)
+            except RuntimeError:
+                self.flush()
+
+    def disarm(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+
 class RequestLog:
     """The one line per request, in the root handler's format, written to stdout in batches.
 
@@ -91,11 +119,11 @@ class RequestLog:
     """
 
     def __init__(self, flush_s: float = 0.05, max_lines: int = 256):
-        self.flush_s, self.max_lines = flush_s, max_lines
+        self.max_lines = max_lines
         self.lines: list[str] = []
         self.prefix = f" INFO {log.name}[{os.getpid()}]: "
         self._second, self._stamp = -1, ""
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = FlushTimer(self.flush, flush_s)
 
     def enabled(self) -> bool:
         return log.isEnabledFor(logging.INFO)
@@ -108,16 +136,11 @@ class RequestLog:
         self.lines.append(f"{self._stamp},{int((now - second) * 1000):03d}{self.prefix}{message}\n")
         if len(self.lines) >= self.max_lines:
             self.flush()
-        elif self._timer is None:
-            try:
-                self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
-            except RuntimeError:  # no event loop: nothing would flush later
-                self.flush()
+        else:
+            self._timer.arm()
 
     def flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.disarm()
         if self.lines:
             out, self.lines = "".join(self.lines), []
             sys.stdout.write(out)
