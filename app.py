@@ -33,8 +33,8 @@ from sanic.worker.loader import AppLoader  # noqa: E402
 from config import ConfigError, Instance, Endpoint, Settings, load_settings, resolve_config_path, with_models_for_instances  # noqa: E402
 from engines import EngineClient  # noqa: E402
 from errors import CoordinatorError, NotFound, PayloadTooLarge  # noqa: E402
-from handlers import docs, register  # noqa: E402
-from handlers.common import INFER, MGMT, OBS, REQUEST_ID, api_of_path, error_response, request_id  # noqa: E402
+from handlers import register  # noqa: E402
+from handlers.common import INFER, MGMT, OBS, api_of_path, error_response, request_id  # noqa: E402
 from scheduling.health import Health  # noqa: E402
 from scheduling.ledger import Ledger  # noqa: E402
 from scheduling.registry import Registry  # noqa: E402
@@ -63,7 +63,6 @@ def create_app(settings: Settings) -> Sanic:
     app.ctx.settings = settings
     app.ctx.plane_by_port = {settings.infer_port: INFER, settings.mgmt_port: MGMT, settings.obs_port: OBS}
     register(app)
-    docs.mount(app)
 
     @app.main_process_start
     async def make_shared_state(app: Sanic):
@@ -140,22 +139,6 @@ def create_app(settings: Settings) -> Sanic:
         await app.ctx.background.stop()
         await app.ctx.client.close()
         app.ctx.observer.close()
-
-    # Middleware is plain functions: Sanic calls them without a coroutine to create and await.
-    @app.on_request(priority=100)
-    def plane_guard(request: Request):
-        route = request.route
-        # A route without a plane is served on no port (fail closed).
-        # The socket's own port: request.server_port comes from the Host header, which the client writes.
-        port = request.conn_info.server_port if request.conn_info else None
-        if route is not None and getattr(route.ctx, "plane", None) != app.ctx.plane_by_port.get(port):
-            raise NotFound(f"no route {request.method} {request.path} on this port", code="not_found")
-
-    @app.on_response(priority=100)
-    def stamp_request_id(request: Request, response):
-        # Handlers that know the request id set it; this covers probes, /metrics, the docs pages.
-        if REQUEST_ID not in response.headers:
-            response.headers[REQUEST_ID] = request_id(request)
 
     @app.exception(Exception)
     async def render_error(request: Request, exc: Exception):

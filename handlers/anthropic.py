@@ -9,11 +9,11 @@ from serving.job import COUNT_TOKENS, MESSAGES
 bp = Blueprint("anthropic")
 
 
-@bp.post(MESSAGES, ctx_plane=INFER, stream=True)
+@bp.post(MESSAGES, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 async def messages(request: Request):
     return await serve_inference(request, MESSAGES, ANTHROPIC)
 
 
-@bp.post(COUNT_TOKENS, ctx_plane=INFER, stream=True)
+@bp.post(COUNT_TOKENS, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 async def count_tokens(request: Request):
     return await serve_inference(request, COUNT_TOKENS, ANTHROPIC)

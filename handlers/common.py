@@ -17,6 +17,7 @@ from errors import (
     OPENAI,
     CoordinatorError,
     InvalidRequest,
+    NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
     Unauthorized,
@@ -30,6 +31,16 @@ from serving.observe import RequestRecord
 log = logging.getLogger("coordinator.handlers")
 REQUEST_ID = "X-Request-Id"
 INFER, MGMT, OBS = "infer", "mgmt", "obs"
+
+
+def check_plane(request: Request, plane: str | None) -> None:
+    """A route is served only on its own plane's port; elsewhere (or with no plane: fail closed) it is a 404.
+
+    The socket's own port decides: request.server_port comes from the Host header, which the client writes.
+    """
+    port = request.conn_info.server_port if request.conn_info else None
+    if plane is None or plane != request.app.ctx.plane_by_port.get(port):
+        raise NotFound(f"no route {request.method} {request.path} on this port", code="not_found")
 
 
 def request_id(request: Request) -> str:
@@ -134,12 +145,17 @@ class SanicSink:
 
 
 async def serve_inference(request: Request, route: str, api: str, authenticate: bool = True):
-    """Validate, authenticate and dispatch one inference request; the whole life of its response."""
+    """Validate, authenticate and dispatch one inference request; the whole life of its response.
+
+    Its routes are `ctx_self_guarded`: Sanic runs no middleware for them (see handlers/__init__.py), so the
+    plane check is here and every answer carries the request id.
+    """
     ctx = request.app.ctx
     rid = request_id(request)
     rec = RequestRecord(rid, route)
     sink = SanicSink(request, rid, api, rec)
     try:
+        check_plane(request, INFER)
         if authenticate:
             check_api_key(request, api)
         raw = await read_body(request, ctx.settings.max_request_body_bytes)

@@ -14,6 +14,6 @@ from serving.job import METASERVER
 bp = Blueprint("metaserver")
 
 
-@bp.post(METASERVER, ctx_plane=INFER, stream=True)
+@bp.post(METASERVER, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 async def metaserver(request: Request):
     return await serve_inference(request, METASERVER, OPENAI, authenticate=False)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL
-from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
+from tests.support import ROOT, Coordinator, coordinator_config, instance, sse_events, wait_until
 
 WORKERS = 2
 BASELINE = (1, 2)
@@ -115,6 +117,37 @@ def test_every_route_is_served_on_its_own_port_only(cluster):
                     assert r.headers["x-request-id"]
     # Nothing reached an engine: the inference routes on their own port had invalid bodies.
     assert sum(received(cluster).values()) == 0
+
+
+GUARD_CHECK = """
+import json
+from sanic import HTTPResponse
+import app as app_module
+from config import Settings
+from handlers import check_guarded
+
+app = app_module.create_app(Settings())
+app.finalize_middleware()
+bare = sorted(r.path.strip("/") for r in app.router.routes if not r.extra.request_middleware and not r.extra.response_middleware)
+check_guarded(app)  # the app as made starts
+app.get("/late")(lambda request: HTTPResponse(b""))
+app.finalize_middleware()
+try:
+    check_guarded(app)
+    late = "started"
+except RuntimeError as e:
+    late = str(e)
+print(json.dumps({"bare": bare, "late": late}))
+"""
+
+
+def test_only_the_inference_routes_run_without_middleware_and_a_new_route_without_a_guard_stops_start_up():
+    # In a process of its own: importing app.py sets the metrics directory for the process.
+    out = subprocess.run([sys.executable, "-c", GUARD_CHECK], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bare"] == ["v1/chat/completions", "v1/completions", "v1/messages", "v1/messages/count_tokens", "v1/metaserver"]
+    assert "late" in result["late"] and "no plane guard" in result["late"]
 
 
 # -- GET /instances ----------------------------------------------------------------------------------
