@@ -136,7 +136,10 @@ class _Connection(asyncio.Protocol):
                 self.paused = True  # the client reads slower than the engine writes: let TCP push back
                 self.transport.pause_reading()
             if self.until == _DATA:
-                self._wake()
+                # _wake() inlined: an SSE stream calls this once per event
+                waiter = self.waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
         elif self.buffered > MAX_JSON_BODY:
             self._fail(f"sent a body over {MAX_JSON_BODY} bytes")
             self.close()

@@ -44,8 +44,10 @@ class Ledger:
     def hold(self, slot: int) -> "Hold":
         return Hold(self, slot)
 
-    def _add(self, slot: int, field: int, delta: int) -> None:
-        self.arr[self.base + slot * LEDGER_FIELDS + field] += delta
+    def at(self, slot: int) -> int:
+        """Where this worker's counters of `slot` start in `arr` (leases and holds add to `arr[at + field]`:
+        a method call per counter cost a PD request 1.4 µs)."""
+        return self.base + slot * LEDGER_FIELDS
 
     def load(self, slot: int) -> tuple[int, int, int, int]:
         """(requests, prompt tokens waiting for prefill, decode tokens, requests prefilling) over all workers."""
@@ -77,7 +79,7 @@ class Lease:
     """What one request holds on one slot; `release()` is idempotent."""
 
     __slots__ = (
-        "ledger", "slot", "prompt_tokens", "decode_tokens", "prefilling", "released", "kind",
+        "ledger", "slot", "arr", "at", "prompt_tokens", "decode_tokens", "prefilling", "released", "kind",
         "started", "first_at", "ended", "events", "ok", "engine_uncached", "batch", "predicted", "shift", "hashes",
     )
 
@@ -91,11 +93,12 @@ class Lease:
         self.engine_uncached = -1  # uncached prompt tokens as the engine reported them (-1: not reported)
         self.batch = 0  # requests on the slot when this one started, itself included
         self.hashes: list[int] = []
-        ledger._add(slot, L_REQUESTS, 1)
-        ledger._add(slot, L_DECODE_TOKENS, decode_tokens)
+        self.arr, self.at = arr, at = ledger.arr, ledger.at(slot)
+        arr[at + L_REQUESTS] += 1
+        arr[at + L_DECODE_TOKENS] += decode_tokens
         if prefilling:
-            ledger._add(slot, L_PROMPT_TOKENS, prompt_tokens)
-            ledger._add(slot, L_PREFILLING, 1)
+            arr[at + L_PROMPT_TOKENS] += prompt_tokens
+            arr[at + L_PREFILLING] += 1
 
     def prefill_done(self) -> None:
         """The first token arrived: the prompt no longer waits for prefill."""
@@ -103,8 +106,9 @@ class Lease:
             self.first_at = time.monotonic()
         if self.prefilling and not self.released:
             self.prefilling = False
-            self.ledger._add(self.slot, L_PROMPT_TOKENS, -self.prompt_tokens)
-            self.ledger._add(self.slot, L_PREFILLING, -1)
+            arr, at = self.arr, self.at
+            arr[at + L_PROMPT_TOKENS] -= self.prompt_tokens
+            arr[at + L_PREFILLING] -= 1
 
     first_token = prefill_done
 
@@ -129,20 +133,21 @@ class Lease:
     def _give_back(self) -> None:
         self.prefill_done()
         self.released = True
-        self.ledger._add(self.slot, L_REQUESTS, -1)
-        self.ledger._add(self.slot, L_DECODE_TOKENS, -self.decode_tokens)
+        arr, at = self.arr, self.at
+        arr[at + L_REQUESTS] -= 1
+        arr[at + L_DECODE_TOKENS] -= self.decode_tokens
 
 
 class Hold:
     """A decode slot promised while the request's prefill runs; `release()` is idempotent."""
 
-    __slots__ = ("ledger", "slot", "released")
+    __slots__ = ("arr", "i", "released")
 
     def __init__(self, ledger: Ledger, slot: int):
-        self.ledger, self.slot, self.released = ledger, slot, False
-        ledger._add(slot, L_HELD, 1)
+        self.arr, self.i, self.released = ledger.arr, ledger.at(slot) + L_HELD, False
+        self.arr[self.i] += 1
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.ledger._add(self.slot, L_HELD, -1)
+            self.arr[self.i] -= 1

@@ -62,7 +62,7 @@ UNKNOWN = float("inf")
 
 class Predictor:
     def __init__(self, shared: SharedState, decay: float = 1 / 32, min_samples: int = 3):
-        self.h, self.lock, self.errors = shared.health, shared.lock, shared.errors
+        self.h, self.lock, self.errors = shared.health, shared.hot_lock, shared.errors
         self.keep = 1.0 - decay
         self.decay = decay
         self.min_samples = min_samples

@@ -13,6 +13,7 @@ removed endpoint's load cannot land on a fresh one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import ujson
 
@@ -52,6 +53,11 @@ class Target:
     url: str  # base URL, e.g. http://127.0.0.1:8000
     address: str  # host:port as configured
     paused: bool
+
+    @cached_property
+    def label(self) -> str:
+        """How logs name it: instance/endpoint@address (made once: every request line names one or two)."""
+        return f"{self.instance_id}/{self.endpoint_id}@{self.address}"
 
 
 @dataclass(frozen=True)

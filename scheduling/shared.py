@@ -97,6 +97,12 @@ class SharedState:
             errors=ctx.RawArray(ctypes.c_double, MAX_SLOTS * 2 * ERROR_WINDOW),
         )
 
+    @property
+    def hot_lock(self) -> Any:
+        """`lock`'s own semaphore, for the per-request critical sections: `with` on it skips the two Python
+        frames of multiprocessing's wrapper (0.4 µs a use; a PD request takes it five times)."""
+        return self.lock._semlock
+
     def as_shared_ctx(self) -> dict:
         return {f"motor_{k}": getattr(self, k) for k in _FIELDS}
 

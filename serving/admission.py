@@ -34,7 +34,7 @@ class Admitted:
 
 class Admission:
     def __init__(self, settings: Settings, shared: SharedState):
-        self.s, self.shared = settings, shared
+        self.s, self.shared, self.lock = settings, shared, shared.hot_lock
         self.cap = settings.max_inflight_requests
         self.rate = settings.requests_per_second
         self.burst_milli = int(max(1.0, self.rate) * 1000)
@@ -53,7 +53,7 @@ class Admission:
         """0 when admitted, else seconds until a token is available."""
         g = self.shared.globals
         now_us = int(time.time() * 1e6)
-        with self.shared.lock:
+        with self.lock:
             stamp = g[G_RATE_STAMP_US]
             tokens = g[G_RATE_TOKENS_MILLI] if stamp else self.burst_milli
             tokens = min(self.burst_milli, tokens + int((now_us - stamp) * self.rate / 1000) if stamp else tokens)
@@ -73,7 +73,7 @@ class Admission:
             wait_s = self._take_rate_token()
             if wait_s > 0:
                 raise RateLimited("rate limit exceeded", retry_after_s=wait_s, reason="rate_limit")
-        with self.shared.lock:
+        with self.lock:
             if self.cap and g[G_INFLIGHT] >= self.cap:
                 raise RateLimited(f"too many requests in flight (limit {self.cap})", reason="inflight_cap")
             g[G_INFLIGHT] += 1
@@ -81,7 +81,7 @@ class Admission:
 
     def _leave(self, task: asyncio.Task | None) -> None:
         self.local.discard(task)
-        with self.shared.lock:
+        with self.lock:
             self.shared.globals[G_INFLIGHT] -= 1
 
     async def drain(self, timeout_s: float) -> None:

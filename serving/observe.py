@@ -148,7 +148,7 @@ class RequestLog:
 
 
 def _name(t: Target | None) -> str:
-    return f"{t.instance_id}/{t.endpoint_id}@{t.address}" if t else "-"
+    return t.label if t else "-"
 
 
 class Observer:
