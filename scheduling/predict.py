@@ -25,7 +25,8 @@ a least-squares line through (mean batch during a request, its observed seconds 
 wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean.
 
 The fits use exponentially decayed sums (the last ~`1/decay` samples dominate), updated under the
-shared lock, once per finished request. With too little spread in x, a slope is shrunk toward a
+shared lock from finished requests (the scheduler passes on at most one a slot every few milliseconds:
+scheduling/scheduler.py `LEARN_INTERVAL_S`; the virtual queue sees every completion). With too little spread in x, a slope is shrunk toward a
 prior (through the origin for prefill, a fixed part worth 4 sequences for decode), so a fresh model
 never claims that a bigger batch is free. An endpoint is "known" after `min_samples` observations;
 before that the policies fall back to load balancing (and the engine's own mean inter-token latency,
@@ -124,23 +125,29 @@ class Predictor:
             h[base + H_QUEUE_UNTIL] = end
             return end, h[base + H_QUEUE_SHIFT_S]
 
-    def learn_prefill(self, slot: int, started: float, done: float, tokens: int, predicted: float, shift0: float) -> None:
-        """A prefill queued at `started` (see start_prefill) completed at `done` after `tokens` uncached tokens."""
+    def learn_prefill(
+        self, slot: int, started: float, done: float, tokens: int, predicted: float, shift0: float, fit: bool = True
+    ) -> None:
+        """A prefill queued at `started` (see start_prefill) completed at `done` after `tokens` uncached tokens.
+
+        `fit`: also a sample for the fit and the error ring; without it only the virtual queue and the last
+        completion time move (every completion must move them, or later predictions drift).
+        """
         h, base = self.h, slot * HEALTH_FIELDS
         with self.lock:
             shift = h[base + H_QUEUE_SHIFT_S]
             late = done - (predicted + shift - shift0)
-            error = done - predicted
-            if h[base + H_PF_N] >= self.min_samples:  # the error of predictions made by a learned model
-                self._track(slot, 0, base + H_LATE_S, base + H_LATE_N, error)
+            if fit and h[base + H_PF_N] >= self.min_samples:  # the error of predictions made by a learned model
+                self._track(slot, 0, base + H_LATE_S, base + H_LATE_N, done - predicted)
             h[base + H_QUEUE_UNTIL] += late
             h[base + H_QUEUE_SHIFT_S] = shift + late
             last = h[base + H_LAST_DONE]
             service = done - (started if started > last or last == 0.0 else last)
             if done > last or last == 0.0:
                 h[base + H_LAST_DONE] = done
-            if service <= 0.0:
-                return  # finished in the same engine step as the previous one: its time is in that sample
+            if service <= 0.0 or not fit:
+                # (service <= 0: it finished in the same engine step as the previous one, whose sample holds its time)
+                return
             fit = self._add_and_fit(base + H_PF_N, float(tokens), service, ratio_prior=True)
             if fit is not None:
                 h[base + H_PREFILL_BASE_S] = fit[0]

@@ -20,9 +20,11 @@ from scheduling.ledger import DECODE, PREFILL, Ledger
 from scheduling.policies import JobInfo, make_policy
 from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
-from scheduling.scheduler import Scheduler
+from scheduling.scheduler import LEARN_INTERVAL_S, Scheduler
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
-from scheduling.shared import ERROR_WINDOW, H_ENGINE_ITL_S, H_ENGINE_TTFT_S, H_LATE_N, H_LATE_S, HEALTH_FIELDS, SharedState
+from scheduling.shared import (
+    ERROR_WINDOW, H_ENGINE_ITL_S, H_ENGINE_TTFT_S, H_LATE_N, H_LATE_S, H_PF_N, H_QUEUE_SHIFT_S, HEALTH_FIELDS, SharedState,
+)
 from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
 
 MODEL = "m"
@@ -513,6 +515,30 @@ def test_scheduler_leases_feed_the_model_and_the_index():
     assert w.ledger.is_zero()
     again = job(640, hashes=info.block_hashes)
     assert sched.policy.uncached(sched.registry.view().pool(MODEL, "prefill")[0], again) == 1
+
+
+def test_a_worker_fits_at_most_one_request_per_slot_per_learn_interval_but_every_completion_moves_the_queue():
+    def prefills(interval_s: float, n: int) -> list[tuple[float, float]]:
+        """(fit samples, queue shift) after each of n prefills finishing one after another on one slot."""
+        sched, w = scheduler("slo_aware", "off")
+        assert sched.learn_interval_s == LEARN_INTERVAL_S
+        sched.learn_interval_s = interval_s
+        p = sched.registry.view().pool(MODEL, "prefill")[0]
+        h, base = w.shared.health, p.slot * HEALTH_FIELDS
+        seen = []
+        for _ in range(n):
+            lease = sched.lease(p, job(640), PREFILL)
+            lease.succeed(640)
+            time.sleep(0.001)  # later than predicted (nothing is learned yet): the queue is corrected
+            lease.release()
+            seen.append((h[base + H_PF_N], h[base + H_QUEUE_SHIFT_S]))
+        return seen
+
+    sampled = prefills(60.0, 3)
+    assert [n for n, _ in sampled] == [1.0, 1.0, 1.0]  # only the first is a sample within the interval
+    assert sampled[0][1] < sampled[1][1] < sampled[2][1]  # every completion moved the queue
+    every = prefills(0.0, 3)
+    assert every[0][0] < every[1][0] < every[2][0]
 
 
 def test_reject_admission_refuses_a_plan_over_budget():
