@@ -141,7 +141,9 @@ class SanicSink:
         if self.ended:
             return
         self.ended = last
-        await self.response.send(data, end_stream=last)
+        # Straight to the connection's writer (Sanic's Http.send), past the response's own send, which only
+        # normalises its arguments: one coroutine fewer per relayed chunk.
+        await self.response.stream.send(data, last)
 
 
 async def serve_inference(request: Request, route: str, api: str, authenticate: bool = True):
