@@ -10,10 +10,10 @@ bp = Blueprint("anthropic")
 
 
 @bp.post(MESSAGES, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
-async def messages(request: Request):
-    return await serve_inference(request, MESSAGES, ANTHROPIC)
+def messages(request: Request):
+    return serve_inference(request, MESSAGES, ANTHROPIC)
 
 
 @bp.post(COUNT_TOKENS, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
-async def count_tokens(request: Request):
-    return await serve_inference(request, COUNT_TOKENS, ANTHROPIC)
+def count_tokens(request: Request):
+    return serve_inference(request, COUNT_TOKENS, ANTHROPIC)

@@ -127,7 +127,7 @@ class SanicSink:
         self.started = self.ended = False
         self.response = None
 
-    async def json(self, status: int, body: bytes) -> None:
+    def json(self, status: int, body: bytes) -> None:
         self.rec.answered(body)
         self.response = RelayResponse(body, status=status, headers={REQUEST_ID: self.rid}, content_type="application/json")
 

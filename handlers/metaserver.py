@@ -15,5 +15,5 @@ bp = Blueprint("metaserver")
 
 
 @bp.post(METASERVER, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
-async def metaserver(request: Request):
-    return await serve_inference(request, METASERVER, OPENAI, authenticate=False)
+def metaserver(request: Request):
+    return serve_inference(request, METASERVER, OPENAI, authenticate=False)

@@ -10,10 +10,10 @@ bp = Blueprint("openai")
 
 
 @bp.post(CHAT, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
-async def chat_completions(request: Request):
-    return await serve_inference(request, CHAT, OPENAI)
+def chat_completions(request: Request):
+    return serve_inference(request, CHAT, OPENAI)
 
 
 @bp.post(COMPLETIONS, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
-async def completions(request: Request):
-    return await serve_inference(request, COMPLETIONS, OPENAI)
+def completions(request: Request):
+    return serve_inference(request, COMPLETIONS, OPENAI)

@@ -1,8 +1,8 @@
 """The flows of one inference request: whole (one engine), PD handoff, PD trigger; retries and fallback.
 
-The flows that only hand over to `_attempts` (`_whole`, `_count_tokens`, `_prefill`, `_decode`) are
-plain functions returning its coroutine: every coroutine layer costs a loaded worker on each resumption
-and teardown.
+`serve` and the flows that only hand over to `_attempts` (`_whole`, `_count_tokens`, `_prefill`,
+`_decode`) are plain functions returning the coroutine to await: every coroutine layer costs a loaded
+worker on each resumption and teardown.
 
 Retries happen only before the first byte reaches the client: connect errors, timeouts before the
 first byte, and engine 408/429/5xx, each attempt with a fresh engine request id and on another instance
@@ -59,7 +59,8 @@ class Sink(Protocol):
 
     started: bool
 
-    async def json(self, status: int, body: bytes) -> None: ...
+    def json(self, status: int, body: bytes) -> None:
+        """The whole JSON answer (sent when the handler returns: nothing here waits)."""
 
     async def start_stream(self) -> None: ...
 
@@ -101,26 +102,32 @@ class Dispatcher:
             self.scheduler.prepare(info, _PROMPT_KINDS[job.route], job.body)
         return info
 
-    async def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> None:
+    def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
+        """The request's flow, to await. Checks and the first plan happen here, so a refusal raises at once;
+        a request let in at once gets its flow's own coroutine, with no layer of this function's."""
         info = self.job_info(job)
         rec.prompt_tokens = info.prompt_tokens
         if job.route in (MESSAGES, COUNT_TOKENS):
             self._require_vllm(job)
         if job.route == COUNT_TOKENS:
-            await self._count_tokens(job, info, sink, rec)
-            return
+            return self._count_tokens(job, info, sink, rec)
         if job.metaserver is not None:
-            await self._metaserver(job, info, sink, rec)
-            return
-        plan = self._first_plan(info) or await self._queued_plan(info)
+            return self._metaserver(job, info, sink, rec)
+        plan = self._first_plan(info)
+        if plan is None:
+            return self._serve_queued(job, info, sink, rec)
+        return self._serve_plan(job, info, plan, sink, rec)
+
+    def _serve_plan(self, job: Job, info: JobInfo, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         if plan.disaggregated:
             # Trigger mode is MindIE's metaserver protocol for OpenAI routes; Messages always use the handoff.
             if self.s.pd_dispatch == "trigger" and job.route != MESSAGES:
-                await self._trigger(job, info, plan, sink, rec)
-            else:
-                await self._handoff(job, info, plan, sink, rec)
-        else:
-            await self._whole(job, info, plan.target, sink, rec)
+                return self._trigger(job, info, plan, sink, rec)
+            return self._handoff(job, info, plan, sink, rec)
+        return self._whole(job, info, plan.target, sink, rec)
+
+    async def _serve_queued(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
+        await self._serve_plan(job, info, await self._queued_plan(info), sink, rec)
 
     # -- planning and retries --------------------------------------------------------------------
 
@@ -236,7 +243,7 @@ class Dispatcher:
                 else:
                     _, data = await self.client.post(t.url + job.route, job.raw, rid, timeout_s=self.s.infer_timeout_s)
                     rec.first_token()
-                    await sink.json(200, data)
+                    sink.json(200, data)
             finally:
                 lease.release()
 
@@ -251,7 +258,7 @@ class Dispatcher:
         async def call(t: Target, rid: str) -> None:
             rec.target = t
             _, data = await self.client.post(t.url + job.route, job.raw, rid, timeout_s=self.s.first_token_timeout_s)
-            await sink.json(200, data)
+            sink.json(200, data)
 
         return self._attempts(job, sink, rec, self._pick_one(job, info, roles), repick, call)
 
@@ -329,7 +336,7 @@ class Dispatcher:
                         resp = ujson.loads(data)
                     except ValueError:
                         raise UpstreamProtocolError(f"decode engine {t.url} answered invalid JSON") from None
-                    await sink.json(200, dumps(fix_response(resp, p_usage, anthropic)) if isinstance(resp, dict) else data)
+                    sink.json(200, dumps(fix_response(resp, p_usage, anthropic)) if isinstance(resp, dict) else data)
             finally:
                 lease.release()
                 rec.decode_s = time.monotonic() - started
