@@ -74,7 +74,7 @@ def _fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
     return b"\n".join(lines)
 
 
-_MARKERS = (b'"usage":{', b'"usage": {', b'"kv_transfer_params":{', b'"kv_transfer_params": {')
+_KEYS = (b'"usage"', b'"kv_transfer_params"')
 
 
 def needs_fix(data: bytes) -> bool:
@@ -83,12 +83,21 @@ def needs_fix(data: bytes) -> bool:
 
 
 def _next_marker(data: bytes, start: int) -> int:
-    """Where the first usage or ticket object at or after `start` begins, or -1."""
+    """Where the first usage or ticket object at or after `start` begins (the key, then `:` and `{` with any
+    blanks between), or -1.
+
+    One scan per key (a scan of a 2 KB block costs about a microsecond), each hit checked for an object
+    after it: `"usage":null` or a key inside a string is not a marker.
+    """
     found = -1
-    for marker in _MARKERS:
-        i = data.find(marker, start)
-        if i >= 0 and (found < 0 or i < found):
-            found = i
+    for key in _KEYS:
+        i = data.find(key, start)
+        while i >= 0 and (found < 0 or i < found):
+            after = data[i + len(key) : i + len(key) + 16].lstrip()
+            if after[:1] == b":" and after[1:].lstrip()[:1] == b"{":
+                found = i
+                break
+            i = data.find(key, i + len(key))
     return found
 
 

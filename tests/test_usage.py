@@ -49,6 +49,14 @@ def test_usage_event_takes_the_prompt_side_from_prefill():
     assert b"kv_transfer_params" not in fixed
 
 
+def test_usage_with_blanks_is_fixed_and_null_usage_or_the_key_in_text_is_relayed_as_is():
+    spaced = b'data: {"id":"c","choices":[],"usage" :  {"prompt_tokens":40,"completion_tokens":2,"total_tokens":42}}\n\n'
+    fixed = fix_events(spaced, {"prompt_tokens": 30}, False)
+    assert json.loads(fixed.strip()[len(b"data: "):])["usage"] == {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32}
+    untouched = b'data: {"id":"c","choices":[{"delta":{"content":"\\"usage\\": {"}}],"usage":null}\n\n' + chunk(3) + b"\n\n"
+    assert fix_events(untouched, P_USAGE, False) is untouched
+
+
 def test_splitter_keeps_partial_events_for_the_next_chunk():
     splitter = EventSplitter()
     stream = b"".join(e + b"\r\n\r\n" for e in (chunk(0), USAGE_EVENT, b"data: [DONE]"))
