@@ -4,7 +4,7 @@ Each connection is an asyncio Protocol feeding httptools' (llhttp's) response pa
 time; idle connections wait in a per-origin pool for the next request. This replaced aiohttp's client,
 whose request path was a third of the Coordinator's CPU per request (bench/overhead.py --profile): the
 Coordinator only ever needs a status and the body's bytes, so no header objects, no cookie jar, no
-tracing hooks, no per-request timer objects beyond one deadline per wait.
+tracing hooks, and one deadline timer per connection, moved lazily (see `_Connection.wait`).
 
 Deadlines per leg: connect (`connect_timeout`), first byte (`first_token_timeout`: response headers and,
 when streaming, the first chunk), idle gap between chunks (`stream_idle_timeout`) and total
@@ -47,11 +47,6 @@ def _split(url: str) -> tuple[Origin, bytes, bytes]:
     return (host, port, tls), target.encode(), parts.netloc.rsplit("@", 1)[-1].encode()
 
 
-def _expire(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError())
-
-
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection to an engine and the state of its current exchange."""
 
@@ -62,6 +57,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0  # when it last went back to the pool
+        self.timer: asyncio.TimerHandle | None = None  # the one deadline timer (see wait)
+        self.timer_at = self.deadline = 0.0
         self.begin(streaming=False)
 
     def begin(self, streaming: bool) -> None:
@@ -100,6 +97,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._disarm()
         self.client._forget(self)
         if not self.complete and self.error is None:
             if self.status and not self.framed:  # a body delimited by the connection's end (HTTP/1.0 style)
@@ -169,17 +167,43 @@ class _Connection(asyncio.Protocol):
         return bool(self.status) if until == _HEADERS else bool(self.chunks)
 
     async def wait(self, until: int, deadline: float) -> None:
-        """Until `until` holds (or the exchange failed or ended); TimeoutError at `deadline`."""
+        """Until `until` holds (or the exchange failed or ended); TimeoutError at `deadline`.
+
+        The connection has one timer, moved lazily: a wait arms it only when none is armed or the armed
+        one is due after `deadline`, and leaves it armed when it ends; a timer that fires before the
+        current wait's deadline re-arms itself for it. Making and cancelling a uvloop timer costs about
+        3 µs, and a stream waits once per chunk: now a connection's timer fires about once per timeout.
+        """
         if self.ready(until):
             return
         fut = self.loop.create_future()
-        self.waiter, self.until = fut, until
-        timer = self.loop.call_at(deadline, _expire, fut)
+        self.waiter, self.until, self.deadline = fut, until, deadline
+        if self.timer is None or self.timer_at > deadline:
+            self._arm(deadline)
         try:
             await fut
         finally:
-            timer.cancel()
             self.waiter = None
+
+    def _arm(self, at: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer, self.timer_at = self.loop.call_at(at, self._on_timer, at), at
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _on_timer(self, at: float) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # no wait in progress: the next one arms a timer of its own
+        if self.deadline > at:
+            self._arm(self.deadline)  # armed by an earlier wait: this wait ends later
+        else:
+            waiter.set_exception(TimeoutError())
 
     def take(self) -> bytes:
         """The body bytes received and not yet taken."""
@@ -195,6 +219,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self._disarm()
         if self.transport is not None:
             self.transport.close()
 

@@ -455,6 +455,33 @@ def test_stream_times_out_when_the_engine_stalls(reply, limits, phase, before):
     run(scenario)
 
 
+def test_a_pooled_connections_deadline_is_each_waits_own():
+    """The connection's one timer, left armed by an exchange, neither cuts a later, longer wait short nor
+    delays a shorter one."""
+
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(response(OK_BODY))  # at once: the 0.3 s deadline stays armed
+        await peer.request()
+        await asyncio.sleep(0.6)  # past that deadline, within this request's 3 s
+        await peer.send(response(OK_BODY))
+        await peer.request()  # never answered: its 0.3 s, not the 3 s still armed
+        await asyncio.sleep(SCENARIO_LIMIT_S)
+
+    async def scenario():
+        async with Engine(script) as (srv, client):
+            loop = asyncio.get_running_loop()
+            assert await post(client, srv.url, timeout_s=0.3) == (200, OK_BODY)
+            assert await post(client, srv.url, timeout_s=3.0) == (200, OK_BODY)
+            start = loop.time()
+            with pytest.raises(UpstreamTimeout):
+                await post(client, srv.url, timeout_s=0.3)
+            assert 0.25 <= loop.time() - start < 1.5
+            assert srv.connections == 1  # one connection served all three
+
+    run(scenario)
+
+
 def test_stream_total_deadline_holds_despite_steady_chunks():
     async def script(peer: Peer) -> None:
         await peer.request()
