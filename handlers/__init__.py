@@ -41,8 +41,11 @@ def register(app: Sanic) -> None:
 
 
 def check_guarded(app: Sanic) -> None:
-    """At start-up (middleware finalized): a route added after `register` would have no plane guard."""
+    """At start-up (middleware finalized): a route added after `register` would have neither."""
     for route in app.router.routes:
-        handlers = [m.func for m in route.extra.request_middleware]
-        if not getattr(route.ctx, "self_guarded", False) and plane_guard not in handlers:
+        if getattr(route.ctx, "self_guarded", False):
+            continue
+        if plane_guard not in [m.func for m in route.extra.request_middleware]:
             raise RuntimeError(f"route {route.name} ({route.path}) has no plane guard")
+        if stamp_request_id not in [m.func for m in route.extra.response_middleware]:
+            raise RuntimeError(f"route {route.name} ({route.path}) has no request-id stamp")

@@ -156,14 +156,15 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
     """Validate, authenticate and dispatch one inference request; the whole life of its response.
 
     Its routes are `ctx_self_guarded`: Sanic runs no middleware for them (see handlers/__init__.py), so the
-    plane check is here and every answer carries the request id.
+    plane check is here, before anything is recorded (the 404 is rendered by the app's error handler, like
+    any route's), and every answer carries the request id.
     """
+    check_plane(request, INFER)
     ctx = request.app.ctx
     rid = request_id(request)
     rec = RequestRecord(rid, route)
     sink = SanicSink(request, rid, api, rec)
     try:
-        check_plane(request, INFER)
         if authenticate:
             check_api_key(request, api)
         raw = await read_body(request, ctx.settings.max_request_body_bytes)

@@ -117,6 +117,10 @@ def test_every_route_is_served_on_its_own_port_only(cluster):
                     assert r.headers["x-request-id"]
     # Nothing reached an engine: the inference routes on their own port had invalid bodies.
     assert sum(received(cluster).values()) == 0
+    # Requests refused for the port are not inference requests: no 404 in the request metrics.
+    time.sleep(0.2)  # every worker's metrics written (within 50 ms)
+    requests = [line for line in httpx.get(cluster.obs + "/metrics").text.splitlines() if line.startswith("motor_requests_total{")]
+    assert any('status="400"' in line for line in requests) and not any('status="404"' in line for line in requests)
 
 
 GUARD_CHECK = """
