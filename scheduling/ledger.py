@@ -81,6 +81,7 @@ class Lease:
     __slots__ = (
         "ledger", "slot", "arr", "at", "prompt_tokens", "decode_tokens", "prefilling", "released", "kind",
         "started", "first_at", "ended", "events", "ok", "engine_uncached", "batch", "predicted", "shift", "hashes",
+        "sample",
     )
 
     def __init__(self, ledger: Ledger, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool, kind: str):
@@ -93,6 +94,7 @@ class Lease:
         self.engine_uncached = -1  # uncached prompt tokens as the engine reported them (-1: not reported)
         self.batch = 0  # requests on the slot when this one started, itself included
         self.hashes: list[int] = []
+        self.sample = False  # the learned model's fits take this request's timings (the scheduler decides)
         self.arr, self.at = arr, at = ledger.arr, ledger.at(slot)
         arr[at + L_REQUESTS] += 1
         arr[at + L_DECODE_TOKENS] += decode_tokens

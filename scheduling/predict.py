@@ -13,24 +13,24 @@ completion; `rate` and `base` are a least-squares line through (uncached tokens,
 When none of our prefills is in flight on the endpoint (the ledger says so), its queue is empty, whatever
 the virtual queue held (a lost or aborted request leaves phantom work there otherwise).
 
-Every prefill's error (observed minus predicted finish, as predicted when it was sent) goes into a ring of
-the endpoint's last `ERROR_WINDOW` errors; their 95th percentile is its `allowance_s`, added to
-predictions judged against a budget, so an engine that stalls now and then is given room for its stalls,
-and forgets a stall once `ERROR_WINDOW` newer requests have come and gone. Decode streams do the same with
-their observed seconds per token against the TPOT predicted when the request was planned
-(`tpot_allowance_s`), which also covers errors in the predicted batch.
+Every sampled prefill's error (observed minus predicted finish, as predicted when it was sent; samples
+are below) goes into a ring of the endpoint's last `ERROR_WINDOW` errors; their 95th percentile is its
+`allowance_s`, added to predictions judged against a budget, so an engine that stalls now and then is
+given room for its stalls, and forgets a stall once `ERROR_WINDOW` newer samples have come and gone.
+Decode streams do the same with their observed seconds per token against the TPOT predicted when the
+request was planned (`tpot_allowance_s`), which also covers errors in the predicted batch.
 
 Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
 a least-squares line through (mean batch during a request, its observed seconds per token) pairs. The
 wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean.
 
 The fits use exponentially decayed sums (the last ~`1/decay` samples dominate), updated under the
-shared lock from finished requests (the scheduler passes on at most one a slot every few milliseconds:
-scheduling/scheduler.py `LEARN_INTERVAL_S`; the virtual queue sees every completion). With too little spread in x, a slope is shrunk toward a
-prior (through the origin for prefill, a fixed part worth 4 sequences for decode), so a fresh model
-never claims that a bigger batch is free. An endpoint is "known" after `min_samples` observations;
-before that the policies fall back to load balancing (and the engine's own mean inter-token latency,
-from /metrics, stands in for an unknown decode model).
+shared lock from finished requests that are samples: at most one per slot every `LEARN_INTERVAL_S` from
+each worker (scheduling/scheduler.py), while the virtual queue takes every completion. With too little
+spread in x, a slope is shrunk toward a prior (through the origin for prefill, a fixed part worth 4
+sequences for decode), so a fresh model never claims that a bigger batch is free. An endpoint is
+"known" after `min_samples` observations; before that the policies fall back to load balancing (and
+the engine's own mean inter-token latency, from /metrics, stands in for an unknown decode model).
 """
 
 from __future__ import annotations
@@ -148,10 +148,10 @@ class Predictor:
             if service <= 0.0 or not fit:
                 # (service <= 0: it finished in the same engine step as the previous one, whose sample holds its time)
                 return
-            fit = self._add_and_fit(base + H_PF_N, float(tokens), service, ratio_prior=True)
-            if fit is not None:
-                h[base + H_PREFILL_BASE_S] = fit[0]
-                h[base + H_PREFILL_TPS] = 1.0 / fit[1] if fit[1] > 0.0 else 1e12
+            line = self._add_and_fit(base + H_PF_N, float(tokens), service, ratio_prior=True)
+            if line is not None:
+                h[base + H_PREFILL_BASE_S] = line[0]
+                h[base + H_PREFILL_TPS] = 1.0 / line[1] if line[1] > 0.0 else 1e12
 
     def learn_decode(
         self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0

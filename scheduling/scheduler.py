@@ -24,11 +24,12 @@ from scheduling.tokens import PromptMeter, make_meter
 
 log = logging.getLogger("coordinator.scheduler")
 
-# A worker learns from at most one finished request per slot in this many seconds: the fits and error
-# rings cost about 20 µs a request, a twentieth of a streamed request's whole cost in a loaded worker, and
-# at hundreds of completions a second per engine a few of them a millisecond apart tell the model
-# nothing the others do not. Engines finishing fewer (any real vLLM engine: its requests take
-# hundreds of milliseconds) are learned from in full. The prefill queue and the prefix index see every one.
+# The learned model's fits and error rings take at most one request per slot in this many seconds from
+# each worker: they cost about 20 µs a request, a twentieth of a streamed request's whole cost in a loaded
+# worker, and requests starting a millisecond apart on one engine tell the model little the others do not.
+# Which requests are samples is decided when they start, so that it does not depend on how long they take.
+# At the rates of real engines (a few requests a second per slot and worker) nearly every request is one;
+# the prefill queue's corrections and the prefix index take every request.
 LEARN_INTERVAL_S = 0.005
 
 
@@ -125,8 +126,12 @@ class Scheduler:
 
     # -- leases and learning ---------------------------------------------------------------------
 
-    def lease(self, t: Target, job: JobInfo, kind: str) -> Lease:
-        """Take `t`'s load for one leg (PREFILL, DECODE) or a whole request (WHOLE)."""
+    def lease(self, t: Target, job: JobInfo, kind: str, learn: bool = True) -> Lease:
+        """Take `t`'s load for one leg (PREFILL, DECODE) or a whole request (WHOLE).
+
+        `learn`: its timings can teach the model (a stream's, a prefill's; not a JSON answer's, which has no
+        first-token time): it may be a sample, and only such leases use up this worker's turn on the slot.
+        """
         if kind == DECODE:
             lease = self.ledger.lease(t.slot, 0, job.max_tokens, prefilling=False, kind=DECODE)
             lease.predicted = job.tpot_model_s if job.feasible is not None else 0.0  # what the plan expected
@@ -138,7 +143,16 @@ class Scheduler:
             if self.predictor is not None:
                 lease.predicted, lease.shift = self.predictor.start_prefill(t.slot, uncached, lease.started, idle)
         lease.batch = self.ledger.requests(t.slot)
+        if learn:
+            lease.sample = self._sample(t.slot, lease.started)
         return lease
+
+    def _sample(self, slot: int, now: float) -> bool:
+        """Is a learnable lease starting now this worker's next sample on `slot` (LEARN_INTERVAL_S)?"""
+        if now < self._learn_after.get(slot, 0.0):
+            return False
+        self._learn_after[slot] = now + self.learn_interval_s
+        return True
 
     def hold(self, t: Target) -> Hold:
         """Promise `t`'s decode batch a place while the request's prefill runs."""
@@ -147,10 +161,7 @@ class Scheduler:
     def _observe(self, lease: Lease) -> None:
         """A lease marked successful is being released: learn from its timings."""
         try:
-            pred, slot = self.predictor, lease.slot
-            fit = lease.ended >= self._learn_after.get(slot, 0.0)
-            if fit:
-                self._learn_after[slot] = lease.ended + self.learn_interval_s
+            pred, slot, fit = self.predictor, lease.slot, lease.sample
             if lease.kind == PREFILL or (lease.kind == WHOLE and lease.first_at):
                 done = lease.ended if lease.kind == PREFILL else lease.first_at
                 tokens = lease.engine_uncached if lease.engine_uncached >= 0 else lease.prompt_tokens

@@ -221,7 +221,7 @@ class Dispatcher:
 
         async def call(t: Target, rid: str) -> None:
             rec.target = t
-            lease = self.scheduler.lease(t, info, WHOLE)
+            lease = self.scheduler.lease(t, info, WHOLE, learn=job.stream)
             try:
                 if job.stream:
                     async with self.client.stream(t.url + job.route, job.raw, rid) as es:
@@ -304,7 +304,7 @@ class Dispatcher:
 
         async def call(t: Target, rid: str) -> None:
             rec.target = t
-            lease = self.scheduler.lease(t, info, DECODE)
+            lease = self.scheduler.lease(t, info, DECODE, learn=job.stream)
             started = time.monotonic()
             try:
                 if job.stream:

@@ -23,7 +23,8 @@ from scheduling.registry import Registry, Target
 from scheduling.scheduler import LEARN_INTERVAL_S, Scheduler
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
 from scheduling.shared import (
-    ERROR_WINDOW, H_ENGINE_ITL_S, H_ENGINE_TTFT_S, H_LATE_N, H_LATE_S, H_PF_N, H_QUEUE_SHIFT_S, HEALTH_FIELDS, SharedState,
+    ERROR_WINDOW, H_DC_N, H_ENGINE_ITL_S, H_ENGINE_TTFT_S, H_LAST_DONE, H_LATE_N, H_LATE_S, H_PF_N, H_QUEUE_SHIFT_S,
+    HEALTH_FIELDS, SharedState,
 )
 from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
 
@@ -518,8 +519,8 @@ def test_scheduler_leases_feed_the_model_and_the_index():
 
 
 def test_a_worker_fits_at_most_one_request_per_slot_per_learn_interval_but_every_completion_moves_the_queue():
-    def prefills(interval_s: float, n: int) -> list[tuple[float, float]]:
-        """(fit samples, queue shift) after each of n prefills finishing one after another on one slot."""
+    def prefills(interval_s: float, n: int) -> list[tuple[float, float, bool]]:
+        """(fit samples, queue shift, last completion is this one's) after each of n prefills on one slot."""
         sched, w = scheduler("slo_aware", "off")
         assert sched.learn_interval_s == LEARN_INTERVAL_S
         sched.learn_interval_s = interval_s
@@ -531,14 +532,40 @@ def test_a_worker_fits_at_most_one_request_per_slot_per_learn_interval_but_every
             lease.succeed(640)
             time.sleep(0.001)  # later than predicted (nothing is learned yet): the queue is corrected
             lease.release()
-            seen.append((h[base + H_PF_N], h[base + H_QUEUE_SHIFT_S]))
+            seen.append((h[base + H_PF_N], h[base + H_QUEUE_SHIFT_S], h[base + H_LAST_DONE] == lease.ended))
         return seen
 
     sampled = prefills(60.0, 3)
-    assert [n for n, _ in sampled] == [1.0, 1.0, 1.0]  # only the first is a sample within the interval
+    assert [n for n, _, _ in sampled] == [1.0, 1.0, 1.0]  # only the first is a sample within the interval
     assert sampled[0][1] < sampled[1][1] < sampled[2][1]  # every completion moved the queue
+    assert all(last for _, _, last in sampled)  # and set the last completion time
     every = prefills(0.0, 3)
     assert every[0][0] < every[1][0] < every[2][0]
+
+
+def test_decode_samples_are_chosen_at_the_start_and_only_learnable_leases_use_the_turn():
+    sched, w = scheduler("slo_aware", "off")
+    sched.learn_interval_s = 60.0
+    d = sched.registry.view().pool(MODEL, "decode")[0]
+    h, base = w.shared.health, d.slot * HEALTH_FIELDS
+
+    def decode(learn: bool):
+        lease = sched.lease(d, job(640), DECODE, learn=learn)
+        lease.first_token()
+        lease.events = 20
+        time.sleep(0.002)
+        lease.succeed()
+        return lease
+
+    json_answer = decode(learn=False)  # a JSON answer: no sample, and the turn is still free
+    first, second = decode(learn=True), decode(learn=True)  # second starts within the interval: no sample
+    assert (json_answer.sample, first.sample, second.sample) == (False, True, False)
+    second.release()  # finishing first does not make it the sample
+    assert h[base + H_DC_N] == 0.0
+    first.release()
+    assert h[base + H_DC_N] == 1.0
+    json_answer.release()
+    assert h[base + H_DC_N] == 1.0
 
 
 def test_reject_admission_refuses_a_plan_over_budget():
