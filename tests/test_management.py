@@ -8,6 +8,7 @@ call each), so both workers serve them; the per-request log lines name the worke
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -145,9 +146,10 @@ print(json.dumps({"bare": bare, "late": late}))
 """
 
 
-def test_only_the_inference_routes_run_without_middleware_and_a_new_route_without_a_guard_stops_start_up():
-    # In a process of its own: importing app.py sets the metrics directory for the process.
-    out = subprocess.run([sys.executable, "-c", GUARD_CHECK], capture_output=True, text=True, timeout=60, cwd=ROOT)
+def test_only_the_inference_routes_run_without_middleware_and_a_new_route_without_a_guard_stops_start_up(tmp_path):
+    # In a process of its own: importing app.py sets the metrics directory for the process (here, one of the test's).
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", GUARD_CHECK], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bare"] == ["v1/chat/completions", "v1/completions", "v1/messages", "v1/messages/count_tokens", "v1/metaserver"]
