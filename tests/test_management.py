@@ -406,6 +406,9 @@ def test_probes_while_draining_say_not_ready_but_alive(sims):
     out: dict = {}
     stream = threading.Thread(target=_long_stream, args=(coord, out))
     try:
+        # A SIGTERM is drained only by workers that finished starting (sanic #2997): wait until each served one.
+        mark = len(coord.output())
+        assert wait_until(lambda: chat(coord).status_code == 200 and len(worker_pids(coord, mark)) == WORKERS, timeout_s=20)
         stream.start()
         assert wait_until(lambda: u.stats()["running"] == 1, timeout_s=10)
         coord.proc.send_signal(signal.SIGTERM)
