@@ -164,9 +164,9 @@ class Predictor:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
                     self._track(slot, 1, base + H_TPOT_LATE_S, base + H_TPOT_N, per_token - predicted)
-                fit = self._add_and_fit(base + H_DC_N, batch, per_token, ratio_prior=False)
-                if fit is not None:
-                    h[base + H_DECODE_STEP_S], h[base + H_DECODE_PER_SEQ_S] = fit
+                line = self._add_and_fit(base + H_DC_N, batch, per_token, ratio_prior=False)
+                if line is not None:
+                    h[base + H_DECODE_STEP_S], h[base + H_DECODE_PER_SEQ_S] = line
             step = self.step_s(slot, batch)
             if step == UNKNOWN:
                 return

@@ -17,8 +17,9 @@ Every request of a prompt route is counted once, by its model's meter, before it
 count is what the request line and metrics report when the engine's answer carries no usage.
 
 Block hashes are chained: block k's hash covers the whole prompt up to the end of block k (system
-prompt and tools included), so two prompts share block k's hash exactly when they share that prefix. The hash is CRC-32 and Adler-32 of the prefix side by side (64 bits, computed incrementally):
-not cryptographic; a collision only misroutes one request.
+prompt and tools included), so two prompts share block k's hash exactly when they share that prefix.
+The hash is CRC-32 and Adler-32 of the prefix side by side (64 bits, computed incrementally): not
+cryptographic; a collision only misroutes one request.
 """
 
 from __future__ import annotations
