@@ -11,7 +11,9 @@ amount), counting each correction once: a lease remembers the sum of corrections
 Its service time is the time from max(its start, the previous completion on that endpoint) to its
 completion; `rate` and `base` are a least-squares line through (uncached tokens, service time) pairs.
 When none of our prefills is in flight on the endpoint (the ledger says so), its queue is empty, whatever
-the virtual queue held (a lost or aborted request leaves phantom work there otherwise).
+the virtual queue held (a lost or aborted request leaves phantom work there otherwise). A JSON answer
+has no first-token time, only an upper bound on it: it moves the queue end only when it arrives before
+its predicted prefill finish (`settle_prefill`), and is not fitted.
 
 Every sampled prefill's error (observed minus predicted finish, as predicted when it was sent; samples
 are below) goes into a ring of the endpoint's last `ERROR_WINDOW` errors; their 95th percentile is its
@@ -152,6 +154,23 @@ class Predictor:
             if line is not None:
                 h[base + H_PREFILL_BASE_S] = line[0]
                 h[base + H_PREFILL_TPS] = 1.0 / line[1] if line[1] > 0.0 else 1e12
+
+    def settle_prefill(self, slot: int, done_by: float, predicted: float, shift0: float) -> None:
+        """A prefill whose answer came whole (a JSON answer: no first-token time) was done by `done_by`.
+
+        A prediction later than that was late at least by the difference, and so is the work queued behind
+        it: the queue end moves up by as much. An answer after the predicted finish says nothing (the
+        decode took that time), so nothing is fitted and the last completion time stays.
+        """
+        h, base = self.h, slot * HEALTH_FIELDS
+        if predicted + h[base + H_QUEUE_SHIFT_S] - shift0 <= done_by:  # the usual case, told without the lock
+            return
+        with self.lock:
+            shift = h[base + H_QUEUE_SHIFT_S]
+            early = predicted + shift - shift0 - done_by
+            if early > 0.0:
+                h[base + H_QUEUE_UNTIL] -= early
+                h[base + H_QUEUE_SHIFT_S] = shift - early
 
     def learn_decode(
         self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0

@@ -162,11 +162,14 @@ class Scheduler:
         """A lease marked successful is being released: learn from its timings."""
         try:
             pred, slot, fit = self.predictor, lease.slot, lease.sample
-            if lease.kind == PREFILL or (lease.kind == WHOLE and lease.first_at):
-                done = lease.ended if lease.kind == PREFILL else lease.first_at
-                tokens = lease.engine_uncached if lease.engine_uncached >= 0 else lease.prompt_tokens
+            if lease.kind == PREFILL or lease.kind == WHOLE:
                 if pred is not None and lease.predicted:
-                    pred.learn_prefill(slot, lease.started, done, tokens, lease.predicted, lease.shift, fit)
+                    if lease.kind == PREFILL or lease.first_at:
+                        done = lease.ended if lease.kind == PREFILL else lease.first_at
+                        tokens = lease.engine_uncached if lease.engine_uncached >= 0 else lease.prompt_tokens
+                        pred.learn_prefill(slot, lease.started, done, tokens, lease.predicted, lease.shift, fit)
+                    else:  # a JSON answer: its prefill was done by the time the answer was
+                        pred.settle_prefill(slot, lease.ended, lease.predicted, lease.shift)
                 if self.index is not None and lease.hashes:
                     self.index.record(lease.hashes, slot)
             if fit and pred is not None and lease.kind != PREFILL and lease.first_at:

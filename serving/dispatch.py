@@ -243,6 +243,7 @@ class Dispatcher:
                 else:
                     _, data = await self.client.post(t.url + job.route, job.raw, rid, timeout_s=self.s.infer_timeout_s)
                     rec.first_token()
+                    lease.succeed()  # the prefix is cached there now, and the prefill was done by now
                     sink.json(200, data)
             finally:
                 lease.release()
@@ -336,6 +337,7 @@ class Dispatcher:
                         resp = ujson.loads(data)
                     except ValueError:
                         raise UpstreamProtocolError(f"decode engine {t.url} answered invalid JSON") from None
+                    lease.succeed()
                     sink.json(200, dumps(fix_response(resp, p_usage, anthropic)) if isinstance(resp, dict) else data)
             finally:
                 lease.release()

@@ -16,7 +16,7 @@ from engine_sim import tokens as sim_tokens
 from scheduling.admission import AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
-from scheduling.ledger import DECODE, PREFILL, Ledger
+from scheduling.ledger import DECODE, PREFILL, WHOLE, Ledger
 from scheduling.policies import JobInfo, make_policy
 from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
@@ -24,7 +24,7 @@ from scheduling.scheduler import LEARN_INTERVAL_S, Scheduler
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
 from scheduling.shared import (
     ERROR_WINDOW, H_DC_N, H_ENGINE_ITL_S, H_ENGINE_TTFT_S, H_LAST_DONE, H_LATE_N, H_LATE_S, H_PF_N, H_QUEUE_SHIFT_S,
-    HEALTH_FIELDS, SharedState,
+    H_QUEUE_UNTIL, HEALTH_FIELDS, SharedState,
 )
 from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
 
@@ -541,6 +541,35 @@ def test_a_worker_fits_at_most_one_request_per_slot_per_learn_interval_but_every
     assert all(last for _, _, last in sampled)  # and set the last completion time
     every = prefills(0.0, 3)
     assert every[0][0] < every[1][0] < every[2][0]
+
+
+def test_a_json_answer_records_its_prefix_and_settles_the_queue_only_when_early():
+    """No first-token time: the answer's arrival bounds the prefill's finish, so only an early one moves the queue."""
+    w = World("kv_cache_affinity")
+    sched = Scheduler(Registry(w.shared), w.ledger, w.health, w.policy)
+    u = target(0, "union")
+    teach_prefill(w.predictor, 0, 1000.0)  # 640 tokens: 0.65 s predicted
+    h, base = w.shared.health, 0
+    fitted, last_done = h[base + H_PF_N], h[base + H_LAST_DONE]
+
+    info = job(640, hashes=chained_hashes(b"q" * 64 * 40, 64))
+    early = sched.lease(u, info, WHOLE, learn=False)
+    behind = queue_work(w, 0, 640)  # queued behind it: its predicted finish moves up too
+    queue_end = h[base + H_QUEUE_UNTIL]
+    early.succeed()
+    early.release()  # answered well before its predicted prefill finish
+    moved = queue_end - h[base + H_QUEUE_UNTIL]
+    assert moved == pytest.approx(early.predicted - early.ended, abs=1e-6) and moved > 0.5
+    assert w.index.cached_blocks(info.block_hashes, 0) == 40
+    assert (h[base + H_PF_N], h[base + H_LAST_DONE]) == (fitted, last_done)  # no sample, no completion time
+
+    late = sched.lease(u, job(640), WHOLE, learn=False)
+    late.predicted = late.started - 1.0  # as if predicted to finish a second ago: the answer says nothing
+    queue_end = h[base + H_QUEUE_UNTIL]
+    late.succeed()
+    late.release()
+    assert h[base + H_QUEUE_UNTIL] == queue_end
+    behind.release()
 
 
 def test_decode_samples_are_chosen_at_the_start_and_only_learnable_leases_use_the_turn():

@@ -123,6 +123,38 @@ def test_two_workers_spread_concurrent_load_evenly(sims, policy):
         assert sum(served) == 40 and min(served) >= 12, served  # 30 %: neither engine starved
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_kv_cache_affinity_sends_each_conversation_back_to_its_cache(sims, stream):
+    """Streamed or not (the SDKs' default), a prompt whose prefix an engine prefilled goes back there."""
+    a, b = sims("union"), sims("union")
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, a.address), instance(2, "union", MODEL, b.address)],
+        scheduler_config={"scheduler_type": "kv_cache_affinity"},
+    )
+    with Coordinator(cfg) as coord:
+        oa = client(coord)
+        cached = []
+        for turn in range(3):
+            for topic in ("tides", "glaciers", "dunes"):  # odd: a rotation alone would not bring them back
+                messages = [
+                    {"role": "system", "content": f"You explain {topic}. " + f"Background on {topic}: " * 60},
+                    {"role": "user", "content": f"question {turn}"},
+                ]
+                if stream:
+                    chunks = list(oa.chat.completions.create(
+                        model=MODEL, messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True},
+                    ))
+                    usage = chunks[-1].usage
+                else:
+                    usage = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage
+                cached.append((turn, topic, usage.prompt_tokens_details.cached_tokens))
+        assert all(n == 0 for turn, _, n in cached if turn == 0)
+        misses = [(turn, topic) for turn, topic, n in cached if turn > 0 and n == 0]
+        assert not misses, misses  # every later turn found its prefix in the engine that prefilled it
+        served = [a.stats()["received"], b.stats()["received"]]
+        assert min(served) > 0, served  # the conversations were spread, not all sent to one engine
+
+
 def slo_cluster(sims, admission: str, slo_ttft: int = 1, **sched):
     p, d = sims("prefill"), sims("decode")
     cfg = coordinator_config(
