@@ -107,6 +107,8 @@ def render_chatml(messages: list, tools: object = None, system: object = None) -
 def completion_text(prompt: object) -> str:
     if isinstance(prompt, str):
         return prompt
+    if prompt is None:  # prompt_embeds instead: not text, and not counted
+        return ""
     if isinstance(prompt, list):
         return "\n".join(completion_text(p) for p in prompt)
     return str(prompt)

@@ -77,34 +77,27 @@ def _max_tokens(body: dict, *keys: str, required: bool = False) -> int:
     return 256
 
 
-def _checked_messages(body: dict, roles: tuple[str, ...] | None, allow_empty: bool = False) -> list:
+def _checked_messages(body: dict, content_required: bool) -> list:
+    """Messages as routing and prompt counting read them: objects with a role and a string or list content.
+
+    Which roles exist is the engine's to judge: vLLM takes any role string on chat (custom roles such as
+    Llama's `ipython`), and on /v1/messages `system` (which Claude Code sends inside `messages`) as well
+    as `user` and `assistant`. An assistant turn may omit its content (tool or function calls only).
+    """
     messages = body.get("messages")
-    if not isinstance(messages, list) or (not messages and not allow_empty):
+    if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' is required and must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content'", param=f"messages[{i}]")
         role = m.get("role")
-        if not isinstance(role, str) or (roles is not None and role not in roles):
-            allowed = f" ({', '.join(roles)})" if roles else ""
-            raise InvalidRequest(f"messages[{i}].role must be a valid role{allowed}", param=f"messages[{i}].role")
-        if "content" not in m and not (role == "assistant" and m.get("tool_calls")):
-            raise InvalidRequest(f"messages[{i}].content is required", param=f"messages[{i}].content")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequest(f"messages[{i}].role is required and must be a non-empty string", param=f"messages[{i}].role")
         content = m.get("content")
+        if content is None and (content_required or (role != "assistant" and "content" not in m)):
+            raise InvalidRequest(f"messages[{i}].content is required", param=f"messages[{i}].content")
         if content is not None and not isinstance(content, (str, list)):
             raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content")
-    return messages
-
-
-OPENAI_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
-ANTHROPIC_ROLES = ("user", "assistant")
-
-
-def _checked_anthropic_messages(body: dict) -> list:
-    messages = _checked_messages(body, ANTHROPIC_ROLES)
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("content"), (str, list)):
-            raise InvalidRequest(f"messages[{i}].content must be a string or a list of content blocks", param=f"messages[{i}].content")
     return messages
 
 
@@ -121,26 +114,26 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str)
         return _metaserver_job(raw, body)
     if route == CHAT:
         stream = _stream(body)
-        _checked_messages(body, OPENAI_ROLES)
+        _checked_messages(body, content_required=False)
         _check_tools(body)
         max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
     elif route == COMPLETIONS:
         stream = _stream(body)
-        if "prompt" not in body or body["prompt"] is None:
+        prompt = body.get("prompt")
+        if prompt is None and body.get("prompt_embeds") is None:  # vLLM takes either (embeds when it enables them)
             raise InvalidRequest("'prompt' is required", param="prompt")
-        prompt = body["prompt"]
-        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+        if prompt is not None and (not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt)):
             raise InvalidRequest("'prompt' must be a string, a list of strings or a list of token ids", param="prompt")
         max_tokens = _max_tokens(body, "max_tokens")
     elif route == MESSAGES:
         stream = _stream(body)
         max_tokens = _max_tokens(body, "max_tokens", required=True)
-        _checked_anthropic_messages(body)
+        _checked_messages(body, content_required=True)
         _check_tools(body)
     else:  # count_tokens
         stream = False
         max_tokens = 0
-        _checked_anthropic_messages(body)
+        _checked_messages(body, content_required=True)
         _check_tools(body)
     return Job(route, api, raw, body, model, stream, request_id, max_tokens)
 

@@ -420,8 +420,8 @@ BAD_BODIES = [
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": True, "messages": USER}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": []}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": "hi"}).encode()),
-    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}).encode()),
-    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}).encode()),
+    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": 5, "content": "x"}]}).encode()),
+    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "", "content": "x"}]}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"content": "x"}]}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user"}]}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": None}]}).encode()),
@@ -432,8 +432,27 @@ BAD_BODIES = [
     ("/v1/messages/count_tokens", b"{not json"),
     ("/v1/messages/count_tokens", json.dumps({"messages": USER}).encode()),
     ("/v1/messages/count_tokens", json.dumps({"model": MODEL, "messages": []}).encode()),
-    ("/v1/messages/count_tokens", json.dumps({"model": MODEL, "messages": [{"role": "developer", "content": "x"}]}).encode()),
+    ("/v1/messages/count_tokens", json.dumps({"model": MODEL, "messages": [{"role": None, "content": "x"}]}).encode()),
 ]
+
+
+def test_roles_are_the_engines_to_judge(union_cluster):
+    """Claude Code sends `system` turns inside `messages` (vLLM 0.23+ takes them, and `ctx`/`msg`): they
+    reach the engine; a role the engine refuses comes back as its 400, in Anthropic's shape."""
+    engine = union_cluster.engines["union"]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Available agent types: none"},
+        {"role": "ctx", "content": "context"},
+        {"role": "msg", "content": "more"},
+    ]
+    m = sdk(union_cluster).messages.create(model=MODEL, max_tokens=4, messages=messages)
+    assert m.content[0].text and [x["role"] for x in engine.requests()[-1]["body"]["messages"]] == ["user", "system", "ctx", "msg"]
+    count = sdk(union_cluster).messages.count_tokens(model=MODEL, messages=messages)
+    assert count.input_tokens > 0
+    r = httpx.post(union_cluster.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]})
+    assert r.status_code == 400 and error_of(r)["type"] == "invalid_request_error"
+    assert engine.requests()[-1]["body"]["messages"] == [{"role": "tool", "content": "x"}]  # the engine judged it
 
 
 def error_of(r: httpx.Response) -> dict:

@@ -165,6 +165,22 @@ def test_bad_input_is_a_clear_4xx_in_openai_shape(union_cluster, path, body, sta
     assert client(union_cluster).completions.create(model=MODEL, prompt="still ok", max_tokens=2).choices
 
 
+def test_what_vllm_accepts_reaches_the_engine(union_cluster):
+    """Custom roles (vLLM takes any role string), an assistant turn with only a function call, and a
+    completions request with `prompt_embeds` instead of `prompt` are the engine's to judge."""
+    engine = union_cluster.engines["union"]
+    messages = [
+        {"role": "user", "content": "what is 2+2?"},
+        {"role": "assistant", "function_call": {"name": "calc", "arguments": "{}"}},
+        {"role": "ipython", "content": "4"},
+    ]
+    resp = client(union_cluster).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert resp.choices[0].message.content
+    assert [m["role"] for m in engine.requests()[-1]["body"]["messages"]] == ["user", "assistant", "ipython"]
+    httpx.post(union_cluster.url + "/v1/completions", json={"model": MODEL, "prompt_embeds": "AAAA", "max_tokens": 2})
+    assert engine.requests()[-1]["body"]["prompt_embeds"] == "AAAA"  # not refused at the edge
+
+
 def test_wrong_content_type_is_415(union_cluster):
     r = httpx.post(union_cluster.url + "/v1/chat/completions", content=b"model=x", headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 415
