@@ -58,7 +58,10 @@ def presented_key(request: Request, cfg: ApiKeyConfig) -> str | None:
 
 def valid_key(cfg: ApiKeyConfig, key: str) -> bool:
     # Compare against every valid key so timing reveals neither the key nor which one matched.
-    return any([hmac.compare_digest(key.encode(), valid.encode()) for valid in cfg.valid_keys])
+    # Sanic decodes header bytes with surrogateescape: encoding back the same way gives the bytes sent
+    # (a key that is not UTF-8 is simply wrong, not an error).
+    presented = key.encode("utf-8", "surrogateescape")
+    return any([hmac.compare_digest(presented, valid.encode()) for valid in cfg.valid_keys])
 
 
 def check_api_key(request: Request, api: str) -> None:

@@ -349,7 +349,8 @@ def test_management_key_protects_instances_but_never_the_probes(sims):
         for path in ("/startup", "/liveness", "/readiness"):
             assert httpx.get(coord.mgmt + path).status_code == 200
         body = {"event": "del", "instances": [1]}
-        for headers in ({}, {"X-Motor-Management-Key": "wrong"}, {"X-Motor-Management-Key": "m-ke"}, {"Authorization": "Bearer m-key"}):
+        for headers in ({}, {"X-Motor-Management-Key": "wrong"}, {"X-Motor-Management-Key": "m-ke"}, {"Authorization": "Bearer m-key"},
+                        {"X-Motor-Management-Key": "m-k\xe9y".encode("latin-1")}):
             assert httpx.get(coord.mgmt + "/instances", headers=headers).status_code == 401
             r = httpx.post(coord.mgmt + "/instances/refresh", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["status"] == "failed"

@@ -231,6 +231,14 @@ def test_api_key_auth(sims):
         assert httpx.get(coord.url + "/v1/models").status_code == 401
         assert httpx.get(coord.url + "/v1/models", headers={"Authorization": "Bearer k-one"}).status_code == 200
         assert all("k-two" not in json.dumps(r["headers"]) for r in u.requests())
+        # A key that is not UTF-8 is a wrong key (was a 500, which the SDKs retry).
+        latin1 = "Bearer k-\xf6ne".encode("latin-1")
+        r = httpx.post(coord.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"Authorization": latin1})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(coord.url + "/v1/models", headers={"Authorization": latin1}).status_code == 401
+        r = httpx.post(coord.url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+                       headers={"x-api-key": "k-\xf6ne".encode("latin-1")})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
 def test_custom_auth_header_and_prefix(sims):
