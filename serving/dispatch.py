@@ -192,7 +192,8 @@ class Dispatcher:
             try:
                 result = await call(target, rid)
             except UpstreamError as e:
-                self._record(target, e)
+                if target.slot not in exclude:  # one request retried on one engine is one failure to its breaker
+                    self._record(target, e)
                 if not e.retryable or sink.started or attempt >= self.s.max_retry:
                     raise
                 attempt += 1

@@ -147,6 +147,17 @@ def test_breaker_opens_on_5xx_stops_traffic_in_every_worker_and_recovers(c):
     assert c.bad.stats()["completed"] > before  # back in rotation
 
 
+def test_one_request_retried_on_its_only_engine_is_one_failure_to_its_breaker(c):
+    """A request the engine fails every time (a poison input, say) must not open the breaker for everyone
+    else by its retries alone: threshold 2, and this request tries the only engine twice."""
+    c.u.set_faults(fail_status=500)
+    assert post(c, chat(MODEL)).status_code >= 500
+    assert c.u.stats()["received"] == 2
+    c.u.clear_faults()
+    assert endpoints(c)[c.u.address]["breaker"] == "closed"
+    assert post(c, chat(MODEL)).status_code == 200
+
+
 def test_client_errors_never_open_the_breaker(c):
     for s in (c.good, c.bad):
         s.set_faults(fail_status=400)
