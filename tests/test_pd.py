@@ -208,6 +208,36 @@ def test_trigger_mode_decode_calls_metaserver(sims):
             assert p.stats()["kv_pulled"] == 1 and d.stats()["remote_kv_hits"] == 1
 
 
+KEYS = {"enable_api_key": True, "valid_keys": ["k-meta"], "header_name": "Authorization", "key_prefix": "Bearer "}
+
+
+def test_trigger_mode_with_api_keys_lets_engines_in_without_one(sims):
+    """Engines send no key: a metaserver call from a registered instance's address needs none."""
+    p, d = sims("prefill"), sims("decode")
+    cfg = coordinator_config(
+        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
+        scheduler_config={"pd_dispatch": "trigger"}, api_key_config=KEYS,
+    )
+    with Coordinator(cfg) as coord:
+        keyed = openai.OpenAI(base_url=coord.url + "/v1", api_key="k-meta", max_retries=0)
+        resp = keyed.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert resp.choices[0].message.content and d.stats()["metaserver_calls"] == 1 and p.stats()["kv_pulled"] == 1
+
+
+def test_metaserver_from_elsewhere_needs_a_key(sims):
+    """No registered instance at the caller's address (loopback here): a call without a valid key is a 401,
+    not a way around the keys to a full generation."""
+    cfg = coordinator_config([instance(1, "decode", MODEL, "decode-0.invalid:8000")], api_key_config=KEYS)
+    with Coordinator(cfg) as coord:
+        ktp = {"request_id": "m-1", "do_remote_decode": True, "do_remote_prefill": False}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": ktp}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(coord.url + "/v1/metaserver", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(coord.url + "/v1/metaserver", json=body, headers={"Authorization": "Bearer k-meta"})
+        assert r.status_code == 503  # let in; its only engine is unreachable
+
+
 def _meta(coord, ktp: dict, **body):
     return httpx.post(coord.url + "/v1/metaserver", json={
         "model": MODEL, "messages": [{"role": "user", "content": "meta"}], "stream": False,
