@@ -312,7 +312,9 @@ class SimServer:
             if kind == "count_tokens":
                 return self._count_tokens(body, hdrs)
             req = self._parse(kind, body)
-        except ApiError as e:
+        except (ApiError, UnicodeError) as e:
+            if isinstance(e, UnicodeError):  # a lone surrogate, say: vLLM answers a ValueError in the prompt with 400
+                e = ApiError(400, str(e), "BadRequestError")
             if kind != "count_tokens":
                 eng.stats["failed"] += 1
             resp = self._error(kind, e)

@@ -215,6 +215,17 @@ def test_unknown_fields_recorded(union):
     assert union.stats()["received"] == 1 and union.stats()["completed"] == 1
 
 
+def test_a_prompt_that_cannot_be_encoded_is_a_400(union):
+    """A lone surrogate (valid JSON, not UTF-8): vLLM's tokenizer raises a ValueError, which it answers with 400."""
+    for path, body in (
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}),
+        ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}),
+        ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": "\ud800"}]}),
+    ):
+        r = httpx.post(union.url + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+
+
 def test_prefix_cache_hits(union):
     long = [{"role": "user", "content": "shared system context " * 40}]
     a = oa(union).chat.completions.create(model="m", messages=long, max_tokens=1)
