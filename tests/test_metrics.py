@@ -182,8 +182,11 @@ def test_retries_and_breaker_state(c):
     assert after.get("motor_instance_breaker_state", instance=1) == 0
 
     u.set_faults(fail_status=500)
-    assert post(c, CHAT, chat_body()).status_code == 502  # three attempts, all failed: the breaker opens
-    assert scrape(c).get("motor_instance_breaker_state", instance=1) == 1
+    assert post(c, CHAT, chat_body()).status_code == 502  # three attempts on the one engine, all failed:
+    assert scrape(c).get("motor_instance_breaker_state", instance=1) == 0  # one request is one failure
+    for _ in range(2):
+        assert post(c, CHAT, chat_body()).status_code == 502
+    assert scrape(c).get("motor_instance_breaker_state", instance=1) == 1  # the third failed request opens it
     r = post(c, CHAT, chat_body())
     assert r.status_code == 503  # the breaker refuses before any engine is tried
     u.clear_faults()
