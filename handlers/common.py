@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from contextlib import nullcontext
 import logging
 from random import getrandbits
 
@@ -155,8 +156,12 @@ class SanicSink:
         await self.response.stream.send(data, last)
 
 
-async def serve_inference(request: Request, route: str, api: str, authenticate: bool = True):
+async def serve_inference(request: Request, route: str, api: str, from_client: bool = True):
     """Validate, authenticate and dispatch one inference request; the whole life of its response.
+
+    `from_client` False: an engine's metaserver call, part of a client request that was authenticated
+    and admitted already (counting it again would make a trigger-mode request take two in-flight places,
+    and refuse its second half during a drain).
 
     Its routes are `ctx_self_guarded`: Sanic runs no middleware for them (see handlers/__init__.py), so the
     plane check is here, before anything is recorded (the 404 is rendered by the app's error handler, like
@@ -168,14 +173,14 @@ async def serve_inference(request: Request, route: str, api: str, authenticate: 
     rec = RequestRecord(rid, route)
     sink = SanicSink(request, rid, api, rec)
     try:
-        if authenticate:
+        if from_client:
             check_api_key(request, api)
         raw = await read_body(request, ctx.settings.max_request_body_bytes)
         job = job_from_body(route, api, raw, parse_body(raw), rid)
         job.slo_ttft_ms = _slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = _slo_header(request, "x-slo-tpot-ms")
         rec.model, rec.stream = job.model, job.stream
-        with ctx.admission.admit():
+        with ctx.admission.admit() if from_client else nullcontext():
             await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()

@@ -7,7 +7,8 @@ is sent anywhere; one named by nothing is picked by the scheduler.
 Engines send no API key. With `enable_api_key` on, a call is let in when it comes from the address of
 a registered instance (names resolved, and cached for `RESOLVED_FOR_S`) or carries a valid key; any
 other caller gets 401, as on the other inference routes: the route runs a full generation when asked
-for a decode, so it must not be a way around the keys.
+for a decode, so it must not be a way around the keys. A call is not admitted again (in-flight cap,
+rate limit, drain): it is half of a client request admitted already.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ async def metaserver(request: Request):
     check_plane(request, INFER)
     if request.app.ctx.settings.api_key.enable_api_key and not await from_registered_instance(request):
         check_api_key(request, OPENAI)
-    return await serve_inference(request, METASERVER, OPENAI, authenticate=False)
+    return await serve_inference(request, METASERVER, OPENAI, from_client=False)
 
 
 async def from_registered_instance(request: Request) -> bool:

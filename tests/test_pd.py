@@ -211,12 +211,14 @@ def test_trigger_mode_decode_calls_metaserver(sims):
 KEYS = {"enable_api_key": True, "valid_keys": ["k-meta"], "header_name": "Authorization", "key_prefix": "Bearer "}
 
 
-def test_trigger_mode_with_api_keys_lets_engines_in_without_one(sims):
-    """Engines send no key: a metaserver call from a registered instance's address needs none."""
+def test_trigger_mode_with_api_keys_and_a_cap_lets_engines_in(sims):
+    """Engines send no key: a metaserver call from a registered instance's address needs none; and it is
+    not admitted again, so an in-flight cap of 1 still serves a trigger-mode request."""
     p, d = sims("prefill"), sims("decode")
     cfg = coordinator_config(
         [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
         scheduler_config={"pd_dispatch": "trigger"}, api_key_config=KEYS,
+        rate_limit_config={"max_inflight_requests": 1},  # D's call is half of the one request in flight
     )
     with Coordinator(cfg) as coord:
         keyed = openai.OpenAI(base_url=coord.url + "/v1", api_key="k-meta", max_retries=0)
