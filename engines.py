@@ -164,7 +164,9 @@ class _Connection(asyncio.Protocol):
     def ready(self, until: int) -> bool:
         if self.error is not None or self.complete:
             return True
-        return bool(self.status) if until == _HEADERS else bool(self.chunks)
+        if until == _HEADERS:
+            return bool(self.status)
+        return until == _DATA and bool(self.chunks)  # _COMPLETE: only the end (part of a body is not all of it)
 
     async def wait(self, until: int, deadline: float) -> None:
         """Until `until` holds (or the exchange failed or ended); TimeoutError at `deadline`.
@@ -330,6 +332,9 @@ class EngineClient:
     def _release(self, conn: _Connection) -> None:
         """Back to the pool when the exchange ended cleanly and both sides keep the connection; else closed."""
         if conn.complete and conn.keep_alive and conn.error is None and not conn.closed and not self.is_closed:
+            if conn.paused:  # the answer ended in the read that filled the buffer, and its reader left
+                conn.paused = False
+                conn.transport.resume_reading()
             conn.idle_since = conn.loop.time()
             self.pool.setdefault(conn.origin, []).append(conn)
         else:

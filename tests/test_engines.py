@@ -402,14 +402,43 @@ def test_post_error_status_raises_with_the_body():
     run(scenario)
 
 
-def test_stream_error_status_raises_with_the_body():
+@pytest.mark.parametrize("later", [False, True], ids=["at_once", "rest_later"])
+def test_stream_error_status_raises_with_the_body(later):
+    """The whole error body, also when only its first part came with the head (vLLM echoing a long input)."""
     error = b'{"error":{"message":"bad field"}}'
+    answer = streamed(error[:10], error[10:], status=b"400 Bad Request")
+    cut = answer.index(error[:10]) + 10
+
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(answer[:cut] if later else answer)
+        if later:
+            await asyncio.sleep(0.1)
+            await peer.send(answer[cut:])
+        await serve_each()(peer)
 
     async def scenario():
-        async with Engine(serve_each(streamed(error[:10], error[10:], status=b"400 Bad Request"))) as (srv, client):
+        async with Engine(script) as (srv, client):
             with pytest.raises(EngineStatusError) as e:
                 await collect(client, srv.url, [])
             assert e.value.status == 400 and e.value.body == error and e.value.is_client_error
+
+    run(scenario)
+
+
+def test_a_connection_paused_when_its_stream_ended_is_pooled_reading():
+    """An answer may end in the read that filled the stream buffer (reading paused), and its reader leave
+    without taking it: the pooled connection must read the next answer."""
+
+    async def scenario():
+        async with Engine(serve_each(streamed(*EVENTS), response(OK_BODY))) as (srv, client):
+            async with client.stream(srv.url, BODY, RID) as es:
+                await eventually(lambda: es.conn.complete)
+                es.conn.paused = True  # as on_body leaves it when the buffer filled up
+                es.conn.transport.pause_reading()
+            assert pooled(client, srv) == 1
+            assert await post(client, srv.url, timeout_s=1.0) == (200, OK_BODY)
+            assert srv.connections == 1
 
     run(scenario)
 
