@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import time
@@ -28,9 +29,9 @@ if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
     os.environ["MOTOR_OWNS_PROM_DIR"] = "1"
 
 from sanic import Request, Sanic  # noqa: E402
-from sanic.worker.loader import AppLoader  # noqa: E402
+from sanic.worker.loader import AppLoader, CertLoader  # noqa: E402
 
-from config import ConfigError, Instance, Endpoint, Settings, load_settings, resolve_config_path, with_models_for_instances  # noqa: E402
+from config import ConfigError, Instance, Endpoint, Settings, TlsConfig, load_settings, resolve_config_path, with_models_for_instances  # noqa: E402
 from engines import EngineClient  # noqa: E402
 from errors import CoordinatorError, NotFound, PayloadTooLarge  # noqa: E402
 from handlers import register  # noqa: E402
@@ -50,7 +51,7 @@ APP_NAME = "motor_coordinator"
 
 
 def create_app(settings: Settings) -> Sanic:
-    app = Sanic(APP_NAME)
+    app = Sanic(APP_NAME, certloader_class=InferenceTls)
     app.config.REQUEST_MAX_SIZE = max(settings.max_request_body_bytes, 10 * 1024 * 1024 + 1024)
     app.config.RESPONSE_TIMEOUT = response_timeout_s(settings)
     app.config.REQUEST_TIMEOUT = 60
@@ -63,6 +64,17 @@ def create_app(settings: Settings) -> Sanic:
     app.ctx.settings = settings
     app.ctx.plane_by_port = {settings.infer_port: INFER, settings.mgmt_port: MGMT, settings.obs_port: OBS}
     register(app)
+
+    @app.before_server_start
+    async def tls_per_port(app: Sanic):
+        # Sanic gives every server it runs the one TLS context InferenceTls loaded; the management and
+        # metrics servers start after this listener (Sanic's `_start_servers`) and take theirs from here.
+        mgmt = tls_context(settings.mgmt_tls)
+        for info in app.state.server_info:
+            sock = info.settings.get("sock")  # workers serve sockets the main process bound
+            port = sock.getsockname()[1] if sock is not None else info.settings.get("port")
+            if port in (settings.mgmt_port, settings.obs_port):
+                info.settings["ssl"] = mgmt
 
     @app.main_process_start
     async def make_shared_state(app: Sanic):
@@ -230,13 +242,10 @@ def main(argv: list[str] | None = None) -> int:
 
     loader = AppLoader(factory=partial(create_app, settings))
     app = loader.load()
-    infer_ssl = _ssl(settings.infer_tls)
-    mgmt_ssl = _ssl(settings.mgmt_tls)
     common = dict(host=settings.host, workers=settings.num_workers, access_log=settings.access_log, motd=False)
-    app.prepare(port=settings.infer_port, ssl=infer_ssl, **common)
-    app.prepare(port=settings.mgmt_port, ssl=mgmt_ssl, **common)
-    app.prepare(port=settings.obs_port, ssl=mgmt_ssl, **common)
-    scheme = "https" if infer_ssl else "http"
+    for port in (settings.infer_port, settings.mgmt_port, settings.obs_port):  # TLS: InferenceTls and tls_per_port
+        app.prepare(port=port, **common)
+    scheme = "https" if settings.infer_tls.enable_tls else "http"
     log.info(
         "Coordinator on %s://%s:%d (inference), %s:%d (management), %s:%d (metrics), %d worker(s)",
         scheme, settings.host, settings.infer_port, settings.host, settings.mgmt_port, settings.host,
@@ -246,10 +255,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _ssl(tls) -> dict | None:
+def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
+    """A port's server TLS: its certificate and key; with `ca_file`, clients must present a certificate it signed."""
     if not tls.enable_tls:
         return None
-    return {"cert": tls.cert_file, "key": tls.key_file}
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.ca_file:
+        context.load_verify_locations(tls.ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class InferenceTls(CertLoader):
+    """The TLS context Sanic loads in each worker (contexts do not cross processes) and gives every server:
+    the inference port's. The management and metrics ports get theirs in `tls_per_port`."""
+
+    def load(self, app: Sanic) -> ssl.SSLContext | None:
+        return tls_context(app.ctx.settings.infer_tls)
 
 
 if __name__ == "__main__":

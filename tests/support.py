@@ -64,10 +64,14 @@ def coordinator_config(instances: list[dict], models: list[dict] | None = None, 
 class Coordinator:
     """A running `python app.py` process."""
 
-    def __init__(self, config: dict, workers: int | None = None, wrap: bool = True, env: dict | None = None):
+    def __init__(
+        self, config: dict, workers: int | None = None, wrap: bool = True, env: dict | None = None, verify: str | bool = True,
+    ):
         """`config` is a motor_coordinator_config object, written wrapped in a whole user_config.json unless
-        `wrap` is false (then it is written as given: a bare section, or a whole file)."""
+        `wrap` is false (then it is written as given: a bare section, or a whole file). `verify`: the CA that
+        a management port with TLS is checked against while waiting for readiness."""
         self.config = config.get("motor_coordinator_config", config)
+        self.verify = verify
         api = self.config["api_config"]
         self.host = api["coordinator_api_host"]
         self.infer_port = api["coordinator_api_infer_port"]
@@ -91,17 +95,20 @@ class Coordinator:
             self.stop()
             raise
 
+    def _scheme(self, section: str) -> str:
+        return "https" if self.config.get(section, {}).get("enable_tls") else "http"
+
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.infer_port}"
+        return f"{self._scheme('infer_tls_config')}://{self.host}:{self.infer_port}"
 
     @property
     def mgmt(self) -> str:
-        return f"http://{self.host}:{self.mgmt_port}"
+        return f"{self._scheme('mgmt_tls_config')}://{self.host}:{self.mgmt_port}"
 
     @property
     def obs(self) -> str:
-        return f"http://{self.host}:{self.obs_port}"
+        return f"{self._scheme('mgmt_tls_config')}://{self.host}:{self.obs_port}"
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
         """Readiness answers and every worker has started (SIGTERM before that hangs Sanic, sanic #2997).
@@ -115,7 +122,7 @@ class Coordinator:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"coordinator exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                ready = httpx.get(self.mgmt + "/readiness", timeout=1.0).status_code == 200
+                ready = httpx.get(self.mgmt + "/readiness", timeout=1.0, verify=self.verify).status_code == 200
             except httpx.HTTPError:
                 ready = False
             if ready:

@@ -13,11 +13,8 @@ import asyncio
 import dataclasses
 import hashlib
 import random
-import shutil
 import socket
 import ssl
-import subprocess
-from pathlib import Path
 from typing import Awaitable, Callable
 
 import pytest
@@ -25,6 +22,7 @@ import pytest
 from config import Settings
 from engines import STREAM_BUFFER, EngineClient
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
+from tests.certs import Certs, make_certs
 
 PATH = "/v1/chat/completions"
 RID = "req-7f3a"
@@ -678,121 +676,9 @@ def test_closed_client_refuses_requests_and_closes_idle_connections():
 # tests point SSL_CERT_FILE (which OpenSSL reads then) at the throwaway CA, or at another one.
 
 
-@dataclasses.dataclass(frozen=True)
-class Certs:
-    """PEM files: a throwaway CA, the certificate for IP 127.0.0.1 it signed, its key, and a CA that signed nothing."""
-
-    ca: str
-    cert: str
-    key: str
-    other_ca: str
-
-    def server_context(self) -> ssl.SSLContext:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(self.cert, self.key)
-        return ctx
-
-
-# Extensions as strict verification (Python 3.13's default context) wants them: critical basic
-# constraints, key identifiers on both sides, the address in subjectAltName (a CN is not looked at).
-OPENSSL_CNF = """\
-[req]
-distinguished_name = dn
-[dn]
-[ca]
-basicConstraints = critical, CA:TRUE
-keyUsage = critical, keyCertSign, cRLSign
-subjectKeyIdentifier = hash
-[server]
-basicConstraints = critical, CA:FALSE
-keyUsage = critical, digitalSignature
-extendedKeyUsage = serverAuth
-subjectAltName = IP:127.0.0.1
-subjectKeyIdentifier = hash
-authorityKeyIdentifier = keyid
-"""
-
-
-def openssl_certs(openssl: str, folder: Path) -> Certs:
-    """The Certs made by the openssl command line (P-256 keys: quick to make), in `folder`."""
-    (folder / "openssl.cnf").write_text(OPENSSL_CNF)
-
-    def sh(*args: str) -> None:
-        done = subprocess.run([openssl, *args], cwd=folder, capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, f"openssl {args[0]} failed: {done.stderr}"
-
-    new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-config", "openssl.cnf")
-    for name in ("ca", "other-ca"):
-        sh("req", "-x509", *new_key, "-extensions", "ca", "-subj", f"/CN=engines test {name}", "-days", "1",
-           "-keyout", f"{name}.key", "-out", f"{name}.pem")  # fmt: skip
-    sh("req", "-new", *new_key, "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
-    sh("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-days", "1",
-       "-set_serial", str(random.getrandbits(63)), "-extfile", "openssl.cnf", "-extensions", "server",
-       "-out", "server.pem")  # fmt: skip
-    return Certs(*(str(folder / f) for f in ("ca.pem", "server.pem", "server.key", "other-ca.pem")))
-
-
-def cryptography_certs(folder: Path) -> Certs:
-    """The same Certs made with the cryptography package."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def issue(cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None, name: str) -> tuple:
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        ca = issuer is None
-        signer_cert, signer_key = issuer or (None, key)
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(subject if ca else signer_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(x509.KeyUsage(not ca, False, False, False, False, ca, ca, False, False), critical=True)
-        )
-        if not ca:
-            b = (
-                b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-                .add_extension(
-                    x509.AuthorityKeyIdentifier.from_issuer_public_key(signer_key.public_key()), critical=False
-                )
-            )
-        cert = b.sign(signer_key, hashes.SHA256())
-        (folder / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        pem_key = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        (folder / f"{name}.key").write_bytes(pem_key)
-        return cert, key
-
-    ca = issue("engines test ca", None, "ca")
-    issue("engines test other-ca", None, "other-ca")
-    issue("127.0.0.1", ca, "server")
-    return Certs(*(str(folder / f) for f in ("ca.pem", "server.pem", "server.key", "other-ca.pem")))
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    folder = tmp_path_factory.mktemp("engine-tls")
-    if openssl := shutil.which("openssl"):
-        return openssl_certs(openssl, folder)
-    try:
-        import cryptography  # noqa: F401
-    except ImportError:
-        pytest.skip("a throwaway CA needs the openssl command or the cryptography package: neither is here")
-    return cryptography_certs(folder)
+    return make_certs(tmp_path_factory.mktemp("engine-tls"))
 
 
 def test_https_post_pools_its_tls_connection(certs, monkeypatch):
