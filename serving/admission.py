@@ -52,11 +52,14 @@ class Admission:
     def _take_rate_token(self) -> float:
         """0 when admitted, else seconds until a token is available."""
         g = self.shared.globals
-        now_us = int(time.time() * 1e6)
+        # The monotonic clock is one clock for every process on the host, and never steps back: with the
+        # wall clock, an NTP correction of a minute refused every request for a minute.
+        now_us = int(time.monotonic() * 1e6)
         with self.lock:
             stamp = g[G_RATE_STAMP_US]
             tokens = g[G_RATE_TOKENS_MILLI] if stamp else self.burst_milli
-            tokens = min(self.burst_milli, tokens + int((now_us - stamp) * self.rate / 1000) if stamp else tokens)
+            elapsed_us = now_us - stamp if now_us > stamp else 0
+            tokens = min(self.burst_milli, tokens + int(elapsed_us * self.rate / 1000) if stamp else tokens)
             g[G_RATE_STAMP_US] = now_us
             if tokens >= 1000:
                 g[G_RATE_TOKENS_MILLI] = tokens - 1000

@@ -7,6 +7,7 @@ worker. Connections are not reused between requests, so the kernel spreads them 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import threading
@@ -15,6 +16,9 @@ import time
 import httpx
 import pytest
 
+from config import Settings
+from scheduling.shared import G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, SharedState
+from serving.admission import Admission
 from tests.support import Coordinator, coordinator_config, free_port, instance, sse_events, wait_until
 
 MODEL, FLAKY, GONE = "lim", "lim-flaky", "lim-gone"
@@ -72,6 +76,20 @@ def c(cluster):
         s.clear_faults()
         s.reset()
     return cluster
+
+
+def test_rate_limit_bucket_survives_a_stamp_ahead_of_the_clock():
+    """Tokens refill with elapsed time; a stamp later than now (a clock stepped back) must not drain the
+    bucket for as long as the step (it refused every request for a minute after an NTP correction)."""
+    admission = Admission(dataclasses.replace(Settings(), requests_per_second=20.0), SharedState.create())
+    assert [admission._take_rate_token() == 0.0 for _ in range(21)] == [True] * 20 + [False]  # a burst of 20
+    time.sleep(0.1)
+    assert admission._take_rate_token() == 0.0  # refilled at 20 a second
+    admission.shared.globals[G_RATE_STAMP_US] = 2**52  # far ahead of any clock
+    admission._take_rate_token()
+    assert admission.shared.globals[G_RATE_TOKENS_MILLI] >= 0  # no negative time, no debt
+    time.sleep(0.1)
+    assert admission._take_rate_token() == 0.0
 
 
 def test_inflight_cap_holds_across_workers(c):
