@@ -1039,11 +1039,17 @@ class _Writer:
         await self.resp.write(b)
 
     async def data(self, s: str):
-        await self._fault_gate()
-        self.n += 1
-        await self.resp.write(b"data: " + s.encode() + b"\n\n")
+        await self._emit(b"data: " + s.encode() + b"\n\n")
 
     async def event(self, name: str, obj: dict):
+        await self._emit(b"event: " + name.encode() + b"\ndata: " + dumps(obj).encode() + b"\n\n")
+
+    async def _emit(self, frame: bytes):
+        v = self.s.faults.get("partial_event_at_n")
+        if v is not None and self.n == int(v):  # the network cut this event: its first half goes out alone
+            half = len(frame) // 2
+            await self.resp.write(frame[:half])
+            frame = frame[half:]
         await self._fault_gate()
         self.n += 1
-        await self.resp.write(b"event: " + name.encode() + b"\ndata: " + dumps(obj).encode() + b"\n\n")
+        await self.resp.write(frame)

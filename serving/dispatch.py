@@ -225,6 +225,9 @@ class Dispatcher:
             lease = self.scheduler.lease(t, info, WHOLE, learn=job.stream)
             try:
                 if job.stream:
+                    # Whole events only: a keep-alive comment or an error event must never land inside one
+                    # that the network cut in two.
+                    splitter = EventSplitter()
                     async with self.client.stream(t.url + job.route, job.raw, rid) as es:
                         async for chunk in es.chunks(self.s.stream_keepalive_interval_s):
                             if not chunk:
@@ -234,10 +237,14 @@ class Dispatcher:
                                 lease.prefill_done()
                                 rec.first_token()
                                 await sink.start_stream()
-                            events = chunk.count(b"data:")
-                            lease.events += events
-                            rec.events += events
-                            await sink.send(chunk, es.finished)
+                            block, count = splitter.complete(chunk)
+                            if count:
+                                lease.events += count
+                                rec.events += block.count(b"data:")
+                                await sink.send(block, es.finished and not splitter.tail)
+                        if splitter.tail.strip():  # the engine ended without the last event's blank line
+                            rec.events += splitter.tail.count(b"data:")
+                            await sink.send(splitter.tail + b"\n\n")
                     if not sink.started:
                         raise UpstreamProtocolError(f"engine {t.url} ended the stream without sending anything")
                     lease.succeed()

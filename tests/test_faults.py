@@ -242,12 +242,18 @@ def test_eos_on_prefill_is_a_missed_handoff_and_decode_recomputes(c, stream):
 MID = pytest.mark.parametrize("where", ["union", "decode"])
 
 
+# The engine's next event cut in two by the network before the fault: its first half must not reach the
+# client, or the keep-alive comment and the error event would land inside it.
+CUT = pytest.mark.parametrize("cut", [{}, {"partial_event_at_n": 2}], ids=["whole_events", "event_cut"])
+
+
 @MID
 @STREAM
-def test_stalled_stream_gets_keepalives_then_one_error_event(c, where, stream):
+@CUT
+def test_stalled_stream_gets_keepalives_then_one_error_event(c, where, stream, cut):
     sims = c.sims[where]
     for s in sims:
-        s.set_faults(stall_mid_stream_after_n=2)
+        s.set_faults(stall_mid_stream_after_n=2, **cut)
     # Long enough that the engine is still generating when the idle deadline ends the stream.
     code, _, text = call(c, chat_body(model_of(where), stream, max_tokens=2000 if stream else 8))
     assert code == 200
@@ -265,10 +271,11 @@ def test_stalled_stream_gets_keepalives_then_one_error_event(c, where, stream):
 
 @MID
 @STREAM
-def test_connection_closed_mid_stream_ends_with_one_error_event(c, where, stream):
+@CUT
+def test_connection_closed_mid_stream_ends_with_one_error_event(c, where, stream, cut):
     sims = c.sims[where]
     for s in sims:
-        s.set_faults(close_mid_stream_after_n=2)
+        s.set_faults(close_mid_stream_after_n=2, **cut)
     code, _, text = call(c, chat_body(model_of(where), stream, max_tokens=2000 if stream else 8))
     assert code == 200
     assert len(attempts(sims)) == 1
