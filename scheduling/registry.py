@@ -5,9 +5,14 @@ its version; every worker compares the version on each request and re-parses whe
 workers route by the new set at once. An instance id names one engine for as long as it is registered:
 `set` and `add` keep a registered instance that comes again unchanged (its slots, load and pause state)
 and refuse one that comes back with another role, model or endpoints (409). Paused instances stay in the
-set and keep their in-flight requests; the scheduler gives them no new ones. Each endpoint of each
-instance gets a slot (see shared.py); slots of deleted endpoints are reused last, so a late release of a
-removed endpoint's load cannot land on a fresh one.
+set and keep their in-flight requests; the scheduler gives them no new ones.
+
+Each endpoint of each instance gets a slot (see shared.py). The document keeps the free slots in the
+order they were freed, and a new endpoint takes the least recently freed one whose ledger column is
+empty (no request, no held decode slot): a removed endpoint's requests still in flight release their
+load, and report their failures to the breaker, on a slot that nobody else holds. When the only free
+slots still carry such requests, the refresh is refused (409) rather than mixing two engines' load.
+A slot's health row is reset only when a refresh that hands it out is applied.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from functools import cached_property
 import ujson
 
 from config import Endpoint, Instance, parse_instance
+from scheduling.ledger import Ledger
 from scheduling.shared import (
     BREAKER_CLOSED,
     H_BREAKER,
@@ -25,6 +31,7 @@ from scheduling.shared import (
     H_HEALTHY,
     HEALTH_FIELDS,
     MAX_SLOTS,
+    MAX_WORKERS,
     G_DOC_LEN,
     G_DOC_VERSION,
     DOC_BYTES,
@@ -126,29 +133,25 @@ class Registry:
     def _load(self) -> Topology:
         with self.shared.lock:
             version = self.shared.globals[G_DOC_VERSION]
-            n = self.shared.globals[G_DOC_LEN]
-            raw = bytes(self.shared.doc[:n]) if n else b"[]"
-        return Topology(version, ujson.loads(raw))
+            entries, _ = self._read()
+        return Topology(version, entries)
 
     # -- writing (management plane, rare) ----------------------------------------------------
 
-    def _write(self, entries: list[dict]) -> None:
-        raw = ujson.dumps(entries).encode()
-        if len(raw) > DOC_BYTES:
-            raise RefreshError("instance document too large", 413)
-        self.shared.doc[: len(raw)] = raw
-        self.shared.globals[G_DOC_LEN] = len(raw)
-        self.shared.globals[G_DOC_VERSION] += 1
-
-    def _entries(self) -> list[dict]:
+    def _read(self) -> tuple[list[dict], list[int]]:
+        """(instance entries, free slots least recently freed first); call with the lock held."""
         n = self.shared.globals[G_DOC_LEN]
-        return ujson.loads(bytes(self.shared.doc[:n])) if n else []
+        if not n:
+            return [], list(range(MAX_SLOTS))
+        doc = ujson.loads(bytes(self.shared.doc[:n]))
+        return doc["instances"], doc["free"]
 
     def apply(self, event: str, items: list[Instance | int]) -> "RefreshResult":
         """Apply one refresh event atomically: it is applied whole or, on a RefreshError, not at all."""
         with self.shared.lock:
-            entries = self._entries()
+            entries, free = self._read()
             by_id = {e["id"]: e for e in entries}
+            fresh: list[Instance] = []
             if event in ("set", "add"):
                 for inst in items:
                     old = by_id.get(inst.id)
@@ -158,27 +161,27 @@ class Registry:
                             "an id names one engine: del it first, or use a new id",
                             409,
                         )
+                fresh = [inst for inst in items if inst.id not in by_id]
             if event == "set":
-                fresh = [inst for inst in items if inst.id not in by_id]
-                kept = [by_id[inst.id] for inst in items if inst.id in by_id]  # slots, load and pause state stay
-                new_entries: list[dict] = []
-                for inst in items:
-                    new_entries.append(by_id[inst.id] if inst.id in by_id else self._entry(inst, kept + new_entries))
-                _check_addresses(new_entries)
-                removed = len(entries) - len(kept)
-                entries = new_entries
-                message = f"{len(entries)} instances registered: {len(fresh)} added, {removed} removed, {len(kept)} unchanged"
+                listed = {inst.id for inst in items}
+                removed = [e for e in entries if e["id"] not in listed]
+                free = free + [slot for e in removed for slot in e["slots"]]  # freed now: handed out last
+                new_slots = self._take(free, fresh)
+                entries = [by_id.get(inst.id) or _entry(inst, new_slots[inst.id]) for inst in items]
+                message = (
+                    f"{len(entries)} instances registered: {len(fresh)} added, {len(removed)} removed, "
+                    f"{len(items) - len(fresh)} unchanged"
+                )
             elif event == "add":
-                fresh = [inst for inst in items if inst.id not in by_id]
-                for inst in fresh:
-                    entries.append(self._entry(inst, entries))
-                _check_addresses(entries)
+                new_slots = self._take(free, fresh)
+                entries = entries + [_entry(inst, new_slots[inst.id]) for inst in fresh]
                 message = f"{len(fresh)} added, {len(items) - len(fresh)} already registered"
             elif event == "del":
                 ids = {_id(i) for i in items}
-                kept_entries = [e for e in entries if e["id"] not in ids]
-                message = f"{len(entries) - len(kept_entries)} removed, {len(ids) - (len(entries) - len(kept_entries))} not registered"
-                entries = kept_entries
+                removed = [e for e in entries if e["id"] in ids]
+                entries = [e for e in entries if e["id"] not in ids]
+                free = free + [slot for e in removed for slot in e["slots"]]
+                message = f"{len(removed)} removed, {len(ids) - len(removed)} not registered"
             elif event in ("pause", "resume"):
                 ids = {_id(i) for i in items}
                 missing = ids - set(by_id)
@@ -189,28 +192,47 @@ class Registry:
                 message = f"{len(ids)} {'paused: they take no new requests and finish what they hold' if event == 'pause' else 'resumed'}"
             else:
                 raise RefreshError(f"unknown event {event!r}: use set, add, del, pause or resume")
-            self._write(entries)
+            if event in ("set", "add"):
+                _check_addresses(entries)
+            raw = ujson.dumps({"instances": entries, "free": free}).encode()
+            if len(raw) > DOC_BYTES:
+                raise RefreshError("instance document too large", 413)
+            # Validated: from here on nothing refuses. Only now do the new endpoints' slots start afresh.
+            for inst in fresh:
+                for slot in new_slots[inst.id]:
+                    self._reset_slot(slot)
+            self.shared.doc[: len(raw)] = raw
+            self.shared.globals[G_DOC_LEN] = len(raw)
+            self.shared.globals[G_DOC_VERSION] += 1
             return RefreshResult(event, len(items), message)
 
-    def _entry(self, inst: Instance, live: list[dict]) -> dict:
-        used = {s for e in live for s in e["slots"]}
-        slots = []
-        for _ in inst.endpoints:
-            slot = self._free_slot(used)
-            used.add(slot)
-            slots.append(slot)
-            self._reset_slot(slot)
-        return {**inst.to_json(), "slots": slots, "paused": False}
+    def _take(self, free: list[int], fresh: list[Instance]) -> dict[int, list[int]]:
+        """Slots for the endpoints of `fresh`, taken out of `free` (least recently freed first), by instance id.
 
-    def _free_slot(self, used: set[int]) -> int:
-        # Take the slot whose last release is oldest: rotate through the table rather than reuse at once.
-        g = self.shared.globals
-        start = g[G_DOC_VERSION] % MAX_SLOTS
-        for k in range(MAX_SLOTS):
-            slot = (start + k) % MAX_SLOTS
-            if slot not in used:
-                return slot
-        raise RefreshError(f"too many endpoints (at most {MAX_SLOTS})", 413)
+        A slot whose ledger column still counts a request or a held decode slot (a removed endpoint's
+        requests still in flight) is skipped: handing it out would put that load, and those requests'
+        failures, on the new engine."""
+        needed = sum(len(inst.endpoints) for inst in fresh)
+        if not needed:
+            return {}
+        if needed > len(free):
+            raise RefreshError(f"too many endpoints (at most {MAX_SLOTS})", 413)
+        ledger = Ledger(self.shared, 0, MAX_WORKERS)
+        idle = [slot for slot in free if not ledger.requests(slot) and not ledger.held(slot)]
+        if needed > len(idle):
+            raise RefreshError(
+                f"no free slot for {needed - len(idle)} more endpoints yet: {len(free) - len(idle)} free slots still "
+                "carry requests of removed endpoints; try again when they finish",
+                409,
+            )
+        taken = idle[:needed]
+        chosen = set(taken)
+        free[:] = [slot for slot in free if slot not in chosen]
+        out: dict[int, list[int]] = {}
+        it = iter(taken)
+        for inst in fresh:
+            out[inst.id] = [next(it) for _ in inst.endpoints]
+        return out
 
     def _reset_slot(self, slot: int) -> None:
         h = self.shared.health
@@ -220,6 +242,10 @@ class Registry:
         h[base + H_HEALTHY] = 1.0
         h[base + H_BREAKER] = BREAKER_CLOSED
         h[base + H_FAILURES] = 0
+
+
+def _entry(inst: Instance, slots: list[int]) -> dict:
+    return {**inst.to_json(), "slots": slots, "paused": False}
 
 
 def _id(item: Instance | int) -> int:
