@@ -219,6 +219,7 @@ def parse_instance(path: str, raw: Any, known_models: set[str] | None = None) ->
     if not isinstance(eps, list) or not eps:
         _fail(f"{path}.endpoints", "must be a non-empty list")
     endpoints = []
+    seen: set[int] = set()
     for j, ep in enumerate(eps):
         ep = _obj(f"{path}.endpoints[{j}]", ep)
         address = _str(f"{path}.endpoints[{j}].address", ep.get("address"), nonempty=True)
@@ -226,7 +227,11 @@ def parse_instance(path: str, raw: Any, known_models: set[str] | None = None) ->
         host, _, port = hostport.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             _fail(f"{path}.endpoints[{j}].address", "must be host:port")
-        endpoints.append(Endpoint(_int(f"{path}.endpoints[{j}].id", ep.get("id", j), 0), address))
+        eid = _int(f"{path}.endpoints[{j}].id", ep.get("id", j), 0)
+        if eid in seen:  # logs, GET /instances and the metrics' (instance, endpoint) labels name endpoints by id
+            _fail(f"{path}.endpoints[{j}].id", f"duplicate endpoint id {eid} in instance {iid}")
+        seen.add(eid)
+        endpoints.append(Endpoint(eid, address))
     return Instance(iid, role, model_name, tuple(endpoints), engine_type)
 
 

@@ -233,6 +233,9 @@ REFUSED = [
     pytest.param({"event": "add", "instances": [{"id": 9, "role": "union", "model_name": MODEL, "endpoints": [{"address": "nohost"}]}]},
                  400, "instances[0].endpoints[0].address", id="bad-address"),
     pytest.param({"event": "pause", "instances": ["one"]}, 400, "instances[0]", id="bad-id"),
+    pytest.param({"event": "add", "instances": [{"id": 9, "role": "union", "model_name": MODEL, "endpoints": [
+        {"id": 0, "address": "127.0.0.1:9"}, {"id": 0, "address": "127.0.0.1:8"}]}]},
+                 400, "instances[0].endpoints[1].id: duplicate endpoint id 0", id="duplicate-endpoint-ids"),
     pytest.param("duplicate", 400, "duplicate", id="duplicate-ids"),
     pytest.param("other-role", 409, "different role", id="id-reused-other-role"),
     pytest.param("other-endpoints", 409, "different role, model or endpoints", id="id-reused-other-endpoints"),
