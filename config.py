@@ -10,8 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import ssl
 from dataclasses import dataclass, replace
 from typing import Any, Callable
+
+from scheduling.shared import MAX_SLOTS
 
 log = logging.getLogger("coordinator.config")
 
@@ -284,6 +288,7 @@ def settings_from_dict(raw: dict, source_path: str = "") -> Settings:
     obs_port = api.get("coordinator_obs_port", d.obs_port, _port)
     if len({infer_port, mgmt_port, obs_port}) != 3:
         _fail("api_config.coordinator_api_mgmt_port", "the inference, management and observability ports must differ")
+    _check_host("api_config.coordinator_api_host", host)
     api.warn_unknown()
 
     workers = top.section("inference_workers_config")
@@ -294,6 +299,8 @@ def settings_from_dict(raw: dict, source_path: str = "") -> Settings:
     mgmt_api_key = _api_key(top.section("mgmt_api_key_config"), d.mgmt_api_key)
     infer_tls = _tls(top.section("infer_tls_config"))
     mgmt_tls = _tls(top.section("mgmt_tls_config"))
+    _check_tls_files("infer_tls_config", infer_tls)
+    _check_tls_files("mgmt_tls_config", mgmt_tls)
 
     sched = top.section("scheduler_config")
     scheduler = dict(
@@ -399,12 +406,49 @@ def settings_from_dict(raw: dict, source_path: str = "") -> Settings:
 
 
 def check_instance_set(instances: list[Instance], path: str) -> None:
-    """Instance ids must be unique within one list."""
+    """What the instance registry (scheduling/registry.py) would refuse at start-up: a duplicate instance id,
+    an engine address named twice, more endpoints than the shared tables have slots."""
     seen: set[int] = set()
+    owner: dict[str, int] = {}
     for i, inst in enumerate(instances):
         if inst.id in seen:
             _fail(f"{path}[{i}].id", f"duplicate instance id {inst.id}")
         seen.add(inst.id)
+        for j, ep in enumerate(inst.endpoints):
+            addr = ep.address.split("://", 1)[-1].rstrip("/")
+            if addr in owner:
+                _fail(f"{path}[{i}].endpoints[{j}].address", f"{addr} is already the address of instance {owner[addr]}")
+            owner[addr] = inst.id
+    total = sum(len(inst.endpoints) for inst in instances)
+    if total > MAX_SLOTS:
+        _fail(path, f"{total} endpoints in all: at most {MAX_SLOTS}")
+
+
+def _check_host(path: str, host: str) -> None:
+    """The Coordinator binds its ports to this host at start-up: it must resolve now (engines' hosts are not
+    checked: an engine that is not up yet is only unhealthy until it is)."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        _fail(path, f"{host!r} does not resolve to an address to listen on ({e})")
+
+
+def _check_tls_files(section: str, tls: TlsConfig) -> None:
+    """With TLS on, the certificate and key must load now, not fail in every worker at start-up."""
+    if not tls.enable_tls:
+        return
+    for key in ("cert_file", "key_file", "ca_file"):
+        name = getattr(tls, key)
+        if name and not (os.path.isfile(name) and os.access(name, os.R_OK)):
+            _fail(f"{section}.{key}", f"{name!r} is not a readable file")
+
+    def no_password() -> bytes:
+        raise ValueError("the key is encrypted")
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(tls.cert_file, tls.key_file, password=no_password)
+    except (ssl.SSLError, ValueError) as e:
+        _fail(f"{section}.cert_file", f"cannot load {tls.cert_file!r} with key_file {tls.key_file!r}: {e}")
 
 
 def resolve_config_path(cli_path: str | None) -> str:

@@ -3,10 +3,15 @@ path, a non-zero exit, no traceback."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from config import ConfigError, settings_from_dict
-from tests.support import coordinator_config, instance
+from tests.support import ROOT, coordinator_config, instance
 
 MODEL = "qwen3"
 
@@ -21,6 +26,20 @@ def refused(cfg: dict) -> str:
     return str(info.value)
 
 
+def test_two_instances_at_one_address_are_refused_with_the_key_path():
+    cfg = coordinator_config([union(1, "127.0.0.1:9"), union(2, "127.0.0.1:8", "http://127.0.0.1:9")])
+    assert refused(cfg) == (
+        "motor_coordinator_config.instances[1].endpoints[1].address: 127.0.0.1:9 is already the address of instance 1"
+    )
+
+
+def test_more_endpoints_than_slots_are_refused():
+    cfg = coordinator_config([union(i, f"127.0.0.1:{10000 + i}") for i in range(257)])
+    assert refused(cfg) == "motor_coordinator_config.instances: 257 endpoints in all: at most 256"
+    cfg = coordinator_config([union(i, f"127.0.0.1:{10000 + i}") for i in range(256)])
+    assert len(settings_from_dict(cfg).instances) == 256
+
+
 def test_duplicate_endpoint_ids_in_one_instance_are_refused():
     inst = union(1, "127.0.0.1:9", "127.0.0.1:8")
     inst["endpoints"][1]["id"] = 0
@@ -29,3 +48,64 @@ def test_duplicate_endpoint_ids_in_one_instance_are_refused():
     )
     # The same id in two instances names two endpoints: fine.
     assert settings_from_dict(coordinator_config([union(1, "127.0.0.1:9"), union(2, "127.0.0.1:8")]))
+
+
+def test_a_listen_host_that_does_not_resolve_is_refused_but_engine_hosts_are_not_looked_up():
+    cfg = coordinator_config([union(1, "not-an-engine.invalid:8000")])
+    assert settings_from_dict(cfg).instances[0].endpoints[0].address == "not-an-engine.invalid:8000"
+    cfg["api_config"]["coordinator_api_host"] = "not-a-host.invalid"
+    assert refused(cfg).startswith("motor_coordinator_config.api_config.coordinator_api_host: 'not-a-host.invalid' does not resolve")
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory) -> tuple[str, str]:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl command")
+    folder = tmp_path_factory.mktemp("tls")
+    done = subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", "/CN=127.0.0.1",
+         "-days", "1", "-keyout", "key.pem", "-out", "cert.pem"],
+        cwd=folder, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return str(folder / "cert.pem"), str(folder / "key.pem")
+
+
+@pytest.mark.parametrize("section", ["infer_tls_config", "mgmt_tls_config"])
+def test_tls_files_must_exist_and_load(cert, tmp_path, section):
+    cert_file, key_file = cert
+    cfg = coordinator_config([union(1, "127.0.0.1:9")])
+    cfg[section] = {"enable_tls": True, "cert_file": cert_file, "key_file": key_file}
+    assert getattr(settings_from_dict(cfg), section.split("_")[0] + "_tls").cert_file == cert_file
+
+    cfg[section] = {"enable_tls": True, "cert_file": str(tmp_path / "missing.pem"), "key_file": key_file}
+    assert refused(cfg) == f"motor_coordinator_config.{section}.cert_file: '{tmp_path / 'missing.pem'}' is not a readable file"
+    cfg[section] = {"enable_tls": True, "cert_file": cert_file, "key_file": str(tmp_path / "missing.key")}
+    assert refused(cfg).startswith(f"motor_coordinator_config.{section}.key_file: ")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    cfg[section] = {"enable_tls": True, "cert_file": str(garbage), "key_file": key_file}
+    assert refused(cfg).startswith(f"motor_coordinator_config.{section}.cert_file: cannot load")
+    # Files are looked at only with TLS on.
+    cfg[section] = {"enable_tls": False, "cert_file": str(tmp_path / "missing.pem"), "key_file": ""}
+    assert settings_from_dict(cfg)
+
+
+def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
+    """Each of these started the app before, and failed in it with a traceback."""
+    base = coordinator_config([union(1, "127.0.0.1:9")])
+    cases = {
+        "same-address": {**base, "instances": [union(1, "127.0.0.1:9"), union(2, "127.0.0.1:9")]},
+        "too-many": {**base, "instances": [union(i, f"127.0.0.1:{10000 + i}") for i in range(300)]},
+        "missing-cert": {**base, "infer_tls_config": {"enable_tls": True, "cert_file": "/nonexistent.pem", "key_file": "/nonexistent.key"}},
+        "bad-host": {**base, "api_config": {**base["api_config"], "coordinator_api_host": "not-a-host.invalid"}},
+    }
+    for name, cfg in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"motor_coordinator_config": cfg}))
+        proc = subprocess.run([sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (name, proc.stdout[-2000:], proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("config error: motor_coordinator_config."), (name, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stdout + proc.stderr
