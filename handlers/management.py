@@ -35,8 +35,23 @@ async def readiness(request: Request):
     ctx = request.app.ctx
     if ctx.admission.draining:
         return json({"status": "ok", "message": "draining", "ready": False}, status=503)
-    n = len(ctx.registry.view().instances)
-    return _probe(f"ready, {n} instances registered", ready=True)
+    view = ctx.registry.view()
+    servable = _servable_models(view, ctx.health)
+    n = len(view.instances)
+    if not servable:
+        # 200 all the same: the Coordinator itself is up, and /instances/refresh is how it gets an instance.
+        return _probe(f"not ready: no model has a schedulable instance ({n} instances registered)", ready=False)
+    return _probe(f"ready, {n} instances registered; models served: {', '.join(servable)}", ready=True)
+
+
+def _servable_models(view, health) -> list[str]:
+    """The models a request could be scheduled for now: some instance of the model not paused, healthy and its
+    breaker not open. With a prefill and a decode that is a PD pair; a union, or a prefill or decode alone,
+    serves requests whole (the scheduler's fallback)."""
+    return [
+        model for model in view.models()
+        if any(not t.paused and health.usable(t.slot) for role in ("union", "prefill", "decode") for t in view.pool(model, role))
+    ]
 
 
 def _refused(status: int, message: str, event: str | None = None):

@@ -93,6 +93,33 @@ def test_probes_answer_ok_and_carry_a_request_id(cluster):
     assert r.headers["x-request-id"] == "probe-7"
 
 
+def readiness(coord) -> dict:
+    r = httpx.get(coord.mgmt + "/readiness")
+    assert r.status_code == 200  # not ready is still an answer: the port is up for /instances/refresh
+    body = r.json()
+    assert body["status"] == "ok" and body["message"]
+    return body
+
+
+def test_readiness_is_false_while_no_instance_can_take_a_request(cluster):
+    assert readiness(cluster)["ready"] is True
+    assert cluster.refresh("pause", list(BASELINE)).status_code == 200
+    assert readiness(cluster)["ready"] is False
+    assert cluster.refresh("resume", [2]).status_code == 200
+    assert readiness(cluster)["ready"] is True
+
+    assert cluster.refresh("set", []).status_code == 200
+    body = readiness(cluster)
+    assert body["ready"] is False and "0 instances" in body["message"]
+
+    # Registered but unhealthy: nothing listens at the address, the health check finds out.
+    assert cluster.refresh("add", [instance(9, "union", MODEL, "127.0.0.1:9")]).status_code == 200
+    assert wait_until(lambda: instances(cluster)[9]["healthy"] is False)
+    assert readiness(cluster)["ready"] is False
+    assert cluster.refresh("add", [cluster.definitions[1]]).status_code == 200
+    assert readiness(cluster)["ready"] is True
+
+
 INFER_ROUTES = [
     ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/metaserver"), ("GET", "/v1/models"),
