@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from contextlib import nullcontext
 import logging
+import time
+from contextlib import nullcontext
 from random import getrandbits
 
 from sanic import HTTPResponse, Request
@@ -130,7 +131,7 @@ class RelayResponse(HTTPResponse):
 class SanicSink:
     """The dispatcher's view of the client connection; what goes out is noted on the request's record."""
 
-    __slots__ = ("request", "rid", "started", "ended", "response", "api", "rec")
+    __slots__ = ("request", "rid", "started", "ended", "response", "api", "rec", "writable")
 
     def __init__(self, request: Request, rid: str, api: str, rec: RequestRecord):
         self.request, self.rid, self.api, self.rec = request, rid, api, rec
@@ -145,15 +146,35 @@ class SanicSink:
         self.response = await self.request.respond(
             RelayResponse(b"", 200, {REQUEST_ID: self.rid, "Cache-Control": "no-cache"}, "text/event-stream")
         )
+        # Set while the client's connection takes more bytes (Sanic's protocol clears it when the send
+        # buffer is full: its `send` then waits for the client to read).
+        self.writable = self.request.transport.get_protocol()._can_write
         self.started = True
 
     async def send(self, data: bytes, last: bool = False) -> None:
         if self.ended:
             return
         self.ended = last
+        if not self.writable.is_set():
+            return await self._send_to_a_full_buffer(data, last)
         # Straight to the connection's writer (Sanic's Http.send), past the response's own send, which only
         # normalises its arguments: one coroutine fewer per relayed chunk.
         await self.response.stream.send(data, last)
+
+    async def _send_to_a_full_buffer(self, data: bytes, last: bool) -> None:
+        """The client is not reading: wait for it until the request's deadline (`infer_timeout`), then drop
+        its connection, which Sanic answers by cancelling the request: it ends as a disconnect, and its
+        engine request and capacity are given back (otherwise they were held until the client left)."""
+        left_s = self.rec.started + self.request.app.ctx.settings.infer_timeout_s - time.monotonic()
+        try:
+            async with asyncio.timeout(max(left_s, 0.0)):
+                await self.response.stream.send(data, last)
+        except TimeoutError:
+            self.ended = True
+            log.warning("request_id=%s: the client stopped reading; its connection is dropped", self.rid)
+            self.request.transport.abort()
+            await asyncio.sleep(1.0)  # Sanic cancels this task once the connection is lost
+            raise asyncio.CancelledError from None
 
 
 async def serve_inference(request: Request, route: str, api: str, from_client: bool = True):

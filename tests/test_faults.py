@@ -8,8 +8,10 @@ the next request succeeds.
 
 from __future__ import annotations
 
+import http.server
 import json
 import socket
+import threading
 import time
 import uuid
 
@@ -18,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
 
 UNION, PD = "fault-union", "fault-pd"
@@ -437,6 +440,67 @@ def test_client_disconnect_aborts_engine_requests(c, phase, stream, api):
         assert total(P, "kv_pulled") == 1
     assert wait_until(lambda: ledger_is_zero(c), 5), ledger(c)
     assert_recovered(c, model, stream)
+
+
+class FloodEngine(http.server.ThreadingHTTPServer):
+    """An engine that streams SSE events as fast as the connection takes them, until it breaks (or 30 s)."""
+
+    daemon_threads = True
+
+    def __init__(self):
+        self.hung_up = threading.Event()  # the stream's connection broke: the request was aborted
+        super().__init__(("127.0.0.1", 0), FloodHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class FloodHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:  # /health
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        event = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % (b"x" * 4000)
+        chunk = b"%x\r\n%s\r\n" % (len(event) * 16, event * 16)
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:
+                self.wfile.write(chunk)
+        except OSError:
+            self.server.hung_up.set()
+
+
+def test_a_client_that_stops_reading_is_dropped_at_the_request_deadline():
+    """A client that opens a stream and stops reading held its engine request and capacity until it left;
+    now its connection is dropped once `infer_timeout` has passed, and the engine request with it."""
+    engine = FloodEngine()
+    cfg = coordinator_config([instance(1, "union", MODEL, f"127.0.0.1:{engine.server_address[1]}")],
+                             exception_config={"infer_timeout": 3})
+    try:
+        with Coordinator(cfg) as coord:
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "flood"}], "stream": True}).encode()
+            with socket.create_connection(("127.0.0.1", coord.infer_port)) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                started = time.monotonic()
+                assert s.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+                assert engine.hung_up.wait(15)  # while the client is still connected
+                assert 2.5 < time.monotonic() - started < 10
+            assert wait_until(lambda: "stopped reading" in coord.output() and "status=499" in coord.output())
+    finally:
+        engine.shutdown()
 
 
 def test_disconnects_are_counted_by_phase(c):
