@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
 
+from config import ConfigError as CoordinatorConfigError
+from config import parse_instance, settings_from_dict
+
 CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
 NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
 MAX_INSTANCES = 64
-ROLES = ("prefill", "decode", "union")
 PD_DISPATCH = ("handoff", "trigger")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # Environment variables the engine template sets itself; `env` may not override them.
@@ -245,7 +248,18 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUANTITY = re.compile(r"^(?P<num>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suf>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
 _SUFFIX = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
-_LOOPBACK = re.compile(r"^(127\.|localhost\b|\[?::1\]?:|0\.0\.0\.0)")
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a 'host:port' (or 'scheme://host:port') address names the pod itself."""
+    host = address.split("://", 1)[-1].rpartition(":")[0].strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
 
 
 def parse_quantity(text: str) -> Optional[float]:
@@ -437,29 +451,25 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
     models = raw.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
         errors.append(f"{p}.models: must be a list of objects")
+    else:
+        for i, m in enumerate(models):
+            if not isinstance(m.get("id"), str) or not m["id"]:
+                errors.append(f"{p}.models[{i}].id: must be a non-empty string (got {m.get('id')!r})")
 
     instances = raw.get("instances", [])
     if not isinstance(instances, list):
         errors.append(f"{p}.instances: must be a list")
         instances = []
     for i, inst in enumerate(instances):
-        ipath = f"{p}.instances[{i}]"
-        if not isinstance(inst, dict):
-            errors.append(f"{ipath}: must be an object")
+        try:
+            # The Coordinator's own check, on the input's index; ids are the deployer's (it renumbers).
+            parsed = parse_instance(f"instances[{i}]", dict(inst, id=0) if isinstance(inst, dict) else inst)
+        except CoordinatorConfigError as exc:
+            errors.append(str(exc))
             continue
-        role = inst.get("role")
-        if role not in ROLES:
-            errors.append(f"{ipath}.role: unknown role {role!r}, must be one of {', '.join(ROLES)}")
-        eps = inst.get("endpoints")
-        if not isinstance(eps, list) or not eps:
-            errors.append(f"{ipath}.endpoints: must be a non-empty list")
-            continue
-        for j, ep in enumerate(eps):
-            addr = ep.get("address") if isinstance(ep, dict) else None
-            if not isinstance(addr, str) or ":" not in addr:
-                errors.append(f"{ipath}.endpoints[{j}].address: must be 'host:port' (got {addr!r})")
-            elif _LOOPBACK.match(addr):
-                errors.append(f"{ipath}.endpoints[{j}].address: {addr!r} is a loopback address, "
+        for j, ep in enumerate(parsed.endpoints):
+            if _is_loopback(ep.address):
+                errors.append(f"{p}.instances[{i}].endpoints[{j}].address: {ep.address!r} is a loopback address, "
                               f"unreachable from the Coordinator pod")
     return view
 
@@ -499,7 +509,19 @@ def load(raw: Any) -> Settings:
                       f"({deploy.prestop_sleep_seconds} + {view.drain_timeout})")
     if errors:
         raise ConfigError(errors)
-    return Settings(deploy=deploy, prefill=prefill, decode=decode, coordinator=view, raw=copy.deepcopy(raw))
+    settings = Settings(deploy=deploy, prefill=prefill, decode=decode, coordinator=view, raw=copy.deepcopy(raw))
+    _coordinator_accepts(settings)
+    return settings
+
+
+def _coordinator_accepts(settings: Settings) -> None:
+    """Refuse what the Coordinator would refuse in the rendered user_config.json: its pods would
+    crash-loop on it. The deployer checks only the keys it reads; the Coordinator judges the rest."""
+    from .render import cluster_user_config  # render imports this module
+    try:
+        settings_from_dict(cluster_user_config(settings))
+    except CoordinatorConfigError as exc:
+        raise ConfigError([f"{exc} (the Coordinator refuses the rendered user_config.json)"]) from None
 
 
 def defaults_as_dict(cls: type) -> Dict[str, Any]:

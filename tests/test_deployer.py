@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+import config
 from deployer import render as R
 from deployer.settings import ConfigError, DeployConfig, EngineConfig, key_docs, load
 
@@ -186,6 +187,14 @@ def test_strict_validation_really_rejects_unknown_fields():
     doc["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+def test_the_coordinator_accepts_the_rendered_user_config(edge):
+    cfg, s, b = edge
+    coord = config.settings_from_dict(b["config"])
+    assert (coord.infer_port, coord.mgmt_port, coord.obs_port) == \
+        (s.coordinator.infer_port, s.coordinator.mgmt_port, s.coordinator.obs_port)
+    assert len(coord.instances) == s.deploy.p_instances_num + s.deploy.d_instances_num
 
 
 def test_bundle_kinds(edge):
@@ -428,12 +437,14 @@ def test_slo_values_of_the_served_model_are_kept():
 def test_values_that_need_quoting_stay_intact():
     tricky = "yes: #{not} 'a comment' \"quoted\" & <b> \u00e9"
     cfg = with_changes(motor_engine_prefill_config={"env": {"TRICKY": tricky}, "extra_args": ["--x", "null"]},
-                       motor_coordinator_config={"log_config.log_level": "on"})
+                       motor_coordinator_config={"api_key_config.enable_api_key": True,
+                                                 "api_key_config.valid_keys": ["on", tricky]})
     b = bundle(cfg)
     c = find(b, "StatefulSet", "motor-engine-prefill")["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "TRICKY", "value": tricky} in c["env"]
     assert c["args"][-2:] == ["--x", "null"]
-    assert b["config"]["motor_coordinator_config"]["log_config"]["log_level"] == "on"
+    cm = json.loads(find(b, "ConfigMap", R.CONFIGMAP_NAME)["data"]["user_config.json"])
+    assert cm["motor_coordinator_config"]["api_key_config"]["valid_keys"] == ["on", tricky]
 
 
 # --------------------------------------------------------------------------- refusals
@@ -464,10 +475,31 @@ def test_values_that_need_quoting_stay_intact():
      "motor_engine_decode_config.side_channel_port: clashes with motor_engine_decode_config.port"),
     ({"motor_coordinator_config": {"instances": [{"id": 1, "role": "verifier", "model_name": "qwen3",
                                                   "endpoints": [{"id": 0, "address": "x.y:8000"}]}]}},
-     "motor_coordinator_config.instances[0].role: unknown role 'verifier'"),
+     "motor_coordinator_config.instances[0].role: must be one of prefill, decode, union"),
     ({"motor_coordinator_config": {"instances": [{"id": 1, "role": "union", "model_name": "qwen3",
                                                   "endpoints": [{"id": 0, "address": "127.0.0.1:8000"}]}]}},
      "motor_coordinator_config.instances[0].endpoints[0].address: '127.0.0.1:8000' is a loopback address"),
+    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
+                                                  "endpoints": [{"address": "http://127.0.0.1:8000"}]}]}},
+     "motor_coordinator_config.instances[0].endpoints[0].address: 'http://127.0.0.1:8000' is a loopback address"),
+    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
+                                                  "endpoints": [{"address": "[::1]:8000"}]}]}},
+     "motor_coordinator_config.instances[0].endpoints[0].address: '[::1]:8000' is a loopback address"),
+    # What the Coordinator itself refuses, on the input's index (the deployer renumbers instances).
+    ({"motor_coordinator_config": {"instances": [{"role": "union", "endpoints": [{"address": "10.0.0.5:8000"}]}]}},
+     "motor_coordinator_config.instances[0].model_name: must be a string"),
+    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": ["m"],
+                                                  "endpoints": [{"address": "e:8000"}]}]}},
+     "motor_coordinator_config.instances[0].model_name: must be a string"),
+    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
+                                                  "endpoints": [{"address": "ext-engine:http"}]}]}},
+     "motor_coordinator_config.instances[0].endpoints[0].address: must be host:port"),
+    ({"motor_coordinator_config": {"models": [{"id": ["x"]}]}},
+     "motor_coordinator_config.models[0].id: must be a non-empty string"),
+    ({"motor_coordinator_config": {"scheduler_config.scheduler_type": "least_load"}},
+     "motor_coordinator_config.scheduler_config.scheduler_type: must be one of round_robin"),
+    ({"motor_coordinator_config": {"models": [{"id": "qwen3", "slo_ttft": 0}]}},
+     "motor_coordinator_config.models[0].slo_ttft: must be >= 1"),
     ({"motor_coordinator_config": {"scheduler_config.pd_dispatch": "both"}},
      "motor_coordinator_config.scheduler_config.pd_dispatch: must be one of handoff, trigger"),
     ({"motor_coordinator_config": {"mgmt_tls_config": {"enable_tls": True, "cert_file": "", "key_file": "/k"}}},
