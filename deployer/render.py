@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -32,9 +33,23 @@ KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 OUTPUT_FILES = ("coordinator_init.yaml", "engine_prefill.yaml", "engine_decode.yaml", "user_config.json")
 
 
+# A JSON surrogate pair (an escaped character above U+FFFF) after an even run of backslashes, so
+# an escaped backslash followed by "ud83d" is left alone.
+_SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
+
+
+def _yaml_escape(m: "re.Match[str]") -> str:
+    hi, lo = int(m.group(2), 16), int(m.group(3), 16)
+    return f"{m.group(1)}\\U{0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00):08X}"
+
+
 def _json_scalar(value: Any) -> str:
-    """Encode a value as JSON, which YAML reads back as the same scalar, list or mapping."""
-    return json.dumps(value, ensure_ascii=True)
+    """Encode a value as JSON, which YAML reads back as the same scalar, list or mapping.
+
+    ASCII-only, so U+0085 or U+2028 cannot become YAML line breaks; but Kubernetes' Go YAML
+    parser rejects JSON's surrogate-pair escapes, so those become YAML's 8-digit \\U escapes.
+    """
+    return _SURROGATE_PAIR.sub(_yaml_escape, json.dumps(value, ensure_ascii=True))
 
 
 def environment() -> jinja2.Environment:

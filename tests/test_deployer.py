@@ -447,6 +447,21 @@ def test_values_that_need_quoting_stay_intact():
     assert cm["motor_coordinator_config"]["api_key_config"]["valid_keys"] == ["on", tricky]
 
 
+def test_characters_above_the_bmp_render_as_yaml_escapes():
+    """JSON's surrogate-pair escapes ("\\ud83d\\ude00") are rejected by Kubernetes' Go YAML parser."""
+    emoji = "smile \U0001F600 \\ud83d literal"
+    cfg = with_changes(motor_engine_prefill_config={"env": {"GREETING": emoji}, "extra_args": ["--x", emoji],
+                                                    "tolerations": [{"key": "k", "operator": "Equal",
+                                                                     "value": emoji, "effect": "NoSchedule"}]})
+    b = bundle(cfg)
+    text = b["files"]["engine_prefill.yaml"]
+    assert "\\ud83d\\ude00" not in text.lower() and "\\U0001F600" in text
+    pod = find(b, "StatefulSet", "motor-engine-prefill")["spec"]["template"]["spec"]
+    assert {"name": "GREETING", "value": emoji} in pod["containers"][0]["env"]
+    assert pod["containers"][0]["args"][-1] == emoji
+    assert pod["tolerations"][0]["value"] == emoji
+
+
 # --------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("changes, expected", [
