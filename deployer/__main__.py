@@ -18,6 +18,9 @@ def _cmd_render(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    except UnicodeDecodeError as exc:
+        print(f"error: {path}: not UTF-8 text (byte {exc.start})", file=sys.stderr)
+        return 2
     except json.JSONDecodeError as exc:
         print(f"error: {path}: not valid JSON: {exc}", file=sys.stderr)
         return 2
@@ -28,8 +31,13 @@ def _cmd_render(args: argparse.Namespace) -> int:
         for line in exc.errors:
             print(f"  {line}", file=sys.stderr)
         return 1
-    for written in write(settings, Path(args.out)):
-        print(f"wrote {written}")
+    try:
+        written = write(settings, Path(args.out))
+    except OSError as exc:
+        print(f"error: cannot write {exc.filename or args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
     d = settings.deploy
     print(f"namespace {settings.namespace}: {d.p_instances_num} prefill + {d.d_instances_num} decode "
           f"engines, Coordinator on nodePort {d.coordinator_node_port}")

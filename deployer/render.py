@@ -210,9 +210,10 @@ def render(settings: Settings) -> Dict[str, str]:
 
 
 def write(settings: Settings, out_dir: Path) -> List[Path]:
+    files = render(settings)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in render(settings).items():
+    for name, text in files.items():
         path = out_dir / name
         path.write_text(text, encoding="utf-8")
         written.append(path)

@@ -28,6 +28,7 @@ from config import parse_instance, settings_from_dict
 CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
 NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
 MAX_INSTANCES = 64
+MAX_DRAIN_SECONDS = 86400
 PD_DISPATCH = ("handoff", "trigger")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # Environment variables the engine template sets itself; `env` may not override them.
@@ -435,8 +436,10 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
 
     shutdown = sub("shutdown_config")
     drain = shutdown.get("drain_timeout", view.drain_timeout)
-    if not isinstance(drain, (int, float)) or isinstance(drain, bool) or drain < 0:
-        errors.append(f"{p}.shutdown_config.drain_timeout: must be a number >= 0 (got {drain!r})")
+    # Bounded (NaN fails the comparison too): it sizes terminationGracePeriodSeconds, an integer.
+    if not isinstance(drain, (int, float)) or isinstance(drain, bool) or not 0 <= drain <= MAX_DRAIN_SECONDS:
+        errors.append(f"{p}.shutdown_config.drain_timeout: must be a number 0..{MAX_DRAIN_SECONDS} "
+                      f"(got {drain!r})")
     else:
         view.drain_timeout = drain
 

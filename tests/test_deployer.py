@@ -142,6 +142,43 @@ def test_cli_unreadable_and_malformed_input(tmp_path):
         assert proc.returncode != 0 and str(path) in proc.stderr
 
 
+def _cli_render(tmp_path, text=None, out=None):
+    path = tmp_path / "in.json"
+    if text is not None:
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    args = ["--config", str(path)] if text is not None else []
+    return subprocess.run([sys.executable, "-m", "deployer", "render", *args, "--out", str(out or tmp_path / "o")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"motor_coordinator_config": {"shutdown_config.drain_timeout": float("nan")}},
+     "motor_coordinator_config.shutdown_config.drain_timeout: must be a number 0..86400 (got nan)"),
+    ({"motor_coordinator_config": {"shutdown_config.drain_timeout": float("inf")}},
+     "motor_coordinator_config.shutdown_config.drain_timeout: must be a number 0..86400 (got inf)"),
+    ({"motor_coordinator_config": {"models": [{"id": ["x"]}]}}, "motor_coordinator_config.models[0].id:"),
+    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": ["m"],
+                                                  "endpoints": [{"address": "e:8000"}]}]}},
+     "motor_coordinator_config.instances[0].model_name:"),
+])
+def test_cli_bad_values_are_one_clear_line_not_a_traceback(tmp_path, changes, expected):
+    proc = _cli_render(tmp_path, json.dumps(with_changes(**changes)))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert any(line.startswith(f"  {expected}") for line in proc.stderr.splitlines()), proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_non_utf8_input_and_an_out_that_is_a_file(tmp_path):
+    text = json.dumps(base()).encode()
+    proc = _cli_render(tmp_path, text.replace(b"mindie-motor", b"mindie-m\xf6tor", 1))  # Latin-1 o-umlaut
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == \
+        [f"error: {tmp_path / 'in.json'}: not UTF-8 text (byte {text.index(b'mindie-motor') + 8})"]
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    proc = _cli_render(tmp_path, out=afile)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: cannot write {afile}: File exists"]
+
+
 def test_default_file_coordinator_section_is_the_agreed_shape():
     coord = base()["motor_coordinator_config"]
     assert coord["api_config"]["coordinator_api_host"] == "127.0.0.1"
