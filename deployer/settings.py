@@ -34,6 +34,22 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # Environment variables the engine template sets itself; `env` may not override them.
 MANAGED_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_HOST", "POD_IP", "POD_NAME")
 
+# `vllm serve` flags the engine template sets, with the key that sets each. vLLM's argparse keeps the
+# last occurrence, so the same flag in extra_args would silently override the key.
+MANAGED_ENGINE_FLAGS = {
+    "--host": "always 0.0.0.0",
+    "--port": "from port",
+    "--model": "from model_path",
+    "--served-model-name": "from served_model_name",
+    "--max-model-len": "from max_model_len",
+    "--tensor-parallel-size": "from tensor_parallel_size",
+    "-tp": "from tensor_parallel_size",
+    "--pipeline-parallel-size": "from pipeline_parallel_size",
+    "-pp": "from pipeline_parallel_size",
+    "--gpu-memory-utilization": "from gpu_memory_utilization",
+    "--kv-transfer-config": "from kv_connector, kv_buffer_device and kv_connector_extra_config",
+}
+
 
 class ConfigError(ValueError):
     """Bad input. ``errors`` holds one ``key.path: message`` line per problem."""
@@ -136,7 +152,7 @@ class EngineConfig:
     startup_timeout_seconds: int = field(default=1800, metadata=_doc(
         "how long the startup probe waits for /health (model load), >= 30"))
     extra_args: List[str] = field(default_factory=list, metadata=_doc(
-        "further `vllm serve` arguments, appended as given"))
+        "further `vllm serve` arguments, appended as given (not the flags the deployer sets)"))
     env: Dict[str, str] = field(default_factory=dict, metadata=_doc(
         "further environment variables (not the deployer-managed NIXL ones)"))
     node_selector: Dict[str, str] = field(default_factory=dict, metadata=_doc("nodeSelector of the engine pods"))
@@ -334,6 +350,19 @@ def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
         errors.append(f"{p}.dshm_size: not a Kubernetes quantity (got {d.dshm_size!r})")
 
 
+def _managed_flag(arg: str) -> Optional[str]:
+    """The deployer-set flag that a `vllm serve` argument would set, if any. vLLM reads
+    --max_model_len as --max-model-len, --kv-transfer-config.kv_role=... as part of
+    --kv-transfer-config, and argparse takes a unique prefix (--max-model) for the whole flag."""
+    name = arg.split("=", 1)[0]
+    if name in MANAGED_ENGINE_FLAGS:
+        return name
+    if not name.startswith("--") or len(name) < 3:
+        return None
+    name = "--" + name[2:].replace("_", "-").split(".", 1)[0]
+    return next((flag for flag in MANAGED_ENGINE_FLAGS if flag.startswith(name)), None)
+
+
 def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[str]) -> None:
     if e.engine_type != "vllm":
         errors.append(f"{p}.engine_type: only 'vllm' is supported (got {e.engine_type!r})")
@@ -370,6 +399,11 @@ def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[st
                           f"tensor_parallel_size * pipeline_parallel_size = {need}")
     _check_resources(e.resources, f"{p}.resources", errors)
     _in_range(e.startup_timeout_seconds, 30, 86400, f"{p}.startup_timeout_seconds", errors)
+    for i, arg in enumerate(e.extra_args):
+        flag = _managed_flag(arg)
+        if flag:
+            errors.append(f"{p}.extra_args[{i}]: {arg!r} would override {flag}, which the deployer sets "
+                          f"({MANAGED_ENGINE_FLAGS[flag]})")
     for name in e.env:
         if not _ENV_NAME.match(name):
             errors.append(f"{p}.env.{name}: not a valid environment variable name")

@@ -568,6 +568,17 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
      "motor_engine_prefill_config.model_path: '/data/qwen3' is not under motor_deploy_config.weight_mount_path"),
     ({"motor_engine_prefill_config": {"env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "1"}}},
      "motor_engine_prefill_config.env.VLLM_NIXL_SIDE_CHANNEL_PORT: set by the deployer"),
+    ({"motor_engine_prefill_config": {"extra_args": ["--enforce-eager", "--port", "9000"]}},
+     "motor_engine_prefill_config.extra_args[1]: '--port' would override --port, which the deployer sets (from port)"),
+    ({"motor_engine_decode_config": {"extra_args": ["--max_model_len=32768"]}},
+     "motor_engine_decode_config.extra_args[0]: '--max_model_len=32768' would override --max-model-len"),
+    ({"motor_engine_prefill_config": {"extra_args": ["-tp", "2"]}},
+     "motor_engine_prefill_config.extra_args[0]: '-tp' would override -tp, which the deployer sets "
+     "(from tensor_parallel_size)"),
+    ({"motor_engine_prefill_config": {"extra_args": ["--kv-transfer-config.kv_role", "kv_both"]}},
+     "motor_engine_prefill_config.extra_args[0]: '--kv-transfer-config.kv_role' would override --kv-transfer-config"),
+    ({"motor_engine_prefill_config": {"extra_args": ["--served-model", "x"]}},
+     "motor_engine_prefill_config.extra_args[0]: '--served-model' would override --served-model-name"),
     ({"motor_engine_prefill_config": {"gpu_memory_utilization": 1.5}},
      "motor_engine_prefill_config.gpu_memory_utilization: must be in (0, 1]"),
 ])
