@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import ipaddress
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
@@ -26,6 +27,10 @@ from config import ConfigError as CoordinatorConfigError
 from config import parse_instance, settings_from_dict
 
 CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
+# Directories the templates mount besides the TLS Secret and the weights: two volumes on one path,
+# or one inside the other, are refused by Kubernetes or hide the other's files.
+COORDINATOR_MOUNTS = (posixpath.dirname(CONFIG_PATH_IN_CONTAINER), "/tmp")
+ENGINE_MOUNTS = ("/dev/shm",)
 NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
 MAX_INSTANCES = 64
 MAX_DRAIN_SECONDS = 86400
@@ -310,6 +315,14 @@ def _check_resources(res: ResourceSpec, path: str, errors: List[str]) -> None:
             errors.append(f"{path}.requests.{name}: {req} exceeds limits.{name} {lim}")
 
 
+def _no_overlap(path: str, mounts: tuple, key: str, pod: str, errors: List[str]) -> None:
+    """Refuse a mount path equal to, inside or containing another mount of the same pod."""
+    own = path.rstrip("/") + "/"
+    for other in mounts:
+        if own.startswith(other + "/") or (other + "/").startswith(own):
+            errors.append(f"{key}: {path!r} overlaps {other}, also mounted in {pod}")
+
+
 def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
     p = "motor_deploy_config"
     if not _DNS_LABEL.match(d.job_id) or len(d.job_id) > 40:
@@ -340,12 +353,16 @@ def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
         errors.append(f"{p}.termination_grace_period_seconds: must be >= 0")
     if not _DNS_SUBDOMAIN.match(d.tls_secret_name):
         errors.append(f"{p}.tls_secret_name: not a valid Secret name (got {d.tls_secret_name!r})")
-    for key in ("tls_mount_path",):
-        val = getattr(d, key)
-        if not val.startswith("/") or val.rstrip("/") in ("", "/etc/motor"):
-            errors.append(f"{p}.{key}: must be an absolute directory other than / and /etc/motor (got {val!r})")
-    if d.weight_mount_path and not d.weight_mount_path.startswith("/"):
-        errors.append(f"{p}.weight_mount_path: must be an absolute path or empty (got {d.weight_mount_path!r})")
+    tls = d.tls_mount_path
+    if not tls.startswith("/") or posixpath.normpath(tls) != (tls.rstrip("/") or "/"):
+        errors.append(f"{p}.tls_mount_path: must be a normalized absolute directory (got {tls!r})")
+    else:
+        _no_overlap(tls, COORDINATOR_MOUNTS, f"{p}.tls_mount_path", "the Coordinator pod", errors)
+    weights = d.weight_mount_path
+    if weights and not weights.startswith("/"):
+        errors.append(f"{p}.weight_mount_path: must be an absolute path or empty (got {weights!r})")
+    elif weights:
+        _no_overlap(weights, ENGINE_MOUNTS, f"{p}.weight_mount_path", "the engine pods", errors)
     if parse_quantity(d.dshm_size) is None:
         errors.append(f"{p}.dshm_size: not a Kubernetes quantity (got {d.dshm_size!r})")
 

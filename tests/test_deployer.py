@@ -14,7 +14,8 @@ import yaml
 
 import config
 from deployer import render as R
-from deployer.settings import ConfigError, DeployConfig, EngineConfig, key_docs, load
+from deployer.settings import (COORDINATOR_MOUNTS, ENGINE_MOUNTS, ConfigError, DeployConfig, EngineConfig,
+                               key_docs, load)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "deployer" / "user_config.json"
@@ -370,6 +371,19 @@ def test_tls_mounts_secret_and_switches_probe_scheme(edge):
         assert c[probe]["httpGet"]["scheme"] == scheme
 
 
+def test_no_two_volumes_share_a_mount_path(edge):
+    """Kubernetes refuses a pod with two volumeMounts on one path; COORDINATOR_MOUNTS and ENGINE_MOUNTS,
+    which tls_mount_path / weight_mount_path are checked against, are what the templates mount."""
+    _, s, b = edge
+    for kind, name, fixed in (("Deployment", R.COORDINATOR_NAME, COORDINATOR_MOUNTS),
+                              ("StatefulSet", R.ENGINE_NAME["prefill"], ENGINE_MOUNTS)):
+        mounts = {m["name"]: m["mountPath"] for m in
+                  find(b, kind, name)["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+        assert len(set(mounts.values())) == len(mounts)
+        configurable = {"tls": s.deploy.tls_mount_path, "weights": s.deploy.weight_mount_path}
+        assert sorted(p for n, p in mounts.items() if n not in configurable) == sorted(fixed)
+
+
 def test_tls_on_renders_https_probes():
     b = bundle(EDGE_CONFIGS["tls_both"])
     c = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]["containers"][0]
@@ -579,6 +593,18 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
      "motor_engine_prefill_config.extra_args[0]: '--kv-transfer-config.kv_role' would override --kv-transfer-config"),
     ({"motor_engine_prefill_config": {"extra_args": ["--served-model", "x"]}},
      "motor_engine_prefill_config.extra_args[0]: '--served-model' would override --served-model-name"),
+    ({"motor_deploy_config": {"tls_mount_path": "/tmp"}},
+     "motor_deploy_config.tls_mount_path: '/tmp' overlaps /tmp, also mounted in the Coordinator pod"),
+    ({"motor_deploy_config": {"tls_mount_path": "/etc/motor/tls"}},
+     "motor_deploy_config.tls_mount_path: '/etc/motor/tls' overlaps /etc/motor"),
+    ({"motor_deploy_config": {"tls_mount_path": "/etc"}}, "motor_deploy_config.tls_mount_path: '/etc' overlaps /etc/motor"),
+    ({"motor_deploy_config": {"tls_mount_path": "/"}}, "motor_deploy_config.tls_mount_path: '/' overlaps"),
+    ({"motor_deploy_config": {"tls_mount_path": "/x/../tmp"}},
+     "motor_deploy_config.tls_mount_path: must be a normalized absolute directory"),
+    ({"motor_deploy_config": {"weight_mount_path": "/dev/shm/"},
+      "motor_engine_prefill_config": {"model_path": "/dev/shm/qwen3"},
+      "motor_engine_decode_config": {"model_path": "/dev/shm/qwen3"}},
+     "motor_deploy_config.weight_mount_path: '/dev/shm/' overlaps /dev/shm, also mounted in the engine pods"),
     ({"motor_engine_prefill_config": {"gpu_memory_utilization": 1.5}},
      "motor_engine_prefill_config.gpu_memory_utilization: must be in (0, 1]"),
 ])
