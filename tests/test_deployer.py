@@ -369,6 +369,9 @@ def test_tls_mounts_secret_and_switches_probe_scheme(edge):
     scheme = "HTTPS" if mgmt_tls else "HTTP"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"]["scheme"] == scheme
+    # app.py serves the metrics port with the management TLS settings.
+    metrics = find(b, "Service", R.METRICS_SERVICE)["metadata"]["annotations"]
+    assert metrics["prometheus.io/scheme"] == scheme.lower()
 
 
 def test_no_two_volumes_share_a_mount_path(edge):
