@@ -240,8 +240,12 @@ def parse_instance(path: str, raw: Any, known_models: set[str] | None = None) ->
 
 
 def _tls(sec: _Section) -> TlsConfig:
+    # MindIE spells the switch tls_enable; either spelling turns TLS on, both only if they agree.
+    enable, alias = sec.get("enable_tls", None, _bool), sec.get("tls_enable", None, _bool)
+    if enable is not None and alias is not None and enable != alias:
+        _fail(f"{sec.path}tls_enable", "contradicts enable_tls (MindIE's spelling of the same switch)")
     tls = TlsConfig(
-        enable_tls=sec.get("enable_tls", False, _bool),
+        enable_tls=bool(alias) if enable is None else enable,
         cert_file=sec.get("cert_file", "", _str),
         key_file=sec.get("key_file", "", _str),
         ca_file=sec.get("ca_file", "", _str),

@@ -462,10 +462,14 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
 
     for key, attr in (("infer_tls_config", "infer_tls"), ("mgmt_tls_config", "mgmt_tls")):
         tls = sub(key)
-        enabled = tls.get("enable_tls", False)
-        if not isinstance(enabled, bool):
-            errors.append(f"{p}.{key}.enable_tls: must be true or false (got {enabled!r})")
+        switch = {k: tls[k] for k in ("enable_tls", "tls_enable") if k in tls}  # tls_enable: MindIE's spelling
+        bad = [f"{p}.{key}.{k}: must be true or false (got {v!r})" for k, v in switch.items() if not isinstance(v, bool)]
+        if not bad and len(set(switch.values())) > 1:
+            bad.append(f"{p}.{key}.tls_enable: contradicts enable_tls (MindIE's spelling of the same switch)")
+        if bad:
+            errors.extend(bad)
             continue
+        enabled = any(switch.values())
         setattr(view, attr, enabled)
         if not enabled:
             continue

@@ -387,6 +387,20 @@ def test_no_two_volumes_share_a_mount_path(edge):
         assert sorted(p for n, p in mounts.items() if n not in configurable) == sorted(fixed)
 
 
+@pytest.mark.parametrize("section", ["infer_tls_config", "mgmt_tls_config"])
+def test_mindie_spelling_tls_enable_turns_tls_on(section):
+    tls = {k: v for k, v in TLS.items() if k != "enable_tls"}
+    b = bundle(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True)}))
+    pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
+    assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == ["motor-coordinator-tls"]
+    coord = config.settings_from_dict(b["config"])
+    assert getattr(coord, section.replace("_config", "")).enable_tls is True
+    assert errors_of(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True, enable_tls=False)})) \
+        == [f"motor_coordinator_config.{section}.tls_enable: contradicts enable_tls (MindIE's spelling of the same switch)"]
+    with pytest.raises(config.ConfigError, match=f"{section}.tls_enable: contradicts enable_tls"):
+        config.settings_from_dict({section: dict(tls, tls_enable=False, enable_tls=True)})
+
+
 def test_tls_on_renders_https_probes():
     b = bundle(EDGE_CONFIGS["tls_both"])
     c = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]["containers"][0]
