@@ -8,7 +8,8 @@ Sections:
 - ``motor_deploy_config``: cluster-side settings (namespace, images, counts, ports, TLS secret).
 - ``motor_engine_prefill_config`` / ``motor_engine_decode_config``: the vLLM engines.
 - ``motor_coordinator_config``: owned by the Coordinator. The deployer reads the keys it needs
-  (ports, TLS, drain timeout, models, instances, pd_dispatch) and passes the rest through untouched.
+  (ports, TLS, drain timeout, models, instances, pd_dispatch) and passes the rest through untouched;
+  `load` then reads the rendered user_config.json with the Coordinator's own loader (`config`).
 
 Unknown keys in the deployer-owned sections are errors (they are almost always typos);
 unknown keys in ``motor_coordinator_config`` are left for the Coordinator to judge.
@@ -463,7 +464,8 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
     for key, attr in (("infer_tls_config", "infer_tls"), ("mgmt_tls_config", "mgmt_tls")):
         tls = sub(key)
         switch = {k: tls[k] for k in ("enable_tls", "tls_enable") if k in tls}  # tls_enable: MindIE's spelling
-        bad = [f"{p}.{key}.{k}: must be true or false (got {v!r})" for k, v in switch.items() if not isinstance(v, bool)]
+        bad = [f"{p}.{key}.{k}: must be true or false (got {v!r})"
+               for k, v in switch.items() if not isinstance(v, bool)]
         if not bad and len(set(switch.values())) > 1:
             bad.append(f"{p}.{key}.tls_enable: contradicts enable_tls (MindIE's spelling of the same switch)")
         if bad:

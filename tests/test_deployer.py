@@ -397,8 +397,9 @@ def test_mindie_spelling_tls_enable_turns_tls_on(section):
     assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == ["motor-coordinator-tls"]
     coord = config.settings_from_dict(b["config"])
     assert getattr(coord, section.replace("_config", "")).enable_tls is True
-    assert errors_of(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True, enable_tls=False)})) \
-        == [f"motor_coordinator_config.{section}.tls_enable: contradicts enable_tls (MindIE's spelling of the same switch)"]
+    errs = errors_of(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True, enable_tls=False)}))
+    assert errs == [f"motor_coordinator_config.{section}.tls_enable: contradicts enable_tls "
+                    f"(MindIE's spelling of the same switch)"]
     with pytest.raises(config.ConfigError, match=f"{section}.tls_enable: contradicts enable_tls"):
         config.settings_from_dict({section: dict(tls, tls_enable=False, enable_tls=True)})
 
@@ -616,7 +617,8 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
      "motor_deploy_config.tls_mount_path: '/tmp' overlaps /tmp, also mounted in the Coordinator pod"),
     ({"motor_deploy_config": {"tls_mount_path": "/etc/motor/tls"}},
      "motor_deploy_config.tls_mount_path: '/etc/motor/tls' overlaps /etc/motor"),
-    ({"motor_deploy_config": {"tls_mount_path": "/etc"}}, "motor_deploy_config.tls_mount_path: '/etc' overlaps /etc/motor"),
+    ({"motor_deploy_config": {"tls_mount_path": "/etc"}},
+     "motor_deploy_config.tls_mount_path: '/etc' overlaps /etc/motor"),
     ({"motor_deploy_config": {"tls_mount_path": "/"}}, "motor_deploy_config.tls_mount_path: '/' overlaps"),
     ({"motor_deploy_config": {"tls_mount_path": "/x/../tmp"}},
      "motor_deploy_config.tls_mount_path: must be a normalized absolute directory"),
