@@ -274,8 +274,12 @@ def _api_key(sec: _Section, default: ApiKeyConfig) -> ApiKeyConfig:
     return cfg
 
 
-def settings_from_dict(raw: dict, source_path: str = "") -> Settings:
-    """Build Settings from a whole user_config.json object or its motor_coordinator_config alone."""
+def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = True) -> Settings:
+    """Build Settings from a whole user_config.json object or its motor_coordinator_config alone.
+
+    `on_this_host` False: the file is checked for another machine (the deployer renders it for a pod), so
+    what only that machine can answer is not checked: that the host resolves, that the TLS files load.
+    """
     if not isinstance(raw, dict):
         raise ConfigError(f"{ROOT_KEY}: must be a JSON object")
     if ROOT_KEY in raw:
@@ -292,7 +296,8 @@ def settings_from_dict(raw: dict, source_path: str = "") -> Settings:
     obs_port = api.get("coordinator_obs_port", d.obs_port, _port)
     if len({infer_port, mgmt_port, obs_port}) != 3:
         _fail("api_config.coordinator_api_mgmt_port", "the inference, management and observability ports must differ")
-    _check_host("api_config.coordinator_api_host", host)
+    if on_this_host:
+        _check_host("api_config.coordinator_api_host", host)
     api.warn_unknown()
 
     workers = top.section("inference_workers_config")
@@ -303,8 +308,9 @@ def settings_from_dict(raw: dict, source_path: str = "") -> Settings:
     mgmt_api_key = _api_key(top.section("mgmt_api_key_config"), d.mgmt_api_key)
     infer_tls = _tls(top.section("infer_tls_config"))
     mgmt_tls = _tls(top.section("mgmt_tls_config"))
-    _check_tls_files("infer_tls_config", infer_tls)
-    _check_tls_files("mgmt_tls_config", mgmt_tls)
+    if on_this_host:
+        _check_tls_files("infer_tls_config", infer_tls)
+        _check_tls_files("mgmt_tls_config", mgmt_tls)
 
     sched = top.section("scheduler_config")
     scheduler = dict(

@@ -579,7 +579,7 @@ def _coordinator_accepts(settings: Settings) -> None:
     crash-loop on it. The deployer checks only the keys it reads; the Coordinator judges the rest."""
     from .render import cluster_user_config  # render imports this module
     try:
-        settings_from_dict(cluster_user_config(settings))
+        settings_from_dict(cluster_user_config(settings), on_this_host=False)  # the pod's files and DNS are not here
     except CoordinatorConfigError as exc:
         raise ConfigError([f"{exc} (the Coordinator refuses the rendered user_config.json)"]) from None
 

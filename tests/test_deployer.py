@@ -229,7 +229,7 @@ def test_strict_validation_really_rejects_unknown_fields():
 
 def test_the_coordinator_accepts_the_rendered_user_config(edge):
     cfg, s, b = edge
-    coord = config.settings_from_dict(b["config"])
+    coord = config.settings_from_dict(b["config"], on_this_host=False)  # the pod's TLS files are not here
     assert (coord.infer_port, coord.mgmt_port, coord.obs_port) == \
         (s.coordinator.infer_port, s.coordinator.mgmt_port, s.coordinator.obs_port)
     assert len(coord.instances) == s.deploy.p_instances_num + s.deploy.d_instances_num
@@ -395,7 +395,7 @@ def test_mindie_spelling_tls_enable_turns_tls_on(section):
     b = bundle(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True)}))
     pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
     assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == ["motor-coordinator-tls"]
-    coord = config.settings_from_dict(b["config"])
+    coord = config.settings_from_dict(b["config"], on_this_host=False)  # the pod's TLS files are not here
     assert getattr(coord, section.replace("_config", "")).enable_tls is True
     errs = errors_of(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True, enable_tls=False)}))
     assert errs == [f"motor_coordinator_config.{section}.tls_enable: contradicts enable_tls "
