@@ -8,6 +8,7 @@ first invalid value. Config keys keep MindIE-PyMotor's names; the typed attribut
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import socket
@@ -151,8 +152,8 @@ def _int(path: str, v: Any, lo: int | None = None, hi: int | None = None) -> int
 
 
 def _num(path: str, v: Any, lo: float = 0.0, positive: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        _fail(path, "must be a number")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        _fail(path, "must be a number")  # NaN and Infinity too (Python's json reads them)
     if v < lo or (positive and v <= 0):
         _fail(path, "must be > 0" if positive else f"must be >= {lo}")
     return float(v)

@@ -109,3 +109,11 @@ def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("config error: motor_coordinator_config."), (name, proc.stderr[-2000:])
         assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_numbers_must_be_finite(value):
+    """Python's json reads NaN and Infinity: a timeout or rate of NaN compares false with every bound."""
+    raw = json.loads(json.dumps({"exception_config": {"infer_timeout": value}}))
+    with pytest.raises(ConfigError, match="exception_config.infer_timeout: must be a number"):
+        settings_from_dict(raw)
