@@ -237,10 +237,11 @@ class Dispatcher:
                                 lease.prefill_done()
                                 rec.first_token()
                                 await sink.start_stream()
-                            block, count = splitter.complete(chunk)
-                            if count:
-                                lease.events += count
-                                rec.events += block.count(b"data:")
+                            block = splitter.complete(chunk)
+                            if block:
+                                events = block.count(b"data:")
+                                lease.events += events
+                                rec.events += events
                                 await sink.send(block, es.finished and not splitter.tail)
                         if splitter.tail.strip():  # the engine ended without the last event's blank line
                             rec.events += splitter.tail.count(b"data:")
@@ -327,10 +328,11 @@ class Dispatcher:
                                 lease.first_token()
                                 rec.first_token()
                                 await sink.start_stream()
-                            block, count = splitter.complete(chunk)
-                            if count:
-                                lease.events += count
-                                rec.events += block.count(b"data:")
+                            block = splitter.complete(chunk)
+                            if block:
+                                events = block.count(b"data:")
+                                lease.events += events
+                                rec.events += events
                                 await sink.send(fix_events(block, p_usage, anthropic), es.finished and not splitter.tail)
                         if splitter.tail.strip():
                             rec.events += splitter.tail.count(b"data:")

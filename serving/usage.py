@@ -132,14 +132,16 @@ class EventSplitter:
     def __init__(self) -> None:
         self.tail = b""
 
-    def complete(self, chunk: bytes) -> tuple[bytes, int]:
-        """The complete events now available (with their terminators) and how many there are."""
+    def complete(self, chunk: bytes) -> bytes:
+        """The complete events now available (with their terminators); a partial last one waits for the rest."""
+        if not self.tail and chunk.endswith(b"\n\n"):  # the usual chunk: whole events (CRLF framing ends in \r\n)
+            return chunk
         data = self.tail + chunk if self.tail else chunk
         if b"\r\n" in data:
             data = data.replace(b"\r\n", b"\n")
         end = data.rfind(b"\n\n")
         if end < 0:
             self.tail = data
-            return b"", 0
+            return b""
         block, self.tail = data[: end + 2], data[end + 2 :]
-        return block, block.count(b"\n\n")
+        return block

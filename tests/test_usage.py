@@ -60,10 +60,12 @@ def test_usage_with_blanks_is_fixed_and_null_usage_or_the_key_in_text_is_relayed
 def test_splitter_keeps_partial_events_for_the_next_chunk():
     splitter = EventSplitter()
     stream = b"".join(e + b"\r\n\r\n" for e in (chunk(0), USAGE_EVENT, b"data: [DONE]"))
-    blocks, count = [], 0
+    blocks = []
     for i in range(0, len(stream), 7):  # cut anywhere, even inside "\r\n\r\n"
-        block, n = splitter.complete(stream[i : i + 7])
+        block = splitter.complete(stream[i : i + 7])
+        assert block == b"" or block.endswith(b"\n\n")  # whole events only
         blocks.append(block)
-        count += n
-    assert count == 3 and splitter.tail == b""
+    assert splitter.tail == b""
     assert b"".join(blocks) == stream.replace(b"\r\n", b"\n")
+    lf = stream.replace(b"\r\n", b"\n")
+    assert splitter.complete(lf) is lf  # whole LF-framed events: passed on as they are
