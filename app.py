@@ -256,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
-    """A port's server TLS: its certificate and key; with `ca_file`, clients must present a certificate it signed."""
+    """A port's server TLS: its certificate and key; with `ca_file`, a client certificate, when one is
+    presented, must be signed by it. None is required: kubelet probes, Prometheus and engines calling
+    /v1/metaserver present none."""
     if not tls.enable_tls:
         return None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -264,7 +266,7 @@ def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
     context.load_cert_chain(tls.cert_file, tls.key_file)
     if tls.ca_file:
         context.load_verify_locations(tls.ca_file)
-        context.verify_mode = ssl.CERT_REQUIRED
+        context.verify_mode = ssl.CERT_OPTIONAL
     return context
 
 

@@ -152,11 +152,17 @@ def _int(path: str, v: Any, lo: int | None = None, hi: int | None = None) -> int
 
 
 def _num(path: str, v: Any, lo: float = 0.0, positive: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        _fail(path, "must be a number")
+    try:
+        number = float(v)
+    except OverflowError:  # an integer of hundreds of digits
+        number = math.inf
+    if not math.isfinite(number):
         _fail(path, "must be a number")  # NaN and Infinity too (Python's json reads them)
-    if v < lo or (positive and v <= 0):
+    if number < lo or (positive and number <= 0):
         _fail(path, "must be > 0" if positive else f"must be >= {lo}")
-    return float(v)
+    return number
 
 
 def _bool(path: str, v: Any) -> bool:
@@ -456,10 +462,16 @@ def _check_tls_files(section: str, tls: TlsConfig) -> None:
     def no_password() -> bytes:
         raise ValueError("the key is encrypted")
 
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(tls.cert_file, tls.key_file, password=no_password)
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=no_password)
     except (ssl.SSLError, ValueError) as e:
         _fail(f"{section}.cert_file", f"cannot load {tls.cert_file!r} with key_file {tls.key_file!r}: {e}")
+    if tls.ca_file:
+        try:
+            context.load_verify_locations(tls.ca_file)
+        except ssl.SSLError as e:
+            _fail(f"{section}.ca_file", f"cannot load {tls.ca_file!r}: {e}")
 
 
 def resolve_config_path(cli_path: str | None) -> str:

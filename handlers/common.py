@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import time
 from contextlib import nullcontext
 from random import getrandbits
 
@@ -162,12 +161,11 @@ class SanicSink:
         await self.response.stream.send(data, last)
 
     async def _send_to_a_full_buffer(self, data: bytes, last: bool) -> None:
-        """The client is not reading: wait for it until the request's deadline (`infer_timeout`), then drop
-        its connection, which Sanic answers by cancelling the request: it ends as a disconnect, and its
+        """The client is not reading: wait for it as long as for a silent engine (`stream_idle_timeout`), then
+        drop its connection, which Sanic answers by cancelling the request: it ends as a disconnect, and its
         engine request and capacity are given back (otherwise they were held until the client left)."""
-        left_s = self.rec.started + self.request.app.ctx.settings.infer_timeout_s - time.monotonic()
         try:
-            async with asyncio.timeout(max(left_s, 0.0)):
+            async with asyncio.timeout(self.request.app.ctx.settings.stream_idle_timeout_s):
                 await self.response.stream.send(data, last)
         except TimeoutError:
             self.ended = True

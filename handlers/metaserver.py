@@ -4,11 +4,15 @@ The target is always a registered instance: one named by `remote_host`/`remote_p
 `remote_engine_id` must be registered with the right role, or the call is refused with 403 and nothing
 is sent anywhere; one named by nothing is picked by the scheduler.
 
-Engines send no API key. With `enable_api_key` on, a call is let in when it comes from the address of
-a registered instance (names resolved, and cached for `RESOLVED_FOR_S`) or carries a valid key; any
-other caller gets 401, as on the other inference routes: the route runs a full generation when asked
-for a decode, so it must not be a way around the keys. A call is not admitted again (in-flight cap,
-rate limit, drain): it is half of a client request admitted already.
+A call from the address of a registered instance is an engine's: it needs no API key (engines send
+none) and is not admitted again (in-flight cap, rate limit, drain), being half of a client request that
+was admitted already. Any other caller is treated as a client: with `enable_api_key` it needs a valid
+key, and it is admitted like any request (the route runs a full generation when asked for a decode).
+Instance host names are resolved and cached for `RESOLVED_FOR_S`; a caller that matches no cached
+address makes names older than `RECHECK_AFTER_S` resolve again (an engine pod restarted with a new
+address). The check trusts the host: anything that reaches the Coordinator from an engine's address
+(a proxy on an engine host, traffic NATed to a node IP that an engine is registered by) counts as that
+engine.
 """
 
 from __future__ import annotations
@@ -22,55 +26,69 @@ from urllib.parse import urlsplit
 from sanic import Blueprint, Request
 
 from errors import OPENAI
-from handlers.common import INFER, check_api_key, check_plane, serve_inference
+from handlers.common import INFER, check_plane, serve_inference
 from serving.job import METASERVER
 
 bp = Blueprint("metaserver")
 
 RESOLVED_FOR_S = 60.0
+RECHECK_AFTER_S = 5.0
 _resolved: dict[str, tuple[float, frozenset[str]]] = {}  # per worker: host name -> (when, its addresses)
 
 
 @bp.post(METASERVER, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 async def metaserver(request: Request):
     check_plane(request, INFER)
-    if request.app.ctx.settings.api_key.enable_api_key and not await from_registered_instance(request):
-        check_api_key(request, OPENAI)
-    return await serve_inference(request, METASERVER, OPENAI, from_client=False)
+    engine = await from_registered_instance(request)
+    return await serve_inference(request, METASERVER, OPENAI, from_client=not engine)
 
 
 async def from_registered_instance(request: Request) -> bool:
     """Does the call come from the host of a registered instance?"""
-    caller = request.conn_info.client_ip if request.conn_info else ""
+    hosts = {urlsplit(t.url).hostname or "" for t in request.app.ctx.registry.view().targets}
+    return await is_instance_address(request.conn_info.client_ip if request.conn_info else "", hosts)
+
+
+async def is_instance_address(caller: str, hosts: set[str]) -> bool:
+    """Is `caller` (an IP address) one of `hosts` (IP addresses and names, resolved here)?"""
+    caller = _normal(caller)
     if not caller:
         return False
-    hosts = {urlsplit(t.url).hostname or "" for t in request.app.ctx.registry.view().targets}
-    if caller in hosts:
-        return True
-    names = [h for h in hosts if h and not _is_ip(h)]
-    for addresses in await asyncio.gather(*(_addresses(h) for h in names)):
-        if caller in addresses:
+    names = []
+    for host in hosts:
+        ip = _normal(host)
+        if ip == caller:
             return True
+        if host and not ip:
+            names.append(host)
+    if not names:
+        return False
+    for max_age_s in (RESOLVED_FOR_S, RECHECK_AFTER_S):
+        for addresses in await asyncio.gather(*(_addresses(name, max_age_s) for name in names)):
+            if caller in addresses:
+                return True
     return False
 
 
-def _is_ip(host: str) -> bool:
+def _normal(address: str) -> str:
+    """An IP address in one spelling (an IPv4 address mapped into IPv6 as IPv4); '' for a name."""
     try:
-        ipaddress.ip_address(host)
-        return True
+        ip = ipaddress.ip_address(address)
     except ValueError:
-        return False
+        return ""
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
 
 
-async def _addresses(host: str) -> frozenset[str]:
+async def _addresses(host: str, max_age_s: float) -> frozenset[str]:
     now = time.monotonic()
     cached = _resolved.get(host)
-    if cached is not None and now - cached[0] < RESOLVED_FOR_S:
+    if cached is not None and now - cached[0] < max_age_s:
         return cached[1]
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        addresses = frozenset(info[4][0] for info in infos)
-    except OSError:
+        addresses = frozenset(_normal(info[4][0]) for info in infos)
+    except (OSError, UnicodeError):  # unknown, or not a valid name (an empty or over-long label)
         addresses = frozenset()
     _resolved[host] = (now, addresses)
     return addresses

@@ -57,8 +57,10 @@ def endpoint_status(view: Topology, ledger: Ledger, health: Health) -> list[Endp
 def instances_json(view: Topology, ledger: Ledger, health: Health) -> list[dict]:
     """GET /instances: each instance with its endpoints' health, breaker and load."""
     by_instance: dict[int, list[dict]] = {iid: [] for iid in view.instances}
+    usable: dict[int, bool] = {}
     for s in endpoint_status(view, ledger, health):
         t = s.target
+        usable[t.instance_id] = usable.get(t.instance_id, False) or health.usable(t.slot)
         by_instance[t.instance_id].append(
             {"id": t.endpoint_id, "address": t.address, "healthy": s.healthy, "breaker": s.breaker, "load": s.load_json()}
         )
@@ -72,8 +74,9 @@ def instances_json(view: Topology, ledger: Ledger, health: Health) -> list[dict]
                 **inst.to_json(),
                 "paused": paused,
                 "healthy": healthy,
-                # Takes new requests now: not paused, and some endpoint healthy with its breaker not open.
-                "schedulable": not paused and any(e["healthy"] and e["breaker"] != "open" for e in endpoints),
+                # Takes new requests now: not paused, and some endpoint the scheduler may pick (healthy, and its
+                # breaker closed or open long enough to let a probe through), as readiness counts them.
+                "schedulable": not paused and usable.get(iid, False),
                 "endpoints": endpoints,
             }
         )

@@ -156,7 +156,7 @@ def _metaserver_job(raw: bytes, body: dict) -> Job:
             "exactly one of kv_transfer_params.do_remote_prefill and do_remote_decode must be true",
             param="kv_transfer_params",
         )
-    route = CHAT if "messages" in body else COMPLETIONS if "prompt" in body else None
+    route = CHAT if "messages" in body else COMPLETIONS if "prompt" in body or "prompt_embeds" in body else None
     if route is None:
         raise InvalidRequest("one of 'messages' or 'prompt' is required", param="messages")
     job = job_from_body(route, "openai", raw, body, rid)

@@ -87,6 +87,8 @@ def test_tls_files_must_exist_and_load(cert, tmp_path, section):
     garbage.write_text("not a certificate\n")
     cfg[section] = {"enable_tls": True, "cert_file": str(garbage), "key_file": key_file}
     assert refused(cfg).startswith(f"motor_coordinator_config.{section}.cert_file: cannot load")
+    cfg[section] = {"enable_tls": True, "cert_file": cert_file, "key_file": key_file, "ca_file": str(garbage)}
+    assert refused(cfg).startswith(f"motor_coordinator_config.{section}.ca_file: cannot load")
     # Files are looked at only with TLS on.
     cfg[section] = {"enable_tls": False, "cert_file": str(tmp_path / "missing.pem"), "key_file": ""}
     assert settings_from_dict(cfg)
@@ -111,9 +113,10 @@ def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
         assert "Traceback" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 10**400])
 def test_numbers_must_be_finite(value):
-    """Python's json reads NaN and Infinity: a timeout or rate of NaN compares false with every bound."""
+    """Python's json reads NaN and Infinity: a timeout or rate of NaN compares false with every bound (and
+    an integer too large for a float overflowed with a traceback)."""
     raw = json.loads(json.dumps({"exception_config": {"infer_timeout": value}}))
     with pytest.raises(ConfigError, match="exception_config.infer_timeout: must be a number"):
         settings_from_dict(raw)

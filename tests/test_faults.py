@@ -481,12 +481,13 @@ class FloodHandler(http.server.BaseHTTPRequestHandler):
             self.server.hung_up.set()
 
 
-def test_a_client_that_stops_reading_is_dropped_at_the_request_deadline():
+def test_a_client_that_stops_reading_is_dropped_after_the_idle_timeout():
     """A client that opens a stream and stops reading held its engine request and capacity until it left;
-    now its connection is dropped once `infer_timeout` has passed, and the engine request with it."""
+    now its connection is dropped once it has taken nothing for `stream_idle_timeout`, and the engine
+    request with it."""
     engine = FloodEngine()
     cfg = coordinator_config([instance(1, "union", MODEL, f"127.0.0.1:{engine.server_address[1]}")],
-                             exception_config={"infer_timeout": 3})
+                             exception_config={"stream_idle_timeout": 3})
     try:
         with Coordinator(cfg) as coord:
             body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "flood"}], "stream": True}).encode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -228,8 +229,9 @@ def test_trigger_mode_with_api_keys_and_a_cap_lets_engines_in(sims):
 
 def test_metaserver_from_elsewhere_needs_a_key(sims):
     """No registered instance at the caller's address (loopback here): a call without a valid key is a 401,
-    not a way around the keys to a full generation."""
-    cfg = coordinator_config([instance(1, "decode", MODEL, "decode-0.invalid:8000")], api_key_config=KEYS)
+    and one with a key is admitted like a client's: not a way around the keys or the limits."""
+    cfg = coordinator_config([instance(1, "decode", MODEL, "decode-0.invalid:8000")], api_key_config=KEYS,
+                             rate_limit_config={"requests_per_second": 0.2})
     with Coordinator(cfg) as coord:
         ktp = {"request_id": "m-1", "do_remote_decode": True, "do_remote_prefill": False}
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": ktp}
@@ -238,6 +240,21 @@ def test_metaserver_from_elsewhere_needs_a_key(sims):
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         r = httpx.post(coord.url + "/v1/metaserver", json=body, headers={"Authorization": "Bearer k-meta"})
         assert r.status_code == 503  # let in; its only engine is unreachable
+        r = httpx.post(coord.url + "/v1/metaserver", json=body, headers={"Authorization": "Bearer k-meta"})
+        assert r.status_code == 429  # and admitted like a client: the rate limit's one token is spent
+
+
+def test_engine_addresses_match_in_any_spelling_and_by_name():
+    from handlers.metaserver import is_instance_address
+
+    def check(caller: str, hosts: set[str]) -> bool:
+        return asyncio.run(is_instance_address(caller, hosts))
+
+    assert check("127.0.0.1", {"127.0.0.1"}) and check("::ffff:127.0.0.1", {"127.0.0.1"})  # a dual-stack listener
+    assert check("fd00::1", {"fd00:0:0::1"})
+    assert check("127.0.0.1", {"localhost"})  # resolved (no connection made)
+    assert not check("127.0.0.1", {"10.1.2.3", "decode-0.invalid", "a..b"})  # "a..b" is not even a valid name
+    assert not check("", {"127.0.0.1"})
 
 
 def _meta(coord, ktp: dict, **body):

@@ -1,5 +1,5 @@
 """TLS on the Coordinator's own ports: each port its own setting (`infer_tls_config` for inference,
-`mgmt_tls_config` for management and metrics), and `ca_file` requiring client certificates."""
+`mgmt_tls_config` for management and metrics), and `ca_file` checking the client certificates presented."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ def plain(url: str) -> int:
     return httpx.get(url, timeout=5).status_code
 
 
-def tls(url: str, certs: Certs, client_cert: bool = False) -> int:
+def tls(url: str, certs: Certs, client: tuple[str, str] | None = None) -> int:
     context = ssl.create_default_context(cafile=certs.ca)
-    if client_cert:
-        context.load_cert_chain(certs.client_cert, certs.client_key)
+    if client:
+        context.load_cert_chain(*client)
     return httpx.get(url, timeout=5, verify=context).status_code
 
 
@@ -51,7 +51,9 @@ def test_management_tls_covers_management_and_metrics_only(sims, certs):
         assert plain(coord.url + "/v1/models") == 200  # the inference port keeps its own setting: plain HTTP
 
 
-def test_inference_tls_with_a_ca_requires_client_certificates(sims, certs):
+def test_inference_tls_with_a_ca_checks_the_client_certificates_presented(sims, certs):
+    """`ca_file`: a client certificate must be one it signed; a client with none (a probe, Prometheus, an
+    engine calling /v1/metaserver) is still served."""
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
@@ -59,7 +61,9 @@ def test_inference_tls_with_a_ca_requires_client_certificates(sims, certs):
     )
     with Coordinator(cfg) as coord:
         assert coord.url.startswith("https://")
-        assert tls(coord.url + "/v1/models", certs, client_cert=True) == 200
-        assert refused(lambda: tls(coord.url + "/v1/models", certs))  # no client certificate: no handshake
+        assert tls(coord.url + "/v1/models", certs, (certs.client_cert, certs.client_key)) == 200
+        assert tls(coord.url + "/v1/models", certs) == 200
+        stranger = (certs.other_ca, certs.other_ca[: -len(".pem")] + ".key")  # a certificate the CA did not sign
+        assert refused(lambda: tls(coord.url + "/v1/models", certs, stranger))
         assert refused(lambda: plain(f"http://127.0.0.1:{coord.infer_port}/v1/models"))
         assert plain(coord.mgmt + "/readiness") == 200 and plain(coord.obs + "/metrics") == 200  # plain: their own setting
