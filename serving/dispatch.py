@@ -313,6 +313,7 @@ class Dispatcher:
             return self.scheduler.pick_one(job.model, info, ("decode",), exclude)
 
         async def call(t: Target, rid: str) -> None:
+            nonlocal body
             rec.target = t
             lease = self.scheduler.lease(t, info, DECODE, learn=job.stream)
             started = time.monotonic()
@@ -349,6 +350,15 @@ class Dispatcher:
                         raise UpstreamProtocolError(f"decode engine {t.url} answered invalid JSON") from None
                     lease.succeed()
                     sink.json(200, dumps(fix_response(resp, p_usage, anthropic)) if isinstance(resp, dict) else data)
+            except EngineStatusError as e:
+                recompute = decode_leg(job, None)
+                if e.status >= 500 and body != recompute and not sink.started:
+                    # D answered but could not take P's KV (P died after answering, or its KV expired): the
+                    # retry leaves the ticket out and D computes the prompt itself, like a missed handoff.
+                    body = recompute
+                    rec.missed_handoff = True
+                    self.obs.missed_handoff(job, rec)
+                raise
             finally:
                 lease.release()
                 rec.decode_s = time.monotonic() - started
@@ -372,6 +382,8 @@ class Dispatcher:
             if ticket is not None and rec.ttft_s is None:
                 self._release_kv(job, rec.prefill, ticket)
             raise
+        if ticket is not None and rec.missed_handoff:  # D recomputed the prompt: nobody takes the KV now
+            self._release_kv(job, rec.prefill, ticket)
 
     def _release_kv(self, job: Job, p: Target | None, ticket: dict) -> None:
         """Free the KV blocks P holds for a decode leg that will never pull them.

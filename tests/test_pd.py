@@ -185,6 +185,28 @@ def test_missed_handoff_is_served_and_counted(fresh):
     assert "missed handoff" in fresh.output()
 
 
+def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sims):
+    """P died after answering (its ticket names a port nobody listens on): D answers 500 at once (field
+    notes). The retry leaves the ticket out and D computes the prompt itself; D's breaker stays closed."""
+    from tests.support import free_port
+
+    p, d = sims("prefill", ticket_extra={"remote_port": free_port()}), sims("decode")
+    cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
+                             exception_config={"retry_delay": 0.01})
+    with Coordinator(cfg) as coord:
+        for stream in (False, True, False, True):
+            resp = client(coord).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "p is gone"}], max_tokens=4, stream=stream)
+            text = "".join(c.choices[0].delta.content or "" for c in resp if c.choices) if stream else resp.choices[0].message.content
+            assert text.strip()
+        legs = [r["body"] for r in d.requests() if r["path"] == "/v1/chat/completions"]
+        assert len(legs) == 8 and all(("kv_transfer_params" in b) == (i % 2 == 0) for i, b in enumerate(legs))
+        [inst] = [i for i in httpx.get(coord.mgmt + "/instances").json()["instances"] if i["role"] == "decode"]
+        assert inst["endpoints"][0]["breaker"] == "closed"
+        metrics = httpx.get(coord.obs + "/metrics").text
+        assert [ln for ln in metrics.splitlines() if ln.startswith("motor_missed_handoffs_total{")][0].endswith(" 4.0")
+
+
 def test_trigger_mode_decode_calls_metaserver(sims):
     p, d = sims("prefill"), sims("decode")
     cfg = coordinator_config(
