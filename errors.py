@@ -221,8 +221,12 @@ def render(err: CoordinatorError, api: str) -> tuple[int, bytes, dict]:
         if api == ANTHROPIC:
             return err.status, _anthropic_engine_error(err), {"Content-Type": "application/json"}
         return err.status, err.body, {"Content-Type": err.content_type}
-    status = err.status if err.status < 500 or not isinstance(err, EngineStatusError) else 502
-    return status, dumps(error_body(err, api)), {"Content-Type": "application/json", **err.headers}
+    return client_status(err), dumps(error_body(err, api)), {"Content-Type": "application/json", **err.headers}
+
+
+def client_status(err: CoordinatorError) -> int:
+    """The status the client is answered with: an engine's 5xx is the Coordinator's 502 (bad gateway)."""
+    return 502 if isinstance(err, EngineStatusError) and err.status >= 500 else err.status
 
 
 def sse_error_event(err: CoordinatorError, api: str) -> bytes:

@@ -23,6 +23,7 @@ from errors import (
     ServiceUnavailable,
     Unauthorized,
     UnsupportedMediaType,
+    client_status,
     render,
     sse_error_event,
 )
@@ -199,6 +200,8 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         job.slo_ttft_ms = _slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = _slo_header(request, "x-slo-tpot-ms")
         rec.model, rec.stream = job.model, job.stream
+        if job.stream and api == OPENAI and job.include_usage:
+            rec.usage_event = True
         with ctx.admission.admit() if from_client else nullcontext():
             await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
@@ -223,7 +226,7 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
 
 async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api: str, rid: str) -> HTTPResponse | None:
     """An error answer: the error response, or one SSE error event once the stream has started."""
-    rec.status, rec.error = err.status, err.message
+    rec.status, rec.error = client_status(err), err.message  # a stream's: what its error event says
     if rec.target is None and rec.prefill is None:  # refused before reaching an engine
         rec.reject_reason = getattr(err, "reason", "")
     if sink.started:

@@ -21,7 +21,8 @@ from serving.job import CHAT, COMPLETIONS, MESSAGES
 log = logging.getLogger("coordinator.request")
 
 # SSE events of a stream that carry no token: OpenAI's role chunk and `[DONE]` (a usage chunk, when asked
-# for, adds one); Anthropic's message_start, content_block_start/stop, message_delta and message_stop.
+# for, adds one: `usage_event`); Anthropic's message_start, content_block_start/stop, message_delta and
+# message_stop.
 STREAM_FRAMING = {CHAT: 2, COMPLETIONS: 1, MESSAGES: 5}
 _OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
 _INPUT_KEYS = (b'"prompt_tokens":', b'"input_tokens":')
@@ -61,6 +62,7 @@ class RequestRecord:
     prompt_tokens: int = 0  # the engine's count from a JSON answer's usage, else the scheduler's count (prepare)
     output_tokens: int | None = None  # from a JSON answer's usage
     events: int = 0  # SSE `data:` events relayed
+    usage_event: bool = False  # the client asked for a usage chunk (stream_options.include_usage)
     duration_s: float = 0.0  # set when the request is done
 
     def first_token(self) -> None:
@@ -78,7 +80,7 @@ class RequestRecord:
     def generated_tokens(self) -> int:
         if self.output_tokens is not None:
             return self.output_tokens
-        return max(0, self.events - STREAM_FRAMING.get(self.route, 0))
+        return max(0, self.events - STREAM_FRAMING.get(self.route, 0) - self.usage_event)
 
 
 class FlushTimer:

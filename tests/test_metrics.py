@@ -144,6 +144,19 @@ def test_tokens_and_stream_latencies(c):
     tpot = delta(before, after, "motor_tpot_seconds_sum", route=CHAT, model=MODEL)
     e2e = delta(before, after, "motor_e2e_seconds_sum", route=CHAT, model=MODEL)
     assert 0 < ttft < e2e and 0 < tpot < e2e
+    # With a usage chunk asked for (the OpenAI SDK's and most clients' way), it is not a token either.
+    r = post(c, CHAT, chat_body(max_tokens=5, ignore_eos=True, stream=True, stream_options={"include_usage": True}))
+    assert json.loads(sse_events(r.content)[-2])["usage"]["completion_tokens"] == 5
+    later = scrape_after(c, after, 1, route=CHAT, model=MODEL, status=200)
+    assert delta(after, later, "motor_generation_tokens_total", route=CHAT, model=MODEL) == 5
+
+
+def test_count_tokens_serves_no_tokens(c):
+    before = scrape(c)
+    r = httpx.post(c.url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": [{"role": "user", "content": "count me"}]})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0
+    after = scrape_after(c, before, 1, route="/v1/messages/count_tokens", model=MODEL, status=200)
+    assert delta(before, after, "motor_prompt_tokens_total", route="/v1/messages/count_tokens", model=MODEL) == 0
 
 
 def test_tpot_follows_the_engines_decode_speed(c):
@@ -187,6 +200,8 @@ def test_retries_and_breaker_state(c):
     for _ in range(2):
         assert post(c, CHAT, chat_body()).status_code == 502
     assert scrape(c).get("motor_instance_breaker_state", instance=1) == 1  # the third failed request opens it
+    failed = scrape_after(c, after, 3, route=CHAT, model=MODEL, status=502)  # the status the client got,
+    assert delta(after, failed, "motor_requests_total", route=CHAT, model=MODEL, status=500) == 0  # not the engine's
     r = post(c, CHAT, chat_body())
     assert r.status_code == 503  # the breaker refuses before any engine is tried
     u.clear_faults()
