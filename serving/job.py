@@ -101,6 +101,33 @@ def _checked_messages(body: dict, content_required: bool) -> list:
     return messages
 
 
+def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: int | None) -> None:
+    """The fields a PD request's prefill leg leaves out, checked as vLLM checks them: otherwise only the
+    decode engine would refuse them, after P computed the prompt and while it holds the KV."""
+    if route == MESSAGES:
+        stops = body.get("stop_sequences")
+        if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) for x in stops)):
+            raise InvalidRequest("'stop_sequences' must be a list of strings", param="stop_sequences")
+        return
+    if body.get("stream_options") is not None:
+        if not isinstance(body["stream_options"], dict):
+            raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+        if not stream:
+            raise InvalidRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
+    ids = body.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)):
+        raise InvalidRequest("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    low = body.get("min_tokens")
+    if low is not None:
+        if isinstance(low, bool) or not isinstance(low, int) or low < 0:
+            raise InvalidRequest("'min_tokens' must be an integer >= 0", param="min_tokens")
+        if max_tokens is not None and low > max_tokens:
+            raise InvalidRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {low}.", param="min_tokens")
+
+
 def _check_tools(body: dict) -> None:
     """Both APIs take `tools` as a list (the scheduler renders it into the prompt it counts)."""
     tools = body.get("tools")
@@ -108,7 +135,8 @@ def _check_tools(body: dict) -> None:
         raise InvalidRequest("'tools' must be a list", param="tools")
 
 
-def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str) -> Job:
+def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str, from_engine: bool = False) -> Job:
+    """`from_engine`: a metaserver call's body, the engine's rewrite of a client body (checked already)."""
     model = _model(body)
     if route == METASERVER:
         return _metaserver_job(raw, body)
@@ -117,6 +145,8 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str)
         _checked_messages(body, content_required=False)
         _check_tools(body)
         max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+        if not from_engine:
+            _check_leg_dropped_fields(body, route, stream, body.get("max_completion_tokens") or body.get("max_tokens"))
     elif route == COMPLETIONS:
         stream = _stream(body)
         prompt = body.get("prompt")
@@ -125,11 +155,14 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str)
         if prompt is not None and (not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt)):
             raise InvalidRequest("'prompt' must be a string, a list of strings or a list of token ids", param="prompt")
         max_tokens = _max_tokens(body, "max_tokens")
+        if not from_engine:
+            _check_leg_dropped_fields(body, route, stream, body.get("max_tokens"))
     elif route == MESSAGES:
         stream = _stream(body)
         max_tokens = _max_tokens(body, "max_tokens", required=True)
         _checked_messages(body, content_required=True)
         _check_tools(body)
+        _check_leg_dropped_fields(body, route, stream, max_tokens)
     else:  # count_tokens
         stream = False
         max_tokens = 0
@@ -159,6 +192,6 @@ def _metaserver_job(raw: bytes, body: dict) -> Job:
     route = CHAT if "messages" in body else COMPLETIONS if "prompt" in body or "prompt_embeds" in body else None
     if route is None:
         raise InvalidRequest("one of 'messages' or 'prompt' is required", param="messages")
-    job = job_from_body(route, "openai", raw, body, rid)
+    job = job_from_body(route, "openai", raw, body, rid, from_engine=True)
     job.metaserver = ktp
     return job

@@ -207,6 +207,27 @@ def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sim
         assert [ln for ln in metrics.splitlines() if ln.startswith("motor_missed_handoffs_total{")][0].endswith(" 4.0")
 
 
+@pytest.mark.parametrize("extra", [
+    {"stream_options": {"include_usage": True}},  # without stream: true
+    {"stop": 5}, {"stop": ["ok", 7]}, {"stop_token_ids": ["x"]}, {"min_tokens": -1}, {"min_tokens": "2"},
+    {"min_tokens": 9, "max_tokens": 4},
+], ids=["stream_options", "stop_int", "stop_list", "stop_token_ids", "min_tokens_negative", "min_tokens_str", "min_over_max"])
+def test_what_only_decode_would_refuse_is_refused_before_the_prefill(fresh, extra):
+    """The prefill leg leaves these fields out, so only D would see them: after P computed the prompt and
+    while it holds the KV. They are checked first, as vLLM checks them."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **extra}
+    r = httpx.post(fresh.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra))
+    assert fresh.p.stats()["received"] == 0 and fresh.d.stats()["received"] == 0
+
+
+def test_anthropic_stop_sequences_are_checked_before_the_prefill(fresh):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"}
+    r = httpx.post(fresh.url + "/v1/messages", json=body)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert fresh.p.stats()["received"] == 0
+
+
 def test_trigger_mode_decode_calls_metaserver(sims):
     p, d = sims("prefill"), sims("decode")
     cfg = coordinator_config(
