@@ -351,11 +351,11 @@ class Dispatcher:
                     lease.succeed()
                     sink.json(200, dumps(fix_response(resp, p_usage, anthropic)) if isinstance(resp, dict) else data)
             except EngineStatusError as e:
-                recompute = decode_leg(job, None)
-                if e.status >= 500 and body != recompute and not sink.started:
-                    # D answered but could not take P's KV (P died after answering, or its KV expired): the
-                    # retry leaves the ticket out and D computes the prompt itself, like a missed handoff.
-                    body = recompute
+                # D answered 5xx and may not have been able to take P's KV (P died after answering, or its
+                # KV expired): the retry leaves the ticket out and D computes the prompt itself, like a
+                # missed handoff. (A body without a ticket is already what the retry would send.)
+                if e.status >= 500 and not sink.started and not rec.missed_handoff:
+                    body = decode_leg(job, None)
                     rec.missed_handoff = True
                     self.obs.missed_handoff(job, rec)
                 raise
