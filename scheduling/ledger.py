@@ -36,6 +36,7 @@ class Ledger:
         self.base = worker * ROW
         self.rows = range(0, max(num_workers, worker + 1) * ROW, ROW)
         self.observer: Callable[["Lease"], None] | None = None
+        self.on_prefilled: Callable[["Lease"], None] | None = None  # a lease's prompt is in its engine's cache now
 
     def lease(self, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool = True, kind: str = "") -> "Lease":
         """Take load on `slot`: one request, its uncached prompt tokens (while prefilling) and its output budget."""
@@ -112,7 +113,12 @@ class Lease:
             arr[at + L_PROMPT_TOKENS] -= self.prompt_tokens
             arr[at + L_PREFILLING] -= 1
 
-    first_token = prefill_done
+    def first_token(self) -> None:
+        """A stream's first token arrived: its prompt is in the engine's prefix cache from now on (a client may
+        send the next turn as soon as it has read the last event, before this lease is released)."""
+        self.prefill_done()
+        if self.hashes and self.ledger.on_prefilled is not None:
+            self.ledger.on_prefilled(self)
 
     def succeed(self, engine_uncached: int = -1) -> None:
         """The engine answered in full: this lease's timings may be learned from when it is released."""

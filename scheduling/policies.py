@@ -9,7 +9,7 @@ so its choice costs microseconds and every worker chooses from the same picture.
 * `load_balance`: least load: our in-flight requests and tokens plus the engine's own queue and KV use.
 * `kv_cache_affinity`: the prefill goes to the instance that most recently prefilled the prompt's longest
   cached prefix (chained block hashes over the whole rendered prompt), unless that instance's load
-  exceeds `affinity_overload_factor` times the least loaded one's (plus one request); decode by load.
+  exceeds `affinity_overload_factor` times the least loaded one's plus one request like this one; decode by load.
 * `slo_aware`: predicts each candidate's TTFT (queue wait + uncached prefill + the decode engine's first
   step) and TPOT (the decode engine's step time with the batch it will have when this request joins)
   from the learned model (scheduling/predict.py), and takes the decode engine with the lowest predicted
@@ -209,6 +209,11 @@ class LoadBalance(Policy):
         # does not come through this Coordinator. Prompt tokens weigh the prefill work ahead.
         return requests + waiting + prompt_tokens / 2048.0 + decode_tokens / 8192.0 + 4.0 * kv_usage
 
+    @staticmethod
+    def weight(job: JobInfo) -> float:
+        """What `job` itself would add to a score."""
+        return 1.0 + job.prompt_tokens / 2048.0 + job.max_tokens / 8192.0
+
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
         if len(cands) == 1:
             return cands[0]
@@ -248,7 +253,9 @@ class KvCacheAffinity(LoadBalance):
             last = self.index.last_owner(job.block_hashes, best_blocks)
             target = next((t for t in holders if t.slot == last), holders[0])
         least = min(self.score(t) for t in cands)
-        if self.score(target) > self.overload_factor * least + 1.0:
+        # "Plus one request" is one like this one, tokens and all: a holder serving a single request of the
+        # conversation's size (the previous turn, still closing its stream) is not overloaded.
+        if self.score(target) > self.overload_factor * least + self.weight(job):
             return super().choose(cands, job)
         return target
 

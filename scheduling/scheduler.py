@@ -77,6 +77,7 @@ class Scheduler:
         self.learn_interval_s = learn_interval_s
         self._learn_after: dict[int, float] = {}  # slot -> when this worker next learns from one of its requests
         ledger.observer = self._observe
+        ledger.on_prefilled = self._prefilled
 
     # -- before planning -------------------------------------------------------------------------
 
@@ -157,6 +158,12 @@ class Scheduler:
     def hold(self, t: Target) -> Hold:
         """Promise `t`'s decode batch a place while the request's prefill runs."""
         return self.ledger.hold(t.slot)
+
+    def _prefilled(self, lease: Lease) -> None:
+        """A stream's first token arrived: its prompt's blocks are cached on its engine (recorded once)."""
+        if self.index is not None:
+            self.index.record(lease.hashes, lease.slot)
+        lease.hashes = []
 
     def _observe(self, lease: Lease) -> None:
         """A lease marked successful is being released: learn from its timings."""

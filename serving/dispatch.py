@@ -234,7 +234,7 @@ class Dispatcher:
                                 await self._keepalive(sink)
                                 continue
                             if not sink.started:
-                                lease.prefill_done()
+                                lease.first_token()
                                 rec.first_token()
                                 await sink.start_stream()
                             block = splitter.complete(chunk)

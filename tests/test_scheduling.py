@@ -572,6 +572,22 @@ def test_a_json_answer_records_its_prefix_and_settles_the_queue_only_when_early(
     behind.release()
 
 
+def test_a_streams_prefix_is_indexed_at_its_first_token_not_at_its_release():
+    """A client sends the next turn as soon as it has read the last event, which may be before the lease is
+    released: the prompt was cached on the engine from the first token on, and the index must say so by then."""
+    w = World("kv_cache_affinity")
+    sched = Scheduler(Registry(w.shared), w.ledger, w.health, w.policy)
+    info = job(640, hashes=chained_hashes(b"s" * 64 * 40, 64))
+    lease = sched.lease(target(1, "union"), info, WHOLE)
+    assert w.index.cached_blocks(info.block_hashes, 1) == 0
+    lease.first_token()
+    assert w.index.cached_blocks(info.block_hashes, 1) == 40
+    assert w.policy.choose([target(0, "union"), target(1, "union")], job(640, hashes=info.block_hashes)).slot == 1
+    lease.succeed()
+    lease.release()
+    assert w.ledger.is_zero()
+
+
 def test_decode_samples_are_chosen_at_the_start_and_only_learnable_leases_use_the_turn():
     sched, w = scheduler("slo_aware", "off")
     sched.learn_interval_s = 60.0
