@@ -196,18 +196,19 @@ class Dispatcher:
                     self._record(target, e)
                 if not e.retryable or sink.started or attempt >= self.s.max_retry:
                     raise
-                attempt += 1
-                rec.retries += 1
-                self.obs.retry(job, target, e)
+                failed = target
                 exclude.add(target.slot)
-                await asyncio.sleep(self.s.retry_delay_s * (2 ** (attempt - 1)))
+                await asyncio.sleep(self.s.retry_delay_s * (2 ** attempt))
                 try:
                     target = repick(frozenset(exclude))
                 except NoCapacity:
                     try:  # no other instance: the same one again
                         target = repick(frozenset())
-                    except NoCapacity:
+                    except NoCapacity:  # (an open breaker): no retry happens, so none is counted
                         raise e from None
+                attempt += 1
+                rec.retries += 1
+                self.obs.retry(job, failed, e)
                 continue
             self._record(target, None)
             return result
@@ -312,9 +313,14 @@ class Dispatcher:
             # Another decode instance: the body carries P's ticket, which only a decode engine may take.
             return self.scheduler.pick_one(job.model, info, ("decode",), exclude)
 
+        recompute = False  # the next attempt leaves P's ticket out
+
         async def call(t: Target, rid: str) -> None:
-            nonlocal body
+            nonlocal body, recompute
             rec.target = t
+            if recompute and not rec.missed_handoff:  # counted when the attempt without the ticket is made
+                rec.missed_handoff = True
+                self.obs.missed_handoff(job, rec, "a decode engine failed with P's ticket")
             lease = self.scheduler.lease(t, info, DECODE, learn=job.stream)
             started = time.monotonic()
             try:
@@ -354,10 +360,9 @@ class Dispatcher:
                 # D answered 5xx and may not have been able to take P's KV (P died after answering, or its
                 # KV expired): the retry leaves the ticket out and D computes the prompt itself, like a
                 # missed handoff. (A body without a ticket is already what the retry would send.)
-                if e.status >= 500 and not sink.started and not rec.missed_handoff:
+                if e.status >= 500 and not sink.started and not recompute and not rec.missed_handoff:
                     body = decode_leg(job, None)
-                    rec.missed_handoff = True
-                    self.obs.missed_handoff(job, rec)
+                    recompute = True
                 raise
             finally:
                 lease.release()
@@ -375,7 +380,7 @@ class Dispatcher:
         if not isinstance(ticket, dict):
             ticket = None
             rec.missed_handoff = True
-            self.obs.missed_handoff(job, rec)
+            self.obs.missed_handoff(job, rec, "prefill returned no kv_transfer_params")
         try:
             await self._decode(job, info, plan.target, sink, rec, decode_leg(job, ticket), prefill_usage(p_resp))
         except BaseException:  # an error or a client disconnect (cancellation) before D took the KV

@@ -40,7 +40,7 @@ E2E = Histogram("motor_e2e_seconds", "End-to-end duration of successful requests
 LEG = Histogram("motor_leg_seconds", "Duration of each PD leg (prefill: until P answered; decode: until D's answer ended)", ["leg", "model"], buckets=LATENCY_BUCKETS)
 PROMPT_TOKENS = Counter("motor_prompt_tokens_total", "Prompt tokens of successful requests (engine usage, else the Coordinator's count)", ["route", "model"])
 OUTPUT_TOKENS = Counter("motor_generation_tokens_total", "Output tokens of successful requests (usage, or SSE events)", ["route", "model"])
-MISSED = Counter("motor_missed_handoffs_total", "Prefill legs that returned no kv_transfer_params (decode recomputed the prompt)", ["model"])
+MISSED = Counter("motor_missed_handoffs_total", "PD requests whose decode recomputed the prompt (P returned no kv_transfer_params, or D failed with them)", ["model"])
 RETRIES = Counter("motor_retries_total", "Engine attempts retried before the first byte, by the error that caused them", ["model", "reason"])
 REJECTIONS = Counter("motor_rejections_total", "Requests refused before reaching an engine, by reason", ["reason"])
 DISCONNECTS = Counter("motor_client_disconnects_total", "Clients that went away, by phase", ["phase"])
@@ -242,8 +242,8 @@ class PrometheusObserver(Observer):
         super().retry(job, target, err)
         RETRIES.labels(self._model(job.model), type(err).__name__).inc()
 
-    def missed_handoff(self, job, rec) -> None:
-        super().missed_handoff(job, rec)
+    def missed_handoff(self, job, rec, why: str) -> None:
+        super().missed_handoff(job, rec, why)
         MISSED.labels(self._model(job.model)).inc()
 
     def close(self) -> None:

@@ -179,8 +179,8 @@ class Observer:
     def retry(self, job, target: Target, err: Exception) -> None:
         log.warning("request_id=%s retrying after %s on %s", job.request_id, err, _name(target))
 
-    def missed_handoff(self, job, rec: RequestRecord) -> None:
+    def missed_handoff(self, job, rec: RequestRecord, why: str) -> None:
         log.warning(
-            "request_id=%s missed handoff: prefill %s returned no kv_transfer_params; decode recomputes the prompt",
-            job.request_id, _name(rec.prefill),
+            "request_id=%s missed handoff (prefill %s): %s; decode recomputes the prompt",
+            job.request_id, _name(rec.prefill), why,
         )

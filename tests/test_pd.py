@@ -207,6 +207,27 @@ def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sim
         assert [ln for ln in metrics.splitlines() if ln.startswith("motor_missed_handoffs_total{")][0].endswith(" 4.0")
 
 
+def test_a_retry_that_finds_no_engine_is_not_counted(sims):
+    """D fails and its breaker opens (threshold 1): nothing is left to retry on, so no retry and no
+    recompute happened, and neither the metrics nor the request line may say one did."""
+    p, d = sims("prefill"), sims("decode")
+    d.set_faults(fail_status=503)
+    cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
+                             exception_config={"retry_delay": 0.01},
+                             scheduler_config={"breaker_failure_threshold": 1})
+    with Coordinator(cfg) as coord:
+        r = httpx.post(coord.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "d fails"}]})
+        assert r.status_code == 502
+        assert d.stats()["received"] == 1
+        metrics = httpx.get(coord.obs + "/metrics").text
+        counted = [ln for ln in metrics.splitlines() if ln.startswith(("motor_retries_total{", "motor_missed_handoffs_total{"))]
+        assert all(ln.endswith(" 0.0") for ln in counted), counted
+        assert wait_until(lambda: "status=502" in coord.output())
+        line = next(ln for ln in coord.output().splitlines() if "status=502" in ln)
+        assert "retries=0 missed_handoff=False" in line and "missed handoff" not in coord.output()
+
+
 @pytest.mark.parametrize("extra", [
     {"stream_options": {"include_usage": True}},  # without stream: true
     {"stop": 5}, {"stop": ["ok", 7]}, {"stop_token_ids": ["x"]}, {"min_tokens": -1}, {"min_tokens": "2"},
