@@ -213,7 +213,9 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if not ctx.admission.was_cut(task):  # the client went away: nothing to answer
-            rec.status, rec.disconnect_phase = 499, "streaming" if sink.started else "before_first_byte"
+            rec.status = 499
+            if from_client:  # an engine's metaserver call ends with its client's request, counted there
+                rec.disconnect_phase = "streaming" if sink.started else "before_first_byte"
             raise
         task.uncancel()  # the drain window ended it: the client is still there and hears why
         return await _fail(sink, rec, ServiceUnavailable.draining(), api, rid)

@@ -217,8 +217,8 @@ class PrometheusObserver(Observer):
 
     def _add(self, series: _Series, rec: RequestRecord) -> None:
         series.requests.amount += 1
-        if rec.status == 499:
-            DISCONNECTS.labels(rec.disconnect_phase or "unknown").inc()
+        if rec.disconnect_phase:
+            DISCONNECTS.labels(rec.disconnect_phase).inc()
         if rec.reject_reason:
             REJECTIONS.labels(rec.reject_reason).inc()
         if rec.status >= 400:

@@ -249,6 +249,29 @@ def test_anthropic_stop_sequences_are_checked_before_the_prefill(fresh):
     assert fresh.p.stats()["received"] == 0
 
 
+def test_a_trigger_mode_disconnect_is_counted_once(sims):
+    """The client leaves during the prefill: its request and D's metaserver call both end 499, but one
+    client went away."""
+    p, d = sims("prefill"), sims("decode")
+    cfg = coordinator_config(
+        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
+        scheduler_config={"pd_dispatch": "trigger"},
+    )
+    with Coordinator(cfg) as coord:
+        p.set_faults(slow_first_byte_s=5)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(coord.url + "/v1/chat/completions", timeout=httpx.Timeout(30, read=1.0),
+                       json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "bye"}]})
+        assert wait_until(lambda: coord.output().count("status=499") == 2, timeout_s=20)
+
+        def disconnects() -> float:
+            lines = httpx.get(coord.obs + "/metrics").text.splitlines()
+            return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("motor_client_disconnects_total{"))
+
+        assert wait_until(lambda: disconnects() >= 1, timeout_s=10)
+        assert disconnects() == 1
+
+
 def test_trigger_mode_decode_calls_metaserver(sims):
     p, d = sims("prefill"), sims("decode")
     cfg = coordinator_config(
