@@ -745,10 +745,13 @@ class SimServer:
         return usage
 
     def _anthropic_usage(self, req, completion: int) -> dict:
-        usage = {"input_tokens": req["prompt_tokens"], "output_tokens": completion}
-        if self.cfg.anthropic_cache_usage:
-            usage.update(cache_creation_input_tokens=0, cache_read_input_tokens=req["cached"])
-        return usage
+        """vLLM's _build_anthropic_usage: with cache details, `input_tokens` is the prompt less the cache
+        reads and writes (Anthropic's total input is their sum). The sim reports no cache writes.
+        (message_start is built from the stream's first chunk, which has no details: the whole prompt.)"""
+        if not self.cfg.anthropic_cache_usage:
+            return {"input_tokens": req["prompt_tokens"], "output_tokens": completion}
+        return {"input_tokens": max(0, req["prompt_tokens"] - req["cached"]), "output_tokens": completion,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": req["cached"]}
 
     @property
     def fingerprint(self) -> str:

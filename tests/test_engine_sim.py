@@ -289,6 +289,24 @@ def test_messages_tool_use_and_thinking(union):
     assert all(b.type == "text" for b in none.content)
 
 
+def test_messages_cache_usage_is_vllms(fresh):
+    """With cache details vLLM's input_tokens is the prompt less the cache reads (and writes); message_start
+    carries the whole prompt and no cache fields (its usage comes from the stream's first chunk)."""
+    u = fresh(role="union", anthropic_cache_usage=True)
+    msgs = [{"role": "user", "content": "cache me " * 40}]
+    prompt = an(u).messages.count_tokens(model="m", messages=msgs).input_tokens
+    first = an(u).messages.create(model="m", max_tokens=4, messages=msgs).usage
+    assert (first.input_tokens, first.cache_read_input_tokens, first.cache_creation_input_tokens) == (prompt, 0, 0)
+    second = an(u).messages.create(model="m", max_tokens=4, messages=msgs).usage
+    assert 0 < second.cache_read_input_tokens < prompt
+    assert second.input_tokens == prompt - second.cache_read_input_tokens
+    raw = httpx.post(u.url + "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": msgs, "stream": True}).text
+    ev = {e: json.loads(d) for e, d in sse_events(raw)}
+    assert ev["message_start"]["message"]["usage"] == {"input_tokens": prompt, "output_tokens": 0}
+    usage = ev["message_delta"]["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt and usage["cache_read_input_tokens"] > 0
+
+
 def test_count_tokens_and_images(union):
     msgs = [{"role": "user", "content": [
         {"type": "text", "text": "what is this"},
