@@ -461,6 +461,11 @@ class SimServer:
                 raise pydantic_style_error(("stop_sequences",), "Input should be a valid list",
                                            "list_type", ss)
             body_stop = ss or []
+            if isinstance(tc, dict) and tc.get("type") == "tool" and req["tools"] and \
+                    not any(t.get("name") == tc["name"] for t in req["tools"]):
+                # the tool parser's adjust_request (get_json_schema_from_tools): a ValueError, 400
+                raise ApiError(400, f"Tool '{tc['name']}' has not been passed in `tools`.",
+                               "BadRequestError")
 
         if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int)):
             raise pydantic_style_error(("max_tokens",), "Input should be a valid integer", "int_type", mt)
@@ -571,8 +576,8 @@ class SimServer:
         finish, stop_reason = "stop", None
         if use_tool and len(pieces) < mt:
             tool = tools[0]
-            if tc.get("type") == "tool":
-                tool = next((t for t in tools if t.get("name") == tc.get("name")), tool)
+            if tc.get("type") == "tool":  # _parse made sure it is one of them
+                tool = next(t for t in tools if t.get("name") == tc.get("name"))
             args = _schema_value(tool.get("input_schema") or {"type": "object"})
             if not isinstance(args, dict):
                 args = {}
@@ -580,17 +585,14 @@ class SimServer:
             g.tool = (tool_id, tool.get("name") or "", args)
             js = dumps(args)
             k = max(1, T.count_text_tokens(js))
-            if len(pieces) + k > mt:
-                k = mt - len(pieces)
-                finish = "length"
             step = max(1, -(-len(js) // k)) if js else 1
             chunks = [js[i:i + step] for i in range(0, len(js), step)] or [""]
             while len(chunks) < k:
                 chunks.append("")
+            if len(pieces) + k > mt:  # cut by max_tokens: the call's first tokens only
+                k = mt - len(pieces)
+                finish = "length"
             pieces.extend(chunks[:k])
-            if finish == "length":
-                # a cut tool call never completes: vLLM reports the JSON seen so far
-                pass
             kinds.extend(["tool"] * k)
             if finish != "length":
                 finish = "tool_calls"
@@ -827,6 +829,15 @@ class SimServer:
         # messages (vLLM dumps with exclude_none)
         content = []
         pieces, kinds = g.pieces[0], g.kinds or []
+        tc = req["tool_choice"]
+        if g.tool and g.finish[0] == "length" and isinstance(tc, dict) and tc.get("type") == "tool":
+            # A named tool choice makes the whole answer the call's arguments, and vLLM's converter
+            # json.loads them: a call cut by max_tokens raises a JSONDecodeError, a ValueError that
+            # vLLM answers as 400 (after generating, and with any prefill leg's KV held for D).
+            try:
+                json.loads("".join(p for p, k in zip(pieces, kinds) if k == "tool"))
+            except ValueError as e:
+                raise ApiError(400, str(e), "BadRequestError") from None
         if g.thinking_n:
             content.append({"type": "thinking",
                             "thinking": "".join(p for p, k in zip(pieces, kinds) if k == "thinking"),
@@ -836,6 +847,8 @@ class SimServer:
         if g.tool and g.finish[0] == "tool_calls":
             content.append({"type": "tool_use", "id": g.tool[0], "name": g.tool[1],
                             "input": g.tool[2]})
+        if not content:  # vLLM's canonical empty completion: one empty text block
+            content.append({"type": "text", "text": ""})
         out = {"id": req["id"], "type": "message", "role": "assistant", "content": content,
                "model": model, "stop_reason": _anthropic_stop(g)[0],
                "usage": self._anthropic_usage(req, completion)}

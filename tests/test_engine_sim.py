@@ -289,6 +289,31 @@ def test_messages_tool_use_and_thinking(union):
     assert all(b.type == "text" for b in none.content)
 
 
+WEATHER = [{"name": "get_weather", "description": "w", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+def test_messages_named_tool_cut_by_max_tokens_is_vllms_400(union):
+    """A named tool choice makes the answer the call's arguments and vLLM json.loads them: a call cut by
+    max_tokens is a JSONDecodeError, answered 400 in vLLM's Anthropic envelope. "any" ("required") lets
+    the unparsable call go: one empty text block. Streamed, nothing is parsed: max_tokens."""
+    named = {"type": "tool", "name": "get_weather"}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an(union).messages.create(model="m", max_tokens=2, tools=WEATHER, tool_choice=named, messages=MSG)
+    assert e.value.status_code == 400
+    assert set(e.value.body) == {"type", "error"} and e.value.body["error"]["type"] == "BadRequestError"
+    assert e.value.body["error"]["message"] == "Expecting value: line 1 column 9 (char 8)"  # json.loads('{"city":')
+    m = an(union).messages.create(model="m", max_tokens=2, tools=WEATHER, tool_choice={"type": "any"}, messages=MSG)
+    assert m.stop_reason == "max_tokens" and [b.model_dump(exclude_none=True) for b in m.content] == [{"type": "text", "text": ""}]
+    with an(union).messages.stream(model="m", max_tokens=2, tools=WEATHER, tool_choice=named, messages=MSG) as s:
+        assert s.get_final_message().stop_reason == "max_tokens"
+    whole = an(union).messages.create(model="m", max_tokens=64, tools=WEATHER, tool_choice=named, messages=MSG)
+    assert whole.stop_reason == "tool_use" and whole.content[0].input == {"city": "sample"}
+    r = httpx.post(union.url + "/v1/messages", json={"model": "m", "max_tokens": 64, "tools": WEATHER, "messages": MSG,
+                                                     "tool_choice": {"type": "tool", "name": "nope"}})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "Tool 'nope' has not been passed in `tools`."
+
+
 def test_messages_cache_usage_is_vllms(fresh):
     """With cache details vLLM's input_tokens is the prompt less the cache reads (and writes); message_start
     carries the whole prompt and no cache fields (its usage comes from the stream's first chunk)."""
