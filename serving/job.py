@@ -102,12 +102,22 @@ def _checked_messages(body: dict, content_required: bool) -> list:
 
 
 def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: int | None) -> None:
-    """The fields a PD request's prefill leg leaves out, checked as vLLM checks them: otherwise only the
-    decode engine would refuse them, after P computed the prompt and while it holds the KV."""
+    """What a PD request's prefill leg leaves out, changes or is exempt from, checked as vLLM checks it:
+    otherwise only the decode engine would refuse it, after P computed the prompt and while it holds the KV.
+
+    On /v1/messages: `stop_sequences` (dropped); a named tool choice (P gets "any") must name one of the
+    tools."""
     if route == MESSAGES:
         stops = body.get("stop_sequences")
         if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) for x in stops)):
             raise InvalidRequest("'stop_sequences' must be a list of strings", param="stop_sequences")
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("type") == "tool":
+            name, tools = choice.get("name"), body.get("tools") or ()
+            if not isinstance(name, str) or not name:
+                raise InvalidRequest("tool_choice.name is required when type is 'tool'", param="tool_choice.name")
+            if not any(isinstance(t, dict) and t.get("name") == name for t in tools):
+                raise InvalidRequest(f"Tool '{name}' has not been passed in `tools`.", param="tool_choice")
         return
     if body.get("stream_options") is not None:
         if not isinstance(body["stream_options"], dict):

@@ -2,7 +2,11 @@
 
 The prefill leg must finish *because of the length cap*, or vLLM returns no `kv_transfer_params` and D
 silently recomputes the prompt: one token, `ignore_eos`, no stop conditions, no `min_tokens`, `n` 1,
-non-streaming, no `stream_options`. The decode leg is the client's own body plus P's ticket, unchanged.
+non-streaming, no `stream_options`. On /v1/messages a named tool choice becomes `{"type": "any"}`: with
+a named tool vLLM takes P's one token as the whole call's arguments and json.loads them (a 400), while
+"any" ("required") lets an unparsable call go; the tools stay, so P renders the prompt D renders (vLLM's
+generic chat renderer does not pass the tool choice to the template). The decode leg is the client's
+own body plus P's ticket, unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ def prefill_body(job: Job, ticket: dict | None = None) -> dict:
     if job.route == MESSAGES:
         for key in _ANTHROPIC_DROPPED:
             body.pop(key, None)
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("type") == "tool":
+            body["tool_choice"] = {"type": "any"}
+            if "disable_parallel_tool_use" in choice:
+                body["tool_choice"]["disable_parallel_tool_use"] = choice["disable_parallel_tool_use"]
     else:
         for key in _OPENAI_DROPPED:
             body.pop(key, None)

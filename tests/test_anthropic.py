@@ -254,6 +254,27 @@ def test_pd_legs(pd):
     assert wait_until(lambda: d.stats()["remote_kv_hits"] == 1 and p.stats()["held_kv_tickets"] == 0)
 
 
+def test_pd_named_tool_choice_reaches_prefill_as_any(pd):
+    """With a named tool vLLM takes P's one token as the whole call's arguments and json.loads them: a 400.
+    P gets {"type": "any"} with the same tools (the same prompt); D gets the client's choice and makes the call."""
+    p, d = pd.engines["prefill"], pd.engines["decode"]
+    p.reset()
+    d.reset()
+    named = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+    ask = {"model": MODEL, "max_tokens": 64, "tools": [WEATHER_TOOL], "tool_choice": named,
+           "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+    msg = sdk(pd).messages.create(**ask)
+    assert msg.stop_reason == "tool_use" and msg.content[-1].type == "tool_use" and msg.content[-1].name == "get_weather"
+    with sdk(pd).messages.stream(**ask) as s:
+        assert s.get_final_message().content[-1].input == msg.content[-1].input
+    p_legs, d_legs = posts(p, "/v1/messages"), posts(d, "/v1/messages")
+    assert [leg["body"]["tool_choice"] for leg in p_legs] == [{"type": "any", "disable_parallel_tool_use": True}] * 2
+    assert [leg["body"]["tool_choice"] for leg in d_legs] == [named] * 2
+    assert all(leg["body"]["tools"] == [WEATHER_TOOL] for leg in p_legs + d_legs)
+    assert p.stats()["failed"] == 0
+    assert wait_until(lambda: d.stats()["remote_kv_hits"] == 2 and p.stats()["held_kv_tickets"] == 0)
+
+
 def test_pd_stream_legs_and_event_order(pd):
     """P runs non-streaming; the client's events are D's, in D's order, with the same content."""
     p, d = pd.engines["prefill"], pd.engines["decode"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from serving.job import CHAT, job_from_body, parse_body
-from serving.legs import decode_leg
+from serving.job import CHAT, MESSAGES, job_from_body, parse_body
+from serving.legs import decode_leg, prefill_body
 
 TICKET = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.7", "remote_port": 5600}
 
@@ -39,3 +39,18 @@ def test_an_escaped_key_is_still_the_client_ticket():
     raw = b'{"model":"m","messages":[{"role":"user","content":"x"}],"kv_transfer\\u005fparams":{"remote_host":"evil"}}'
     sent = json.loads(decode_leg(job(raw), TICKET))
     assert sent["kv_transfer_params"] == TICKET
+
+
+@pytest.mark.parametrize("choice,prefill_choice", [
+    ({"type": "tool", "name": "t"}, {"type": "any"}),
+    ({"type": "tool", "name": "t", "disable_parallel_tool_use": False}, {"type": "any", "disable_parallel_tool_use": False}),
+    ({"type": "auto"}, {"type": "auto"}),
+    ({"type": "any", "disable_parallel_tool_use": True}, {"type": "any", "disable_parallel_tool_use": True}),
+    ({"type": "none"}, {"type": "none"}),
+])
+def test_messages_prefill_leg_turns_a_named_tool_choice_into_any(choice, prefill_choice):
+    raw = json.dumps({"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}],
+                      "tools": [{"name": "t", "input_schema": {"type": "object"}}], "tool_choice": choice}).encode()
+    j = job_from_body(MESSAGES, "anthropic", raw, parse_body(raw), "rid-1")
+    assert prefill_body(j)["tool_choice"] == prefill_choice and prefill_body(j)["tools"] == j.body["tools"]
+    assert j.body["tool_choice"] == choice and json.loads(decode_leg(j, TICKET))["tool_choice"] == choice

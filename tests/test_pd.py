@@ -242,11 +242,21 @@ def test_what_only_decode_would_refuse_is_refused_before_the_prefill(fresh, extr
     assert fresh.p.stats()["received"] == 0 and fresh.d.stats()["received"] == 0
 
 
-def test_anthropic_stop_sequences_are_checked_before_the_prefill(fresh):
-    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"}
+TOOLS = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"stop_sequences": "END"}, "'stop_sequences' must be a list of strings"),
+    # P gets {"type": "any"} for a named tool, which it would take with any name or none at all.
+    ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "Tool 'nope' has not been passed in `tools`."),
+    ({"tool_choice": {"type": "tool", "name": "get_weather"}}, "Tool 'get_weather' has not been passed in `tools`."),
+    ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name is required when type is 'tool'"),
+], ids=["stop_sequences", "unknown_tool", "no_tools", "no_name"])
+def test_what_only_decode_would_refuse_on_messages_is_refused_before_the_prefill(fresh, extra, message):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], **extra}
     r = httpx.post(fresh.url + "/v1/messages", json=body)
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    assert fresh.p.stats()["received"] == 0
+    assert r.status_code == 400 and r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    assert fresh.p.stats()["received"] == 0 and fresh.d.stats()["received"] == 0
 
 
 def test_a_trigger_mode_disconnect_is_counted_once(sims):
