@@ -54,6 +54,47 @@ def pydantic_style_error(loc: Tuple, msg: str, etype: str, inp: Any = None) -> A
     return ApiError(400, message, "Bad Request", ".".join(("body",) + tuple(str(x) for x in loc)))
 
 
+def _thinking_budget(th: Any) -> Optional[int]:
+    """`thinking` as vLLM 0.32's AnthropicThinkingConfig validates it; the budget of an enabled one, else None.
+
+    `budget_tokens` is `int = Field(ge=1024)` in pydantic's lax mode: an integral float or a numeric
+    string is taken, a bool is 0 or 1.
+    """
+    if th is None:
+        return None
+    if not isinstance(th, dict):
+        raise pydantic_style_error(("thinking",), "Input should be a valid dictionary or object to "
+                                   "extract fields from", "model_attributes_type", th)
+    kind = th.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise pydantic_style_error(("thinking",), f"Input tag '{kind}' found using 'type' does not "
+                                   "match any of the expected tags: 'enabled', 'disabled', 'adaptive'",
+                                   "union_tag_invalid", th)
+    if kind != "enabled":
+        return None
+    loc = ("thinking", "enabled", "budget_tokens")
+    if "budget_tokens" not in th:
+        raise pydantic_style_error(loc, "Field required", "missing", th)
+    b = th["budget_tokens"]
+    if isinstance(b, str):
+        try:
+            b = int(b.strip())
+        except ValueError:
+            raise pydantic_style_error(loc, "Input should be a valid integer, unable to parse string "
+                                       "as an integer", "int_parsing", th["budget_tokens"]) from None
+    elif isinstance(b, float):
+        if not b.is_integer():
+            raise pydantic_style_error(loc, "Input should be a valid integer, got a number with a "
+                                       "fractional part", "int_from_float", b)
+        b = int(b)
+    elif not isinstance(b, int):
+        raise pydantic_style_error(loc, "Input should be a valid integer", "int_type", b)
+    if b < 1024:
+        raise pydantic_style_error(loc, "Input should be greater than or equal to 1024",
+                                   "greater_than_equal", th["budget_tokens"])
+    return int(b)
+
+
 def _schema_value(schema: Any, depth: int = 0) -> Any:
     if not isinstance(schema, dict) or depth > 3:
         return "sample"
@@ -455,12 +496,19 @@ class SimServer:
             req["tool_choice"] = tc
             req["tools"] = [t for t in (body.get("tools") or []) if isinstance(t, dict)]
             th = body.get("thinking")
+            budget = _thinking_budget(th)
             req["thinking"] = isinstance(th, dict) and th.get("type") in ("enabled", "adaptive")
             ss = body.get("stop_sequences")
             if ss is not None and (not isinstance(ss, list) or not all(isinstance(x, str) for x in ss)):
                 raise pydantic_style_error(("stop_sequences",), "Input should be a valid list",
                                            "list_type", ss)
             body_stop = ss or []
+            kvp = body.get("kv_transfer_params")
+            # vLLM's validate_thinking_budget (a model validator: after every field passed) exempts
+            # prefill legs, which are sent with max_tokens 1; the decode leg is still checked.
+            if budget is not None and budget >= mt and not (isinstance(kvp, dict) and kvp.get("do_remote_decode")):
+                raise pydantic_style_error((), "Value error, thinking.budget_tokens must be less than "
+                                           "max_tokens", "value_error", body)
             if isinstance(tc, dict) and tc.get("type") == "tool" and req["tools"] and \
                     not any(t.get("name") == tc["name"] for t in req["tools"]):
                 # the tool parser's adjust_request (get_json_schema_from_tools): a ValueError, 400

@@ -271,7 +271,7 @@ def test_messages_tool_use_and_thinking(union):
     tu = [b for b in m.content if b.type == "tool_use"][0]
     assert tu.name == "get_weather" and tu.input == {"city": "sample", "days": 1}
     raw = httpx.post(union.url + "/v1/messages", json={
-        "model": "m", "max_tokens": 100, "stream": True, "tools": tools,
+        "model": "m", "max_tokens": 2048, "stream": True, "tools": tools,
         "thinking": {"type": "enabled", "budget_tokens": 1024},
         "messages": [{"role": "user", "content": "weather?"}]}).text
     ev = [(e, json.loads(d)) for e, d in sse_events(raw)]
@@ -312,6 +312,33 @@ def test_messages_named_tool_cut_by_max_tokens_is_vllms_400(union):
     r = httpx.post(union.url + "/v1/messages", json={"model": "m", "max_tokens": 64, "tools": WEATHER, "messages": MSG,
                                                      "tool_choice": {"type": "tool", "name": "nope"}})
     assert r.status_code == 400 and r.json()["error"]["message"] == "Tool 'nope' has not been passed in `tools`."
+
+
+def test_messages_thinking_budget_is_validated_like_vllm(fresh):
+    """budget_tokens: an integer >= 1024, and below max_tokens except on a prefill leg (do_remote_decode)."""
+    p = fresh(role="prefill")
+
+    def post(thinking, max_tokens, **extra):
+        return httpx.post(p.url + "/v1/messages", json={"model": "m", "max_tokens": max_tokens, "messages": MSG,
+                                                        "thinking": thinking, **extra})
+
+    low = post({"type": "enabled", "budget_tokens": 16}, 24)
+    assert low.status_code == 400 and low.json()["error"]["param"] == "body.thinking.enabled.budget_tokens"
+    assert "greater than or equal to 1024" in low.json()["error"]["message"]
+    for budget, max_tokens in ((2048, 2048), (4096, 100)):
+        r = post({"type": "enabled", "budget_tokens": budget}, max_tokens)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request"
+        assert "thinking.budget_tokens must be less than max_tokens" in r.json()["error"]["message"]
+    leg = post({"type": "enabled", "budget_tokens": 2048}, 1, kv_transfer_params=PREFILL_KVP)
+    assert leg.status_code == 200 and leg.json()["kv_transfer_params"]["do_remote_prefill"] is True
+    assert post({"type": "enabled", "budget_tokens": 2048}, 16, kv_transfer_params=PREFILL_KVP).status_code == 200
+    assert post({"type": "enabled", "budget_tokens": 16}, 1, kv_transfer_params=PREFILL_KVP).status_code == 400
+    assert post({"type": "enabled", "budget_tokens": 1024}, 1025).status_code == 200
+    assert post({"type": "enabled", "budget_tokens": "2000"}, 4000).status_code == 200  # pydantic's lax int
+    assert post({"type": "enabled", "budget_tokens": 2000.5}, 4000).status_code == 400
+    assert post({"type": "enabled"}, 4000).status_code == 400
+    assert post({"type": "sometimes"}, 4000).status_code == 400
+    assert post({"type": "adaptive"}, 4).status_code == post({"type": "disabled"}, 4).status_code == 200
 
 
 def test_messages_cache_usage_is_vllms(fresh):
