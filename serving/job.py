@@ -106,7 +106,8 @@ def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: 
     otherwise only the decode engine would refuse it, after P computed the prompt and while it holds the KV.
 
     On /v1/messages: `stop_sequences` (dropped); a named tool choice (P gets "any") must name one of the
-    tools."""
+    tools; an enabled thinking budget must be an integer of at least 1024 and below max_tokens (vLLM
+    exempts prefill legs from the second rule)."""
     if route == MESSAGES:
         stops = body.get("stop_sequences")
         if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) for x in stops)):
@@ -118,6 +119,13 @@ def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: 
                 raise InvalidRequest("tool_choice.name is required when type is 'tool'", param="tool_choice.name")
             if not any(isinstance(t, dict) and t.get("name") == name for t in tools):
                 raise InvalidRequest(f"Tool '{name}' has not been passed in `tools`.", param="tool_choice")
+        thinking = body.get("thinking")
+        if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+            budget = thinking.get("budget_tokens")
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+                raise InvalidRequest("'thinking.budget_tokens' must be an integer >= 1024", param="thinking.budget_tokens")
+            if budget >= max_tokens:
+                raise InvalidRequest("thinking.budget_tokens must be less than max_tokens", param="thinking.budget_tokens")
         return
     if body.get("stream_options") is not None:
         if not isinstance(body["stream_options"], dict):

@@ -163,7 +163,7 @@ def test_tool_use_round_trip(cluster):
 def test_thinking_stream_has_thinking_and_signature(cluster):
     r = httpx.post(
         cluster.url + "/v1/messages",
-        json={"model": MODEL, "max_tokens": 24, "stream": True, "thinking": {"type": "enabled", "budget_tokens": 16},
+        json={"model": MODEL, "max_tokens": 1100, "stream": True, "thinking": {"type": "enabled", "budget_tokens": 1024},
               "messages": [{"role": "user", "content": "think first"}]},
         timeout=30,
     )
@@ -171,6 +171,23 @@ def test_thinking_stream_has_thinking_and_signature(cluster):
     deltas = [d["delta"]["type"] for name, d in sse(r.text) if name == "content_block_delta"]
     assert "thinking_delta" in deltas and "signature_delta" in deltas and "text_delta" in deltas
     assert deltas.index("signature_delta") < deltas.index("text_delta")
+
+
+def test_thinking_budget_not_below_max_tokens_is_refused_at_the_edge(cluster):
+    """vLLM exempts prefill legs from `budget_tokens < max_tokens`: P would prefill and hold the KV, and only
+    D would refuse. The Coordinator refuses it first, with vLLM's message, whole or disaggregated."""
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "think"}], "thinking": {"type": "enabled", "budget_tokens": 2048}}
+    for max_tokens in (2048, 16):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            sdk(cluster).messages.create(max_tokens=max_tokens, **ask)
+        assert e.value.body == {"type": "error", "error": {
+            "type": "invalid_request_error", "message": "thinking.budget_tokens must be less than max_tokens"}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        with sdk(cluster).messages.stream(max_tokens=4096, **{**ask, "thinking": {"type": "enabled", "budget_tokens": 1000}}):
+            pass
+    assert e.value.body["error"]["message"] == "'thinking.budget_tokens' must be an integer >= 1024"
+    assert all(engine.requests() == [] for engine in cluster.engines.values())
+    assert sdk(cluster).messages.create(max_tokens=2049, **ask).content[0].type == "thinking"
 
 
 # -- what reaches the engines ------------------------------------------------------------------------

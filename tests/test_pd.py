@@ -251,7 +251,11 @@ TOOLS = [{"name": "get_weather", "input_schema": {"type": "object", "properties"
     ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "Tool 'nope' has not been passed in `tools`."),
     ({"tool_choice": {"type": "tool", "name": "get_weather"}}, "Tool 'get_weather' has not been passed in `tools`."),
     ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name is required when type is 'tool'"),
-], ids=["stop_sequences", "unknown_tool", "no_tools", "no_name"])
+    # vLLM exempts the prefill leg from `budget_tokens < max_tokens`: P would prefill, and only D refuse.
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens must be less than max_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 16}}, "'thinking.budget_tokens' must be an integer >= 1024"),
+    ({"thinking": {"type": "enabled", "budget_tokens": "2048"}}, "'thinking.budget_tokens' must be an integer >= 1024"),
+], ids=["stop_sequences", "unknown_tool", "no_tools", "no_name", "budget_not_below_max", "budget_low", "budget_str"])
 def test_what_only_decode_would_refuse_on_messages_is_refused_before_the_prefill(fresh, extra, message):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], **extra}
     r = httpx.post(fresh.url + "/v1/messages", json=body)
