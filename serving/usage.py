@@ -1,8 +1,10 @@
 """Usage fix-up for disaggregated requests and the SSE event splitter that finds the usage event.
 
-D reports the transferred prompt as cached tokens, so the client's usage takes the prompt and cached
-counts from P and the completion count from D, totals recomputed. Only the events that carry usage (or
-a ticket to strip) are parsed; every other byte is relayed as it came.
+D may report the transferred prompt as cached tokens, so the client's usage takes the prompt and cached
+counts from P and the completion count from D, totals recomputed. On /v1/messages that is all of P's
+input side: with cache details vLLM's `input_tokens` is the prompt less the cache reads and writes, so
+P's three counts are taken together. Only the events that carry usage (or a ticket to strip) are parsed;
+every other byte is relayed as it came.
 """
 
 from __future__ import annotations

@@ -424,6 +424,38 @@ def test_pd_usage_is_prefills_and_tickets_never_reach_the_client(sims):
         relay.stop()
 
 
+def test_pd_usage_with_vllms_cache_details(sims):
+    """Engines reporting cache details as vLLM 0.32 does (input_tokens = prompt less cache reads and writes):
+    the client gets P's three input counts, which add up to the prompt, while D counts the transferred
+    prompt as read from cache."""
+    p, d = sims("prefill", anthropic_cache_usage=True), sims("decode", anthropic_cache_usage=True)
+    cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)])
+    with Coordinator(cfg) as coord:
+        body = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "cache me please " * 30}]}
+        prompt = sdk(coord).messages.count_tokens(model=MODEL, messages=body["messages"]).input_tokens
+
+        def inputs(usage) -> tuple:
+            return usage["input_tokens"], usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]
+
+        first = sdk(coord).messages.create(**body).usage
+        assert (first.input_tokens, first.cache_read_input_tokens, first.cache_creation_input_tokens) == (prompt, 0, 0)
+        # The same prompt again: P's prefix cache hits, and that is what the client is billed as cache reads.
+        second = sdk(coord).messages.create(**body).usage
+        assert 0 < second.cache_read_input_tokens < prompt
+        assert second.input_tokens + second.cache_read_input_tokens + second.cache_creation_input_tokens == prompt
+        d_view = httpx.post(d.url + "/v1/messages", json=body, timeout=30).json()["usage"]  # D alone (a recompute)
+        assert d_view["input_tokens"] + d_view["cache_read_input_tokens"] == prompt
+
+        r = httpx.post(coord.url + "/v1/messages", json={**body, "stream": True}, timeout=30)
+        events = dict(sse(r.text))
+        start, delta = events["message_start"]["message"]["usage"], events["message_delta"]["usage"]
+        assert inputs(start) == inputs(delta) == (second.input_tokens, second.cache_read_input_tokens, 0)
+        with sdk(coord).messages.stream(**body) as s:
+            final = s.get_final_message().usage
+        assert final.input_tokens + final.cache_read_input_tokens == prompt and final.cache_read_input_tokens > 0
+        assert d.stats()["remote_kv_hits"] >= 4
+
+
 # -- count_tokens --------------------------------------------------------------------------------------
 
 
