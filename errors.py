@@ -14,6 +14,9 @@
         ├── UpstreamTimeout          504: the engine missed a deadline
         ├── UpstreamProtocolError    502: the engine answered something unparseable
         └── EngineStatusError        the engine answered an error status (relayed as is when 4xx)
+
+An error's envelope describes the status the client gets (`client_status`), which for an engine's 5xx is
+the Coordinator's 502, not the engine's status.
 """
 
 from __future__ import annotations
@@ -23,19 +26,23 @@ import ujson
 OPENAI = "openai"
 ANTHROPIC = "anthropic"
 
-# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+# Anthropic's error types by the HTTP status the client gets (https://docs.anthropic.com/en/api/errors).
+# A 503 is only ever the Coordinator's own (no capacity, draining; an engine's 503 reaches the client as
+# 502): Anthropic's `overloaded_error`, which its API sends with 529. Any other 5xx is an `api_error`.
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
-_ANTHROPIC_TYPE_NAMES = frozenset(_ANTHROPIC_TYPES.values()) | {"api_error", "billing_error", "timeout_error"}
+_ANTHROPIC_TYPE_NAMES = frozenset(_ANTHROPIC_TYPES.values()) | {"api_error", "billing_error"}
 
 
 def anthropic_type(status: int) -> str:
@@ -60,7 +67,7 @@ class CoordinatorError(Exception):
 
     @property
     def anthropic_type(self) -> str:
-        return anthropic_type(self.status)
+        return anthropic_type(client_status(self))
 
 
 class InvalidRequest(CoordinatorError):
@@ -163,7 +170,8 @@ class UpstreamProtocolError(UpstreamError):
 
 
 class EngineStatusError(UpstreamError):
-    """The engine answered an error status; its body is kept to relay 4xx answers unchanged."""
+    """The engine answered an error status; its body is kept to relay 4xx answers unchanged (408 and 429
+    once their retries are spent)."""
 
     RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -176,7 +184,7 @@ class EngineStatusError(UpstreamError):
 
     @property
     def is_client_error(self) -> bool:
-        return 400 <= self.status < 500 and self.status not in (408, 429)
+        return 400 <= self.status < 500
 
 
 def dumps(obj: object) -> bytes:

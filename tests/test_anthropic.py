@@ -606,6 +606,47 @@ def test_engine_failure_before_and_after_the_first_byte(sims):
         assert sdk(coord).messages.create(model=MODEL, max_tokens=2, messages=USER).content
 
 
+def test_error_type_follows_the_status_the_client_gets(sims):
+    """The type names the status the client got, not the engine's: every attempt answered 503 is the
+    Coordinator's 502 (`api_error`, not `overloaded_error`), a missed deadline its 504 (`timeout_error`),
+    an engine's 408 is relayed as a 408 (`timeout_error`); the SDK raises the class of that status."""
+    engine = sims("union")
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, engine.address)],
+        exception_config={"retry_delay": 0.01, "max_retry": 1, "first_token_timeout": 0.5, "infer_timeout": 0.5,
+                          "stream_idle_timeout": 0.5},
+        scheduler_config={"breaker_failure_threshold": 100},
+    )
+    body = {"model": MODEL, "max_tokens": 30, "messages": USER}
+    with Coordinator(cfg) as coord:
+        c = sdk(coord)
+        for faults, status, cls, etype in (
+            ({"fail_status": 503}, 502, anthropic.InternalServerError, "api_error"),
+            ({"fail_status": 408}, 408, anthropic.RequestTimeoutError, "timeout_error"),
+            ({"hang_before_first_byte": True}, 504, anthropic.GatewayTimeoutError, "timeout_error"),
+        ):
+            engine.clear_faults()
+            engine.set_faults(**faults)
+            for stream in (False, True):
+                with pytest.raises(cls) as e:
+                    if stream:
+                        with c.messages.stream(**body):
+                            pass
+                    else:
+                        c.messages.create(**body)
+                assert (e.value.status_code, e.value.type) == (status, etype), (faults, stream)
+
+        # A stream that stalls after its first events ends with one error event: the deadline's timeout_error.
+        engine.clear_faults()
+        engine.set_faults(stall_mid_stream_after_n=3)
+        with pytest.raises(anthropic.APIStatusError) as e:
+            with c.messages.stream(**body) as s:
+                for _ in s:
+                    pass
+        assert e.value.type == "timeout_error"
+        engine.clear_faults()
+
+
 def test_engine_kinds_and_no_healthy_instance(sims):
     """Only vLLM engines serve /v1/messages*; a model without one is the client's error, not a 500."""
     a, b, c = sims("union", model="mixed"), sims("union", model="mixed"), sims("union", model="sg")

@@ -141,7 +141,7 @@ WHERE = pytest.mark.parametrize("where", ["union", "prefill", "decode"])
 
 
 @STREAM
-@pytest.mark.parametrize("where,status", [("union", 503), ("prefill", 503), ("decode", 503), ("union", 429)])
+@pytest.mark.parametrize("where,status", [("union", 503), ("prefill", 503), ("decode", 503), ("union", 429), ("union", 408)])
 def test_retryable_status_is_retried_on_each_instance_then_answered(c, where, stream, status):
     sims = c.sims[where]
     for s in sims:
@@ -154,8 +154,9 @@ def test_retryable_status_is_retried_on_each_instance_then_answered(c, where, st
     assert all(s.stats()["received"] >= 1 for s in sims)  # the retry went to the other instance
     # Nothing was streamed: a plain error answer in the OpenAI envelope, never SSE.
     assert not headers["content-type"].startswith("text/event-stream")
-    if status == 429:
-        assert code == 429
+    if status < 500:  # the engine's last answer, its status and body: the envelope describes that status
+        err = openai_error(text)
+        assert code == status and (err["message"], err["code"]) == (f"simulated failure (status {status})", status)
     else:
         assert code == 502 and openai_error(text)["code"] == "upstream_error"
     if where == "decode":  # D never took P's KV: the Coordinator freed it
