@@ -16,7 +16,8 @@
         └── EngineStatusError        the engine answered an error status (relayed as is when 4xx)
 
 An error's envelope describes the status the client gets (`client_status`), which for an engine's 5xx is
-the Coordinator's 502, not the engine's status.
+the Coordinator's 502, not the engine's status. Anthropic's envelope carries the request id at its top
+level, as Anthropic's API does (the id is also the `request-id` header of every Anthropic-route answer).
 """
 
 from __future__ import annotations
@@ -192,14 +193,18 @@ def dumps(obj: object) -> bytes:
     return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode()
 
 
-def error_body(err: CoordinatorError, api: str) -> dict:
+def error_body(err: CoordinatorError, api: str, rid: str) -> dict:
     """The error envelope of one API."""
     if api == ANTHROPIC:
-        return {"type": "error", "error": {"type": err.anthropic_type, "message": err.message}}
+        return _anthropic_error(err.anthropic_type, err.message, rid)
     return {"error": {"message": err.message, "type": err.openai_type, "param": err.param, "code": err.code}}
 
 
-def _anthropic_engine_error(err: EngineStatusError) -> bytes:
+def _anthropic_error(etype: str, message: str, rid: str) -> dict:
+    return {"type": "error", "error": {"type": etype, "message": message}, "request_id": rid}
+
+
+def _anthropic_engine_error(err: EngineStatusError, rid: str) -> bytes:
     """An engine's 4xx in Anthropic's envelope, its status and message kept.
 
     vLLM answers schema errors on /v1/messages in OpenAI's shape, and its Anthropic-shaped errors carry
@@ -216,10 +221,10 @@ def _anthropic_engine_error(err: EngineStatusError) -> bytes:
     etype = inner.get("type") if isinstance(inner, dict) and body.get("type") == "error" else None
     if etype not in _ANTHROPIC_TYPE_NAMES:
         etype = anthropic_type(err.status)
-    return dumps({"type": "error", "error": {"type": etype, "message": message}})
+    return dumps(_anthropic_error(etype, message, rid))
 
 
-def render(err: CoordinatorError, api: str) -> tuple[int, bytes, dict]:
+def render(err: CoordinatorError, api: str, rid: str) -> tuple[int, bytes, dict]:
     """Status, body bytes and headers of an error answered before any byte of a response was sent.
 
     A 4xx from an engine is relayed unchanged on OpenAI routes (the engine speaks that protocol) and
@@ -227,9 +232,9 @@ def render(err: CoordinatorError, api: str) -> tuple[int, bytes, dict]:
     """
     if isinstance(err, EngineStatusError) and err.is_client_error:
         if api == ANTHROPIC:
-            return err.status, _anthropic_engine_error(err), {"Content-Type": "application/json"}
+            return err.status, _anthropic_engine_error(err, rid), {"Content-Type": "application/json"}
         return err.status, err.body, {"Content-Type": err.content_type}
-    return client_status(err), dumps(error_body(err, api)), {"Content-Type": "application/json", **err.headers}
+    return client_status(err), dumps(error_body(err, api, rid)), {"Content-Type": "application/json", **err.headers}
 
 
 def client_status(err: CoordinatorError) -> int:
@@ -237,9 +242,9 @@ def client_status(err: CoordinatorError) -> int:
     return 502 if isinstance(err, EngineStatusError) and err.status >= 500 else err.status
 
 
-def sse_error_event(err: CoordinatorError, api: str) -> bytes:
+def sse_error_event(err: CoordinatorError, api: str, rid: str) -> bytes:
     """The one SSE event that ends a stream which already started."""
-    body = dumps(error_body(err, api))
+    body = dumps(error_body(err, api, rid))
     if api == ANTHROPIC:
         return b"event: error\ndata: " + body + b"\n\n"
     return b"data: " + body + b"\n\n"

@@ -32,6 +32,9 @@ from serving.observe import RequestRecord
 
 log = logging.getLogger("coordinator.handlers")
 REQUEST_ID = "X-Request-Id"
+# Anthropic routes send the same id as `request-id` too: Anthropic's SDK reads that header
+# (`message._request_id`, `APIStatusError.request_id`).
+ANTHROPIC_REQUEST_ID = "request-id"
 INFER, MGMT, OBS = "infer", "mgmt", "obs"
 
 
@@ -100,8 +103,10 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def error_response(err: CoordinatorError, api: str, rid: str) -> HTTPResponse:
-    status, body, headers = render(err, api)
+    status, body, headers = render(err, api, rid)
     headers[REQUEST_ID] = rid
+    if api == ANTHROPIC:
+        headers[ANTHROPIC_REQUEST_ID] = rid
     return HTTPResponse(body, status=status, headers=headers, content_type=headers.pop("Content-Type", "application/json"))
 
 
@@ -131,21 +136,22 @@ class RelayResponse(HTTPResponse):
 class SanicSink:
     """The dispatcher's view of the client connection; what goes out is noted on the request's record."""
 
-    __slots__ = ("request", "rid", "started", "ended", "response", "api", "rec", "writable")
+    __slots__ = ("request", "rid", "headers", "started", "ended", "response", "api", "rec", "writable")
 
     def __init__(self, request: Request, rid: str, api: str, rec: RequestRecord):
         self.request, self.rid, self.api, self.rec = request, rid, api, rec
+        # The headers of its one answer, JSON or stream.
+        self.headers = {REQUEST_ID: rid, ANTHROPIC_REQUEST_ID: rid} if api == ANTHROPIC else {REQUEST_ID: rid}
         self.started = self.ended = False
         self.response = None
 
     def json(self, status: int, body: bytes) -> None:
         self.rec.answered(body)
-        self.response = RelayResponse(body, status, {REQUEST_ID: self.rid}, "application/json")
+        self.response = RelayResponse(body, status, self.headers, "application/json")
 
     async def start_stream(self) -> None:
-        self.response = await self.request.respond(
-            RelayResponse(b"", 200, {REQUEST_ID: self.rid, "Cache-Control": "no-cache"}, "text/event-stream")
-        )
+        self.headers["Cache-Control"] = "no-cache"
+        self.response = await self.request.respond(RelayResponse(b"", 200, self.headers, "text/event-stream"))
         # Set while the client's connection takes more bytes (Sanic's protocol clears it when the send
         # buffer is full: its `send` then waits for the client to read).
         self.writable = self.request.transport.get_protocol()._can_write
@@ -232,7 +238,7 @@ async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api:
     if rec.target is None and rec.prefill is None:  # refused before reaching an engine
         rec.reject_reason = getattr(err, "reason", "")
     if sink.started:
-        await sink.send(sse_error_event(err, api))
+        await sink.send(sse_error_event(err, api, rid))
         await sink.response.eof()
         return None
     return error_response(err, api, rid)

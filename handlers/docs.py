@@ -183,6 +183,7 @@ class AnthropicErrorBody:
 class AnthropicError:
     type: str  # error
     error: AnthropicErrorBody
+    request_id: str  # the request's id, also sent as the `request-id` and X-Request-Id headers
 
 
 @dataclass

@@ -180,14 +180,62 @@ def test_thinking_budget_not_below_max_tokens_is_refused_at_the_edge(cluster):
     for max_tokens in (2048, 16):
         with pytest.raises(anthropic.BadRequestError) as e:
             sdk(cluster).messages.create(max_tokens=max_tokens, **ask)
-        assert e.value.body == {"type": "error", "error": {
-            "type": "invalid_request_error", "message": "thinking.budget_tokens must be less than max_tokens"}}
+        assert e.value.body["error"] == {
+            "type": "invalid_request_error", "message": "thinking.budget_tokens must be less than max_tokens"}
     with pytest.raises(anthropic.BadRequestError) as e:
         with sdk(cluster).messages.stream(max_tokens=4096, **{**ask, "thinking": {"type": "enabled", "budget_tokens": 1000}}):
             pass
     assert e.value.body["error"]["message"] == "'thinking.budget_tokens' must be an integer >= 1024"
     assert all(engine.requests() == [] for engine in cluster.engines.values())
     assert sdk(cluster).messages.create(max_tokens=2049, **ask).content[0].type == "thinking"
+
+
+def test_sdk_reads_the_request_id(cluster):
+    """Anthropic's SDK takes the id from the `request-id` header: JSON, streams, count_tokens and errors."""
+    c = sdk(cluster)
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "which request?"}]}
+    sent = {"X-Request-Id": "anth-rid-1"}
+    assert c.messages.create(**body, extra_headers=sent)._request_id == "anth-rid-1"
+    assert c.messages.count_tokens(model=MODEL, messages=body["messages"], extra_headers=sent)._request_id == "anth-rid-1"
+    with c.messages.stream(**body, extra_headers=sent) as s:
+        assert s.request_id == "anth-rid-1" and s.get_final_message().content
+    raw = c.messages.with_raw_response.create(**body)  # no id sent: the one the Coordinator made
+    assert raw.request_id == raw.headers["x-request-id"] and len(raw.request_id) == 32 and raw.parse()._request_id == raw.request_id
+    with pytest.raises(anthropic.NotFoundError) as e:
+        c.messages.create(**{**body, "model": "no-such-model"}, extra_headers=sent)
+    assert e.value.request_id == e.value.body["request_id"] == "anth-rid-1"
+
+
+def test_request_id_on_answers_refused_before_the_body_is_read(sims):
+    """401, 413 (over the configured limit, and over Sanic's own), 415 and 405 carry the id too, as the
+    header and in the body, whether the handler or the app's error handler answers them."""
+    u = sims("union")
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, u.address)],
+        api_key_config={"enable_api_key": True, "valid_keys": ["k-one"], "header_name": "Authorization", "key_prefix": "Bearer "},
+        rate_limit_config={"max_request_body_size": 64 * 1024},
+    )
+    with Coordinator(cfg) as coord:
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            sdk(coord, api_key="bad").messages.create(model=MODEL, max_tokens=2, messages=USER, extra_headers={"X-Request-Id": "anth-401"})
+        assert e.value.request_id == e.value.body["request_id"] == "anth-401"
+        with pytest.raises(anthropic.ContentTooLargeError) as e:
+            sdk(coord, api_key="k-one").messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x" * 100_000}])
+        assert e.value.request_id == e.value.body["request_id"] and e.value.type == "request_too_large"
+        key = {"x-api-key": "k-one"}
+        for size in (100_000, 12 * 1024 * 1024):
+            r = httpx.post(coord.url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * size}]},
+                           headers=key, timeout=30)
+            assert r.status_code == 413 and error_of(r)["type"] == "request_too_large"
+        r = httpx.post(coord.url + "/v1/messages/count_tokens", content=b"model=x", headers={**key, "Content-Type": "text/plain"})
+        assert r.status_code == 415 and error_of(r)["type"] == "invalid_request_error"
+        r = httpx.get(coord.url + "/v1/messages", headers={**key, "X-Request-Id": "anth-405"})
+        assert r.status_code == 405 and error_of(r)["type"] == "invalid_request_error" and r.headers["request-id"] == "anth-405"
+        # The OpenAI routes keep their own envelope and header.
+        r = httpx.post(coord.url + "/v1/chat/completions", json={"model": MODEL, "messages": USER}, headers={"X-Request-Id": "oai-401"})
+        assert r.status_code == 401 and set(r.json()) == {"error"} and "request-id" not in r.headers
+        assert r.headers["x-request-id"] == "oai-401"
+        assert u.requests() == []
 
 
 # -- what reaches the engines ------------------------------------------------------------------------
@@ -526,8 +574,10 @@ def test_roles_are_the_engines_to_judge(union_cluster):
 
 
 def error_of(r: httpx.Response) -> dict:
+    """The inner error of an Anthropic error answer, checked to be Anthropic's envelope with the request id."""
     body = r.json()
-    assert set(body) == {"type", "error"} and body["type"] == "error"
+    assert set(body) == {"type", "error", "request_id"} and body["type"] == "error"
+    assert body["request_id"] == r.headers["request-id"] == r.headers["x-request-id"]
     assert set(body["error"]) == {"type", "message"} and body["error"]["message"]
     return body["error"]
 
@@ -597,7 +647,8 @@ def test_engine_failure_before_and_after_the_first_byte(sims):
         events = sse(r.text)
         assert [n for n, _ in events[:4]] == ["message_start", "content_block_start", "content_block_delta", "content_block_delta"]
         name, data = events[-1]
-        assert name == "error" and set(data) == {"type", "error"} and data["error"]["type"] == "api_error"
+        assert name == "error" and set(data) == {"type", "error", "request_id"} and data["error"]["type"] == "api_error"
+        assert data["request_id"] == r.headers["request-id"] == r.headers["x-request-id"]
         with pytest.raises(anthropic.APIStatusError):
             with sdk(coord).messages.stream(**{k: v for k, v in body.items() if k != "stream"}) as s:
                 for _ in s:

@@ -323,7 +323,7 @@ def test_openapi_spec_documents_the_inference_routes(c):
     openai_error = responses["400"]["content"]["application/json"]["schema"]["properties"]["error"]["properties"]
     assert set(openai_error) == {"message", "type", "param", "code"}
     messages = spec["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]["properties"]
-    assert set(messages) == {"type", "error"}
+    assert set(messages) == {"type", "error", "request_id"}
     page = httpx.get(c.url + "/docs")
     assert page.status_code == 200 and "openapi.json" in page.text
 
