@@ -44,7 +44,7 @@ from scheduling.scheduler import NoCapacity, Plan, Scheduler
 from scheduling.tokens import CHAT as CHAT_PROMPT, COMPLETION as COMPLETION_PROMPT, MESSAGES as MESSAGES_PROMPT, engine_uncached
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
 from serving.legs import PREFILL_TICKET, decode_leg, prefill_body, prefill_leg
-from serving.observe import Observer, RequestRecord
+from serving.observe import MESSAGE_DELTA, Observer, RequestRecord
 from serving.usage import EventSplitter, fix_event, fix_events, fix_response, prefill_usage
 
 T = TypeVar("T")
@@ -229,6 +229,7 @@ class Dispatcher:
                     # Whole events only: a keep-alive comment or an error event must never land inside one
                     # that the network cut in two.
                     splitter = EventSplitter()
+                    messages = job.route == MESSAGES
                     async with self.client.stream(t.url + job.route, job.raw, rid) as es:
                         async for chunk in es.chunks(self.s.stream_keepalive_interval_s):
                             if not chunk:
@@ -243,6 +244,8 @@ class Dispatcher:
                                 events = block.count(b"data:")
                                 lease.events += events
                                 rec.events += events
+                                if messages and MESSAGE_DELTA in block:
+                                    rec.message_delta(block)
                                 await sink.send(block, es.finished and not splitter.tail)
                         if splitter.tail.strip():  # the engine ended without the last event's blank line
                             rec.events += splitter.tail.count(b"data:")
@@ -340,7 +343,10 @@ class Dispatcher:
                                 events = block.count(b"data:")
                                 lease.events += events
                                 rec.events += events
-                                await sink.send(fix_events(block, p_usage, anthropic), es.finished and not splitter.tail)
+                                block = fix_events(block, p_usage, anthropic)
+                                if anthropic and MESSAGE_DELTA in block:  # the usage the client gets
+                                    rec.message_delta(block)
+                                await sink.send(block, es.finished and not splitter.tail)
                         if splitter.tail.strip():
                             rec.events += splitter.tail.count(b"data:")
                             await sink.send(fix_event(splitter.tail, p_usage, anthropic) + b"\n\n")

@@ -1,7 +1,8 @@
 """What the Coordinator records about each request: one structured log line, and the metrics hooks.
 
 Token counts cost no parsing: a JSON answer's usage is found by searching its bytes from the end (usage
-comes last), and a stream's output is its number of `data:` events less the events that carry no token.
+comes last), a Messages stream's in the bytes of its `message_delta` event (as the client gets them),
+and any other stream's output is its number of `data:` events less the events that carry no token.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ log = logging.getLogger("coordinator.request")
 
 # SSE events of a stream that carry no token: OpenAI's role chunk and `[DONE]` (a usage chunk, when asked
 # for, adds one: `usage_event`); Anthropic's message_start, content_block_start/stop, message_delta and
-# message_stop.
+# message_stop. A Messages stream's count is its message_delta's usage: each further content block adds
+# events (start, stop, a thinking block's signature_delta), so the events are only the fallback for a
+# stream that ended before its message_delta (or sent it in an unterminated last event).
 STREAM_FRAMING = {CHAT: 2, COMPLETIONS: 1, MESSAGES: 5}
+MESSAGE_DELTA = b'"message_delta"'  # in a block of Messages events: its message_delta is there
 _OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
+_MESSAGES_OUTPUT_KEY = (b'"output_tokens":',)
 _INPUT_KEYS = (b'"prompt_tokens":', b'"input_tokens":')
 _INT = re.compile(rb"\s*(\d+)")
 
@@ -60,7 +65,7 @@ class RequestRecord:
     disconnect_phase: str = ""
     reject_reason: str = ""  # why admission refused it (rate_limit, inflight_cap, slo_budget, draining, no_capacity)
     prompt_tokens: int = 0  # the engine's count from a JSON answer's usage, else the scheduler's count (prepare)
-    output_tokens: int | None = None  # from a JSON answer's usage
+    output_tokens: int | None = None  # from a JSON answer's usage, or a Messages stream's message_delta
     events: int = 0  # SSE `data:` events relayed
     usage_event: bool = False  # the client asked for a usage chunk (stream_options.include_usage)
     duration_s: float = 0.0  # set when the request is done
@@ -75,6 +80,11 @@ class RequestRecord:
         prompt = _last_int(body, _INPUT_KEYS)
         if prompt is not None:
             self.prompt_tokens = prompt
+
+    def message_delta(self, block: bytes) -> None:
+        """Relayed Messages events that hold the stream's message_delta: its usage is the output count (the
+        last `output_tokens` of the block: message_start's comes before it, and nothing after it has one)."""
+        self.output_tokens = _last_int(block, _MESSAGES_OUTPUT_KEY)
 
     @property
     def generated_tokens(self) -> int:

@@ -151,6 +151,44 @@ def test_tokens_and_stream_latencies(c):
     assert delta(after, later, "motor_generation_tokens_total", route=CHAT, model=MODEL) == 5
 
 
+WEATHER_TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def message_stream(coord, model: str, rid: str, **extra) -> int:
+    """One streamed /v1/messages request; the output_tokens of its message_delta, checked to differ from
+    what counting its events would give (more content blocks than the one the framing count assumes)."""
+    body = {"model": model, "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": "think, then answer"}], **extra}
+    r = post(coord, "/v1/messages", body, headers={"X-Request-Id": rid})
+    assert r.status_code == 200
+    events = [json.loads(e) for e in sse_events(r.content)]
+    (usage,) = [e["usage"] for e in events if e["type"] == "message_delta"]
+    assert len(events) - 5 != usage["output_tokens"] > 1
+    return usage["output_tokens"]
+
+
+@pytest.mark.parametrize("model", [MODEL, PD_MODEL])
+def test_anthropic_stream_tokens_are_its_usage(c, model):
+    """A Messages stream's output tokens are its message_delta's output_tokens (in PD the count the client
+    gets), whatever its content blocks: a thinking block, then a text or a tool_use block."""
+    route = "/v1/messages"
+    before = scrape(c)
+    thinking = message_stream(c, model, f"think-{model}", thinking={"type": "enabled", "budget_tokens": 8})
+    after = scrape_after(c, before, 1, route=route, model=model, status=200)
+    assert delta(before, after, "motor_generation_tokens_total", route=route, model=model) == thinking
+    # TPOT divides the time after the first token by the tokens after it: the same count.
+    e2e = delta(before, after, "motor_e2e_seconds_sum", route=route, model=model)
+    ttft = delta(before, after, "motor_ttft_seconds_sum", route=route, model=model)
+    tpot = delta(before, after, "motor_tpot_seconds_sum", route=route, model=model)
+    assert (e2e - ttft) / tpot + 1 == pytest.approx(thinking, rel=1e-6)
+    tool = message_stream(c, model, f"tool-{model}", thinking={"type": "enabled", "budget_tokens": 8}, tools=[WEATHER_TOOL])
+    later = scrape_after(c, after, 1, route=route, model=model, status=200)
+    assert delta(after, later, "motor_generation_tokens_total", route=route, model=model) == tool
+    for rid, tokens in ((f"think-{model}", thinking), (f"tool-{model}", tool)):  # and the request's log line
+        assert wait_until(lambda: f"request_id={rid} " in c.output())
+        (line,) = [ln for ln in c.output().splitlines() if f"request_id={rid} " in ln]
+        assert f" output_tokens={tokens} " in line
+
+
 def test_count_tokens_serves_no_tokens(c):
     before = scrape(c)
     r = httpx.post(c.url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": [{"role": "user", "content": "count me"}]})
