@@ -172,7 +172,7 @@ def test_anthropic_stream_tokens_are_its_usage(c, model):
     gets), whatever its content blocks: a thinking block, then a text or a tool_use block."""
     route = "/v1/messages"
     before = scrape(c)
-    thinking = message_stream(c, model, f"think-{model}", thinking={"type": "enabled", "budget_tokens": 8})
+    thinking = message_stream(c, model, f"think-{model}", max_tokens=1040, thinking={"type": "enabled", "budget_tokens": 1024})
     after = scrape_after(c, before, 1, route=route, model=model, status=200)
     assert delta(before, after, "motor_generation_tokens_total", route=route, model=model) == thinking
     # TPOT divides the time after the first token by the tokens after it: the same count.
@@ -180,7 +180,7 @@ def test_anthropic_stream_tokens_are_its_usage(c, model):
     ttft = delta(before, after, "motor_ttft_seconds_sum", route=route, model=model)
     tpot = delta(before, after, "motor_tpot_seconds_sum", route=route, model=model)
     assert (e2e - ttft) / tpot + 1 == pytest.approx(thinking, rel=1e-6)
-    tool = message_stream(c, model, f"tool-{model}", thinking={"type": "enabled", "budget_tokens": 8}, tools=[WEATHER_TOOL])
+    tool = message_stream(c, model, f"tool-{model}", max_tokens=1040, thinking={"type": "enabled", "budget_tokens": 1024}, tools=[WEATHER_TOOL])
     later = scrape_after(c, after, 1, route=route, model=model, status=200)
     assert delta(after, later, "motor_generation_tokens_total", route=route, model=model) == tool
     for rid, tokens in ((f"think-{model}", thinking), (f"tool-{model}", tool)):  # and the request's log line

@@ -259,7 +259,8 @@ TOOLS = [{"name": "get_weather", "input_schema": {"type": "object", "properties"
 def test_what_only_decode_would_refuse_on_messages_is_refused_before_the_prefill(fresh, extra, message):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], **extra}
     r = httpx.post(fresh.url + "/v1/messages", json=body)
-    assert r.status_code == 400 and r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    assert r.status_code == 400 and r.json() == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": message}, "request_id": r.headers["request-id"]}
     assert fresh.p.stats()["received"] == 0 and fresh.d.stats()["received"] == 0
 
 
