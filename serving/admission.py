@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 from config import Settings
 from errors import RateLimited, ServiceUnavailable
@@ -33,8 +34,9 @@ class Admitted:
 
 
 class Admission:
-    def __init__(self, settings: Settings, shared: SharedState):
+    def __init__(self, settings: Settings, shared: SharedState, clock: Callable[[], float] = time.monotonic):
         self.s, self.shared, self.lock = settings, shared, shared.hot_lock
+        self.clock = clock
         self.cap = settings.max_inflight_requests
         self.rate = settings.requests_per_second
         self.burst_milli = int(max(1.0, self.rate) * 1000)
@@ -54,13 +56,25 @@ class Admission:
         g = self.shared.globals
         # The monotonic clock is one clock for every process on the host, and never steps back: with the
         # wall clock, an NTP correction of a minute refused every request for a minute.
-        now_us = int(time.monotonic() * 1e6)
+        now_us = int(self.clock() * 1e6)
         with self.lock:
             stamp = g[G_RATE_STAMP_US]
-            tokens = g[G_RATE_TOKENS_MILLI] if stamp else self.burst_milli
-            elapsed_us = now_us - stamp if now_us > stamp else 0
-            tokens = min(self.burst_milli, tokens + int(elapsed_us * self.rate / 1000) if stamp else tokens)
-            g[G_RATE_STAMP_US] = now_us
+            if not stamp:
+                tokens, stamp = self.burst_milli, now_us
+            else:
+                tokens = g[G_RATE_TOKENS_MILLI]
+                if now_us < stamp:  # a stamp ahead of this clock: start counting from now, no debt
+                    stamp = now_us
+                gained = int((now_us - stamp) * self.rate / 1000)  # whole milli-tokens
+                if tokens + gained >= self.burst_milli:
+                    tokens, stamp = self.burst_milli, now_us  # a full bucket: the time beyond it is lost
+                elif gained:
+                    # The stamp moves only by the time turned into tokens: the fraction of a milli-token
+                    # left over counts towards the next one (moving it to now lost the refill of callers
+                    # coming more often than one milli-token's time, i.e. almost all of it under load).
+                    tokens += gained
+                    stamp += int(gained * 1000 / self.rate)
+            g[G_RATE_STAMP_US] = stamp
             if tokens >= 1000:
                 g[G_RATE_TOKENS_MILLI] = tokens - 1000
                 return 0.0

@@ -92,6 +92,20 @@ def test_rate_limit_bucket_survives_a_stamp_ahead_of_the_clock():
     assert admission._take_rate_token() == 0.0
 
 
+@pytest.mark.parametrize("rate, expected", [(5.0, 5 + 3 * 5), (1.0, 1 + 3 * 1), (20.0, 20 + 3 * 20)])
+def test_rate_limit_refills_at_its_rate_however_often_it_is_asked(rate, expected):
+    """Callers asking every 0.1 ms (10 000 a second, a busy Coordinator) for 3 s get the burst plus 3 s of
+    refill. Each call's refill is a fraction of a milli-token here: the bucket once dropped it and moved its
+    stamp to now anyway, so nothing refilled and only the burst was admitted. The clock is driven."""
+    now = [1000.0]
+    admission = Admission(dataclasses.replace(Settings(), requests_per_second=rate), SharedState.create(), clock=lambda: now[0])
+    admitted = 0
+    for _ in range(30_000):
+        admitted += admission._take_rate_token() == 0.0
+        now[0] += 0.0001
+    assert expected - 1 <= admitted <= expected
+
+
 def test_inflight_cap_holds_across_workers(c):
     n = 2 * CAP
     results: list[httpx.Response] = []
