@@ -98,6 +98,7 @@ def create_app(settings: Settings) -> Sanic:
             shared = SharedState.create()
             Registry(shared).apply("set", list(settings.instances))
         worker = worker_index()
+        shared.clear_worker(worker)  # a restarted worker starts from zero
         ctx = app.ctx
         ctx.started_at = int(time.time())
         ctx.shared = shared
@@ -107,7 +108,7 @@ def create_app(settings: Settings) -> Sanic:
         ctx.scheduler = build_scheduler(settings, shared, ctx.registry, ctx.ledger, ctx.health)
         ctx.client = EngineClient(settings)
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
-        ctx.admission = Admission(settings, shared)
+        ctx.admission = Admission(settings, shared, worker)
         ctx.dispatcher = Dispatcher(settings, ctx.scheduler, ctx.health, ctx.client, ctx.observer)
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them

@@ -8,7 +8,9 @@ at once when a request of this worker finishes); it leaves the list when a plan 
 is left, or with `OverBudget` when the list is full or the budget left is below the predicted TTFT on
 empty queues (no wait can help any more).
 
-Each worker keeps its own list; their total length is bounded across workers by a shared counter. A
+Each worker keeps its own list; their total length is bounded across workers: each worker counts its
+waiting requests in its own row of shared memory, and the bound is checked on the sum of the rows (a
+dead worker's row is zeroed by the main process, app.py). A
 verdict of None (the model does not know the engines yet) always admits, and so does a plan whose engines
 have nothing in flight (scheduler.py).
 """
@@ -22,7 +24,7 @@ import time
 from typing import Callable
 
 from scheduling.policies import MARGIN
-from scheduling.shared import G_ADMIT_QUEUED, SharedState
+from scheduling.shared import W_QUEUED, WORKER_FIELDS, SharedState
 
 OFF, QUEUE, REJECT = "off", "queue", "reject"
 
@@ -38,8 +40,13 @@ class OverBudget(Exception):
 class AdmissionQueue:
     """This worker's requests waiting for a plan within budget, earliest deadline first."""
 
-    def __init__(self, shared: SharedState, size: int, tick_s: float = 0.005, tries_per_tick: int = 8):
-        self.g, self.lock = shared.globals, shared.lock
+    def __init__(
+        self, shared: SharedState, size: int, tick_s: float = 0.005, tries_per_tick: int = 8, worker: int = 0,
+        num_workers: int = 1,
+    ):
+        self.w, self.lock = shared.workers, shared.lock
+        self.at = worker * WORKER_FIELDS + W_QUEUED  # this worker's count in `w`
+        self.rows = range(W_QUEUED, max(num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)
         self.size = size
         self.tick_s = tick_s
         self.tries = tries_per_tick
@@ -53,10 +60,11 @@ class AdmissionQueue:
 
     async def wait(self, job, plan: Callable[[], object]):
         """Park `job` until `plan()` returns a plan whose verdict is not False; returns that plan."""
+        w = self.w
         with self.lock:
-            if self.g[G_ADMIT_QUEUED] >= self.size:
+            if sum(w[i] for i in self.rows) >= self.size:
                 raise OverBudget(f"the SLO admission queue is full ({self.size} requests)", job.retry_after_s)
-            self.g[G_ADMIT_QUEUED] += 1
+            w[self.at] += 1
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         heapq.heappush(self.heap, [job.arrived + job.slo_ttft_ms / 1000.0, next(self.seq), fut, job, plan])
@@ -67,8 +75,7 @@ class AdmissionQueue:
         finally:
             if not fut.done():
                 fut.cancel()
-            with self.lock:
-                self.g[G_ADMIT_QUEUED] -= 1
+            w[self.at] -= 1  # only this worker writes its row
 
     def poke(self) -> None:
         """Capacity was freed: try the waiting requests now rather than at the next tick."""

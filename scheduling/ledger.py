@@ -33,6 +33,7 @@ PREFILL, DECODE, WHOLE = "prefill", "decode", "whole"
 class Ledger:
     def __init__(self, shared: SharedState, worker: int, num_workers: int):
         self.arr = shared.ledger
+        self.worker = worker
         self.base = worker * ROW
         self.rows = range(0, max(num_workers, worker + 1) * ROW, ROW)
         self.observer: Callable[["Lease"], None] | None = None

@@ -234,6 +234,8 @@ def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health
         predictor=Predictor(shared), index=PrefixIndex(shared),
         block_tokens=settings.kv_affinity_block_size, overload_factor=settings.affinity_overload_factor,
     )
-    queue = AdmissionQueue(shared, settings.admission_queue_size) if settings.admission == "queue" else None
+    queue = None
+    if settings.admission == "queue":
+        queue = AdmissionQueue(shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers)
     tokenizers = {m.id: m.tokenizer_path for m in settings.models if m.tokenizer_path}
     return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, tokenizers=tokenizers)

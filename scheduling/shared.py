@@ -57,9 +57,17 @@ HEALTH_FIELDS = 32
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 
 # Global counters.
-G_DOC_VERSION, G_DOC_LEN, G_RR, G_RATE_TOKENS_MILLI, G_RATE_STAMP_US, G_DRAINING, G_INFLIGHT = range(7)
-G_ADMIT_QUEUED = 15  # requests waiting in SLO admission queues, all workers (scheduling/admission.py)
+# G_DRAINING: the whole Coordinator is shutting down (set by the main process, app.py). Index 6 (once a
+# global in-flight count) and 15 (once a global admission-queue count) are unused: those counts are per
+# worker now (W_INFLIGHT, W_QUEUED), so that a dead worker's share can be given back.
+G_DOC_VERSION, G_DOC_LEN, G_RR, G_RATE_TOKENS_MILLI, G_RATE_STAMP_US, G_DRAINING = range(6)
 GLOBAL_FIELDS = 16
+
+# Per-worker admission counters, one row per Sanic worker index: each worker writes only its own row, the
+# caps sum the rows, and the main process zeroes the row of a worker that died (nothing else writes it).
+W_INFLIGHT = 0  # requests admitted and being served (serving/admission.py)
+W_QUEUED = 1  # requests waiting in this worker's SLO admission queue (scheduling/admission.py)
+WORKER_FIELDS = 4
 
 # The prefix index (scheduling/affinity.py): open-addressed entries of (chained block hash, bit mask of the
 # slots that prefilled that prefix, the slot that did so last).
@@ -83,6 +91,7 @@ class SharedState:
     lock: Any  # a multiprocessing lock for the rare writes (instance refresh, rate limit bucket, learned model)
     prefix: Any = None  # RawArray uint64 [PREFIX_ENTRIES * PREFIX_FIELDS]
     errors: Any = None  # RawArray double [MAX_SLOTS * 2 * ERROR_WINDOW]
+    workers: Any = None  # RawArray int64 [MAX_WORKERS * WORKER_FIELDS]: per-worker admission counters
 
     @classmethod
     def create(cls) -> "SharedState":
@@ -95,6 +104,7 @@ class SharedState:
             lock=ctx.Lock(),
             prefix=ctx.RawArray(ctypes.c_uint64, PREFIX_ENTRIES * PREFIX_FIELDS),
             errors=ctx.RawArray(ctypes.c_double, MAX_SLOTS * 2 * ERROR_WINDOW),
+            workers=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * WORKER_FIELDS),
         )
 
     @property
@@ -111,12 +121,30 @@ class SharedState:
         return cls(*(getattr(ctx, f"motor_{k}") for k in _FIELDS))
 
 
-_FIELDS = ("doc", "ledger", "health", "globals", "lock", "prefix", "errors")
+    def clear_worker(self, worker: int) -> None:
+        """Zero what worker `worker` holds: its ledger row and its admission counters. Safe only while that
+        worker does not run (it alone writes them): at its start, or in the main process after it died."""
+        from scheduling.ledger import ROW
+
+        ctypes.memset(ctypes.addressof(self.ledger) + worker * ROW * 8, 0, ROW * 8)
+        if self.workers is not None:
+            ctypes.memset(ctypes.addressof(self.workers) + worker * WORKER_FIELDS * 8, 0, WORKER_FIELDS * 8)
 
 
-def worker_index() -> int:
-    """This process's row in the ledger: Sanic names workers Sanic-Server-<i>-<n>."""
-    name = os.environ.get("SANIC_WORKER_NAME", "")
+def worker_sum(arr: Any, rows: range, field: int) -> int:
+    """`field` summed over the per-worker rows `rows` (offsets into `arr`)."""
+    total = 0
+    for row in rows:
+        total += arr[row + field]
+    return total
+
+
+_FIELDS = ("doc", "ledger", "health", "globals", "lock", "prefix", "errors", "workers")
+
+
+def worker_index(name: str | None = None) -> int:
+    """A worker's row in the ledger (this process's by default): Sanic names workers Sanic-Server-<i>-<n>."""
+    name = os.environ.get("SANIC_WORKER_NAME", "") if name is None else name
     parts = name.split("-")
     if len(parts) >= 3 and parts[2].isdigit():
         return int(parts[2]) % MAX_WORKERS

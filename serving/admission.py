@@ -1,8 +1,12 @@
 """Admission at the door: draining, the global in-flight cap and the rate limit, held across all workers.
 
-The in-flight count and the rate limit's token bucket live in shared memory and are changed under the
-shared lock, so N workers admit what the configuration says, not N times it. Each worker also keeps its
-own admitted requests, so that on shutdown it can wait for them (the drain window) and then end the rest.
+Each worker counts its requests in flight in its own row of shared memory (`SharedState.workers`); the cap
+check sums the rows and takes a place under the shared lock, so N workers admit what the configuration
+says, not N times it. Giving a place back is a store to the worker's own row (no lock). Since no worker
+writes another's row, the main process can zero the row of a worker that died (app.py's supervisor), and
+the places that worker held come back. The rate limit's token bucket is one shared bucket, changed under
+the lock. Each worker also keeps its own admitted requests, so that on shutdown it can wait for them (the
+drain window) and then end the rest.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Callable
 
 from config import Settings
 from errors import RateLimited, ServiceUnavailable
-from scheduling.shared import G_DRAINING, G_INFLIGHT, G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, SharedState
+from scheduling.shared import G_DRAINING, G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, W_INFLIGHT, WORKER_FIELDS, SharedState, worker_sum
 
 
 class Admitted:
@@ -34,22 +38,34 @@ class Admitted:
 
 
 class Admission:
-    def __init__(self, settings: Settings, shared: SharedState, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, settings: Settings, shared: SharedState, worker: int = 0, clock: Callable[[], float] = time.monotonic,
+    ):
         self.s, self.shared, self.lock = settings, shared, shared.hot_lock
-        self.clock = clock
         self.cap = settings.max_inflight_requests
         self.rate = settings.requests_per_second
         self.burst_milli = int(max(1.0, self.rate) * 1000)
+        self.clock = clock
+        self.warr = shared.workers
+        self.at = worker * WORKER_FIELDS + W_INFLIGHT  # this worker's in-flight counter in `warr`
+        self.rows = range(W_INFLIGHT, max(settings.num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)
+        self.stopping = False  # this worker drains (its own stop signal, or the whole Coordinator's)
         self.local: set[asyncio.Task] = set()  # this worker's admitted requests
         self.cut: set[asyncio.Task] = set()  # those the drain window ended
         self._drain: asyncio.Task | None = None
 
     @property
     def draining(self) -> bool:
-        return bool(self.shared.globals[G_DRAINING])
+        """This worker refuses new requests: the Coordinator is shutting down, or this worker is."""
+        return self.stopping or bool(self.shared.globals[G_DRAINING])
 
     def set_draining(self) -> None:
+        self.stopping = True
         self.shared.globals[G_DRAINING] = 1
+
+    def inflight(self) -> int:
+        """Requests in flight, all workers."""
+        return worker_sum(self.warr, self.rows, 0)
 
     def _take_rate_token(self) -> float:
         """0 when admitted, else seconds until a token is available."""
@@ -84,22 +100,29 @@ class Admission:
     def admit(self) -> "Admitted":
         """Let one request in, or raise why not: `with admission.admit():` holds its place until the block ends."""
         g = self.shared.globals
-        if g[G_DRAINING]:
+        if self.stopping or g[G_DRAINING]:
             raise ServiceUnavailable.draining()
         if self.rate > 0:
             wait_s = self._take_rate_token()
             if wait_s > 0:
                 raise RateLimited("rate limit exceeded", retry_after_s=wait_s, reason="rate_limit")
-        with self.lock:
-            if self.cap and g[G_INFLIGHT] >= self.cap:
-                raise RateLimited(f"too many requests in flight (limit {self.cap})", reason="inflight_cap")
-            g[G_INFLIGHT] += 1
+        w = self.warr
+        if self.cap:
+            with self.lock:
+                n = 0
+                for i in self.rows:
+                    n += w[i]
+                if n >= self.cap:
+                    raise RateLimited(f"too many requests in flight (limit {self.cap})", reason="inflight_cap")
+                w[self.at] += 1
+        else:
+            w[self.at] += 1  # only this worker writes its row: no lock without a cap to check
         return Admitted(self)
 
     def _leave(self, task: asyncio.Task | None) -> None:
         self.local.discard(task)
-        with self.lock:
-            self.shared.globals[G_INFLIGHT] -= 1
+        # Only this worker writes its row, and a stale read elsewhere can only over-count: no lock.
+        self.warr[self.at] -= 1
 
     async def drain(self, timeout_s: float) -> None:
         """Shutdown: refuse new requests, give this worker's in-flight ones `timeout_s`, then cancel the rest.

@@ -2,9 +2,11 @@
 
 Counters and histograms use prometheus-client's multiprocess mode (one mmap file per worker under
 $PROMETHEUS_MULTIPROC_DIR, summed at scrape time). Gauges are read from shared memory when /metrics is
-served: in-flight and queued requests, and per endpoint its health, breaker, this Coordinator's load on
-it and the engine's own gauges from its last scrape. So a request pays for a few counter increments and
-histogram observations, nothing more, and a gauge cannot be left stale by a worker that died.
+served: in-flight and queued requests (summed over the workers' rows), and per endpoint its health,
+breaker, this Coordinator's load on it and the engine's own gauges from its last scrape. So a request pays
+for a few counter increments and histogram observations, nothing more. What a worker that died held is
+zeroed in shared memory by the main process's supervisor (app.py) within about a second, before the
+worker is restarted; until then the gauges still count it.
 
 The `model` label takes the names of registered models only (anything else is `other`), so a client
 sending made-up model names cannot grow the label set.
@@ -24,7 +26,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
-from scheduling.shared import G_ADMIT_QUEUED, G_DRAINING, G_INFLIGHT
+from scheduling.shared import G_DRAINING, W_INFLIGHT, W_QUEUED, WORKER_FIELDS, worker_sum
 from scheduling.status import endpoint_status
 from serving.job import COUNT_TOKENS
 from serving.observe import FlushTimer, Observer, RequestRecord
@@ -63,9 +65,10 @@ class SharedStateCollector:
         self.registry, self.ledger, self.health = registry, ledger, health
 
     def collect(self):
-        g = self.registry.shared.globals
-        yield GaugeMetricFamily("motor_inflight_requests", "Requests admitted and being served, all workers", value=g[G_INFLIGHT])
-        yield GaugeMetricFamily("motor_queued_requests", "Requests waiting in SLO admission queues, all workers", value=g[G_ADMIT_QUEUED])
+        g, w = self.registry.shared.globals, self.registry.shared.workers
+        rows = range(0, len(self.ledger.rows) * WORKER_FIELDS, WORKER_FIELDS)
+        yield GaugeMetricFamily("motor_inflight_requests", "Requests admitted and being served, all workers", value=worker_sum(w, rows, W_INFLIGHT))
+        yield GaugeMetricFamily("motor_queued_requests", "Requests waiting in SLO admission queues, all workers", value=worker_sum(w, rows, W_QUEUED))
         yield GaugeMetricFamily("motor_draining", "1 while the Coordinator is shutting down", value=1 if g[G_DRAINING] else 0)
 
         view = self.registry.view()
