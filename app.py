@@ -45,6 +45,7 @@ from serving.admission import Admission  # noqa: E402
 from serving.background import Background  # noqa: E402
 from serving.dispatch import Dispatcher  # noqa: E402
 from serving.metrics import PrometheusObserver, clear_stale_files  # noqa: E402
+from serving.supervisor import Supervisor  # noqa: E402
 
 log = logging.getLogger("coordinator")
 APP_NAME = "motor_coordinator"
@@ -83,6 +84,13 @@ def create_app(settings: Settings) -> Sanic:
         Registry(shared).apply("set", list(settings.instances))
         for key, value in shared.as_shared_ctx().items():
             setattr(app.shared_ctx, key, value)
+        app.ctx.main_shared = shared
+
+    @app.main_process_ready
+    async def supervise_workers(app: Sanic):
+        # A worker that dies is restarted, after what it held in shared memory is zeroed; a stop signal to
+        # the main process marks the whole Coordinator draining (serving/supervisor.py).
+        Supervisor(app.manager, app.ctx.main_shared).install()
 
     @app.main_process_stop
     async def remove_metrics_dir(app: Sanic):
@@ -98,7 +106,7 @@ def create_app(settings: Settings) -> Sanic:
             shared = SharedState.create()
             Registry(shared).apply("set", list(settings.instances))
         worker = worker_index()
-        shared.clear_worker(worker)  # a restarted worker starts from zero
+        shared.clear_worker(worker)  # a restarted worker starts from zero (the supervisor zeroed it too)
         ctx = app.ctx
         ctx.started_at = int(time.time())
         ctx.shared = shared
@@ -111,7 +119,7 @@ def create_app(settings: Settings) -> Sanic:
         ctx.admission = Admission(settings, shared, worker)
         ctx.dispatcher = Dispatcher(settings, ctx.scheduler, ctx.health, ctx.client, ctx.observer)
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
-        if worker == 0:  # one worker checks health and scrapes engines for all of them
+        if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
             ctx.background.start()
         # Start-up objects live for the worker's life: keep them out of the cyclic collector's scans.
         gc.freeze()
@@ -133,6 +141,9 @@ def create_app(settings: Settings) -> Sanic:
         # Sanic's own stop-signal handler (the manager sends workers SIGINT) closes the management and
         # metrics listeners at once, so probes would find nothing to answer them. This one drains first,
         # with every port still serving: readiness 503 `ready: false`, liveness 200, new requests 503.
+        # When the whole Coordinator stops, the main process has set the global draining flag before
+        # signalling the workers (serving/supervisor.py), so every worker refuses at once. A signal sent to
+        # this worker alone makes only this worker drain and exit; the supervisor then restarts it.
         loop = asyncio.get_running_loop()
         stopping: list[asyncio.Task] = []
 

@@ -7,6 +7,9 @@ writes another's row, the main process can zero the row of a worker that died (a
 the places that worker held come back. The rate limit's token bucket is one shared bucket, changed under
 the lock. Each worker also keeps its own admitted requests, so that on shutdown it can wait for them (the
 drain window) and then end the rest.
+
+Draining: the global flag is set by the main process when the whole Coordinator stops (app.py); a worker
+that is stopped on its own (a signal to that process) drains alone, with its own flag.
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ class Admission:
         return self.stopping or bool(self.shared.globals[G_DRAINING])
 
     def set_draining(self) -> None:
+        """This worker drains. The whole Coordinator's flag is the main process's to set (app.py)."""
         self.stopping = True
-        self.shared.globals[G_DRAINING] = 1
 
     def inflight(self) -> int:
         """Requests in flight, all workers."""

@@ -156,6 +156,21 @@ class Coordinator:
                 pids.append(int(entry))
         return pids
 
+    def server_workers(self) -> dict[str, int]:
+        """The Sanic server workers among `worker_pids()` (not Sanic's state manager process): name -> pid,
+        by the SANIC_WORKER_NAME each was started with (Sanic-Server-<index>-0)."""
+        workers = {}
+        for pid in self.worker_pids():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            name = env.get(b"SANIC_WORKER_NAME", b"").decode()
+            if name.startswith("Sanic-Server-"):
+                workers[name] = pid
+        return workers
+
     def refresh(self, event: str, instances: list) -> httpx.Response:
         return httpx.post(self.mgmt + "/instances/refresh", json={"event": event, "instances": instances}, timeout=5)
 

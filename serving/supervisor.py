@@ -1,0 +1,180 @@
+"""The main process's watch over its Sanic workers (multi-worker mode only).
+
+Sanic's WorkerManager notices a worker process that died only to mark it FAILED (`_sync_states`): it
+does not restart it and logs nothing. What that worker held in shared memory (its ledger row: requests,
+tokens and decode slots on engines; its admission counters: requests in flight and queued) would stay
+there for good, and if it was worker 0, health checks and engine scraping (serving/background.py) would
+stop. The supervisor, a daemon thread of the main process, polls the manager every `interval_s`; for a
+server worker that exited while the Coordinator is not shutting down it:
+
+- logs it at ERROR (name, pid, exit code),
+- zeroes that worker's rows (safe: only that worker wrote them, and it is gone),
+- has Sanic restart it, by sending the process name over the manager's monitor pipe: the monitor loop
+  (Sanic's own thread) handles it like an auto-reload restart (`_handle_message` -> `restart`), so no
+  manager method is called from this thread. The new process has the same name, hence the same worker
+  index, row and duties (worker 0 restarts the background loop). A worker that keeps dying soon after
+  its start is restarted with a growing delay (up to `MAX_DELAY_S`).
+
+It also owns the main process's SIGINT/SIGTERM handler, which wraps Sanic's:
+
+- a stop signal of the whole Coordinator sets the global draining flag in shared memory first, so every
+  worker answers readiness 503 and refuses new requests from then on (a signal sent to one worker process
+  makes only that worker drain; see app.py), then Sanic's handler stops the workers;
+- a stop signal before every worker has started would hang Sanic's start-up wait (`wait_for_ack` puts the
+  stop message back on the pipe forever, sanic #2997): then the workers are killed and the main process
+  exits at once, 128 + the signal number.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from scheduling.shared import G_DRAINING, SharedState, worker_index
+
+log = logging.getLogger("coordinator.supervisor")
+
+SERVER_PREFIX = "Sanic-Server-"
+QUICK_DEATH_S = 10.0  # a worker dying sooner than this after a restart is restarted again with a delay
+MAX_DELAY_S = 30.0
+
+
+class Supervisor:
+    def __init__(self, manager: Any, shared: SharedState, interval_s: float = 0.5):
+        self.manager, self.shared, self.interval_s = manager, shared, interval_s
+        self.ready = False  # every worker acknowledged its start: Sanic's start-up wait is over
+        self.stopping = False  # the whole Coordinator is stopping
+        self.pipe_lock = threading.RLock()  # one writer at a time on the monitor pipe (signal handler, thread)
+        self.sanic_handlers: dict[int, Any] = {}
+        self.seen_dead: set[int] = set()  # pids already handled
+        self.started_at: dict[str, float] = {}  # name -> when the supervisor last restarted it
+        self.delay: dict[str, float] = {}  # name -> delay before its next restart
+        self.due: dict[str, float] = {}  # name -> when a restart that waits may be sent
+        self.last_sent = float("-inf")  # when the last restart was sent
+        self.stopped_pids: set[int] = set()  # the workers alive when the stop signal came
+
+    def install(self) -> None:
+        """Main process, `main_process_ready` (after Sanic's manager set its own signal handlers)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.sanic_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, self.on_signal)
+        threading.Thread(target=self._run, name="motor-supervisor", daemon=True).start()
+
+    # -- the whole Coordinator's stop signal ----------------------------------------------------------
+
+    def on_signal(self, sig: int, frame: Any) -> None:
+        if not self.stopping:
+            self.stopped_pids = {p.pid for p in self._servers() if p.is_alive()}  # the ones Sanic's shutdown stops
+        self.stopping = True
+        self.shared.globals[G_DRAINING] = 1  # before the workers hear of it: readiness 503 on every worker
+        if not self._startup_over():
+            self._exit_during_startup(sig)
+        with self.pipe_lock:
+            handler = self.sanic_handlers.get(sig)
+            if callable(handler):
+                handler(sig, frame)
+
+    def _exit_during_startup(self, sig: int) -> None:
+        log.warning(
+            "%s before every worker started: stopping the workers and exiting (Sanic's start-up wait would "
+            "never end)", signal.Signals(sig).name,
+        )
+        children = multiprocessing.active_children()  # the workers and Sanic's state manager process
+        for child in children:
+            try:
+                child.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        deadline = time.monotonic() + 5
+        for child in children:
+            child.join(max(0.0, deadline - time.monotonic()))
+        if os.environ.get("MOTOR_OWNS_PROM_DIR"):
+            shutil.rmtree(os.environ.get("PROMETHEUS_MULTIPROC_DIR", ""), ignore_errors=True)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(128 + sig)
+
+    # -- dead workers ---------------------------------------------------------------------------------
+
+    def _startup_over(self) -> bool:
+        """Sanic's start-up wait (`wait_for_ack`) is over. Only its monitor loop, which runs after that wait,
+        moves a process's own state (main process side) past STARTED: to ACKED by `_sync_states`, or to a
+        final state."""
+        from sanic.worker.constants import ProcessState
+
+        if not self.ready:
+            self.ready = any(
+                p.state >= ProcessState.ACKED or p.state is ProcessState.RESTARTING for p in self._servers()
+            )
+        return self.ready
+
+    def _run(self) -> None:
+        while not self.stopping:
+            time.sleep(self.interval_s)
+            if self.stopping or self.shared.globals[G_DRAINING] or getattr(self.manager, "_shutting_down", False):
+                self._stop_late_restarts()
+                return
+            if not self._startup_over():
+                continue
+            try:
+                self._check()
+            except Exception:  # noqa: BLE001 - never let the watch die
+                log.exception("worker supervisor check failed")
+
+    def _stop_late_restarts(self) -> None:
+        """A restart sent just before the stop signal is started by Sanic's monitor loop after its shutdown
+        stopped the workers then alive; Sanic would then wait for that new worker for ever. Stop it too."""
+        if time.monotonic() - self.last_sent > 10:
+            return
+        time.sleep(2 * self.interval_s)  # let the monitor loop handle what is on its pipe
+        for process in self._servers():
+            if process.is_alive() and process.pid not in self.stopped_pids:
+                log.warning("stopping worker %s (pid %s), restarted as the Coordinator began to stop", process.name, process.pid)
+                process.terminate()
+
+    def _servers(self) -> list[Any]:
+        return [p for p in list(self.manager.transient_processes) if p.name.startswith(SERVER_PREFIX)]
+
+    def _check(self) -> None:
+        # Sanic's monitor loop (`_sync_states`) reaps a dead process and marks it FAILED (non-zero exit,
+        # a signal) or COMPLETED (exit 0: a worker stopped by a signal of its own); reading the state it
+        # set calls no waitpid here, so this thread never races that loop for the exit status.
+        from sanic.worker.constants import ProcessState
+
+        now = time.monotonic()
+        for process in self._servers():
+            if process.state not in (ProcessState.FAILED, ProcessState.COMPLETED):
+                continue
+            pid, name = process.pid, process.name
+            if pid not in self.seen_dead:
+                self.seen_dead.add(pid)
+                log.error(
+                    "worker %s (pid %s) exited with code %s while the Coordinator runs: releasing what it held "
+                    "and restarting it", name, pid, process.exitcode,
+                )
+                self.shared.clear_worker(worker_index(name))
+                lived = now - self.started_at.get(name, float("-inf"))  # restarted by the supervisor how long ago
+                delay = min(MAX_DELAY_S, max(1.0, 2 * self.delay.get(name, 0.0))) if lived < QUICK_DEATH_S else 0.0
+                self.delay[name] = delay
+                self.due[name] = now + delay
+                if delay:
+                    log.error("worker %s died %.1f s after its start: restarting it in %.0f s", name, lived, delay)
+            if now < self.due.get(name, 0.0):
+                continue
+            self.due[name] = float("inf")  # sent once per death; a new pid gets a new entry above
+            self.started_at[name] = now
+            with self.pipe_lock:
+                if self.stopping:
+                    return
+                self.manager.monitor_publisher.send(name)
+                self.last_sent = time.monotonic()

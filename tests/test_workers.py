@@ -1,0 +1,219 @@
+"""A worker process that dies or is stopped on its own, and a stop signal during start-up.
+
+Each test runs `python app.py` with several Sanic workers (tests/support.py) and acts on one worker process
+with a real signal. The main process's supervisor (serving/supervisor.py) must give back what a dead worker
+held in shared memory, restart it (under the same name, so worker 0 resumes health checks), and only a
+stop of the whole Coordinator may put it in draining.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+from tests.conftest import MODEL
+from tests.support import ROOT, Coordinator, coordinator_config, instance, wait_until
+
+
+def chat(coord, max_tokens: int = 2, **extra) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, **extra}
+    return httpx.post(coord.url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def long_stream(coord, tokens: int) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": tokens, "stream": True,
+            "ignore_eos": True}
+    try:
+        with httpx.stream("POST", coord.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            r.read()
+    except httpx.HTTPError:
+        pass  # the streams the killed worker served end with a broken connection
+
+
+def metric(coord, name: str) -> float | None:
+    try:
+        text = httpx.get(coord.obs + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def loads(coord) -> list[dict]:
+    r = httpx.get(coord.mgmt + "/instances", timeout=5)
+    return [ep["load"] for inst in r.json()["instances"] for ep in inst["endpoints"]]
+
+
+def idle(coord) -> bool:
+    """No request in flight, nothing on any engine's ledger column (requests, tokens, held decode slots)."""
+    try:
+        zero = all(
+            not (load["inflight_requests"] or load["inflight_prompt_tokens"] or load["inflight_decode_tokens"]
+                 or load["prefilling_requests"] or load["held_decode_slots"])
+            for load in loads(coord)
+        )
+    except httpx.HTTPError:
+        return False
+    return zero and metric(coord, "motor_inflight_requests") == 0
+
+
+def restarted(coord, name: str, old_pid: int, timeout_s: float = 45) -> int:
+    """Wait until worker `name` runs again under a new pid and logged itself ready; return the pid."""
+    def up() -> bool:
+        pid = coord.server_workers().get(name)
+        return pid is not None and pid != old_pid and f"Worker ready [{pid}]" in coord.output()
+
+    assert wait_until(up, timeout_s=timeout_s, interval_s=0.2), coord.output()[-3000:]
+    return coord.server_workers()[name]
+
+
+def served_by(coord, pid: int, since: int) -> bool:
+    return f"coordinator.request[{pid}]" in coord.output()[since:]
+
+
+def test_a_killed_worker_gives_back_its_load_and_is_restarted(sims):
+    a, b = sims("union", speedup=2.0), sims("union", speedup=2.0)
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, a.address), instance(2, "union", MODEL, b.address)],
+        inference_workers_config={"num_workers": 3}, rate_limit_config={"max_inflight_requests": 6},
+        scheduler_config={"scheduler_type": "load_balance", "health_check_interval": 0.2, "metrics_scrape_interval": 0.2},
+    )
+    with Coordinator(cfg) as coord:
+        workers = coord.server_workers()
+        assert len(workers) == 3
+        # 400 tokens at 5 ms each: about 2 s a stream, so they are all running when the worker dies.
+        streams = [threading.Thread(target=long_stream, args=(coord, 400)) for _ in range(6)]
+        for t in streams:
+            t.start()
+        try:
+            assert wait_until(lambda: a.stats()["running"] + b.stats()["running"] == 6, timeout_s=20)
+            assert metric(coord, "motor_inflight_requests") == 6
+            victim = "Sanic-Server-1-0"
+            os.kill(workers[victim], signal.SIGKILL)
+        finally:
+            for t in streams:
+                t.join(90)
+        # What the dead worker held is given back: no ghost load on the engines, no ghost in-flight places.
+        assert wait_until(lambda: idle(coord), timeout_s=30, interval_s=0.2), loads(coord)
+        assert wait_until(lambda: a.stats()["running"] + b.stats()["running"] == 0, timeout_s=20)
+        assert f"worker {victim} (pid {workers[victim]}) exited with code -9" in coord.output()
+        new_pid = restarted(coord, victim, workers[victim])
+        assert new_pid not in workers.values()
+        # The cap is whole again, and load balancing spreads requests over both engines again.
+        a.reset()
+        b.reset()
+        mark = len(coord.output())
+        statuses = [chat(coord).status_code for _ in range(20)]
+        assert statuses == [200] * 20
+        assert a.stats()["received"] > 0 and b.stats()["received"] > 0, (a.stats()["received"], b.stats()["received"])
+        # The restarted worker serves (the kernel hands new connections to any worker: keep asking a while).
+        assert wait_until(lambda: chat(coord).status_code == 200 and served_by(coord, new_pid, mark), timeout_s=30)
+        six = [threading.Thread(target=long_stream, args=(coord, 200)) for _ in range(6)]
+        for t in six:
+            t.start()
+        try:
+            assert wait_until(lambda: a.stats()["running"] + b.stats()["running"] == 6, timeout_s=20)
+        finally:
+            for t in six:
+                t.join(90)
+        assert wait_until(lambda: idle(coord), timeout_s=30)
+
+
+def test_health_checks_resume_when_worker_0_is_killed(sims):
+    a = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, a.address)], inference_workers_config={"num_workers": 2})
+    with Coordinator(cfg) as coord:
+        workers = coord.server_workers()
+        os.kill(workers["Sanic-Server-0-0"], signal.SIGKILL)
+        restarted(coord, "Sanic-Server-0-0", workers["Sanic-Server-0-0"])
+
+        def healthy() -> bool:
+            r = httpx.get(coord.mgmt + "/instances", timeout=5)
+            return r.json()["instances"][0]["endpoints"][0]["healthy"]
+
+        # Worker 0 checks every engine's /health for all workers: checks must run again after its restart.
+        a.set_faults(health_status=503)
+        assert wait_until(lambda: not healthy(), timeout_s=20)
+        assert chat(coord).status_code == 503  # no healthy instance left
+        a.clear_faults()
+        assert wait_until(healthy, timeout_s=20)
+        assert chat(coord).status_code == 200
+
+
+def test_sigterm_to_one_worker_drains_only_that_worker(sims):
+    a = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, a.address)], inference_workers_config={"num_workers": 3})
+    with Coordinator(cfg) as coord:
+        workers = coord.server_workers()
+        victim = "Sanic-Server-2-0"
+        os.kill(workers[victim], signal.SIGTERM)
+        # That worker drains (nothing in flight: at once) and exits; the Coordinator is not shutting down:
+        # the other workers go on serving and say they are ready (they once all answered 503 for good).
+        assert wait_until(lambda: f"Worker complete [{workers[victim]}]" in coord.output(), timeout_s=20)
+        for _ in range(10):
+            assert chat(coord).status_code == 200
+            assert httpx.get(coord.mgmt + "/readiness", timeout=5).status_code == 200
+        # And the supervisor starts it again.
+        restarted(coord, victim, workers[victim])
+        assert coord.proc.poll() is None
+        for _ in range(20):
+            assert chat(coord).status_code == 200
+            r = httpx.get(coord.mgmt + "/readiness", timeout=5)
+            assert r.status_code == 200 and r.json()["ready"] is True
+        assert metric(coord, "motor_draining") == 0
+        # A stop of the whole Coordinator still drains and exits cleanly.
+        assert coord.stop() == 0
+
+
+def test_sigterm_before_the_workers_are_ready_exits_promptly(sims):
+    """Sanic's start-up wait puts a stop message back on its pipe for ever while a worker has not acknowledged
+    its start (sanic #2997): the main process spun, holding the ports. It now kills the workers and exits."""
+    a = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, a.address)], inference_workers_config={"num_workers": 3})
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="motor-test-")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"motor_coordinator_config": cfg}, f)
+    log_path = path + ".log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "app.py"), "--config", path], cwd=ROOT, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def output() -> str:
+        with open(log_path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+
+    try:
+        # A worker process has started, and not every worker has said it is ready.
+        assert wait_until(lambda: "Starting worker" in output(), timeout_s=60, interval_s=0.01), output()
+        assert output().count("Worker ready") < 3
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(20)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the Coordinator did not exit within 20 s of SIGTERM during start-up:\n" + output())
+        assert code == 128 + signal.SIGTERM, output()
+
+        def group_gone() -> bool:
+            return subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode != 0
+
+        assert wait_until(group_gone, timeout_s=10), "processes of the Coordinator are left"
+    finally:
+        if proc.poll() is None or subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 0:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(5)
+        for p in (path, log_path):
+            os.unlink(p)
