@@ -256,13 +256,13 @@ class EngineStream:
                     await conn.wait(_DATA, wake)
                 except TimeoutError:
                     if wake >= deadline:
-                        raise UpstreamTimeout(f"engine {self.url} timed out ({phase})") from None
+                        raise UpstreamTimeout(f"engine timed out ({phase})", detail=self.url) from None
                     yield b""
             chunk = conn.take()
             if chunk:
                 yield chunk
             elif conn.error is not None:
-                raise UpstreamConnectError(f"engine {self.url} {conn.error} ({phase})")
+                raise UpstreamConnectError(f"engine {conn.error} ({phase})", detail=self.url)
             elif conn.complete:
                 return
             wait, phase = self.idle_s, "idle gap"
@@ -324,9 +324,9 @@ class EngineClient:
                     lambda: _Connection(self, origin), host, port, ssl=self._tls if tls else None
                 )
         except TimeoutError:
-            raise UpstreamTimeout(f"engine {url} timed out (connect)") from None
+            raise UpstreamTimeout("engine timed out (connect)", detail=url) from None
         except OSError as e:
-            raise UpstreamConnectError(f"engine {url} unreachable: {e}") from None
+            raise UpstreamConnectError("engine unreachable", detail=f"{url}: {e}") from None
         return conn
 
     def _release(self, conn: _Connection) -> None:
@@ -368,7 +368,7 @@ class EngineClient:
                 await conn.wait(until, deadline)
             except TimeoutError:
                 conn.close()
-                raise UpstreamTimeout(f"engine {url} timed out ({phase})") from None
+                raise UpstreamTimeout(f"engine timed out ({phase})", detail=url) from None
             except BaseException:
                 conn.close()
                 raise
@@ -378,8 +378,8 @@ class EngineClient:
             if reused and not conn.received:
                 continue  # the engine closed this idle connection as the request went out: a new one
             if conn.error.startswith("sent"):
-                raise UpstreamProtocolError(f"engine {url} {conn.error}")
-            raise UpstreamConnectError(f"engine {url} {conn.error} ({phase})")
+                raise UpstreamProtocolError(f"engine {conn.error}", detail=url)
+            raise UpstreamConnectError(f"engine {conn.error} ({phase})", detail=url)
 
     async def _read_all(
         self, method: bytes, url: str, body: bytes | None, request_id: str | None, timeout_s: float, phase: str, check: bool,

@@ -152,6 +152,15 @@ class UpstreamError(CoordinatorError):
     code = "upstream_error"
     retryable = True
 
+    def __init__(self, message: str, *, detail: str = "", **kw):
+        # The client gets `message`; `detail` (which engine, the OS error, the engine's error body) is for
+        # the log only: engine addresses and internals are the operator's, not the client's.
+        super().__init__(message, **kw)
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"{self.message} [{self.detail}]" if self.detail else self.message
+
 
 class UpstreamConnectError(UpstreamError):
     """The engine could not be reached."""
@@ -177,7 +186,7 @@ class EngineStatusError(UpstreamError):
     RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
     def __init__(self, status: int, body: bytes, content_type: str = "application/json"):
-        super().__init__(f"engine answered HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
+        super().__init__(f"engine answered HTTP {status}", detail=body[:300].decode("utf-8", "replace"))
         self.status = status
         self.body = body
         self.content_type = content_type

@@ -234,7 +234,7 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
 
 async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api: str, rid: str) -> HTTPResponse | None:
     """An error answer: the error response, or one SSE error event once the stream has started."""
-    rec.status, rec.error = client_status(err), err.message  # a stream's: what its error event says
+    rec.status, rec.error = client_status(err), str(err)  # what its error says, and for the log which engine
     if rec.target is None and rec.prefill is None:  # refused before reaching an engine
         rec.reject_reason = getattr(err, "reason", "")
     if sink.started:

@@ -251,7 +251,7 @@ class Dispatcher:
                             rec.events += splitter.tail.count(b"data:")
                             await sink.send(splitter.tail + b"\n\n")
                     if not sink.started:
-                        raise UpstreamProtocolError(f"engine {t.url} ended the stream without sending anything")
+                        raise UpstreamProtocolError("engine ended the stream without sending anything", detail=t.url)
                     lease.succeed()
                 else:
                     _, data = await self.client.post(t.url + job.route, job.raw, rid, timeout_s=self.s.infer_timeout_s)
@@ -297,9 +297,9 @@ class Dispatcher:
                 try:
                     resp = ujson.loads(data)
                 except ValueError:
-                    raise UpstreamProtocolError(f"prefill engine {t.url} answered invalid JSON") from None
+                    raise UpstreamProtocolError("prefill engine answered invalid JSON", detail=t.url) from None
                 if not isinstance(resp, dict):
-                    raise UpstreamProtocolError(f"prefill engine {t.url} answered a non-object")
+                    raise UpstreamProtocolError("prefill engine answered a non-object", detail=t.url)
                 lease.succeed(engine_uncached(resp.get("usage")))
             finally:
                 lease.release()
@@ -351,7 +351,7 @@ class Dispatcher:
                             rec.events += splitter.tail.count(b"data:")
                             await sink.send(fix_event(splitter.tail, p_usage, anthropic) + b"\n\n")
                     if not sink.started:
-                        raise UpstreamProtocolError(f"decode engine {t.url} ended the stream without sending anything")
+                        raise UpstreamProtocolError("decode engine ended the stream without sending anything", detail=t.url)
                     lease.succeed()
                 else:
                     _, data = await self.client.post(t.url + job.route, body, rid, timeout_s=self.s.infer_timeout_s)
@@ -359,7 +359,7 @@ class Dispatcher:
                     try:
                         resp = ujson.loads(data)
                     except ValueError:
-                        raise UpstreamProtocolError(f"decode engine {t.url} answered invalid JSON") from None
+                        raise UpstreamProtocolError("decode engine answered invalid JSON", detail=t.url) from None
                     lease.succeed()
                     sink.json(200, dumps(fix_response(resp, p_usage, anthropic)) if isinstance(resp, dict) else data)
             except EngineStatusError as e:

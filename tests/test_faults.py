@@ -82,6 +82,15 @@ def call(c, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict, 
         return r.status_code, dict(r.headers), r.read().decode()
 
 
+def assert_engine_kept_out_of_the_message(c, sims, message: str, rid: str) -> None:
+    """The client's error message names no engine address; the request's log line says which engine it was."""
+    assert message.startswith(("engine", "decode engine", "prefill engine")), message
+    assert not any(s.address in message or "127.0.0.1" in message for s in sims), message
+    assert wait_until(lambda: any(f"request_id={rid} " in ln and "status=" in ln for ln in c.output().splitlines()))
+    line = next(ln for ln in c.output().splitlines() if f"request_id={rid} " in ln and "status=" in ln)
+    assert any(s.address in line for s in sims), line
+
+
 def attempts(sims) -> list[dict]:
     return [r for s in sims for r in s.requests() if r["path"] in INFER_PATHS]
 
@@ -206,9 +215,10 @@ def test_engine_that_never_answers_hits_the_deadline_and_is_retried(c, where, st
     sims = c.sims[where]
     for s in sims:
         s.set_faults(hang_before_first_byte=True)
-    code, _, text = call(c, chat_body(model_of(where), stream))
+    code, headers, text = call(c, chat_body(model_of(where), stream))
     assert code == 504 and openai_error(text)["code"] == "upstream_timeout"
     assert len(attempts(sims)) == 1 + MAX_RETRY
+    assert_engine_kept_out_of_the_message(c, sims, openai_error(text)["message"], headers["x-request-id"])
     if where == "decode":
         assert wait_until(lambda: total(c.sims["prefill"], "kv_released") == 1)
     assert_recovered(c, model_of(where), stream)
@@ -280,12 +290,13 @@ def test_connection_closed_mid_stream_ends_with_one_error_event(c, where, stream
     sims = c.sims[where]
     for s in sims:
         s.set_faults(close_mid_stream_after_n=2, **cut)
-    code, _, text = call(c, chat_body(model_of(where), stream, max_tokens=2000 if stream else 8))
+    code, headers, text = call(c, chat_body(model_of(where), stream, max_tokens=2000 if stream else 8))
     assert code == 200
     assert len(attempts(sims)) == 1
     if stream:
         events = sse_events(text)
         assert len(events) == 3 and openai_error(events[-1])["code"] == "upstream_error"
+        assert_engine_kept_out_of_the_message(c, sims, openai_error(events[-1])["message"], headers["x-request-id"])
         assert total(sims, "dropped") == 1
     else:
         assert json.loads(text)["choices"][0]["finish_reason"] == "length"
