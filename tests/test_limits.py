@@ -244,16 +244,33 @@ def limited(module_sims):
 
 
 def test_rate_limit_holds_across_workers(limited):
-    statuses, refused = [], []
-    started = time.monotonic()
-    for i in range(30):
-        r = post(limited, chat(MODEL, 1, f"rate {i}"))
-        statuses.append(r.status_code)
-        if r.status_code == 429:
-            refused.append(r)
-    elapsed = time.monotonic() - started
+    # All at once, each on a connection of its own: one after the other they came slower than the rate on a
+    # loaded machine (0.45 s a request), and then every one was rightly admitted.
+    n = 30
+    clients = [httpx.Client(timeout=30) for _ in range(n)]  # made before the clock starts (an SSL context each)
+    responses: list[httpx.Response | None] = [None] * n
+    start = threading.Barrier(n + 1)
+
+    def one(i: int) -> None:
+        start.wait()
+        responses[i] = clients[i].post(limited.url + "/v1/chat/completions", json=chat(MODEL, 1, f"rate {i}"))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        started = time.monotonic()  # before the barrier lets any request go: `elapsed` is never short
+        start.wait()
+        for t in threads:
+            t.join(60)
+        elapsed = time.monotonic() - started
+    finally:
+        for client in clients:
+            client.close()
+    statuses = [r.status_code for r in responses if r is not None]
+    refused = [r for r in responses if r is not None and r.status_code == 429]
     admitted = statuses.count(200)
-    assert admitted + len(refused) == 30
+    assert admitted + len(refused) == n, statuses
     # One bucket for the whole Coordinator: the burst plus what refilled meanwhile (per-worker buckets would
     # admit twice that).
     assert 1 <= admitted <= RPS + RPS * elapsed + 1, (admitted, elapsed)
