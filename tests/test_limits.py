@@ -111,19 +111,28 @@ def test_inflight_cap_holds_across_workers(c):
     results: list[httpx.Response] = []
     peak = [0]
     start = threading.Barrier(n + 1)
+    # Made before the barrier: a new client's SSL context took about 0.3 s of a loaded machine, one thread
+    # after another, which spread the requests over longer than an admitted one holds its place.
+    clients = [httpx.Client(timeout=30) for _ in range(n)]
 
     def one(i: int):
         start.wait()
         # 1000 tokens at 2 ms per step: each admitted request holds its place for about 2 s.
-        results.append(post(c, chat(MODEL, 1000, f"cap {i}", ignore_eos=True)))
+        results.append(clients[i].post(c.url + "/v1/chat/completions", json=chat(MODEL, 1000, f"cap {i}", ignore_eos=True)))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    start.wait()
-    while any(t.is_alive() for t in threads):
-        peak[0] = max(peak[0], c.u.stats()["running"])
-        time.sleep(0.02)
+    try:
+        start.wait()
+        while any(t.is_alive() for t in threads):
+            peak[0] = max(peak[0], c.u.stats()["running"])
+            time.sleep(0.02)
+    finally:
+        for t in threads:
+            t.join(60)
+        for client in clients:
+            client.close()
     ok = [r for r in results if r.status_code == 200]
     refused = [r for r in results if r.status_code == 429]
     assert len(ok) == CAP and len(refused) == n - CAP  # one cap for both workers, not one each
