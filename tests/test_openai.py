@@ -114,8 +114,11 @@ def test_first_chunk_arrives_before_generation_ends(sims):
                 if line.startswith("data:") and '"content":"' in line and '"content":""' not in line:
                     arrivals.append(time.monotonic() - started)
         assert len(arrivals) == 20
-        # Chunks trickle in: the first content token is seen long before the last one.
-        assert arrivals[0] < arrivals[-1] / 2
+        # Chunks trickle in as the engine makes them (one per 50 ms), not all at once at the end: the first
+        # content token is seen at least half the 19 steps before the last. Measured from the first token, not
+        # from the request: on a loaded machine the time to first token (a new client and connection, the
+        # prefill) may be as long as the whole generation and says nothing about buffering.
+        assert arrivals[-1] - arrivals[0] > 19 * 0.050 / 2
 
 
 def test_models_lists_live_counts_and_slo(union_cluster):

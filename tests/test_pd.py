@@ -169,7 +169,9 @@ def test_decode_stream_is_incremental(sims):
                 if '"content":"' in line and '"content":""' not in line:
                     arrivals.append(time.monotonic() - started)
         assert len(arrivals) == 16
-        assert arrivals[0] < arrivals[-1] / 2
+        # D's tokens trickle in (one per 50 ms): the first is seen at least half the 15 steps before the last.
+        # Measured from the first token: the time to it (a new client, the prefill leg) is no bound under load.
+        assert arrivals[-1] - arrivals[0] > 15 * 0.050 / 2
 
 
 def test_missed_handoff_is_served_and_counted(fresh):
