@@ -56,9 +56,13 @@ def request_id(request: Request) -> str:
 
 
 def presented_key(request: Request, cfg: ApiKeyConfig) -> str | None:
-    """The key in the configured header after its prefix, if any."""
+    """The key in the configured header after its prefix, if any. The prefix is an auth scheme ("Bearer "),
+    which HTTP compares without regard to case (RFC 9110 11.1): "bearer KEY" is the same."""
     value = request.headers.get(cfg.header_name)
-    return value[len(cfg.key_prefix):] if value is not None and value.startswith(cfg.key_prefix) else None
+    if value is None:
+        return None
+    n = len(cfg.key_prefix)
+    return value[n:] if value.startswith(cfg.key_prefix) or value[:n].lower() == cfg.key_prefix.lower() else None
 
 
 def valid_key(cfg: ApiKeyConfig, key: str) -> bool:

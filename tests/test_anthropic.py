@@ -784,6 +784,10 @@ def test_api_keys_on_anthropic_and_openai_routes(sims):
         r = httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"x-api-key": "k-one"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer k-one"}).status_code == 200
+        # The scheme is case-insensitive (RFC 9110); the key is not.
+        assert httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "bearer k-one"}).status_code == 200
+        assert httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "BEARER k-one"}).status_code == 200
+        assert httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer K-ONE"}).status_code == 401
         assert all("k-one" not in json.dumps(r["headers"]) and "k-two" not in json.dumps(r["headers"]) for r in u.requests())
 
 
