@@ -229,10 +229,12 @@ class _Connection(asyncio.Protocol):
 class EngineStream:
     """An open streaming response: `chunks()` yields raw bytes as they arrive, under the idle and total deadlines."""
 
-    def __init__(self, conn: _Connection, url: str, idle_s: float, first_s: float, total_deadline: float):
+    def __init__(self, conn: _Connection, url: str, idle_s: float, first_deadline: float, total_deadline: float):
         self.conn, self.url = conn, url
         self.status = conn.status
-        self.idle_s, self.first_s, self.total_deadline = idle_s, first_s, total_deadline
+        # The first chunk is due by the deadline the request's headers had: an engine that sends its headers
+        # late must not get a second first_token_timeout for its first token.
+        self.idle_s, self.first_deadline, self.total_deadline = idle_s, first_deadline, total_deadline
 
     @property
     def finished(self) -> bool:
@@ -244,10 +246,8 @@ class EngineStream:
         (0: never), so the caller can keep the client's connection busy; the deadlines keep running."""
         conn = self.conn
         loop = conn.loop
-        wait = self.first_s
-        phase = "first chunk"
+        deadline, phase = self.first_deadline, "first chunk"
         while True:
-            deadline = loop.time() + wait
             if deadline >= self.total_deadline:
                 deadline, phase = self.total_deadline, "total"
             while not conn.ready(_DATA):
@@ -265,7 +265,7 @@ class EngineStream:
                 raise UpstreamConnectError(f"engine {conn.error} ({phase})", detail=self.url)
             elif conn.complete:
                 return
-            wait, phase = self.idle_s, "idle gap"
+            deadline, phase = loop.time() + self.idle_s, "idle gap"
 
 
 class EngineClient:
@@ -431,7 +431,7 @@ class StreamExchange:
             finally:
                 client._release(conn)
         self.conn = conn
-        return EngineStream(conn, self.url, s.stream_idle_timeout_s, s.first_token_timeout_s, total_deadline)
+        return EngineStream(conn, self.url, s.stream_idle_timeout_s, first_deadline, total_deadline)
 
     async def __aexit__(self, *exc) -> None:
         # Closing (not pooling) a connection with an unfinished body aborts the engine request at once.

@@ -529,6 +529,25 @@ def test_stream_total_deadline_holds_despite_steady_chunks():
     run(scenario)
 
 
+def test_a_stream_whose_headers_come_late_gets_no_second_first_token_timeout():
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await asyncio.sleep(0.9)  # headers within the 1 s first-token deadline ...
+        await peer.send(streamed(end=False))
+        await asyncio.sleep(SCENARIO_LIMIT_S)  # ... and no token after them
+
+    async def scenario():
+        async with Engine(script, first_token_timeout_s=1.0) as (srv, client):
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(UpstreamTimeout) as e:
+                await collect(client, srv.url, [])
+            assert "first chunk" in str(e.value)
+            assert loop.time() - start < 1.7  # the request's 1 s, not 0.9 s + another 1 s
+
+    run(scenario)
+
+
 def test_keepalive_yields_empty_chunks_until_the_deadline():
     async def scenario():
         async with Engine(serve_each(streamed(end=False)), first_token_timeout_s=0.5) as (srv, client):
