@@ -153,24 +153,26 @@ class Registry:
             by_id = {e["id"]: e for e in entries}
             fresh: list[Instance] = []
             if event in ("set", "add"):
-                for inst in items:
-                    old = by_id.get(inst.id)
-                    if old is not None and not _same(old, inst):
-                        raise RefreshError(
-                            f"instance {inst.id} is registered with a different role, model or endpoints; "
-                            "an id names one engine: del it first, or use a new id",
-                            409,
-                        )
-                fresh = [inst for inst in items if inst.id not in by_id]
+                changed = {inst.id for inst in items if inst.id in by_id and not _same(by_id[inst.id], inst)}
+                if changed and event == "add":
+                    raise RefreshError(
+                        f"instance {min(changed)} is registered with a different role, model or endpoints; "
+                        "an id names one engine: set replaces it, or del it first, or use a new id",
+                        409,
+                    )
+                fresh = [inst for inst in items if inst.id not in by_id or inst.id in changed]
             if event == "set":
+                # `set` makes the registered set exactly the listed one: an id listed with another role, model
+                # or endpoints (its pod moved, say) is a new engine under that id, as if deleted and added.
                 listed = {inst.id for inst in items}
-                removed = [e for e in entries if e["id"] not in listed]
+                removed = [e for e in entries if e["id"] not in listed or e["id"] in changed]
                 free = free + [slot for e in removed for slot in e["slots"]]  # freed now: handed out last
                 new_slots = self._take(free, fresh)
-                entries = [by_id.get(inst.id) or _entry(inst, new_slots[inst.id]) for inst in items]
+                kept = listed - {inst.id for inst in fresh}
+                entries = [by_id[inst.id] if inst.id in kept else _entry(inst, new_slots[inst.id]) for inst in items]
                 message = (
-                    f"{len(entries)} instances registered: {len(fresh)} added, {len(removed)} removed, "
-                    f"{len(items) - len(fresh)} unchanged"
+                    f"{len(entries)} instances registered: {len(fresh) - len(changed)} added, {len(changed)} replaced, "
+                    f"{len(removed) - len(changed)} removed, {len(items) - len(fresh)} unchanged"
                 )
             elif event == "add":
                 new_slots = self._take(free, fresh)

@@ -265,6 +265,23 @@ def test_set_keeps_the_pause_state_of_instances_it_keeps(cluster):
     assert insts[1]["paused"] is True and insts[3]["paused"] is False
 
 
+def test_set_replaces_an_instance_whose_endpoints_moved(cluster):
+    """A controller re-sends the whole set after instance 2's pod moved (engine 3's address now): 2 is
+    replaced, its traffic goes to the new address, and its old engine gets nothing more."""
+    d = cluster.definitions
+    moved = {**d[2], "endpoints": d[3]["endpoints"]}
+    r = cluster.refresh("set", [d[1], moved])
+    assert r.status_code == 200 and "1 replaced" in r.json()["message"], r.text
+    insts = instances(cluster)
+    assert set(insts) == {1, 2} and insts[2]["endpoints"][0]["address"] == cluster.engines[3].address
+    before = received(cluster)
+    for _ in range(8):
+        assert chat(cluster).status_code == 200
+    after = received(cluster)
+    assert after[2] == before[2] and after[3] > before[3] and after[1] > before[1]
+    assert cluster.refresh("add", [d[2]]).status_code == 409  # add never replaces
+
+
 REFUSED = [
     pytest.param(b"{not json", 400, "not valid JSON", id="malformed-json"),
     pytest.param(b"[1, 2]", 400, "JSON object", id="not-an-object"),
@@ -280,7 +297,7 @@ REFUSED = [
                  400, "instances[0].endpoints[1].id: duplicate endpoint id 0", id="duplicate-endpoint-ids"),
     pytest.param("duplicate", 400, "duplicate", id="duplicate-ids"),
     pytest.param("other-role", 409, "different role", id="id-reused-other-role"),
-    pytest.param("other-endpoints", 409, "different role, model or endpoints", id="id-reused-other-endpoints"),
+    pytest.param("other-endpoints", 409, "different role, model or endpoints", id="id-added-again-with-other-endpoints"),
     pytest.param("address-taken", 409, "registered twice", id="address-of-another-instance"),
     pytest.param({"event": "pause", "instances": [42]}, 404, "42", id="pause-unknown"),
 ]
@@ -292,7 +309,7 @@ def test_refresh_refusals_change_nothing(cluster, body, status, words):
     special = {
         "duplicate": {"event": "add", "instances": [d[3], {**d[3]}]},
         "other-role": {"event": "add", "instances": [{**d[1], "role": "prefill"}]},
-        "other-endpoints": {"event": "set", "instances": [{**d[1], "endpoints": [{"id": 0, "address": "127.0.0.1:1"}]}, d[2]]},
+        "other-endpoints": {"event": "add", "instances": [{**d[1], "endpoints": [{"id": 0, "address": "127.0.0.1:1"}]}]},
         "address-taken": {"event": "add", "instances": [{**d[3], "endpoints": d[1]["endpoints"]}]},
     }
     body = special.get(body, body) if isinstance(body, str) else body
