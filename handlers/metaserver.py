@@ -1,14 +1,15 @@
 """POST /v1/metaserver: engines ask the Coordinator to run the other half of a PD request.
 
 The target is always a registered instance: one named by `remote_host`/`remote_port` or
-`remote_engine_id` must be registered with the right role, or the call is refused with 403 and nothing
+`remote_engine_id` must be registered with the right role (its host in any spelling: an engine reports
+its IP address where the deployer registered it by name), or the call is refused with 403 and nothing
 is sent anywhere; one named by nothing is picked by the scheduler.
 
 A call from the address of a registered instance is an engine's: it needs no API key (engines send
 none) and is not admitted again (in-flight cap, rate limit, drain), being half of a client request that
 was admitted already. Any other caller is treated as a client: with `enable_api_key` it needs a valid
 key, and it is admitted like any request (the route runs a full generation when asked for a decode).
-Instance host names are resolved and cached for `RESOLVED_FOR_S`; a caller that matches no cached
+Instance host names are resolved and cached (serving/resolve.py); a caller that matches no cached
 address makes names older than `RECHECK_AFTER_S` resolve again (an engine pod restarted with a new
 address). The check trusts the host: anything that reaches the Coordinator from an engine's address
 (a proxy on an engine host, traffic NATed to a node IP that an engine is registered by) counts as that
@@ -18,9 +19,6 @@ engine.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import socket
-import time
 from urllib.parse import urlsplit
 
 from sanic import Blueprint, Request
@@ -28,12 +26,9 @@ from sanic import Blueprint, Request
 from errors import OPENAI
 from handlers.common import INFER, check_plane, serve_inference
 from serving.job import METASERVER
+from serving.resolve import RECHECK_AFTER_S, RESOLVED_FOR_S, addresses, normal
 
 bp = Blueprint("metaserver")
-
-RESOLVED_FOR_S = 60.0
-RECHECK_AFTER_S = 5.0
-_resolved: dict[str, tuple[float, frozenset[str]]] = {}  # per worker: host name -> (when, its addresses)
 
 
 @bp.post(METASERVER, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
@@ -51,12 +46,12 @@ async def from_registered_instance(request: Request) -> bool:
 
 async def is_instance_address(caller: str, hosts: set[str]) -> bool:
     """Is `caller` (an IP address) one of `hosts` (IP addresses and names, resolved here)?"""
-    caller = _normal(caller)
+    caller = normal(caller)
     if not caller:
         return False
     names = []
     for host in hosts:
-        ip = _normal(host)
+        ip = normal(host)
         if ip == caller:
             return True
         if host and not ip:
@@ -64,31 +59,7 @@ async def is_instance_address(caller: str, hosts: set[str]) -> bool:
     if not names:
         return False
     for max_age_s in (RESOLVED_FOR_S, RECHECK_AFTER_S):
-        for addresses in await asyncio.gather(*(_addresses(name, max_age_s) for name in names)):
-            if caller in addresses:
+        for found in await asyncio.gather(*(addresses(name, max_age_s) for name in names)):
+            if caller in found:
                 return True
     return False
-
-
-def _normal(address: str) -> str:
-    """An IP address in one spelling (an IPv4 address mapped into IPv6 as IPv4); '' for a name."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return ""
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return str(mapped or ip)
-
-
-async def _addresses(host: str, max_age_s: float) -> frozenset[str]:
-    now = time.monotonic()
-    cached = _resolved.get(host)
-    if cached is not None and now - cached[0] < max_age_s:
-        return cached[1]
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        addresses = frozenset(_normal(info[4][0]) for info in infos)
-    except (OSError, UnicodeError):  # unknown, or not a valid name (an empty or over-long label)
-        addresses = frozenset()
-    _resolved[host] = (now, addresses)
-    return addresses

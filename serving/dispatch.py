@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from typing import Awaitable, Callable, Protocol, TypeVar
 
@@ -45,6 +47,7 @@ from scheduling.tokens import CHAT as CHAT_PROMPT, COMPLETION as COMPLETION_PROM
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
 from serving.legs import PREFILL_TICKET, decode_leg, prefill_body, prefill_leg
 from serving.observe import MESSAGE_DELTA, Observer, RequestRecord
+from serving.resolve import RECHECK_AFTER_S, RESOLVED_FOR_S, addresses
 from serving.usage import EventSplitter, fix_event, fix_events, fix_response, prefill_usage
 
 T = TypeVar("T")
@@ -82,6 +85,7 @@ class Dispatcher:
         self.s = settings
         self.scheduler, self.health, self.client, self.obs = scheduler, health, client, observer
         self._detached: set[asyncio.Task] = set()  # fire-and-forget engine calls, referenced until done
+        self.metaserver_url = metaserver_url(settings) if settings.pd_dispatch == "trigger" else ""
 
     # -- entry points ----------------------------------------------------------------------------
 
@@ -446,7 +450,7 @@ class Dispatcher:
         """Forward an engine's metaserver call to the registered instance it names, or one the scheduler picks."""
         ktp = job.metaserver
         role = "prefill" if ktp.get("do_remote_prefill") else "decode"
-        target = self._named_target(job.model, role, ktp)
+        target = await self._named_target(job.model, role, ktp)
         if target is None:
             target = self._pick_one(job, info, (role, "union"))
         if role == "prefill":
@@ -456,26 +460,50 @@ class Dispatcher:
             job.raw = dumps(job.body)
         await self._whole(job, info, target, sink, rec, retry=False)
 
-    def _named_target(self, model: str, role: str, ktp: dict) -> Target | None:
+    async def _named_target(self, model: str, role: str, ktp: dict) -> Target | None:
         host, port, engine_id = ktp.get("remote_host"), ktp.get("remote_port"), ktp.get("remote_engine_id")
         if host in (None, "") and engine_id in (None, ""):
             return None
         view = self.scheduler.registry.view()
         allowed = [t for t in view.targets if t.model == model and t.role in (role, "union")]
-        for t in allowed:
-            if host not in (None, "") and t.address.split("://", 1)[-1] == f"{host}:{port}":
+        named = [(t, *t.address.split("://", 1)[-1].rpartition(":")[::2]) for t in allowed]  # (target, host, port)
+        for t, t_host, t_port in named:
+            if host not in (None, "") and (t_host, t_port) == (host, str(port)):
                 return t
-        for t in allowed:
-            t_host = t.address.split("://", 1)[-1].rpartition(":")[0]
+        for t, t_host, _ in named:
             if engine_id not in (None, "") and str(t.instance_id) == str(engine_id) and host in (None, "", t_host):
                 return t
+        if host not in (None, "") and isinstance(host, str):
+            # The same engine in another spelling: by its IP address where it is registered by name (or the
+            # reverse, or IPv4 mapped into IPv6).
+            for max_age_s in (RESOLVED_FOR_S, RECHECK_AFTER_S):
+                wanted = await addresses(host, max_age_s)
+                for t, t_host, t_port in named if wanted else ():
+                    same_engine = t_port == str(port) or (engine_id not in (None, "") and str(t.instance_id) == str(engine_id))
+                    if same_engine and wanted & await addresses(t_host, max_age_s):
+                        return t
         raise Forbidden(
             f"metaserver target {host}:{port} (engine {engine_id}) is not a registered {role} instance of model {model!r}"
         )
 
-    @property
-    def metaserver_url(self) -> str:
-        host = self.s.host if self.s.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        scheme = "https" if self.s.infer_tls.enable_tls else "http"
-        return f"{scheme}://{host}:{self.s.infer_port}/v1/metaserver"
 
+def metaserver_url(s: Settings) -> str:
+    """Where decode engines call back in trigger mode: an address of this host that they can reach."""
+    host = s.host
+    if host in ("0.0.0.0", "::"):
+        # Listening on every interface (as in Kubernetes, where the deployer binds 0.0.0.0): the pod's own
+        # address, which the manifest gives as POD_IP, else the host name's; loopback only when neither is
+        # known (engines on this host alone can call it then).
+        host = os.environ.get("POD_IP") or _own_address() or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    scheme = "https" if s.infer_tls.enable_tls else "http"
+    return f"{scheme}://{host}:{s.infer_port}/v1/metaserver"
+
+
+def _own_address() -> str:
+    """This host's address by its name; '' if the name does not resolve."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""

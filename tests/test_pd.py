@@ -289,6 +289,22 @@ def test_a_trigger_mode_disconnect_is_counted_once(sims):
         assert disconnects() == 1
 
 
+def test_trigger_mode_tells_decode_engines_an_address_they_can_reach(monkeypatch):
+    """Bound to every interface (the deployer's 0.0.0.0), the metaserver URL in D's ticket is the pod's
+    address (POD_IP, from the manifest), never loopback, which in a pod is the engine's own."""
+    import dataclasses
+
+    from config import Settings
+    from serving.dispatch import metaserver_url
+
+    everywhere = dataclasses.replace(Settings(), host="0.0.0.0", infer_port=1025)
+    monkeypatch.setenv("POD_IP", "10.4.0.17")
+    assert metaserver_url(everywhere) == "http://10.4.0.17:1025/v1/metaserver"
+    monkeypatch.setenv("POD_IP", "fd00::17")
+    assert metaserver_url(dataclasses.replace(everywhere, host="::")) == "http://[fd00::17]:1025/v1/metaserver"
+    assert metaserver_url(dataclasses.replace(everywhere, host="127.0.0.1")) == "http://127.0.0.1:1025/v1/metaserver"
+
+
 def test_trigger_mode_decode_calls_metaserver(sims):
     p, d = sims("prefill"), sims("decode")
     cfg = coordinator_config(
@@ -380,6 +396,24 @@ def test_metaserver_forwards_to_the_named_registered_instance(fresh):
     r = _meta(fresh, {"do_remote_decode": True, "do_remote_prefill": False}, max_tokens=3)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert fresh.d.stats()["received"] == 1
+
+
+def test_metaserver_knows_an_instance_registered_by_name_from_its_address(sims):
+    """Engines report the address they see (an IP); the deployer registers them by DNS name. A target named
+    in another spelling of a registered instance's address is that instance; other hosts stay refused."""
+    p, d = sims("prefill"), sims("decode")
+    by_name = lambda s: "localhost:" + s.address.split(":")[1]  # noqa: E731
+    cfg = coordinator_config([instance(1, "prefill", MODEL, by_name(p)), instance(2, "decode", MODEL, by_name(d))])
+    with Coordinator(cfg) as coord:
+        port = p.address.split(":")[1]
+        for host, engine_id in (("127.0.0.1", "1"), ("::ffff:127.0.0.1", "1"), ("127.0.0.1", "")):
+            r = _meta(coord, {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": host,
+                              "remote_port": port, "remote_engine_id": engine_id})
+            assert r.status_code == 200, (host, r.text)
+        assert p.stats()["received"] == 3
+        r = _meta(coord, {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": d.address.split(":")[1]})
+        assert r.status_code == 403  # D's address: not a prefill instance, in any spelling
+        assert p.stats()["received"] == 3 and d.stats()["received"] == 0
 
 
 def test_metaserver_refuses_unregistered_targets(fresh, sims):
