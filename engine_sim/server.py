@@ -420,7 +420,7 @@ class SimServer:
             if not isinstance(so, dict):
                 raise pydantic_style_error(("stream_options",), "Input should be a valid dictionary",
                                            "model_type", so)
-            if not stream:
+            if so and not stream:  # vLLM refuses only non-empty ones
                 raise pydantic_style_error((), "Value error, Stream options can only be defined "
                                            "when `stream=True`.", "value_error", body)
         so = so or {}

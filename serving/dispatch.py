@@ -124,6 +124,8 @@ class Dispatcher:
 
     def _serve_plan(self, job: Job, info: JobInfo, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         if plan.disaggregated:
+            if job.decode_computes_prompt:  # (see Job): no prefill leg, D alone
+                return self._decode(job, info, plan.target, sink, rec, decode_leg(job, None), None, ticket=False)
             # Trigger mode is MindIE's metaserver protocol for OpenAI routes; Messages always use the handoff.
             if self.s.pd_dispatch == "trigger" and job.route != MESSAGES:
                 return self._trigger(job, info, plan, sink, rec)
@@ -312,20 +314,23 @@ class Dispatcher:
         return self._attempts(job, sink, rec, target, repick, call)
 
     def _decode(
-        self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes, p_usage: dict | None
+        self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes, p_usage: dict | None,
+        ticket: bool = True,
     ) -> Awaitable[None]:
+        """The decode leg (with retries on other decode instances); `ticket`: `body` carries one (P's, or
+        trigger mode's), which a retry after D's 5xx leaves out."""
         anthropic = job.api == ANTHROPIC
 
         def repick(exclude: frozenset[int]) -> Target:
             # Another decode instance: the body carries P's ticket, which only a decode engine may take.
             return self.scheduler.pick_one(job.model, info, ("decode",), exclude)
 
-        recompute = False  # the next attempt leaves P's ticket out
+        recompute = not ticket  # the next attempt leaves P's ticket out (or there is none)
 
         async def call(t: Target, rid: str) -> None:
             nonlocal body, recompute
             rec.target = t
-            if recompute and not rec.missed_handoff:  # counted when the attempt without the ticket is made
+            if recompute and ticket and not rec.missed_handoff:  # counted when the attempt without the ticket is made
                 rec.missed_handoff = True
                 self.obs.missed_handoff(job, rec, "a decode engine failed with P's ticket")
             lease = self.scheduler.lease(t, info, DECODE, learn=job.stream)

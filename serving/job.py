@@ -35,6 +35,32 @@ class Job:
         opts = self.body.get("stream_options")
         return isinstance(opts, dict) and bool(opts.get("include_usage"))
 
+    @property
+    def decode_computes_prompt(self) -> bool:
+        """A request that vLLM's KV handoff cannot serve: one ticket carries one prompt's KV to one sequence.
+
+        Several prompts in one completions request get the first prompt's ticket on every prompt (wrong
+        text after the first); `n` or `best_of` above 1 makes every child sequence pull the same blocks, which
+        P frees after the first; prompt logprobs (asked for directly, or by `echo` with `logprobs`) skip
+        reading the transferred KV, so P's would stay pinned. D computes the prompt of these itself.
+        """
+        body = self.body
+        for key in ("n", "best_of"):
+            value = body.get(key)
+            if isinstance(value, int) and value > 1:
+                return True
+        if body.get("prompt_logprobs") is not None:
+            return True
+        if self.route == COMPLETIONS:
+            if body.get("echo") and body.get("logprobs") is not None:
+                return True
+            prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
+            if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(x, int) for x in prompt):
+                return True  # a list of strings or of token lists (one list of ints is one prompt)
+            if isinstance(embeds, list) and len(embeds) > 1:
+                return True
+        return False
+
 
 def parse_body(raw: bytes) -> dict:
     if not raw:
@@ -130,7 +156,7 @@ def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: 
     if body.get("stream_options") is not None:
         if not isinstance(body["stream_options"], dict):
             raise InvalidRequest("'stream_options' must be an object", param="stream_options")
-        if not stream:
+        if not stream and body["stream_options"]:  # vLLM refuses only non-empty ones
             raise InvalidRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):

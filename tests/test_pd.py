@@ -209,6 +209,30 @@ def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sim
         assert [ln for ln in metrics.splitlines() if ln.startswith("motor_missed_handoffs_total{")][0].endswith(" 4.0")
 
 
+@pytest.mark.parametrize("route,extra", [
+    ("/v1/chat/completions", {"n": 2}),
+    ("/v1/completions", {"n": 3}),
+    ("/v1/completions", {"echo": True, "logprobs": 1}),
+    ("/v1/chat/completions", {"prompt_logprobs": 1}),
+], ids=["chat_n", "completions_n", "echo_logprobs", "prompt_logprobs"])
+def test_what_one_kv_ticket_cannot_carry_is_computed_on_decode(fresh, route, extra):
+    """One ticket carries one prompt's KV to one sequence: n > 1 children would all pull blocks P frees after
+    the first, and prompt logprobs skip the transferred KV. No prefill leg: D computes the prompt itself."""
+    body = {"model": MODEL, "max_tokens": 3, **extra}
+    body.update({"messages": [{"role": "user", "content": "one ticket"}]} if route.endswith("chat/completions") else {"prompt": "one ticket"})
+    r = httpx.post(fresh.url + route, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == extra.get("n", 1)
+    assert fresh.p.stats()["received"] == 0
+    [leg] = [x["body"] for x in fresh.d.requests() if x["path"] == route]
+    assert "kv_transfer_params" not in leg
+
+
+def test_empty_stream_options_without_stream_are_accepted(fresh):
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "stream_options": {}}
+    assert httpx.post(fresh.url + "/v1/chat/completions", json=body).status_code == 200
+
+
 def test_a_retry_that_finds_no_engine_is_not_counted(sims):
     """D fails and its breaker opens (threshold 1): nothing is left to retry on, so no retry and no
     recompute happened, and neither the metrics nor the request line may say one did."""
