@@ -107,6 +107,7 @@ class Settings:
     admission_queue_size: int = 256
     metrics_scrape_interval_s: float = 1.0
     health_check_interval_s: float = 1.0
+    health_check_timeout_failures: int = 3
     breaker_failure_threshold: int = 3
     breaker_open_s: float = 5.0
     kv_affinity_block_size: int = 16
@@ -330,6 +331,9 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
         ),
         health_check_interval_s=sched.get(
             "health_check_interval", d.health_check_interval_s, lambda p, v: _num(p, v, positive=True)
+        ),
+        health_check_timeout_failures=sched.get(
+            "health_check_timeout_failures", d.health_check_timeout_failures, lambda p, v: _int(p, v, 1)
         ),
         breaker_failure_threshold=sched.get(
             "breaker_failure_threshold", d.breaker_failure_threshold, lambda p, v: _int(p, v, 1)

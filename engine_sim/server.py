@@ -207,6 +207,9 @@ class SimServer:
 
     # ------------------------------------------------------------------ simple routes
     async def h_health(self, request):
+        slow = self.faults.get("slow_health_s")
+        if slow:
+            await asyncio.sleep(float(slow))
         st = self.faults.get("health_status")
         if st:
             return web.Response(status=int(st))

@@ -1,7 +1,9 @@
 """Background work done by one worker for all: active health checks and engine /metrics scraping.
 
-Results land in the shared health table, so every worker routes by them. A failed health check marks
-the endpoint unhealthy at once; a passing one marks it healthy again.
+Results land in the shared health table, so every worker routes by them. A refused connection or an
+answer other than 200 marks the endpoint unhealthy at once; a check that times out only does after
+`health_check_timeout_failures` in a row, because a busy engine (a real vLLM on a loaded CPU) can answer
+late and dropping it would send its traffic elsewhere for nothing. A passing check marks it healthy again.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 
 from config import Settings
 from engines import EngineClient
-from errors import UpstreamError
+from errors import UpstreamError, UpstreamTimeout
 from scheduling.health import Health
 from scheduling.registry import Registry, Target
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
@@ -23,6 +25,7 @@ class Background:
     def __init__(self, settings: Settings, registry: Registry, health: Health, client: EngineClient):
         self.s, self.registry, self.health, self.client = settings, registry, health, client
         self.scrapes = EngineScrapes(health)
+        self.timeouts: dict[tuple[int, str], int] = {}  # consecutive timed-out checks per (slot, url)
         self.tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -43,11 +46,20 @@ class Background:
             await asyncio.sleep(interval_s)
 
     async def _check(self, t: Target) -> None:
+        key = (t.slot, t.url)
         try:
             status, _ = await self.client.get(t.url + "/health", timeout_s=max(1.0, self.s.health_check_interval_s))
             healthy = status == 200
+        except UpstreamTimeout:
+            timeouts = self.timeouts.get(key, 0) + 1
+            self.timeouts[key] = timeouts
+            if timeouts < self.s.health_check_timeout_failures:
+                return
+            healthy = False
         except UpstreamError:
             healthy = False
+        if healthy or key in self.timeouts:
+            self.timeouts.pop(key, None)
         if healthy != self.health.is_healthy(t.slot):
             log.warning("instance %d endpoint %s is now %s", t.instance_id, t.address, "healthy" if healthy else "unhealthy")
         self.health.set_healthy(t.slot, healthy)

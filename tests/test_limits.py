@@ -226,6 +226,18 @@ def test_active_health_check_takes_an_instance_out_and_back(c):
     assert wait_until(lambda: endpoints(c)[c.bad.address]["healthy"])
 
 
+def test_one_late_health_check_keeps_the_instance_a_run_of_them_takes_it_out(c):
+    """A check times out after max(1 s, health_check_interval) = 1 s here. One late answer (a busy engine) must
+    not take the instance out; `health_check_timeout_failures` (3) in a row do, and a pass brings it back."""
+    c.bad.set_faults(slow_health_s=30)
+    # Each timed-out check takes a 1 s timeout plus a 0.2 s interval: within 1.5 s at most two have ended.
+    time.sleep(1.5)
+    assert endpoints(c)[c.bad.address]["healthy"]
+    assert wait_until(lambda: not endpoints(c)[c.bad.address]["healthy"], timeout_s=20)
+    c.bad.clear_faults()
+    assert wait_until(lambda: endpoints(c)[c.bad.address]["healthy"])
+
+
 def test_unreachable_instance_answers_fast_with_an_error(c):
     assert wait_until(lambda: not endpoints(c)[c.dead]["healthy"])
     r = post(c, chat(GONE))

@@ -53,7 +53,15 @@ def kv_moved(cluster, requests: int = 1):
     yield prompts
     # The counters are updated by D's engine loop right after the request; give it a moment.
     expected = (xfers0 + requests, external0 + sum(prompts), local0)
-    assert wait_until(lambda: read() == expected, timeout_s=10), f"D metrics {read()} != expected {expected}"
+    assert wait_until(lambda: read() == expected, timeout_s=10), (
+        f"D metrics {read()} != expected {expected}; the Coordinator's warnings (a missed handoff, P found "
+        f"unhealthy):\n{warnings(cluster)}"
+    )
+
+
+def warnings(cluster) -> str:
+    lines = cluster.coord.output().splitlines()
+    return "\n".join(line for line in lines if "WARNING" in line or "ERROR" in line)[-4000:]
 
 
 def direct(engine, path: str, body: dict) -> dict:
