@@ -520,6 +520,11 @@ class SimServer:
 
         if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int)):
             raise pydantic_style_error(("max_tokens",), "Input should be a valid integer", "int_type", mt)
+        # vLLM's echo without generation: `echo` and max_tokens 0 on completions run with max_tokens 1 and
+        # answer the prompt alone (lm-eval-style prompt scoring).
+        echo_only = kind == "completions" and body.get("echo") is True and mt == 0
+        if echo_only:
+            mt = 1
         if mt is not None and mt < 1 and kind != "messages":
             raise ApiError(400, f"max_tokens must be at least 1, got {mt}.", "BadRequestError", "max_tokens")
         n = body.get("n", 1) if kind != "messages" else 1
@@ -568,6 +573,7 @@ class SimServer:
         req["ignore_eos"] = bool(body.get("ignore_eos", False))
         req["min_tokens"] = mn
         req["echo"] = bool(body.get("echo")) and kind == "completions"
+        req["echo_only"] = echo_only
         lp = body.get("logprobs")
         if kind == "chat":
             req["logprobs"] = bool(lp)
@@ -605,6 +611,8 @@ class SimServer:
             pieces, text, fin, sr = T.generate(pkey, req["seed"], req["temperature"], c,
                                                req["max_tokens"], req["ignore_eos"],
                                                req["min_tokens"], req["stop"])
+            if req["echo_only"]:  # vLLM generates one token and answers the prompt alone
+                pieces, text = tuple("" for _ in pieces), ""
             g.pieces.append(pieces)
             g.texts.append(text)
             g.finish.append(fin)

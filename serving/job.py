@@ -42,7 +42,8 @@ class Job:
         Several prompts in one completions request get the first prompt's ticket on every prompt (wrong
         text after the first); `n` or `best_of` above 1 makes every child sequence pull the same blocks, which
         P frees after the first; prompt logprobs (asked for directly, or by `echo` with `logprobs`) skip
-        reading the transferred KV, so P's would stay pinned. D computes the prompt of these itself.
+        reading the transferred KV, so P's would stay pinned; `echo` with `max_tokens` 0 generates nothing to
+        hand over to. D computes the prompt of these itself.
         """
         body = self.body
         for key in ("n", "best_of"):
@@ -54,12 +55,21 @@ class Job:
         if self.route == COMPLETIONS:
             if body.get("echo") and body.get("logprobs") is not None:
                 return True
+            if echo_without_generation(body):  # a prompt alone: nothing to decode after it, no KV to move
+                return True
             prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
             if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(x, int) for x in prompt):
                 return True  # a list of strings or of token lists (one list of ints is one prompt)
             if isinstance(embeds, list) and len(embeds) > 1:
                 return True
         return False
+
+
+def echo_without_generation(body: dict) -> bool:
+    """A completions body that scores its prompt (lm-eval, HELM): `echo` with `max_tokens` 0, which vLLM
+    accepts and answers with the prompt alone."""
+    max_tokens = body.get("max_tokens")
+    return body.get("echo") is True and type(max_tokens) is int and max_tokens == 0
 
 
 def parse_body(raw: bytes) -> dict:
@@ -198,9 +208,10 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str,
             raise InvalidRequest("'prompt' is required", param="prompt")
         if prompt is not None and (not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt)):
             raise InvalidRequest("'prompt' must be a string, a list of strings or a list of token ids", param="prompt")
-        max_tokens = _max_tokens(body, "max_tokens")
+        echo_only = echo_without_generation(body)  # vLLM runs it with max_tokens 1 and answers the prompt alone
+        max_tokens = 1 if echo_only else _max_tokens(body, "max_tokens")
         if not from_engine:
-            _check_leg_dropped_fields(body, route, stream, body.get("max_tokens"))
+            _check_leg_dropped_fields(body, route, stream, 1 if echo_only else body.get("max_tokens"))
     elif route == MESSAGES:
         stream = _stream(body)
         max_tokens = _max_tokens(body, "max_tokens", required=True)

@@ -39,6 +39,20 @@ def test_completions_json(union_cluster):
     assert resp.usage.completion_tokens <= 6
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(union_cluster):
+    """vLLM's echo without generation (lm-eval-style prompt scoring): the answer is the prompt alone; without
+    `echo`, max_tokens 0 is a 400 at the edge."""
+    c = client(union_cluster)
+    resp = c.completions.create(model=MODEL, prompt="score this prompt", max_tokens=0, echo=True)
+    assert resp.choices[0].text == "score this prompt" and resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 1
+    chunks = list(c.completions.create(model=MODEL, prompt="score this prompt", max_tokens=0, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "score this prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="score this prompt", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
 def test_chat_stream_shape(union_cluster):
     stream = client(union_cluster).chat.completions.create(
         model=MODEL,

@@ -214,10 +214,12 @@ def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sim
     ("/v1/completions", {"n": 3}),
     ("/v1/completions", {"echo": True, "logprobs": 1}),
     ("/v1/chat/completions", {"prompt_logprobs": 1}),
-], ids=["chat_n", "completions_n", "echo_logprobs", "prompt_logprobs"])
+    ("/v1/completions", {"echo": True, "max_tokens": 0}),
+], ids=["chat_n", "completions_n", "echo_logprobs", "prompt_logprobs", "echo_without_generation"])
 def test_what_one_kv_ticket_cannot_carry_is_computed_on_decode(fresh, route, extra):
     """One ticket carries one prompt's KV to one sequence: n > 1 children would all pull blocks P frees after
-    the first, and prompt logprobs skip the transferred KV. No prefill leg: D computes the prompt itself."""
+    the first, prompt logprobs skip the transferred KV, and echo with max_tokens 0 generates nothing. No prefill
+    leg: D computes the prompt itself."""
     body = {"model": MODEL, "max_tokens": 3, **extra}
     body.update({"messages": [{"role": "user", "content": "one ticket"}]} if route.endswith("chat/completions") else {"prompt": "one ticket"})
     r = httpx.post(fresh.url + route, json=body, timeout=30)

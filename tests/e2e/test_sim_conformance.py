@@ -121,6 +121,9 @@ def cases(model: str) -> dict:
             "/v1/completions",
             {"model": model, "prompt": "def f(x):", "stream": True, "stream_options": {"include_usage": True}, **FIXED},
         ),
+        "completions echo without generation": (
+            "/v1/completions", {"model": model, "prompt": "def f(x):", **FIXED, "echo": True, "max_tokens": 0},
+        ),
         "messages json": ("/v1/messages", {"model": model, "messages": CHAT, "max_tokens": 4, "temperature": 0}),
         "messages stream": ("/v1/messages", {"model": model, "messages": CHAT, "max_tokens": 4, "temperature": 0, "stream": True}),
         "messages system": ("/v1/messages", {"model": model, "system": "Be brief.", "messages": CHAT, "max_tokens": 2}),
@@ -129,6 +132,7 @@ def cases(model: str) -> dict:
         "error no messages": ("/v1/chat/completions", {"model": model, "max_tokens": 2}),
         "error bad json": ("/v1/chat/completions", b'{"model": '),
         "error prompt too long": ("/v1/completions", {"model": model, "prompt": too_long, "max_tokens": 2}),
+        "error completions max_tokens 0": ("/v1/completions", {"model": model, "prompt": "def f(x):", "max_tokens": 0}),
         "error max_tokens over context": ("/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 100000}),
         "error messages unknown model": ("/v1/messages", {"model": "no-such-model", "messages": CHAT, "max_tokens": 2}),
         "error messages no max_tokens": ("/v1/messages", {"model": model, "messages": CHAT}),
