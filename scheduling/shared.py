@@ -113,6 +113,20 @@ class SharedState:
         frames of multiprocessing's wrapper (0.4 µs a use; a PD request takes it five times)."""
         return self.lock._semlock
 
+    def release_if_stuck(self, wait_s: float) -> bool:
+        """After a worker died: release `lock` if it stays taken for `wait_s`, and say so.
+
+        A process killed inside a critical section (the OOM killer, `kill -9`) never releases the
+        semaphore, and every other worker would block on it for good at its next request. The sections
+        last microseconds, so a lock still taken after `wait_s` was taken by the dead worker. (A lock's
+        semaphore may be released by another process.)
+        """
+        if self.lock.acquire(timeout=wait_s):
+            self.lock.release()
+            return False
+        self.lock.release()
+        return True
+
     def as_shared_ctx(self) -> dict:
         return {f"motor_{k}": getattr(self, k) for k in _FIELDS}
 

@@ -9,6 +9,8 @@ server worker that exited while the Coordinator is not shutting down it:
 
 - logs it at ERROR (name, pid, exit code),
 - zeroes that worker's rows (safe: only that worker wrote them, and it is gone),
+- releases the shared lock if the worker died holding it (otherwise every other worker would block on
+  it at its next request),
 - has Sanic restart it, by sending the process name over the manager's monitor pipe: the monitor loop
   (Sanic's own thread) handles it like an auto-reload restart (`_handle_message` -> `restart`), so no
   manager method is called from this thread. The new process has the same name, hence the same worker
@@ -44,6 +46,7 @@ log = logging.getLogger("coordinator.supervisor")
 SERVER_PREFIX = "Sanic-Server-"
 QUICK_DEATH_S = 10.0  # a worker dying sooner than this after a restart is restarted again with a delay
 MAX_DELAY_S = 30.0
+STUCK_LOCK_S = 2.0  # the shared lock still taken this long after a worker died: the dead worker held it
 
 
 class Supervisor:
@@ -163,6 +166,8 @@ class Supervisor:
                     "and restarting it", name, pid, process.exitcode,
                 )
                 self.shared.clear_worker(worker_index(name))
+                if self.shared.release_if_stuck(STUCK_LOCK_S):
+                    log.error("worker %s (pid %s) died holding the shared lock: released it", name, pid)
                 lived = now - self.started_at.get(name, float("-inf"))  # restarted by the supervisor how long ago
                 delay = min(MAX_DELAY_S, max(1.0, 2 * self.delay.get(name, 0.0))) if lived < QUICK_DEATH_S else 0.0
                 self.delay[name] = delay

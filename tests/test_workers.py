@@ -217,3 +217,31 @@ def test_sigterm_before_the_workers_are_ready_exits_promptly(sims):
         proc.wait(5)
         for p in (path, log_path):
             os.unlink(p)
+
+
+def _take_the_lock_and_die(shared) -> None:
+    shared.lock.acquire()
+    os._exit(9)  # like the OOM killer: no finally, no release
+
+
+def test_the_shared_lock_a_dead_worker_held_is_released():
+    """What the supervisor does for a dead worker, on a real semaphore: a process killed inside a critical
+    section leaves the lock taken for good (every worker would block on it), and `release_if_stuck` frees it;
+    a lock that is free or only briefly taken is left alone."""
+    import multiprocessing
+
+    from scheduling.shared import SharedState
+
+    shared = SharedState.create()
+    assert not shared.release_if_stuck(0.1)  # free: left alone
+    taker = multiprocessing.get_context("spawn").Process(target=_take_the_lock_and_die, args=(shared,))
+    taker.start()
+    taker.join(60)
+    assert taker.exitcode == 9
+    assert not shared.lock.acquire(timeout=0.2)  # stuck: nobody will ever release it
+    assert shared.release_if_stuck(0.2)
+    assert shared.lock.acquire(timeout=1)
+    threading.Timer(0.2, shared.lock.release).start()  # taken, but by a live holder that lets go in time
+    assert not shared.release_if_stuck(5)
+    assert shared.lock.acquire(timeout=1)
+    shared.lock.release()
