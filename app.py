@@ -45,7 +45,7 @@ from serving.admission import Admission  # noqa: E402
 from serving.background import Background  # noqa: E402
 from serving.dispatch import Dispatcher  # noqa: E402
 from serving.metrics import PrometheusObserver, clear_stale_files  # noqa: E402
-from serving.supervisor import Supervisor  # noqa: E402
+from serving.supervisor import Supervisor, start_heartbeat  # noqa: E402
 
 log = logging.getLogger("coordinator")
 APP_NAME = "motor_coordinator"
@@ -90,7 +90,7 @@ def create_app(settings: Settings) -> Sanic:
     async def supervise_workers(app: Sanic):
         # A worker that dies is restarted, after what it held in shared memory is zeroed; a stop signal to
         # the main process marks the whole Coordinator draining (serving/supervisor.py).
-        Supervisor(app.manager, app.ctx.main_shared).install()
+        Supervisor(app.manager, app.ctx.main_shared, settings.worker_watchdog_timeout_s).install()
 
     @app.main_process_stop
     async def remove_metrics_dir(app: Sanic):
@@ -121,6 +121,7 @@ def create_app(settings: Settings) -> Sanic:
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
             ctx.background.start()
+        start_heartbeat(shared, worker)  # the supervisor's watchdog kills a worker whose loop stops beating
         # Start-up objects live for the worker's life: keep them out of the cyclic collector's scans.
         gc.freeze()
 

@@ -97,6 +97,7 @@ class Settings:
     mgmt_port: int = 1026
     obs_port: int = 1027
     num_workers: int = 1
+    worker_watchdog_timeout_s: float = 30.0
     api_key: ApiKeyConfig = ApiKeyConfig()
     mgmt_api_key: ApiKeyConfig = ApiKeyConfig(header_name="X-Motor-Management-Key", key_prefix="")
     infer_tls: TlsConfig = TlsConfig()
@@ -310,6 +311,7 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
 
     workers = top.section("inference_workers_config")
     num_workers = workers.get("num_workers", d.num_workers, lambda p, v: _int(p, v, 1, 64))
+    worker_watchdog_timeout_s = workers.get("worker_watchdog_timeout", d.worker_watchdog_timeout_s, _num)
     workers.warn_unknown()
 
     api_key = _api_key(top.section("api_key_config"), d.api_key)
@@ -410,6 +412,7 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
         mgmt_port=mgmt_port,
         obs_port=obs_port,
         num_workers=num_workers,
+        worker_watchdog_timeout_s=worker_watchdog_timeout_s,
         api_key=api_key,
         mgmt_api_key=mgmt_api_key,
         infer_tls=infer_tls,

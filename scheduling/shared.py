@@ -63,10 +63,12 @@ BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 G_DOC_VERSION, G_DOC_LEN, G_RR, G_RATE_TOKENS_MILLI, G_RATE_STAMP_US, G_DRAINING = range(6)
 GLOBAL_FIELDS = 16
 
-# Per-worker admission counters, one row per Sanic worker index: each worker writes only its own row, the
-# caps sum the rows, and the main process zeroes the row of a worker that died (nothing else writes it).
+# Per-worker rows, one per Sanic worker index: admission counters and the heartbeat. Each worker writes only
+# its own row, the caps sum the rows, and the main process zeroes the row of a worker that died (nothing
+# else writes it) and watches the heartbeats (serving/supervisor.py).
 W_INFLIGHT = 0  # requests admitted and being served (serving/admission.py)
 W_QUEUED = 1  # requests waiting in this worker's SLO admission queue (scheduling/admission.py)
+W_HEARTBEAT_MS = 2  # when the worker's event loop last ran its heartbeat (CLOCK_MONOTONIC ms; 0: not yet)
 WORKER_FIELDS = 4
 
 # The prefix index (scheduling/affinity.py): open-addressed entries of (chained block hash, bit mask of the

@@ -17,6 +17,12 @@ server worker that exited while the Coordinator is not shutting down it:
   index, row and duties (worker 0 restarts the background loop). A worker that keeps dying soon after
   its start is restarted with a growing delay (up to `MAX_DELAY_S`).
 
+A worker that is alive but stuck (its event loop blocked: a bug, a hung call, a process stopped) would
+keep the connections the kernel hands it unanswered for good, and liveness probes that land on another
+worker would not see it. Each worker's loop writes a heartbeat into its row every `HEARTBEAT_S`
+(`start_heartbeat`); a worker whose heartbeat is older than `inference_workers_config.worker_watchdog_timeout`
+is killed (SIGKILL, logged at ERROR), and then handled like any dead worker above.
+
 It also owns the main process's SIGINT/SIGTERM handler, which wraps Sanic's:
 
 - a stop signal of the whole Coordinator sets the global draining flag in shared memory first, so every
@@ -29,6 +35,7 @@ It also owns the main process's SIGINT/SIGTERM handler, which wraps Sanic's:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -39,7 +46,7 @@ import threading
 import time
 from typing import Any
 
-from scheduling.shared import G_DRAINING, SharedState, worker_index
+from scheduling.shared import G_DRAINING, W_HEARTBEAT_MS, WORKER_FIELDS, SharedState, worker_index
 
 log = logging.getLogger("coordinator.supervisor")
 
@@ -47,11 +54,27 @@ SERVER_PREFIX = "Sanic-Server-"
 QUICK_DEATH_S = 10.0  # a worker dying sooner than this after a restart is restarted again with a delay
 MAX_DELAY_S = 30.0
 STUCK_LOCK_S = 2.0  # the shared lock still taken this long after a worker died: the dead worker held it
+HEARTBEAT_S = 1.0
+
+
+def start_heartbeat(shared: SharedState, worker: int) -> None:
+    """Worker side: write this worker's heartbeat now and every `HEARTBEAT_S`, from its event loop."""
+    loop = asyncio.get_running_loop()
+    beats, at = shared.workers, worker * WORKER_FIELDS + W_HEARTBEAT_MS
+
+    def beat() -> None:
+        beats[at] = int(time.monotonic() * 1000)  # CLOCK_MONOTONIC: one clock for every process of the machine
+        loop.call_later(HEARTBEAT_S, beat)
+
+    beat()
 
 
 class Supervisor:
-    def __init__(self, manager: Any, shared: SharedState, interval_s: float = 0.5):
+    def __init__(self, manager: Any, shared: SharedState, watchdog_timeout_s: float, interval_s: float = 0.5):
+        """`watchdog_timeout_s`: how old a live worker's heartbeat may get before it is killed (0: never)."""
         self.manager, self.shared, self.interval_s = manager, shared, interval_s
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self.killed: set[int] = set()  # pids the watchdog killed
         self.ready = False  # every worker acknowledged its start: Sanic's start-up wait is over
         self.stopping = False  # the whole Coordinator is stopping
         self.pipe_lock = threading.RLock()  # one writer at a time on the monitor pipe (signal handler, thread)
@@ -145,6 +168,24 @@ class Supervisor:
                 log.warning("stopping worker %s (pid %s), restarted as the Coordinator began to stop", process.name, process.pid)
                 process.terminate()
 
+    def _watch(self, process: Any, now: float) -> None:
+        """Kill a live worker whose event loop has not run its heartbeat for the watchdog timeout."""
+        beat_ms = self.shared.workers[worker_index(process.name) * WORKER_FIELDS + W_HEARTBEAT_MS]
+        if not self.watchdog_timeout_s or not beat_ms or process.pid in self.killed or not process.is_alive():
+            return  # off, or not beating yet (starting: its row was zeroed), or already killed
+        silent_s = now - beat_ms / 1000
+        if silent_s <= self.watchdog_timeout_s:
+            return
+        log.error(
+            "worker %s (pid %s) has not run its event loop for %.1f s (worker_watchdog_timeout %g s): killing it",
+            process.name, process.pid, silent_s, self.watchdog_timeout_s,
+        )
+        self.killed.add(process.pid)
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def _servers(self) -> list[Any]:
         return [p for p in list(self.manager.transient_processes) if p.name.startswith(SERVER_PREFIX)]
 
@@ -157,6 +198,7 @@ class Supervisor:
         now = time.monotonic()
         for process in self._servers():
             if process.state not in (ProcessState.FAILED, ProcessState.COMPLETED):
+                self._watch(process, now)
                 continue
             pid, name = process.pid, process.name
             if pid not in self.seen_dead:

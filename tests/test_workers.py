@@ -149,6 +149,36 @@ def test_health_checks_resume_when_worker_0_is_killed(sims):
         assert chat(coord).status_code == 200
 
 
+def test_a_worker_whose_loop_stops_is_killed_and_restarted(sims):
+    """A worker that hangs without exiting (SIGSTOP: its event loop makes no progress) would leave the
+    connections the kernel hands it unanswered for good. Its heartbeat goes stale, the watchdog kills it,
+    and it is restarted like a dead worker."""
+    a = sims("union")
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, a.address)],
+        inference_workers_config={"num_workers": 2, "worker_watchdog_timeout": 2},
+    )
+    with Coordinator(cfg) as coord:
+        workers = coord.server_workers()
+        victim = "Sanic-Server-1-0"
+        os.kill(workers[victim], signal.SIGSTOP)
+        try:
+            new_pid = restarted(coord, victim, workers[victim])
+        finally:
+            try:
+                os.kill(workers[victim], signal.SIGCONT)  # only if the watchdog did not kill it
+            except ProcessLookupError:
+                pass
+        assert f"worker {victim} (pid {workers[victim]}) has not run its event loop" in coord.output()
+        assert f"worker {victim} (pid {workers[victim]}) exited with code -9" in coord.output()
+        assert new_pid not in workers.values()
+        mark = len(coord.output())
+        assert [chat(coord).status_code for _ in range(10)] == [200] * 10
+        assert wait_until(lambda: chat(coord).status_code == 200 and served_by(coord, new_pid, mark), timeout_s=30)
+        # The other worker, alive and beating all along, was left alone.
+        assert coord.server_workers()["Sanic-Server-0-0"] == workers["Sanic-Server-0-0"]
+
+
 def test_sigterm_to_one_worker_drains_only_that_worker(sims):
     a = sims("union")
     cfg = coordinator_config([instance(1, "union", MODEL, a.address)], inference_workers_config={"num_workers": 3})
