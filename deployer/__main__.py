@@ -14,7 +14,7 @@ from .settings import ConfigError, load
 def _cmd_render(args: argparse.Namespace) -> int:
     path = Path(args.config)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is not an error
     except OSError as exc:
         print(f"error: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
         return 2

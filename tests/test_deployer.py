@@ -169,6 +169,16 @@ def test_cli_bad_values_are_one_clear_line_not_a_traceback(tmp_path, changes, ex
     assert not (tmp_path / "o").exists()
 
 
+def test_a_config_saved_with_a_utf8_bom_renders_like_one_without(tmp_path):
+    """Windows editors save UTF-8 with a BOM; the Coordinator's own loader (json on bytes) takes it too."""
+    text = json.dumps(base()).encode()
+    assert _cli_render(tmp_path, text, out=tmp_path / "plain").returncode == 0
+    proc = _cli_render(tmp_path, b"\xef\xbb\xbf" + text, out=tmp_path / "bom")
+    assert proc.returncode == 0, proc.stderr
+    for f in (tmp_path / "plain").iterdir():
+        assert (tmp_path / "bom" / f.name).read_bytes() == f.read_bytes()
+
+
 def test_cli_non_utf8_input_and_an_out_that_is_a_file(tmp_path):
     text = json.dumps(base()).encode()
     proc = _cli_render(tmp_path, text.replace(b"mindie-motor", b"mindie-m\xf6tor", 1))  # Latin-1 o-umlaut
