@@ -171,7 +171,8 @@ class Supervisor:
     def _watch(self, process: Any, now: float) -> None:
         """Kill a live worker whose event loop has not run its heartbeat for the watchdog timeout."""
         beat_ms = self.shared.workers[worker_index(process.name) * WORKER_FIELDS + W_HEARTBEAT_MS]
-        if not self.watchdog_timeout_s or not beat_ms or process.pid in self.killed or not process.is_alive():
+        # (No is_alive(): its waitpid would race Sanic's monitor loop for the exit status, see _check.)
+        if not self.watchdog_timeout_s or not beat_ms or process.pid in self.killed:
             return  # off, or not beating yet (starting: its row was zeroed), or already killed
         silent_s = now - beat_ms / 1000
         if silent_s <= self.watchdog_timeout_s:
