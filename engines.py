@@ -24,7 +24,13 @@ from urllib.parse import urlsplit
 import httptools
 
 from config import Settings
-from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
+from errors import (
+    EngineStatusError,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
 
 MAX_ERROR_BODY = 64 * 1024
 MAX_JSON_BODY = 256 * 1024 * 1024
@@ -324,7 +330,7 @@ class EngineClient:
                     lambda: _Connection(self, origin), host, port, ssl=self._tls if tls else None
                 )
         except TimeoutError:
-            raise UpstreamTimeout("engine timed out (connect)", detail=url) from None
+            raise UpstreamConnectTimeout("engine timed out (connect)", detail=url) from None
         except OSError as e:
             raise UpstreamConnectError("engine unreachable", detail=f"{url}: {e}") from None
         return conn

@@ -1,9 +1,11 @@
 """Background work done by one worker for all: active health checks and engine /metrics scraping.
 
-Results land in the shared health table, so every worker routes by them. A refused connection or an
-answer other than 200 marks the endpoint unhealthy at once; a check that times out only does after
-`health_check_timeout_failures` in a row, because a busy engine (a real vLLM on a loaded CPU) can answer
-late and dropping it would send its traffic elsewhere for nothing. A passing check marks it healthy again.
+Results land in the shared health table, so every worker routes by them. A refused or timed-out
+connection or an answer other than 200 marks the endpoint unhealthy at once; an answer that is late only
+does after `health_check_timeout_failures` in a row, because a busy engine (a real vLLM on a loaded CPU)
+can answer late, and dropping it would send its traffic elsewhere for nothing (the kernel accepts the
+connection of a busy engine: a connection that times out means its host is gone). A passing check marks
+it healthy again.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 
 from config import Settings
 from engines import EngineClient
-from errors import UpstreamError, UpstreamTimeout
+from errors import UpstreamConnectTimeout, UpstreamError, UpstreamTimeout
 from scheduling.health import Health
 from scheduling.registry import Registry, Target
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
@@ -25,7 +27,7 @@ class Background:
     def __init__(self, settings: Settings, registry: Registry, health: Health, client: EngineClient):
         self.s, self.registry, self.health, self.client = settings, registry, health, client
         self.scrapes = EngineScrapes(health)
-        self.timeouts: dict[tuple[int, str], int] = {}  # consecutive timed-out checks per (slot, url)
+        self.timeouts: dict[tuple[int, str], int] = {}  # late answers since the last pass, per (slot, url)
         self.tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -50,15 +52,13 @@ class Background:
         try:
             status, _ = await self.client.get(t.url + "/health", timeout_s=max(1.0, self.s.health_check_interval_s))
             healthy = status == 200
-        except UpstreamTimeout:
-            timeouts = self.timeouts.get(key, 0) + 1
-            self.timeouts[key] = timeouts
-            if timeouts < self.s.health_check_timeout_failures:
-                return
+        except UpstreamError as e:
             healthy = False
-        except UpstreamError:
-            healthy = False
-        if healthy or key in self.timeouts:
+            if isinstance(e, UpstreamTimeout) and not isinstance(e, UpstreamConnectTimeout):  # late: maybe busy
+                late = self.timeouts[key] = self.timeouts.get(key, 0) + 1
+                if late < self.s.health_check_timeout_failures:
+                    return
+        if healthy:
             self.timeouts.pop(key, None)
         if healthy != self.health.is_healthy(t.slot):
             log.warning("instance %d endpoint %s is now %s", t.instance_id, t.address, "healthy" if healthy else "unhealthy")

@@ -238,6 +238,61 @@ def test_one_late_health_check_keeps_the_instance_a_run_of_them_takes_it_out(c):
     assert wait_until(lambda: endpoints(c)[c.bad.address]["healthy"])
 
 
+def test_health_check_verdict_per_kind_of_failure():
+    """The check itself, in one process, against real sockets: a host that does not accept the connection
+    (a full accept queue drops the SYN, as for a host that is gone) or refuses it is out at the first check;
+    an engine that accepts and answers late stays in until its third late answer in a row."""
+    import asyncio
+    import socket
+
+    from engines import EngineClient
+    from scheduling.health import Health
+    from scheduling.registry import Target
+    from scheduling.shared import SharedState
+    from serving.background import Background
+
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    filler = socket.create_connection(blackhole.getsockname())  # the one queued connection: later SYNs drop
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts (the kernel does) and never answers
+    refused = free_port()
+    addresses = {
+        "blackhole": "127.0.0.1:%d" % blackhole.getsockname()[1],
+        "silent": "127.0.0.1:%d" % silent.getsockname()[1],
+        "refused": f"127.0.0.1:{refused}",
+    }
+
+    async def verdicts() -> dict[str, list[bool]]:
+        settings = Settings(health_check_interval_s=0.2, health_check_timeout_failures=3)
+        shared = SharedState.create()
+        health = Health(shared)
+        client = EngineClient(settings)
+        background = Background(settings, None, health, client)
+        out: dict[str, list[bool]] = {}
+        try:
+            for slot, (name, address) in enumerate(addresses.items()):
+                target = Target(slot, 0, slot, "union", "m", "vllm", f"http://{address}", address, False)
+                health.set_healthy(slot, True)
+                out[name] = []
+                for _ in range(3):
+                    await background._check(target)
+                    out[name].append(health.is_healthy(slot))
+        finally:
+            await client.close()
+        return out
+
+    try:
+        assert asyncio.run(verdicts()) == {
+            "blackhole": [False, False, False], "silent": [True, True, False], "refused": [False, False, False],
+        }
+    finally:
+        for sock in (filler, blackhole, silent):
+            sock.close()
+
+
 def test_unreachable_instance_answers_fast_with_an_error(c):
     assert wait_until(lambda: not endpoints(c)[c.dead]["healthy"])
     r = post(c, chat(GONE))
