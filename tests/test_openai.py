@@ -146,6 +146,21 @@ def test_models_lists_live_counts_and_slo(union_cluster):
     assert {m.id for m in client(union_cluster).models.list()} == {MODEL}
 
 
+def test_models_retrieve_answers_one_model_or_a_404(union_cluster):
+    """The OpenAI SDK's models.retrieve: the list's entry for that id, or model_not_found; an id with a slash
+    (a Hugging Face name, which the SDK sends as `org%2Fname`) is one path parameter."""
+    c = client(union_cluster)
+    listed = httpx.get(union_cluster.url + "/v1/models").json()["data"][0]
+    assert c.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(union_cluster.url + f"/v1/models/{MODEL}").json() == listed
+    for missing in ("no-such-model", "org/no-such-model"):
+        with pytest.raises(openai.NotFoundError) as e:
+            c.models.retrieve(missing)
+        assert e.value.body["code"] == "model_not_found" and missing in e.value.body["message"]
+    assert httpx.get(union_cluster.url + "/v1/models/org/no-such-model").json()["error"]["message"] == \
+        "The model `org/no-such-model` does not exist."
+
+
 BAD_BODIES = [
     ("/v1/chat/completions", b"{not json", 400),
     ("/v1/chat/completions", b"[1, 2]", 400),
