@@ -330,7 +330,10 @@ class EngineClient:
                     lambda: _Connection(self, origin), host, port, ssl=self._tls if tls else None
                 )
         except TimeoutError:
-            raise UpstreamConnectTimeout("engine timed out (connect)", detail=url) from None
+            # Only a TCP connect that timed out says the host is gone: a busy engine's kernel still accepts,
+            # but the TLS handshake (inside create_connection) waits for its event loop.
+            error = UpstreamTimeout if tls else UpstreamConnectTimeout
+            raise error("engine timed out (connect)", detail=url) from None
         except OSError as e:
             raise UpstreamConnectError("engine unreachable", detail=f"{url}: {e}") from None
         return conn

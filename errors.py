@@ -12,7 +12,7 @@
     └── UpstreamError                502: an engine failed
         ├── UpstreamConnectError     502: the engine could not be reached
         ├── UpstreamTimeout          504: the engine missed a deadline
-        │   └── UpstreamConnectTimeout   504: the engine did not accept a connection in time
+        │   └── UpstreamConnectTimeout   504: the engine's host did not accept a TCP connection in time
         ├── UpstreamProtocolError    502: the engine answered something unparseable
         └── EngineStatusError        the engine answered an error status (relayed as is when 4xx)
 
@@ -175,7 +175,7 @@ class UpstreamTimeout(UpstreamError):
 
 
 class UpstreamConnectTimeout(UpstreamTimeout):
-    """The engine did not accept a connection in time (its host is down or unreachable, not just busy)."""
+    """The engine's host did not accept a TCP connection in time (it is down or unreachable, not just busy)."""
 
 
 class UpstreamProtocolError(UpstreamError):

@@ -1,11 +1,12 @@
 """Background work done by one worker for all: active health checks and engine /metrics scraping.
 
-Results land in the shared health table, so every worker routes by them. A refused or timed-out
-connection or an answer other than 200 marks the endpoint unhealthy at once; an answer that is late only
-does after `health_check_timeout_failures` in a row, because a busy engine (a real vLLM on a loaded CPU)
-can answer late, and dropping it would send its traffic elsewhere for nothing (the kernel accepts the
-connection of a busy engine: a connection that times out means its host is gone). A passing check marks
-it healthy again.
+Results land in the shared health table, so every worker routes by them. A refused connection, a TCP
+connection not accepted in time or an answer other than 200 marks the endpoint unhealthy at once; an
+answer that is late (a TLS handshake included) only does after `health_check_timeout_failures` in a row,
+because a busy engine (a real vLLM on a loaded CPU) can answer late, and dropping it would send its
+traffic elsewhere for nothing (the kernel accepts the connection of a busy engine: a connection that
+times out means its host is gone). A late answer closes the pooled connection, so a host that vanished
+without a reset is found at the next check, which connects anew. A passing check marks it healthy again.
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ class Background:
                 late = self.timeouts[key] = self.timeouts.get(key, 0) + 1
                 if late < self.s.health_check_timeout_failures:
                     return
-        if healthy:
-            self.timeouts.pop(key, None)
+        self.timeouts.pop(key, None)  # the run of late answers ends: a pass, another failure, or its last one
         if healthy != self.health.is_healthy(t.slot):
             log.warning("instance %d endpoint %s is now %s", t.instance_id, t.address, "healthy" if healthy else "unhealthy")
         self.health.set_healthy(t.slot, healthy)

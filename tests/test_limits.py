@@ -241,7 +241,8 @@ def test_one_late_health_check_keeps_the_instance_a_run_of_them_takes_it_out(c):
 def test_health_check_verdict_per_kind_of_failure():
     """The check itself, in one process, against real sockets: a host that does not accept the connection
     (a full accept queue drops the SYN, as for a host that is gone) or refuses it is out at the first check;
-    an engine that accepts and answers late stays in until its third late answer in a row."""
+    an engine that accepts and answers late, or never finishes a TLS handshake (its loop is busy), stays in
+    until its third late answer in a row."""
     import asyncio
     import socket
 
@@ -260,9 +261,10 @@ def test_health_check_verdict_per_kind_of_failure():
     silent.listen(8)  # accepts (the kernel does) and never answers
     refused = free_port()
     addresses = {
-        "blackhole": "127.0.0.1:%d" % blackhole.getsockname()[1],
-        "silent": "127.0.0.1:%d" % silent.getsockname()[1],
-        "refused": f"127.0.0.1:{refused}",
+        "blackhole": "http://127.0.0.1:%d" % blackhole.getsockname()[1],
+        "silent": "http://127.0.0.1:%d" % silent.getsockname()[1],
+        "silent TLS": "https://127.0.0.1:%d" % silent.getsockname()[1],  # connected; the handshake waits
+        "refused": f"http://127.0.0.1:{refused}",
     }
 
     async def verdicts() -> dict[str, list[bool]]:
@@ -273,8 +275,8 @@ def test_health_check_verdict_per_kind_of_failure():
         background = Background(settings, None, health, client)
         out: dict[str, list[bool]] = {}
         try:
-            for slot, (name, address) in enumerate(addresses.items()):
-                target = Target(slot, 0, slot, "union", "m", "vllm", f"http://{address}", address, False)
+            for slot, (name, url) in enumerate(addresses.items()):
+                target = Target(slot, 0, slot, "union", "m", "vllm", url, url.split("//")[1], False)
                 health.set_healthy(slot, True)
                 out[name] = []
                 for _ in range(3):
@@ -286,7 +288,8 @@ def test_health_check_verdict_per_kind_of_failure():
 
     try:
         assert asyncio.run(verdicts()) == {
-            "blackhole": [False, False, False], "silent": [True, True, False], "refused": [False, False, False],
+            "blackhole": [False, False, False], "silent": [True, True, False], "silent TLS": [True, True, False],
+            "refused": [False, False, False],
         }
     finally:
         for sock in (filler, blackhole, silent):
