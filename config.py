@@ -29,6 +29,7 @@ SCHEDULER_TYPES = ("round_robin", "load_balance", "kv_cache_affinity", "slo_awar
 PD_DISPATCH = ("handoff", "trigger")
 ADMISSION = ("off", "queue", "reject")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MIN_WATCHDOG_S = 3.0  # workers write a heartbeat once a second; the supervisor looks twice a second
 
 
 class ConfigError(ValueError):
@@ -165,6 +166,13 @@ def _num(path: str, v: Any, lo: float = 0.0, positive: bool = False) -> float:
     if number < lo or (positive and number <= 0):
         _fail(path, "must be > 0" if positive else f"must be >= {lo}")
     return number
+
+
+def _watchdog_timeout(path: str, v: Any) -> float:
+    seconds = _num(path, v)
+    if 0 < seconds < MIN_WATCHDOG_S:
+        _fail(path, f"must be 0 (off) or at least {MIN_WATCHDOG_S:g} (workers beat once a second)")
+    return seconds
 
 
 def _bool(path: str, v: Any) -> bool:
@@ -311,7 +319,7 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
 
     workers = top.section("inference_workers_config")
     num_workers = workers.get("num_workers", d.num_workers, lambda p, v: _int(p, v, 1, 64))
-    worker_watchdog_timeout_s = workers.get("worker_watchdog_timeout", d.worker_watchdog_timeout_s, _num)
+    worker_watchdog_timeout_s = workers.get("worker_watchdog_timeout", d.worker_watchdog_timeout_s, _watchdog_timeout)
     workers.warn_unknown()
 
     api_key = _api_key(top.section("api_key_config"), d.api_key)

@@ -53,7 +53,7 @@ log = logging.getLogger("coordinator.supervisor")
 SERVER_PREFIX = "Sanic-Server-"
 QUICK_DEATH_S = 10.0  # a worker dying sooner than this after a restart is restarted again with a delay
 MAX_DELAY_S = 30.0
-STUCK_LOCK_S = 2.0  # the shared lock still taken this long after a worker died: the dead worker held it
+STUCK_LOCK_S = 5.0  # the shared lock still taken this long after a worker died: the dead worker held it
 HEARTBEAT_S = 1.0
 
 
@@ -71,10 +71,12 @@ def start_heartbeat(shared: SharedState, worker: int) -> None:
 
 class Supervisor:
     def __init__(self, manager: Any, shared: SharedState, watchdog_timeout_s: float, interval_s: float = 0.5):
-        """`watchdog_timeout_s`: how old a live worker's heartbeat may get before it is killed (0: never)."""
+        """`watchdog_timeout_s`: how old a live worker's heartbeat may get before it is killed (0: never;
+        else at least config.MIN_WATCHDOG_S: a healthy worker's heartbeat is up to HEARTBEAT_S + interval_s old)."""
         self.manager, self.shared, self.interval_s = manager, shared, interval_s
         self.watchdog_timeout_s = watchdog_timeout_s
-        self.killed: set[int] = set()  # pids the watchdog killed
+        self.killed: set[int] = set()  # pids the watchdog killed, until their death is handled
+        self.quiet_until = 0.0  # no watchdog kill before this: workers a stuck lock blocked beat again
         self.ready = False  # every worker acknowledged its start: Sanic's start-up wait is over
         self.stopping = False  # the whole Coordinator is stopping
         self.pipe_lock = threading.RLock()  # one writer at a time on the monitor pipe (signal handler, thread)
@@ -168,15 +170,15 @@ class Supervisor:
                 log.warning("stopping worker %s (pid %s), restarted as the Coordinator began to stop", process.name, process.pid)
                 process.terminate()
 
-    def _watch(self, process: Any, now: float) -> None:
-        """Kill a live worker whose event loop has not run its heartbeat for the watchdog timeout."""
-        beat_ms = self.shared.workers[worker_index(process.name) * WORKER_FIELDS + W_HEARTBEAT_MS]
+    def _silence(self, process: Any, now: float) -> float:
+        """How long a live worker's event loop has not run its heartbeat (0: not beating yet, or killed)."""
         # (No is_alive(): its waitpid would race Sanic's monitor loop for the exit status, see _check.)
-        if not self.watchdog_timeout_s or not beat_ms or process.pid in self.killed:
-            return  # off, or not beating yet (starting: its row was zeroed), or already killed
-        silent_s = now - beat_ms / 1000
-        if silent_s <= self.watchdog_timeout_s:
-            return
+        beat_ms = self.shared.workers[worker_index(process.name) * WORKER_FIELDS + W_HEARTBEAT_MS]
+        if not beat_ms or process.pid in self.killed:
+            return 0.0  # starting (its row was zeroed), or already killed
+        return now - beat_ms / 1000
+
+    def _kill(self, silent_s: float, process: Any) -> None:
         log.error(
             "worker %s (pid %s) has not run its event loop for %.1f s (worker_watchdog_timeout %g s): killing it",
             process.name, process.pid, silent_s, self.watchdog_timeout_s,
@@ -197,20 +199,27 @@ class Supervisor:
         from sanic.worker.constants import ProcessState
 
         now = time.monotonic()
+        silent: list[tuple[float, Any]] = []  # live workers past the watchdog timeout
         for process in self._servers():
             if process.state not in (ProcessState.FAILED, ProcessState.COMPLETED):
-                self._watch(process, now)
+                silent_s = self._silence(process, now)
+                if self.watchdog_timeout_s and silent_s > self.watchdog_timeout_s:
+                    silent.append((silent_s, process))
                 continue
             pid, name = process.pid, process.name
             if pid not in self.seen_dead:
                 self.seen_dead.add(pid)
+                self.killed.discard(pid)
                 log.error(
                     "worker %s (pid %s) exited with code %s while the Coordinator runs: releasing what it held "
                     "and restarting it", name, pid, process.exitcode,
                 )
                 self.shared.clear_worker(worker_index(name))
-                if self.shared.release_if_stuck(STUCK_LOCK_S):
+                # Only a process killed by a signal can leave a critical section without releasing the lock.
+                if (process.exitcode or 0) < 0 and self.shared.release_if_stuck(STUCK_LOCK_S):
                     log.error("worker %s (pid %s) died holding the shared lock: released it", name, pid)
+                    # The workers that waited on it beat again within a heartbeat: not silent, just blocked.
+                    self.quiet_until = time.monotonic() + 2 * HEARTBEAT_S + self.interval_s
                 lived = now - self.started_at.get(name, float("-inf"))  # restarted by the supervisor how long ago
                 delay = min(MAX_DELAY_S, max(1.0, 2 * self.delay.get(name, 0.0))) if lived < QUICK_DEATH_S else 0.0
                 self.delay[name] = delay
@@ -226,3 +235,7 @@ class Supervisor:
                     return
                 self.manager.monitor_publisher.send(name)
                 self.last_sent = time.monotonic()
+        if silent and time.monotonic() >= self.quiet_until:
+            # The stalest only: a worker hung inside a critical section blocks every other worker on the
+            # lock, and their heartbeats stop too, later. Killing it frees the lock (above, next pass).
+            self._kill(*max(silent, key=lambda sp: sp[0]))

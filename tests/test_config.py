@@ -120,3 +120,13 @@ def test_numbers_must_be_finite(value):
     raw = json.loads(json.dumps({"exception_config": {"infer_timeout": value}}))
     with pytest.raises(ConfigError, match="exception_config.infer_timeout: must be a number"):
         settings_from_dict(raw)
+
+
+@pytest.mark.parametrize("value,ok", [(0, True), (3, True), (30, True), (1, False), (2.9, False), (-1, False)])
+def test_the_worker_watchdog_timeout_is_off_or_at_least_3_s(value, ok):
+    raw = {"motor_coordinator_config": {"inference_workers_config": {"worker_watchdog_timeout": value}}}
+    if ok:
+        assert settings_from_dict(raw).worker_watchdog_timeout_s == value
+    else:
+        with pytest.raises(ConfigError, match="inference_workers_config.worker_watchdog_timeout"):
+            settings_from_dict(raw)

@@ -156,7 +156,7 @@ def test_a_worker_whose_loop_stops_is_killed_and_restarted(sims):
     a = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, a.address)],
-        inference_workers_config={"num_workers": 2, "worker_watchdog_timeout": 2},
+        inference_workers_config={"num_workers": 2, "worker_watchdog_timeout": 5},
     )
     with Coordinator(cfg) as coord:
         workers = coord.server_workers()
@@ -275,3 +275,78 @@ def test_the_shared_lock_a_dead_worker_held_is_released():
     assert not shared.release_if_stuck(5)
     assert shared.lock.acquire(timeout=1)
     shared.lock.release()
+
+
+# -- the supervisor's decisions, on real processes and a real semaphore, with Sanic's manager stood in for ---
+
+
+class _Process:
+    """What the supervisor reads of one of Sanic's WorkerProcess objects."""
+
+    def __init__(self, name: str, pid: int, state, exitcode: int | None = None):
+        self.name, self.pid, self.state, self.exitcode = name, pid, state, exitcode
+
+
+class _Manager:
+    def __init__(self, processes: list):
+        self.transient_processes = processes
+        self.sent: list[str] = []
+        self.monitor_publisher = self
+
+    def send(self, name: str) -> None:
+        self.sent.append(name)
+
+
+def _take_the_lock_and_be_killed(shared) -> None:
+    shared.lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_the_supervisor_releases_the_lock_only_of_a_worker_killed_by_a_signal():
+    import multiprocessing
+
+    from sanic.worker.constants import ProcessState
+
+    from scheduling.shared import SharedState
+    from serving.supervisor import Supervisor
+
+    shared = SharedState.create()
+    taker = multiprocessing.get_context("spawn").Process(target=_take_the_lock_and_be_killed, args=(shared,))
+    taker.start()
+    taker.join(60)
+    assert taker.exitcode == -9 and not shared.lock.acquire(timeout=0.1)
+    # A worker that exited by itself (code 0) left its critical sections through their `with`: not its lock.
+    clean = _Manager([_Process("Sanic-Server-1-0", taker.pid, ProcessState.COMPLETED, 0)])
+    Supervisor(clean, shared, watchdog_timeout_s=30)._check()
+    assert clean.sent == ["Sanic-Server-1-0"] and not shared.lock.acquire(timeout=0.1)
+    killed = _Manager([_Process("Sanic-Server-1-0", taker.pid, ProcessState.FAILED, -9)])
+    Supervisor(killed, shared, watchdog_timeout_s=30)._check()
+    assert killed.sent == ["Sanic-Server-1-0"] and shared.lock.acquire(timeout=1)
+    shared.lock.release()
+
+
+def test_the_watchdog_kills_the_stalest_silent_worker_first():
+    """A worker hung inside a critical section blocks the others on the lock, so their heartbeats stop too,
+    later: only the stalest is killed in one pass (its death then frees the lock)."""
+    from sanic.worker.constants import ProcessState
+
+    from scheduling.shared import W_HEARTBEAT_MS, WORKER_FIELDS, SharedState
+    from serving.supervisor import Supervisor
+
+    shared = SharedState.create()
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(3)]
+    try:
+        now_ms = int(time.monotonic() * 1000)
+        for worker, age_s in enumerate((12, 20, 0.5)):  # silent 12 s, silent 20 s, beating
+            shared.workers[worker * WORKER_FIELDS + W_HEARTBEAT_MS] = now_ms - int(age_s * 1000)
+        processes = [_Process(f"Sanic-Server-{i}-0", p.pid, ProcessState.ACKED) for i, p in enumerate(sleepers)]
+        supervisor = Supervisor(_Manager(processes), shared, watchdog_timeout_s=10)
+        supervisor._check()
+        assert sleepers[1].wait(10) == -signal.SIGKILL
+        assert sleepers[0].poll() is None and sleepers[2].poll() is None
+        supervisor._check()  # the next pass: the other silent one (still silent) goes too
+        assert sleepers[0].wait(10) == -signal.SIGKILL and sleepers[2].poll() is None
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
