@@ -24,13 +24,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from config import Settings
-from errors import (
-    EngineStatusError,
-    UpstreamConnectError,
-    UpstreamConnectTimeout,
-    UpstreamProtocolError,
-    UpstreamTimeout,
-)
+from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 
 MAX_ERROR_BODY = 64 * 1024
 MAX_JSON_BODY = 256 * 1024 * 1024
@@ -330,10 +324,7 @@ class EngineClient:
                     lambda: _Connection(self, origin), host, port, ssl=self._tls if tls else None
                 )
         except TimeoutError:
-            # Only a TCP connect that timed out says the host is gone: a busy engine's kernel still accepts,
-            # but the TLS handshake (inside create_connection) waits for its event loop.
-            error = UpstreamTimeout if tls else UpstreamConnectTimeout
-            raise error("engine timed out (connect)", detail=url) from None
+            raise UpstreamTimeout("engine timed out (connect)", detail=url) from None
         except OSError as e:
             raise UpstreamConnectError("engine unreachable", detail=f"{url}: {e}") from None
         return conn

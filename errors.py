@@ -12,7 +12,6 @@
     └── UpstreamError                502: an engine failed
         ├── UpstreamConnectError     502: the engine could not be reached
         ├── UpstreamTimeout          504: the engine missed a deadline
-        │   └── UpstreamConnectTimeout   504: the engine's host did not accept a TCP connection in time
         ├── UpstreamProtocolError    502: the engine answered something unparseable
         └── EngineStatusError        the engine answered an error status (relayed as is when 4xx)
 
@@ -172,10 +171,6 @@ class UpstreamTimeout(UpstreamError):
 
     status = 504
     code = "upstream_timeout"
-
-
-class UpstreamConnectTimeout(UpstreamTimeout):
-    """The engine's host did not accept a TCP connection in time (it is down or unreachable, not just busy)."""
 
 
 class UpstreamProtocolError(UpstreamError):

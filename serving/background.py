@@ -1,12 +1,11 @@
 """Background work done by one worker for all: active health checks and engine /metrics scraping.
 
-Results land in the shared health table, so every worker routes by them. A refused connection, a TCP
-connection not accepted in time or an answer other than 200 marks the endpoint unhealthy at once; an
-answer that is late (a TLS handshake included) only does after `health_check_timeout_failures` in a row,
-because a busy engine (a real vLLM on a loaded CPU) can answer late, and dropping it would send its
-traffic elsewhere for nothing (the kernel accepts the connection of a busy engine: a connection that
-times out means its host is gone). A late answer closes the pooled connection, so a host that vanished
-without a reset is found at the next check, which connects anew. A passing check marks it healthy again.
+Results land in the shared health table, so every worker routes by them. A refused connection or an
+answer other than 200 marks the endpoint unhealthy at once; a check that times out (no connection or no
+answer within max(1 s, health_check_interval)) only does after `health_check_timeout_failures` in a row,
+because a busy engine (a real vLLM on a loaded CPU) can answer late, and a connection can take a dropped
+SYN's one-second retransmit: dropping it would send its traffic elsewhere for nothing. A passing check
+marks it healthy again.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import logging
 
 from config import Settings
 from engines import EngineClient
-from errors import UpstreamConnectTimeout, UpstreamError, UpstreamTimeout
+from errors import UpstreamError, UpstreamTimeout
 from scheduling.health import Health
 from scheduling.registry import Registry, Target
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
@@ -55,7 +54,7 @@ class Background:
             healthy = status == 200
         except UpstreamError as e:
             healthy = False
-            if isinstance(e, UpstreamTimeout) and not isinstance(e, UpstreamConnectTimeout):  # late: maybe busy
+            if isinstance(e, UpstreamTimeout):  # no answer in time: maybe only busy
                 late = self.timeouts[key] = self.timeouts.get(key, 0) + 1
                 if late < self.s.health_check_timeout_failures:
                     return
