@@ -126,7 +126,10 @@ class SharedState:
         if self.lock.acquire(timeout=wait_s):
             self.lock.release()
             return False
-        self.lock.release()
+        try:
+            self.lock.release()
+        except ValueError:  # its holder released it just now: it was not stuck after all
+            return False
         return True
 
     def as_shared_ctx(self) -> dict:

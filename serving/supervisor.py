@@ -44,6 +44,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 from scheduling.shared import G_DRAINING, W_HEARTBEAT_MS, WORKER_FIELDS, SharedState, worker_index
@@ -55,6 +56,7 @@ QUICK_DEATH_S = 10.0  # a worker dying sooner than this after a restart is resta
 MAX_DELAY_S = 30.0
 STUCK_LOCK_S = 5.0  # the shared lock still taken this long after a worker died: the dead worker held it
 HEARTBEAT_S = 1.0
+KILL_SETTLE_S = 10.0  # no other watchdog kill while one made this recently is not yet handled
 
 
 def start_heartbeat(shared: SharedState, worker: int) -> None:
@@ -75,13 +77,16 @@ class Supervisor:
         else at least config.MIN_WATCHDOG_S: a healthy worker's heartbeat is up to HEARTBEAT_S + interval_s old)."""
         self.manager, self.shared, self.interval_s = manager, shared, interval_s
         self.watchdog_timeout_s = watchdog_timeout_s
-        self.killed: set[int] = set()  # pids the watchdog killed, until their death is handled
-        self.quiet_until = 0.0  # no watchdog kill before this: workers a stuck lock blocked beat again
+        # The OS processes (Sanic's WorkerProcess._current_process: a restart swaps it) the watchdog killed,
+        # with when, until their death is handled; and those whose death was handled.
+        self.killed: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        self.handled: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.quiet_until = 0.0  # no watchdog kill before this: workers that were blocked get to beat first
+        self.last_pass = float("inf")  # when _check last ran
         self.ready = False  # every worker acknowledged its start: Sanic's start-up wait is over
         self.stopping = False  # the whole Coordinator is stopping
         self.pipe_lock = threading.RLock()  # one writer at a time on the monitor pipe (signal handler, thread)
         self.sanic_handlers: dict[int, Any] = {}
-        self.seen_dead: set[int] = set()  # pids already handled
         self.started_at: dict[str, float] = {}  # name -> when the supervisor last restarted it
         self.delay: dict[str, float] = {}  # name -> delay before its next restart
         self.due: dict[str, float] = {}  # name -> when a restart that waits may be sent
@@ -170,22 +175,33 @@ class Supervisor:
                 log.warning("stopping worker %s (pid %s), restarted as the Coordinator began to stop", process.name, process.pid)
                 process.terminate()
 
-    def _silence(self, process: Any, now: float) -> float:
+    def _silence(self, process: Any, current: Any, now: float) -> float:
         """How long a live worker's event loop has not run its heartbeat (0: not beating yet, or killed)."""
-        # (No is_alive(): its waitpid would race Sanic's monitor loop for the exit status, see _check.)
         beat_ms = self.shared.workers[worker_index(process.name) * WORKER_FIELDS + W_HEARTBEAT_MS]
-        if not beat_ms or process.pid in self.killed:
+        if not beat_ms or current in self.killed:
             return 0.0  # starting (its row was zeroed), or already killed
         return now - beat_ms / 1000
 
-    def _kill(self, silent_s: float, process: Any) -> None:
+    def _kill_stalest(self, silent: list[tuple[Any, Any]]) -> None:
+        """Kill the live worker whose heartbeat is the oldest past the timeout, if any still is.
+
+        One per pass, and none while a kill is not yet handled: a worker stopped inside a critical section
+        blocks every other worker on the lock, and their heartbeats stop too (within a heartbeat of its own,
+        so the stalest may be one of them: its death frees the lock, see _check, and the stopped worker
+        goes at a later pass)."""
+        now = time.monotonic()  # fresh: the pass may have waited for the lock
+        if self.stopping or now < self.quiet_until or any(now - at < KILL_SETTLE_S for at in self.killed.values()):
+            return
+        silent_s, process, current = max((self._silence(p, c, now), p, c) for p, c in silent)
+        if silent_s <= self.watchdog_timeout_s:
+            return
         log.error(
             "worker %s (pid %s) has not run its event loop for %.1f s (worker_watchdog_timeout %g s): killing it",
-            process.name, process.pid, silent_s, self.watchdog_timeout_s,
+            process.name, current.pid, silent_s, self.watchdog_timeout_s,
         )
-        self.killed.add(process.pid)
+        self.killed[current] = now
         try:
-            os.kill(process.pid, signal.SIGKILL)
+            os.kill(current.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -194,48 +210,55 @@ class Supervisor:
 
     def _check(self) -> None:
         # Sanic's monitor loop (`_sync_states`) reaps a dead process and marks it FAILED (non-zero exit,
-        # a signal) or COMPLETED (exit 0: a worker stopped by a signal of its own); reading the state it
-        # set calls no waitpid here, so this thread never races that loop for the exit status.
+        # a signal) or COMPLETED (exit 0: a worker stopped by a signal of its own); the exit code is read
+        # only then, when the process object has it already (no waitpid racing that loop). A restart (also
+        # that loop's) swaps the OS process under the WorkerProcess: each is read once, as `current`.
         from sanic.worker.constants import ProcessState
 
         now = time.monotonic()
-        silent: list[tuple[float, Any]] = []  # live workers past the watchdog timeout
+        if now - self.last_pass > self.interval_s + HEARTBEAT_S:  # this thread did not run for a while
+            self.quiet_until = max(self.quiet_until, now + 2 * HEARTBEAT_S)  # every heartbeat looks old
+        self.last_pass = now
+        silent: list[tuple[Any, Any]] = []  # live workers past the watchdog timeout
         for process in self._servers():
-            if process.state not in (ProcessState.FAILED, ProcessState.COMPLETED):
-                silent_s = self._silence(process, now)
-                if self.watchdog_timeout_s and silent_s > self.watchdog_timeout_s:
-                    silent.append((silent_s, process))
+            state, current = process.state, process._current_process
+            if state not in (ProcessState.FAILED, ProcessState.COMPLETED) or current.exitcode is None:
+                if self.watchdog_timeout_s and self._silence(process, current, now) > self.watchdog_timeout_s:
+                    silent.append((process, current))
                 continue
-            pid, name = process.pid, process.name
-            if pid not in self.seen_dead:
-                self.seen_dead.add(pid)
-                self.killed.discard(pid)
-                log.error(
-                    "worker %s (pid %s) exited with code %s while the Coordinator runs: releasing what it held "
-                    "and restarting it", name, pid, process.exitcode,
-                )
-                self.shared.clear_worker(worker_index(name))
-                # Only a process killed by a signal can leave a critical section without releasing the lock.
-                if (process.exitcode or 0) < 0 and self.shared.release_if_stuck(STUCK_LOCK_S):
-                    log.error("worker %s (pid %s) died holding the shared lock: released it", name, pid)
-                    # The workers that waited on it beat again within a heartbeat: not silent, just blocked.
-                    self.quiet_until = time.monotonic() + 2 * HEARTBEAT_S + self.interval_s
-                lived = now - self.started_at.get(name, float("-inf"))  # restarted by the supervisor how long ago
-                delay = min(MAX_DELAY_S, max(1.0, 2 * self.delay.get(name, 0.0))) if lived < QUICK_DEATH_S else 0.0
-                self.delay[name] = delay
-                self.due[name] = now + delay
-                if delay:
-                    log.error("worker %s died %.1f s after its start: restarting it in %.0f s", name, lived, delay)
+            name = process.name
+            if current not in self.handled:
+                self.handled.add(current)
+                self._handle_death(name, current, now)
             if now < self.due.get(name, 0.0):
                 continue
-            self.due[name] = float("inf")  # sent once per death; a new pid gets a new entry above
+            self.due[name] = float("inf")  # sent once per death; the restarted process is handled anew
             self.started_at[name] = now
             with self.pipe_lock:
                 if self.stopping:
                     return
                 self.manager.monitor_publisher.send(name)
                 self.last_sent = time.monotonic()
-        if silent and time.monotonic() >= self.quiet_until:
-            # The stalest only: a worker hung inside a critical section blocks every other worker on the
-            # lock, and their heartbeats stop too, later. Killing it frees the lock (above, next pass).
-            self._kill(*max(silent, key=lambda sp: sp[0]))
+        if silent:
+            self._kill_stalest(silent)
+
+    def _handle_death(self, name: str, current: Any, now: float) -> None:
+        pid, code = current.pid, current.exitcode
+        log.error(
+            "worker %s (pid %s) exited with code %s while the Coordinator runs: releasing what it held and "
+            "restarting it", name, pid, code,
+        )
+        lived = now - self.started_at.get(name, float("-inf"))  # restarted by the supervisor how long ago
+        delay = min(MAX_DELAY_S, max(1.0, 2 * self.delay.get(name, 0.0))) if lived < QUICK_DEATH_S else 0.0
+        self.delay[name] = delay
+        self.due[name] = now + delay  # first: whatever follows, the restart is scheduled
+        if delay:
+            log.error("worker %s died %.1f s after its start: restarting it in %.0f s", name, lived, delay)
+        self.shared.clear_worker(worker_index(name))
+        if self.killed.pop(current, None) is not None:  # the watchdog's: others may have waited on it
+            self.quiet_until = time.monotonic() + 2 * HEARTBEAT_S + self.interval_s
+        # Only a process killed by a signal can leave a critical section without releasing the lock.
+        if code < 0 and self.shared.release_if_stuck(STUCK_LOCK_S):
+            log.error("worker %s (pid %s) died holding the shared lock: released it", name, pid)
+            # The workers that waited on it beat again within a heartbeat: not silent, just blocked.
+            self.quiet_until = time.monotonic() + 2 * HEARTBEAT_S + self.interval_s

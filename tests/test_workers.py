@@ -280,11 +280,18 @@ def test_the_shared_lock_a_dead_worker_held_is_released():
 # -- the supervisor's decisions, on real processes and a real semaphore, with Sanic's manager stood in for ---
 
 
+class _OS:
+    """An OS process as a WorkerProcess holds it (`_current_process`): a restart swaps in a new one."""
+
+    def __init__(self, pid: int | None, exitcode: int | None = None):
+        self.pid, self.exitcode = pid, exitcode
+
+
 class _Process:
     """What the supervisor reads of one of Sanic's WorkerProcess objects."""
 
-    def __init__(self, name: str, pid: int, state, exitcode: int | None = None):
-        self.name, self.pid, self.state, self.exitcode = name, pid, state, exitcode
+    def __init__(self, name: str, state, current: _OS):
+        self.name, self.state, self._current_process = name, state, current
 
 
 class _Manager:
@@ -315,19 +322,27 @@ def test_the_supervisor_releases_the_lock_only_of_a_worker_killed_by_a_signal():
     taker.start()
     taker.join(60)
     assert taker.exitcode == -9 and not shared.lock.acquire(timeout=0.1)
+    # Still marked FAILED while Sanic's restart has already swapped in the new, unstarted process: not a death.
+    swapping = _Manager([_Process("Sanic-Server-1-0", ProcessState.FAILED, _OS(None))])
+    Supervisor(swapping, shared, watchdog_timeout_s=30)._check()
+    assert swapping.sent == []
     # A worker that exited by itself (code 0) left its critical sections through their `with`: not its lock.
-    clean = _Manager([_Process("Sanic-Server-1-0", taker.pid, ProcessState.COMPLETED, 0)])
+    clean = _Manager([_Process("Sanic-Server-1-0", ProcessState.COMPLETED, _OS(taker.pid, 0))])
     Supervisor(clean, shared, watchdog_timeout_s=30)._check()
     assert clean.sent == ["Sanic-Server-1-0"] and not shared.lock.acquire(timeout=0.1)
-    killed = _Manager([_Process("Sanic-Server-1-0", taker.pid, ProcessState.FAILED, -9)])
-    Supervisor(killed, shared, watchdog_timeout_s=30)._check()
+    killed = _Manager([_Process("Sanic-Server-1-0", ProcessState.FAILED, _OS(taker.pid, -9))])
+    supervisor = Supervisor(killed, shared, watchdog_timeout_s=30)
+    supervisor._check()
     assert killed.sent == ["Sanic-Server-1-0"] and shared.lock.acquire(timeout=1)
     shared.lock.release()
+    supervisor._check()  # handled once: no second restart for the same death
+    assert killed.sent == ["Sanic-Server-1-0"]
 
 
-def test_the_watchdog_kills_the_stalest_silent_worker_first():
-    """A worker hung inside a critical section blocks the others on the lock, so their heartbeats stop too,
-    later: only the stalest is killed in one pass (its death then frees the lock)."""
+def test_the_watchdog_kills_the_stalest_silent_worker_one_at_a_time():
+    """A worker stopped inside a critical section blocks the others on the lock, so their heartbeats stop
+    too: one is killed per pass, the stalest, and no other until that death is handled and the workers that
+    were blocked have had a heartbeat's time."""
     from sanic.worker.constants import ProcessState
 
     from scheduling.shared import W_HEARTBEAT_MS, WORKER_FIELDS, SharedState
@@ -339,12 +354,26 @@ def test_the_watchdog_kills_the_stalest_silent_worker_first():
         now_ms = int(time.monotonic() * 1000)
         for worker, age_s in enumerate((12, 20, 0.5)):  # silent 12 s, silent 20 s, beating
             shared.workers[worker * WORKER_FIELDS + W_HEARTBEAT_MS] = now_ms - int(age_s * 1000)
-        processes = [_Process(f"Sanic-Server-{i}-0", p.pid, ProcessState.ACKED) for i, p in enumerate(sleepers)]
-        supervisor = Supervisor(_Manager(processes), shared, watchdog_timeout_s=10)
+        processes = [_Process(f"Sanic-Server-{i}-0", ProcessState.ACKED, _OS(p.pid)) for i, p in enumerate(sleepers)]
+        manager = _Manager(processes)
+        supervisor = Supervisor(manager, shared, watchdog_timeout_s=10)
         supervisor._check()
         assert sleepers[1].wait(10) == -signal.SIGKILL
         assert sleepers[0].poll() is None and sleepers[2].poll() is None
-        supervisor._check()  # the next pass: the other silent one (still silent) goes too
+        supervisor._check()  # killed, but its death is not handled yet (Sanic has not reaped it): no other kill
+        time.sleep(0.5)
+        assert sleepers[0].poll() is None
+        processes[1].state, processes[1]._current_process.exitcode = ProcessState.FAILED, -9
+        supervisor._check()  # its death handled (and its restart asked for); the others get time to beat
+        assert manager.sent == ["Sanic-Server-1-0"] and sleepers[0].poll() is None
+        handled_at = time.monotonic()
+
+        def next_pass() -> bool:  # the supervisor's cadence (every 0.5 s)
+            supervisor._check()
+            return sleepers[0].poll() is not None
+
+        # Still silent after that time (2.5 s): the next one goes.
+        assert wait_until(next_pass, timeout_s=15, interval_s=0.4) and time.monotonic() - handled_at > 2.0
         assert sleepers[0].wait(10) == -signal.SIGKILL and sleepers[2].poll() is None
     finally:
         for p in sleepers:
