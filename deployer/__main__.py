@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 from pathlib import Path
@@ -13,13 +14,16 @@ from .settings import ConfigError, load
 
 def _cmd_render(args: argparse.Namespace) -> int:
     path = Path(args.config)
+    bom = 0
     try:
-        raw = json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is not an error
+        data = path.read_bytes()
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # Windows editors write one
+        raw = json.loads(data[bom:].decode("utf-8"))
     except OSError as exc:
         print(f"error: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     except UnicodeDecodeError as exc:
-        print(f"error: {path}: not UTF-8 text (byte {exc.start})", file=sys.stderr)
+        print(f"error: {path}: not UTF-8 text (byte {bom + exc.start})", file=sys.stderr)
         return 2
     except json.JSONDecodeError as exc:
         print(f"error: {path}: not valid JSON: {exc}", file=sys.stderr)

@@ -53,7 +53,9 @@ async def list_models(request: Request):
 @bp.get("/v1/models/<model:path>", ctx_plane=INFER)
 async def retrieve_model(request: Request, model: str):
     rid = request_id(request)
-    model = unquote(model)  # the SDK sends `org/name` as `org%2Fname`, which Sanic leaves encoded
+    model = unquote(model).strip("/")  # the SDK sends `org/name` as `org%2Fname`, which Sanic leaves encoded
+    if not model:  # /v1/models/ : the list, as before this route existed
+        return await list_models(request)
     try:
         check_api_key(request, OPENAI)
         entry = _entries(request.app.ctx).get(model)

@@ -181,9 +181,10 @@ def test_a_config_saved_with_a_utf8_bom_renders_like_one_without(tmp_path):
 
 def test_cli_non_utf8_input_and_an_out_that_is_a_file(tmp_path):
     text = json.dumps(base()).encode()
-    proc = _cli_render(tmp_path, text.replace(b"mindie-motor", b"mindie-m\xf6tor", 1))  # Latin-1 o-umlaut
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == \
-        [f"error: {tmp_path / 'in.json'}: not UTF-8 text (byte {text.index(b'mindie-motor') + 8})"]
+    for bom in (b"", b"\xef\xbb\xbf"):
+        proc = _cli_render(tmp_path, bom + text.replace(b"mindie-motor", b"mindie-m\xf6tor", 1))  # Latin-1 o-umlaut
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == \
+            [f"error: {tmp_path / 'in.json'}: not UTF-8 text (byte {len(bom) + text.index(b'mindie-motor') + 8})"]
     afile = tmp_path / "afile"
     afile.write_text("")
     proc = _cli_render(tmp_path, out=afile)

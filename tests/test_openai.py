@@ -153,6 +153,8 @@ def test_models_retrieve_answers_one_model_or_a_404(union_cluster):
     listed = httpx.get(union_cluster.url + "/v1/models").json()["data"][0]
     assert c.models.retrieve(MODEL).id == MODEL
     assert httpx.get(union_cluster.url + f"/v1/models/{MODEL}").json() == listed
+    assert httpx.get(union_cluster.url + f"/v1/models/{MODEL}/").json() == listed
+    assert httpx.get(union_cluster.url + "/v1/models/").json()["data"] == [listed]
     for missing in ("no-such-model", "org/no-such-model"):
         with pytest.raises(openai.NotFoundError) as e:
             c.models.retrieve(missing)
