@@ -154,6 +154,26 @@ def test_greedy_logprobs_through_the_pair_equal_the_union_engine(pd):
     assert via_pair == alone
 
 
+def test_prompt_scoring_is_computed_on_decode_alone(pd):
+    """`echo` with `max_tokens` 0 and `logprobs` (lm-eval's loglikelihood requests): D computes the prompt and
+    its logprobs itself, no KV moves, and the answer is the prompt alone, scored like the union engine's."""
+    prompt = "The weather in Paris in spring is"
+    body = {"model": pd.model, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    union = direct(pd.engines["union"], "/v1/completions", body)["choices"][0]
+    d = pd.engines["decode"]
+    xfers0 = d.metric("vllm:nixl_xfer_time_seconds_count")
+    local0 = d.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
+    resp = oai(pd).completions.create(model=pd.model, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = resp.choices[0]
+    assert choice.text == prompt == union["text"] and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == union["logprobs"]["tokens"]
+    assert choice.logprobs.token_logprobs == pytest.approx(union["logprobs"]["token_logprobs"], abs=1e-3)
+    assert wait_until(
+        lambda: d.metric("vllm:prompt_tokens_by_source_total", source="local_compute") == local0 + resp.usage.prompt_tokens
+    )
+    assert d.metric("vllm:nixl_xfer_time_seconds_count") == xfers0
+
+
 def test_usage_matches_the_engines_numbers(pd):
     """The client's usage is the engines' own count (prompt from P, completion from D), in JSON and in SSE."""
     body = {"model": pd.model, "messages": PROMPT, "max_tokens": 4, **GREEDY}
