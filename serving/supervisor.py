@@ -1,11 +1,11 @@
 """The main process's watch over its Sanic workers (multi-worker mode only).
 
-Sanic's WorkerManager notices a worker process that died only to mark it FAILED (`_sync_states`): it
-does not restart it and logs nothing. What that worker held in shared memory (its ledger row: requests,
-tokens and decode slots on engines; its admission counters: requests in flight and queued) would stay
-there for good, and if it was worker 0, health checks and engine scraping (serving/background.py) would
-stop. The supervisor, a daemon thread of the main process, polls the manager every `interval_s`; for a
-server worker that exited while the Coordinator is not shutting down it:
+Sanic's WorkerManager notices a worker process that died only to mark it FAILED or COMPLETED
+(`_sync_states`): it does not restart it and logs nothing. What that worker held in shared memory (its
+ledger row: requests, tokens and decode slots on engines; its admission counters: requests in flight and
+queued) would stay there for good, and if it was worker 0, health checks and engine scraping
+(serving/background.py) would stop. The supervisor, a daemon thread of the main process, polls the
+manager every `interval_s`; for a server worker that exited while the Coordinator is not shutting down it:
 
 - logs it at ERROR (name, pid, exit code),
 - zeroes that worker's rows (safe: only that worker wrote them, and it is gone),
@@ -185,14 +185,15 @@ class Supervisor:
     def _kill_stalest(self, silent: list[tuple[Any, Any]]) -> None:
         """Kill the live worker whose heartbeat is the oldest past the timeout, if any still is.
 
-        One per pass, and none while a kill is not yet handled: a worker stopped inside a critical section
+        One per pass, and none while the last kill is not yet handled (for up to KILL_SETTLE_S): a worker
+        stopped inside a critical section
         blocks every other worker on the lock, and their heartbeats stop too (within a heartbeat of its own,
         so the stalest may be one of them: its death frees the lock, see _check, and the stopped worker
         goes at a later pass)."""
         now = time.monotonic()  # fresh: the pass may have waited for the lock
         if self.stopping or now < self.quiet_until or any(now - at < KILL_SETTLE_S for at in self.killed.values()):
             return
-        silent_s, process, current = max((self._silence(p, c, now), p, c) for p, c in silent)
+        silent_s, process, current = max(((self._silence(p, c, now), p, c) for p, c in silent), key=lambda t: t[0])
         if silent_s <= self.watchdog_timeout_s:
             return
         log.error(
@@ -211,8 +212,10 @@ class Supervisor:
     def _check(self) -> None:
         # Sanic's monitor loop (`_sync_states`) reaps a dead process and marks it FAILED (non-zero exit,
         # a signal) or COMPLETED (exit 0: a worker stopped by a signal of its own); the exit code is read
-        # only then, when the process object has it already (no waitpid racing that loop). A restart (also
-        # that loop's) swaps the OS process under the WorkerProcess: each is read once, as `current`.
+        # only then, when the process object has it already. A restart (also that loop's) swaps the OS
+        # process under the WorkerProcess, so each is read once, as `current`, after the state: a swap in
+        # between shows the new process, whose exitcode is a waitpid(WNOHANG) that races nothing harmful
+        # (both threads share that process object, which keeps the exit status once either reaps it).
         from sanic.worker.constants import ProcessState
 
         now = time.monotonic()
@@ -233,7 +236,7 @@ class Supervisor:
             if now < self.due.get(name, 0.0):
                 continue
             self.due[name] = float("inf")  # sent once per death; the restarted process is handled anew
-            self.started_at[name] = now
+            self.started_at[name] = time.monotonic()  # (the pass may have waited for the lock)
             with self.pipe_lock:
                 if self.stopping:
                     return

@@ -366,15 +366,40 @@ def test_the_watchdog_kills_the_stalest_silent_worker_one_at_a_time():
         processes[1].state, processes[1]._current_process.exitcode = ProcessState.FAILED, -9
         supervisor._check()  # its death handled (and its restart asked for); the others get time to beat
         assert manager.sent == ["Sanic-Server-1-0"] and sleepers[0].poll() is None
-        handled_at = time.monotonic()
+        quiet_until = supervisor.quiet_until
+        assert quiet_until > time.monotonic()
 
         def next_pass() -> bool:  # the supervisor's cadence (every 0.5 s)
             supervisor._check()
             return sleepers[0].poll() is not None
 
-        # Still silent after that time (2.5 s): the next one goes.
-        assert wait_until(next_pass, timeout_s=15, interval_s=0.4) and time.monotonic() - handled_at > 2.0
+        # Still silent after that time: the next one goes.
+        assert wait_until(next_pass, timeout_s=15, interval_s=0.4) and time.monotonic() >= quiet_until
         assert sleepers[0].wait(10) == -signal.SIGKILL and sleepers[2].poll() is None
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
+
+
+def test_the_watchdog_picks_one_of_two_workers_silent_since_the_same_moment():
+    """Heartbeats written in the same millisecond: the choice must not compare the processes themselves."""
+    from sanic.worker.constants import ProcessState
+
+    from scheduling.shared import W_HEARTBEAT_MS, WORKER_FIELDS, SharedState
+    from serving.supervisor import Supervisor
+
+    shared = SharedState.create()
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
+    try:
+        stale_ms = int(time.monotonic() * 1000) - 20_000
+        for worker in range(2):
+            shared.workers[worker * WORKER_FIELDS + W_HEARTBEAT_MS] = stale_ms
+        processes = [_Process(f"Sanic-Server-{i}-0", ProcessState.ACKED, _OS(p.pid)) for i, p in enumerate(sleepers)]
+        Supervisor(_Manager(processes), shared, watchdog_timeout_s=10)._check()
+        assert wait_until(lambda: any(p.poll() is not None for p in sleepers), timeout_s=10)
+        time.sleep(0.2)
+        assert sorted(p.poll() is None for p in sleepers) == [False, True]  # one killed, one left
     finally:
         for p in sleepers:
             p.kill()
