@@ -1,19 +1,30 @@
 """GET /v1/models and GET /v1/models/{model}: the served models with their SLO budgets and live, healthy
-instance counts (the second is the OpenAI SDK's `models.retrieve`; ids may hold slashes, as Hugging Face
-names do)."""
+instance counts (the second is the SDKs' `models.retrieve`; ids may hold slashes, as Hugging Face names
+do).
 
+The path is the same for OpenAI and Anthropic clients; an `anthropic-version` header (which the Anthropic
+SDK always sends) selects Anthropic's shape (`type`, `display_name`, `created_at`, and the list's paging
+fields), its authentication header (`x-api-key` too) and its error envelope. The Coordinator's own fields
+are in both.
+"""
+
+import time
 from urllib.parse import unquote
 
 from sanic import Blueprint, Request, json
 
-from errors import OPENAI, CoordinatorError, NotFound
-from handlers.common import INFER, check_api_key, error_response, request_id
+from errors import ANTHROPIC, OPENAI, CoordinatorError, NotFound
+from handlers.common import ANTHROPIC_REQUEST_ID, INFER, REQUEST_ID, check_api_key, error_response, request_id
 
 bp = Blueprint("models")
 
 
-def _entries(ctx) -> dict[str, dict]:
-    """Every served model's /v1/models entry, by id: the configured models, then any other an instance names."""
+def _api(request: Request) -> str:
+    return ANTHROPIC if "anthropic-version" in request.headers else OPENAI
+
+
+def _entries(ctx, api: str) -> dict[str, dict]:
+    """Every served model's entry, by id: the configured models, then any other an instance names."""
     view = ctx.registry.view()
     health = ctx.health
     models = {m.id: m for m in ctx.settings.models}
@@ -25,42 +36,54 @@ def _entries(ctx) -> dict[str, dict]:
             return len({t.instance_id for t in view.pool(name, role) if health.is_healthy(t.slot)})
 
         union = live("union")
+        if api == ANTHROPIC:
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.started_at))
+            entry = {"type": "model", "id": name, "display_name": name, "created_at": created}
+        else:
+            entry = {"id": name, "object": "model", "owned_by": "motor", "created": ctx.started_at}
         out[name] = {
-            "id": name,
-            "object": "model",
-            "owned_by": "motor",
+            **entry,
             "p_max_seqlen": m.p_max_seqlen if m else 8192,
             "d_max_seqlen": m.d_max_seqlen if m else 8192,
             "slo_ttft": m.slo_ttft_ms if m else 1000,
             "slo_tpot": m.slo_tpot_ms if m else 50,
             "p_instances_num": live("prefill") + union,
             "d_instances_num": live("decode") + union,
-            "created": ctx.started_at,
         }
     return out
 
 
+def _headers(api: str, rid: str) -> dict[str, str]:
+    return {REQUEST_ID: rid, ANTHROPIC_REQUEST_ID: rid} if api == ANTHROPIC else {REQUEST_ID: rid}
+
+
 @bp.get("/v1/models", ctx_plane=INFER)
 async def list_models(request: Request):
-    rid = request_id(request)
+    api, rid = _api(request), request_id(request)
     try:
-        check_api_key(request, OPENAI)
+        check_api_key(request, api)
     except CoordinatorError as e:
-        return error_response(e, OPENAI, rid)
-    return json({"object": "list", "data": list(_entries(request.app.ctx).values())}, headers={"X-Request-Id": rid})
+        return error_response(e, api, rid)
+    data = list(_entries(request.app.ctx, api).values())
+    if api == ANTHROPIC:  # one page holds them all
+        ids = [m["id"] for m in data]
+        body = {"data": data, "has_more": False, "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None}
+    else:
+        body = {"object": "list", "data": data}
+    return json(body, headers=_headers(api, rid))
 
 
 @bp.get("/v1/models/<model:path>", ctx_plane=INFER)
 async def retrieve_model(request: Request, model: str):
-    rid = request_id(request)
-    model = unquote(model).strip("/")  # the SDK sends `org/name` as `org%2Fname`, which Sanic leaves encoded
+    api, rid = _api(request), request_id(request)
+    model = unquote(model).strip("/")  # the SDKs send `org/name` as `org%2Fname`, which Sanic leaves encoded
     if not model:  # /v1/models/ : the list, as before this route existed
         return await list_models(request)
     try:
-        check_api_key(request, OPENAI)
-        entry = _entries(request.app.ctx).get(model)
+        check_api_key(request, api)
+        entry = _entries(request.app.ctx, api).get(model)
         if entry is None:
             raise NotFound(f"The model `{model}` does not exist.", param="model")
     except CoordinatorError as e:
-        return error_response(e, OPENAI, rid)
-    return json(entry, headers={"X-Request-Id": rid})
+        return error_response(e, api, rid)
+    return json(entry, headers=_headers(api, rid))

@@ -206,6 +206,31 @@ def test_sdk_reads_the_request_id(cluster):
     assert e.value.request_id == e.value.body["request_id"] == "anth-rid-1"
 
 
+def test_sdk_lists_and_retrieves_models_in_anthropics_shape(sims):
+    """The Anthropic SDK's models.list/retrieve (it sends `anthropic-version`): Anthropic's fields and paging,
+    its x-api-key, its error envelope; the OpenAI SDK on the same path keeps OpenAI's shape."""
+    u = sims("union")
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, u.address)],
+        api_key_config={"enable_api_key": True, "valid_keys": ["k-one"], "header_name": "Authorization", "key_prefix": "Bearer "},
+    )
+    with Coordinator(cfg) as coord:
+        c = sdk(coord, api_key="k-one")  # sent as x-api-key
+        page = c.models.list()
+        assert [m.id for m in page.data] == [MODEL] and page.has_more is False
+        assert page.first_id == page.last_id == MODEL
+        one = c.models.retrieve(MODEL)
+        assert (one.type, one.display_name) == ("model", MODEL) and one.created_at.year >= 2026
+        assert one.model_extra["d_instances_num"] == 1
+        with pytest.raises(anthropic.NotFoundError) as e:
+            c.models.retrieve("no-such-model")
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+        with pytest.raises(anthropic.AuthenticationError):
+            sdk(coord, api_key="bad").models.list()
+        listed = openai.OpenAI(base_url=coord.url + "/v1", api_key="k-one", max_retries=0).models.list()
+        assert [(m.id, m.object, m.owned_by) for m in listed.data] == [(MODEL, "model", "motor")]
+
+
 def test_request_id_on_answers_refused_before_the_body_is_read(sims):
     """401, 413 (over the configured limit, and over Sanic's own), 415 and 405 carry the id too, as the
     header and in the body, whether the handler or the app's error handler answers them."""
