@@ -287,8 +287,10 @@ def mount(app: Sanic) -> None:
 
     _document(openai.chat_completions, "Chat completion (JSON or SSE)", "OpenAI", ChatCompletionRequest, ChatCompletion, OpenAIError)
     _document(openai.completions, "Text completion (JSON or SSE)", "OpenAI", CompletionRequest, Completion, OpenAIError)
-    _document(models.list_models, "Served models with SLOs and live instance counts", "OpenAI", None, ModelList, OpenAIError,
-              statuses=(401,))
+    _document(models.list_models, "Served models with SLOs and live instance counts (Anthropic's shape when the "
+              "request carries anthropic-version)", "OpenAI", None, ModelList, OpenAIError, statuses=(401,))
+    _document(models.retrieve_model, "One served model (the SDKs' models.retrieve; Anthropic's shape when the request "
+              "carries anthropic-version)", "OpenAI", None, ModelCard, OpenAIError, statuses=(401, 404))
     _document(anthropic.messages, "Anthropic Messages (JSON or SSE)", "Anthropic", MessagesRequest, Message, AnthropicError)
     _document(anthropic.count_tokens, "Count the tokens of a Messages request", "Anthropic", CountTokensRequest, TokenCount,
               AnthropicError)

@@ -351,6 +351,7 @@ def test_openapi_spec_documents_the_inference_routes(c):
     spec = httpx.get(c.url + "/docs/openapi.json").json()
     assert set(spec["paths"]) == {
         "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/metaserver", "/v1/models",
+        "/v1/models/{model}",
     }
     chat = spec["paths"]["/v1/chat/completions"]["post"]
     body = chat["requestBody"]["content"]["application/json"]["schema"]["properties"]
