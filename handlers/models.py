@@ -28,6 +28,7 @@ def _entries(ctx, api: str) -> dict[str, dict]:
     view = ctx.registry.view()
     health = ctx.health
     models = {m.id: m for m in ctx.settings.models}
+    created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.started_at))  # Anthropic's RFC 3339
     out = {}
     for name in dict.fromkeys([*models, *view.models()]):
         m = models.get(name)
@@ -37,8 +38,7 @@ def _entries(ctx, api: str) -> dict[str, dict]:
 
         union = live("union")
         if api == ANTHROPIC:
-            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.started_at))
-            entry = {"type": "model", "id": name, "display_name": name, "created_at": created}
+            entry = {"type": "model", "id": name, "display_name": name, "created_at": created_at}
         else:
             entry = {"id": name, "object": "model", "owned_by": "motor", "created": ctx.started_at}
         out[name] = {
@@ -66,8 +66,8 @@ async def list_models(request: Request):
         return error_response(e, api, rid)
     data = list(_entries(request.app.ctx, api).values())
     if api == ANTHROPIC:  # one page holds them all
-        ids = [m["id"] for m in data]
-        body = {"data": data, "has_more": False, "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None}
+        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+        body = {"data": data, "has_more": False, "first_id": first, "last_id": last}
     else:
         body = {"object": "list", "data": data}
     return json(body, headers=_headers(api, rid))

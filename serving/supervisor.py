@@ -186,10 +186,9 @@ class Supervisor:
         """Kill the live worker whose heartbeat is the oldest past the timeout, if any still is.
 
         One per pass, and none while the last kill is not yet handled (for up to KILL_SETTLE_S): a worker
-        stopped inside a critical section
-        blocks every other worker on the lock, and their heartbeats stop too (within a heartbeat of its own,
-        so the stalest may be one of them: its death frees the lock, see _check, and the stopped worker
-        goes at a later pass)."""
+        stopped inside a critical section blocks every other worker on the lock, and their heartbeats stop
+        too (within a heartbeat of its own, so the stalest may be one of them: its death frees the lock,
+        see _handle_death, and the stopped worker goes at a later pass)."""
         now = time.monotonic()  # fresh: the pass may have waited for the lock
         if self.stopping or now < self.quiet_until or any(now - at < KILL_SETTLE_S for at in self.killed.values()):
             return
@@ -258,10 +257,12 @@ class Supervisor:
         if delay:
             log.error("worker %s died %.1f s after its start: restarting it in %.0f s", name, lived, delay)
         self.shared.clear_worker(worker_index(name))
-        if self.killed.pop(current, None) is not None:  # the watchdog's: others may have waited on it
-            self.quiet_until = time.monotonic() + 2 * HEARTBEAT_S + self.interval_s
+        # Workers that waited on the dead one (the watchdog's victim, or the lock's holder) were blocked,
+        # not hung: they get to beat again before the watchdog judges them.
+        blocked_others = self.killed.pop(current, None) is not None
         # Only a process killed by a signal can leave a critical section without releasing the lock.
         if code < 0 and self.shared.release_if_stuck(STUCK_LOCK_S):
             log.error("worker %s (pid %s) died holding the shared lock: released it", name, pid)
-            # The workers that waited on it beat again within a heartbeat: not silent, just blocked.
+            blocked_others = True
+        if blocked_others:
             self.quiet_until = time.monotonic() + 2 * HEARTBEAT_S + self.interval_s

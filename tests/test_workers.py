@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 
@@ -339,23 +340,38 @@ def test_the_supervisor_releases_the_lock_only_of_a_worker_killed_by_a_signal():
     assert killed.sent == ["Sanic-Server-1-0"]
 
 
+@contextmanager
+def _watched_workers(ages_s: tuple[float, ...]):
+    """Live processes standing in for workers whose heartbeats are `ages_s` old (same instant: same age),
+    with the shared state and the manager a Supervisor watches them through."""
+    from sanic.worker.constants import ProcessState
+
+    from scheduling.shared import W_HEARTBEAT_MS, WORKER_FIELDS, SharedState
+
+    shared = SharedState.create()
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in ages_s]
+    try:
+        now_ms = int(time.monotonic() * 1000)
+        for worker, age_s in enumerate(ages_s):
+            shared.workers[worker * WORKER_FIELDS + W_HEARTBEAT_MS] = now_ms - int(age_s * 1000)
+        processes = [_Process(f"Sanic-Server-{i}-0", ProcessState.ACKED, _OS(p.pid)) for i, p in enumerate(sleepers)]
+        yield shared, _Manager(processes), sleepers
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
+
+
 def test_the_watchdog_kills_the_stalest_silent_worker_one_at_a_time():
     """A worker stopped inside a critical section blocks the others on the lock, so their heartbeats stop
     too: one is killed per pass, the stalest, and no other until that death is handled and the workers that
     were blocked have had a heartbeat's time."""
     from sanic.worker.constants import ProcessState
 
-    from scheduling.shared import W_HEARTBEAT_MS, WORKER_FIELDS, SharedState
     from serving.supervisor import Supervisor
 
-    shared = SharedState.create()
-    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(3)]
-    try:
-        now_ms = int(time.monotonic() * 1000)
-        for worker, age_s in enumerate((12, 20, 0.5)):  # silent 12 s, silent 20 s, beating
-            shared.workers[worker * WORKER_FIELDS + W_HEARTBEAT_MS] = now_ms - int(age_s * 1000)
-        processes = [_Process(f"Sanic-Server-{i}-0", ProcessState.ACKED, _OS(p.pid)) for i, p in enumerate(sleepers)]
-        manager = _Manager(processes)
+    with _watched_workers((12, 20, 0.5)) as (shared, manager, sleepers):  # silent 12 s, silent 20 s, beating
+        processes = manager.transient_processes
         supervisor = Supervisor(manager, shared, watchdog_timeout_s=10)
         supervisor._check()
         assert sleepers[1].wait(10) == -signal.SIGKILL
@@ -376,31 +392,14 @@ def test_the_watchdog_kills_the_stalest_silent_worker_one_at_a_time():
         # Still silent after that time: the next one goes.
         assert wait_until(next_pass, timeout_s=15, interval_s=0.4) and time.monotonic() >= quiet_until
         assert sleepers[0].wait(10) == -signal.SIGKILL and sleepers[2].poll() is None
-    finally:
-        for p in sleepers:
-            p.kill()
-            p.wait()
 
 
 def test_the_watchdog_picks_one_of_two_workers_silent_since_the_same_moment():
     """Heartbeats written in the same millisecond: the choice must not compare the processes themselves."""
-    from sanic.worker.constants import ProcessState
-
-    from scheduling.shared import W_HEARTBEAT_MS, WORKER_FIELDS, SharedState
     from serving.supervisor import Supervisor
 
-    shared = SharedState.create()
-    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
-    try:
-        stale_ms = int(time.monotonic() * 1000) - 20_000
-        for worker in range(2):
-            shared.workers[worker * WORKER_FIELDS + W_HEARTBEAT_MS] = stale_ms
-        processes = [_Process(f"Sanic-Server-{i}-0", ProcessState.ACKED, _OS(p.pid)) for i, p in enumerate(sleepers)]
-        Supervisor(_Manager(processes), shared, watchdog_timeout_s=10)._check()
+    with _watched_workers((20, 20)) as (shared, manager, sleepers):
+        Supervisor(manager, shared, watchdog_timeout_s=10)._check()
         assert wait_until(lambda: any(p.poll() is not None for p in sleepers), timeout_s=10)
         time.sleep(0.2)
         assert sorted(p.poll() is None for p in sleepers) == [False, True]  # one killed, one left
-    finally:
-        for p in sleepers:
-            p.kill()
-            p.wait()
