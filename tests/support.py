@@ -66,10 +66,12 @@ class Coordinator:
 
     def __init__(
         self, config: dict, workers: int | None = None, wrap: bool = True, env: dict | None = None, verify: str | bool = True,
+        root: str = ROOT,
     ):
         """`config` is a motor_coordinator_config object, written wrapped in a whole user_config.json unless
         `wrap` is false (then it is written as given: a bare section, or a whole file). `verify`: the CA that
-        a management port with TLS is checked against while waiting for readiness."""
+        a management port with TLS is checked against while waiting for readiness. `root`: the tree whose
+        app.py runs, in that directory."""
         self.config = config.get("motor_coordinator_config", config)
         self.verify = verify
         api = self.config["api_config"]
@@ -81,12 +83,12 @@ class Coordinator:
         with os.fdopen(fd, "w") as f:
             json.dump({"motor_coordinator_config": config} if wrap else config, f)
         self.log_path = self.config_path + ".log"
-        args = [sys.executable, os.path.join(ROOT, "app.py"), "--config", self.config_path]
+        args = [sys.executable, os.path.join(root, "app.py"), "--config", self.config_path]
         if workers is not None:
             args += ["--workers", str(workers)]
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            args, cwd=root, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             start_new_session=True,
         )
         try:
