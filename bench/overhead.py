@@ -90,6 +90,13 @@ DECODE_LEG = {
 # -- processes ------------------------------------------------------------------------------------
 
 
+def python_version(python: str) -> str:
+    """The interpreter's version ("3.11.2"); how it was built (PGO, LTO) matters as much: docs/performance.md."""
+    out = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
 def free_port() -> int:
     with closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))
@@ -351,11 +358,15 @@ class Coordinator(Gateway):
     name = "coordinator"
 
     def __init__(self, engines: Engines, workers: int, log_level: str, cores: str, workdir: str,
-                 root: str = ROOT, launcher: tuple[str, ...] = (), start_timeout_s: float = 60):
-        """`root`: the source tree whose app.py runs; `launcher`: a command that runs it (bench/instructions.py's valgrind)."""
+                 root: str = ROOT, launcher: tuple[str, ...] = (), start_timeout_s: float = 60,
+                 python: str = sys.executable, python_label: str = ""):
+        """`root`: the source tree whose app.py runs; `launcher`: a command that runs it (bench/instructions.py's
+        valgrind); `python`: the interpreter that runs it, named in the label when `python_label` is given."""
         self.workers, self.log_level = workers, log_level
         self.logs_requests = log_level in ("DEBUG", "INFO")
         self.label = f"Coordinator, {workers} worker{'s' if workers > 1 else ''}, log {log_level}"
+        if python_label:
+            self.label += f", {python_label}"
         self.infer_port, mgmt = free_port(), free_port()
 
         def inst(iid: int, role: str, model: str, port: int) -> dict:
@@ -376,11 +387,12 @@ class Coordinator(Gateway):
                 inst(3, "decode", "bench-pd", engines.decode),
             ],
         }}
-        path = os.path.join(workdir, f"coordinator-{workers}-{log_level}.json")
+        tag = "".join(ch if ch.isalnum() else "-" for ch in python_label)
+        path = os.path.join(workdir, f"coordinator-{workers}-{log_level}{'-' + tag if tag else ''}.json")
         with open(path, "w") as f:
             json.dump(config, f)
         self.proc = Proc(
-            pinned(cores, [*launcher, sys.executable, os.path.join(root, "app.py"), "--config", path]),
+            pinned(cores, [*launcher, python, os.path.join(root, "app.py"), "--config", path]),
             path + ".log",
         )
         self.log_offset = 0
@@ -490,9 +502,9 @@ class SanicFloor(Gateway):
     label = "Sanic + engine client only (floor)"
     cells = ("chat", "chat_stream")
 
-    def __init__(self, engines: Engines, cores: str, workdir: str):
+    def __init__(self, engines: Engines, cores: str, workdir: str, python: str = sys.executable):
         self.floor_port = free_port()
-        args = [sys.executable, os.path.join(HERE, "sanic_floor.py"), str(self.floor_port),
+        args = [python, os.path.join(HERE, "sanic_floor.py"), str(self.floor_port),
                 f"http://127.0.0.1:{engines.union}/v1/chat/completions"]
         self.proc = Proc(pinned(cores, args), os.path.join(workdir, "sanic-floor.log"))
         try:
@@ -503,6 +515,40 @@ class SanicFloor(Gateway):
 
     def port(self, cell: str) -> int:
         return self.floor_port
+
+    def body(self, cell: str) -> str:
+        return body("bench", cell in STREAMED)
+
+    def worker_pids(self) -> list[int]:
+        return [self.proc.pid]
+
+
+class LiteLLM(Gateway):
+    """LiteLLM's proxy (`litellm[proxy]==1.82.6`, one uvicorn worker) in front of the union fake, as
+    `hosted_vllm/bench`; it has no PD mode. Its model cost map is read from the package (no network)."""
+
+    name = "litellm"
+    label = "LiteLLM 1.82.6 (Python)"
+    cells = ("chat", "chat_stream")
+
+    def __init__(self, engines: Engines, cores: str, workdir: str, exe: str):
+        self.litellm_port = free_port()
+        path = os.path.join(workdir, "litellm.yaml")
+        with open(path, "w") as f:
+            f.write("model_list:\n  - model_name: bench\n    litellm_params:\n      model: hosted_vllm/bench\n"
+                    f"      api_base: http://127.0.0.1:{engines.union}/v1\n      api_key: none\n"
+                    "litellm_settings:\n  telemetry: false\n")
+        args = [exe, "--config", path, "--host", "127.0.0.1", "--port", str(self.litellm_port), "--num_workers", "1"]
+        env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # the cost map from the package, not the network
+        self.proc = Proc(pinned(cores, args), os.path.join(workdir, "litellm.log"), env=env)
+        try:
+            wait_http(self.litellm_port, "/health/liveliness", 120, self.proc.proc)
+        except Exception:
+            self.stop()
+            raise
+
+    def port(self, cell: str) -> int:
+        return self.litellm_port
 
     def body(self, cell: str) -> str:
         return body("bench", cell in STREAMED)
@@ -720,6 +766,7 @@ def verdicts(results: list[list[Cell]]) -> str:
     by = {(c.gateway, c.cell): c for g in results for c in g}
     ours = {c.cell: c for g in results for c in g if c.gateway == "Coordinator, 1 worker, log INFO"}
     router = {c.cell: c for g in results for c in g if c.gateway.startswith("vllm-router")}
+    litellm = {c.cell: c for g in results for c in g if c.gateway.startswith("LiteLLM")}
     lines = ["", "Figures (Coordinator, 1 worker on 1 core, log INFO):"]
 
     def check(ok: bool | None, text: str) -> None:
@@ -739,6 +786,11 @@ def verdicts(results: list[list[Cell]]) -> str:
                 continue
             check(c.cpu_us_per_req * 20 <= cells[cell],
                   f"{cell}: {c.cpu_us_per_req:.0f} µs x20 <= {ref} {cells[cell]} µs (their figure, another run)")
+        peer = litellm.get(cell)
+        if peer and peer.cpu_us_per_req and c.cpu_us_per_req:
+            check(c.cpu_us_per_req * 20 <= peer.cpu_us_per_req,
+                  f"{cell}: {c.cpu_us_per_req:.0f} µs x20 <= LiteLLM's {peer.cpu_us_per_req:.0f} µs "
+                  f"({peer.cpu_us_per_req / c.cpu_us_per_req:.1f}x, same run)")
         if cell not in STREAMED and c.added_p50_us is not None:
             limit_us = 2000 if cell in PD else 1000
             check(c.added_p50_us < limit_us, f"{cell}: c=1 added p50 {c.added_p50_us / 1000:.3f} ms < {limit_us / 1000:g} ms")
@@ -780,7 +832,7 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
     if not spy:
         sys.exit("--profile needs py-spy: pip install py-spy==0.4.3")
     os.makedirs(OUT, exist_ok=True)
-    gw = Coordinator(engines, 1, "INFO", gw_cores, workdir)
+    gw = Coordinator(engines, 1, "INFO", gw_cores, workdir, python=opts.python)
     try:
         worker = gw.worker_pids()[0]
         for cell in ("chat", "pd_chat_stream"):
@@ -846,6 +898,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="profile the Coordinator's worker with py-spy instead")
     ap.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
     ap.add_argument("--rate", type=int, default=100, help="with --profile: py-spy samples per second (default 100)")
+    ap.add_argument("--python", default=sys.executable,
+                    help="the interpreter that runs the Coordinator and the floor (default: this one); it needs "
+                         "requirements.txt installed")
+    ap.add_argument("--python-also", metavar="PYTHON",
+                    help="one more Coordinator (1 worker, log INFO) on this interpreter, measured side by side")
+    ap.add_argument("--litellm", metavar="EXE",
+                    help="LiteLLM's `litellm` command (from an environment with litellm[proxy]==1.82.6): measured "
+                         "side by side in the chat cells")
     ap.add_argument("--nice", type=int, default=0,
                     help="run gateway, fakes and wrk at this niceness (e.g. -10 as root) on a machine others share")
     opts = ap.parse_args(argv)
@@ -887,14 +947,19 @@ def main(argv: list[str] | None = None) -> int:
             results = [list(direct.values())]
             # The gateways the verdicts compare run side by side, measured cell by cell in turn: on a shared
             # machine whose speed drifts over minutes, each ratio then compares neighbours in time.
-            pair = [Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir)] if 1 in workers else []
+            pair = [Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir, python=opts.python)] if 1 in workers else []
             try:
+                if opts.python_also:
+                    pair.append(Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir, python=opts.python_also,
+                                            python_label=f"python {python_version(opts.python_also)}"))
                 if not opts.no_floor:
-                    pair.append(SanicFloor(engines, gw_core_sets[1], workdir))
+                    pair.append(SanicFloor(engines, gw_core_sets[1], workdir, python=opts.python))
                 if not opts.no_router and shutil.which("vllm-router"):
                     pair.append(VllmRouter(engines, gw_core_sets[1], workdir))
                 elif not opts.no_router:
                     print("  vllm-router not installed (pip install vllm-router==0.1.17): not compared", flush=True)
+                if opts.litellm:
+                    pair.append(LiteLLM(engines, gw_core_sets[1], workdir, opts.litellm))
                 rounds: dict[int, dict[str, list[Cell]]] = {id(gw): {} for gw in pair}
                 for r in range(opts.rounds):
                     for cell in CELLS:
@@ -912,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.insert(0, (1, "WARNING", False))
             for w, level, latency in runs:
                 cores = gw_core_sets[w]
-                gw = Coordinator(engines, w, level, cores, workdir)
+                gw = Coordinator(engines, w, level, cores, workdir, python=opts.python)
                 try:
                     n_cores = len(cores.split(",")) if cores else ncpu
                     by_label[gw.label] = list(measure_gateway(gw, engines, opts, direct, load_cores, n_cores, workdir,
@@ -921,8 +986,10 @@ def main(argv: list[str] | None = None) -> int:
                     gw.stop()
             # Coordinator rows first (1 worker, WARNING, more workers), then the floor and vllm-router.
             results += [by_label[k] for k in sorted(by_label, key=lambda k: (not k.startswith("Coordinator"), k))]
+            pythons = ", ".join(f"{label} {python_version(py)} ({py})" for label, py in
+                                (("python", opts.python), ("also", opts.python_also)) if py)
             header = (f"# Gateway overhead, {time.strftime('%Y-%m-%d %H:%M')}, {ncpu} CPUs, load average "
-                      f"{os.getloadavg()[0]:.1f}; {layout}{f', nice {NICE}' if NICE else ''}; wrk -t{opts.threads} -c{opts.connections}, "
+                      f"{os.getloadavg()[0]:.1f}; {pythons}; {layout}{f', nice {NICE}' if NICE else ''}; wrk -t{opts.threads} -c{opts.connections}, "
                       f"{opts.duration:g} s per cell{f' (median of {opts.rounds} interleaved rounds)' if opts.rounds > 1 else ''}, "
                       f"concurrency-1 cells {opts.latency:g} s; "
                       f"total {time.monotonic() - t_start:.0f} s")
