@@ -30,6 +30,7 @@ if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
 
 from sanic import Request, Sanic  # noqa: E402
 from sanic.worker.loader import AppLoader, CertLoader  # noqa: E402
+from sanic.exceptions import SanicException  # noqa: E402
 
 from config import ConfigError, Instance, Endpoint, Settings, TlsConfig, load_settings, resolve_config_path, with_models_for_instances  # noqa: E402
 from engines import EngineClient  # noqa: E402
@@ -171,18 +172,22 @@ def create_app(settings: Settings) -> Sanic:
         rid = request_id(request)
         if isinstance(exc, CoordinatorError):
             return error_response(exc, api, rid)
-        status = getattr(exc, "status_code", 500)
+        if not isinstance(exc, SanicException):
+            log.exception("unhandled error on %s", request.path, exc_info=exc)
+            return error_response(CoordinatorError("internal error"), api, rid)
+        status = exc.status_code
+        if status == 413 and "header" in str(exc).lower():  # Sanic's limit on the request head
+            err = CoordinatorError("request header fields too large", code="request_header_fields_too_large")
+            err.status, err.openai_type = 431, "invalid_request_error"
+            return error_response(err, api, rid)
         if status == 413:
             return error_response(PayloadTooLarge("request body exceeds the configured size limit"), api, rid)
         if status == 404:
             return error_response(NotFound(f"no route {request.method} {request.path}", code="not_found"), api, rid)
-        if status >= 500:
-            log.exception("unhandled error on %s", request.path, exc_info=exc)
-            err = CoordinatorError("internal error")
-        else:
-            err = CoordinatorError(str(exc) or "bad request")
-            err.status = status
-            err.openai_type = "invalid_request_error"
+        # Sanic's own errors keep their status and headers (a 405's Allow, a 503's Retry-After).
+        err = CoordinatorError(str(exc) or "bad request", headers={k: str(v) for k, v in (exc.headers or {}).items()})
+        err.status = status
+        err.openai_type = "server_error" if status >= 500 else "invalid_request_error"
         return error_response(err, api, rid)
 
     return app
@@ -228,6 +233,11 @@ def configure_logging(level: str) -> None:
     logging._srcfile = None
     logging.logThreads = False
     logging.logMultiprocessing = False
+    # Lines quote what clients sent (a model name, an engine's error): a lone surrogate there has no UTF-8
+    # form, and would fail the write of a whole batch of request lines.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s", stream=sys.stdout)
     for name in ("sanic.root", "sanic.error", "sanic.server", "sanic.access"):
         logger = logging.getLogger(name)

@@ -198,8 +198,15 @@ class EngineStatusError(UpstreamError):
 
 
 def dumps(obj: object) -> bytes:
-    """Compact JSON bytes, non-ASCII and slashes as they are (every body the Coordinator writes)."""
-    return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode()
+    """Compact JSON bytes, non-ASCII and slashes as they are (every body the Coordinator writes).
+
+    A lone UTF-16 surrogate (JSON allows `"\\ud83d"`: a client cut an emoji in two) has no UTF-8 form:
+    such a document is written with every non-ASCII character escaped, which JSON reads back the same.
+    """
+    try:
+        return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode()
+    except UnicodeEncodeError:
+        return ujson.dumps(obj, ensure_ascii=True, escape_forward_slashes=False).encode()
 
 
 def error_body(err: CoordinatorError, api: str, rid: str) -> dict:

@@ -103,7 +103,10 @@ class Dispatcher:
             engine_type="vllm" if job.route in (MESSAGES, COUNT_TOKENS) else None,
         )
         if job.route in _PROMPT_KINDS:
-            self.scheduler.prepare(info, _PROMPT_KINDS[job.route], job.body)
+            try:
+                self.scheduler.prepare(info, _PROMPT_KINDS[job.route], job.body)
+            except RecursionError:  # counting walks the body's nesting, which JSON lets go 1,000 deep
+                raise InvalidRequest("the request body is nested too deeply") from None
         return info
 
     def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
