@@ -344,7 +344,10 @@ class EngineClient:
         self, method: bytes, url: str, body: bytes | None, request_id: str | None, until: int, deadline: float, phase: str,
     ) -> _Connection:
         """Send one request and wait for `until` (headers or the whole response); the caller owns the connection."""
-        origin, target, host = _split(url)
+        try:
+            origin, target, host = _split(url)
+        except ValueError as e:  # an address no connection can be made to (`::1:8000`: IPv6 needs brackets)
+            raise UpstreamConnectError("engine unreachable", detail=f"{url}: {e}") from None
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method, target, host)
         if request_id is not None:
             head += b"X-Request-Id: %s\r\n" % request_id.encode()

@@ -48,7 +48,7 @@ class Background:
             await asyncio.sleep(interval_s)
 
     async def _check(self, t: Target) -> None:
-        key = (t.slot, t.url)
+        key, why = (t.slot, t.url), ""
         try:
             status, _ = await self.client.get(t.url + "/health", timeout_s=max(1.0, self.s.health_check_interval_s))
             healthy = status == 200
@@ -58,9 +58,11 @@ class Background:
                 late = self.timeouts[key] = self.timeouts.get(key, 0) + 1
                 if late < self.s.health_check_timeout_failures:
                     return
+        except Exception as e:  # a bug must not leave the endpoint looking healthy while no request can use it
+            healthy, why = False, f" (the check failed: {e!r})"
         self.timeouts.pop(key, None)  # the run of late answers ends: a pass, another failure, or its last one
         if healthy != self.health.is_healthy(t.slot):
-            log.warning("instance %d endpoint %s is now %s", t.instance_id, t.address, "healthy" if healthy else "unhealthy")
+            log.warning("instance %d endpoint %s is now %s%s", t.instance_id, t.address, "healthy" if healthy else "unhealthy", why)
         self.health.set_healthy(t.slot, healthy)
 
     async def _scrape(self, t: Target) -> None:

@@ -265,6 +265,7 @@ def test_health_check_verdict_per_kind_of_failure():
         "silent": "http://127.0.0.1:%d" % silent.getsockname()[1],
         "silent TLS": "https://127.0.0.1:%d" % silent.getsockname()[1],  # connected; the handshake waits
         "refused": f"http://127.0.0.1:{refused}",
+        "unusable address": "http://::1:8000",  # IPv6 without brackets: no port can be read from it
     }
 
     async def verdicts() -> dict[str, list[bool]]:
@@ -289,7 +290,7 @@ def test_health_check_verdict_per_kind_of_failure():
     try:
         assert asyncio.run(verdicts()) == {
             "blackhole": [True, True, False], "silent": [True, True, False], "silent TLS": [True, True, False],
-            "refused": [False, False, False],
+            "refused": [False, False, False], "unusable address": [False, False, False],
         }
     finally:
         for sock in (filler, blackhole, silent):
