@@ -72,6 +72,7 @@ class _Connection(asyncio.Protocol):
         self.framed = False  # Content-Length or chunked: the body's end is known without closing
         self.received = False
         self.error: str | None = None
+        self.retry_after: str | None = None  # an error answer's Retry-After, relayed to the client
         self.waiter: asyncio.Future | None = None
         self.until = _COMPLETE
         self.paused = False
@@ -116,6 +117,8 @@ class _Connection(asyncio.Protocol):
         name = name.lower()
         if name == b"content-length" or name == b"transfer-encoding":
             self.framed = True
+        elif name == b"retry-after":
+            self.retry_after = value.decode("latin-1").strip()
 
     def on_headers_complete(self) -> None:
         if self.complete:
@@ -392,7 +395,7 @@ class EngineClient:
         status, data = conn.status, conn.take()
         self._release(conn)
         if check and status >= 300:
-            raise EngineStatusError(status, data[:MAX_ERROR_BODY])
+            raise EngineStatusError(status, data[:MAX_ERROR_BODY], conn.retry_after)
         return status, data
 
     # post and get are plain functions returning the exchange's coroutine: awaiting them adds no coroutine of their own.
@@ -430,7 +433,7 @@ class StreamExchange:
                     await conn.wait(_COMPLETE, loop.time() + s.connect_timeout_s)
                 except TimeoutError:
                     pass
-                raise EngineStatusError(conn.status, conn.take()[:MAX_ERROR_BODY] if conn.complete else b"")
+                raise EngineStatusError(conn.status, conn.take()[:MAX_ERROR_BODY] if conn.complete else b"", conn.retry_after)
             finally:
                 client._release(conn)
         self.conn = conn

@@ -135,8 +135,10 @@ class ServiceUnavailable(CoordinatorError):
     openai_type = "server_error"
     code = "service_unavailable"
 
-    def __init__(self, message: str, *, reason: str = "no_capacity"):
-        super().__init__(message)
+    def __init__(self, message: str, *, reason: str = "no_capacity", retry_after_s: float = 1.0):
+        # The SDKs wait as long as Retry-After says (up to a minute) before their retry, instead of their own
+        # half-second backoff: long enough for a breaker to half-open or a health check to pass again.
+        super().__init__(message, headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))})
         self.reason = reason
 
     @classmethod
@@ -180,17 +182,26 @@ class UpstreamProtocolError(UpstreamError):
 
 
 class EngineStatusError(UpstreamError):
-    """The engine answered an error status; its body is kept to relay 4xx answers unchanged (408 and 429
-    once their retries are spent)."""
+    """The engine answered an error status; its body is kept to relay 4xx answers (408 and 429 once their
+    retries are spent), with the engine's Retry-After when it sent one.
+
+    A prompt longer than the model's context is the client's error whatever status the engine gave it
+    (older vLLM answered it with a 500): it is a 400, never retried, and never counts against the engine.
+    """
 
     RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+    PROMPT_TOO_LONG = (b"maximum context length", b"prompt is too long", b"too long")
 
-    def __init__(self, status: int, body: bytes, content_type: str = "application/json"):
+    def __init__(self, status: int, body: bytes, retry_after: str | None = None):
         super().__init__(f"engine answered HTTP {status}", detail=body[:300].decode("utf-8", "replace"))
+        if status >= 500 and any(m in body for m in self.PROMPT_TOO_LONG):
+            status = 400
         self.status = status
         self.body = body
-        self.content_type = content_type
         self.retryable = status in self.RETRYABLE_STATUSES
+        self.retry_after = retry_after if status in (429, 503) else None
+        if self.retry_after:
+            self.headers["Retry-After"] = self.retry_after
 
     @property
     def is_client_error(self) -> bool:
@@ -226,36 +237,57 @@ def _anthropic_engine_error(err: EngineStatusError, rid: str) -> bytes:
     vLLM answers schema errors on /v1/messages in OpenAI's shape, and its Anthropic-shaped errors carry
     OpenAI's type names (`BadRequestError`); the client gets Anthropic's types either way.
     """
-    try:
-        body = ujson.loads(err.body)
-    except ValueError:
-        body = None
-    inner = body.get("error") if isinstance(body, dict) else None
-    message = inner.get("message") if isinstance(inner, dict) else None
-    if not isinstance(message, str) or not message:
-        message = err.body.decode("utf-8", "replace").strip() or f"engine answered HTTP {err.status}"
-    etype = inner.get("type") if isinstance(inner, dict) and body.get("type") == "error" else None
+    body, inner, message = _engine_error_parts(err)
+    etype = inner.get("type") if inner is not None and body.get("type") == "error" else None
     if etype not in _ANTHROPIC_TYPE_NAMES:
         etype = anthropic_type(err.status)
     return dumps(_anthropic_error(etype, message, rid))
 
 
+def _openai_engine_error(err: EngineStatusError) -> bytes:
+    """An engine's 4xx on an OpenAI route: vLLM's own error object as it is, anything else (a proxy's page,
+    FastAPI's `{"detail": ...}`) put into OpenAI's envelope with its text as the message."""
+    _, inner, message = _engine_error_parts(err)
+    if inner is not None and inner.get("message") == message:
+        return err.body
+    return dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": err.status}})
+
+
+def _engine_error_parts(err: EngineStatusError) -> tuple[dict | None, dict | None, str]:
+    """An engine's error body: the parsed object, its `error` object, and the message a client should read
+    (the error's message, else FastAPI's `detail`, else the body's text)."""
+    try:
+        body = ujson.loads(err.body)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = None
+    inner = body.get("error") if body is not None and isinstance(body.get("error"), dict) else None
+    message = inner.get("message") if inner is not None else body.get("detail") if body is not None else None
+    if not isinstance(message, str) or not message:
+        message = err.body.decode("utf-8", "replace").strip() or f"engine answered HTTP {err.status}"
+    return body, inner, message
+
+
 def render(err: CoordinatorError, api: str, rid: str) -> tuple[int, bytes, dict]:
     """Status, body bytes and headers of an error answered before any byte of a response was sent.
 
-    A 4xx from an engine is relayed unchanged on OpenAI routes (the engine speaks that protocol) and
-    put into Anthropic's envelope on Anthropic routes.
+    A 4xx from an engine keeps its status and message: vLLM's error object as it is on OpenAI routes (the
+    engine speaks that protocol), Anthropic's envelope on Anthropic routes.
     """
+    headers = {"Content-Type": "application/json", **err.headers}
     if isinstance(err, EngineStatusError) and err.is_client_error:
-        if api == ANTHROPIC:
-            return err.status, _anthropic_engine_error(err, rid), {"Content-Type": "application/json"}
-        return err.status, err.body, {"Content-Type": err.content_type}
-    return client_status(err), dumps(error_body(err, api, rid)), {"Content-Type": "application/json", **err.headers}
+        body = _anthropic_engine_error(err, rid) if api == ANTHROPIC else _openai_engine_error(err)
+        return err.status, body, headers
+    return client_status(err), dumps(error_body(err, api, rid)), headers
 
 
 def client_status(err: CoordinatorError) -> int:
-    """The status the client is answered with: an engine's 5xx is the Coordinator's 502 (bad gateway)."""
-    return 502 if isinstance(err, EngineStatusError) and err.status >= 500 else err.status
+    """The status the client is answered with: an engine's 5xx (or a redirect, which the Coordinator does not
+    follow) is the Coordinator's 502 (bad gateway)."""
+    if isinstance(err, EngineStatusError) and not err.is_client_error:
+        return 502
+    return err.status
 
 
 def sse_error_event(err: CoordinatorError, api: str, rid: str) -> bytes:

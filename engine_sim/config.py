@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 FAULT_KNOBS = (
     "fail_status", "fail_first_n", "hang_before_first_byte", "slow_first_byte_s",
     "stall_mid_stream_after_n", "close_mid_stream_after_n", "malformed_chunk_after_n", "partial_event_at_n",
-    "eos_on_prefill", "health_status", "slow_health_s",
+    "eos_on_prefill", "health_status", "slow_health_s", "fail_body", "fail_retry_after",
 )
 
 

@@ -35,6 +35,8 @@ class ApiError(Exception):
                  param: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.etype, self.param = status, message, etype, param
+        self.raw_body: Optional[str] = None  # an injected failure's body, sent as it is (`fail_body`)
+        self.headers: Dict[str, str] = {}    # an injected failure's extra headers (`fail_retry_after`)
 
 
 def openai_error(status: int, message: str, etype: str, param=None) -> web.Response:
@@ -300,9 +302,14 @@ class SimServer:
         return await self._infer(request, "count_tokens")
 
     def _error(self, kind: str, e: ApiError) -> web.Response:
-        if kind in ("messages", "count_tokens") and e.etype != "Bad Request":
-            return anthropic_error(e.status, e.message, e.etype)
-        return openai_error(e.status, e.message, e.etype, e.param)
+        if e.raw_body is not None:
+            resp = web.Response(status=e.status, text=e.raw_body, content_type="application/json")
+        elif kind in ("messages", "count_tokens") and e.etype != "Bad Request":
+            resp = anthropic_error(e.status, e.message, e.etype)
+        else:
+            resp = openai_error(e.status, e.message, e.etype, e.param)
+        resp.headers.update(e.headers)
+        return resp
 
     async def _read(self, request, kind) -> Tuple[dict, Optional[ApiError]]:
         raw = await request.read()
@@ -328,18 +335,24 @@ class SimServer:
     async def _apply_pre_faults(self, kind):
         f = self.faults
         if f.get("fail_status"):
-            st = int(f["fail_status"])
-            raise ApiError(st, f"simulated failure (status {st})", _etype(st))
+            raise self._injected_failure(int(f["fail_status"]))
         n = f.get("fail_first_n")
         if n:
             f["fail_first_n"] = int(n) - 1
-            st = int(f.get("fail_status") or 500)
-            raise ApiError(st, f"simulated failure (status {st})", _etype(st))
+            raise self._injected_failure(int(f.get("fail_status") or 500))
         if f.get("hang_before_first_byte"):
             await asyncio.Event().wait()
         s = f.get("slow_first_byte_s")
         if s:
             await asyncio.sleep(float(s))
+
+    def _injected_failure(self, status: int) -> ApiError:
+        e = ApiError(status, f"simulated failure (status {status})", _etype(status))
+        if self.faults.get("fail_body") is not None:
+            e.raw_body = str(self.faults["fail_body"])
+        if self.faults.get("fail_retry_after") is not None:
+            e.headers["Retry-After"] = str(self.faults["fail_retry_after"])
+        return e
 
     async def _infer(self, request: web.Request, kind: str):
         eng = self.engine

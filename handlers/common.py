@@ -23,6 +23,7 @@ from errors import (
     ServiceUnavailable,
     Unauthorized,
     UnsupportedMediaType,
+    UpstreamError,
     client_status,
     render,
     sse_error_event,
@@ -255,6 +256,14 @@ async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api:
         await sink.send(sse_error_event(err, api, rid))
         await sink.response.eof()
         return None
+    if isinstance(err, UpstreamError) and rec.status >= 500 and rec.retries and "Retry-After" not in err.headers:
+        # The Coordinator has retried already (on other engines when it had them): the SDKs' own retries,
+        # which obey this header, would multiply the load on failing engines and open healthy ones' breakers.
+        # An engine that asked for time (Retry-After, relayed) gets the client back after it instead.
+        err.headers["x-should-retry"] = "false"
+    if getattr(err, "reason", "") == "draining":
+        # The client's retry must take a new connection, which the Service sends to a pod still serving.
+        sink.request.stream.keep_alive = False
     return error_response(err, api, rid)
 
 

@@ -53,7 +53,6 @@ from serving.usage import EventSplitter, fix_event, fix_events, fix_response, pr
 T = TypeVar("T")
 log = logging.getLogger("coordinator.serving")
 
-_PROMPT_TOO_LONG = (b"maximum context length", b"prompt is too long", b"too long")
 _PROMPT_KINDS = {CHAT: CHAT_PROMPT, COMPLETIONS: COMPLETION_PROMPT, MESSAGES: MESSAGES_PROMPT}  # how the scheduler reads a prompt
 
 
@@ -71,11 +70,24 @@ class Sink(Protocol):
         """Relay stream bytes; `last` ends the response with them (one write fewer than a separate end)."""
 
 
-def _refusal(e: NoCapacity | OverBudget) -> ServiceUnavailable | RateLimited:
-    """Why a request gets no plan, as its answer: no usable instance (503) or over the SLO budget (429)."""
+def _can_pick(repick: Callable[[frozenset[int]], Target], exclude: set[int]) -> bool:
+    """Is there an engine to retry on besides the excluded ones?"""
+    try:
+        repick(frozenset(exclude))
+    except NoCapacity:
+        return False
+    return True
+
+
+def _refusal(e: NoCapacity | OverBudget, settings: Settings) -> ServiceUnavailable | RateLimited:
+    """Why a request gets no plan, as its answer: no usable instance (503) or over the SLO budget (429).
+
+    With no usable instance, the client is told to come back when an open breaker lets a probe through or
+    the next health check may have found an engine back.
+    """
     if isinstance(e, OverBudget):
         return RateLimited(str(e), retry_after_s=e.retry_after_s, reason="slo_budget")
-    return ServiceUnavailable(str(e))
+    return ServiceUnavailable(str(e), retry_after_s=max(settings.breaker_open_s, settings.health_check_interval_s))
 
 
 class Dispatcher:
@@ -157,28 +169,28 @@ class Dispatcher:
         try:
             return self.scheduler.pick_one(job.model, info, roles)
         except NoCapacity as e:
-            raise _refusal(e) from None
+            raise _refusal(e, self.s) from None
 
     def _first_plan(self, info: JobInfo) -> Plan | None:
         """The first plan, if SLO admission (`scheduler_config.admission`) lets the request in now (None: it waits)."""
         try:
             return self.scheduler.try_admit(info)
         except (NoCapacity, OverBudget) as e:
-            raise _refusal(e) from None
+            raise _refusal(e, self.s) from None
 
     async def _queued_plan(self, info: JobInfo) -> Plan:
         """The first plan after a wait in the admission queue (`scheduler_config.admission: queue`)."""
         try:
             return await self.scheduler.queued(info)
         except (NoCapacity, OverBudget) as e:
-            raise _refusal(e) from None
+            raise _refusal(e, self.s) from None
 
     def _record(self, target: Target, err: Exception | None) -> None:
-        """Feed the breaker: transport errors and 5xx count, 4xx and prompt-too-long do not."""
+        """Feed the breaker: transport errors and 5xx count, 4xx (a prompt too long among them) do not."""
         if err is None:
             self.health.record_success(target.slot)
         elif isinstance(err, EngineStatusError):
-            if err.status >= 500 and not any(m in err.body for m in _PROMPT_TOO_LONG):
+            if not err.is_client_error:
                 self.health.record_failure(target.slot)
             else:
                 self.health.record_success(target.slot)
@@ -207,6 +219,8 @@ class Dispatcher:
                     raise
                 failed = target
                 exclude.add(target.slot)
+                if getattr(e, "retry_after", None) and not _can_pick(repick, exclude):
+                    raise  # the one engine asked for time (429/503 with Retry-After): its client gets that wait
                 await asyncio.sleep(self.s.retry_delay_s * (2 ** attempt))
                 try:
                     target = repick(frozenset(exclude))

@@ -365,6 +365,63 @@ def test_sdk_sees_exhausted_retries_as_a_server_error(c):
     assert_recovered(c, UNION, False)
 
 
+# -- what the SDKs are told about retrying -----------------------------------------------------------
+
+
+def test_spent_retries_tell_the_sdk_not_to_retry_them_again(c):
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=500)
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=2, timeout=30)  # the SDK's default
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.chat.completions.create(model=UNION, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert exc.value.response.headers["x-should-retry"] == "false"
+    assert len(attempts(c.sims["union"])) == 1 + MAX_RETRY  # the Coordinator's retries, not three times as many
+    assert_recovered(c, UNION, False)
+
+
+@pytest.mark.parametrize("status,client_status", [(429, 429), (503, 502)])
+def test_an_engines_retry_after_is_relayed_and_ends_the_retries_once_every_engine_asked(c, status, client_status):
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=status, fail_retry_after="7")
+    code, headers, text = call(c, chat_body(UNION, False))
+    assert code == client_status and headers["retry-after"] == "7"
+    assert "x-should-retry" not in headers  # the SDK comes back after the engine's 7 s
+    assert len(attempts(c.sims["union"])) == 2  # each engine once: the third attempt would only be told to wait
+    assert_recovered(c, UNION, False)
+
+
+@STREAM
+def test_a_prompt_too_long_answered_with_a_500_is_the_clients_400(c, stream):
+    message = "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens."
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=500, fail_body=json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 500}}))
+    code, headers, text = call(c, chat_body(UNION, stream))
+    assert code == 400 and openai_error(text)["message"] == message
+    assert len(attempts(c.sims["union"])) == 1  # not retried: no engine would take that prompt
+    assert "x-should-retry" not in headers
+    assert_recovered(c, UNION, stream)
+
+
+def test_an_engine_error_in_another_shape_reaches_the_client_in_its_apis(c):
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=404, fail_body='{"detail":"Not Found"}')  # FastAPI's own 404
+    code, _, text = call(c, chat_body(UNION, False))
+    assert code == 404 and openai_error(text) == {"message": "Not Found", "type": "invalid_request_error", "param": None, "code": 404}
+    client = anthropic.Anthropic(base_url=c.url, api_key="x", max_retries=0, timeout=30)
+    with pytest.raises(anthropic.NotFoundError) as exc:
+        client.messages.create(model=UNION, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.body["error"] == {"type": "not_found_error", "message": "Not Found"}
+    assert_recovered(c, UNION, False)
+
+
+def test_an_engine_redirect_is_a_bad_gateway(c):
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=307)
+    code, _, text = call(c, chat_body(UNION, False))
+    assert code == 502 and openai_error(text)["code"] == "upstream_error"
+    assert_recovered(c, UNION, False)
+
+
 # -- client disconnects, in every phase --------------------------------------------------------------
 
 

@@ -301,6 +301,8 @@ def test_unreachable_instance_answers_fast_with_an_error(c):
     assert wait_until(lambda: not endpoints(c)[c.dead]["healthy"])
     r = post(c, chat(GONE))
     assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+    # The SDKs wait this long before their retry: until a breaker half-opens (breaker_open_time).
+    assert r.headers["retry-after"] == "%d" % OPEN_S
 
 
 # -- rate limit and graceful shutdown (a second Coordinator, stopped by the last test) ---------------------
@@ -394,6 +396,8 @@ def test_sigterm_drains_in_flight_streams_then_ends_the_rest(limited):
     try:  # new work is refused while the in-flight streams drain
         r = post(limited, chat(MODEL))
         assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+        # The retry comes back on a new connection (which a Service sends to a pod still serving).
+        assert r.headers["connection"] == "close" and r.headers["retry-after"] == "1"
     except httpx.ConnectError:
         pass
     for t in threads:
