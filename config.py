@@ -7,14 +7,17 @@ first invalid value. Config keys keep MindIE-PyMotor's names; the typed attribut
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import logging
 import os
+import re
 import socket
 import ssl
 from dataclasses import dataclass, replace
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from scheduling.shared import MAX_SLOTS
 
@@ -30,6 +33,11 @@ PD_DISPATCH = ("handoff", "trigger")
 ADMISSION = ("off", "queue", "reject")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MIN_WATCHDOG_S = 3.0  # workers write a heartbeat once a second; the supervisor looks twice a second
+ENGINE_SCHEMES = ("http", "https")
+# The network location of an engine address: a name or IPv4 address, or an IPv6 address in brackets (unbracketed,
+# its colons cannot be told from the port's), then the port.
+_ENGINE_NETLOC = re.compile(r"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})")
+ADDRESS_FORMS = "host:port, http://host:port or https://host:port (an IPv6 host in brackets: [::1]:8000)"
 
 
 class ConfigError(ValueError):
@@ -43,7 +51,38 @@ class Endpoint:
 
     @property
     def base_url(self) -> str:
-        return self.address if "://" in self.address else f"http://{self.address}"
+        return engine_url(self.address)
+
+
+def engine_url(address: str) -> str:
+    """The URL engines.py sends to for an engine address: a bare "host:port" is http."""
+    return address if "://" in address else f"http://{address}"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """(host, port) of an engine address, read as engines.py reads it (urlsplit of `engine_url`), or ValueError
+    saying why it cannot be one. The host comes lowercased and without brackets."""
+    if not address.isprintable() or " " in address:  # urlsplit drops tabs and newlines, engines.py would too
+        raise ValueError(f"must be {ADDRESS_FORMS}, without spaces")
+    url = engine_url(address)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a bracketed host that is not an IPv6 address
+        parts = None
+    if parts is not None and parts.scheme not in ENGINE_SCHEMES:
+        raise ValueError("the scheme must be http or https")
+    netloc = _ENGINE_NETLOC.fullmatch(parts.netloc) if parts is not None else None
+    if netloc is None or url.partition("://")[2] != parts.netloc:  # a path, query or fragment, even an empty one
+        raise ValueError(f"must be {ADDRESS_FORMS}")
+    if netloc["ipv6"] is not None:
+        try:
+            ipaddress.IPv6Address(netloc["ipv6"])
+        except ValueError:
+            raise ValueError(f"must be {ADDRESS_FORMS}") from None
+    port = int(netloc["port"])
+    if not 1 <= port <= 65535:
+        raise ValueError("the port must be 1..65535")
+    return parts.hostname or "", port
 
 
 @dataclass(frozen=True)
@@ -244,10 +283,10 @@ def parse_instance(path: str, raw: Any, known_models: set[str] | None = None) ->
     for j, ep in enumerate(eps):
         ep = _obj(f"{path}.endpoints[{j}]", ep)
         address = _str(f"{path}.endpoints[{j}].address", ep.get("address"), nonempty=True)
-        hostport = address.split("://", 1)[-1]
-        host, _, port = hostport.rpartition(":")
-        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            _fail(f"{path}.endpoints[{j}].address", "must be host:port")
+        try:
+            split_address(address)
+        except ValueError as e:
+            _fail(f"{path}.endpoints[{j}].address", f"{e} (got {address!r})")
         eid = _int(f"{path}.endpoints[{j}].id", ep.get("id", j), 0)
         if eid in seen:  # logs, GET /instances and the metrics' (instance, endpoint) labels name endpoints by id
             _fail(f"{path}.endpoints[{j}].id", f"duplicate endpoint id {eid} in instance {iid}")
@@ -447,7 +486,7 @@ def check_instance_set(instances: list[Instance], path: str) -> None:
             _fail(f"{path}[{i}].id", f"duplicate instance id {inst.id}")
         seen.add(inst.id)
         for j, ep in enumerate(inst.endpoints):
-            addr = ep.address.split("://", 1)[-1].rstrip("/")
+            addr = ep.address.split("://", 1)[-1]
             if addr in owner:
                 _fail(f"{path}[{i}].endpoints[{j}].address", f"{addr} is already the address of instance {owner[addr]}")
             owner[addr] = inst.id
@@ -522,6 +561,7 @@ __all__ = [
     "load_settings",
     "settings_from_dict",
     "parse_instance",
+    "split_address",
     "resolve_config_path",
     "with_models_for_instances",
     "DEFAULT_CONFIG_PATH",

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
 
 from config import ConfigError as CoordinatorConfigError
-from config import parse_instance, settings_from_dict
+from config import parse_instance, settings_from_dict, split_address
 
 CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
 # Directories the templates mount besides the TLS Secret and the weights: two volumes on one path,
@@ -274,8 +274,8 @@ _SUFFIX = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e1
 
 
 def _is_loopback(address: str) -> bool:
-    """Whether a 'host:port' (or 'scheme://host:port') address names the pod itself."""
-    host = address.split("://", 1)[-1].rpartition(":")[0].strip("[]").lower()
+    """Whether an engine address, which the Coordinator's parse_instance accepted, names the pod itself."""
+    host, _ = split_address(address)
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:

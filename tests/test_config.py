@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from config import ConfigError, settings_from_dict
+import engines
+from config import ConfigError, settings_from_dict, split_address
 from tests.support import ROOT, coordinator_config, instance
 
 MODEL = "qwen3"
@@ -31,6 +32,38 @@ def test_two_instances_at_one_address_are_refused_with_the_key_path():
     assert refused(cfg) == (
         "motor_coordinator_config.instances[1].endpoints[1].address: 127.0.0.1:9 is already the address of instance 1"
     )
+
+
+@pytest.mark.parametrize(
+    "address", ["10.0.0.5:8000", "engine-0.engines.svc:8000", "http://e:8000", "https://e:8443", "[::1]:8000", "HTTP://E:80"]
+)
+def test_engine_addresses_are_read_as_the_engine_client_reads_them(address):
+    inst = settings_from_dict(coordinator_config([union(1, address)])).instances[0]
+    (host, port, _tls), _target, _host_header = engines._split(inst.endpoints[0].base_url)
+    assert split_address(address) == (host, port)
+
+
+@pytest.mark.parametrize(
+    "address, why",
+    [
+        ("::1:8000", "must be host:port"),  # unbracketed IPv6: made every request to it fail with a 500
+        ("[10.0.0.5]:8000", "must be host:port"),
+        ("ftp://e:80", "the scheme must be http or https"),
+        ("e :80", "must be host:port"),
+        ("e\t:80", "must be host:port"),
+        (":80", "must be host:port"),
+        ("e", "must be host:port"),
+        ("e:80/v1", "must be host:port"),
+        ("e:80/", "must be host:port"),
+        ("user@e:80", "must be host:port"),
+        ("e:0", "the port must be 1..65535"),
+        ("e:65536", "the port must be 1..65535"),
+    ],
+)
+def test_engine_addresses_that_are_not_host_port_are_refused(address, why):
+    message = refused(coordinator_config([union(1, address)]))
+    assert message.startswith(f"motor_coordinator_config.instances[0].endpoints[0].address: {why}"), message
+    assert message.endswith(f"(got {address!r})") and "\n" not in message
 
 
 def test_more_endpoints_than_slots_are_refused():

@@ -582,6 +582,12 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
     ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
                                                   "endpoints": [{"address": "[::1]:8000"}]}]}},
      "motor_coordinator_config.instances[0].endpoints[0].address: '[::1]:8000' is a loopback address"),
+    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
+                                                  "endpoints": [{"address": "::1:8000"}]}]}},
+     "motor_coordinator_config.instances[0].endpoints[0].address: must be host:port"),
+    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
+                                                  "endpoints": [{"address": "https://LOCALHOST:8443"}]}]}},
+     "motor_coordinator_config.instances[0].endpoints[0].address: 'https://LOCALHOST:8443' is a loopback address"),
     # What the Coordinator itself refuses, on the input's index (the deployer renumbers instances).
     ({"motor_coordinator_config": {"instances": [{"role": "union", "endpoints": [{"address": "10.0.0.5:8000"}]}]}},
      "motor_coordinator_config.instances[0].model_name: must be a string"),
