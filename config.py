@@ -350,8 +350,12 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     infer_port = api.get("coordinator_api_infer_port", d.infer_port, _port)
     mgmt_port = api.get("coordinator_api_mgmt_port", d.mgmt_port, _port)
     obs_port = api.get("coordinator_obs_port", d.obs_port, _port)
-    if len({infer_port, mgmt_port, obs_port}) != 3:
-        _fail("api_config.coordinator_api_mgmt_port", "the inference, management and observability ports must differ")
+    taken: dict[int, str] = {}  # port: the key that has it
+    for key, port in (("coordinator_api_infer_port", infer_port), ("coordinator_api_mgmt_port", mgmt_port),
+                      ("coordinator_obs_port", obs_port)):
+        if port in taken:  # the later key clashes, as the deployer says it
+            _fail(f"api_config.{key}", f"clashes with {ROOT_KEY}.api_config.{taken[port]} ({port}); the three ports must differ")
+        taken[port] = key
     if on_this_host:
         _check_host("api_config.coordinator_api_host", host)
     api.warn_unknown()

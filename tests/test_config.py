@@ -83,6 +83,22 @@ def test_duplicate_endpoint_ids_in_one_instance_are_refused():
     assert settings_from_dict(coordinator_config([union(1, "127.0.0.1:9"), union(2, "127.0.0.1:8")]))
 
 
+@pytest.mark.parametrize(
+    "ports, key, other, port",
+    [
+        ((1025, 1025, 1027), "coordinator_api_mgmt_port", "coordinator_api_infer_port", 1025),
+        ((1025, 1026, 1025), "coordinator_obs_port", "coordinator_api_infer_port", 1025),
+        ((1025, 1026, 1026), "coordinator_obs_port", "coordinator_api_mgmt_port", 1026),
+    ],
+)
+def test_a_port_clash_names_the_key_that_clashes(ports, key, other, port):
+    api = dict(zip(("coordinator_api_infer_port", "coordinator_api_mgmt_port", "coordinator_obs_port"), ports))
+    assert refused({"api_config": api}) == (
+        f"motor_coordinator_config.api_config.{key}: clashes with motor_coordinator_config.api_config.{other} ({port}); "
+        "the three ports must differ"
+    )
+
+
 def test_a_listen_host_that_does_not_resolve_is_refused_but_engine_hosts_are_not_looked_up():
     cfg = coordinator_config([union(1, "not-an-engine.invalid:8000")])
     assert settings_from_dict(cfg).instances[0].endpoints[0].address == "not-an-engine.invalid:8000"
