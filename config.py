@@ -540,8 +540,8 @@ def load_settings(path: str) -> Settings:
     try:
         with open(path, "rb") as f:
             raw = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
+    except OSError as e:  # missing, a directory, no permission: said in one line like any other config error
+        raise ConfigError(f"{path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     return settings_from_dict(raw, source_path=os.path.abspath(path))

@@ -162,6 +162,14 @@ def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
         assert "Traceback" not in proc.stdout + proc.stderr
 
 
+def test_a_config_path_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path):
+    """A directory gave a traceback (only a missing file was caught)."""
+    for path, why in ((tmp_path, "Is a directory"), (tmp_path / "missing.json", "No such file or directory")):
+        proc = subprocess.run([sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (path, proc.stderr[-2000:])
+        assert proc.stderr.strip().splitlines() == [f"config error: {path}: {why}"], proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 10**400])
 def test_numbers_must_be_finite(value):
     """Python's json reads NaN and Infinity: a timeout or rate of NaN compares false with every bound (and
