@@ -11,8 +11,8 @@ Sections:
   (ports, TLS, drain timeout, models, instances, pd_dispatch) and passes the rest through untouched;
   `load` then reads the rendered user_config.json with the Coordinator's own loader (`config`).
 
-Unknown keys in the deployer-owned sections are errors (they are almost always typos);
-unknown keys in ``motor_coordinator_config`` are left for the Coordinator to judge.
+Unknown keys in the deployer-owned sections and at the top level are errors (they are almost always
+typos); unknown keys in ``motor_coordinator_config`` are left for the Coordinator to judge.
 """
 from __future__ import annotations
 
@@ -203,6 +203,8 @@ SECTIONS = {
     "motor_engine_prefill_config": EngineConfig,
     "motor_engine_decode_config": EngineConfig,
 }
+# Every top-level key of user_config.json; `version` is MindIE's format version, passed through unread.
+TOP_LEVEL_KEYS = ("version", *SECTIONS, "motor_coordinator_config")
 
 
 # --------------------------------------------------------------------------- generic typed loading
@@ -539,6 +541,9 @@ def load(raw: Any) -> Settings:
     if not isinstance(raw, dict):
         raise ConfigError(["user_config.json: the top level must be a JSON object"])
     errors: List[str] = []
+    for key in raw:
+        if key not in TOP_LEVEL_KEYS:  # a misspelled section would otherwise leave its defaults in force
+            errors.append(f"{key}: unknown top-level key (known: {', '.join(TOP_LEVEL_KEYS)})")
     parsed = {}
     for section, cls in SECTIONS.items():
         data = raw.get(section, {})

@@ -651,6 +651,18 @@ def test_bad_input_is_refused_naming_the_key(changes, expected):
     assert any(e.startswith(expected) for e in errs), errs
 
 
+def test_a_misspelled_section_is_refused_not_ignored(tmp_path):
+    """motor_engine_prefil_config was ignored, and the prefill engines rendered with the defaults."""
+    cfg = base()
+    cfg["motor_engine_prefil_config"] = cfg.pop("motor_engine_prefill_config")
+    assert errors_of(cfg) == ["motor_engine_prefil_config: unknown top-level key (known: version, motor_deploy_config, "
+                              "motor_engine_prefill_config, motor_engine_decode_config, motor_coordinator_config)"]
+    proc = _cli_render(tmp_path, json.dumps(cfg))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[1:] == [f"  {errors_of(cfg)[0]}"], proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_several_errors_are_reported_together():
     errs = errors_of(with_changes(motor_deploy_config={"coordinator_node_port": 1, "d_instances_num": 0}))
     assert len(errs) == 2
