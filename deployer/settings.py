@@ -37,6 +37,10 @@ MAX_INSTANCES = 64
 MAX_DRAIN_SECONDS = 86400
 PD_DISPATCH = ("handoff", "trigger")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# A Kubernetes Toleration: its fields and their types, and the values the API server accepts.
+TOLERATION_FIELDS = {"key": str, "operator": str, "value": str, "effect": str, "tolerationSeconds": int}
+TOLERATION_OPERATORS = ("Equal", "Exists")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 # Environment variables the engine template sets itself; `env` may not override them.
 MANAGED_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_HOST", "POD_IP", "POD_NAME")
 
@@ -270,6 +274,8 @@ def _load_dataclass(cls: type, data: Dict[str, Any], path: str, errors: List[str
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # fullmatch, at most 63 characters
+LABEL_VALUE_RULE = "at most 63 letters, digits, '-', '_' or '.', beginning and ending with a letter or digit"
 _QUANTITY = re.compile(r"^(?P<num>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suf>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
 _SUFFIX = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
@@ -285,6 +291,58 @@ def _is_loopback(address: str) -> bool:
     except ValueError:
         return False
     return ip.is_loopback or ip.is_unspecified
+
+
+def _is_label_value(value: str) -> bool:
+    return value == "" or (len(value) <= 63 and _LABEL_NAME.fullmatch(value) is not None)
+
+
+def _is_label_key(key: str) -> bool:
+    """A Kubernetes label key (qualified name): an optional DNS subdomain prefix and '/', then a name."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (len(prefix) > 253 or _DNS_SUBDOMAIN.fullmatch(prefix) is None):
+        return False
+    return name != "" and _is_label_value(name)
+
+
+def _check_node_selector(selector: Dict[str, str], path: str, errors: List[str]) -> None:
+    """What the API server refuses in a nodeSelector: keys and values are label keys and values."""
+    for key, value in selector.items():
+        if not _is_label_key(key):
+            errors.append(f"{path}.{key}: not a label key (an optional DNS subdomain prefix and '/', "
+                          f"then {LABEL_VALUE_RULE})")
+        elif not _is_label_value(value):
+            errors.append(f"{path}.{key}: not a label value: empty or {LABEL_VALUE_RULE} (got {value!r})")
+
+
+def _check_tolerations(tolerations: List[Dict[str, Any]], path: str, errors: List[str]) -> None:
+    """What the API server refuses in a pod's tolerations (its validateTolerations)."""
+    for i, tol in enumerate(tolerations):
+        at = f"{path}[{i}]"
+        bad = [f"{at}.{name}: unknown key (known: {', '.join(TOLERATION_FIELDS)})" for name in tol
+               if name not in TOLERATION_FIELDS]
+        bad += [f"{at}.{name}: must be {_type_name(tp)} (got {tol[name]!r})" for name, tp in TOLERATION_FIELDS.items()
+                if name in tol and (not isinstance(tol[name], tp) or isinstance(tol[name], bool))]
+        if bad:
+            errors.extend(bad)
+            continue
+        key, value, effect = tol.get("key", ""), tol.get("value", ""), tol.get("effect", "")
+        operator = tol.get("operator") or "Equal"  # Kubernetes' default
+        if key and not _is_label_key(key):
+            errors.append(f"{at}.key: not a label key (got {key!r})")
+        if operator not in TOLERATION_OPERATORS:
+            errors.append(f"{at}.operator: must be one of {', '.join(TOLERATION_OPERATORS)} (got {operator!r})")
+        elif not key and operator != "Exists":
+            errors.append(f"{at}.operator: must be Exists when key is empty (it then tolerates every taint)")
+        elif operator == "Exists" and value:
+            errors.append(f"{at}.value: must be empty when operator is Exists (got {value!r})")
+        elif not _is_label_value(value):
+            errors.append(f"{at}.value: not a label value: empty or {LABEL_VALUE_RULE} (got {value!r})")
+        if effect and effect not in TAINT_EFFECTS:
+            errors.append(f"{at}.effect: must be empty (every effect) or one of {', '.join(TAINT_EFFECTS)} "
+                          f"(got {effect!r})")
+        elif "tolerationSeconds" in tol and effect != "NoExecute":
+            errors.append(f"{at}.tolerationSeconds: only with effect NoExecute")
 
 
 def parse_quantity(text: str) -> Optional[float]:
@@ -348,6 +406,8 @@ def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
     _in_range(d.d_instances_num, 1, MAX_INSTANCES, f"{p}.d_instances_num", errors)
     _in_range(d.coordinator_node_port, NODE_PORT_MIN, NODE_PORT_MAX, f"{p}.coordinator_node_port", errors)
     _check_resources(d.coordinator_resources, f"{p}.coordinator_resources", errors)
+    _check_node_selector(d.coordinator_node_selector, f"{p}.coordinator_node_selector", errors)
+    _check_tolerations(d.coordinator_tolerations, f"{p}.coordinator_tolerations", errors)
     if d.service_account_name and not _DNS_SUBDOMAIN.match(d.service_account_name):
         errors.append(f"{p}.service_account_name: not a valid name (got {d.service_account_name!r})")
     _in_range(d.run_as_user, 1, 2 ** 31 - 1, f"{p}.run_as_user", errors, " (non-root)")
@@ -418,6 +478,8 @@ def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[st
             errors.append(f"{p}.accelerator_num: {e.accelerator_num} is fewer than "
                           f"tensor_parallel_size * pipeline_parallel_size = {need}")
     _check_resources(e.resources, f"{p}.resources", errors)
+    _check_node_selector(e.node_selector, f"{p}.node_selector", errors)
+    _check_tolerations(e.tolerations, f"{p}.tolerations", errors)
     _in_range(e.startup_timeout_seconds, 30, 86400, f"{p}.startup_timeout_seconds", errors)
     for i, arg in enumerate(e.extra_args):
         flag = _managed_flag(arg)

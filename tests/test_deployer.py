@@ -86,6 +86,19 @@ EDGE_CONFIGS = {
                                      "kv_connector_extra_config": {"backends": ["UCX"]},
                                      "node_selector": {"gpu": "h200"}},
         motor_engine_decode_config={"port": 9001, "side_channel_port": 5602}),
+    # Every form of toleration and node selector the API server accepts.
+    "placement": with_changes(
+        motor_deploy_config={"coordinator_node_selector": {"kubernetes.io/os": "linux", "node-role.example.com/cpu": "",
+                                                           "Zone_A.1": "Rack-7_b.2"},
+                             "coordinator_tolerations": [{"operator": "Exists"},
+                                                         {"key": "example.com/maintenance", "operator": "Exists",
+                                                          "effect": "NoExecute", "tolerationSeconds": 300},
+                                                         {"key": "dedicated", "value": "motor", "effect": ""}]},
+        motor_engine_prefill_config={"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+                                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                      "effect": "NoSchedule"},
+                                                     {"key": "pool", "operator": "Equal", "value": "a" * 63,
+                                                      "effect": "PreferNoSchedule"}]}),
     "cpu_engines_no_weights": with_changes(
         motor_deploy_config={"weight_mount_path": ""},
         motor_engine_prefill_config={"accelerator_num": 0, "kv_buffer_device": "cpu", "model_path": "Qwen/Qwen3-0.6B",
@@ -532,16 +545,13 @@ def test_values_that_need_quoting_stay_intact():
 def test_characters_above_the_bmp_render_as_yaml_escapes():
     """JSON's surrogate-pair escapes ("\\ud83d\\ude00") are rejected by Kubernetes' Go YAML parser."""
     emoji = "smile \U0001F600 \\ud83d literal"
-    cfg = with_changes(motor_engine_prefill_config={"env": {"GREETING": emoji}, "extra_args": ["--x", emoji],
-                                                    "tolerations": [{"key": "k", "operator": "Equal",
-                                                                     "value": emoji, "effect": "NoSchedule"}]})
+    cfg = with_changes(motor_engine_prefill_config={"env": {"GREETING": emoji}, "extra_args": ["--x", emoji]})
     b = bundle(cfg)
     text = b["files"]["engine_prefill.yaml"]
     assert "\\ud83d\\ude00" not in text.lower() and "\\U0001F600" in text
     pod = find(b, "StatefulSet", "motor-engine-prefill")["spec"]["template"]["spec"]
     assert {"name": "GREETING", "value": emoji} in pod["containers"][0]["env"]
     assert pod["containers"][0]["args"][-1] == emoji
-    assert pod["tolerations"][0]["value"] == emoji
 
 
 # --------------------------------------------------------------------------- refusals
@@ -645,6 +655,44 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
      "motor_deploy_config.weight_mount_path: '/dev/shm/' overlaps /dev/shm, also mounted in the engine pods"),
     ({"motor_engine_prefill_config": {"gpu_memory_utilization": 1.5}},
      "motor_engine_prefill_config.gpu_memory_utilization: must be in (0, 1]"),
+    # Tolerations and node selectors that kubectl would refuse (the schemas alone accept them).
+    ({"motor_deploy_config": {"coordinator_tolerations": [{"foo": 1}]}},
+     "motor_deploy_config.coordinator_tolerations[0].foo: unknown key (known: key, operator, value, effect, "
+     "tolerationSeconds)"),
+    ({"motor_engine_prefill_config": {"tolerations": [{"key": "k", "value": 5}]}},
+     "motor_engine_prefill_config.tolerations[0].value: must be a string (got 5)"),
+    ({"motor_engine_prefill_config": {"tolerations": [{"key": "k", "operator": "Exists", "tolerationSeconds": True,
+                                                       "effect": "NoExecute"}]}},
+     "motor_engine_prefill_config.tolerations[0].tolerationSeconds: must be an integer (got True)"),
+    ({"motor_engine_decode_config": {"tolerations": [{"key": "k", "operator": "In", "value": "v"}]}},
+     "motor_engine_decode_config.tolerations[0].operator: must be one of Equal, Exists (got 'In')"),
+    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+     "motor_deploy_config.coordinator_tolerations[0].value: must be empty when operator is Exists"),
+    ({"motor_deploy_config": {"coordinator_tolerations": [{"value": "v", "effect": "NoSchedule"}]}},
+     "motor_deploy_config.coordinator_tolerations[0].operator: must be Exists when key is empty"),
+    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "value": "two words"}]}},
+     "motor_deploy_config.coordinator_tolerations[0].value: not a label value"),
+    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "value": "a" * 64}]}},
+     "motor_deploy_config.coordinator_tolerations[0].value: not a label value"),
+    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "a b", "operator": "Exists"}]}},
+     "motor_deploy_config.coordinator_tolerations[0].key: not a label key"),
+    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "operator": "Exists", "effect": "NoRun"}]}},
+     "motor_deploy_config.coordinator_tolerations[0].effect: must be empty (every effect) or one of NoSchedule"),
+    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule",
+                                                           "tolerationSeconds": 60}]}},
+     "motor_deploy_config.coordinator_tolerations[0].tolerationSeconds: only with effect NoExecute"),
+    ({"motor_deploy_config": {"coordinator_node_selector": {"a b": "c"}}},
+     "motor_deploy_config.coordinator_node_selector.a b: not a label key"),
+    ({"motor_deploy_config": {"coordinator_node_selector": {"a": "c d"}}},
+     "motor_deploy_config.coordinator_node_selector.a: not a label value"),
+    ({"motor_engine_prefill_config": {"node_selector": {"Example.com/gpu": "h200"}}},
+     "motor_engine_prefill_config.node_selector.Example.com/gpu: not a label key"),
+    ({"motor_engine_decode_config": {"node_selector": {"/gpu": "h200"}}},
+     "motor_engine_decode_config.node_selector./gpu: not a label key"),
+    ({"motor_engine_decode_config": {"node_selector": {"gpu": "-h200"}}},
+     "motor_engine_decode_config.node_selector.gpu: not a label value"),
+    ({"motor_engine_decode_config": {"node_selector": {"x" * 64: "h200"}}},
+     f"motor_engine_decode_config.node_selector.{'x' * 64}: not a label key"),
 ])
 def test_bad_input_is_refused_naming_the_key(changes, expected):
     errs = errors_of(with_changes(**changes))
