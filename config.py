@@ -37,6 +37,7 @@ ENGINE_SCHEMES = ("http", "https")
 # The network location of an engine address: a name or IPv4 address, or an IPv6 address in brackets (unbracketed,
 # its colons cannot be told from the port's), then the port.
 _ENGINE_NETLOC = re.compile(r"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})")
+HTTP_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token: what a header name may be
 ADDRESS_FORMS = "host:port, http://host:port or https://host:port (an IPv6 host in brackets: [::1]:8000)"
 
 
@@ -243,6 +244,13 @@ def _release_path(path: str, v: Any) -> str:
     return v
 
 
+def _header_name(path: str, v: Any) -> str:
+    v = _str(path, v, nonempty=True)
+    if not HTTP_TOKEN.fullmatch(v):  # no client could send it: every request would get 401
+        _fail(path, f"must be an HTTP header name: letters, digits and !#$%&'*+-.^_`|~ (got {v!r})")
+    return v
+
+
 def _port(path: str, v: Any) -> int:
     return _int(path, v, 1, 65535)
 
@@ -321,7 +329,7 @@ def _api_key(sec: _Section, default: ApiKeyConfig) -> ApiKeyConfig:
     cfg = ApiKeyConfig(
         enable_api_key=sec.get("enable_api_key", default.enable_api_key, _bool),
         valid_keys=sec.get("valid_keys", default.valid_keys, keys),
-        header_name=sec.get("header_name", default.header_name, lambda p, v: _str(p, v, nonempty=True)),
+        header_name=sec.get("header_name", default.header_name, _header_name),
         key_prefix=sec.get("key_prefix", default.key_prefix, _str),
     )
     if cfg.enable_api_key and not cfg.valid_keys:

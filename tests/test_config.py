@@ -170,6 +170,18 @@ def test_a_config_path_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path)
         assert proc.stderr.strip().splitlines() == [f"config error: {path}: {why}"], proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("section", ["api_key_config", "mgmt_api_key_config"])
+@pytest.mark.parametrize("name, ok", [("X-Api-Key", True), ("x_key.v2!#$%&'*+^`|~", True), ("Bad Header:", False),
+                                      ("Authorization:", False), ("X-Key\n", False), ("Ключ", False), ("", False)])
+def test_the_api_key_header_name_must_be_an_http_token(section, name, ok):
+    cfg = {section: {"header_name": name}}
+    if ok:
+        assert getattr(settings_from_dict(cfg), section.replace("_config", "")).header_name == name
+    else:
+        message = refused(cfg)
+        assert message.startswith(f"motor_coordinator_config.{section}.header_name: must ") and "\n" not in message, message
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 10**400])
 def test_numbers_must_be_finite(value):
     """Python's json reads NaN and Infinity: a timeout or rate of NaN compares false with every bound (and
