@@ -303,6 +303,30 @@ def parse_instance(path: str, raw: Any, known_models: set[str] | None = None) ->
     return Instance(iid, role, model_name, tuple(endpoints), engine_type)
 
 
+def parse_models(path: str, raw: Any) -> tuple[ModelConfig, ...]:
+    """Validate the served models (a config file's `models`, or the deployer's input before it reorders them)."""
+    if not isinstance(raw, list):
+        _fail(path, "must be a list")
+    models = []
+    for i, m in enumerate(raw):
+        ms = _Section(_obj(f"{path}[{i}]", m), f"{path}[{i}].")
+        models.append(
+            ModelConfig(
+                id=ms.get("id", None, lambda p, v: _str(p, v, nonempty=True)) or _fail(f"{path}[{i}].id", "is required"),
+                slo_ttft_ms=ms.get("slo_ttft", 1000, lambda p, v: _int(p, v, 1)),
+                slo_tpot_ms=ms.get("slo_tpot", 50, lambda p, v: _int(p, v, 1)),
+                p_max_seqlen=ms.get("p_max_seqlen", 8192, lambda p, v: _int(p, v, 1)),
+                d_max_seqlen=ms.get("d_max_seqlen", 8192, lambda p, v: _int(p, v, 1)),
+                engine_type=ms.get("engine_type", "vllm", lambda p, v: _str(p, v, ENGINE_TYPES)),
+                tokenizer_path=ms.get("tokenizer_path", "", _str),
+            )
+        )
+        ms.warn_unknown()
+    if len({m.id for m in models}) != len(models):
+        _fail(path, "model ids must be unique")
+    return tuple(models)
+
+
 def _tls(sec: _Section) -> TlsConfig:
     # MindIE spells the switch tls_enable; either spelling turns TLS on, both only if they agree.
     enable, alias = sec.get("enable_tls", None, _bool), sec.get("tls_enable", None, _bool)
@@ -441,24 +465,7 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     access_log = logc.get("access_log", d.access_log, _bool)
     logc.warn_unknown()
 
-    models = top.get("models", [], lambda p, v: v if isinstance(v, list) else _fail(p, "must be a list"))
-    parsed_models: list[ModelConfig] = []
-    for i, m in enumerate(models):
-        ms = _Section(_obj(f"models[{i}]", m), f"models[{i}].")
-        parsed_models.append(
-            ModelConfig(
-                id=ms.get("id", None, lambda p, v: _str(p, v, nonempty=True)) or _fail(f"models[{i}].id", "is required"),
-                slo_ttft_ms=ms.get("slo_ttft", 1000, lambda p, v: _int(p, v, 1)),
-                slo_tpot_ms=ms.get("slo_tpot", 50, lambda p, v: _int(p, v, 1)),
-                p_max_seqlen=ms.get("p_max_seqlen", 8192, lambda p, v: _int(p, v, 1)),
-                d_max_seqlen=ms.get("d_max_seqlen", 8192, lambda p, v: _int(p, v, 1)),
-                engine_type=ms.get("engine_type", "vllm", lambda p, v: _str(p, v, ENGINE_TYPES)),
-                tokenizer_path=ms.get("tokenizer_path", "", _str),
-            )
-        )
-        ms.warn_unknown()
-    if len({m.id for m in parsed_models}) != len(parsed_models):
-        _fail("models", "model ids must be unique")
+    models = top.get("models", (), parse_models)
 
     raw_instances = top.get("instances", [], lambda p, v: v if isinstance(v, list) else _fail(p, "must be a list"))
     instances = [parse_instance(f"instances[{i}]", inst) for i, inst in enumerate(raw_instances)]
@@ -479,7 +486,7 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
         drain_timeout_s=drain_timeout_s,
         log_level=log_level,
         access_log=access_log,
-        models=tuple(parsed_models),
+        models=models,
         instances=tuple(instances),
         source_path=source_path,
         **scheduler,
@@ -573,6 +580,8 @@ __all__ = [
     "load_settings",
     "settings_from_dict",
     "parse_instance",
+    "parse_models",
+    "check_instance_set",
     "split_address",
     "resolve_config_path",
     "with_models_for_instances",

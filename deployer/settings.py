@@ -19,13 +19,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import ipaddress
+import logging
 import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
 
+from config import ROOT_KEY as COORDINATOR_KEY
 from config import ConfigError as CoordinatorConfigError
-from config import parse_instance, settings_from_dict, split_address
+from config import check_instance_set, parse_instance, parse_models, settings_from_dict, split_address
 
 CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
 # Directories the templates mount besides the TLS Secret and the weights: two volumes on one path,
@@ -572,13 +574,11 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
     else:
         view.pd_dispatch = dispatch
 
-    models = raw.get("models", [])
-    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
-        errors.append(f"{p}.models: must be a list of objects")
-    else:
-        for i, m in enumerate(models):
-            if not isinstance(m.get("id"), str) or not m["id"]:
-                errors.append(f"{p}.models[{i}].id: must be a non-empty string (got {m.get('id')!r})")
+    try:
+        # The Coordinator's own check, on the input's index: the rendered list puts the served model first.
+        parse_models("models", raw.get("models", []))
+    except CoordinatorConfigError as exc:
+        errors.append(str(exc))
 
     instances = raw.get("instances", [])
     if not isinstance(instances, list):
@@ -643,12 +643,31 @@ def load(raw: Any) -> Settings:
 
 def _coordinator_accepts(settings: Settings) -> None:
     """Refuse what the Coordinator would refuse in the rendered user_config.json: its pods would
-    crash-loop on it. The deployer checks only the keys it reads; the Coordinator judges the rest."""
-    from .render import cluster_user_config  # render imports this module
+    crash-loop on it. The deployer checks only the keys it reads; the Coordinator judges the rest.
+
+    The input's static instances are checked as a set first (two at one address), with the ids the
+    render gives them, so the message names the input's index: the rendered list puts the engine pods first."""
+    from .render import cluster_user_config, instances  # render imports this module
+    generated = settings.deploy.p_instances_num + settings.deploy.d_instances_num
+    static = [parse_instance(f"instances[{i}]", inst) for i, inst in enumerate(instances(settings)[generated:])]
+    try:
+        check_instance_set(static, "instances")
+    except CoordinatorConfigError as exc:
+        raise ConfigError([str(exc)]) from None
+    coordinator_log = logging.getLogger("coordinator.config")
+    coordinator_log.addFilter(_models_warned_on_the_input)
     try:
         settings_from_dict(cluster_user_config(settings), on_this_host=False)  # the pod's files and DNS are not here
     except CoordinatorConfigError as exc:
         raise ConfigError([f"{exc} (the Coordinator refuses the rendered user_config.json)"]) from None
+    finally:
+        coordinator_log.removeFilter(_models_warned_on_the_input)
+
+
+def _models_warned_on_the_input(record: logging.LogRecord) -> bool:
+    """Drops the rendered file's warnings about unknown keys of `models`: the check of the input's
+    `models` gave them already, naming the input's index, not the reordered one."""
+    return f"{COORDINATOR_KEY}.models[" not in record.getMessage()
 
 
 def defaults_as_dict(cls: type) -> Dict[str, Any]:

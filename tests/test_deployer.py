@@ -608,7 +608,7 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
                                                   "endpoints": [{"address": "ext-engine:http"}]}]}},
      "motor_coordinator_config.instances[0].endpoints[0].address: must be host:port"),
     ({"motor_coordinator_config": {"models": [{"id": ["x"]}]}},
-     "motor_coordinator_config.models[0].id: must be a non-empty string"),
+     "motor_coordinator_config.models[0].id: must be a string"),
     ({"motor_coordinator_config": {"scheduler_config.scheduler_type": "least_load"}},
      "motor_coordinator_config.scheduler_config.scheduler_type: must be one of round_robin"),
     ({"motor_coordinator_config": {"models": [{"id": "qwen3", "slo_ttft": 0}]}},
@@ -709,6 +709,26 @@ def test_a_misspelled_section_is_refused_not_ignored(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines()[1:] == [f"  {errors_of(cfg)[0]}"], proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_refusals_of_models_and_static_instances_name_the_input_s_index():
+    """The render puts the served model first and the engine pods before the static instances: the
+    Coordinator's messages on the rendered file named positions the input does not have."""
+    cfg = with_changes(motor_coordinator_config={"models": [{"id": "other"}, {"id": "qwen3", "slo_ttft": -1}]})
+    assert errors_of(cfg) == ["motor_coordinator_config.models[1].slo_ttft: must be >= 1"]
+    ext = [{"role": "union", "model_name": "other", "endpoints": [{"address": "ext.example.com:8000"}]},
+           {"role": "union", "model_name": "other", "endpoints": [{"address": "http://ext.example.com:8000"}]}]
+    cfg = with_changes(motor_coordinator_config={"models": [{"id": "other"}], "instances": ext})
+    # Instance 3: the id the render gives the first static instance, after 1 prefill and 1 decode pod.
+    assert errors_of(cfg) == ["motor_coordinator_config.instances[1].endpoints[0].address: ext.example.com:8000 "
+                              "is already the address of instance 3"]
+
+
+def test_unknown_model_keys_are_warned_about_once_on_the_input_s_index(caplog):
+    load(with_changes(motor_coordinator_config={"models": [{"id": "other", "x": 1}, {"id": "qwen3", "y": 1}]}))
+    assert [r.getMessage() for r in caplog.records if "models[" in r.getMessage()] == [
+        "config: unknown key motor_coordinator_config.models[0].x ignored",
+        "config: unknown key motor_coordinator_config.models[1].y ignored"]
 
 
 def test_several_errors_are_reported_together():
