@@ -216,7 +216,7 @@ def response_timeout_s(s: Settings) -> float:
     has started, keep-alive comments bound the gaps.
     """
     attempts = s.max_retry + 1
-    backoff = sum(s.retry_delay_s * 2**i for i in range(s.max_retry))
+    backoff = sum(s.backoff_s(i) for i in range(s.max_retry))
     return attempts * (s.first_token_timeout_s + s.infer_timeout_s) + 2 * backoff + 60
 
 

@@ -33,6 +33,7 @@ PD_DISPATCH = ("handoff", "trigger")
 ADMISSION = ("off", "queue", "reject")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MIN_WATCHDOG_S = 3.0  # workers write a heartbeat once a second; the supervisor looks twice a second
+MAX_BACKOFF_S = 10.0  # the longest wait before one retry, however many retries and however long retry_delay
 ENGINE_SCHEMES = ("http", "https")
 # The network location of an engine address: a name or IPv4 address, or an IPv6 address in brackets (unbracketed,
 # its colons cannot be told from the port's), then the port.
@@ -171,6 +172,10 @@ class Settings:
     models: tuple[ModelConfig, ...] = ()
     instances: tuple[Instance, ...] = ()
     source_path: str = ""
+
+    def backoff_s(self, attempt: int) -> float:
+        """The wait after failed attempt `attempt` (0 = the first): retry_delay doubled each time, capped."""
+        return min(self.retry_delay_s * 2**attempt, MAX_BACKOFF_S)
 
     def model(self, model_id: str) -> ModelConfig | None:
         for m in self.models:

@@ -221,7 +221,7 @@ class Dispatcher:
                 exclude.add(target.slot)
                 if getattr(e, "retry_after", None) and not _can_pick(repick, exclude):
                     raise  # the one engine asked for time (429/503 with Retry-After): its client gets that wait
-                await asyncio.sleep(self.s.retry_delay_s * (2 ** attempt))
+                await asyncio.sleep(self.s.backoff_s(attempt))
                 try:
                     target = repick(frozenset(exclude))
                 except NoCapacity:

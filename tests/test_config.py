@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import engines
-from config import ConfigError, settings_from_dict, split_address
+from config import MAX_BACKOFF_S, ConfigError, Settings, settings_from_dict, split_address
 from tests.support import ROOT, coordinator_config, instance
 
 MODEL = "qwen3"
@@ -199,3 +199,10 @@ def test_the_worker_watchdog_timeout_is_off_or_at_least_3_s(value, ok):
     else:
         with pytest.raises(ConfigError, match="inference_workers_config.worker_watchdog_timeout"):
             settings_from_dict(raw)
+
+
+def test_retry_backoff_doubles_from_retry_delay_and_is_capped():
+    s = Settings(retry_delay_s=0.2)
+    assert [s.backoff_s(i) for i in range(4)] == [0.2, 0.4, 0.8, 1.6]
+    assert s.backoff_s(20) == MAX_BACKOFF_S  # uncapped: 58 hours before the 21st retry
+    assert Settings(retry_delay_s=100).backoff_s(0) == MAX_BACKOFF_S
