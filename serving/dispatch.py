@@ -23,7 +23,7 @@ from typing import Awaitable, Callable, Protocol, TypeVar
 
 import ujson
 
-from config import Settings
+from config import Settings, split_address
 from engines import EngineClient
 from errors import (
     ANTHROPIC,
@@ -455,14 +455,14 @@ class Dispatcher:
     async def _trigger(self, job: Job, info: JobInfo, plan: Plan, sink: Sink, rec: RequestRecord) -> None:
         """D first: D asks this Coordinator's /v1/metaserver for the prefill on the P named here."""
         p = plan.prefill
-        host, _, port = p.address.split("://", 1)[-1].rpartition(":")
+        host, port = split_address(p.address)  # an IPv6 host without its brackets
         ticket = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "request_id": job.request_id,
             "remote_engine_id": str(p.instance_id),
             "remote_host": host,
-            "remote_port": port,
+            "remote_port": str(port),
             "metaserver": self.metaserver_url,
         }
         rec.prefill = p
@@ -488,12 +488,14 @@ class Dispatcher:
             return None
         view = self.scheduler.registry.view()
         allowed = [t for t in view.targets if t.model == model and t.role in (role, "union")]
-        named = [(t, *t.address.split("://", 1)[-1].rpartition(":")[::2]) for t in allowed]  # (target, host, port)
+        # Hosts compared as split_address gives them: lowercase, an IPv6 address without its brackets.
+        named = [(t, h, str(p)) for t in allowed for h, p in [split_address(t.address)]]  # (target, host, port)
+        bare = host.strip("[]").lower() if isinstance(host, str) else host
         for t, t_host, t_port in named:
-            if host not in (None, "") and (t_host, t_port) == (host, str(port)):
+            if bare not in (None, "") and (t_host, t_port) == (bare, str(port)):
                 return t
         for t, t_host, _ in named:
-            if engine_id not in (None, "") and str(t.instance_id) == str(engine_id) and host in (None, "", t_host):
+            if engine_id not in (None, "") and str(t.instance_id) == str(engine_id) and bare in (None, "", t_host):
                 return t
         if host not in (None, "") and isinstance(host, str):
             # The same engine in another spelling: by its IP address where it is registered by name (or the
