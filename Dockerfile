@@ -3,7 +3,7 @@
 #     docker build -t motor-coordinator:latest .
 #
 # The official python images build CPython with PGO and LTO (--enable-optimizations --with-lto). The
-# Coordinator's CPU per request was 25-35 % lower on such a build than on one without them, on the same
+# Coordinator's CPU per request was 7-22 % lower on such a build than on one without them, on the same
 # code and machine (docs/performance.md, "The interpreter"). Pin the base by digest in production:
 #     docker build --build-arg PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:... .
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
