@@ -495,26 +495,20 @@ class VllmRouter(Gateway):
         self.proc, self.mode = None, None
 
 
-class SanicFloor(Gateway):
-    """bench/sanic_floor.py: Sanic and the engine client relaying to the union fake, nothing else (no PD)."""
+class OneProcessGateway(Gateway):
+    """A gateway of one process tree serving the union fake's cells on one port (the floor, LiteLLM)."""
 
-    name = "sanic-floor"
-    label = "Sanic + engine client only (floor)"
-    cells = ("chat", "chat_stream")
-
-    def __init__(self, engines: Engines, cores: str, workdir: str, python: str = sys.executable):
-        self.floor_port = free_port()
-        args = [python, os.path.join(HERE, "sanic_floor.py"), str(self.floor_port),
-                f"http://127.0.0.1:{engines.union}/v1/chat/completions"]
-        self.proc = Proc(pinned(cores, args), os.path.join(workdir, "sanic-floor.log"))
+    def _start(self, args: list[str], cores: str, log_path: str, ready_path: str, timeout_s: float,
+               env: dict | None = None) -> None:
+        self.proc = Proc(pinned(cores, args), log_path, env=env)
         try:
-            wait_http(self.floor_port, "/health", 60, self.proc.proc)
+            wait_http(self.gw_port, ready_path, timeout_s, self.proc.proc)
         except Exception:
             self.stop()
             raise
 
     def port(self, cell: str) -> int:
-        return self.floor_port
+        return self.gw_port
 
     def body(self, cell: str) -> str:
         return body("bench", cell in STREAMED)
@@ -523,7 +517,21 @@ class SanicFloor(Gateway):
         return [self.proc.pid]
 
 
-class LiteLLM(Gateway):
+class SanicFloor(OneProcessGateway):
+    """bench/sanic_floor.py: Sanic and the engine client relaying to the union fake, nothing else (no PD)."""
+
+    name = "sanic-floor"
+    label = "Sanic + engine client only (floor)"
+    cells = ("chat", "chat_stream")
+
+    def __init__(self, engines: Engines, cores: str, workdir: str, python: str = sys.executable):
+        self.gw_port = free_port()
+        args = [python, os.path.join(HERE, "sanic_floor.py"), str(self.gw_port),
+                f"http://127.0.0.1:{engines.union}/v1/chat/completions"]
+        self._start(args, cores, os.path.join(workdir, "sanic-floor.log"), "/health", 60)
+
+
+class LiteLLM(OneProcessGateway):
     """LiteLLM's proxy (`litellm[proxy]==1.82.6`, one uvicorn worker) in front of the union fake, as
     `hosted_vllm/bench`; it has no PD mode. Its model cost map is read from the package (no network)."""
 
@@ -532,29 +540,15 @@ class LiteLLM(Gateway):
     cells = ("chat", "chat_stream")
 
     def __init__(self, engines: Engines, cores: str, workdir: str, exe: str):
-        self.litellm_port = free_port()
+        self.gw_port = free_port()
         path = os.path.join(workdir, "litellm.yaml")
         with open(path, "w") as f:
             f.write("model_list:\n  - model_name: bench\n    litellm_params:\n      model: hosted_vllm/bench\n"
                     f"      api_base: http://127.0.0.1:{engines.union}/v1\n      api_key: none\n"
                     "litellm_settings:\n  telemetry: false\n")
-        args = [exe, "--config", path, "--host", "127.0.0.1", "--port", str(self.litellm_port), "--num_workers", "1"]
+        args = [exe, "--config", path, "--host", "127.0.0.1", "--port", str(self.gw_port), "--num_workers", "1"]
         env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # the cost map from the package, not the network
-        self.proc = Proc(pinned(cores, args), os.path.join(workdir, "litellm.log"), env=env)
-        try:
-            wait_http(self.litellm_port, "/health/liveliness", 120, self.proc.proc)
-        except Exception:
-            self.stop()
-            raise
-
-    def port(self, cell: str) -> int:
-        return self.litellm_port
-
-    def body(self, cell: str) -> str:
-        return body("bench", cell in STREAMED)
-
-    def worker_pids(self) -> list[int]:
-        return [self.proc.pid]
+        self._start(args, cores, os.path.join(workdir, "litellm.log"), "/health/liveliness", 120, env)
 
 
 # -- measuring ------------------------------------------------------------------------------------
