@@ -184,6 +184,8 @@ def create_app(settings: Settings) -> Sanic:
             return error_response(PayloadTooLarge("request body exceeds the configured size limit"), api, rid)
         if status == 404:
             return error_response(NotFound(f"no route {request.method} {request.path}", code="not_found"), api, rid)
+        if status >= 500:
+            log.error("%s on %s: %s", type(exc).__name__, request.path, exc)
         # Sanic's own errors keep their status and headers (a 405's Allow, a 503's Retry-After).
         err = CoordinatorError(str(exc) or "bad request", headers={k: str(v) for k, v in (exc.headers or {}).items()})
         err.status = status

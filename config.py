@@ -16,6 +16,7 @@ import re
 import socket
 import ssl
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -61,6 +62,7 @@ def engine_url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
 
+@lru_cache(maxsize=4096)
 def split_address(address: str) -> tuple[str, int]:
     """(host, port) of an engine address, read as engines.py reads it (urlsplit of `engine_url`), or ValueError
     saying why it cannot be one. The host comes lowercased and without brackets."""

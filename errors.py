@@ -22,6 +22,9 @@ level, as Anthropic's API does (the id is also the `request-id` header of every 
 
 from __future__ import annotations
 
+import math
+from email.utils import parsedate_to_datetime
+
 import ujson
 
 OPENAI = "openai"
@@ -190,7 +193,8 @@ class EngineStatusError(UpstreamError):
     """
 
     RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-    PROMPT_TOO_LONG = (b"maximum context length", b"prompt is too long", b"too long")
+    # vLLM's own wordings (renderers/params.py, v1/engine/input_processor.py) and Anthropic's.
+    PROMPT_TOO_LONG = (b"maximum context length", b"longer than the maximum model length", b"prompt is too long")
 
     def __init__(self, status: int, body: bytes, retry_after: str | None = None):
         super().__init__(f"engine answered HTTP {status}", detail=body[:300].decode("utf-8", "replace"))
@@ -199,13 +203,29 @@ class EngineStatusError(UpstreamError):
         self.status = status
         self.body = body
         self.retryable = status in self.RETRYABLE_STATUSES
-        self.retry_after = retry_after if status in (429, 503) else None
+        self.retry_after = _retry_after(retry_after) if status in (429, 503) else None
         if self.retry_after:
             self.headers["Retry-After"] = self.retry_after
 
     @property
     def is_client_error(self) -> bool:
         return 400 <= self.status < 500
+
+
+def _retry_after(value: str | None) -> str | None:
+    """An engine's Retry-After as HTTP allows it (whole seconds, or an HTTP date); a fraction rounded up,
+    anything else dropped rather than relayed."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        return value
+    return str(max(0, math.ceil(seconds))) if math.isfinite(seconds) else None
 
 
 def dumps(obj: object) -> bytes:
@@ -263,7 +283,10 @@ def _engine_error_parts(err: EngineStatusError) -> tuple[dict | None, dict | Non
     if not isinstance(body, dict):
         body = None
     inner = body.get("error") if body is not None and isinstance(body.get("error"), dict) else None
-    message = inner.get("message") if inner is not None else body.get("detail") if body is not None else None
+    if inner is not None:
+        message = inner.get("message")
+    else:  # older vLLM: {"object": "error", "message": ...}; FastAPI: {"detail": ...}
+        message = (body.get("message") or body.get("detail")) if body is not None else None
     if not isinstance(message, str) or not message:
         message = err.body.decode("utf-8", "replace").strip() or f"engine answered HTTP {err.status}"
     return body, inner, message

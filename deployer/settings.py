@@ -11,13 +11,16 @@ Sections:
   (ports, TLS, drain timeout, models, instances, pd_dispatch) and passes the rest through untouched;
   `load` then reads the rendered user_config.json with the Coordinator's own loader (`config`).
 
-Unknown keys in the deployer-owned sections and at the top level are errors (they are almost always
-typos); unknown keys in ``motor_coordinator_config`` are left for the Coordinator to judge.
+Unknown keys in the deployer-owned sections are errors (they are almost always typos), and so is a
+top-level key that is a near miss of a known one (a misspelled section would leave its defaults in force);
+other top-level keys (MindIE's sections for components this project does not have) are passed over with a
+warning. Unknown keys in ``motor_coordinator_config`` are left for the Coordinator to judge.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import ipaddress
 import logging
 import posixpath
@@ -209,6 +212,7 @@ SECTIONS = {
     "motor_engine_prefill_config": EngineConfig,
     "motor_engine_decode_config": EngineConfig,
 }
+log = logging.getLogger("deployer")
 # Every top-level key of user_config.json; `version` is MindIE's format version, passed through unread.
 TOP_LEVEL_KEYS = ("version", *SECTIONS, "motor_coordinator_config")
 
@@ -604,8 +608,13 @@ def load(raw: Any) -> Settings:
         raise ConfigError(["user_config.json: the top level must be a JSON object"])
     errors: List[str] = []
     for key in raw:
-        if key not in TOP_LEVEL_KEYS:  # a misspelled section would otherwise leave its defaults in force
-            errors.append(f"{key}: unknown top-level key (known: {', '.join(TOP_LEVEL_KEYS)})")
+        if key in TOP_LEVEL_KEYS:
+            continue
+        near = difflib.get_close_matches(str(key), TOP_LEVEL_KEYS, n=1, cutoff=0.85)
+        if near:  # a misspelled section would otherwise leave its defaults in force
+            errors.append(f"{key}: unknown top-level key; did you mean {near[0]}?")
+        else:
+            log.warning("%s: unknown top-level key, not read (known: %s)", key, ", ".join(TOP_LEVEL_KEYS))
     parsed = {}
     for section, cls in SECTIONS.items():
         data = raw.get(section, {})

@@ -103,9 +103,11 @@ async def read_body(request: Request, limit: int) -> bytes:
         if stream.expecting_continue:
             # The client waits for a 100 Continue before it sends the body: it gets the 413 instead (Sanic's
             # writer would put a 100 in front of any answer), and the connection closes rather than wait for
-            # a body that is not coming. A body already on its way is read and dropped by Sanic as before.
+            # a body that is not coming.
             stream.expecting_continue = stream.keep_alive = False
             stream.request_body = None
+        else:  # the body is on its way: Sanic closes the connection after the 413 instead of reading it
+            stream.request_max_size = limit
         raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
     request.stream.request_max_size = limit
     try:

@@ -703,12 +703,21 @@ def test_a_misspelled_section_is_refused_not_ignored(tmp_path):
     """motor_engine_prefil_config was ignored, and the prefill engines rendered with the defaults."""
     cfg = base()
     cfg["motor_engine_prefil_config"] = cfg.pop("motor_engine_prefill_config")
-    assert errors_of(cfg) == ["motor_engine_prefil_config: unknown top-level key (known: version, motor_deploy_config, "
-                              "motor_engine_prefill_config, motor_engine_decode_config, motor_coordinator_config)"]
+    assert errors_of(cfg) == ["motor_engine_prefil_config: unknown top-level key; did you mean motor_engine_prefill_config?"]
     proc = _cli_render(tmp_path, json.dumps(cfg))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines()[1:] == [f"  {errors_of(cfg)[0]}"], proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_another_top_level_section_is_passed_over_with_a_warning(tmp_path):
+    """A MindIE-PyMotor user_config.json carries sections of components this project does not have."""
+    cfg = base()
+    cfg["motor_controller_config"] = {"standby": True}
+    assert load(cfg).deploy == load(base()).deploy
+    proc = _cli_render(tmp_path, json.dumps(cfg))
+    assert proc.returncode == 0, proc.stderr
+    assert "motor_controller_config: unknown top-level key, not read" in proc.stderr
 
 
 def test_refusals_of_models_and_static_instances_name_the_input_s_index():

@@ -390,6 +390,16 @@ def test_an_engines_retry_after_is_relayed_and_ends_the_retries_once_every_engin
     assert_recovered(c, UNION, False)
 
 
+@pytest.mark.parametrize("sent,relayed", [("1.5", "2"), ("Wed, 21 Oct 2037 07:28:00 GMT", "Wed, 21 Oct 2037 07:28:00 GMT"),
+                                          ("soon", None), ("nan", None)])
+def test_an_engines_retry_after_is_relayed_only_in_a_form_http_allows(c, sent, relayed):
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=429, fail_retry_after=sent)
+    code, headers, _ = call(c, chat_body(UNION, False))
+    assert code == 429 and headers.get("retry-after") == relayed
+    assert_recovered(c, UNION, False)
+
+
 @STREAM
 def test_a_prompt_too_long_answered_with_a_500_is_the_clients_400(c, stream):
     message = "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens."
@@ -411,6 +421,11 @@ def test_an_engine_error_in_another_shape_reaches_the_client_in_its_apis(c):
     with pytest.raises(anthropic.NotFoundError) as exc:
         client.messages.create(model=UNION, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert exc.value.body["error"] == {"type": "not_found_error", "message": "Not Found"}
+    # An older vLLM's error object, its message at the top level.
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=400, fail_body='{"object":"error","message":"bad temperature","type":"BadRequestError","param":null,"code":400}')
+    code, _, text = call(c, chat_body(UNION, False))
+    assert code == 400 and openai_error(text)["message"] == "bad temperature"
     assert_recovered(c, UNION, False)
 
 
@@ -419,6 +434,7 @@ def test_an_engine_redirect_is_a_bad_gateway(c):
         s.set_faults(fail_status=307)
     code, _, text = call(c, chat_body(UNION, False))
     assert code == 502 and openai_error(text)["code"] == "upstream_error"
+    assert len(attempts(c.sims["union"])) == 1
     assert_recovered(c, UNION, False)
 
 

@@ -88,11 +88,38 @@ def sse(text: str) -> list[dict]:
     return events
 
 
+def _token_delta(event: dict) -> bool:
+    """An OpenAI stream chunk that carries generated text and nothing else (no role, finish or usage)."""
+    data = event["data"]
+    if event["event"] is not None or not isinstance(data, dict) or data.get("usage"):
+        return False
+    choices = data.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or choices[0].get("finish_reason") is not None:
+        return False
+    delta = choices[0].get("delta")
+    return ("text" in choices[0]) if delta is None else (set(delta) == {"content"})
+
+
+def token_runs_collapsed(events: list[dict]) -> list[dict]:
+    """The stream with each run of consecutive text-only chunks as its first chunk.
+
+    vLLM merges the deltas of a request that its API server has not sent yet (v1 RequestOutputCollector),
+    so on a loaded machine two tokens can arrive as one chunk: how many text chunks there are depends on
+    timing, what each kind of chunk looks like does not.
+    """
+    out = []
+    for event in events:
+        if out and _token_delta(event) and _token_delta(out[-1]):
+            continue
+        out.append(event)
+    return out
+
+
 def exchange(url: str, path: str, body) -> dict:
     kw = {"content": body} if isinstance(body, (str, bytes)) else {"json": body}
     r = httpx.post(url + path, headers={"content-type": "application/json"}, timeout=120, **kw)
     ctype = r.headers.get("content-type", "").split(";")[0]
-    parsed = sse(r.text) if ctype == "text/event-stream" else r.json()
+    parsed = token_runs_collapsed(sse(r.text)) if ctype == "text/event-stream" else r.json()
     return {"status": r.status_code, "content-type": ctype, "body": parsed}
 
 
