@@ -58,7 +58,7 @@ class Background:
                 late = self.timeouts[key] = self.timeouts.get(key, 0) + 1
                 if late < self.s.health_check_timeout_failures:
                     return
-        except Exception as e:  # a bug must not leave the endpoint looking healthy while no request can use it
+        except Exception as e:  # a check that cannot be made (a bug, a closed client) proves nothing healthy
             healthy, why = False, f" (the check failed: {e!r})"
         self.timeouts.pop(key, None)  # the run of late answers ends: a pass, another failure, or its last one
         if healthy != self.health.is_healthy(t.slot):

@@ -297,6 +297,30 @@ def test_health_check_verdict_per_kind_of_failure():
             sock.close()
 
 
+def test_a_health_check_that_fails_for_another_reason_marks_the_endpoint_unhealthy():
+    """Not every failure is an engine's: a check the engine client cannot make at all (here: the worker is
+    stopping and the client is closed) must not leave the endpoint looking healthy."""
+    import asyncio
+
+    from engines import EngineClient
+    from scheduling.health import Health
+    from scheduling.registry import Target
+    from scheduling.shared import SharedState
+    from serving.background import Background
+
+    async def verdict() -> bool:
+        settings = Settings(health_check_interval_s=0.2)
+        health = Health(SharedState.create())
+        client = EngineClient(settings)
+        await client.close()
+        url = f"http://127.0.0.1:{free_port()}"
+        health.set_healthy(0, True)
+        await Background(settings, None, health, client)._check(Target(0, 0, 0, "union", "m", "vllm", url, url[7:], False))
+        return health.is_healthy(0)
+
+    assert asyncio.run(verdict()) is False
+
+
 def test_unreachable_instance_answers_fast_with_an_error(c):
     assert wait_until(lambda: not endpoints(c)[c.dead]["healthy"])
     r = post(c, chat(GONE))
