@@ -23,7 +23,8 @@ level, as Anthropic's API does (the id is also the `request-id` header of every 
 from __future__ import annotations
 
 import math
-from email.utils import parsedate_to_datetime
+from datetime import timezone
+from email.utils import format_datetime, parsedate_to_datetime
 
 import ujson
 
@@ -213,19 +214,21 @@ class EngineStatusError(UpstreamError):
 
 
 def _retry_after(value: str | None) -> str | None:
-    """An engine's Retry-After as HTTP allows it (whole seconds, or an HTTP date); a fraction rounded up,
-    anything else dropped rather than relayed."""
+    """An engine's Retry-After in a form HTTP allows: whole seconds (a fraction rounded up) or an HTTP date
+    (written anew, in GMT); anything else, a negative delay among it, is dropped rather than relayed."""
     if not value:
         return None
     try:
         seconds = float(value)
     except ValueError:
         try:
-            parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+            when = parsedate_to_datetime(value)
+            if when.tzinfo is None:  # no zone given: HTTP dates are GMT
+                when = when.replace(tzinfo=timezone.utc)
+            return format_datetime(when.astimezone(timezone.utc), usegmt=True)
+        except Exception:  # the parser raises TypeError, ValueError or OverflowError on what is not a date
             return None
-        return value
-    return str(max(0, math.ceil(seconds))) if math.isfinite(seconds) else None
+    return str(math.ceil(seconds)) if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def dumps(obj: object) -> bytes:
@@ -259,7 +262,7 @@ def _anthropic_engine_error(err: EngineStatusError, rid: str) -> bytes:
     """
     body, inner, message = _engine_error_parts(err)
     etype = inner.get("type") if inner is not None and body.get("type") == "error" else None
-    if etype not in _ANTHROPIC_TYPE_NAMES:
+    if not isinstance(etype, str) or etype not in _ANTHROPIC_TYPE_NAMES:
         etype = anthropic_type(err.status)
     return dumps(_anthropic_error(etype, message, rid))
 
@@ -287,6 +290,8 @@ def _engine_error_parts(err: EngineStatusError) -> tuple[dict | None, dict | Non
         message = inner.get("message")
     else:  # older vLLM: {"object": "error", "message": ...}; FastAPI: {"detail": ...}
         message = (body.get("message") or body.get("detail")) if body is not None else None
+        if isinstance(message, list):  # FastAPI's validation errors: [{"loc": [...], "msg": ..., ...}]
+            message = "; ".join(str(d.get("msg")) for d in message if isinstance(d, dict) and d.get("msg")) or None
     if not isinstance(message, str) or not message:
         message = err.body.decode("utf-8", "replace").strip() or f"engine answered HTTP {err.status}"
     return body, inner, message

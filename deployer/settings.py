@@ -213,8 +213,21 @@ SECTIONS = {
     "motor_engine_decode_config": EngineConfig,
 }
 log = logging.getLogger("deployer")
+# A top-level key naming one of these is meant for a section the deployer reads, however it is spelled.
+_SECTION_WORDS = (("deploy", "motor_deploy_config"), ("prefil", "motor_engine_prefill_config"),
+                  ("decod", "motor_engine_decode_config"), ("coordinat", "motor_coordinator_config"))
 # Every top-level key of user_config.json; `version` is MindIE's format version, passed through unread.
 TOP_LEVEL_KEYS = ("version", *SECTIONS, "motor_coordinator_config")
+
+
+def _near_miss(key: str) -> Optional[str]:
+    """The known top-level key `key` is probably a misspelling of, if any (MindIE's sections for its other
+    components, motor_controller_config and the like, are none)."""
+    lower = key.lower()
+    close = difflib.get_close_matches(lower, TOP_LEVEL_KEYS, n=1, cutoff=0.85)
+    if close:
+        return close[0]
+    return next((known for word, known in _SECTION_WORDS if word in lower), None)
 
 
 # --------------------------------------------------------------------------- generic typed loading
@@ -610,9 +623,9 @@ def load(raw: Any) -> Settings:
     for key in raw:
         if key in TOP_LEVEL_KEYS:
             continue
-        near = difflib.get_close_matches(str(key), TOP_LEVEL_KEYS, n=1, cutoff=0.85)
+        near = _near_miss(str(key))
         if near:  # a misspelled section would otherwise leave its defaults in force
-            errors.append(f"{key}: unknown top-level key; did you mean {near[0]}?")
+            errors.append(f"{key}: unknown top-level key; did you mean {near}?")
         else:
             log.warning("%s: unknown top-level key, not read (known: %s)", key, ", ".join(TOP_LEVEL_KEYS))
     parsed = {}

@@ -106,8 +106,9 @@ async def read_body(request: Request, limit: int) -> bytes:
             # a body that is not coming.
             stream.expecting_continue = stream.keep_alive = False
             stream.request_body = None
-        else:  # the body is on its way: Sanic closes the connection after the 413 instead of reading it
+        else:  # the body is on its way: the 413 says the connection closes, and Sanic does not read the body
             stream.request_max_size = limit
+            stream.keep_alive = False
         raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
     request.stream.request_max_size = limit
     try:

@@ -219,8 +219,8 @@ class Dispatcher:
                     raise
                 failed = target
                 exclude.add(target.slot)
-                if getattr(e, "retry_after", None) and not _can_pick(repick, exclude):
-                    raise  # the one engine asked for time (429/503 with Retry-After): its client gets that wait
+                if getattr(e, "retry_after", None) not in (None, "0") and not _can_pick(repick, exclude):
+                    raise  # no other engine, and this one asked for time (429/503 with Retry-After): the client waits it
                 await asyncio.sleep(self.s.backoff_s(attempt))
                 try:
                     target = repick(frozenset(exclude))

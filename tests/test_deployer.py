@@ -704,6 +704,11 @@ def test_a_misspelled_section_is_refused_not_ignored(tmp_path):
     cfg = base()
     cfg["motor_engine_prefil_config"] = cfg.pop("motor_engine_prefill_config")
     assert errors_of(cfg) == ["motor_engine_prefil_config: unknown top-level key; did you mean motor_engine_prefill_config?"]
+    for near_miss, meant in (("motor_decode_config", "motor_engine_decode_config"), ("Motor_Deploy_Config", "motor_deploy_config"),
+                             ("motor_coordinator", "motor_coordinator_config")):
+        other = base()
+        other[near_miss] = other.pop(meant)
+        assert f"{near_miss}: unknown top-level key; did you mean {meant}?" in errors_of(other)
     proc = _cli_render(tmp_path, json.dumps(cfg))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines()[1:] == [f"  {errors_of(cfg)[0]}"], proc.stderr
@@ -714,6 +719,8 @@ def test_another_top_level_section_is_passed_over_with_a_warning(tmp_path):
     """A MindIE-PyMotor user_config.json carries sections of components this project does not have."""
     cfg = base()
     cfg["motor_controller_config"] = {"standby": True}
+    cfg["motor_nodemanager_config"] = {}
+    cfg["motor_engine_config"] = {}
     assert load(cfg).deploy == load(base()).deploy
     proc = _cli_render(tmp_path, json.dumps(cfg))
     assert proc.returncode == 0, proc.stderr

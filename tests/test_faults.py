@@ -390,8 +390,11 @@ def test_an_engines_retry_after_is_relayed_and_ends_the_retries_once_every_engin
     assert_recovered(c, UNION, False)
 
 
-@pytest.mark.parametrize("sent,relayed", [("1.5", "2"), ("Wed, 21 Oct 2037 07:28:00 GMT", "Wed, 21 Oct 2037 07:28:00 GMT"),
-                                          ("soon", None), ("nan", None)])
+@pytest.mark.parametrize("sent,relayed", [
+    ("1.5", "2"), ("Wed, 21 Oct 2037 07:28:00 GMT", "Wed, 21 Oct 2037 07:28:00 GMT"),
+    ("21 Oct 2037 07:28:00 -0000", "Wed, 21 Oct 2037 07:28:00 GMT"),  # a date in another form: written as HTTP's
+    ("soon", None), ("nan", None), ("-5", None), ("Wed, 21 Oct 99999999999999999999 07:28:00 GMT", None),
+])
 def test_an_engines_retry_after_is_relayed_only_in_a_form_http_allows(c, sent, relayed):
     for s in c.sims["union"]:
         s.set_faults(fail_status=429, fail_retry_after=sent)
@@ -426,6 +429,17 @@ def test_an_engine_error_in_another_shape_reaches_the_client_in_its_apis(c):
         s.set_faults(fail_status=400, fail_body='{"object":"error","message":"bad temperature","type":"BadRequestError","param":null,"code":400}')
     code, _, text = call(c, chat_body(UNION, False))
     assert code == 400 and openai_error(text)["message"] == "bad temperature"
+    # FastAPI's validation errors: a list of them.
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=422, fail_body='{"detail":[{"loc":["body","n"],"msg":"Input should be a valid integer","type":"int_parsing"}]}')
+    code, _, text = call(c, chat_body(UNION, False))
+    assert code == 422 and openai_error(text)["message"] == "Input should be a valid integer"
+    # An Anthropic-shaped error whose type is not a name.
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=400, fail_body='{"type":"error","error":{"type":["odd"],"message":"m"}}')
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(model=UNION, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.body["error"] == {"type": "invalid_request_error", "message": "m"}
     assert_recovered(c, UNION, False)
 
 

@@ -89,8 +89,11 @@ def sse(text: str) -> list[dict]:
 
 
 def _token_delta(event: dict) -> bool:
-    """An OpenAI stream chunk that carries generated text and nothing else (no role, finish or usage)."""
+    """A stream event that carries generated text and nothing else: an OpenAI chunk with no role, finish or
+    usage, or an Anthropic content_block_delta."""
     data = event["data"]
+    if event["event"] == "content_block_delta":
+        return True
     if event["event"] is not None or not isinstance(data, dict) or data.get("usage"):
         return False
     choices = data.get("choices")
@@ -101,15 +104,15 @@ def _token_delta(event: dict) -> bool:
 
 
 def token_runs_collapsed(events: list[dict]) -> list[dict]:
-    """The stream with each run of consecutive text-only chunks as its first chunk.
+    """The stream with each run of consecutive text-only events of one shape as its first event.
 
     vLLM merges the deltas of a request that its API server has not sent yet (v1 RequestOutputCollector),
-    so on a loaded machine two tokens can arrive as one chunk: how many text chunks there are depends on
-    timing, what each kind of chunk looks like does not.
+    so on a loaded machine two tokens can arrive as one event: how many text events there are depends on
+    timing, what each looks like does not (an event of another shape in the run is kept, and compared).
     """
     out = []
     for event in events:
-        if out and _token_delta(event) and _token_delta(out[-1]):
+        if out and _token_delta(event) and _token_delta(out[-1]) and not diff(out[-1], event):
             continue
         out.append(event)
     return out
