@@ -34,7 +34,7 @@ from sanic.exceptions import SanicException  # noqa: E402
 
 from config import ConfigError, Instance, Endpoint, Settings, TlsConfig, load_settings, resolve_config_path, with_models_for_instances  # noqa: E402
 from engines import EngineClient  # noqa: E402
-from errors import CoordinatorError, NotFound, PayloadTooLarge  # noqa: E402
+from errors import CoordinatorError, HeaderFieldsTooLarge, NotFound, PayloadTooLarge  # noqa: E402
 from handlers import register  # noqa: E402
 from handlers.common import INFER, MGMT, OBS, api_of_path, error_response, request_id  # noqa: E402
 from scheduling.health import Health  # noqa: E402
@@ -177,9 +177,7 @@ def create_app(settings: Settings) -> Sanic:
             return error_response(CoordinatorError("internal error"), api, rid)
         status = exc.status_code
         if status == 413 and "header" in str(exc).lower():  # Sanic's limit on the request head
-            err = CoordinatorError("request header fields too large", code="request_header_fields_too_large")
-            err.status, err.openai_type = 431, "invalid_request_error"
-            return error_response(err, api, rid)
+            return error_response(HeaderFieldsTooLarge("request header fields too large"), api, rid)
         if status == 413:
             return error_response(PayloadTooLarge("request body exceeds the configured size limit"), api, rid)
         if status == 404:

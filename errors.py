@@ -7,6 +7,7 @@
     ├── Forbidden                    403: the request names a target it may not use
     ├── NotFound                     404: unknown model or route
     ├── PayloadTooLarge              413: the body exceeds the configured limit
+    ├── HeaderFieldsTooLarge         431: the request's head exceeds Sanic's limit
     ├── RateLimited                  429: over the in-flight cap, the rate limit or the SLO budget
     ├── ServiceUnavailable           503: no usable engine instance, or shutting down
     └── UpstreamError                502: an engine failed
@@ -120,6 +121,19 @@ class PayloadTooLarge(CoordinatorError):
     code = "request_too_large"
 
 
+class HeaderFieldsTooLarge(CoordinatorError):
+    """The request's header fields exceed what Sanic reads of a request head."""
+
+    status = 431
+    openai_type = "invalid_request_error"
+    code = "request_header_fields_too_large"
+
+
+def _retry_after_header(seconds: float) -> dict[str, str]:
+    """Retry-After in whole seconds, rounded up, at least 1 (a 0 would invite an immediate retry)."""
+    return {"Retry-After": str(max(1, int(seconds + 0.999)))}
+
+
 class RateLimited(CoordinatorError):
     """Too many requests: the in-flight cap, the rate limit or the SLO admission said no."""
 
@@ -128,7 +142,7 @@ class RateLimited(CoordinatorError):
     code = "rate_limit_exceeded"
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0, reason: str = "rate_limit"):
-        super().__init__(message, headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))})
+        super().__init__(message, headers=_retry_after_header(retry_after_s))
         self.reason = reason
 
 
@@ -142,7 +156,7 @@ class ServiceUnavailable(CoordinatorError):
     def __init__(self, message: str, *, reason: str = "no_capacity", retry_after_s: float = 1.0):
         # The SDKs wait as long as Retry-After says (up to a minute) before their retry, instead of their own
         # half-second backoff: long enough for a breaker to half-open or a health check to pass again.
-        super().__init__(message, headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))})
+        super().__init__(message, headers=_retry_after_header(retry_after_s))
         self.reason = reason
 
     @classmethod

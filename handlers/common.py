@@ -99,16 +99,17 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise UnsupportedMediaType("Content-Type must be application/json")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
+        # The 413 says the connection closes, and the body is not read. A client that sent `Expect: 100-continue`
+        # waits for a 100 before it sends the body: it gets the 413 alone (Sanic's writer would put a 100 in
+        # front of any answer), and no body is waited for. Any other client's body is on its way, and Sanic
+        # stops at once at the limit instead of reading it.
         stream = request.stream
+        stream.keep_alive = False
         if stream.expecting_continue:
-            # The client waits for a 100 Continue before it sends the body: it gets the 413 instead (Sanic's
-            # writer would put a 100 in front of any answer), and the connection closes rather than wait for
-            # a body that is not coming.
-            stream.expecting_continue = stream.keep_alive = False
+            stream.expecting_continue = False
             stream.request_body = None
-        else:  # the body is on its way: the 413 says the connection closes, and Sanic does not read the body
+        else:
             stream.request_max_size = limit
-            stream.keep_alive = False
         raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
     request.stream.request_max_size = limit
     try:
