@@ -801,11 +801,11 @@ def top_frames(raw_path: str, n: int = 25) -> str:
     self_s: dict[str, int] = {}
     incl: dict[str, int] = {}
     total = 0
-    with open(raw_path) as f:
+    with open(raw_path, errors="replace") as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
-            if not stack:
-                continue
+            if not stack or not (count.isascii() and count.isdigit()):
+                continue  # py-spy now and then writes a garbled line
             k = int(count)
             total += k
             frames = stack.split(";")
@@ -829,7 +829,7 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
     gw = Coordinator(engines, 1, "INFO", gw_cores, workdir, python=opts.python)
     try:
         worker = gw.worker_pids()[0]
-        for cell in ("chat", "pd_chat_stream"):
+        for cell in opts.profile_cells.split(","):
             data = gw.body(cell)
             run_wrk(gw.infer_port, [data], opts.warmup, opts.connections, opts.threads, load_cores, workdir)
             raw = os.path.join(OUT, f"profile-{cell}.txt")
@@ -892,6 +892,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="profile the Coordinator's worker with py-spy instead")
     ap.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
     ap.add_argument("--rate", type=int, default=100, help="with --profile: py-spy samples per second (default 100)")
+    ap.add_argument("--profile-cells", default="chat,pd_chat_stream",
+                    help="with --profile: the cells profiled, comma-separated (default chat,pd_chat_stream)")
     ap.add_argument("--python", default=sys.executable,
                     help="the interpreter that runs the Coordinator and the floor (default: this one); it needs "
                          "requirements.txt installed")
