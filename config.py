@@ -89,6 +89,15 @@ def split_address(address: str) -> tuple[str, int]:
     return parts.hostname or "", port
 
 
+def address_key(address: str) -> str:
+    """The engine a valid address names, as "host:port": `HOST:80`, `http://host:80` and `https://host:80` are one
+    engine (one socket), and so are two spellings of one IPv6 address (`[::1]` and `[0::1]`)."""
+    host, port = split_address(address)
+    if ":" in host:
+        host = f"[{ipaddress.IPv6Address(host).compressed}]"
+    return f"{host}:{port}"
+
+
 @dataclass(frozen=True)
 class Instance:
     id: int
@@ -512,7 +521,7 @@ def check_instance_set(instances: list[Instance], path: str) -> None:
             _fail(f"{path}[{i}].id", f"duplicate instance id {inst.id}")
         seen.add(inst.id)
         for j, ep in enumerate(inst.endpoints):
-            addr = ep.address.split("://", 1)[-1]
+            addr = address_key(ep.address)
             if addr in owner:
                 _fail(f"{path}[{i}].endpoints[{j}].address", f"{addr} is already the address of instance {owner[addr]}")
             owner[addr] = inst.id
@@ -590,6 +599,7 @@ __all__ = [
     "parse_models",
     "check_instance_set",
     "split_address",
+    "address_key",
     "resolve_config_path",
     "with_models_for_instances",
     "DEFAULT_CONFIG_PATH",

@@ -22,7 +22,7 @@ from functools import cached_property
 
 import ujson
 
-from config import Endpoint, Instance, parse_instance
+from config import Endpoint, Instance, address_key, parse_instance
 from scheduling.ledger import Ledger
 from scheduling.shared import (
     BREAKER_CLOSED,
@@ -84,7 +84,6 @@ class Topology:
         self.paused: set[int] = set()
         self.targets: list[Target] = []
         self.pools: dict[tuple[str, str], list[Target]] = {}
-        self.by_address: dict[str, Target] = {}
         for e in entries:
             inst = parse_instance("instance", e)
             self.instances[inst.id] = inst
@@ -97,7 +96,6 @@ class Topology:
                 )
                 self.targets.append(t)
                 self.pools.setdefault((inst.model_name, inst.role), []).append(t)
-                self.by_address[_hostport(ep.address)] = t
         self.model_names = frozenset(model for model, _ in self.pools)
 
     def models(self) -> list[str]:
@@ -106,12 +104,6 @@ class Topology:
     def pool(self, model: str, role: str) -> list[Target]:
         return self.pools.get((model, role), [])
 
-    def find_address(self, host: str, port: str | int | None) -> Target | None:
-        return self.by_address.get(f"{host}:{port}") if port is not None else None
-
-
-def _hostport(address: str) -> str:
-    return address.split("://", 1)[-1].rstrip("/")
 
 
 class Registry:
@@ -268,7 +260,7 @@ def _check_addresses(entries: list[dict]) -> None:
     owner: dict[str, int] = {}
     for e in entries:
         for ep in e["endpoints"]:
-            addr = _hostport(ep["address"])
+            addr = address_key(ep["address"])
             if addr in owner:
                 raise RefreshError(f"endpoint address {addr} is registered twice (instances {owner[addr]} and {e['id']})", 409)
             owner[addr] = e["id"]

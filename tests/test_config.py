@@ -34,6 +34,13 @@ def test_two_instances_at_one_address_are_refused_with_the_key_path():
     )
 
 
+@pytest.mark.parametrize("first, second", [("Engine-0.svc:8000", "http://engine-0.SVC:8000"), ("[::1]:9", "[0::1]:9")])
+def test_one_engine_spelt_two_ways_is_refused_as_one_address(first, second):
+    cfg = coordinator_config([union(1, first), union(2, second)])
+    assert refused(cfg).startswith("motor_coordinator_config.instances[1].endpoints[0].address: ")
+    assert "is already the address of instance 1" in refused(cfg)
+
+
 @pytest.mark.parametrize(
     "address", ["10.0.0.5:8000", "engine-0.engines.svc:8000", "http://e:8000", "https://e:8443", "[::1]:8000", "HTTP://E:80"]
 )

@@ -106,3 +106,19 @@ def test_a_refused_set_leaves_every_health_row_as_it_was(world):
     assert list(registry.shared.health) == before
     assert not health.is_healthy(dead) and health.breaker(dead) == "open"
     assert sorted(registry.view().instances) == [1, 2]
+
+
+@pytest.mark.parametrize("taken, again", [
+    ("engine-0.svc:8000", "HTTP://Engine-0.SVC:8000"),
+    ("[::1]:8000", "[0:0::1]:8000"),
+    ("http://10.0.0.5:8000", "https://10.0.0.5:8000"),
+])
+def test_one_engine_spelt_two_ways_is_one_address(world, taken, again):
+    """Load, health and breakers key on the engine: a second spelling of a taken address is refused, not a
+    second instance sending to the same socket with its own ledger column."""
+    registry, _, _ = world
+    registry.apply("set", [Instance(1, "union", MODEL, (Endpoint(0, taken),))])
+    with pytest.raises(RefreshError) as info:
+        registry.apply("add", [Instance(2, "union", MODEL, (Endpoint(0, again),))])
+    assert info.value.status == 409 and "registered twice" in str(info.value)
+    assert [t.instance_id for t in registry.view().targets] == [1]
