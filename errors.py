@@ -213,6 +213,7 @@ class EngineStatusError(UpstreamError):
 
     def __init__(self, status: int, body: bytes, retry_after: str | None = None):
         super().__init__(f"engine answered HTTP {status}", detail=body[:300].decode("utf-8", "replace"))
+        self.engine_status = status
         if status >= 500 and any(m in body for m in self.PROMPT_TOO_LONG):
             status = 400
         self.status = status
@@ -283,9 +284,10 @@ def _anthropic_engine_error(err: EngineStatusError, rid: str) -> bytes:
 
 def _openai_engine_error(err: EngineStatusError) -> bytes:
     """An engine's 4xx on an OpenAI route: vLLM's own error object as it is, anything else (a proxy's page,
-    FastAPI's `{"detail": ...}`) put into OpenAI's envelope with its text as the message."""
+    FastAPI's `{"detail": ...}`, an error object whose 5xx is the client's 400) put into OpenAI's envelope with
+    its text as the message and the status the client gets as its code."""
     _, inner, message = _engine_error_parts(err)
-    if inner is not None and inner.get("message") == message:
+    if inner is not None and inner.get("message") == message and err.engine_status == err.status:
         return err.body
     return dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": err.status}})
 
