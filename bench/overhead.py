@@ -836,7 +836,7 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
             if os.path.exists(raw):
                 os.unlink(raw)
             spy_proc = subprocess.Popen(pinned(load_cores, [
-                spy, "record", "--pid", str(worker), "--duration", str(int(opts.duration)), "--format", "raw", "--function",
+                spy, "record", "--pid", str(worker), "--duration", str(int(opts.duration)), "--format", "raw", *([] if opts.profile_lines else ["--function"]),
                 "--output", raw,
                 # Native stacks need the target paused per sample: fewer samples keep it from crawling.
                 *(["--native", "--rate", "50"] if opts.native else ["--nonblocking", "--rate", str(opts.rate)]),
@@ -892,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="profile the Coordinator's worker with py-spy instead")
     ap.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
     ap.add_argument("--rate", type=int, default=100, help="with --profile: py-spy samples per second (default 100)")
+    ap.add_argument("--profile-lines", action="store_true", help="with --profile: frames by line, not by function")
     ap.add_argument("--profile-cells", default="chat,pd_chat_stream",
                     help="with --profile: the cells profiled, comma-separated (default chat,pd_chat_stream)")
     ap.add_argument("--python", default=sys.executable,
