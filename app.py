@@ -31,6 +31,7 @@ if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
 from sanic import Request, Sanic  # noqa: E402
 from sanic.worker.loader import AppLoader, CertLoader  # noqa: E402
 from sanic.exceptions import SanicException  # noqa: E402
+from sanic.server.socket import bind_socket  # noqa: E402
 
 from config import ConfigError, Instance, Endpoint, Settings, TlsConfig, load_settings, resolve_config_path, with_models_for_instances  # noqa: E402
 from engines import EngineClient  # noqa: E402
@@ -46,7 +47,7 @@ from serving.admission import Admission  # noqa: E402
 from serving.background import Background  # noqa: E402
 from serving.dispatch import Dispatcher  # noqa: E402
 from serving.metrics import PrometheusObserver, clear_stale_files  # noqa: E402
-from serving.supervisor import Supervisor, start_heartbeat  # noqa: E402
+from serving.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat  # noqa: E402
 
 log = logging.getLogger("coordinator")
 APP_NAME = "motor_coordinator"
@@ -59,7 +60,7 @@ def create_app(settings: Settings) -> Sanic:
     app.config.REQUEST_TIMEOUT = 60
     app.config.KEEP_ALIVE_TIMEOUT = 75
     # The drain window is ours (before_server_stop); Sanic's own wait only lets the last error events out.
-    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 2.0
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = SANIC_SHUTDOWN_S
     app.config.ACCESS_LOG = settings.access_log
     app.config.FALLBACK_ERROR_FORMAT = "json"
     app.config.MOTD = False
@@ -91,7 +92,10 @@ def create_app(settings: Settings) -> Sanic:
     async def supervise_workers(app: Sanic):
         # A worker that dies is restarted, after what it held in shared memory is zeroed; a stop signal to
         # the main process marks the whole Coordinator draining (serving/supervisor.py).
-        Supervisor(app.manager, app.ctx.main_shared, settings.worker_watchdog_timeout_s).install()
+        Supervisor(
+            app.manager, app.ctx.main_shared, settings.worker_watchdog_timeout_s,
+            stop_deadline_s=settings.drain_timeout_s + STOP_GRACE_S,
+        ).install()
 
     @app.main_process_stop
     async def remove_metrics_dir(app: Sanic):
@@ -254,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             if not 1 <= args.workers <= 64:
                 raise ConfigError("--workers: must be 1..64")
             settings = replace(settings, num_workers=args.workers)
+        check_ports_free(settings)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -276,6 +281,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     Sanic.serve(primary=app, app_loader=loader)
     return 0
+
+
+def check_ports_free(settings: Settings) -> None:
+    """Each port binds as Sanic will bind it, or ConfigError says which key's port cannot (one line and exit 2,
+    rather than Sanic's traceback after the simulator started)."""
+    for key, port in (
+        ("coordinator_api_infer_port", settings.infer_port), ("coordinator_api_mgmt_port", settings.mgmt_port),
+        ("coordinator_obs_port", settings.obs_port),
+    ):
+        try:
+            bind_socket(settings.host, port).close()
+        except OSError as e:
+            raise ConfigError(
+                f"motor_coordinator_config.api_config.{key}: cannot listen on {settings.host}:{port} ({e.strerror or e})"
+            ) from None
 
 
 def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:

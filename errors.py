@@ -224,8 +224,11 @@ class EngineStatusError(UpstreamError):
             self.headers["Retry-After"] = self.retry_after
 
     @property
-    def is_client_error(self) -> bool:
-        return 400 <= self.status < 500
+    def relayed(self) -> bool:
+        """Is this answer the request's own (relayed with its status and message), not the engine's failure?
+        A 4xx, and a 501: vLLM answers that for what it does not implement (its NotImplementedError),
+        promptly and every time. Neither counts against the engine's breaker."""
+        return 400 <= self.status < 500 or self.status == 501
 
 
 def _retry_after(value: str | None) -> str | None:
@@ -270,7 +273,7 @@ def _anthropic_error(etype: str, message: str, rid: str) -> dict:
 
 
 def _anthropic_engine_error(err: EngineStatusError, rid: str) -> bytes:
-    """An engine's 4xx in Anthropic's envelope, its status and message kept.
+    """An engine's 4xx or 501 in Anthropic's envelope, its status and message kept.
 
     vLLM answers schema errors on /v1/messages in OpenAI's shape, and its Anthropic-shaped errors carry
     OpenAI's type names (`BadRequestError`); the client gets Anthropic's types either way.
@@ -283,13 +286,14 @@ def _anthropic_engine_error(err: EngineStatusError, rid: str) -> bytes:
 
 
 def _openai_engine_error(err: EngineStatusError) -> bytes:
-    """An engine's 4xx on an OpenAI route: vLLM's own error object as it is, anything else (a proxy's page,
+    """An engine's 4xx or 501 on an OpenAI route: vLLM's own error object as it is, anything else (a proxy's page,
     FastAPI's `{"detail": ...}`, an error object whose 5xx is the client's 400) put into OpenAI's envelope with
     its text as the message and the status the client gets as its code."""
     _, inner, message = _engine_error_parts(err)
     if inner is not None and inner.get("message") == message and err.engine_status == err.status:
         return err.body
-    return dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": err.status}})
+    etype = "invalid_request_error" if err.status < 500 else "server_error"
+    return dumps({"error": {"message": message, "type": etype, "param": None, "code": err.status}})
 
 
 def _engine_error_parts(err: EngineStatusError) -> tuple[dict | None, dict | None, str]:
@@ -316,20 +320,20 @@ def _engine_error_parts(err: EngineStatusError) -> tuple[dict | None, dict | Non
 def render(err: CoordinatorError, api: str, rid: str) -> tuple[int, bytes, dict]:
     """Status, body bytes and headers of an error answered before any byte of a response was sent.
 
-    A 4xx from an engine keeps its status and message: vLLM's error object as it is on OpenAI routes (the
-    engine speaks that protocol), Anthropic's envelope on Anthropic routes.
+    A 4xx or 501 from an engine keeps its status and message: vLLM's error object as it is on OpenAI routes
+    (the engine speaks that protocol), Anthropic's envelope on Anthropic routes.
     """
     headers = {"Content-Type": "application/json", **err.headers}
-    if isinstance(err, EngineStatusError) and err.is_client_error:
+    if isinstance(err, EngineStatusError) and err.relayed:
         body = _anthropic_engine_error(err, rid) if api == ANTHROPIC else _openai_engine_error(err)
         return err.status, body, headers
     return client_status(err), dumps(error_body(err, api, rid)), headers
 
 
 def client_status(err: CoordinatorError) -> int:
-    """The status the client is answered with: an engine's 5xx (or a redirect, which the Coordinator does not
-    follow) is the Coordinator's 502 (bad gateway)."""
-    if isinstance(err, EngineStatusError) and not err.is_client_error:
+    """The status the client is answered with: an engine's 5xx but 501 (or a redirect, which the Coordinator
+    does not follow) is the Coordinator's 502 (bad gateway)."""
+    if isinstance(err, EngineStatusError) and not err.relayed:
         return 502
     return err.status
 

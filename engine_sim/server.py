@@ -56,6 +56,31 @@ def pydantic_style_error(loc: Tuple, msg: str, etype: str, inp: Any = None) -> A
     return ApiError(400, message, "Bad Request", ".".join(("body",) + tuple(str(x) for x in loc)))
 
 
+def pydantic_int(v: Any, loc: Tuple) -> int:
+    """An `int` field as pydantic's lax mode reads it (vLLM's request models): a bool is 0 or 1, an integral
+    float or a string of an integer (or of an integral float) is taken; anything else is its 400."""
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                f = float(v)
+            except ValueError:
+                f = None
+            if f is None or not f.is_integer():
+                raise pydantic_style_error(loc, "Input should be a valid integer, unable to parse string "
+                                           "as an integer", "int_parsing", v) from None
+            return int(f)
+    if isinstance(v, float):
+        if not v.is_integer():
+            raise pydantic_style_error(loc, "Input should be a valid integer, got a number with a "
+                                       "fractional part", "int_from_float", v)
+        return int(v)
+    raise pydantic_style_error(loc, "Input should be a valid integer", "int_type", v)
+
+
 def _thinking_budget(th: Any) -> Optional[int]:
     """`thinking` as vLLM 0.32's AnthropicThinkingConfig validates it; the budget of an enabled one, else None.
 
@@ -77,20 +102,7 @@ def _thinking_budget(th: Any) -> Optional[int]:
     loc = ("thinking", "enabled", "budget_tokens")
     if "budget_tokens" not in th:
         raise pydantic_style_error(loc, "Field required", "missing", th)
-    b = th["budget_tokens"]
-    if isinstance(b, str):
-        try:
-            b = int(b.strip())
-        except ValueError:
-            raise pydantic_style_error(loc, "Input should be a valid integer, unable to parse string "
-                                       "as an integer", "int_parsing", th["budget_tokens"]) from None
-    elif isinstance(b, float):
-        if not b.is_integer():
-            raise pydantic_style_error(loc, "Input should be a valid integer, got a number with a "
-                                       "fractional part", "int_from_float", b)
-        b = int(b)
-    elif not isinstance(b, int):
-        raise pydantic_style_error(loc, "Input should be a valid integer", "int_type", b)
+    b = pydantic_int(th["budget_tokens"], loc)
     if b < 1024:
         raise pydantic_style_error(loc, "Input should be greater than or equal to 1024",
                                    "greater_than_equal", th["budget_tokens"])
@@ -491,9 +503,7 @@ class SimServer:
             mt = body.get("max_tokens")
             if mt is None:
                 raise pydantic_style_error(("max_tokens",), "Field required", "missing", body)
-            if isinstance(mt, bool) or not isinstance(mt, int):
-                raise pydantic_style_error(("max_tokens",), "Input should be a valid integer",
-                                           "int_type", mt)
+            mt = pydantic_int(mt, ("max_tokens",))
             if mt <= 0:
                 raise pydantic_style_error(("max_tokens",), "Value error, max_tokens must be positive",
                                            "value_error", mt)
@@ -531,8 +541,8 @@ class SimServer:
                 raise ApiError(400, f"Tool '{tc['name']}' has not been passed in `tools`.",
                                "BadRequestError")
 
-        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int)):
-            raise pydantic_style_error(("max_tokens",), "Input should be a valid integer", "int_type", mt)
+        if mt is not None:
+            mt = pydantic_int(mt, ("max_tokens",))
         # vLLM's echo without generation: `echo` and max_tokens 0 on completions run with max_tokens 1 and
         # answer the prompt alone (lm-eval-style prompt scoring).
         echo_only = kind == "completions" and body.get("echo") is True and mt == 0
@@ -564,9 +574,7 @@ class SimServer:
                 raise pydantic_style_error(("stop",), "Input should be a valid string or list",
                                            "string_type", stop)
             body_stop = stop
-        mn = body.get("min_tokens", 0) or 0
-        if isinstance(mn, bool) or not isinstance(mn, int):
-            raise pydantic_style_error(("min_tokens",), "Input should be a valid integer", "int_type", mn)
+        mn = pydantic_int(body.get("min_tokens", 0) or 0, ("min_tokens",))
 
         P, L = req["prompt_tokens"], self.cfg.max_model_len
         if P > L or (P == L and mt is None):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from contextlib import nullcontext
 from random import getrandbits
 
 from sanic import HTTPResponse, Request
@@ -37,6 +36,8 @@ REQUEST_ID = "X-Request-Id"
 # (`message._request_id`, `APIStatusError.request_id`).
 ANTHROPIC_REQUEST_ID = "request-id"
 INFER, MGMT, OBS = "infer", "mgmt", "obs"
+# The 4xx statuses the OpenAI and Anthropic SDKs retry by default (besides every 5xx).
+SDK_RETRIED = frozenset({408, 409, 429})
 
 
 def check_plane(request: Request, plane: str | None) -> None:
@@ -206,7 +207,8 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
 
     `from_client` False: an engine's metaserver call, part of a client request that was authenticated
     and admitted already (counting it again would make a trigger-mode request take two in-flight places,
-    and refuse its second half during a drain).
+    and refuse its second half during a drain); this worker's drain still waits for it, as its client's
+    worker waits for the client request.
 
     Its routes are `ctx_self_guarded`: Sanic runs no middleware for them (see handlers/__init__.py), so the
     plane check is here, before anything is recorded (the 404 is rendered by the app's error handler, like
@@ -227,7 +229,7 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         rec.model, rec.stream = job.model, job.stream
         if job.stream and api == OPENAI and job.include_usage:
             rec.usage_event = True
-        with ctx.admission.admit() if from_client else nullcontext():
+        with ctx.admission.admit() if from_client else ctx.admission.attend():
             await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()
@@ -260,10 +262,14 @@ async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api:
         await sink.send(sse_error_event(err, api, rid))
         await sink.response.eof()
         return None
-    if isinstance(err, UpstreamError) and rec.status >= 500 and rec.retries and "Retry-After" not in err.headers:
-        # The Coordinator has retried already (on other engines when it had them): the SDKs' own retries,
-        # which obey this header, would multiply the load on failing engines and open healthy ones' breakers.
-        # An engine that asked for time (Retry-After, relayed) gets the client back after it instead.
+    if (
+        isinstance(err, UpstreamError) and (rec.retries or not err.retryable)
+        and (rec.status >= 500 or rec.status in SDK_RETRIED) and "Retry-After" not in err.headers
+    ):
+        # The Coordinator has retried already (on other engines when it had them), or judged a retry useless:
+        # the SDKs' own retries, which obey this header, would multiply the load on failing engines and open
+        # healthy ones' breakers. An engine that asked for time (Retry-After, relayed) gets the client back
+        # after it instead.
         err.headers["x-should-retry"] = "false"
     if getattr(err, "reason", "") == "draining":
         # The client's retry must take a new connection, which the Service sends to a pod still serving.

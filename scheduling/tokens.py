@@ -263,12 +263,17 @@ def make_meter(tokenizer_path: str, block_tokens: int = 16) -> PromptMeter:
 
 
 def engine_uncached(usage: object) -> int:
-    """The prompt tokens an engine computed (prompt minus cached), from its OpenAI usage; -1 when absent."""
+    """The prompt tokens an engine computed (prompt minus cached), from its OpenAI or Anthropic usage; -1 when
+    absent. vLLM's Anthropic `input_tokens` is the prompt less the tokens its cache held and those it wrote to
+    the cache (`cache_creation_input_tokens`), which it computed too."""
     if not isinstance(usage, dict):
         return -1
     prompt = usage.get("prompt_tokens")
     if not isinstance(prompt, int):
-        return -1
+        uncached, created = usage.get("input_tokens"), usage.get("cache_creation_input_tokens")
+        if not isinstance(uncached, int):
+            return -1
+        return uncached + (created if isinstance(created, int) and created > 0 else 0)
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     return prompt - cached if isinstance(cached, int) and 0 <= cached <= prompt else prompt

@@ -40,6 +40,16 @@ class Admitted:
         self.admission._leave(self.task)
 
 
+class Attended(Admitted):
+    """A request that takes no place but that this worker's drain waits for: an engine's metaserver call, part of
+    a client request admitted (and counted) on whichever worker its client reached."""
+
+    __slots__ = ()
+
+    def __exit__(self, *exc) -> None:
+        self.admission.local.discard(self.task)
+
+
 class Admission:
     def __init__(
         self, settings: Settings, shared: SharedState, worker: int = 0, clock: Callable[[], float] = time.monotonic,
@@ -121,6 +131,11 @@ class Admission:
         else:
             w[self.at] += 1  # only this worker writes its row: no lock without a cap to check
         return Admitted(self)
+
+    def attend(self) -> "Attended":
+        """`with admission.attend():` the drain waits for the block as for an admitted request; no place is taken,
+        and a draining worker does not refuse it (the client request it belongs to is already in)."""
+        return Attended(self)
 
     def _leave(self, task: asyncio.Task | None) -> None:
         self.local.discard(task)

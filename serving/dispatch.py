@@ -23,7 +23,7 @@ from typing import Awaitable, Callable, Protocol, TypeVar
 
 import ujson
 
-from config import Settings, split_address
+from config import ModelConfig, Settings, split_address
 from engines import EngineClient
 from errors import (
     ANTHROPIC,
@@ -53,6 +53,7 @@ from serving.usage import EventSplitter, fix_event, fix_events, fix_response, pr
 T = TypeVar("T")
 log = logging.getLogger("coordinator.serving")
 
+_DEFAULT_MODEL = ModelConfig("")  # a model served without a `models` entry has the default limits
 _PROMPT_KINDS = {CHAT: CHAT_PROMPT, COMPLETIONS: COMPLETION_PROMPT, MESSAGES: MESSAGES_PROMPT}  # how the scheduler reads a prompt
 
 
@@ -106,12 +107,15 @@ class Dispatcher:
         view = self.scheduler.registry.view()
         if model is None and job.model not in view.model_names:
             raise NotFound(f"The model `{job.model}` does not exist.", param="model")
+        limits = model or _DEFAULT_MODEL
         info = JobInfo(
             model=job.model,
             prompt_tokens=0,  # counted by prepare() for the prompt routes
-            max_tokens=job.max_tokens,
-            slo_ttft_ms=job.slo_ttft_ms or (model.slo_ttft_ms if model else 1000),
-            slo_tpot_ms=job.slo_tpot_ms or (model.slo_tpot_ms if model else 50),
+            # No engine generates past its context (vLLM refuses the request): the budget a request takes in the
+            # shared ledger's int64 counters is capped there, so a client's 10**30 cannot overflow them.
+            max_tokens=min(job.max_tokens, limits.d_max_seqlen),
+            slo_ttft_ms=job.slo_ttft_ms or limits.slo_ttft_ms,
+            slo_tpot_ms=job.slo_tpot_ms or limits.slo_tpot_ms,
             engine_type="vllm" if job.route in (MESSAGES, COUNT_TOKENS) else None,
         )
         if job.route in _PROMPT_KINDS:
@@ -186,11 +190,11 @@ class Dispatcher:
             raise _refusal(e, self.s) from None
 
     def _record(self, target: Target, err: Exception | None) -> None:
-        """Feed the breaker: transport errors and 5xx count, 4xx (a prompt too long among them) do not."""
+        """Feed the breaker: transport errors and 5xx count, 4xx (a prompt too long among them) and 501 do not."""
         if err is None:
             self.health.record_success(target.slot)
         elif isinstance(err, EngineStatusError):
-            if not err.is_client_error:
+            if not err.relayed:
                 self.health.record_failure(target.slot)
             else:
                 self.health.record_success(target.slot)

@@ -68,8 +68,7 @@ class Job:
 def echo_without_generation(body: dict) -> bool:
     """A completions body that scores its prompt (lm-eval, HELM): `echo` with `max_tokens` 0, which vLLM
     accepts and answers with the prompt alone."""
-    max_tokens = body.get("max_tokens")
-    return body.get("echo") is True and type(max_tokens) is int and max_tokens == 0
+    return body.get("echo") is True and lax_int(body.get("max_tokens")) == 0
 
 
 def parse_body(raw: bytes) -> dict:
@@ -100,14 +99,33 @@ def _stream(body: dict) -> bool:
     return stream
 
 
+def lax_int(v: object) -> int | None:
+    """An integer field's value read the way vLLM's request models read it (pydantic's lax mode): an int (a
+    bool is 0 or 1), an integral float (2048.0) or a string of one ("2048", "2048.0"); None for anything else."""
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                v = float(v)
+            except ValueError:
+                return None
+    if isinstance(v, float):
+        return int(v) if v.is_integer() else None
+    return None
+
+
 def _max_tokens(body: dict, *keys: str, required: bool = False) -> int:
     for key in keys:
         v = body.get(key)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        n = lax_int(v)
+        if n is None or n < 1:
             raise InvalidRequest(f"'{key}' must be a positive integer", param=key)
-        return v
+        return n
     if required:
         raise InvalidRequest(f"'{keys[0]}' is required and must be a positive integer", param=keys[0])
     return 256
@@ -157,8 +175,8 @@ def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: 
                 raise InvalidRequest(f"Tool '{name}' has not been passed in `tools`.", param="tool_choice")
         thinking = body.get("thinking")
         if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-            budget = thinking.get("budget_tokens")
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+            budget = lax_int(thinking.get("budget_tokens"))
+            if budget is None or budget < 1024:
                 raise InvalidRequest("'thinking.budget_tokens' must be an integer >= 1024", param="thinking.budget_tokens")
             if budget >= max_tokens:
                 raise InvalidRequest("thinking.budget_tokens must be less than max_tokens", param="thinking.budget_tokens")
@@ -174,9 +192,9 @@ def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: 
     ids = body.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)):
         raise InvalidRequest("'stop_token_ids' must be a list of integers", param="stop_token_ids")
-    low = body.get("min_tokens")
-    if low is not None:
-        if isinstance(low, bool) or not isinstance(low, int) or low < 0:
+    if body.get("min_tokens") is not None:
+        low = lax_int(body["min_tokens"])
+        if low is None or low < 0:
             raise InvalidRequest("'min_tokens' must be an integer >= 0", param="min_tokens")
         if max_tokens is not None and low > max_tokens:
             raise InvalidRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {low}.", param="min_tokens")
@@ -200,7 +218,7 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str,
         _check_tools(body)
         max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
         if not from_engine:
-            _check_leg_dropped_fields(body, route, stream, body.get("max_completion_tokens") or body.get("max_tokens"))
+            _check_leg_dropped_fields(body, route, stream, lax_int(body.get("max_completion_tokens") or body.get("max_tokens")))
     elif route == COMPLETIONS:
         stream = _stream(body)
         prompt = body.get("prompt")
@@ -211,7 +229,7 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str,
         echo_only = echo_without_generation(body)  # vLLM runs it with max_tokens 1 and answers the prompt alone
         max_tokens = 1 if echo_only else _max_tokens(body, "max_tokens")
         if not from_engine:
-            _check_leg_dropped_fields(body, route, stream, 1 if echo_only else body.get("max_tokens"))
+            _check_leg_dropped_fields(body, route, stream, 1 if echo_only else lax_int(body.get("max_tokens")))
     elif route == MESSAGES:
         stream = _stream(body)
         max_tokens = _max_tokens(body, "max_tokens", required=True)

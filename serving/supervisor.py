@@ -57,26 +57,46 @@ MAX_DELAY_S = 30.0
 STUCK_LOCK_S = 5.0  # the shared lock still taken this long after a worker died: the dead worker held it
 HEARTBEAT_S = 1.0
 KILL_SETTLE_S = 10.0  # no other watchdog kill while one made this recently is not yet handled
+SANIC_SHUTDOWN_S = 2.0  # Sanic's GRACEFUL_SHUTDOWN_TIMEOUT (app.py): the drain window is ours
+# After the drain window a worker takes up to a second to write its cut streams' error events and Sanic's
+# shutdown wait, then stops its background work: a worker alive this much later is hung, and is killed
+# (inside the deployer's terminationGracePeriodSeconds, drain + 10 s, so the pod still exits on its own).
+STOP_GRACE_S = 1.0 + SANIC_SHUTDOWN_S + 5.0
 
 
 def start_heartbeat(shared: SharedState, worker: int) -> None:
-    """Worker side: write this worker's heartbeat now and every `HEARTBEAT_S`, from its event loop."""
+    """Worker side: write this worker's heartbeat now and every `HEARTBEAT_S`, from its event loop.
+
+    Each beat also checks that the main process is still this worker's parent. If it died (killed, out of
+    memory), nothing would restart this worker, zero what it holds or watch it, yet it would go on serving
+    on the inherited sockets and answer readiness with 200, and hold the ports against a new Coordinator: it
+    stops itself instead, as a stop signal to it alone would (a drain, then exit)."""
     loop = asyncio.get_running_loop()
     beats, at = shared.workers, worker * WORKER_FIELDS + W_HEARTBEAT_MS
+    parent = os.getppid()
 
     def beat() -> None:
         beats[at] = int(time.monotonic() * 1000)  # CLOCK_MONOTONIC: one clock for every process of the machine
+        if os.getppid() != parent:
+            log.error("worker %s (pid %s): the main process (pid %s) is gone: stopping", worker, os.getpid(), parent)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         loop.call_later(HEARTBEAT_S, beat)
 
     beat()
 
 
 class Supervisor:
-    def __init__(self, manager: Any, shared: SharedState, watchdog_timeout_s: float, interval_s: float = 0.5):
+    def __init__(
+        self, manager: Any, shared: SharedState, watchdog_timeout_s: float, interval_s: float = 0.5,
+        stop_deadline_s: float = float("inf"),
+    ):
         """`watchdog_timeout_s`: how old a live worker's heartbeat may get before it is killed (0: never;
-        else at least config.MIN_WATCHDOG_S: a healthy worker's heartbeat is up to HEARTBEAT_S + interval_s old)."""
+        else at least config.MIN_WATCHDOG_S: a healthy worker's heartbeat is up to HEARTBEAT_S + interval_s old).
+        `stop_deadline_s`: how long after the stop signal a worker may still be alive before it is killed."""
         self.manager, self.shared, self.interval_s = manager, shared, interval_s
         self.watchdog_timeout_s = watchdog_timeout_s
+        self.stop_deadline_s = stop_deadline_s
         # The OS processes (Sanic's WorkerProcess._current_process: a restart swaps it) the watchdog killed,
         # with when, until their death is handled; and those whose death was handled.
         self.killed: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
@@ -105,6 +125,7 @@ class Supervisor:
     def on_signal(self, sig: int, frame: Any) -> None:
         if not self.stopping:
             self.stopped_pids = {p.pid for p in self._servers() if p.is_alive()}  # the ones Sanic's shutdown stops
+            threading.Thread(target=self._kill_at_stop_deadline, name="motor-stop-deadline", daemon=True).start()
         self.stopping = True
         self.shared.globals[G_DRAINING] = 1  # before the workers hear of it: readiness 503 on every worker
         if not self._startup_over():
@@ -113,6 +134,23 @@ class Supervisor:
             handler = self.sanic_handlers.get(sig)
             if callable(handler):
                 handler(sig, frame)
+
+    def _kill_at_stop_deadline(self) -> None:
+        """A worker hung when the stop signal came (its loop blocked: it never hears the manager's SIGINT) would
+        keep Sanic's shutdown waiting for it for good, and the watchdog stands down once the stop begins. The
+        drain window and Sanic's own shutdown wait are over by the deadline: a worker still alive then is
+        killed, so the Coordinator exits."""
+        time.sleep(self.stop_deadline_s)
+        for process in self._servers():
+            if process.is_alive():
+                log.error(
+                    "worker %s (pid %s) is still running %.0f s after the stop signal: killing it",
+                    process.name, process.pid, self.stop_deadline_s,
+                )
+                try:
+                    os.kill(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def _exit_during_startup(self, sig: int) -> None:
         log.warning(

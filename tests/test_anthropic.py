@@ -190,6 +190,20 @@ def test_thinking_budget_not_below_max_tokens_is_refused_at_the_edge(cluster):
     assert sdk(cluster).messages.create(max_tokens=2049, **ask).content[0].type == "thinking"
 
 
+@pytest.mark.parametrize("budget, max_tokens", [(2048.0, 4096), ("2048", "4096"), (2048, 4096.0)])
+def test_integer_fields_are_read_as_vllm_reads_them(cluster, budget, max_tokens):
+    """vLLM's request models read integers in pydantic's lax mode: 2048.0 and "2048" are 2048 (a client that
+    computes a budget as max_tokens * 0.5 sends a float). The Coordinator's own checks agree, whole or split."""
+    body = {"model": MODEL, "max_tokens": max_tokens, "thinking": {"type": "enabled", "budget_tokens": budget},
+            "messages": [{"role": "user", "content": "think"}]}
+    r = httpx.post(cluster.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert [block["type"] for block in r.json()["content"]][0] == "thinking"
+    for bad in (2048.5, "2048.5", True, "many"):
+        r = httpx.post(cluster.url + "/v1/messages", json={**body, "thinking": {"type": "enabled", "budget_tokens": bad}}, timeout=30)
+        assert r.status_code == 400 and "budget_tokens" in r.json()["error"]["message"], (bad, r.text)
+
+
 def test_sdk_reads_the_request_id(cluster):
     """Anthropic's SDK takes the id from the `request-id` header: JSON, streams, count_tokens and errors."""
     c = sdk(cluster)
@@ -558,9 +572,9 @@ BAD_BODIES = [
     ("/v1/messages", json.dumps({"model": MODEL, "messages": USER}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 0, "messages": USER}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": -3, "messages": USER}).encode()),
-    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": "5", "messages": USER}).encode()),
+    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": "five", "messages": USER}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 2.5, "messages": USER}).encode()),
-    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": True, "messages": USER}).encode()),
+    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": False, "messages": USER}).encode()),  # 0 to vLLM
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": []}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": "hi"}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": 5, "content": "x"}]}).encode()),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -153,11 +154,13 @@ def test_tls_files_must_exist_and_load(cert, tmp_path, section):
 def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
     """Each of these started the app before, and failed in it with a traceback."""
     base = coordinator_config([union(1, "127.0.0.1:9")])
+    taken = socket.create_server(("127.0.0.1", 0))  # another program's port
     cases = {
         "same-address": {**base, "instances": [union(1, "127.0.0.1:9"), union(2, "127.0.0.1:9")]},
         "too-many": {**base, "instances": [union(i, f"127.0.0.1:{10000 + i}") for i in range(300)]},
         "missing-cert": {**base, "infer_tls_config": {"enable_tls": True, "cert_file": "/nonexistent.pem", "key_file": "/nonexistent.key"}},
         "bad-host": {**base, "api_config": {**base["api_config"], "coordinator_api_host": "not-a-host.invalid"}},
+        "port-in-use": {**base, "api_config": {**base["api_config"], "coordinator_api_mgmt_port": taken.getsockname()[1]}},
     }
     for name, cfg in cases.items():
         path = tmp_path / f"{name}.json"
@@ -167,6 +170,8 @@ def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("config error: motor_coordinator_config."), (name, proc.stderr[-2000:])
         assert "Traceback" not in proc.stdout + proc.stderr
+    assert "api_config.coordinator_api_mgmt_port: cannot listen on 127.0.0.1:%d (Address already in use)" % taken.getsockname()[1] in lines[0]
+    taken.close()
 
 
 def test_a_config_path_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path):

@@ -379,6 +379,35 @@ def test_spent_retries_tell_the_sdk_not_to_retry_them_again(c):
     assert_recovered(c, UNION, False)
 
 
+@pytest.mark.parametrize("status", [408, 429])
+def test_a_spent_408_or_429_tells_the_sdk_not_to_retry_it_again(c, status):
+    """The SDKs retry 408 and 429 too: without the header each of their attempts would get the
+    Coordinator's retries again (3 x 4 engine attempts)."""
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=status)
+    client = anthropic.Anthropic(base_url=c.url, api_key="x", max_retries=2, timeout=30)  # the SDK's default
+    with pytest.raises(anthropic.APIStatusError) as exc:
+        client.messages.create(model=UNION, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.status_code == status and exc.value.response.headers["x-should-retry"] == "false"
+    assert len(attempts(c.sims["union"])) == 1 + MAX_RETRY
+    assert_recovered(c, UNION, False)
+
+
+def test_an_engines_501_is_the_requests_answer(c):
+    """vLLM answers 501 for what it does not implement, every time: the client reads the engine's message
+    and status, and neither the Coordinator nor the SDK retries it (the breaker: test_limits.py)."""
+    message = "logprobs are not supported with this sampler"
+    for s in c.sims["union"]:
+        s.set_faults(fail_status=501, fail_body=json.dumps({"error": {"message": message, "type": "NotImplementedError", "param": None, "code": 501}}))
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=2, timeout=30)  # the SDK's default
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.chat.completions.create(model=UNION, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert exc.value.status_code == 501 and exc.value.response.headers["x-should-retry"] == "false"
+    assert exc.value.body["message"] == message
+    assert len(attempts(c.sims["union"])) == 1
+    assert_recovered(c, UNION, False)
+
+
 @pytest.mark.parametrize("status,client_status", [(429, 429), (503, 502)])
 def test_an_engines_retry_after_is_relayed_and_ends_the_retries_once_every_engine_asked(c, status, client_status):
     for s in c.sims["union"]:
@@ -624,3 +653,21 @@ def _disconnects(c) -> dict:
             phase = line.split('phase="', 1)[1].split('"', 1)[0]
             out[phase] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def test_a_huge_max_tokens_takes_at_most_the_models_context_in_the_ledger(c):
+    """The shared ledger counts in int64: a client's max_tokens of 10**30 once wrapped round in it and misled
+    every worker's scheduling while the request lived. Its budget there is the model's context at most."""
+    for s in c.sims["union"]:
+        s.set_faults(slow_first_byte_s=1.0)
+    answer = []
+    t = threading.Thread(target=lambda: answer.append(call(c, {**chat_body(UNION, False), "max_tokens": 10**30})))
+    t.start()
+    try:
+        assert wait_until(lambda: any(load["inflight_requests"] for load in ledger(c)), 5)
+        decode_tokens = [load["inflight_decode_tokens"] for load in ledger(c)]
+        assert 0 < max(decode_tokens) <= 8192, decode_tokens
+    finally:
+        t.join(30)
+    assert answer and answer[0][0] == 400  # the engine's own refusal, relayed
+    assert_recovered(c, UNION, False)

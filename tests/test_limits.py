@@ -7,6 +7,7 @@ worker. Connections are not reused between requests, so the kernel spreads them 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import signal
@@ -104,6 +105,30 @@ def test_rate_limit_refills_at_its_rate_however_often_it_is_asked(rate, expected
         admitted += admission._take_rate_token() == 0.0
         now[0] += 0.0001
     assert expected - 1 <= admitted <= expected
+
+
+def test_the_drain_waits_for_an_engines_metaserver_call_which_takes_no_place():
+    """In trigger mode an engine's metaserver call may reach a worker with no client request of its own: that
+    worker's drain must not stop it (it is half of a request another worker holds), nor count it in flight."""
+    async def main() -> None:
+        admission = Admission(Settings(), SharedState.create())
+        release = asyncio.Event()
+
+        async def metaserver_call() -> None:
+            with admission.attend():
+                await release.wait()
+
+        call = asyncio.create_task(metaserver_call())
+        await asyncio.sleep(0)
+        assert admission.inflight() == 0
+        drain = asyncio.create_task(admission.drain(5.0))
+        await asyncio.sleep(0.3)
+        assert not drain.done() and not call.done()  # the drain waits for it
+        release.set()
+        await asyncio.wait_for(drain, 2.0)
+        assert call.done() and not call.cancelled() and admission.local == set()
+
+    asyncio.run(main())
 
 
 def test_inflight_cap_holds_across_workers(c):
@@ -204,6 +229,10 @@ def test_client_errors_never_open_the_breaker(c):
         s.set_faults(fail_status=400)
     for _ in range(6):
         assert post(c, chat(FLAKY)).status_code == 400
+    for s in (c.good, c.bad):  # vLLM's answer to what it does not implement: the request's, every time
+        s.set_faults(fail_status=501)
+    for _ in range(6):
+        assert post(c, chat(FLAKY)).status_code == 501
     # A prompt longer than the engine's context: vLLM's prompt-too-long answer.
     for s in (c.good, c.bad):
         s.clear_faults()
@@ -212,7 +241,7 @@ def test_client_errors_never_open_the_breaker(c):
         assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
     states = {addr: ep["breaker"] for addr, ep in endpoints(c).items() if addr in (c.good.address, c.bad.address)}
     assert set(states.values()) == {"closed"}
-    assert c.good.stats()["received"] + c.bad.stats()["received"] == 10  # never retried either
+    assert c.good.stats()["received"] + c.bad.stats()["received"] == 16  # never retried either
 
 
 def test_active_health_check_takes_an_instance_out_and_back(c):

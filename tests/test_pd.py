@@ -258,7 +258,7 @@ def test_a_retry_that_finds_no_engine_is_not_counted(sims):
 
 @pytest.mark.parametrize("extra", [
     {"stream_options": {"include_usage": True}},  # without stream: true
-    {"stop": 5}, {"stop": ["ok", 7]}, {"stop_token_ids": ["x"]}, {"min_tokens": -1}, {"min_tokens": "2"},
+    {"stop": 5}, {"stop": ["ok", 7]}, {"stop_token_ids": ["x"]}, {"min_tokens": -1}, {"min_tokens": "two"},
     {"min_tokens": 9, "max_tokens": 4},
 ], ids=["stream_options", "stop_int", "stop_list", "stop_token_ids", "min_tokens_negative", "min_tokens_str", "min_over_max"])
 def test_what_only_decode_would_refuse_is_refused_before_the_prefill(fresh, extra):
@@ -268,6 +268,19 @@ def test_what_only_decode_would_refuse_is_refused_before_the_prefill(fresh, extr
     r = httpx.post(fresh.url + "/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra))
     assert fresh.p.stats()["received"] == 0 and fresh.d.stats()["received"] == 0
+
+
+@pytest.mark.parametrize("max_tokens, min_tokens", [("4", "2"), (4.0, 2.0), (" 4 ", "2.0")])
+def test_integer_fields_are_read_as_vllm_reads_them(fresh, max_tokens, min_tokens):
+    """vLLM's request models read integers in pydantic's lax mode ("4" and 4.0 are 4): so does every check
+    the Coordinator makes before the prefill, and D gets the client's values as they were sent."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens, "min_tokens": min_tokens}
+    r = httpx.post(fresh.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    [leg] = [x["body"] for x in fresh.d.requests() if x["path"] == "/v1/chat/completions"]
+    assert (leg["max_tokens"], leg["min_tokens"]) == (max_tokens, min_tokens)
+    r = httpx.post(fresh.url + "/v1/chat/completions", json={**body, "min_tokens": "5"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"  # 5 > 4, read as numbers
 
 
 TOOLS = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -282,7 +295,7 @@ TOOLS = [{"name": "get_weather", "input_schema": {"type": "object", "properties"
     # vLLM exempts the prefill leg from `budget_tokens < max_tokens`: P would prefill, and only D refuse.
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens must be less than max_tokens"),
     ({"thinking": {"type": "enabled", "budget_tokens": 16}}, "'thinking.budget_tokens' must be an integer >= 1024"),
-    ({"thinking": {"type": "enabled", "budget_tokens": "2048"}}, "'thinking.budget_tokens' must be an integer >= 1024"),
+    ({"thinking": {"type": "enabled", "budget_tokens": "lots"}}, "'thinking.budget_tokens' must be an integer >= 1024"),
 ], ids=["stop_sequences", "unknown_tool", "no_tools", "no_name", "budget_not_below_max", "budget_low", "budget_str"])
 def test_what_only_decode_would_refuse_on_messages_is_refused_before_the_prefill(fresh, extra, message):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], **extra}

@@ -129,7 +129,15 @@ def test_block_hashes_are_chained_over_the_whole_prompt():
 def test_engine_uncached_reads_openai_usage():
     assert engine_uncached({"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}}) == 36
     assert engine_uncached({"prompt_tokens": 100}) == 100
-    assert engine_uncached({"input_tokens": 3}) == -1 and engine_uncached(None) == -1
+    assert engine_uncached(None) == -1 and engine_uncached({"output_tokens": 3}) == -1
+
+
+def test_engine_uncached_reads_vllms_anthropic_usage():
+    """A Messages prefill's usage: what the cache held is left out of input_tokens; what was written to it
+    was computed."""
+    assert engine_uncached({"input_tokens": 36, "cache_read_input_tokens": 64}) == 36
+    assert engine_uncached({"input_tokens": 20, "cache_read_input_tokens": 64, "cache_creation_input_tokens": 16}) == 36
+    assert engine_uncached({"input_tokens": 100, "output_tokens": 1}) == 100
 
 
 def test_exact_counts_with_a_local_tokenizer(tmp_path):

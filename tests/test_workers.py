@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import httpx
 
+from serving.supervisor import STOP_GRACE_S
 from tests.conftest import MODEL
 from tests.support import ROOT, Coordinator, coordinator_config, instance, wait_until
 
@@ -178,6 +179,63 @@ def test_a_worker_whose_loop_stops_is_killed_and_restarted(sims):
         assert wait_until(lambda: chat(coord).status_code == 200 and served_by(coord, new_pid, mark), timeout_s=30)
         # The other worker, alive and beating all along, was left alone.
         assert coord.server_workers()["Sanic-Server-0-0"] == workers["Sanic-Server-0-0"]
+
+
+def running(pid: int) -> bool:
+    """The process exists and has not exited (an exited one stays a zombie until whoever adopted it reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_hung_when_the_coordinator_stops_is_killed_and_the_coordinator_exits(sims):
+    """The watchdog stands down once the stop begins, and a hung worker never hears the manager's SIGINT:
+    Sanic's shutdown waited for it for good. It is killed STOP_GRACE_S after the drain window."""
+    a = sims("union")
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, a.address)],
+        inference_workers_config={"num_workers": 2, "worker_watchdog_timeout": 30},
+        shutdown_config={"drain_timeout": 1},
+    )
+    with Coordinator(cfg) as coord:
+        workers = coord.server_workers()
+        victim = "Sanic-Server-1-0"
+        time.sleep(1.0)  # Sanic's monitor loop acknowledges the workers' start (a stop before that exits at once)
+        os.kill(workers[victim], signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            coord.proc.send_signal(signal.SIGTERM)
+            code = coord.proc.wait(1 + STOP_GRACE_S + 20)
+            took = time.monotonic() - started
+        finally:
+            try:
+                os.kill(workers[victim], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert f"worker {victim} (pid {workers[victim]}) is still running" in coord.output()
+        assert 1 + STOP_GRACE_S - 1 <= took <= 1 + STOP_GRACE_S + 10, took
+        assert not running(workers[victim]) and code is not None
+
+
+def test_workers_whose_main_process_died_stop_themselves(sims):
+    """Nothing supervises a worker whose main process was killed (OOM, SIGKILL): it went on serving on the
+    inherited sockets, ready, and kept the ports from a new Coordinator. It drains and exits instead."""
+    a = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, a.address)], inference_workers_config={"num_workers": 2})
+    with Coordinator(cfg) as coord:
+        workers = coord.server_workers()
+        coord.proc.kill()
+        try:
+            assert wait_until(lambda: not any(running(pid) for pid in workers.values()), timeout_s=15)
+        finally:
+            for pid in workers.values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        assert "the main process (pid %d) is gone: stopping" % coord.proc.pid in coord.output()
 
 
 def test_sigterm_to_one_worker_drains_only_that_worker(sims):
