@@ -153,8 +153,10 @@ def _engine_context(settings: Settings, role: str) -> Dict[str, Any]:
     name = ENGINE_NAME[role]
     res = copy.deepcopy(dataclasses.asdict(eng.resources))
     if eng.accelerator_num:
-        res.setdefault("requests", {})[eng.accelerator_resource_name] = str(eng.accelerator_num)
-        res.setdefault("limits", {})[eng.accelerator_resource_name] = str(eng.accelerator_num)
+        for part in ("requests", "limits"):
+            # settings refuses native resource names (cpu, memory...), so the accelerators never replace a value.
+            assert eng.accelerator_resource_name not in res[part], eng.accelerator_resource_name
+            res[part][eng.accelerator_resource_name] = str(eng.accelerator_num)
     probe_period = 10
     return {
         "role": role,

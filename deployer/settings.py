@@ -158,7 +158,8 @@ class EngineConfig:
     kv_connector_extra_config: Dict[str, Any] = field(default_factory=dict, metadata=_doc(
         "kv_connector_extra_config of --kv-transfer-config, omitted when empty"))
     accelerator_resource_name: str = field(default="nvidia.com/gpu", metadata=_doc(
-        "extended resource requested for the accelerators"))
+        "extended resource requested for the accelerators (a DNS-subdomain prefix outside kubernetes.io, '/', "
+        "a name), e.g. nvidia.com/gpu, amd.com/gpu"))
     accelerator_num: int = field(default=1, metadata=_doc(
         "accelerators per pod; 0 for CPU engines, otherwise >= tensor * pipeline parallel size"))
     resources: ResourceSpec = field(default_factory=lambda: ResourceSpec(
@@ -294,6 +295,7 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # fullmatch, at most 63 characters
+QUOTA_PREFIX = "requests."  # ResourceQuota's name for a resource's requests
 LABEL_VALUE_RULE = "at most 63 letters, digits, '-', '_' or '.', beginning and ending with a letter or digit"
 _QUANTITY = re.compile(r"^(?P<num>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suf>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
 _SUFFIX = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
@@ -322,6 +324,14 @@ def _is_label_key(key: str) -> bool:
     if slash and (len(prefix) > 253 or _DNS_SUBDOMAIN.fullmatch(prefix) is None):
         return False
     return name != "" and _is_label_value(name)
+
+
+def _is_extended_resource_name(name: str) -> bool:
+    """What the API server takes as an extended resource (its IsExtendedResourceName): a label key with a
+    prefix, outside the kubernetes.io namespace, that is still one with "requests." in front (the quota name).
+    A name without a prefix is a native resource: cpu, memory, ephemeral-storage, hugepages-*."""
+    return ("/" in name and "kubernetes.io/" not in name and not name.startswith(QUOTA_PREFIX)
+            and _is_label_key(QUOTA_PREFIX + name))
 
 
 def _check_node_selector(selector: Dict[str, str], path: str, errors: List[str]) -> None:
@@ -486,8 +496,10 @@ def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[st
         errors.append(f"{p}.kv_connector: must be a connector class name (got {e.kv_connector!r})")
     if not e.kv_buffer_device:
         errors.append(f"{p}.kv_buffer_device: must not be empty")
-    if not _DNS_SUBDOMAIN.match(e.accelerator_resource_name.split("/")[0] if e.accelerator_resource_name else ""):
-        errors.append(f"{p}.accelerator_resource_name: not a resource name (got {e.accelerator_resource_name!r})")
+    if not _is_extended_resource_name(e.accelerator_resource_name):
+        errors.append(f"{p}.accelerator_resource_name: not an extended resource name: a DNS-subdomain prefix "
+                      f"outside kubernetes.io, '/', then {LABEL_VALUE_RULE}, e.g. nvidia.com/gpu; not cpu, memory, "
+                      f"ephemeral-storage or hugepages-* (got {e.accelerator_resource_name!r})")
     if isinstance(e.accelerator_num, int) and isinstance(e.tensor_parallel_size, int) \
             and isinstance(e.pipeline_parallel_size, int):
         need = e.tensor_parallel_size * e.pipeline_parallel_size

@@ -655,6 +655,12 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
      "motor_deploy_config.weight_mount_path: '/dev/shm/' overlaps /dev/shm, also mounted in the engine pods"),
     ({"motor_engine_prefill_config": {"gpu_memory_utilization": 1.5}},
      "motor_engine_prefill_config.gpu_memory_utilization: must be in (0, 1]"),
+    # Native resources would replace the engine's own requests and limits; the rest Kubernetes refuses.
+    *[({"motor_engine_prefill_config": {"accelerator_resource_name": name}},
+       "motor_engine_prefill_config.accelerator_resource_name: not an extended resource name")
+      for name in ("cpu", "memory", "ephemeral-storage", "hugepages-2Mi", "gpu", "nvidia.com/", "example.com/a/b",
+                   "kubernetes.io/gpu", "gpu.kubernetes.io/a100", "requests.example.com/gpu", "Example.com/gpu",
+                   "/gpu", "nvidia.com/gpu\n", "a" * 245 + "/gpu")],
     # Tolerations and node selectors that kubectl would refuse (the schemas alone accept them).
     ({"motor_deploy_config": {"coordinator_tolerations": [{"foo": 1}]}},
      "motor_deploy_config.coordinator_tolerations[0].foo: unknown key (known: key, operator, value, effect, "
@@ -697,6 +703,19 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
 def test_bad_input_is_refused_naming_the_key(changes, expected):
     errs = errors_of(with_changes(**changes))
     assert any(e.startswith(expected) for e in errs), errs
+
+
+def test_accelerators_are_any_extended_resource_and_never_replace_cpu_or_memory():
+    names = ("amd.com/gpu", "example.com/a_b.c", "a" * 244 + "/gpu")
+    for name in names:
+        b = bundle(with_changes(motor_engine_decode_config={"accelerator_resource_name": name, "accelerator_num": 2}))
+        res = find(b, "StatefulSet", R.ENGINE_NAME["decode"])["spec"]["template"]["spec"]["containers"][0]["resources"]
+        assert res == {"requests": {"cpu": "4", "memory": "32Gi", name: "2"},
+                       "limits": {"cpu": "16", "memory": "64Gi", name: "2"}}
+    s = load(base())
+    s.prefill.accelerator_resource_name = "memory"  # what load refuses: the render does not write it over memory
+    with pytest.raises(AssertionError):
+        R.render(s)
 
 
 def test_a_misspelled_section_is_refused_not_ignored(tmp_path):
