@@ -291,13 +291,16 @@ def _load_dataclass(cls: type, data: Dict[str, Any], path: str, errors: List[str
 
 # --------------------------------------------------------------------------- semantic checks
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Every pattern is applied with fullmatch: `$` would also match before a final newline.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+DNS_SUBDOMAIN_MAX = 253  # Kubernetes' limit on object names (Secrets, service accounts) and on DNS names
+DNS_SUBDOMAIN_RULE = f"a DNS subdomain: lowercase letters, digits, '-' and '.', at most {DNS_SUBDOMAIN_MAX} characters"
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # an environment variable or a Python class name
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # fullmatch, at most 63 characters
 QUOTA_PREFIX = "requests."  # ResourceQuota's name for a resource's requests
 LABEL_VALUE_RULE = "at most 63 letters, digits, '-', '_' or '.', beginning and ending with a letter or digit"
-_QUANTITY = re.compile(r"^(?P<num>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suf>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
+_QUANTITY = re.compile(r"(?P<num>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suf>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?")
 _SUFFIX = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
 
@@ -314,6 +317,10 @@ def _is_loopback(address: str) -> bool:
     return ip.is_loopback or ip.is_unspecified
 
 
+def _is_dns_subdomain(name: str) -> bool:
+    return len(name) <= DNS_SUBDOMAIN_MAX and _DNS_SUBDOMAIN.fullmatch(name) is not None
+
+
 def _is_label_value(value: str) -> bool:
     return value == "" or (len(value) <= 63 and _LABEL_NAME.fullmatch(value) is not None)
 
@@ -321,7 +328,7 @@ def _is_label_value(value: str) -> bool:
 def _is_label_key(key: str) -> bool:
     """A Kubernetes label key (qualified name): an optional DNS subdomain prefix and '/', then a name."""
     prefix, slash, name = key.rpartition("/")
-    if slash and (len(prefix) > 253 or _DNS_SUBDOMAIN.fullmatch(prefix) is None):
+    if slash and not _is_dns_subdomain(prefix):
         return False
     return name != "" and _is_label_value(name)
 
@@ -375,7 +382,7 @@ def _check_tolerations(tolerations: List[Dict[str, Any]], path: str, errors: Lis
 
 
 def parse_quantity(text: str) -> Optional[float]:
-    m = _QUANTITY.match(text) if isinstance(text, str) else None
+    m = _QUANTITY.fullmatch(text) if isinstance(text, str) else None
     if not m:
         return None
     return float(m.group("num")) * _SUFFIX[m.group("suf")]
@@ -415,11 +422,11 @@ def _no_overlap(path: str, mounts: tuple, key: str, pod: str, errors: List[str])
 
 def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
     p = "motor_deploy_config"
-    if not _DNS_LABEL.match(d.job_id) or len(d.job_id) > 40:
+    if not _DNS_LABEL.fullmatch(d.job_id) or len(d.job_id) > 40:
         errors.append(f"{p}.job_id: must be a DNS-1123 label of at most 40 characters "
                       f"(lowercase letters, digits, '-'; got {d.job_id!r})")
-    if not _DNS_SUBDOMAIN.match(d.cluster_domain):
-        errors.append(f"{p}.cluster_domain: must be a DNS name (got {d.cluster_domain!r})")
+    if not _is_dns_subdomain(d.cluster_domain):
+        errors.append(f"{p}.cluster_domain: must be {DNS_SUBDOMAIN_RULE} (got {d.cluster_domain!r})")
     for key in ("image_name", "engine_image_name"):
         val = getattr(d, key)
         if not val or any(c.isspace() for c in val):
@@ -428,8 +435,8 @@ def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
         errors.append(f"{p}.image_pull_policy: must be one of {', '.join(PULL_POLICIES)} "
                       f"(got {d.image_pull_policy!r})")
     for i, name in enumerate(d.image_pull_secrets):
-        if isinstance(name, str) and not _DNS_SUBDOMAIN.match(name):
-            errors.append(f"{p}.image_pull_secrets[{i}]: not a valid Secret name (got {name!r})")
+        if isinstance(name, str) and not _is_dns_subdomain(name):
+            errors.append(f"{p}.image_pull_secrets[{i}]: not a Secret name, {DNS_SUBDOMAIN_RULE} (got {name!r})")
     _in_range(d.coordinator_replicas, 1, 16, f"{p}.coordinator_replicas", errors)
     _in_range(d.p_instances_num, 1, MAX_INSTANCES, f"{p}.p_instances_num", errors)
     _in_range(d.d_instances_num, 1, MAX_INSTANCES, f"{p}.d_instances_num", errors)
@@ -437,14 +444,15 @@ def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
     _check_resources(d.coordinator_resources, f"{p}.coordinator_resources", errors)
     _check_node_selector(d.coordinator_node_selector, f"{p}.coordinator_node_selector", errors)
     _check_tolerations(d.coordinator_tolerations, f"{p}.coordinator_tolerations", errors)
-    if d.service_account_name and not _DNS_SUBDOMAIN.match(d.service_account_name):
-        errors.append(f"{p}.service_account_name: not a valid name (got {d.service_account_name!r})")
+    if d.service_account_name and not _is_dns_subdomain(d.service_account_name):
+        errors.append(f"{p}.service_account_name: not a service account name, {DNS_SUBDOMAIN_RULE} "
+                      f"(got {d.service_account_name!r})")
     _in_range(d.run_as_user, 1, 2 ** 31 - 1, f"{p}.run_as_user", errors, " (non-root)")
     _in_range(d.prestop_sleep_seconds, 0, 300, f"{p}.prestop_sleep_seconds", errors)
     if d.termination_grace_period_seconds < 0:
         errors.append(f"{p}.termination_grace_period_seconds: must be >= 0")
-    if not _DNS_SUBDOMAIN.match(d.tls_secret_name):
-        errors.append(f"{p}.tls_secret_name: not a valid Secret name (got {d.tls_secret_name!r})")
+    if not _is_dns_subdomain(d.tls_secret_name):
+        errors.append(f"{p}.tls_secret_name: not a Secret name, {DNS_SUBDOMAIN_RULE} (got {d.tls_secret_name!r})")
     tls = d.tls_mount_path
     if not tls.startswith("/") or posixpath.normpath(tls) != (tls.rstrip("/") or "/"):
         errors.append(f"{p}.tls_mount_path: must be a normalized absolute directory (got {tls!r})")
@@ -492,7 +500,7 @@ def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[st
     _port(e.side_channel_port, f"{p}.side_channel_port", errors)
     if e.port == e.side_channel_port:
         errors.append(f"{p}.side_channel_port: clashes with {p}.port ({e.port})")
-    if not e.kv_connector or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", e.kv_connector):
+    if not _IDENTIFIER.fullmatch(e.kv_connector):
         errors.append(f"{p}.kv_connector: must be a connector class name (got {e.kv_connector!r})")
     if not e.kv_buffer_device:
         errors.append(f"{p}.kv_buffer_device: must not be empty")
@@ -518,7 +526,7 @@ def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[st
             errors.append(f"{p}.extra_args[{i}]: {arg!r} would override {flag}, which the deployer sets "
                           f"({MANAGED_ENGINE_FLAGS[flag]})")
     for name in e.env:
-        if not _ENV_NAME.match(name):
+        if not _IDENTIFIER.fullmatch(name):
             errors.append(f"{p}.env.{name}: not a valid environment variable name")
         elif name in MANAGED_ENGINE_ENV:
             errors.append(f"{p}.env.{name}: set by the deployer; use side_channel_port instead")

@@ -655,6 +655,21 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
      "motor_deploy_config.weight_mount_path: '/dev/shm/' overlaps /dev/shm, also mounted in the engine pods"),
     ({"motor_engine_prefill_config": {"gpu_memory_utilization": 1.5}},
      "motor_engine_prefill_config.gpu_memory_utilization: must be in (0, 1]"),
+    # `$` matches before a final newline: every name is matched whole.
+    ({"motor_engine_prefill_config": {"kv_connector": "Nixl\n"}, "motor_engine_decode_config": {"kv_connector": "Nixl\n"}},
+     "motor_engine_prefill_config.kv_connector: must be a connector class name"),
+    ({"motor_engine_decode_config": {"env": {"A\n": "1"}}}, "motor_engine_decode_config.env.A\n: not a valid environment"),
+    ({"motor_deploy_config": {"service_account_name": "sa\n"}},
+     "motor_deploy_config.service_account_name: not a service account name, a DNS subdomain"),
+    ({"motor_deploy_config": {"tls_secret_name": "tls\n"}}, "motor_deploy_config.tls_secret_name: not a Secret name"),
+    ({"motor_deploy_config": {"tls_secret_name": "a" * 254}}, "motor_deploy_config.tls_secret_name: not a Secret name"),
+    ({"motor_deploy_config": {"image_pull_secrets": ["ok", "reg\n"]}},
+     "motor_deploy_config.image_pull_secrets[1]: not a Secret name"),
+    ({"motor_deploy_config": {"service_account_name": "s" * 254}}, "motor_deploy_config.service_account_name:"),
+    ({"motor_deploy_config": {"cluster_domain": "cluster.local\n"}}, "motor_deploy_config.cluster_domain: must be"),
+    ({"motor_deploy_config": {"dshm_size": "8Gi\n"}}, "motor_deploy_config.dshm_size: not a Kubernetes quantity"),
+    ({"motor_engine_decode_config": {"resources": {"limits": {"cpu": "16\n"}}}},
+     "motor_engine_decode_config.resources.limits.cpu: not a Kubernetes quantity"),
     # Native resources would replace the engine's own requests and limits; the rest Kubernetes refuses.
     *[({"motor_engine_prefill_config": {"accelerator_resource_name": name}},
        "motor_engine_prefill_config.accelerator_resource_name: not an extended resource name")
@@ -703,6 +718,21 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
 def test_bad_input_is_refused_naming_the_key(changes, expected):
     errs = errors_of(with_changes(**changes))
     assert any(e.startswith(expected) for e in errs), errs
+
+
+def test_a_job_id_with_a_final_newline_is_refused_as_the_job_id():
+    """It passed the job_id check and the Coordinator's loader then blamed an engine address."""
+    errs = errors_of(with_changes(motor_deploy_config={"job_id": "mindie-motor\n"}))
+    assert errs == ["motor_deploy_config.job_id: must be a DNS-1123 label of at most 40 characters "
+                    "(lowercase letters, digits, '-'; got 'mindie-motor\\n')"]
+    assert load(with_changes(motor_deploy_config={"tls_secret_name": "a" * 253})).deploy.tls_secret_name == "a" * 253
+
+
+def test_values_in_the_engine_comment_cannot_break_the_yaml():
+    s = load(base())
+    s.prefill.kv_connector = "Nixl\nextra: 1"  # what load refuses: the comment would end at the line break
+    docs = list(yaml.safe_load_all(R.render(s)["engine_prefill.yaml"]))
+    assert [sorted(d) for d in docs] == [["apiVersion", "kind", "metadata", "spec"]] * 2
 
 
 def test_accelerators_are_any_extended_resource_and_never_replace_cpu_or_memory():
