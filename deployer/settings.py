@@ -37,6 +37,15 @@ CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
 # or one inside the other, are refused by Kubernetes or hide the other's files.
 COORDINATOR_MOUNTS = (posixpath.dirname(CONFIG_PATH_IN_CONTAINER), "/tmp")
 ENGINE_MOUNTS = ("/dev/shm",)
+# The Coordinator image's working directory, holding app.py and the packages it imports (the Dockerfile's WORKDIR).
+COORDINATOR_CODE_DIR = "/opt/motor"
+# Directories of the images' operating system. A volume on one of them, or on a directory above one, hides
+# it and the container cannot start; inside SYSTEM_TREES (programs, libraries, the interpreter, the kernel's
+# interfaces) it hides part of them. Inside the others a directory of one's own is fine: /etc/motor-tls,
+# /var/lib/models, /root/.cache/huggingface.
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/opt", "/proc", "/root", "/run",
+               "/sbin", "/srv", "/sys", "/usr", "/var")
+SYSTEM_TREES = ("/bin", "/lib", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
 MAX_INSTANCES = 64
 MAX_DRAIN_SECONDS = 86400
@@ -420,6 +429,23 @@ def _no_overlap(path: str, mounts: tuple, key: str, pod: str, errors: List[str])
             errors.append(f"{key}: {path!r} overlaps {other}, also mounted in {pod}")
 
 
+def _check_mount_path(path: str, key: str, mounts: tuple, pod: str, trees: tuple, errors: List[str]) -> None:
+    """A volume's mount path: absolute and normalized (Kubernetes refuses '..'; '//usr' and '/usr/.' are /usr),
+    clear of the pod's other mounts, not at or above a system directory, not in `trees` (nor at or above them)."""
+    if not path.startswith("/") or path.startswith("//") or posixpath.normpath(path) != (path.rstrip("/") or "/"):
+        errors.append(f"{key}: must be a normalized absolute directory (got {path!r})")
+        return
+    _no_overlap(path, mounts, key, pod, errors)
+    own = path.rstrip("/") + "/"
+    hidden = next((d for d in SYSTEM_DIRS + trees if (d + "/").startswith(own)), None)
+    inside = next((d for d in trees if own.startswith(d + "/")), None)
+    if hidden:
+        errors.append(f"{key}: {path!r} would hide {hidden}, which the container needs; use a directory of its own")
+    elif inside:
+        errors.append(f"{key}: {path!r} lies inside {inside}, whose files the container runs; a volume there "
+                      f"would hide some of them")
+
+
 def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
     p = "motor_deploy_config"
     if not _DNS_LABEL.fullmatch(d.job_id) or len(d.job_id) > 40:
@@ -453,16 +479,11 @@ def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
         errors.append(f"{p}.termination_grace_period_seconds: must be >= 0")
     if not _is_dns_subdomain(d.tls_secret_name):
         errors.append(f"{p}.tls_secret_name: not a Secret name, {DNS_SUBDOMAIN_RULE} (got {d.tls_secret_name!r})")
-    tls = d.tls_mount_path
-    if not tls.startswith("/") or posixpath.normpath(tls) != (tls.rstrip("/") or "/"):
-        errors.append(f"{p}.tls_mount_path: must be a normalized absolute directory (got {tls!r})")
-    else:
-        _no_overlap(tls, COORDINATOR_MOUNTS, f"{p}.tls_mount_path", "the Coordinator pod", errors)
-    weights = d.weight_mount_path
-    if weights and not weights.startswith("/"):
-        errors.append(f"{p}.weight_mount_path: must be an absolute path or empty (got {weights!r})")
-    elif weights:
-        _no_overlap(weights, ENGINE_MOUNTS, f"{p}.weight_mount_path", "the engine pods", errors)
+    _check_mount_path(d.tls_mount_path, f"{p}.tls_mount_path", COORDINATOR_MOUNTS, "the Coordinator pod",
+                      SYSTEM_TREES + (COORDINATOR_CODE_DIR,), errors)
+    if d.weight_mount_path:
+        _check_mount_path(d.weight_mount_path, f"{p}.weight_mount_path", ENGINE_MOUNTS, "the engine pods",
+                          SYSTEM_TREES, errors)
     if parse_quantity(d.dshm_size) is None:
         errors.append(f"{p}.dshm_size: not a Kubernetes quantity (got {d.dshm_size!r})")
 

@@ -653,6 +653,23 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
       "motor_engine_prefill_config": {"model_path": "/dev/shm/qwen3"},
       "motor_engine_decode_config": {"model_path": "/dev/shm/qwen3"}},
      "motor_deploy_config.weight_mount_path: '/dev/shm/' overlaps /dev/shm, also mounted in the engine pods"),
+    # A volume on the code directory or a system directory hides what the container runs: a crash loop.
+    *[({"motor_deploy_config": {"tls_mount_path": path}}, f"motor_deploy_config.tls_mount_path: {path!r} {why}")
+      for path, why in (("/opt/motor", "would hide /opt/motor"), ("/opt/motor/tls", "lies inside /opt/motor"),
+                        ("/opt", "would hide /opt"), ("/usr", "would hide /usr"), ("/var/", "would hide /var"),
+                        ("/usr/local/tls", "lies inside /usr"), ("/lib64/x", "lies inside /lib64"))],
+    *[({"motor_deploy_config": {"weight_mount_path": path},
+        "motor_engine_prefill_config": {"model_path": path + "/qwen3"},
+        "motor_engine_decode_config": {"model_path": path + "/qwen3"}}, f"motor_deploy_config.weight_mount_path: {why}")
+      for path, why in (("/usr", "'/usr' would hide /usr"), ("/etc", "'/etc' would hide /etc"),
+                        ("/usr/lib/models", "'/usr/lib/models' lies inside /usr"),
+                        # Kubernetes refuses '..' in a mountPath or hostPath; //usr and /usr/. are /usr.
+                        ("/mnt/../weight", "must be a normalized absolute directory (got '/mnt/../weight')"),
+                        ("/mnt/./weight", "must be a normalized absolute directory"),
+                        ("//usr", "must be a normalized absolute directory"),
+                        ("mnt/weight", "must be a normalized absolute directory"))],
+    ({"motor_deploy_config": {"tls_mount_path": "//opt/motor"}},
+     "motor_deploy_config.tls_mount_path: must be a normalized absolute directory"),
     ({"motor_engine_prefill_config": {"gpu_memory_utilization": 1.5}},
      "motor_engine_prefill_config.gpu_memory_utilization: must be in (0, 1]"),
     # `$` matches before a final newline: every name is matched whole.
@@ -718,6 +735,15 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
 def test_bad_input_is_refused_naming_the_key(changes, expected):
     errs = errors_of(with_changes(**changes))
     assert any(e.startswith(expected) for e in errs), errs
+
+
+def test_mount_paths_of_their_own_inside_system_directories_are_fine():
+    for tls, weights in (("/opt/motor-tls", "/root/.cache/huggingface"), ("/etc/ssl/motor", "/var/lib/models/"),
+                         ("/run/secrets/motor", "/data")):
+        s = load(with_changes(motor_deploy_config={"tls_mount_path": tls, "weight_mount_path": weights},
+                              motor_engine_prefill_config={"model_path": weights.rstrip("/") + "/qwen3"},
+                              motor_engine_decode_config={"model_path": weights.rstrip("/") + "/qwen3"}))
+        assert (s.deploy.tls_mount_path, s.deploy.weight_mount_path) == (tls, weights)
 
 
 def test_a_job_id_with_a_final_newline_is_refused_as_the_job_id():

@@ -22,7 +22,7 @@ import yaml
 
 import config
 from deployer import render as R
-from deployer.settings import load
+from deployer.settings import COORDINATOR_CODE_DIR, load
 from tests.support import Coordinator, coordinator_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,6 +151,8 @@ def test_the_image_agrees_with_the_rendered_manifests():
     uid = int(instructions("USER")[-1].split(":")[0])
     assert pod["securityContext"]["runAsUser"] == uid == settings.deploy.run_as_user
     assert container["image"] == settings.deploy.image_name
+    # The deployer keeps tls_mount_path off the code directory: it must be the image's.
+    assert instructions("WORKDIR") == [COORDINATOR_CODE_DIR]
     # EXPOSE names the Coordinator's default ports (interface.md section 1).
     defaults = config.Settings()
     assert [int(p) for p in instructions("EXPOSE")[0].split()] == [defaults.infer_port, defaults.mgmt_port, defaults.obs_port]
