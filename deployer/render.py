@@ -97,22 +97,17 @@ def instances(settings: Settings) -> List[Dict[str, Any]]:
 
 
 def models(settings: Settings) -> List[Dict[str, Any]]:
-    """The served model first (SLOs from the input entry of the same id), then other input models
-    that static instances still serve."""
-    coord = settings.raw.get("motor_coordinator_config", {})
-    given = {m.get("id"): m for m in coord.get("models", []) if isinstance(m, dict)}
+    """The served model first (SLOs from the input entry of the same id), then every other input model,
+    in the input's order: static instances may serve them, and instances added later through
+    POST /instances/refresh find their SLOs there."""
+    given = settings.raw.get("motor_coordinator_config", {}).get("models", [])
     name = settings.prefill.served_model_name
-    entry = copy.deepcopy(given.get(name, {}))
+    entry = copy.deepcopy(next((m for m in given if m["id"] == name), {}))
     entry.update({"id": name, "p_max_seqlen": settings.prefill.max_model_len,
                   "d_max_seqlen": settings.decode.max_model_len})
     entry.setdefault("slo_ttft", 1000)
     entry.setdefault("slo_tpot", 50)
-    out = [entry]
-    for inst in coord.get("instances", []):
-        mid = inst.get("model_name")
-        if mid != name and mid in given and all(m["id"] != mid for m in out):
-            out.append(copy.deepcopy(given[mid]))
-    return out
+    return [entry] + [copy.deepcopy(m) for m in given if m["id"] != name]
 
 
 def cluster_user_config(settings: Settings) -> Dict[str, Any]:

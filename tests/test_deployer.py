@@ -529,6 +529,19 @@ def test_slo_values_of_the_served_model_are_kept():
     assert model == [{"id": "qwen3", "slo_ttft": 250, "slo_tpot": 20, "p_max_seqlen": 8192, "d_max_seqlen": 4096}]
 
 
+def test_every_input_model_is_kept_even_with_no_instance_yet():
+    """Models to be served later (POST /instances/refresh) vanished from the rendered config, SLOs and all."""
+    given = [{"id": "later", "slo_ttft": 300, "slo_tpot": 30}, {"id": "qwen3", "slo_ttft": 250}, {"id": "external"}]
+    ext = {"role": "union", "model_name": "external", "endpoints": [{"address": "ext.example.com:8000"}]}
+    cfg = with_changes(motor_coordinator_config={"models": given, "instances": [ext]})
+    rendered = bundle(cfg)["config"]
+    assert rendered["motor_coordinator_config"]["models"] == [
+        {"id": "qwen3", "slo_ttft": 250, "slo_tpot": 50, "p_max_seqlen": 8192, "d_max_seqlen": 8192},
+        {"id": "later", "slo_ttft": 300, "slo_tpot": 30}, {"id": "external"}]
+    coord = config.settings_from_dict(rendered, on_this_host=False)
+    assert coord.model("later").slo_ttft_ms == 300 and not any(i.model_name == "later" for i in coord.instances)
+
+
 def test_values_that_need_quoting_stay_intact():
     tricky = "yes: #{not} 'a comment' \"quoted\" & <b> \u00e9"
     cfg = with_changes(motor_engine_prefill_config={"env": {"TRICKY": tricky}, "extra_args": ["--x", "null"]},
