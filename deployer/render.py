@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import jinja2
 
-from .settings import CONFIG_PATH_IN_CONTAINER, EngineConfig, Settings
+from .settings import CONFIG_PATH_IN_CONTAINER, CONFIG_SECRET_NAME, EngineConfig, Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE_DIR = REPO_ROOT / "templates"
@@ -24,7 +24,6 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "user_config.json"
 DEFAULT_OUT = Path(__file__).resolve().parent / "deployment"
 
 COORDINATOR_NAME = "motor-coordinator"
-CONFIGMAP_NAME = "motor-coordinator-config"
 INFER_SERVICE = "motor-coordinator-infer"
 MGMT_SERVICE = "motor-coordinator-mgmt"
 METRICS_SERVICE = "motor-coordinator-metrics"
@@ -181,7 +180,7 @@ def render(settings: Settings) -> Dict[str, str]:
         "coord": c,
         "namespace": settings.namespace,
         "coordinator_name": COORDINATOR_NAME,
-        "configmap_name": CONFIGMAP_NAME,
+        "config_secret_name": CONFIG_SECRET_NAME,
         "infer_service": INFER_SERVICE,
         "mgmt_service": MGMT_SERVICE,
         "metrics_service": METRICS_SERVICE,

@@ -33,6 +33,9 @@ from config import ConfigError as CoordinatorConfigError
 from config import check_instance_set, parse_instance, parse_models, settings_from_dict, split_address
 
 CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
+# The Secret (not a ConfigMap: it may carry API keys, the valid_keys of api_key_config and
+# mgmt_api_key_config) holding the rendered user_config.json.
+CONFIG_SECRET_NAME = "motor-coordinator-config"
 # Directories the templates mount besides the TLS Secret and the weights: two volumes on one path,
 # or one inside the other, are refused by Kubernetes or hide the other's files.
 COORDINATOR_MOUNTS = (posixpath.dirname(CONFIG_PATH_IN_CONTAINER), "/tmp")
@@ -479,6 +482,9 @@ def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
         errors.append(f"{p}.termination_grace_period_seconds: must be >= 0")
     if not _is_dns_subdomain(d.tls_secret_name):
         errors.append(f"{p}.tls_secret_name: not a Secret name, {DNS_SUBDOMAIN_RULE} (got {d.tls_secret_name!r})")
+    elif d.tls_secret_name == CONFIG_SECRET_NAME:
+        errors.append(f"{p}.tls_secret_name: {d.tls_secret_name!r} is the Secret the deployer renders for the "
+                      f"Coordinator's user_config.json")
     _check_mount_path(d.tls_mount_path, f"{p}.tls_mount_path", COORDINATOR_MOUNTS, "the Coordinator pod",
                       SYSTEM_TREES + (COORDINATOR_CODE_DIR,), errors)
     if d.weight_mount_path:

@@ -262,7 +262,7 @@ def test_the_coordinator_accepts_the_rendered_user_config(edge):
 def test_bundle_kinds(edge):
     cfg, s, b = edge
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in b["docs"]["coordinator_init.yaml"])
-    expected = [("ConfigMap", R.CONFIGMAP_NAME), ("Deployment", R.COORDINATOR_NAME),
+    expected = [("Secret", R.CONFIG_SECRET_NAME), ("Deployment", R.COORDINATOR_NAME),
                 ("Service", R.INFER_SERVICE), ("Service", R.MGMT_SERVICE), ("Service", R.METRICS_SERVICE)]
     if s.deploy.create_namespace:
         expected.append(("Namespace", s.namespace))
@@ -327,20 +327,28 @@ def test_default_node_port_is_31015_and_infer_port_1025():
     assert (port["nodePort"], port["port"]) == (31015, 1025)
 
 
-def test_configmap_holds_the_rendered_user_config_and_is_mounted(edge):
+def test_a_secret_holds_the_rendered_user_config_and_is_mounted(edge):
     _, s, b = edge
-    cm = find(b, "ConfigMap", R.CONFIGMAP_NAME)
-    assert json.loads(cm["data"]["user_config.json"]) == b["config"]
+    secret = find(b, "Secret", R.CONFIG_SECRET_NAME)
+    assert json.loads(secret["stringData"]["user_config.json"]) == b["config"]
     pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
     c = pod["containers"][0]
     vols = {v["name"]: v for v in pod["volumes"]}
-    cfg_mount = [m for m in c["volumeMounts"] if vols[m["name"]].get("configMap")]
-    assert len(cfg_mount) == 1
-    assert vols[cfg_mount[0]["name"]]["configMap"]["name"] == cm["metadata"]["name"]
+    cfg_mount = [m for m in c["volumeMounts"] if vols[m["name"]].get("secret", {}).get("secretName") == R.CONFIG_SECRET_NAME]
+    assert len(cfg_mount) == 1 and cfg_mount[0]["readOnly"] is True
     assert c["command"] == ["python", "app.py", "--config", cfg_mount[0]["mountPath"] + "/user_config.json"]
     assert {"name": "USER_CONFIG_PATH", "value": "/etc/motor/user_config.json"} in c["env"]
     annotations = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["metadata"]["annotations"]
     assert annotations["motor/config-hash"]
+
+
+def test_api_keys_are_only_in_the_secret_never_in_a_configmap():
+    keys = {"api_key_config.enable_api_key": True, "api_key_config.valid_keys": ["sk-infer-0123456789"],
+            "mgmt_api_key_config.enable_api_key": True, "mgmt_api_key_config.valid_keys": ["sk-mgmt-0123456789"]}
+    b = bundle(with_changes(motor_coordinator_config=keys))
+    assert not [d for d in all_docs(b) if d["kind"] == "ConfigMap"]
+    holding = [d["kind"] for d in all_docs(b) if "sk-infer-0123456789" in json.dumps(d) or "sk-mgmt" in json.dumps(d)]
+    assert holding == ["Secret"]
 
 
 def test_config_change_changes_the_pod_template_hash():
@@ -381,7 +389,7 @@ def test_tls_mounts_secret_and_switches_probe_scheme(edge):
     infer_tls, mgmt_tls = coord["infer_tls_config"]["enable_tls"], coord["mgmt_tls_config"]["enable_tls"]
     pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    secrets = [v for v in pod["volumes"] if "secret" in v]
+    secrets = [v for v in pod["volumes"] if "secret" in v and v["secret"]["secretName"] != R.CONFIG_SECRET_NAME]
     if infer_tls or mgmt_tls:
         assert [v["secret"]["secretName"] for v in secrets] == [s.deploy.tls_secret_name]
         mount = [m for m in c["volumeMounts"] if m["name"] == secrets[0]["name"]][0]
@@ -418,7 +426,8 @@ def test_mindie_spelling_tls_enable_turns_tls_on(section):
     tls = {k: v for k, v in TLS.items() if k != "enable_tls"}
     b = bundle(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True)}))
     pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
-    assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == ["motor-coordinator-tls"]
+    assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == [R.CONFIG_SECRET_NAME,
+                                                                                     "motor-coordinator-tls"]
     coord = config.settings_from_dict(b["config"], on_this_host=False)  # the pod's TLS files are not here
     assert getattr(coord, section.replace("_config", "")).enable_tls is True
     errs = errors_of(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True, enable_tls=False)}))
@@ -551,8 +560,8 @@ def test_values_that_need_quoting_stay_intact():
     c = find(b, "StatefulSet", "motor-engine-prefill")["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "TRICKY", "value": tricky} in c["env"]
     assert c["args"][-2:] == ["--x", "null"]
-    cm = json.loads(find(b, "ConfigMap", R.CONFIGMAP_NAME)["data"]["user_config.json"])
-    assert cm["motor_coordinator_config"]["api_key_config"]["valid_keys"] == ["on", tricky]
+    held = json.loads(find(b, "Secret", R.CONFIG_SECRET_NAME)["stringData"]["user_config.json"])
+    assert held["motor_coordinator_config"]["api_key_config"]["valid_keys"] == ["on", tricky]
 
 
 def test_characters_above_the_bmp_render_as_yaml_escapes():
@@ -692,6 +701,8 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
     ({"motor_deploy_config": {"service_account_name": "sa\n"}},
      "motor_deploy_config.service_account_name: not a service account name, a DNS subdomain"),
     ({"motor_deploy_config": {"tls_secret_name": "tls\n"}}, "motor_deploy_config.tls_secret_name: not a Secret name"),
+    ({"motor_deploy_config": {"tls_secret_name": "motor-coordinator-config"}},
+     "motor_deploy_config.tls_secret_name: 'motor-coordinator-config' is the Secret the deployer renders"),
     ({"motor_deploy_config": {"tls_secret_name": "a" * 254}}, "motor_deploy_config.tls_secret_name: not a Secret name"),
     ({"motor_deploy_config": {"image_pull_secrets": ["ok", "reg\n"]}},
      "motor_deploy_config.image_pull_secrets[1]: not a Secret name"),
