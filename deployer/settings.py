@@ -25,6 +25,7 @@ import ipaddress
 import logging
 import posixpath
 import re
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
 
@@ -318,14 +319,20 @@ _SUFFIX = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e1
 
 
 def _is_loopback(address: str) -> bool:
-    """Whether an engine address, which the Coordinator's parse_instance accepted, names the pod itself."""
-    host, _ = split_address(address)
+    """Whether an engine address, which the Coordinator's parse_instance accepted, names the pod itself.
+    The host is read as the resolver reads it: a final dot is the root ('localhost.'), IPv4 has inet_aton's
+    spellings ('127.1', '2130706433', '0x7f.1'), and an IPv4-mapped IPv6 address is its IPv4 address."""
+    host = split_address(address)[0].rstrip(".")
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
+        ip: Any = ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        try:
+            ip = ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        ip = ip.ipv4_mapped or ip
     return ip.is_loopback or ip.is_unspecified
 
 

@@ -538,6 +538,14 @@ def test_slo_values_of_the_served_model_are_kept():
     assert model == [{"id": "qwen3", "slo_ttft": 250, "slo_tpot": 20, "p_max_seqlen": 8192, "d_max_seqlen": 4096}]
 
 
+def test_static_instances_that_only_look_like_loopback_are_kept():
+    addresses = ["10.0.0.5:8000", "123.example.com:8000", "[::ffff:10.0.0.5]:8001", "[2001:db8::1]:8000",
+                 "localhost.example.com:8000"]
+    ext = [{"role": "union", "model_name": "qwen3", "endpoints": [{"address": a}]} for a in addresses]
+    inst = bundle(with_changes(motor_coordinator_config={"instances": ext}))["config"]["motor_coordinator_config"]["instances"]
+    assert [i["endpoints"][0]["address"] for i in inst[2:]] == addresses
+
+
 def test_every_input_model_is_kept_even_with_no_instance_yet():
     """Models to be served later (POST /instances/refresh) vanished from the rendered config, SLOs and all."""
     given = [{"id": "later", "slo_ttft": 300, "slo_tpot": 30}, {"id": "qwen3", "slo_ttft": 250}, {"id": "external"}]
@@ -620,6 +628,13 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
     ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
                                                   "endpoints": [{"address": "https://LOCALHOST:8443"}]}]}},
      "motor_coordinator_config.instances[0].endpoints[0].address: 'https://LOCALHOST:8443' is a loopback address"),
+    # Every spelling the resolver reads as loopback: a final dot, inet_aton's IPv4 forms, IPv4-mapped IPv6.
+    *[({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
+                                                    "endpoints": [{"address": "ext.example.com:8000"},
+                                                                  {"address": address}]}]}},
+       f"motor_coordinator_config.instances[0].endpoints[1].address: {address!r} is a loopback address")
+      for address in ("localhost.:8000", "127.1:8000", "2130706433:8000", "0x7f.1:8000", "0177.0.0.1:8000",
+                      "127.0.0.1.:8000", "0:8000", "[::ffff:127.0.0.1]:8000", "http://[::ffff:7f00:1]:8000")],
     # What the Coordinator itself refuses, on the input's index (the deployer renumbers instances).
     ({"motor_coordinator_config": {"instances": [{"role": "union", "endpoints": [{"address": "10.0.0.5:8000"}]}]}},
      "motor_coordinator_config.instances[0].model_name: must be a string"),
