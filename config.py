@@ -575,6 +575,8 @@ def load_settings(path: str) -> Settings:
         raise ConfigError(f"{path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # json's decoder recurses once per level of [ or {
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     return settings_from_dict(raw, source_path=os.path.abspath(path))
 
 

@@ -182,6 +182,15 @@ def test_a_config_path_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path)
         assert proc.stderr.strip().splitlines() == [f"config error: {path}: {why}"], proc.stderr[-2000:]
 
 
+def test_a_config_nested_too_deeply_is_one_line_not_a_traceback(tmp_path):
+    """json's decoder recursed into a RecursionError, which was not caught."""
+    path = tmp_path / "deep.json"
+    path.write_text('{"motor_coordinator_config": {"x": ' + "[" * 100000 + "]" * 100000 + "}}")
+    proc = subprocess.run([sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"config error: {path}: not valid JSON (nested too deeply)"], proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("section", ["api_key_config", "mgmt_api_key_config"])
 @pytest.mark.parametrize("name, ok", [("X-Api-Key", True), ("x_key.v2!#$%&'*+^`|~", True), ("Bad Header:", False),
                                       ("Authorization:", False), ("X-Key\n", False), ("Ключ", False), ("", False)])
