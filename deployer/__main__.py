@@ -6,15 +6,27 @@ import codecs
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from .render import DEFAULT_CONFIG, DEFAULT_OUT, write
 from .settings import ConfigError, load
+
+# Far deeper than any real config; much deeper would exhaust the recursion of json, copy.deepcopy or the render.
+MAX_NESTING = 100
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` levels in `value`, walked level by level (not recursively)."""
+    level = [value]
+    for _ in range(limit):
+        level = [v for c in level if isinstance(c, (dict, list)) for v in (c.values() if isinstance(c, dict) else c)]
+    return any(isinstance(c, (dict, list)) for c in level)
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
     path = Path(args.config)
     bom = 0
+    too_deep = f"error: {path}: lists and objects nested more than {MAX_NESTING} levels deep"
     try:
         data = path.read_bytes()
         bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # Windows editors write one
@@ -27,6 +39,12 @@ def _cmd_render(args: argparse.Namespace) -> int:
         return 2
     except json.JSONDecodeError as exc:
         print(f"error: {path}: not valid JSON: {exc}", file=sys.stderr)
+        return 2
+    except RecursionError:  # json's decoder recurses once per level
+        print(too_deep, file=sys.stderr)
+        return 2
+    if _nested_deeper_than(raw, MAX_NESTING):
+        print(too_deep, file=sys.stderr)
         return 2
     try:
         settings = load(raw)

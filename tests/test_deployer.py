@@ -204,6 +204,24 @@ def test_cli_non_utf8_input_and_an_out_that_is_a_file(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: cannot write {afile}: File exists"]
 
 
+def test_input_nested_too_deeply_is_one_line_not_a_recursion_error(tmp_path):
+    """json's decoder (100000 levels) and copy.deepcopy (500 levels under a key passed through) crashed."""
+    from deployer.__main__ import MAX_NESTING
+
+    def nested(levels: int) -> dict:
+        """base() whose lists and objects nest `levels` deep, the extra levels under a key passed through."""
+        cfg = base()
+        cfg["motor_coordinator_config"]["x"] = json.loads("[" * (levels - 2) + "]" * (levels - 2))
+        return cfg
+    for text in ("[" * 100000 + "]" * 100000, json.dumps(nested(500)), json.dumps(nested(MAX_NESTING + 1))):
+        proc = _cli_render(tmp_path, text)
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [
+            f"error: {tmp_path / 'in.json'}: lists and objects nested more than {MAX_NESTING} levels deep"], proc.stderr
+        assert not (tmp_path / "o").exists()
+    proc = _cli_render(tmp_path, json.dumps(nested(MAX_NESTING)))
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_default_file_coordinator_section_is_the_agreed_shape():
     coord = base()["motor_coordinator_config"]
     assert coord["api_config"]["coordinator_api_host"] == "127.0.0.1"
