@@ -6,10 +6,13 @@ emit every scalar through the ``j`` filter (JSON encoding, always a valid YAML s
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import errno
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List
@@ -206,11 +209,28 @@ def render(settings: Settings) -> Dict[str, str]:
 
 
 def write(settings: Settings, out_dir: Path) -> List[Path]:
+    """Write the bundle into out_dir, every file or none: each is staged beside its target and renamed into
+    place only once all are written, so a target that is a directory or a full disk leaves out_dir as it was
+    (and removes the directories made for it)."""
     files = render(settings)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in files.items():
-        path = out_dir / name
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
+    staged: Dict[Path, Path] = {}
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            target = out_dir / name
+            if target.is_dir():  # the rename would fail, after the others had replaced their files
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
+            partial = out_dir / f".{name}.partial"
+            staged[partial] = target
+            partial.write_text(text, encoding="utf-8")
+    except OSError:
+        for partial in staged:
+            partial.unlink(missing_ok=True)
+        for made_dir in made:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                made_dir.rmdir()
+        raise
+    for partial, target in staged.items():
+        os.replace(partial, target)
+    return list(staged.values())

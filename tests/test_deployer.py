@@ -222,6 +222,31 @@ def test_input_nested_too_deeply_is_one_line_not_a_recursion_error(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_an_out_that_cannot_take_every_file_is_left_as_it_was(tmp_path):
+    """The YAML files were written before user_config.json, a directory there, failed to be."""
+    out = tmp_path / "out"
+    (out / "user_config.json").mkdir(parents=True)
+    (out / "coordinator_init.yaml").write_text("old")
+    proc = _cli_render(tmp_path, out=out)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: cannot write {out / 'user_config.json'}: Is a directory"], proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["coordinator_init.yaml", "user_config.json"]
+    assert (out / "coordinator_init.yaml").read_text() == "old"
+
+
+def test_a_failed_write_removes_what_it_wrote_and_the_directories_it_made(tmp_path, monkeypatch):
+    real = Path.write_text
+
+    def full_disk(path, text, **kwargs):
+        if path.name.startswith(".user_config.json"):
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, text, **kwargs)
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        R.write(load(base()), tmp_path / "new" / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_default_file_coordinator_section_is_the_agreed_shape():
     coord = base()["motor_coordinator_config"]
     assert coord["api_config"]["coordinator_api_host"] == "127.0.0.1"
