@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hin
 
 from config import ROOT_KEY as COORDINATOR_KEY
 from config import ConfigError as CoordinatorConfigError
-from config import check_instance_set, parse_instance, parse_models, settings_from_dict, split_address
+from config import (address_key, check_instance_set, parse_instance, parse_models, settings_from_dict,
+                    split_address)
 
 CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
 # The Secret (not a ConfigMap: it may carry API keys, the valid_keys of api_key_config and
@@ -721,15 +722,24 @@ def _coordinator_accepts(settings: Settings) -> None:
     """Refuse what the Coordinator would refuse in the rendered user_config.json: its pods would
     crash-loop on it. The deployer checks only the keys it reads; the Coordinator judges the rest.
 
-    The input's static instances are checked as a set first (two at one address), with the ids the
-    render gives them, so the message names the input's index: the rendered list puts the engine pods first."""
+    The input's static instances are checked first, as a set (two at one address) and against the
+    engine pods, with the ids the render gives them, so the message names the input's index: the
+    rendered list puts the engine pods first."""
     from .render import cluster_user_config, instances  # render imports this module
+    rendered = instances(settings)
     generated = settings.deploy.p_instances_num + settings.deploy.d_instances_num
-    static = [parse_instance(f"instances[{i}]", inst) for i, inst in enumerate(instances(settings)[generated:])]
+    static = [parse_instance(f"instances[{i}]", inst) for i, inst in enumerate(rendered[generated:])]
     try:
         check_instance_set(static, "instances")
     except CoordinatorConfigError as exc:
         raise ConfigError([str(exc)]) from None
+    pods = {address_key(pod["endpoints"][0]["address"]): pod["id"] for pod in rendered[:generated]}
+    clashes = [f"{COORDINATOR_KEY}.instances[{i}].endpoints[{j}].address: {address_key(ep.address)} is already "
+               f"the address of instance {pods[address_key(ep.address)]}, an engine pod the deployer renders"
+               for i, inst in enumerate(static) for j, ep in enumerate(inst.endpoints)
+               if address_key(ep.address) in pods]
+    if clashes:
+        raise ConfigError(clashes)
     coordinator_log = logging.getLogger("coordinator.config")
     coordinator_log.addFilter(_models_warned_on_the_input)
     try:

@@ -377,7 +377,8 @@ def test_a_secret_holds_the_rendered_user_config_and_is_mounted(edge):
     pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
     c = pod["containers"][0]
     vols = {v["name"]: v for v in pod["volumes"]}
-    cfg_mount = [m for m in c["volumeMounts"] if vols[m["name"]].get("secret", {}).get("secretName") == R.CONFIG_SECRET_NAME]
+    cfg_mount = [m for m in c["volumeMounts"]
+                 if vols[m["name"]].get("secret", {}).get("secretName") == R.CONFIG_SECRET_NAME]
     assert len(cfg_mount) == 1 and cfg_mount[0]["readOnly"] is True
     assert c["command"] == ["python", "app.py", "--config", cfg_mount[0]["mountPath"] + "/user_config.json"]
     assert {"name": "USER_CONFIG_PATH", "value": "/etc/motor/user_config.json"} in c["env"]
@@ -585,7 +586,8 @@ def test_static_instances_that_only_look_like_loopback_are_kept():
     addresses = ["10.0.0.5:8000", "123.example.com:8000", "[::ffff:10.0.0.5]:8001", "[2001:db8::1]:8000",
                  "localhost.example.com:8000"]
     ext = [{"role": "union", "model_name": "qwen3", "endpoints": [{"address": a}]} for a in addresses]
-    inst = bundle(with_changes(motor_coordinator_config={"instances": ext}))["config"]["motor_coordinator_config"]["instances"]
+    rendered = bundle(with_changes(motor_coordinator_config={"instances": ext}))["config"]
+    inst = rendered["motor_coordinator_config"]["instances"]
     assert [i["endpoints"][0]["address"] for i in inst[2:]] == addresses
 
 
@@ -753,9 +755,11 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
     ({"motor_engine_prefill_config": {"gpu_memory_utilization": 1.5}},
      "motor_engine_prefill_config.gpu_memory_utilization: must be in (0, 1]"),
     # `$` matches before a final newline: every name is matched whole.
-    ({"motor_engine_prefill_config": {"kv_connector": "Nixl\n"}, "motor_engine_decode_config": {"kv_connector": "Nixl\n"}},
+    ({"motor_engine_prefill_config": {"kv_connector": "Nixl\n"},
+      "motor_engine_decode_config": {"kv_connector": "Nixl\n"}},
      "motor_engine_prefill_config.kv_connector: must be a connector class name"),
-    ({"motor_engine_decode_config": {"env": {"A\n": "1"}}}, "motor_engine_decode_config.env.A\n: not a valid environment"),
+    ({"motor_engine_decode_config": {"env": {"A\n": "1"}}},
+     "motor_engine_decode_config.env.A\n: not a valid environment"),
     ({"motor_deploy_config": {"service_account_name": "sa\n"}},
      "motor_deploy_config.service_account_name: not a service account name, a DNS subdomain"),
     ({"motor_deploy_config": {"tls_secret_name": "tls\n"}}, "motor_deploy_config.tls_secret_name: not a Secret name"),
@@ -895,6 +899,16 @@ def test_refusals_of_models_and_static_instances_name_the_input_s_index():
     # Instance 3: the id the render gives the first static instance, after 1 prefill and 1 decode pod.
     assert errors_of(cfg) == ["motor_coordinator_config.instances[1].endpoints[0].address: ext.example.com:8000 "
                               "is already the address of instance 3"]
+
+
+def test_a_static_instance_at_an_engine_pod_s_address_is_named_by_the_input_s_index():
+    """It was named by its rendered index (instances[3]), after the engine pods."""
+    pod = "http://Motor-engine-decode-0.motor-engine-decode.mindie-motor.svc.cluster.local:8000"
+    ext = [{"role": "union", "model_name": "qwen3", "endpoints": [{"address": "ext.example.com:8000"}]},
+           {"role": "union", "model_name": "qwen3", "endpoints": [{"address": "a.example.com:1"}, {"address": pod}]}]
+    assert errors_of(with_changes(motor_coordinator_config={"instances": ext})) == [
+        "motor_coordinator_config.instances[1].endpoints[1].address: motor-engine-decode-0.motor-engine-decode."
+        "mindie-motor.svc.cluster.local:8000 is already the address of instance 2, an engine pod the deployer renders"]
 
 
 def test_unknown_model_keys_are_warned_about_once_on_the_input_s_index(caplog):
