@@ -60,6 +60,8 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 TOLERATION_FIELDS = {"key": str, "operator": str, "value": str, "effect": str, "tolerationSeconds": int}
 TOLERATION_OPERATORS = ("Equal", "Exists")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+# The kv_buffer_device of CPU engines (accelerator_num 0): vLLM's CPU build keeps the NIXL buffer in host memory.
+CPU_KV_BUFFER = "cpu"
 # Environment variables the engine template sets itself; `env` may not override them.
 MANAGED_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_HOST", "POD_IP", "POD_NAME")
 
@@ -168,7 +170,8 @@ class EngineConfig:
     kv_connector: str = field(default="NixlConnector", metadata=_doc(
         "kv_connector of --kv-transfer-config; kv_role is kv_producer (prefill) / kv_consumer (decode)"))
     kv_buffer_device: str = field(default="cuda", metadata=_doc(
-        "kv_buffer_device of --kv-transfer-config (`cuda`, or `cpu` for CPU engines)"))
+        "kv_buffer_device of --kv-transfer-config: `cuda` for GPU engines; `cpu`, the default and the only "
+        "value, when accelerator_num is 0 (CPU engines)"))
     kv_connector_extra_config: Dict[str, Any] = field(default_factory=dict, metadata=_doc(
         "kv_connector_extra_config of --kv-transfer-config, omitted when empty"))
     accelerator_resource_name: str = field(default="nvidia.com/gpu", metadata=_doc(
@@ -539,6 +542,9 @@ def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[st
         errors.append(f"{p}.kv_connector: must be a connector class name (got {e.kv_connector!r})")
     if not e.kv_buffer_device:
         errors.append(f"{p}.kv_buffer_device: must not be empty")
+    elif e.accelerator_num == 0 and e.kv_buffer_device != CPU_KV_BUFFER:
+        errors.append(f"{p}.kv_buffer_device: must be {CPU_KV_BUFFER!r} when accelerator_num is 0: the pod has "
+                      f"no accelerator to hold the KV buffer (got {e.kv_buffer_device!r})")
     if not _is_extended_resource_name(e.accelerator_resource_name):
         errors.append(f"{p}.accelerator_resource_name: not an extended resource name: a DNS-subdomain prefix "
                       f"outside kubernetes.io, '/', then {LABEL_VALUE_RULE}, e.g. nvidia.com/gpu; not cpu, memory, "
@@ -694,6 +700,9 @@ def load(raw: Any) -> Settings:
     prefill = parsed["motor_engine_prefill_config"]
     decode = parsed["motor_engine_decode_config"]
     if not errors:  # semantic checks only make sense on well-typed values
+        for section, engine in (("motor_engine_prefill_config", prefill), ("motor_engine_decode_config", decode)):
+            if engine.accelerator_num == 0 and "kv_buffer_device" not in raw.get(section, {}):
+                engine.kv_buffer_device = CPU_KV_BUFFER
         _check_deploy(deploy, errors)
         _check_engine(prefill, "motor_engine_prefill_config", deploy, errors)
         _check_engine(decode, "motor_engine_decode_config", deploy, errors)

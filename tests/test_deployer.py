@@ -604,6 +604,24 @@ def test_every_input_model_is_kept_even_with_no_instance_yet():
     assert coord.model("later").slo_ttft_ms == 300 and not any(i.model_name == "later" for i in coord.instances)
 
 
+def test_cpu_engines_get_a_cpu_kv_buffer_unless_the_input_says_otherwise():
+    """With accelerator_num 0 the kv_buffer_device stayed "cuda": a CPU engine has no device for it."""
+    cfg = with_changes(motor_engine_prefill_config={"accelerator_num": 0},
+                       motor_engine_decode_config={"accelerator_num": 0})
+    for section in ("motor_engine_prefill_config", "motor_engine_decode_config"):
+        del cfg[section]["kv_buffer_device"]
+    b = bundle(cfg)
+    for role in ("prefill", "decode"):
+        args = find(b, "StatefulSet", R.ENGINE_NAME[role])["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert json.loads(args[args.index("--kv-transfer-config") + 1])["kv_buffer_device"] == "cpu"
+        assert b["config"][f"motor_engine_{role}_config"]["kv_buffer_device"] == "cpu"
+    # The input's value stands: "cuda" (what the default file carries) is refused, not replaced.
+    errs = errors_of(with_changes(motor_engine_decode_config={"accelerator_num": 0}))
+    assert errs == ["motor_engine_decode_config.kv_buffer_device: must be 'cpu' when accelerator_num is 0: the pod "
+                    "has no accelerator to hold the KV buffer (got 'cuda')"]
+    assert load(with_changes(motor_engine_decode_config={"kv_buffer_device": "cpu"})).decode.kv_buffer_device == "cpu"
+
+
 def test_values_that_need_quoting_stay_intact():
     tricky = "yes: #{not} 'a comment' \"quoted\" & <b> \u00e9"
     cfg = with_changes(motor_engine_prefill_config={"env": {"TRICKY": tricky}, "extra_args": ["--x", "null"]},
