@@ -330,7 +330,7 @@ def _is_loopback(address: str) -> bool:
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
-        ip: Any = ipaddress.IPv4Address(socket.inet_aton(host))
+        ip: "ipaddress.IPv4Address | ipaddress.IPv6Address" = ipaddress.IPv4Address(socket.inet_aton(host))
     except OSError:
         try:
             ip = ipaddress.IPv6Address(host)
