@@ -419,7 +419,7 @@ def test_stream_error_status_raises_with_the_body(later):
         async with Engine(script) as (srv, client):
             with pytest.raises(EngineStatusError) as e:
                 await collect(client, srv.url, [])
-            assert e.value.status == 400 and e.value.body == error and e.value.is_client_error
+            assert e.value.status == 400 and e.value.body == error and e.value.relayed
 
     run(scenario)
 
