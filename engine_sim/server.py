@@ -7,6 +7,7 @@ import json
 import logging
 import time
 import uuid
+from decimal import Decimal, InvalidOperation
 from typing import Any, Dict, List, Optional, Tuple
 
 import aiohttp
@@ -61,24 +62,19 @@ def pydantic_int(v: Any, loc: Tuple) -> int:
     float or a string of an integer (or of an integral float) is taken; anything else is its 400."""
     if isinstance(v, int):
         return int(v)
+    if not isinstance(v, (str, float)):
+        raise pydantic_style_error(loc, "Input should be a valid integer", "int_type", v)
+    try:
+        exact = Decimal(v.strip() if isinstance(v, str) else v)
+    except InvalidOperation:
+        exact = None
+    if exact is not None and exact.is_finite() and exact == exact.to_integral_value():
+        return int(exact)
     if isinstance(v, str):
-        try:
-            return int(v)
-        except ValueError:
-            try:
-                f = float(v)
-            except ValueError:
-                f = None
-            if f is None or not f.is_integer():
-                raise pydantic_style_error(loc, "Input should be a valid integer, unable to parse string "
-                                           "as an integer", "int_parsing", v) from None
-            return int(f)
-    if isinstance(v, float):
-        if not v.is_integer():
-            raise pydantic_style_error(loc, "Input should be a valid integer, got a number with a "
-                                       "fractional part", "int_from_float", v)
-        return int(v)
-    raise pydantic_style_error(loc, "Input should be a valid integer", "int_type", v)
+        raise pydantic_style_error(loc, "Input should be a valid integer, unable to parse string as an integer",
+                                   "int_parsing", v)
+    raise pydantic_style_error(loc, "Input should be a valid integer, got a number with a fractional part",
+                               "int_from_float", v)
 
 
 def _thinking_budget(th: Any) -> Optional[int]:
