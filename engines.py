@@ -27,6 +27,14 @@ from config import Settings
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 
 MAX_ERROR_BODY = 64 * 1024
+# A response head past this is refused: httptools grows each header value by concatenation, so an engine
+# sending megabytes of header would cost the worker's event loop seconds of CPU.
+MAX_HEAD = 64 * 1024
+# A request sent on a pooled connection that the engine closes without a byte of answer is sent once more, on
+# a new connection, only when the close came this soon: the engine closing an idle connection as the
+# request went out (its keep-alive timer) closes at once; one that read the request and worked on it may
+# have run it, and a second run would be the engine's work twice, unseen by retries and breakers.
+STALE_CLOSE_S = 0.25
 MAX_JSON_BODY = 256 * 1024 * 1024
 STREAM_BUFFER = 1024 * 1024  # bytes of a stream held unread before the engine connection stops being read
 # vLLM (uvicorn) closes a connection idle for 5 s; reusing one it is closing would fail the request.
@@ -76,6 +84,8 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future | None = None
         self.until = _COMPLETE
         self.paused = False
+        self.head_bytes = 0  # bytes received before the final answer's head was complete
+        self.interim = False  # the message being parsed is a 1xx (100 Continue, 103 Early Hints)
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------
 
@@ -95,6 +105,12 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._fail(f"sent a bad response: {e}")
             self.close()
+            return
+        if not self.status and not self.closed:  # (one read is at most 256 KiB: the head is judged per read)
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD:
+                self._fail(f"sent a response head over {MAX_HEAD} bytes")
+                self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -115,15 +131,27 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
-        if name == b"content-length" or name == b"transfer-encoding":
+        if name == b"content-length":
             self.framed = True
+        elif name == b"transfer-encoding":
+            # Only a body whose last coding is chunked ends by itself; any other is read to the close (RFC 9112 6.3).
+            self.framed = value.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
         elif name == b"retry-after":
             self.retry_after = value.decode("latin-1").strip()
 
     def on_headers_complete(self) -> None:
         if self.complete:
             return
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:
+            if status == 101:  # nothing asked to switch protocols: what follows is not HTTP
+                self._fail("sent 101 Switching Protocols unasked")
+                self.close()
+                return
+            # An interim answer (100 Continue, 103 Early Hints): the final one follows on this connection.
+            self.interim, self.framed, self.retry_after = True, False, None
+            return
+        self.status = status
         if self.until == _HEADERS:
             self._wake()
 
@@ -147,6 +175,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self.complete:
+            return
+        if self.interim:
+            self.interim = False
             return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
@@ -357,13 +388,15 @@ class EngineClient:
         if body is not None:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
         head += b"\r\n"
+        resent = False
         while True:
             # A pooled connection is taken without a coroutine: only opening a new one awaits.
-            conn = self._pooled(origin)
+            conn = None if resent else self._pooled(origin)
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(origin, url, deadline)
             conn.begin(streaming=until == _HEADERS)  # a stream is handed over once its headers are in
+            sent_at = self.loop.time()
             if body is None:
                 conn.transport.write(head)
             elif len(body) < 65536:
@@ -381,8 +414,9 @@ class EngineClient:
             if conn.error is None:
                 return conn
             conn.close()
-            if reused and not conn.received:
-                continue  # the engine closed this idle connection as the request went out: a new one
+            if reused and not conn.received and self.loop.time() - sent_at < STALE_CLOSE_S:
+                resent = True  # the engine closed this idle connection as the request went out: once more, on a new one
+                continue
             if conn.error.startswith("sent"):
                 raise UpstreamProtocolError(f"engine {conn.error}", detail=url)
             raise UpstreamConnectError(f"engine {conn.error} ({phase})", detail=url)
@@ -428,6 +462,10 @@ class StreamExchange:
         first_deadline = min(total_deadline, loop.time() + s.first_token_timeout_s)
         conn = await client._exchange(b"POST", self.url, self.body, self.request_id, _HEADERS, first_deadline, "response headers")
         if conn.status >= 300:
+            conn.streaming = False  # an error body is read whole (a paused read would never complete it)
+            if conn.paused:
+                conn.paused = False
+                conn.transport.resume_reading()
             try:
                 try:
                     await conn.wait(_COMPLETE, loop.time() + s.connect_timeout_s)

@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 import pytest
 
 from config import Settings
-from engines import STREAM_BUFFER, EngineClient
+from engines import MAX_ERROR_BODY, MAX_HEAD, STREAM_BUFFER, EngineClient
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from tests.certs import Certs, make_certs
 
@@ -749,5 +749,103 @@ def test_https_untrusted_certificate_is_unreachable(certs, monkeypatch, trusted,
             assert e.value.status == 502
             assert "unreachable" in str(e.value) and "certificate verify failed" in str(e.value)
             assert srv.connections == 0 and not srv.requests and pooled(client, srv) == 0
+
+    run(scenario)
+
+
+# -- what a misbehaving server or proxy can send ------------------------------------------------------
+
+
+INTERIM = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\nRetry-After: 99\r\n\r\n"
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+@pytest.mark.parametrize("interim", [CONTINUE, INTERIM, CONTINUE + INTERIM], ids=["100", "103", "both"])
+def test_interim_answers_are_skipped_for_the_final_one(interim):
+    """A 1xx was taken for the answer: (103, b'') as a success, a stream with nothing in it."""
+    async def scenario():
+        async with Engine(serve_each(interim + response(OK_BODY))) as (srv, client):
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert pooled(client, srv) == 1  # the connection is fine to reuse
+        async with Engine(serve_each(interim + streamed(*EVENTS))) as (srv, client):
+            got = []
+            await collect(client, srv.url, got)
+            assert b"".join(got) == b"".join(EVENTS)
+        async with Engine(serve_each(interim + response(b'{"error":"boom"}', b"500 Internal Server Error"))) as (srv, client):
+            with pytest.raises(EngineStatusError) as e:
+                await post(client, srv.url)
+            assert e.value.status == 500 and e.value.body == b'{"error":"boom"}' and e.value.retry_after is None
+
+    run(scenario)
+
+
+def test_a_response_head_past_the_limit_is_refused():
+    """httptools grows a header value by concatenation: megabytes of it cost the worker seconds of CPU."""
+    huge = b"HTTP/1.1 200 OK\r\nX-Junk: " + b"a" * (2 * MAX_HEAD) + b"\r\nContent-Length: 2\r\n\r\nok"
+
+    async def scenario():
+        async with Engine(serve_each(huge, piece=8192)) as (srv, client):
+            with pytest.raises(UpstreamProtocolError, match="response head over"):
+                await post(client, srv.url)
+            assert pooled(client, srv) == 0
+
+    run(scenario)
+
+
+def test_a_streams_long_error_body_is_read_whole_at_once():
+    """A 400 whose body is over the stream buffer (vLLM echoing a long input) paused the read and waited out
+    connect_timeout, then lost the message."""
+    error = b'{"error":{"message":"' + b"x" * (2 * STREAM_BUFFER) + b'"}}'
+
+    async def scenario():
+        async with Engine(serve_each(streamed(error, status=b"400 Bad Request")), connect_timeout_s=3.0) as (srv, client):
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(EngineStatusError) as e:
+                await collect(client, srv.url, [])
+            assert asyncio.get_running_loop().time() - started < 1.5
+            assert e.value.status == 400 and e.value.body == error[:MAX_ERROR_BODY]
+
+    run(scenario)
+
+
+def test_a_transfer_coding_other_than_chunked_is_read_to_the_close():
+    """RFC 9112 6.3: such a body ends where the connection does. It was called a dropped connection."""
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\n" + OK_BODY
+
+    async def scenario():
+        async with Engine(serve_each(answer, close_after=1)) as (srv, client):
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert pooled(client, srv) == 0
+
+    run(scenario)
+
+
+def test_a_request_the_engine_may_have_run_is_not_sent_again():
+    """A pooled connection the engine drops after working on the request for a while: it may have run it.
+    It was sent again on every pooled connection in turn, unseen by the dispatcher's retries."""
+    async def read_work_drop(peer: Peer) -> None:
+        assert await peer.request() is not None
+        await peer.send(response(OK_BODY))
+        assert await peer.request() is not None
+        await asyncio.sleep(0.5)  # works on it, then goes away without a word
+
+    async def scenario():
+        async with Engine(read_work_drop) as (srv, client):
+            assert await post(client, srv.url) == (200, OK_BODY)
+            with pytest.raises(UpstreamConnectError):
+                await post(client, srv.url)
+            assert len(srv.requests) == 2 and srv.connections == 1
+
+    run(scenario)
+
+
+def test_a_stale_connection_is_replaced_once_not_by_every_pooled_one():
+    """Every pooled connection closed by the engine at the next request: one resend, on a new connection."""
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY), None, close_after=2)) as (srv, client):
+            await asyncio.gather(*(post(client, srv.url) for _ in range(4)))  # four pooled connections
+            assert pooled(client, srv) == 4
+            assert await post(client, srv.url) == (200, OK_BODY)
+            assert len(srv.requests) == 4 + 2 and srv.connections == 5  # one stale try, one new connection
 
     run(scenario)
