@@ -28,7 +28,7 @@ from errors import (
     sse_error_event,
 )
 from serving.job import job_from_body, parse_body
-from serving.observe import RequestRecord
+from serving.observe import VISIBLE, RequestRecord
 
 log = logging.getLogger("coordinator.handlers")
 REQUEST_ID = "X-Request-Id"
@@ -52,9 +52,11 @@ def check_plane(request: Request, plane: str | None) -> None:
 
 def request_id(request: Request) -> str:
     rid = request.headers.get(REQUEST_ID)
-    # 128 random bits, like uuid4().hex: an id must be unique, not unguessable, so no getrandom syscall
-    # (each worker's generator is seeded from the OS when it starts).
-    return rid if rid and len(rid) <= 128 and rid.isprintable() else "%032x" % getrandbits(128)
+    # A client's id is taken when it is at most 128 characters of printable ASCII without spaces: it goes into
+    # every log line of the request as a `key=value` field, which spaces or line breaks in it would forge.
+    # Otherwise 128 random bits, like uuid4().hex: an id must be unique, not unguessable, so no getrandom
+    # syscall (each worker's generator is seeded from the OS when it starts).
+    return rid if rid and len(rid) <= 128 and VISIBLE.fullmatch(rid) else "%032x" % getrandbits(128)
 
 
 def presented_key(request: Request, cfg: ApiKeyConfig) -> str | None:

@@ -443,9 +443,9 @@ class Dispatcher:
     async def _post_release(self, request_id: str, url: str, remote_request_id: str) -> None:
         try:
             await self.client.post(url, dumps({"remote_request_id": remote_request_id}), request_id, timeout_s=self.s.connect_timeout_s)
-            log.info("request_id=%s released prefill KV %s at %s", request_id, remote_request_id, url)
+            log.info("request_id=%s released prefill KV %r at %s", request_id, remote_request_id, url)
         except UpstreamError as e:  # already pulled or expired (404), or P is gone: nothing left to free
-            log.info("request_id=%s prefill KV release at %s: %s", request_id, url, e)
+            log.info("request_id=%s prefill KV release at %s: %r", request_id, url, str(e))
         except RuntimeError as e:  # the worker is stopping and its engine client is closed
             log.info("request_id=%s prefill KV release at %s skipped: %s", request_id, url, e)
 

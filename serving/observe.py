@@ -8,6 +8,7 @@ and any other stream's output is its number of `data:` events less the events th
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -32,6 +33,14 @@ _OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
 _MESSAGES_OUTPUT_KEY = (b'"output_tokens":',)
 _INPUT_KEYS = (b'"prompt_tokens":', b'"input_tokens":')
 _INT = re.compile(rb"\s*(\d+)")
+VISIBLE = re.compile(r"[!-~]+")  # printable ASCII without spaces: a value that cannot break a log line's fields
+
+
+def log_value(value: str) -> str:
+    """A client-given value (a model name) for a `key=value` log field: as it is when it cannot forge a field
+    or a line, else quoted with JSON's escapes (spaces, `=`-looking text, newlines and non-ASCII kept visible
+    but inert)."""
+    return value if VISIBLE.fullmatch(value) else json.dumps(value)
 
 
 def _last_int(body: bytes, keys: tuple[bytes, ...]) -> int | None:
@@ -175,7 +184,7 @@ class Observer:
             self.request_log.write(
                 "request_id=%s route=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
                 "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s duration_ms=%.1f%s" % (
-                    rec.request_id, rec.route, rec.model or "-", rec.stream, _name(rec.prefill), _name(rec.target),
+                    rec.request_id, rec.route, log_value(rec.model) if rec.model else "-", rec.stream, _name(rec.prefill), _name(rec.target),
                     rec.status, f"{rec.ttft_s * 1000:.1f}" if rec.stream and rec.ttft_s is not None else "-",
                     rec.prompt_tokens, rec.generated_tokens, rec.retries, rec.missed_handoff, rec.duration_s * 1000,
                     f" error={rec.error!r}" if rec.error else "",
@@ -187,7 +196,7 @@ class Observer:
         self.request_log.flush()
 
     def retry(self, job, target: Target, err: Exception) -> None:
-        log.warning("request_id=%s retrying after %s on %s", job.request_id, err, _name(target))
+        log.warning("request_id=%s retrying after %r on %s", job.request_id, str(err), _name(target))
 
     def missed_handoff(self, job, rec: RequestRecord, why: str) -> None:
         log.warning(

@@ -52,7 +52,7 @@ def test_a_lone_surrogate_in_an_error_message_and_the_log_line(union_cluster, ro
     ok = httpx.post(union_cluster.url + "/v1/chat/completions", content=chat_body(), headers=JSON, timeout=30)
     assert ok.status_code == 200
     assert wait_until(lambda: f"request_id={rid} " in union_cluster.output() and ok.headers["x-request-id"] in union_cluster.output())
-    assert "model=no-such-\\ud800" in union_cluster.output()
+    assert 'model="no-such-\\ud800"' in union_cluster.output()
     assert "UnicodeEncodeError" not in union_cluster.output()
 
 

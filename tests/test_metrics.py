@@ -325,6 +325,25 @@ def test_one_structured_log_line_per_request(c):
     assert not re.search(r"(GET|POST) http://\S+ \d{3} ", c.output())
 
 
+def test_client_values_cannot_forge_request_line_fields_or_lines(c):
+    """A model name and a request id are the client's: a newline in one forged a whole log line (timestamp and
+    all), spaces and `=` forged fields (a second status=)."""
+    forged_line = "qwen3\n2099-01-01 00:00:00,000 INFO coordinator.request[1]: request_id=FORGED status=200"
+    mark = len(c.output())
+    r = post(c, CHAT, {**chat_body(), "model": forged_line}, headers={"X-Request-Id": "forge-1"})
+    assert r.status_code == 404
+    r = post(c, CHAT, chat_body(), headers={"X-Request-Id": "x route=/v1/fake model=evil status=200"})
+    assert r.status_code == 200 and r.headers["x-request-id"] != "x route=/v1/fake model=evil status=200"
+    assert wait_until(lambda: c.output().count(" INFO coordinator.request[", mark) >= 2)
+    lines = [line for line in c.output()[mark:].splitlines() if "coordinator.request[" in line]
+    assert not any(line.startswith("2099-") or "request_id=FORGED" in line.split(" model=")[0] for line in lines), lines
+    # Quoted values are inert: the model (JSON's quoting) and the error (Python's, always the last field).
+    unquoted = [re.sub(r' model="(?:[^"\\]|\\.)*"', " model=Q", line).split(" error=")[0] for line in lines]
+    assert all(line.count(" status=") == 1 and line.count(" route=") == 1 for line in unquoted), unquoted
+    [forge] = [line for line in lines if "request_id=forge-1 " in line]
+    assert ' model="qwen3\\n2099-01-01' in forge
+
+
 def test_every_response_carries_a_request_id(c):
     calls = [
         ("GET", c.mgmt + "/startup", None), ("GET", c.mgmt + "/readiness", None), ("GET", c.mgmt + "/instances", None),
