@@ -547,10 +547,7 @@ class SimServer:
         if mt is not None and mt < 1 and kind != "messages":
             raise ApiError(400, f"max_tokens must be at least 1, got {mt}.", "BadRequestError", "max_tokens")
         n = body.get("n", 1) if kind != "messages" else 1
-        if n is None:
-            n = 1
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise pydantic_style_error(("n",), "Input should be a valid integer", "int_type", n)
+        n = 1 if n is None else pydantic_int(n, ("n",))
         if n < 1:
             raise ApiError(400, f"n must be at least 1, got {n}.", "BadRequestError", "n")
         for key in ("temperature", "top_p"):

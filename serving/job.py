@@ -47,13 +47,16 @@ class Job:
         """
         body = self.body
         for key in ("n", "best_of"):
-            value = body.get(key)
-            if isinstance(value, int) and value > 1:
+            value = lax_int(body.get(key))
+            if value is not None and value > 1:
                 return True
         if body.get("prompt_logprobs") is not None:
             return True
+        # Chat's `echo` asks for prompt logprobs too: vLLM takes `top_logprobs` (0 unless given as null) for them.
+        if self.route == CHAT and lax_true(body.get("echo")) and body.get("top_logprobs", 0) is not None:
+            return True
         if self.route == COMPLETIONS:
-            if body.get("echo") and body.get("logprobs") is not None:
+            if lax_true(body.get("echo")) and body.get("logprobs") is not None:
                 return True
             if echo_without_generation(body):  # a prompt alone: nothing to decode after it, no KV to move
                 return True
@@ -68,7 +71,7 @@ class Job:
 def echo_without_generation(body: dict) -> bool:
     """A completions body that scores its prompt (lm-eval, HELM): `echo` with `max_tokens` 0, which vLLM
     accepts and answers with the prompt alone."""
-    return body.get("echo") is True and lax_int(body.get("max_tokens")) == 0
+    return lax_true(body.get("echo")) and lax_int(body.get("max_tokens")) == 0
 
 
 def parse_body(raw: bytes) -> dict:
@@ -115,6 +118,16 @@ def lax_int(v: object) -> int | None:
     if isinstance(v, float):
         return int(v) if v.is_integer() else None
     return None
+
+
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def lax_true(v: object) -> bool:
+    """Does vLLM read this boolean field as true (pydantic's lax mode: True, 1, "true", "yes", "on", ...)?"""
+    if isinstance(v, str):
+        return v.strip().lower() in _TRUE
+    return v is True or (type(v) in (int, float) and v == 1)
 
 
 def _max_tokens(body: dict, *keys: str, required: bool = False) -> int:

@@ -215,7 +215,13 @@ def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sim
     ("/v1/completions", {"echo": True, "logprobs": 1}),
     ("/v1/chat/completions", {"prompt_logprobs": 1}),
     ("/v1/completions", {"echo": True, "max_tokens": 0}),
-], ids=["chat_n", "completions_n", "echo_logprobs", "prompt_logprobs", "echo_without_generation"])
+    # vLLM reads integers in pydantic's lax mode: 2.0 and "3" children are children too.
+    ("/v1/chat/completions", {"n": 2.0}),
+    ("/v1/completions", {"n": "3"}),
+    # Chat's echo asks for prompt logprobs (top_logprobs, 0 by default), which skip the transferred KV.
+    ("/v1/chat/completions", {"echo": True}),
+], ids=["chat_n", "completions_n", "echo_logprobs", "prompt_logprobs", "echo_without_generation", "chat_n_float",
+        "completions_n_str", "chat_echo"])
 def test_what_one_kv_ticket_cannot_carry_is_computed_on_decode(fresh, route, extra):
     """One ticket carries one prompt's KV to one sequence: n > 1 children would all pull blocks P frees after
     the first, prompt logprobs skip the transferred KV, and echo with max_tokens 0 generates nothing. No prefill
@@ -224,7 +230,7 @@ def test_what_one_kv_ticket_cannot_carry_is_computed_on_decode(fresh, route, ext
     body.update({"messages": [{"role": "user", "content": "one ticket"}]} if route.endswith("chat/completions") else {"prompt": "one ticket"})
     r = httpx.post(fresh.url + route, json=body, timeout=30)
     assert r.status_code == 200, r.text
-    assert len(r.json()["choices"]) == extra.get("n", 1)
+    assert len(r.json()["choices"]) == int(extra.get("n", 1))
     assert fresh.p.stats()["received"] == 0
     [leg] = [x["body"] for x in fresh.d.requests() if x["path"] == route]
     assert "kv_transfer_params" not in leg
