@@ -48,6 +48,7 @@ from serving.background import Background  # noqa: E402
 from serving.dispatch import Dispatcher  # noqa: E402
 from serving.metrics import PrometheusObserver, clear_stale_files  # noqa: E402
 from serving.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat  # noqa: E402
+from serving.usage import PrefillUsages  # noqa: E402
 
 log = logging.getLogger("coordinator")
 APP_NAME = "motor_coordinator"
@@ -122,7 +123,9 @@ def create_app(settings: Settings) -> Sanic:
         ctx.client = EngineClient(settings)
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
         ctx.admission = Admission(settings, shared, worker)
-        ctx.dispatcher = Dispatcher(settings, ctx.scheduler, ctx.health, ctx.client, ctx.observer)
+        ctx.dispatcher = Dispatcher(
+            settings, ctx.scheduler, ctx.health, ctx.client, ctx.observer, PrefillUsages(shared, worker, settings.num_workers)
+        )
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
             ctx.background.start()

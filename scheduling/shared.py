@@ -76,6 +76,12 @@ WORKER_FIELDS = 4
 PREFIX_ENTRIES = 1 << 16
 PREFIX_FIELDS = 3
 
+# Prefill usage in trigger mode (serving/usage.py PrefillUsages): per worker, slots of (request id hash, prompt
+# tokens, cached tokens + 1) written by the worker that relayed P's answer to an engine's metaserver call,
+# read by the worker whose client request's decode leg reports usage.
+PREFILL_USAGE_SLOTS = 1024
+PREFILL_USAGE_FIELDS = 3
+
 # The learned model's recent prediction errors (scheduling/predict.py): per slot, a ring of prefill-finish
 # errors, then a ring of TPOT errors. The counts in the health table say how many entries are valid, so
 # a reused slot (counts cleared) ignores what its previous engine left.
@@ -94,6 +100,7 @@ class SharedState:
     prefix: Any = None  # RawArray uint64 [PREFIX_ENTRIES * PREFIX_FIELDS]
     errors: Any = None  # RawArray double [MAX_SLOTS * 2 * ERROR_WINDOW]
     workers: Any = None  # RawArray int64 [MAX_WORKERS * WORKER_FIELDS]: per-worker admission counters
+    prefill_usage: Any = None  # RawArray int64 [MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS]
 
     @classmethod
     def create(cls) -> "SharedState":
@@ -107,6 +114,7 @@ class SharedState:
             prefix=ctx.RawArray(ctypes.c_uint64, PREFIX_ENTRIES * PREFIX_FIELDS),
             errors=ctx.RawArray(ctypes.c_double, MAX_SLOTS * 2 * ERROR_WINDOW),
             workers=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * WORKER_FIELDS),
+            prefill_usage=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS),
         )
 
     @property
@@ -158,7 +166,7 @@ def worker_sum(arr: Any, rows: range, field: int) -> int:
     return total
 
 
-_FIELDS = ("doc", "ledger", "health", "globals", "lock", "prefix", "errors", "workers")
+_FIELDS = ("doc", "ledger", "health", "globals", "lock", "prefix", "errors", "workers", "prefill_usage")
 
 
 def worker_index(name: str | None = None) -> int:

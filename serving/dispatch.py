@@ -48,7 +48,7 @@ from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
 from serving.legs import PREFILL_TICKET, decode_leg, prefill_body, prefill_leg
 from serving.observe import MESSAGE_DELTA, Observer, RequestRecord
 from serving.resolve import RECHECK_AFTER_S, RESOLVED_FOR_S, addresses
-from serving.usage import EventSplitter, fix_event, fix_events, fix_response, prefill_usage
+from serving.usage import NO_CACHED_PROMPT, EventSplitter, PrefillUsages, fix_event, fix_events, fix_response, prefill_usage
 
 T = TypeVar("T")
 log = logging.getLogger("coordinator.serving")
@@ -93,10 +93,12 @@ def _refusal(e: NoCapacity | OverBudget, settings: Settings) -> ServiceUnavailab
 
 class Dispatcher:
     def __init__(
-        self, settings: Settings, scheduler: Scheduler, health: Health, client: EngineClient, observer: Observer
+        self, settings: Settings, scheduler: Scheduler, health: Health, client: EngineClient, observer: Observer,
+        prefill_usages: PrefillUsages | None = None,
     ):
         self.s = settings
         self.scheduler, self.health, self.client, self.obs = scheduler, health, client, observer
+        self.prefill_usages = prefill_usages  # P's usage in trigger mode, between workers
         self._detached: set[asyncio.Task] = set()  # fire-and-forget engine calls, referenced until done
         self.metaserver_url = metaserver_url(settings) if settings.pd_dispatch == "trigger" else ""
 
@@ -336,11 +338,20 @@ class Dispatcher:
 
     def _decode(
         self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes, p_usage: dict | None,
-        ticket: bool = True,
+        ticket: bool = True, triggered: bool = False,
     ) -> Awaitable[None]:
         """The decode leg (with retries on other decode instances); `ticket`: `body` carries one (P's, or
-        trigger mode's), which a retry after D's 5xx leaves out."""
+        trigger mode's), which a retry after D's 5xx leaves out. `triggered`: P's usage is not known yet (D
+        asks for the prefill): it is looked up when D's usage comes."""
         anthropic = job.api == ANTHROPIC
+
+        def p_counts() -> dict | None:
+            """P's usage: given (handoff), or in trigger mode kept by the worker that relayed P's answer to D
+            (none of the prompt cached when not found). A D that computed the prompt itself reports its own."""
+            nonlocal p_usage
+            if p_usage is None and triggered and not recompute:
+                p_usage = (self.prefill_usages.get(job.request_id) if self.prefill_usages else None) or NO_CACHED_PROMPT
+            return p_usage
 
         def repick(exclude: frozenset[int]) -> Target:
             # Another decode instance: the body carries P's ticket, which only a decode engine may take.
@@ -373,13 +384,13 @@ class Dispatcher:
                                 events = block.count(b"data:")
                                 lease.events += events
                                 rec.events += events
-                                block = fix_events(block, p_usage, anthropic)
+                                block = fix_events(block, p_counts(), anthropic)
                                 if anthropic and MESSAGE_DELTA in block:  # the usage the client gets
                                     rec.message_delta(block)
                                 await sink.send(block, es.finished and not splitter.tail)
                         if splitter.tail.strip():
                             rec.events += splitter.tail.count(b"data:")
-                            await sink.send(fix_event(splitter.tail, p_usage, anthropic) + b"\n\n")
+                            await sink.send(fix_event(splitter.tail, p_counts(), anthropic) + b"\n\n")
                     if not sink.started:
                         raise UpstreamProtocolError("decode engine ended the stream without sending anything", detail=t.url)
                     lease.succeed()
@@ -391,7 +402,7 @@ class Dispatcher:
                     except ValueError:
                         raise UpstreamProtocolError("decode engine answered invalid JSON", detail=t.url) from None
                     lease.succeed()
-                    sink.json(200, dumps(fix_response(resp, p_usage, anthropic)) if isinstance(resp, dict) else data)
+                    sink.json(200, dumps(fix_response(resp, p_counts(), anthropic)) if isinstance(resp, dict) else data)
             except EngineStatusError as e:
                 # D answered 5xx and may not have been able to take P's KV (P died after answering, or its
                 # KV expired): the retry leaves the ticket out and D computes the prompt itself, like a
@@ -470,7 +481,7 @@ class Dispatcher:
             "metaserver": self.metaserver_url,
         }
         rec.prefill = p
-        await self._decode(job, info, plan.target, sink, rec, decode_leg(job, ticket), None)
+        await self._decode(job, info, plan.target, sink, rec, decode_leg(job, ticket), None, triggered=True)
 
     async def _metaserver(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
         """Forward an engine's metaserver call to the registered instance it names, or one the scheduler picks."""
@@ -484,6 +495,8 @@ class Dispatcher:
             job.body = prefill_body(job, ticket)
             job.stream = False
             job.raw = dumps(job.body)
+            if self.prefill_usages is not None:
+                sink = _UsageKeepingSink(sink, self.prefill_usages, job.request_id)
         await self._whole(job, info, target, sink, rec, retry=False)
 
     async def _named_target(self, model: str, role: str, ktp: dict) -> Target | None:
@@ -513,6 +526,28 @@ class Dispatcher:
         raise Forbidden(
             f"metaserver target {host}:{port} (engine {engine_id}) is not a registered {role} instance of model {model!r}"
         )
+
+
+class _UsageKeepingSink:
+    """P's answer to a metaserver prefill on its way back to D: its usage is kept for the client request's
+    decode leg, whose worker may be another (PrefillUsages)."""
+
+    def __init__(self, sink: Sink, usages: PrefillUsages, request_id: str):
+        self.sink, self.usages, self.request_id = sink, usages, request_id
+
+    @property
+    def started(self) -> bool:
+        return self.sink.started
+
+    def json(self, status: int, body: bytes) -> None:
+        self.usages.put(self.request_id, body)
+        self.sink.json(status, body)
+
+    async def start_stream(self) -> None:
+        await self.sink.start_stream()
+
+    async def send(self, data: bytes, last: bool = False) -> None:
+        await self.sink.send(data, last)
 
 
 def metaserver_url(s: Settings) -> str:

@@ -265,9 +265,9 @@ def _metaserver_job(raw: bytes, body: dict) -> Job:
     rid = ktp.get("request_id")
     if not isinstance(rid, str) or not rid:
         raise InvalidRequest("'kv_transfer_params.request_id' is required", param="kv_transfer_params.request_id")
-    if len(rid) > 128 or not rid.isprintable():  # it becomes the engine request's X-Request-Id header
+    if len(rid) > 128 or not (rid.isascii() and rid.isprintable()) or " " in rid:  # an X-Request-Id, and logged
         raise InvalidRequest(
-            "'kv_transfer_params.request_id' must be printable and at most 128 characters",
+            "'kv_transfer_params.request_id' must be at most 128 characters of printable ASCII without spaces",
             param="kv_transfer_params.request_id",
         )
     if bool(ktp.get("do_remote_prefill")) == bool(ktp.get("do_remote_decode")):

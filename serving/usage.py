@@ -9,15 +9,78 @@ every other byte is relayed as it came.
 
 from __future__ import annotations
 
+import hashlib
+
 import ujson
 
 from errors import dumps
+from scheduling.shared import PREFILL_USAGE_FIELDS, PREFILL_USAGE_SLOTS, SharedState
 
 
 
 def prefill_usage(p_response: dict) -> dict | None:
     usage = p_response.get("usage")
     return usage if isinstance(usage, dict) else None
+
+
+# What a trigger-mode decode reports when P's usage is not found: D's prompt count, and none of it cached
+# (D counts the transferred KV as cached: the client would be billed as if the whole prompt were).
+NO_CACHED_PROMPT = {"prompt_tokens_details": {"cached_tokens": 0}}
+
+
+class PrefillUsages:
+    """P's usage in trigger mode, between workers: D asks this Coordinator's /v1/metaserver for the prefill, and
+    that call may reach another worker than the client request whose decode leg then reports usage.
+
+    Each worker writes its own row of slots (a slot per request id hash; a later request may take it over,
+    and the reader then finds nothing); a reader looks in every worker's row. A slot's key is written last
+    and checked again after its counts are read, so a reader never takes counts from two requests.
+    """
+
+    def __init__(self, shared: SharedState, worker: int, num_workers: int):
+        self.arr = shared.prefill_usage
+        self.row = PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
+        self.mine = worker * self.row
+        self.rows = range(0, max(num_workers, worker + 1) * self.row, self.row)
+
+    @staticmethod
+    def _key(request_id: str) -> int:
+        # Stable across processes (str hashes are salted per process), never 0 (an empty slot), fits int64.
+        return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") >> 2 | 1
+
+    def put(self, request_id: str, answer: bytes) -> None:
+        """P answered the metaserver's prefill for `request_id`: keep its prompt and cached counts."""
+        try:
+            usage = prefill_usage(ujson.loads(answer))
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            return
+        prompt = usage.get("prompt_tokens") if usage else None
+        if not isinstance(prompt, int) or prompt < 0:
+            return
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        key = self._key(request_id)
+        at = self.mine + key % PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
+        arr = self.arr
+        arr[at] = 0
+        arr[at + 1] = prompt
+        arr[at + 2] = cached + 1 if isinstance(cached, int) and 0 <= cached <= prompt else 0
+        arr[at] = key
+
+    def get(self, request_id: str) -> dict | None:
+        """P's usage for `request_id` as its answer had it (prompt and cached counts), if a worker kept it."""
+        key = self._key(request_id)
+        arr, slot = self.arr, key % PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
+        for row in self.rows:
+            at = row + slot
+            if arr[at] == key:
+                prompt, cached = arr[at + 1], arr[at + 2]
+                if arr[at] == key:
+                    usage: dict = {"prompt_tokens": prompt}
+                    if cached:
+                        usage["prompt_tokens_details"] = {"cached_tokens": cached - 1}
+                    return usage
+        return None
 
 
 def fix_openai_usage(usage: dict, p_usage: dict | None) -> None:

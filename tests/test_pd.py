@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from scheduling.shared import SharedState
+from serving.usage import PrefillUsages
 from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
 
@@ -372,6 +374,39 @@ def test_trigger_mode_decode_calls_metaserver(sims):
             p_req = [r for r in p.requests() if r["path"] == "/v1/chat/completions"][0]
             assert p_req["body"]["max_tokens"] == 1 and p_req["body"]["kv_transfer_params"]["do_remote_decode"] is True
             assert p.stats()["kv_pulled"] == 1 and d.stats()["remote_kv_hits"] == 1
+
+
+def test_trigger_mode_bills_what_p_had_cached_whichever_worker_served_the_metaserver_call(sims):
+    """D counts the transferred KV as cached: trigger mode billed every prompt as if it were all cached. P's
+    own counts are taken instead, also when D's metaserver call reached the other worker."""
+    p, d = sims("prefill"), sims("decode")
+    cfg = coordinator_config(
+        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
+        scheduler_config={"pd_dispatch": "trigger"}, inference_workers_config={"num_workers": 2},
+    )
+    with Coordinator(cfg) as coord:
+        c = client(coord)
+        for i in range(6):  # new connections each time: the two workers share the requests and the calls
+            prompt = [{"role": "user", "content": f"trigger billing {i} " * 30}]
+            first = c.chat.completions.create(model=MODEL, messages=prompt, max_tokens=3)
+            assert first.usage.prompt_tokens_details.cached_tokens == 0, first.usage  # nothing cached on P yet
+            again = c.chat.completions.create(model=MODEL, messages=prompt, max_tokens=3, stream=True,
+                                              stream_options={"include_usage": True})
+            usage = list(again)[-1].usage
+            assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens, usage  # P's prefix hits
+        assert d.stats()["metaserver_calls"] == 12
+
+
+def test_prefill_usage_kept_by_one_worker_is_found_by_another():
+    """Which worker D's metaserver call reaches is the connection's luck: the table is shared memory."""
+    shared = SharedState.create()
+    relaying, decoding = PrefillUsages(shared, 1, 2), PrefillUsages(shared, 0, 2)
+    relaying.put("req-a", b'{"usage":{"prompt_tokens":120,"prompt_tokens_details":{"cached_tokens":64}}}')
+    relaying.put("req-b", b'{"usage":{"prompt_tokens":7}}')
+    relaying.put("req-c", b"not json")
+    assert decoding.get("req-a") == {"prompt_tokens": 120, "prompt_tokens_details": {"cached_tokens": 64}}
+    assert decoding.get("req-b") == {"prompt_tokens": 7}
+    assert decoding.get("req-c") is None and decoding.get("req-d") is None
 
 
 KEYS = {"enable_api_key": True, "valid_keys": ["k-meta"], "header_name": "Authorization", "key_prefix": "Bearer "}
