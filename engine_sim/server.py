@@ -567,7 +567,7 @@ class SimServer:
                 raise pydantic_style_error(("stop",), "Input should be a valid string or list",
                                            "string_type", stop)
             body_stop = stop
-        mn = pydantic_int(body.get("min_tokens", 0) or 0, ("min_tokens",))
+        mn = pydantic_int(body.get("min_tokens", 0), ("min_tokens",))  # null too is refused
 
         P, L = req["prompt_tokens"], self.cfg.max_model_len
         if P > L or (P == L and mt is None):

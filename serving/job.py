@@ -205,7 +205,7 @@ def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: 
     ids = body.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)):
         raise InvalidRequest("'stop_token_ids' must be a list of integers", param="stop_token_ids")
-    if body.get("min_tokens") is not None:
+    if "min_tokens" in body:  # (null too: vLLM's field is an int, 0 unless given)
         low = lax_int(body["min_tokens"])
         if low is None or low < 0:
             raise InvalidRequest("'min_tokens' must be an integer >= 0", param="min_tokens")

@@ -267,8 +267,9 @@ def test_a_retry_that_finds_no_engine_is_not_counted(sims):
 @pytest.mark.parametrize("extra", [
     {"stream_options": {"include_usage": True}},  # without stream: true
     {"stop": 5}, {"stop": ["ok", 7]}, {"stop_token_ids": ["x"]}, {"min_tokens": -1}, {"min_tokens": "two"},
-    {"min_tokens": 9, "max_tokens": 4},
-], ids=["stream_options", "stop_int", "stop_list", "stop_token_ids", "min_tokens_negative", "min_tokens_str", "min_over_max"])
+    {"min_tokens": 9, "max_tokens": 4}, {"min_tokens": None},
+], ids=["stream_options", "stop_int", "stop_list", "stop_token_ids", "min_tokens_negative", "min_tokens_str", "min_over_max",
+        "min_tokens_null"])
 def test_what_only_decode_would_refuse_is_refused_before_the_prefill(fresh, extra):
     """The prefill leg leaves these fields out, so only D would see them: after P computed the prompt and
     while it holds the KV. They are checked first, as vLLM checks them."""
