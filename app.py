@@ -129,7 +129,9 @@ def create_app(settings: Settings) -> Sanic:
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
             ctx.background.start()
-        start_heartbeat(shared, worker)  # the supervisor's watchdog kills a worker whose loop stops beating
+        # The supervisor's watchdog kills a worker whose loop stops beating; a worker of a main process (not
+        # Sanic's single_process mode, whose parent is whatever started it) stops itself if that one dies.
+        start_heartbeat(shared, worker, watch_parent=hasattr(app.shared_ctx, "motor_doc"))
         # Start-up objects live for the worker's life: keep them out of the cyclic collector's scans.
         gc.freeze()
 

@@ -102,7 +102,7 @@ class _Connection(asyncio.Protocol):
         self.received = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:  # (an upgrade: after a 101, failed)
             self._fail(f"sent a bad response: {e}")
             self.close()
             return

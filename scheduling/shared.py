@@ -77,10 +77,10 @@ PREFIX_ENTRIES = 1 << 16
 PREFIX_FIELDS = 3
 
 # Prefill usage in trigger mode (serving/usage.py PrefillUsages): per worker, slots of (request id hash, prompt
-# tokens, cached tokens + 1) written by the worker that relayed P's answer to an engine's metaserver call,
-# read by the worker whose client request's decode leg reports usage.
+# tokens, cached tokens + 1, when written) written by the worker that relayed P's answer to an engine's
+# metaserver call, read by the worker whose client request's decode leg reports usage.
 PREFILL_USAGE_SLOTS = 1024
-PREFILL_USAGE_FIELDS = 3
+PREFILL_USAGE_FIELDS = 4
 
 # The learned model's recent prediction errors (scheduling/predict.py): per slot, a ring of prefill-finish
 # errors, then a ring of TPOT errors. The counts in the health table say how many entries are valid, so

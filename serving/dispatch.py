@@ -54,6 +54,7 @@ T = TypeVar("T")
 log = logging.getLogger("coordinator.serving")
 
 _DEFAULT_MODEL = ModelConfig("")  # a model served without a `models` entry has the default limits
+MAX_OUTPUT_BUDGET = 1 << 31  # output tokens a request counts for in the ledger (beyond any model's context)
 _PROMPT_KINDS = {CHAT: CHAT_PROMPT, COMPLETIONS: COMPLETION_PROMPT, MESSAGES: MESSAGES_PROMPT}  # how the scheduler reads a prompt
 
 
@@ -113,9 +114,9 @@ class Dispatcher:
         info = JobInfo(
             model=job.model,
             prompt_tokens=0,  # counted by prepare() for the prompt routes
-            # No engine generates past its context (vLLM refuses the request): the budget a request takes in the
-            # shared ledger's int64 counters is capped there, so a client's 10**30 cannot overflow them.
-            max_tokens=min(job.max_tokens, limits.d_max_seqlen),
+            # The budget a request takes in the shared ledger's int64 counters: a client's 10**30 (which the
+            # engine refuses) would wrap them round while the request lives.
+            max_tokens=min(job.max_tokens, MAX_OUTPUT_BUDGET),
             slo_ttft_ms=job.slo_ttft_ms or limits.slo_ttft_ms,
             slo_tpot_ms=job.slo_tpot_ms or limits.slo_tpot_ms,
             engine_type="vllm" if job.route in (MESSAGES, COUNT_TOKENS) else None,
@@ -345,12 +346,15 @@ class Dispatcher:
         asks for the prefill): it is looked up when D's usage comes."""
         anthropic = job.api == ANTHROPIC
 
+        since_ns = time.monotonic_ns()  # P's usage in trigger mode is written after this, by D's metaserver call
+
         def p_counts() -> dict | None:
             """P's usage: given (handoff), or in trigger mode kept by the worker that relayed P's answer to D
-            (none of the prompt cached when not found). A D that computed the prompt itself reports its own."""
+            (none of the prompt cached while not found). A D that computed the prompt itself reports its own."""
             nonlocal p_usage
             if p_usage is None and triggered and not recompute:
-                p_usage = (self.prefill_usages.get(job.request_id) if self.prefill_usages else None) or NO_CACHED_PROMPT
+                p_usage = self.prefill_usages.get(job.request_id, since_ns) if self.prefill_usages else None
+                return p_usage or NO_CACHED_PROMPT
             return p_usage
 
         def repick(exclude: frozenset[int]) -> Target:

@@ -64,7 +64,7 @@ SANIC_SHUTDOWN_S = 2.0  # Sanic's GRACEFUL_SHUTDOWN_TIMEOUT (app.py): the drain 
 STOP_GRACE_S = 1.0 + SANIC_SHUTDOWN_S + 5.0
 
 
-def start_heartbeat(shared: SharedState, worker: int) -> None:
+def start_heartbeat(shared: SharedState, worker: int, watch_parent: bool = True) -> None:
     """Worker side: write this worker's heartbeat now and every `HEARTBEAT_S`, from its event loop.
 
     Each beat also checks that the main process is still this worker's parent. If it died (killed, out of
@@ -73,11 +73,11 @@ def start_heartbeat(shared: SharedState, worker: int) -> None:
     stops itself instead, as a stop signal to it alone would (a drain, then exit)."""
     loop = asyncio.get_running_loop()
     beats, at = shared.workers, worker * WORKER_FIELDS + W_HEARTBEAT_MS
-    parent = os.getppid()
+    parent = os.getppid() if watch_parent else None
 
     def beat() -> None:
         beats[at] = int(time.monotonic() * 1000)  # CLOCK_MONOTONIC: one clock for every process of the machine
-        if os.getppid() != parent:
+        if parent is not None and os.getppid() != parent:
             log.error("worker %s (pid %s): the main process (pid %s) is gone: stopping", worker, os.getpid(), parent)
             os.kill(os.getpid(), signal.SIGTERM)
             return

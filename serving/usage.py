@@ -10,6 +10,7 @@ every other byte is relayed as it came.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import ujson
 
@@ -34,7 +35,9 @@ class PrefillUsages:
 
     Each worker writes its own row of slots (a slot per request id hash; a later request may take it over,
     and the reader then finds nothing); a reader looks in every worker's row. A slot's key is written last
-    and checked again after its counts are read, so a reader never takes counts from two requests.
+    and checked again after its counts are read, so a reader never takes counts from two requests. Clients
+    choose request ids and may reuse them: an entry counts only if written after the reader's request began,
+    and the newest such one wins.
     """
 
     def __init__(self, shared: SharedState, worker: int, num_workers: int):
@@ -44,9 +47,11 @@ class PrefillUsages:
         self.rows = range(0, max(num_workers, worker + 1) * self.row, self.row)
 
     @staticmethod
-    def _key(request_id: str) -> int:
-        # Stable across processes (str hashes are salted per process), never 0 (an empty slot), fits int64.
-        return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") >> 2 | 1
+    def _place(request_id: str) -> tuple[int, int]:
+        """(key, slot offset): stable across processes (str hashes are salted per process); the key is never 0
+        (an empty slot) and fits int64, the slot comes from other bits of the hash than the key's low ones."""
+        h = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+        return h >> 2 | 1, h % PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
 
     def put(self, request_id: str, answer: bytes) -> None:
         """P answered the metaserver's prefill for `request_id`: keep its prompt and cached counts."""
@@ -59,28 +64,31 @@ class PrefillUsages:
             return
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        key = self._key(request_id)
-        at = self.mine + key % PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
-        arr = self.arr
+        key, slot = self._place(request_id)
+        at, arr = self.mine + slot, self.arr
         arr[at] = 0
         arr[at + 1] = prompt
         arr[at + 2] = cached + 1 if isinstance(cached, int) and 0 <= cached <= prompt else 0
+        arr[at + 3] = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process of the machine
         arr[at] = key
 
-    def get(self, request_id: str) -> dict | None:
-        """P's usage for `request_id` as its answer had it (prompt and cached counts), if a worker kept it."""
-        key = self._key(request_id)
-        arr, slot = self.arr, key % PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
+    def get(self, request_id: str, since_ns: int) -> dict | None:
+        """P's usage for `request_id` as its answer had it (prompt and cached counts), if a worker kept it at
+        `since_ns` (time.monotonic_ns()) or later."""
+        key, slot = self._place(request_id)
+        arr, newest, found = self.arr, since_ns - 1, None
         for row in self.rows:
             at = row + slot
             if arr[at] == key:
-                prompt, cached = arr[at + 1], arr[at + 2]
-                if arr[at] == key:
-                    usage: dict = {"prompt_tokens": prompt}
-                    if cached:
-                        usage["prompt_tokens_details"] = {"cached_tokens": cached - 1}
-                    return usage
-        return None
+                prompt, cached, stamp = arr[at + 1], arr[at + 2], arr[at + 3]
+                if arr[at] == key and stamp > newest:
+                    newest, found = stamp, (prompt, cached)
+        if found is None:
+            return None
+        usage: dict = {"prompt_tokens": found[0]}
+        if found[1]:
+            usage["prompt_tokens_details"] = {"cached_tokens": found[1] - 1}
+        return usage
 
 
 def fix_openai_usage(usage: dict, p_usage: dict | None) -> None:

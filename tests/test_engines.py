@@ -849,3 +849,19 @@ def test_a_stale_connection_is_replaced_once_not_by_every_pooled_one():
             assert len(srv.requests) == 4 + 2 and srv.connections == 5  # one stale try, one new connection
 
     run(scenario)
+
+
+def test_an_unasked_protocol_switch_fails_the_exchange_quietly():
+    """A 101 with Upgrade made httptools raise its upgrade signal out of data_received: an ERROR traceback
+    in the log for each such answer."""
+    switch = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+
+    async def scenario():
+        errors: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        async with Engine(serve_each(switch)) as (srv, client):
+            with pytest.raises(UpstreamProtocolError, match="101"):
+                await post(client, srv.url)
+        assert errors == []
+
+    run(scenario)

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from scheduling.shared import SharedState
+from scheduling.shared import PREFILL_USAGE_SLOTS, SharedState
 from serving.usage import PrefillUsages
 from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
@@ -401,13 +401,26 @@ def test_trigger_mode_bills_what_p_had_cached_whichever_worker_served_the_metase
 def test_prefill_usage_kept_by_one_worker_is_found_by_another():
     """Which worker D's metaserver call reaches is the connection's luck: the table is shared memory."""
     shared = SharedState.create()
-    relaying, decoding = PrefillUsages(shared, 1, 2), PrefillUsages(shared, 0, 2)
+    relaying, other, decoding = PrefillUsages(shared, 1, 3), PrefillUsages(shared, 2, 3), PrefillUsages(shared, 0, 3)
+    began = time.monotonic_ns()
     relaying.put("req-a", b'{"usage":{"prompt_tokens":120,"prompt_tokens_details":{"cached_tokens":64}}}')
     relaying.put("req-b", b'{"usage":{"prompt_tokens":7}}')
     relaying.put("req-c", b"not json")
-    assert decoding.get("req-a") == {"prompt_tokens": 120, "prompt_tokens_details": {"cached_tokens": 64}}
-    assert decoding.get("req-b") == {"prompt_tokens": 7}
-    assert decoding.get("req-c") is None and decoding.get("req-d") is None
+    assert decoding.get("req-a", began) == {"prompt_tokens": 120, "prompt_tokens_details": {"cached_tokens": 64}}
+    assert decoding.get("req-b", began) == {"prompt_tokens": 7}
+    assert decoding.get("req-c", began) is None and decoding.get("req-d", began) is None
+    # A client reusing its request id: the request that began later gets its own prefill's counts, not the
+    # entry an earlier one left (whichever worker row it sits in), and none while its own is not written.
+    again = time.monotonic_ns()
+    assert decoding.get("req-a", again) is None
+    other.put("req-a", b'{"usage":{"prompt_tokens":50,"prompt_tokens_details":{"cached_tokens":0}}}')
+    assert decoding.get("req-a", again) == {"prompt_tokens": 50, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_prefill_usage_slots_are_all_used():
+    """Keys are odd (0 marks an empty slot): a slot taken from the key's low bits used half of them."""
+    slots = {PrefillUsages._place(f"req-{i}")[1] for i in range(20_000)}
+    assert len(slots) == PREFILL_USAGE_SLOTS
 
 
 KEYS = {"enable_api_key": True, "valid_keys": ["k-meta"], "header_name": "Authorization", "key_prefix": "Bearer "}
