@@ -450,6 +450,9 @@ def test_probes_during_start_up_answer_ok_from_their_first_answer(sims):
     try:
         with Coordinator(cfg):
             assert wait_until(lambda: all(any(s for s in v) for v in seen.values()))
+            stop.set()  # before the stop: a drain's 503 is not start-up's
+            for t in pollers:
+                t.join()
     finally:
         stop.set()
         for t in pollers:
