@@ -77,6 +77,21 @@ def pydantic_int(v: Any, loc: Tuple) -> int:
                                "int_from_float", v)
 
 
+_BOOL_WORDS = {"0": False, "off": False, "f": False, "false": False, "n": False, "no": False,
+               "1": True, "on": True, "t": True, "true": True, "y": True, "yes": True}
+
+
+def pydantic_bool(v: Any, loc: Tuple) -> bool:
+    """A `bool` field as pydantic's lax mode reads it: a bool, 0 or 1, or one of its words ("true", "no", ...)."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[v.strip().lower()]
+    raise pydantic_style_error(loc, "Input should be a valid boolean", "bool_parsing", v)
+
+
 def _thinking_budget(th: Any) -> Optional[int]:
     """`thinking` as vLLM 0.32's AnthropicThinkingConfig validates it; the budget of an enabled one, else None.
 
@@ -541,7 +556,8 @@ class SimServer:
             mt = pydantic_int(mt, ("max_tokens",))
         # vLLM's echo without generation: `echo` and max_tokens 0 on completions run with max_tokens 1 and
         # answer the prompt alone (lm-eval-style prompt scoring).
-        echo_only = kind == "completions" and body.get("echo") is True and mt == 0
+        echo = kind != "messages" and pydantic_bool(body.get("echo", False), ("echo",))  # (not a Messages field)
+        echo_only = kind == "completions" and echo and mt == 0
         if echo_only:
             mt = 1
         if mt is not None and mt < 1 and kind != "messages":
@@ -586,7 +602,7 @@ class SimServer:
         req["temperature"] = float(t) if t is not None else None
         req["ignore_eos"] = bool(body.get("ignore_eos", False))
         req["min_tokens"] = mn
-        req["echo"] = bool(body.get("echo")) and kind == "completions"
+        req["echo"] = echo and kind == "completions"
         req["echo_only"] = echo_only
         lp = body.get("logprobs")
         if kind == "chat":

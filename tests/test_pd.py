@@ -222,8 +222,9 @@ def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sim
     ("/v1/completions", {"n": "3"}),
     # Chat's echo asks for prompt logprobs (top_logprobs, 0 by default), which skip the transferred KV.
     ("/v1/chat/completions", {"echo": True}),
+    ("/v1/completions", {"echo": "true", "max_tokens": 0}),  # vLLM reads booleans laxly too
 ], ids=["chat_n", "completions_n", "echo_logprobs", "prompt_logprobs", "echo_without_generation", "chat_n_float",
-        "completions_n_str", "chat_echo"])
+        "completions_n_str", "chat_echo", "echo_str_without_generation"])
 def test_what_one_kv_ticket_cannot_carry_is_computed_on_decode(fresh, route, extra):
     """One ticket carries one prompt's KV to one sequence: n > 1 children would all pull blocks P frees after
     the first, prompt logprobs skip the transferred KV, and echo with max_tokens 0 generates nothing. No prefill
