@@ -27,8 +27,8 @@ from errors import (
     render,
     sse_error_event,
 )
-from serving.job import job_from_body, parse_body
-from serving.observe import VISIBLE, RequestRecord
+from serving.job import VISIBLE, job_from_body, parse_body
+from serving.observe import RequestRecord
 
 log = logging.getLogger("coordinator.handlers")
 REQUEST_ID = "X-Request-Id"

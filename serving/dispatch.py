@@ -95,7 +95,7 @@ def _refusal(e: NoCapacity | OverBudget, settings: Settings) -> ServiceUnavailab
 class Dispatcher:
     def __init__(
         self, settings: Settings, scheduler: Scheduler, health: Health, client: EngineClient, observer: Observer,
-        prefill_usages: PrefillUsages | None = None,
+        prefill_usages: PrefillUsages,
     ):
         self.s = settings
         self.scheduler, self.health, self.client, self.obs = scheduler, health, client, observer
@@ -346,14 +346,14 @@ class Dispatcher:
         asks for the prefill): it is looked up when D's usage comes."""
         anthropic = job.api == ANTHROPIC
 
-        since_ns = time.monotonic_ns()  # P's usage in trigger mode is written after this, by D's metaserver call
+        since_ns = time.monotonic_ns() if triggered else 0  # P's usage is written after this, by D's metaserver call
 
         def p_counts() -> dict | None:
             """P's usage: given (handoff), or in trigger mode kept by the worker that relayed P's answer to D
             (none of the prompt cached while not found). A D that computed the prompt itself reports its own."""
             nonlocal p_usage
             if p_usage is None and triggered and not recompute:
-                p_usage = self.prefill_usages.get(job.request_id, since_ns) if self.prefill_usages else None
+                p_usage = self.prefill_usages.get(job.request_id, since_ns)
                 return p_usage or NO_CACHED_PROMPT
             return p_usage
 
@@ -499,8 +499,7 @@ class Dispatcher:
             job.body = prefill_body(job, ticket)
             job.stream = False
             job.raw = dumps(job.body)
-            if self.prefill_usages is not None:
-                sink = _UsageKeepingSink(sink, self.prefill_usages, job.request_id)
+            sink = _UsageKeepingSink(sink, self.prefill_usages, job.request_id)
         await self._whole(job, info, target, sink, rec, retry=False)
 
     async def _named_target(self, model: str, role: str, ktp: dict) -> Target | None:

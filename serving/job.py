@@ -6,6 +6,7 @@ everything else is the engine's to judge (unknown fields pass through untouched)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import ujson
@@ -100,6 +101,11 @@ def _stream(body: dict) -> bool:
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean", param="stream")
     return stream
+
+
+# Printable ASCII without spaces: a request id (an X-Request-Id header, and a `key=value` field of log lines,
+# which spaces or line breaks would forge), or a logged value shown as it is.
+VISIBLE = re.compile(r"[!-~]+")
 
 
 def lax_int(v: object) -> int | None:
@@ -265,7 +271,7 @@ def _metaserver_job(raw: bytes, body: dict) -> Job:
     rid = ktp.get("request_id")
     if not isinstance(rid, str) or not rid:
         raise InvalidRequest("'kv_transfer_params.request_id' is required", param="kv_transfer_params.request_id")
-    if len(rid) > 128 or not (rid.isascii() and rid.isprintable()) or " " in rid:  # an X-Request-Id, and logged
+    if len(rid) > 128 or not VISIBLE.fullmatch(rid):
         raise InvalidRequest(
             "'kv_transfer_params.request_id' must be at most 128 characters of printable ASCII without spaces",
             param="kv_transfer_params.request_id",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from scheduling.registry import Target
-from serving.job import CHAT, COMPLETIONS, MESSAGES
+from serving.job import CHAT, COMPLETIONS, MESSAGES, VISIBLE
 
 log = logging.getLogger("coordinator.request")
 
@@ -33,9 +33,6 @@ _OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
 _MESSAGES_OUTPUT_KEY = (b'"output_tokens":',)
 _INPUT_KEYS = (b'"prompt_tokens":', b'"input_tokens":')
 _INT = re.compile(rb"\s*(\d+)")
-VISIBLE = re.compile(r"[!-~]+")  # printable ASCII without spaces: a value that cannot break a log line's fields
-
-
 def log_value(value: str) -> str:
     """A client-given value (a model name) for a `key=value` log field: as it is when it cannot forge a field
     or a line, else quoted with JSON's escapes (spaces, `=`-looking text, newlines and non-ASCII kept visible
