@@ -27,6 +27,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports: the sockets stay bound until all are chosen (free_port() twice in a row may
+    give one port twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def instance(iid: int, role: str, model: str, *addresses: str, **extra) -> dict:
     return {
         "id": iid,
@@ -39,12 +52,13 @@ def instance(iid: int, role: str, model: str, *addresses: str, **extra) -> dict:
 
 def coordinator_config(instances: list[dict], models: list[dict] | None = None, **sections) -> dict:
     """A motor_coordinator_config object; `sections` override whole sections (api_key_config=...)."""
+    infer, mgmt, obs = free_ports(3)
     cfg = {
         "api_config": {
             "coordinator_api_host": "127.0.0.1",
-            "coordinator_api_infer_port": free_port(),
-            "coordinator_api_mgmt_port": free_port(),
-            "coordinator_obs_port": free_port(),
+            "coordinator_api_infer_port": infer,
+            "coordinator_api_mgmt_port": mgmt,
+            "coordinator_obs_port": obs,
         },
         "inference_workers_config": {"num_workers": 1},
         "scheduler_config": {"health_check_interval": 0.2, "metrics_scrape_interval": 0.2},
