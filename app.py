@@ -10,8 +10,8 @@ loopback ports) so that every endpoint answers out of the box.
 from __future__ import annotations
 
 import argparse
-import gc
 import asyncio
+import gc
 import logging
 import os
 import shutil
@@ -28,27 +28,36 @@ if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="motor-prom-")
     os.environ["MOTOR_OWNS_PROM_DIR"] = "1"
 
-from sanic import Request, Sanic  # noqa: E402
-from sanic.worker.loader import AppLoader, CertLoader  # noqa: E402
-from sanic.exceptions import SanicException  # noqa: E402
-from sanic.server.socket import bind_socket  # noqa: E402
+from sanic import Request, Sanic
+from sanic.exceptions import SanicException
+from sanic.server.socket import bind_socket
+from sanic.worker.loader import AppLoader, CertLoader
 
-from config import ConfigError, Instance, Endpoint, Settings, TlsConfig, load_settings, resolve_config_path, with_models_for_instances  # noqa: E402
-from engines import EngineClient  # noqa: E402
-from errors import CoordinatorError, HeaderFieldsTooLarge, NotFound, PayloadTooLarge  # noqa: E402
-from handlers import register  # noqa: E402
-from handlers.common import INFER, MGMT, OBS, api_of_path, error_response, request_id  # noqa: E402
-from scheduling.health import Health  # noqa: E402
-from scheduling.ledger import Ledger  # noqa: E402
-from scheduling.registry import Registry  # noqa: E402
-from scheduling.scheduler import build_scheduler  # noqa: E402
-from scheduling.shared import SharedState, worker_index  # noqa: E402
-from serving.admission import Admission  # noqa: E402
-from serving.background import Background  # noqa: E402
-from serving.dispatch import Dispatcher  # noqa: E402
-from serving.metrics import PrometheusObserver, clear_stale_files  # noqa: E402
-from serving.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat  # noqa: E402
-from serving.usage import PrefillUsages  # noqa: E402
+from config import (
+    ConfigError,
+    Endpoint,
+    Instance,
+    Settings,
+    TlsConfig,
+    load_settings,
+    resolve_config_path,
+    with_models_for_instances,
+)
+from engines import EngineClient
+from errors import CoordinatorError, HeaderFieldsTooLarge, NotFound, PayloadTooLarge
+from handlers import register
+from handlers.common import INFER, MGMT, OBS, api_of_path, error_response, request_id
+from scheduling.health import Health
+from scheduling.ledger import Ledger
+from scheduling.registry import Registry
+from scheduling.scheduler import build_scheduler
+from scheduling.shared import SharedState, worker_index
+from serving.admission import Admission
+from serving.background import Background
+from serving.dispatch import Dispatcher
+from serving.metrics import PrometheusObserver, clear_stale_files
+from serving.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat
+from serving.usage import PrefillUsages
 
 log = logging.getLogger("coordinator")
 APP_NAME = "motor_coordinator"
@@ -94,7 +103,9 @@ def create_app(settings: Settings) -> Sanic:
         # A worker that dies is restarted, after what it held in shared memory is zeroed; a stop signal to
         # the main process marks the whole Coordinator draining (serving/supervisor.py).
         Supervisor(
-            app.manager, app.ctx.main_shared, settings.worker_watchdog_timeout_s,
+            app.manager,
+            app.ctx.main_shared,
+            settings.worker_watchdog_timeout_s,
             stop_deadline_s=settings.drain_timeout_s + STOP_GRACE_S,
         ).install()
 
@@ -124,7 +135,12 @@ def create_app(settings: Settings) -> Sanic:
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
         ctx.admission = Admission(settings, shared, worker)
         ctx.dispatcher = Dispatcher(
-            settings, ctx.scheduler, ctx.health, ctx.client, ctx.observer, PrefillUsages(shared, worker, settings.num_workers)
+            settings,
+            ctx.scheduler,
+            ctx.health,
+            ctx.client,
+            ctx.observer,
+            PrefillUsages(shared, worker, settings.num_workers),
         )
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
@@ -212,7 +228,9 @@ def start_simulator(settings: Settings) -> Settings:
         Instance(i, h.config.role, model, (Endpoint(0, h.address),)) for i, h in enumerate(handles, start=1)
     )
     for inst in instances:
-        log.info("built-in engine simulator: %s instance of %s on http://%s", inst.role, model, inst.endpoints[0].address)
+        log.info(
+            "built-in engine simulator: %s instance of %s on http://%s", inst.role, model, inst.endpoints[0].address
+        )
     # The simulator can free a prefill's held KV when its decode leg never starts.
     return replace(settings, instances=instances, kv_release_path=settings.kv_release_path or "/sim/kv/release")
 
@@ -231,7 +249,9 @@ def response_timeout_s(s: Settings) -> float:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="MindIE Motor Coordinator (PD-disaggregated LLM gateway)")
-    parser.add_argument("--config", help="user_config.json (default: $USER_CONFIG_PATH, else deployer/user_config.json)")
+    parser.add_argument(
+        "--config", help="user_config.json (default: $USER_CONFIG_PATH, else deployer/user_config.json)"
+    )
     parser.add_argument("--workers", type=int, help="override inference_workers_config.num_workers")
     return parser.parse_args(argv)
 
@@ -247,7 +267,9 @@ def configure_logging(level: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s", stream=sys.stdout)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s", stream=sys.stdout
+    )
     for name in ("sanic.root", "sanic.error", "sanic.server", "sanic.access"):
         logger = logging.getLogger(name)
         logger.setLevel(max(logging.getLevelName(level), logging.INFO))
@@ -281,8 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     scheme = "https" if settings.infer_tls.enable_tls else "http"
     log.info(
         "Coordinator on %s://%s:%d (inference), %s:%d (management), %s:%d (metrics), %d worker(s)",
-        scheme, settings.host, settings.infer_port, settings.host, settings.mgmt_port, settings.host,
-        settings.obs_port, settings.num_workers,
+        scheme,
+        settings.host,
+        settings.infer_port,
+        settings.host,
+        settings.mgmt_port,
+        settings.host,
+        settings.obs_port,
+        settings.num_workers,
     )
     Sanic.serve(primary=app, app_loader=loader)
     return 0
@@ -292,7 +320,8 @@ def check_ports_free(settings: Settings) -> None:
     """Each port binds as Sanic will bind it, or ConfigError says which key's port cannot (one line and exit 2,
     rather than Sanic's traceback after the simulator started)."""
     for key, port in (
-        ("coordinator_api_infer_port", settings.infer_port), ("coordinator_api_mgmt_port", settings.mgmt_port),
+        ("coordinator_api_infer_port", settings.infer_port),
+        ("coordinator_api_mgmt_port", settings.mgmt_port),
         ("coordinator_obs_port", settings.obs_port),
     ):
         try:

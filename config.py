@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import math
 import logging
+import math
 import os
 import re
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from scheduling.shared import MAX_SLOTS
@@ -283,7 +284,7 @@ class _Section:
             return default
         return check(f"{self.path}{key}", self.data[key])
 
-    def section(self, key: str) -> "_Section":
+    def section(self, key: str) -> _Section:
         self.used.add(key)
         return _Section(_obj(f"{self.path}{key}", self.data.get(key, {})), f"{self.path}{key}.")
 
@@ -328,7 +329,8 @@ def parse_models(path: str, raw: Any) -> tuple[ModelConfig, ...]:
         ms = _Section(_obj(f"{path}[{i}]", m), f"{path}[{i}].")
         models.append(
             ModelConfig(
-                id=ms.get("id", None, lambda p, v: _str(p, v, nonempty=True)) or _fail(f"{path}[{i}].id", "is required"),
+                id=ms.get("id", None, lambda p, v: _str(p, v, nonempty=True))
+                or _fail(f"{path}[{i}].id", "is required"),
                 slo_ttft_ms=ms.get("slo_ttft", 1000, lambda p, v: _int(p, v, 1)),
                 slo_tpot_ms=ms.get("slo_tpot", 50, lambda p, v: _int(p, v, 1)),
                 p_max_seqlen=ms.get("p_max_seqlen", 8192, lambda p, v: _int(p, v, 1)),
@@ -399,10 +401,16 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     mgmt_port = api.get("coordinator_api_mgmt_port", d.mgmt_port, _port)
     obs_port = api.get("coordinator_obs_port", d.obs_port, _port)
     taken: dict[int, str] = {}  # port: the key that has it
-    for key, port in (("coordinator_api_infer_port", infer_port), ("coordinator_api_mgmt_port", mgmt_port),
-                      ("coordinator_obs_port", obs_port)):
+    for key, port in (
+        ("coordinator_api_infer_port", infer_port),
+        ("coordinator_api_mgmt_port", mgmt_port),
+        ("coordinator_obs_port", obs_port),
+    ):
         if port in taken:  # the later key clashes, as the deployer says it
-            _fail(f"api_config.{key}", f"clashes with {ROOT_KEY}.api_config.{taken[port]} ({port}); the three ports must differ")
+            _fail(
+                f"api_config.{key}",
+                f"clashes with {ROOT_KEY}.api_config.{taken[port]} ({port}); the three ports must differ",
+            )
         taken[port] = key
     if on_this_host:
         _check_host("api_config.coordinator_api_host", host)
@@ -440,7 +448,9 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
             "breaker_failure_threshold", d.breaker_failure_threshold, lambda p, v: _int(p, v, 1)
         ),
         breaker_open_s=sched.get("breaker_open_time", d.breaker_open_s, lambda p, v: _num(p, v, positive=True)),
-        kv_affinity_block_size=sched.get("kv_affinity_block_size", d.kv_affinity_block_size, lambda p, v: _int(p, v, 1)),
+        kv_affinity_block_size=sched.get(
+            "kv_affinity_block_size", d.kv_affinity_block_size, lambda p, v: _int(p, v, 1)
+        ),
         affinity_overload_factor=sched.get(
             "affinity_overload_factor", d.affinity_overload_factor, lambda p, v: _num(p, v, lo=1.0)
         ),
@@ -451,7 +461,9 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     exception = dict(
         max_retry=exc.get("max_retry", d.max_retry, lambda p, v: _int(p, v, 0, 100)),
         retry_delay_s=exc.get("retry_delay", d.retry_delay_s, _num),
-        first_token_timeout_s=exc.get("first_token_timeout", d.first_token_timeout_s, lambda p, v: _num(p, v, positive=True)),
+        first_token_timeout_s=exc.get(
+            "first_token_timeout", d.first_token_timeout_s, lambda p, v: _num(p, v, positive=True)
+        ),
         infer_timeout_s=exc.get("infer_timeout", d.infer_timeout_s, lambda p, v: _num(p, v, positive=True)),
         connect_timeout_s=exc.get("connect_timeout", d.connect_timeout_s, lambda p, v: _num(p, v, positive=True)),
         stream_idle_timeout_s=exc.get(
@@ -477,7 +489,9 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     shutdown.warn_unknown()
 
     logc = top.section("log_config")
-    log_level = logc.get("log_level", d.log_level, lambda p, v: _str(p, str(v).upper() if isinstance(v, str) else v, LOG_LEVELS))
+    log_level = logc.get(
+        "log_level", d.log_level, lambda p, v: _str(p, str(v).upper() if isinstance(v, str) else v, LOG_LEVELS)
+    )
     access_log = logc.get("access_log", d.access_log, _bool)
     logc.warn_unknown()
 
@@ -583,26 +597,28 @@ def load_settings(path: str) -> Settings:
 def with_models_for_instances(settings: Settings) -> Settings:
     """Every model named by an instance is served, with default SLOs when the config does not list it."""
     known = {m.id for m in settings.models}
-    extra = tuple(ModelConfig(id=name) for name in dict.fromkeys(i.model_name for i in settings.instances) if name not in known)
+    extra = tuple(
+        ModelConfig(id=name) for name in dict.fromkeys(i.model_name for i in settings.instances) if name not in known
+    )
     return replace(settings, models=settings.models + extra) if extra else settings
 
 
 __all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "ApiKeyConfig",
     "ConfigError",
     "Endpoint",
     "Instance",
     "ModelConfig",
     "Settings",
     "TlsConfig",
-    "ApiKeyConfig",
+    "address_key",
+    "check_instance_set",
     "load_settings",
-    "settings_from_dict",
     "parse_instance",
     "parse_models",
-    "check_instance_set",
-    "split_address",
-    "address_key",
     "resolve_config_path",
+    "settings_from_dict",
+    "split_address",
     "with_models_for_instances",
-    "DEFAULT_CONFIG_PATH",
 ]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import AsyncIterator, Awaitable
 from functools import lru_cache
-from typing import AsyncIterator, Awaitable
 from urllib.parse import urlsplit
 
 import httptools
@@ -375,7 +375,14 @@ class EngineClient:
             conn.close()
 
     async def _exchange(
-        self, method: bytes, url: str, body: bytes | None, request_id: str | None, until: int, deadline: float, phase: str,
+        self,
+        method: bytes,
+        url: str,
+        body: bytes | None,
+        request_id: str | None,
+        until: int,
+        deadline: float,
+        phase: str,
     ) -> _Connection:
         """Send one request and wait for `until` (headers or the whole response); the caller owns the connection."""
         try:
@@ -422,7 +429,14 @@ class EngineClient:
             raise UpstreamConnectError(f"engine {conn.error} ({phase})", detail=url)
 
     async def _read_all(
-        self, method: bytes, url: str, body: bytes | None, request_id: str | None, timeout_s: float, phase: str, check: bool,
+        self,
+        method: bytes,
+        url: str,
+        body: bytes | None,
+        request_id: str | None,
+        timeout_s: float,
+        phase: str,
+        check: bool,
     ) -> tuple[int, bytes]:
         """One exchange read to its end: (status, body); with `check`, a non-2xx answer raises EngineStatusError."""
         conn = await self._exchange(method, url, body, request_id, _COMPLETE, self.loop.time() + timeout_s, phase)
@@ -449,7 +463,7 @@ class EngineClient:
 class StreamExchange:
     """The `async with` of one streaming exchange (a plain class: a generator-based context manager costs more)."""
 
-    __slots__ = ("client", "url", "body", "request_id", "conn")
+    __slots__ = ("body", "client", "conn", "request_id", "url")
 
     def __init__(self, client: EngineClient, url: str, body: bytes, request_id: str):
         self.client, self.url, self.body, self.request_id = client, url, body, request_id
@@ -460,7 +474,9 @@ class StreamExchange:
         loop = client.loop
         total_deadline = loop.time() + s.infer_timeout_s
         first_deadline = min(total_deadline, loop.time() + s.first_token_timeout_s)
-        conn = await client._exchange(b"POST", self.url, self.body, self.request_id, _HEADERS, first_deadline, "response headers")
+        conn = await client._exchange(
+            b"POST", self.url, self.body, self.request_id, _HEADERS, first_deadline, "response headers"
+        )
         if conn.status >= 300:
             conn.streaming = False  # an error body is read whole (a paused read would never complete it)
             if conn.paused:
@@ -471,7 +487,9 @@ class StreamExchange:
                     await conn.wait(_COMPLETE, loop.time() + s.connect_timeout_s)
                 except TimeoutError:
                     pass
-                raise EngineStatusError(conn.status, conn.take()[:MAX_ERROR_BODY] if conn.complete else b"", conn.retry_after)
+                raise EngineStatusError(
+                    conn.status, conn.take()[:MAX_ERROR_BODY] if conn.complete else b"", conn.retry_after
+                )
             finally:
                 client._release(conn)
         self.conn = conn

@@ -24,7 +24,7 @@ level, as Anthropic's API does (the id is also the `request-id` header of every 
 from __future__ import annotations
 
 import math
-from datetime import timezone
+from datetime import UTC
 from email.utils import format_datetime, parsedate_to_datetime
 
 import ujson
@@ -242,8 +242,8 @@ def _retry_after(value: str | None) -> str | None:
         try:
             when = parsedate_to_datetime(value)
             if when.tzinfo is None:  # no zone given: HTTP dates are GMT
-                when = when.replace(tzinfo=timezone.utc)
-            return format_datetime(when.astimezone(timezone.utc), usegmt=True)
+                when = when.replace(tzinfo=UTC)
+            return format_datetime(when.astimezone(UTC), usegmt=True)
         except Exception:  # the parser raises TypeError, ValueError or OverflowError on what is not a date
             return None
     return str(math.ceil(seconds)) if math.isfinite(seconds) and seconds >= 0 else None

@@ -51,11 +51,20 @@ def count(out_dir: str, pid: int) -> int:
     return total
 
 
-def measure_tree(root: str, engines: overhead.Engines, cells: list[str], seconds: float, workdir: str) -> dict[str, dict]:
+def measure_tree(
+    root: str, engines: overhead.Engines, cells: list[str], seconds: float, workdir: str
+) -> dict[str, dict]:
     out_dir = tempfile.mkdtemp(prefix="callgrind-", dir=workdir)
-    launcher = ("valgrind", "--tool=callgrind", "--trace-children=yes", "--instr-atstart=no",
-                f"--callgrind-out-file={out_dir}/callgrind.%p")
-    gw = overhead.Coordinator(engines, 1, "INFO", None, workdir, root=root, launcher=launcher, start_timeout_s=START_TIMEOUT_S)
+    launcher = (
+        "valgrind",
+        "--tool=callgrind",
+        "--trace-children=yes",
+        "--instr-atstart=no",
+        f"--callgrind-out-file={out_dir}/callgrind.%p",
+    )
+    gw = overhead.Coordinator(
+        engines, 1, "INFO", None, workdir, root=root, launcher=launcher, start_timeout_s=START_TIMEOUT_S
+    )
     results = {}
     try:
         worker = str(gw.worker_pids()[0])
@@ -72,8 +81,15 @@ def measure_tree(root: str, engines: overhead.Engines, cells: list[str], seconds
                 raise RuntimeError(f"{root} {cell}: wrk saw errors {errors}")
             requests = res["requests"]
             instructions = count(out_dir, int(worker))
-            results[cell] = {"requests": requests, "instructions": instructions, "per_request": instructions / max(requests, 1)}
-            print(f"  {root} {cell}: {requests:.0f} requests, {instructions / max(requests, 1) / 1000:.1f} k instructions each", flush=True)
+            results[cell] = {
+                "requests": requests,
+                "instructions": instructions,
+                "per_request": instructions / max(requests, 1),
+            }
+            print(
+                f"  {root} {cell}: {requests:.0f} requests, {instructions / max(requests, 1) / 1000:.1f} k instructions each",
+                flush=True,
+            )
     finally:
         gw.stop()
     return results
@@ -101,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print()
-    print("| cell | " + " | ".join(f"k instructions/request: {t}" for t in trees) + (" | first / second |" if len(trees) > 1 else " |"))
+    print(
+        "| cell | "
+        + " | ".join(f"k instructions/request: {t}" for t in trees)
+        + (" | first / second |" if len(trees) > 1 else " |")
+    )
     print("|---" * (len(trees) + 1 + (len(trees) > 1)) + "|")
     for cell in cells:
         per = [r[cell]["per_request"] for r in results]

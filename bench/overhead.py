@@ -80,9 +80,14 @@ def body(model: str, stream: bool, **extra) -> str:
 PREFILL_LEG = {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}, "ignore_eos": True}
 DECODE_LEG = {
     "kv_transfer_params": {
-        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[2, 3]],
-        "remote_engine_id": "fastfake", "remote_request_id": "cmpl-fastfake", "remote_host": "127.0.0.1",
-        "remote_port": 1, "remote_num_tokens": 12,
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[2, 3]],
+        "remote_engine_id": "fastfake",
+        "remote_request_id": "cmpl-fastfake",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "remote_num_tokens": 12,
     }
 }
 
@@ -92,8 +97,9 @@ DECODE_LEG = {
 
 def python_version(python: str) -> str:
     """The interpreter's version ("3.11.2"); how it was built (PGO, LTO) matters as much: docs/performance.md."""
-    out = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [python, "-c", "import platform; print(platform.python_version())"], capture_output=True, text=True, check=True
+    )
     return out.stdout.strip()
 
 
@@ -196,9 +202,13 @@ class Proc:
 
     def __init__(self, args: list[str], log_path: str, env: dict | None = None):
         self.log_path = log_path
-        self.log = open(log_path, "wb")
+        self.log = open(log_path, "wb")  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(
-            args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            args,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, **(env or {})},
         )
         self.pid = self.proc.pid
@@ -279,21 +289,37 @@ def wrk_script(bodies: list[str]) -> str:
     if len(bodies) == 1:
         return head + f"wrk.body = [==[{bodies[0]}]==]\n" + WRK_DONE
     items = ", ".join(f"[==[{b}]==]" for b in bodies)
-    return head + (
-        f"local bodies = {{{items}}}\nlocal n = 0\n"
-        "request = function()\n  n = n + 1\n"
-        '  return wrk.format("POST", nil, nil, bodies[(n - 1) % #bodies + 1])\nend\n'
-    ) + WRK_DONE
+    return (
+        head
+        + (
+            f"local bodies = {{{items}}}\nlocal n = 0\n"
+            "request = function()\n  n = n + 1\n"
+            '  return wrk.format("POST", nil, nil, bodies[(n - 1) % #bodies + 1])\nend\n'
+        )
+        + WRK_DONE
+    )
 
 
-def run_wrk(port: int, bodies: list[str], seconds: float, connections: int, threads: int, cores: str, workdir: str) -> dict:
+def run_wrk(
+    port: int, bodies: list[str], seconds: float, connections: int, threads: int, cores: str, workdir: str
+) -> dict:
     path = os.path.join(workdir, f"wrk-{abs(hash(tuple(bodies)))}.lua")
     with open(path, "w") as f:
         f.write(wrk_script(bodies))
-    args = pinned(cores, [
-        "wrk", f"-t{min(threads, connections)}", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
-        "-s", path, f"http://127.0.0.1:{port}/v1/chat/completions",
-    ])
+    args = pinned(
+        cores,
+        [
+            "wrk",
+            f"-t{min(threads, connections)}",
+            f"-c{connections}",
+            f"-d{max(1, round(seconds))}s",
+            "--timeout",
+            "10s",
+            "-s",
+            path,
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+        ],
+    )
     out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
     for line in out.stdout.splitlines():
         if line.startswith("BENCH "):
@@ -357,9 +383,19 @@ class Gateway:
 class Coordinator(Gateway):
     name = "coordinator"
 
-    def __init__(self, engines: Engines, workers: int, log_level: str, cores: str, workdir: str,
-                 root: str = ROOT, launcher: tuple[str, ...] = (), start_timeout_s: float = 60,
-                 python: str = sys.executable, python_label: str = ""):
+    def __init__(
+        self,
+        engines: Engines,
+        workers: int,
+        log_level: str,
+        cores: str,
+        workdir: str,
+        root: str = ROOT,
+        launcher: tuple[str, ...] = (),
+        start_timeout_s: float = 60,
+        python: str = sys.executable,
+        python_label: str = "",
+    ):
         """`root`: the source tree whose app.py runs; `launcher`: a command that runs it (bench/instructions.py's
         valgrind); `python`: the interpreter that runs it, named in the label when `python_label` is given."""
         self.workers, self.log_level = workers, log_level
@@ -370,23 +406,32 @@ class Coordinator(Gateway):
         self.infer_port, mgmt = free_port(), free_port()
 
         def inst(iid: int, role: str, model: str, port: int) -> dict:
-            return {"id": iid, "role": role, "model_name": model, "endpoints": [{"id": 0, "address": f"127.0.0.1:{port}"}]}
+            return {
+                "id": iid,
+                "role": role,
+                "model_name": model,
+                "endpoints": [{"id": 0, "address": f"127.0.0.1:{port}"}],
+            }
 
-        config = {"motor_coordinator_config": {
-            "api_config": {
-                "coordinator_api_host": "127.0.0.1", "coordinator_api_infer_port": self.infer_port,
-                "coordinator_api_mgmt_port": mgmt, "coordinator_obs_port": free_port(),
-            },
-            "inference_workers_config": {"num_workers": workers},
-            "log_config": {"log_level": log_level},
-            "shutdown_config": {"drain_timeout": 2},
-            "models": [{"id": "bench"}, {"id": "bench-pd"}],
-            "instances": [
-                inst(1, "union", "bench", engines.union),
-                inst(2, "prefill", "bench-pd", engines.prefill),
-                inst(3, "decode", "bench-pd", engines.decode),
-            ],
-        }}
+        config = {
+            "motor_coordinator_config": {
+                "api_config": {
+                    "coordinator_api_host": "127.0.0.1",
+                    "coordinator_api_infer_port": self.infer_port,
+                    "coordinator_api_mgmt_port": mgmt,
+                    "coordinator_obs_port": free_port(),
+                },
+                "inference_workers_config": {"num_workers": workers},
+                "log_config": {"log_level": log_level},
+                "shutdown_config": {"drain_timeout": 2},
+                "models": [{"id": "bench"}, {"id": "bench-pd"}],
+                "instances": [
+                    inst(1, "union", "bench", engines.union),
+                    inst(2, "prefill", "bench-pd", engines.prefill),
+                    inst(3, "decode", "bench-pd", engines.decode),
+                ],
+            }
+        }
         tag = "".join(ch if ch.isalnum() else "-" for ch in python_label)
         path = os.path.join(workdir, f"coordinator-{workers}-{log_level}{'-' + tag if tag else ''}.json")
         with open(path, "w") as f:
@@ -416,8 +461,7 @@ class Coordinator(Gateway):
     def worker_pids(self) -> list[int]:
         """Sanic's server workers (started with SANIC_WORKER_NAME=Sanic-Server-*), not its other helpers."""
         return [
-            p for p in tree(self.proc.pid)
-            if any(v.startswith(b"SANIC_WORKER_NAME=Sanic-Server") for v in environ(p))
+            p for p in tree(self.proc.pid) if any(v.startswith(b"SANIC_WORKER_NAME=Sanic-Server") for v in environ(p))
         ]
 
     def log_statuses(self) -> dict[str, int]:
@@ -429,7 +473,7 @@ class Coordinator(Gateway):
         for line in data.split(b"\n"):
             i = line.find(b" status=")
             if i >= 0 and b"request_id=" in line:
-                status = line[i + 8:].split(b" ", 1)[0].decode()
+                status = line[i + 8 :].split(b" ", 1)[0].decode()
                 counts[status] = counts.get(status, 0) + 1
         return counts
 
@@ -454,13 +498,31 @@ class VllmRouter(Gateway):
         self.router_port = free_port()
         e = self.engines
         if mode == "pd":
-            workers = ["--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{e.prefill}",
-                       "--decode", f"http://127.0.0.1:{e.decode}"]
+            workers = [
+                "--vllm-pd-disaggregation",
+                "--prefill",
+                f"http://127.0.0.1:{e.prefill}",
+                "--decode",
+                f"http://127.0.0.1:{e.decode}",
+            ]
         else:
             workers = ["--worker-urls", f"http://127.0.0.1:{e.union}"]
-        args = [shutil.which("vllm-router"), "--host", "127.0.0.1", "--port", str(self.router_port),
-                *workers, "--policy", "round_robin", "--log-level", "warning",
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        args = [
+            shutil.which("vllm-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.router_port),
+            *workers,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warning",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+        ]
         self.proc = Proc(pinned(self.cores, args), os.path.join(self.workdir, f"vllm-router-{mode}.log"))
         self.mode = mode
         deadline = time.monotonic() + 60
@@ -498,8 +560,9 @@ class VllmRouter(Gateway):
 class OneProcessGateway(Gateway):
     """A gateway of one process tree serving the union fake's cells on one port (the floor, LiteLLM)."""
 
-    def _start(self, args: list[str], cores: str, log_path: str, ready_path: str, timeout_s: float,
-               env: dict | None = None) -> None:
+    def _start(
+        self, args: list[str], cores: str, log_path: str, ready_path: str, timeout_s: float, env: dict | None = None
+    ) -> None:
         self.proc = Proc(pinned(cores, args), log_path, env=env)
         try:
             wait_http(self.gw_port, ready_path, timeout_s, self.proc.proc)
@@ -526,8 +589,12 @@ class SanicFloor(OneProcessGateway):
 
     def __init__(self, engines: Engines, cores: str, workdir: str, python: str = sys.executable):
         self.gw_port = free_port()
-        args = [python, os.path.join(HERE, "sanic_floor.py"), str(self.gw_port),
-                f"http://127.0.0.1:{engines.union}/v1/chat/completions"]
+        args = [
+            python,
+            os.path.join(HERE, "sanic_floor.py"),
+            str(self.gw_port),
+            f"http://127.0.0.1:{engines.union}/v1/chat/completions",
+        ]
         self._start(args, cores, os.path.join(workdir, "sanic-floor.log"), "/health", 60)
 
 
@@ -543,9 +610,11 @@ class LiteLLM(OneProcessGateway):
         self.gw_port = free_port()
         path = os.path.join(workdir, "litellm.yaml")
         with open(path, "w") as f:
-            f.write("model_list:\n  - model_name: bench\n    litellm_params:\n      model: hosted_vllm/bench\n"
-                    f"      api_base: http://127.0.0.1:{engines.union}/v1\n      api_key: none\n"
-                    "litellm_settings:\n  telemetry: false\n")
+            f.write(
+                "model_list:\n  - model_name: bench\n    litellm_params:\n      model: hosted_vllm/bench\n"
+                f"      api_base: http://127.0.0.1:{engines.union}/v1\n      api_key: none\n"
+                "litellm_settings:\n  telemetry: false\n"
+            )
         args = [exe, "--config", path, "--host", "127.0.0.1", "--port", str(self.gw_port), "--num_workers", "1"]
         env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # the cost map from the package, not the network
         self._start(args, cores, os.path.join(workdir, "litellm.log"), "/health/liveliness", 120, env)
@@ -621,8 +690,10 @@ def measure_direct(engines: Engines, opts, load_cores: str, workdir: str) -> dic
     legs_c1: dict[str, dict] = {}
     if opts.latency > 0:
         for name, data in (
-            ("chat", body("bench", False)), ("chat_stream", body("bench", True)),
-            ("prefill", body("bench", False, **PREFILL_LEG)), ("decode", body("bench", False, **DECODE_LEG)),
+            ("chat", body("bench", False)),
+            ("chat_stream", body("bench", True)),
+            ("prefill", body("bench", False, **PREFILL_LEG)),
+            ("decode", body("bench", False, **DECODE_LEG)),
             ("decode_stream", body("bench", True, **DECODE_LEG)),
         ):
             legs_c1[name] = run_wrk(engines.union, [data], opts.latency, 1, 1, load_cores, workdir)
@@ -651,8 +722,17 @@ def measure_direct(engines: Engines, opts, load_cores: str, workdir: str) -> dic
     return out
 
 
-def measure_gateway(gw: Gateway, engines: Engines, opts, direct: dict[str, Cell], load_cores: str, gw_cores: int,
-                    workdir: str, latency: bool, cells: tuple[str, ...] = ()) -> dict[str, Cell]:
+def measure_gateway(
+    gw: Gateway,
+    engines: Engines,
+    opts,
+    direct: dict[str, Cell],
+    load_cores: str,
+    gw_cores: int,
+    workdir: str,
+    latency: bool,
+    cells: tuple[str, ...] = (),
+) -> dict[str, Cell]:
     """Measure `cells` (default: all the gateway serves) through `gw`."""
     out = {}
     for cell in cells or gw.cells:
@@ -715,10 +795,19 @@ def median_round(cells: list[Cell]) -> Cell:
         return cells[0]
     first = cells[0]
     mid = sorted(cells, key=lambda c: c.cpu_us_per_req or 0.0)[len(cells) // 2]
-    out = replace(mid, error_kinds={}, errors=0, c1_p50_us=first.c1_p50_us, c1_p99_us=first.c1_p99_us, added_p50_us=first.added_p50_us)
+    out = replace(
+        mid,
+        error_kinds={},
+        errors=0,
+        c1_p50_us=first.c1_p50_us,
+        c1_p99_us=first.c1_p99_us,
+        added_p50_us=first.added_p50_us,
+    )
     for c in cells:
         out.add_errors(c.error_kinds)
-    out.add_note(f"median of {len(cells)} rounds: " + " / ".join(f"{c.cpu_us_per_req or 0:.0f}" for c in cells) + " µs CPU/req")
+    out.add_note(
+        f"median of {len(cells)} rounds: " + " / ".join(f"{c.cpu_us_per_req or 0:.0f}" for c in cells) + " µs CPU/req"
+    )
     return out
 
 
@@ -731,9 +820,11 @@ def fmt(v, spec: str, scale: float = 1.0) -> str:
 
 def report(results: list[list[Cell]], header: str) -> str:
     lines = [header, ""]
-    lines.append("| gateway | cell | req/s | x direct | p50 ms | p99 ms | CPU µs/req | CPU s/1k req "
-                 "| gateway cores busy | c=1 p50 ms | c=1 p99 ms | added p50 ms | peak RSS MB | engine req/req "
-                 "| engine conns/1k req | errors |")
+    lines.append(
+        "| gateway | cell | req/s | x direct | p50 ms | p99 ms | CPU µs/req | CPU s/1k req "
+        "| gateway cores busy | c=1 p50 ms | c=1 p99 ms | added p50 ms | peak RSS MB | engine req/req "
+        "| engine conns/1k req | errors |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for group in results:
@@ -771,23 +862,33 @@ def verdicts(results: list[list[Cell]]) -> str:
         limit = 1.0 if cell in STREAMED else 2.0
         if r and r.cpu_us_per_req and c.cpu_us_per_req:
             ratio = c.cpu_us_per_req / r.cpu_us_per_req
-            check(ratio <= limit, f"{cell}: CPU/req {c.cpu_us_per_req:.0f} µs = {ratio:.2f}x vllm-router's "
-                                  f"{r.cpu_us_per_req:.0f} µs (limit {limit:g}x, same run)")
+            check(
+                ratio <= limit,
+                f"{cell}: CPU/req {c.cpu_us_per_req:.0f} µs = {ratio:.2f}x vllm-router's "
+                f"{r.cpu_us_per_req:.0f} µs (limit {limit:g}x, same run)",
+            )
         else:
             check(None, f"{cell}: vllm-router not measured in this run")
         for ref, cells in REFERENCE_US.items():
             if ref.startswith("vllm-router") or cell not in cells or c.cpu_us_per_req is None:
                 continue
-            check(c.cpu_us_per_req * 20 <= cells[cell],
-                  f"{cell}: {c.cpu_us_per_req:.0f} µs x20 <= {ref} {cells[cell]} µs (their figure, another run)")
+            check(
+                c.cpu_us_per_req * 20 <= cells[cell],
+                f"{cell}: {c.cpu_us_per_req:.0f} µs x20 <= {ref} {cells[cell]} µs (their figure, another run)",
+            )
         peer = litellm.get(cell)
         if peer and peer.cpu_us_per_req and c.cpu_us_per_req:
-            check(c.cpu_us_per_req * 20 <= peer.cpu_us_per_req,
-                  f"{cell}: {c.cpu_us_per_req:.0f} µs x20 <= LiteLLM's {peer.cpu_us_per_req:.0f} µs "
-                  f"({peer.cpu_us_per_req / c.cpu_us_per_req:.1f}x, same run)")
+            check(
+                c.cpu_us_per_req * 20 <= peer.cpu_us_per_req,
+                f"{cell}: {c.cpu_us_per_req:.0f} µs x20 <= LiteLLM's {peer.cpu_us_per_req:.0f} µs "
+                f"({peer.cpu_us_per_req / c.cpu_us_per_req:.1f}x, same run)",
+            )
         if cell not in STREAMED and c.added_p50_us is not None:
             limit_us = 2000 if cell in PD else 1000
-            check(c.added_p50_us < limit_us, f"{cell}: c=1 added p50 {c.added_p50_us / 1000:.3f} ms < {limit_us / 1000:g} ms")
+            check(
+                c.added_p50_us < limit_us,
+                f"{cell}: c=1 added p50 {c.added_p50_us / 1000:.3f} ms < {limit_us / 1000:g} ms",
+            )
     bad = [k for k, c in by.items() if c.errors]
     check(not bad, "no cell with errors or non-2xx answers" + (f" (errors in {bad})" if bad else ""))
     return "\n".join(lines)
@@ -835,20 +936,38 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
             raw = os.path.join(OUT, f"profile-{cell}.txt")
             if os.path.exists(raw):
                 os.unlink(raw)
-            spy_proc = subprocess.Popen(pinned(load_cores, [
-                spy, "record", "--pid", str(worker), "--duration", str(int(opts.duration)), "--format", "raw", *([] if opts.profile_lines else ["--function"]),
-                "--output", raw,
-                # Native stacks need the target paused per sample: fewer samples keep it from crawling.
-                *(["--native", "--rate", "50"] if opts.native else ["--nonblocking", "--rate", str(opts.rate)]),
-            ]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            spy_proc = subprocess.Popen(
+                pinned(
+                    load_cores,
+                    [
+                        spy,
+                        "record",
+                        "--pid",
+                        str(worker),
+                        "--duration",
+                        str(int(opts.duration)),
+                        "--format",
+                        "raw",
+                        *([] if opts.profile_lines else ["--function"]),
+                        "--output",
+                        raw,
+                        # Native stacks need the target paused per sample: fewer samples keep it from crawling.
+                        *(["--native", "--rate", "50"] if opts.native else ["--nonblocking", "--rate", str(opts.rate)]),
+                    ],
+                ),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
             time.sleep(0.5)
             cpu0 = cpu_seconds(gw.proc.pid)
             res = run_wrk(gw.infer_port, [data], opts.duration, opts.connections, opts.threads, load_cores, workdir)
             cpu1 = cpu_seconds(gw.proc.pid)
             _, err = spy_proc.communicate(timeout=60)
-            print(f"\n## {cell}: {res['requests'] / (res['duration_us'] / 1e6):,.0f} req/s, "
-                  f"{(cpu1 - cpu0) / max(res['requests'], 1) * 1e6:.0f} µs CPU/req while profiled; "
-                  f"collapsed stacks in {os.path.relpath(raw, ROOT)} (speedscope.app opens them)\n")
+            print(
+                f"\n## {cell}: {res['requests'] / (res['duration_us'] / 1e6):,.0f} req/s, "
+                f"{(cpu1 - cpu0) / max(res['requests'], 1) * 1e6:.0f} µs CPU/req while profiled; "
+                f"collapsed stacks in {os.path.relpath(raw, ROOT)} (speedscope.app opens them)\n"
+            )
             print(top_frames(raw) if os.path.exists(raw) else f"py-spy failed: {err.decode()[-500:]}")
     finally:
         gw.stop()
@@ -882,8 +1001,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, help="seconds of load before each timed cell (default 1)")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="measure the side-by-side gateways' cells this many times, interleaved, and report the median round")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the side-by-side gateways' cells this many times, interleaved, and report the median round",
+    )
     ap.add_argument("--workers", default="1,2", help="worker counts to measure (log INFO), e.g. 1 or 1,2")
     ap.add_argument("--no-warning", action="store_true", help="skip the 1-worker run at log level WARNING")
     ap.add_argument("--no-router", action="store_true", help="skip vllm-router even when installed")
@@ -893,18 +1016,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
     ap.add_argument("--rate", type=int, default=100, help="with --profile: py-spy samples per second (default 100)")
     ap.add_argument("--profile-lines", action="store_true", help="with --profile: frames by line, not by function")
-    ap.add_argument("--profile-cells", default="chat,pd_chat_stream",
-                    help="with --profile: the cells profiled, comma-separated (default chat,pd_chat_stream)")
-    ap.add_argument("--python", default=sys.executable,
-                    help="the interpreter that runs the Coordinator and the floor (default: this one); it needs "
-                         "requirements.txt installed")
-    ap.add_argument("--python-also", metavar="PYTHON",
-                    help="one more Coordinator (1 worker, log INFO) on this interpreter, measured side by side")
-    ap.add_argument("--litellm", metavar="EXE",
-                    help="LiteLLM's `litellm` command (from an environment with litellm[proxy]==1.82.6): measured "
-                         "side by side in the chat cells")
-    ap.add_argument("--nice", type=int, default=0,
-                    help="run gateway, fakes and wrk at this niceness (e.g. -10 as root) on a machine others share")
+    ap.add_argument(
+        "--profile-cells",
+        default="chat,pd_chat_stream",
+        help="with --profile: the cells profiled, comma-separated (default chat,pd_chat_stream)",
+    )
+    ap.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the interpreter that runs the Coordinator and the floor (default: this one); it needs "
+        "requirements.txt installed",
+    )
+    ap.add_argument(
+        "--python-also",
+        metavar="PYTHON",
+        help="one more Coordinator (1 worker, log INFO) on this interpreter, measured side by side",
+    )
+    ap.add_argument(
+        "--litellm",
+        metavar="EXE",
+        help="LiteLLM's `litellm` command (from an environment with litellm[proxy]==1.82.6): measured "
+        "side by side in the chat cells",
+    )
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run gateway, fakes and wrk at this niceness (e.g. -10 as root) on a machine others share",
+    )
     opts = ap.parse_args(argv)
     global NICE
     NICE = opts.nice
@@ -916,20 +1055,24 @@ def main(argv: list[str] | None = None) -> int:
 
     missing = [t for t in ("wrk", "gcc") if not shutil.which(t)]
     if missing:
-        print(f"missing: {', '.join(missing)}. Install with: apt-get update && apt-get install -y wrk gcc", file=sys.stderr)
+        print(
+            f"missing: {', '.join(missing)}. Install with: apt-get update && apt-get install -y wrk gcc",
+            file=sys.stderr,
+        )
         return 2
     ncpu = len(os.sched_getaffinity(0))
     if ncpu < 2 or not shutil.which("taskset"):
-        load_cores, gw_core_sets = None, {w: None for w in workers}
+        load_cores, gw_core_sets = None, dict.fromkeys(workers)
         layout = "no pinning (needs 2+ cores and taskset): gateway and load share the CPUs"
     else:
         cpus = sorted(os.sched_getaffinity(0))
         load_cores = str(cpus[0])
         gw_core_sets = {
-            w: ",".join(map(str, cpus[1:1 + w])) if ncpu >= 1 + w else str(cpus[1]) for w in workers + [1]
+            w: ",".join(map(str, cpus[1 : 1 + w])) if ncpu >= 1 + w else str(cpus[1]) for w in workers + [1]
         }
         layout = f"wrk and fakes on core {load_cores}; gateway on core(s) " + ", ".join(
-            f"{gw_core_sets[w]} ({w} worker{'s' if w > 1 else ''})" for w in sorted(set(workers + [1])))
+            f"{gw_core_sets[w]} ({w} worker{'s' if w > 1 else ''})" for w in sorted(set(workers + [1]))
+        )
 
     workdir = tempfile.mkdtemp(prefix="motor-bench-")
     try:
@@ -944,11 +1087,22 @@ def main(argv: list[str] | None = None) -> int:
             results = [list(direct.values())]
             # The gateways the verdicts compare run side by side, measured cell by cell in turn: on a shared
             # machine whose speed drifts over minutes, each ratio then compares neighbours in time.
-            pair = [Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir, python=opts.python)] if 1 in workers else []
+            pair = (
+                [Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir, python=opts.python)] if 1 in workers else []
+            )
             try:
                 if opts.python_also:
-                    pair.append(Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir, python=opts.python_also,
-                                            python_label=f"python {python_version(opts.python_also)}"))
+                    pair.append(
+                        Coordinator(
+                            engines,
+                            1,
+                            "INFO",
+                            gw_core_sets[1],
+                            workdir,
+                            python=opts.python_also,
+                            python_label=f"python {python_version(opts.python_also)}",
+                        )
+                    )
                 if not opts.no_floor:
                     pair.append(SanicFloor(engines, gw_core_sets[1], workdir, python=opts.python))
                 if not opts.no_router and shutil.which("vllm-router"):
@@ -963,7 +1117,9 @@ def main(argv: list[str] | None = None) -> int:
                         for gw in pair:
                             if cell in gw.cells:
                                 # Concurrency-1 latency is measured in the first round only.
-                                got = measure_gateway(gw, engines, opts, direct, load_cores, 1, workdir, r == 0, (cell,))
+                                got = measure_gateway(
+                                    gw, engines, opts, direct, load_cores, 1, workdir, r == 0, (cell,)
+                                )
                                 rounds[id(gw)].setdefault(cell, []).append(got[cell])
             finally:
                 for gw in pair:
@@ -977,19 +1133,27 @@ def main(argv: list[str] | None = None) -> int:
                 gw = Coordinator(engines, w, level, cores, workdir, python=opts.python)
                 try:
                     n_cores = len(cores.split(",")) if cores else ncpu
-                    by_label[gw.label] = list(measure_gateway(gw, engines, opts, direct, load_cores, n_cores, workdir,
-                                                              latency and w == 1).values())
+                    by_label[gw.label] = list(
+                        measure_gateway(
+                            gw, engines, opts, direct, load_cores, n_cores, workdir, latency and w == 1
+                        ).values()
+                    )
                 finally:
                     gw.stop()
             # Coordinator rows first (1 worker, WARNING, more workers), then the floor and vllm-router.
             results += [by_label[k] for k in sorted(by_label, key=lambda k: (not k.startswith("Coordinator"), k))]
-            pythons = ", ".join(f"{label} {python_version(py)} ({py})" for label, py in
-                                (("python", opts.python), ("also", opts.python_also)) if py)
-            header = (f"# Gateway overhead, {time.strftime('%Y-%m-%d %H:%M')}, {ncpu} CPUs, load average "
-                      f"{os.getloadavg()[0]:.1f}; {pythons}; {layout}{f', nice {NICE}' if NICE else ''}; wrk -t{opts.threads} -c{opts.connections}, "
-                      f"{opts.duration:g} s per cell{f' (median of {opts.rounds} interleaved rounds)' if opts.rounds > 1 else ''}, "
-                      f"concurrency-1 cells {opts.latency:g} s; "
-                      f"total {time.monotonic() - t_start:.0f} s")
+            pythons = ", ".join(
+                f"{label} {python_version(py)} ({py})"
+                for label, py in (("python", opts.python), ("also", opts.python_also))
+                if py
+            )
+            header = (
+                f"# Gateway overhead, {time.strftime('%Y-%m-%d %H:%M')}, {ncpu} CPUs, load average "
+                f"{os.getloadavg()[0]:.1f}; {pythons}; {layout}{f', nice {NICE}' if NICE else ''}; wrk -t{opts.threads} -c{opts.connections}, "
+                f"{opts.duration:g} s per cell{f' (median of {opts.rounds} interleaved rounds)' if opts.rounds > 1 else ''}, "
+                f"concurrency-1 cells {opts.latency:g} s; "
+                f"total {time.monotonic() - t_start:.0f} s"
+            )
             print()
             print(report(results, header))
             print(verdicts(results))

@@ -49,8 +49,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -63,6 +63,7 @@ from scheduling.registry import Registry, Target  # noqa: E402
 from scheduling.scheduler import Plan, Scheduler, build_scheduler  # noqa: E402
 from scheduling.shared import SharedState  # noqa: E402
 from scheduling.tokens import CHAT  # noqa: E402
+
 # The learned model is warmed with the unit tests' history replays (needs requirements-test.txt's pytest).
 from tests.test_scheduling import teach_decode, teach_prefill  # noqa: E402
 
@@ -90,11 +91,74 @@ CLUSTERS = (
     Cluster("8U", union=8),
 )
 
-WORDS = (
-    "the of and to in is that it for on with as was at by an be this from or have are not but had his they "
-    "you were her she which one all their there we can has been if more when will would who so no model token "
-    "engine cache prefill decode stream batch queue block latency river stone cloud light garden paper window"
-).split()
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "it",
+    "for",
+    "on",
+    "with",
+    "as",
+    "was",
+    "at",
+    "by",
+    "an",
+    "be",
+    "this",
+    "from",
+    "or",
+    "have",
+    "are",
+    "not",
+    "but",
+    "had",
+    "his",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "which",
+    "one",
+    "all",
+    "their",
+    "there",
+    "we",
+    "can",
+    "has",
+    "been",
+    "if",
+    "more",
+    "when",
+    "will",
+    "would",
+    "who",
+    "so",
+    "no",
+    "model",
+    "token",
+    "engine",
+    "cache",
+    "prefill",
+    "decode",
+    "stream",
+    "batch",
+    "queue",
+    "block",
+    "latency",
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "garden",
+    "paper",
+    "window",
+]
 
 
 def words(n: int, offset: int) -> str:
@@ -124,7 +188,8 @@ DECODE_PER_SEQ_S = 0.0004
 def build(policy: str, cluster: Cluster) -> Scheduler:
     """A worker's scheduler over fresh shared state holding `cluster`, as app.py builds one."""
     instances = tuple(
-        Instance(k + 1, role, MODEL.id, (Endpoint(0, f"127.0.0.1:{BASE_PORT + k}"),)) for k, role in enumerate(cluster.roles())
+        Instance(k + 1, role, MODEL.id, (Endpoint(0, f"127.0.0.1:{BASE_PORT + k}"),))
+        for k, role in enumerate(cluster.roles())
     )
     settings = Settings(scheduler_type=policy, models=(MODEL,), instances=instances)
     shared = SharedState.create()
@@ -230,7 +295,12 @@ def run(batch_s: float, batches: int, report: Callable[[dict], None]) -> list[di
             warm(sched)
             for prompt, body in PROMPTS.items():
                 req = Request(sched, body)
-                row = {"policy": policy, "cluster": cluster.name, "prompt": prompt, "prompt_tokens": req.pick()[0].prompt_tokens}
+                row = {
+                    "policy": policy,
+                    "cluster": cluster.name,
+                    "prompt": prompt,
+                    "prompt_tokens": req.pick()[0].prompt_tokens,
+                }
                 for name, step in (("pick", req.pick), ("full", req.full)):
                     per_batch, n = measure(step, batch_s, batches)
                     row[f"{name}_us"] = round(statistics.median(per_batch), 2)
@@ -243,7 +313,10 @@ def run(batch_s: float, batches: int, report: Callable[[dict], None]) -> list[di
 
 
 def print_row(row: dict) -> None:
-    print(f"| {row['policy']} | {row['cluster']} | {row['prompt']} | {row['pick_us']:.1f} | {row['full_us']:.1f} |", flush=True)
+    print(
+        f"| {row['policy']} | {row['cluster']} | {row['prompt']} | {row['pick_us']:.1f} | {row['full_us']:.1f} |",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -263,8 +336,13 @@ def main() -> None:
     print(f"\n{len(rows)} cells in {time.monotonic() - started:.1f} s")
     if args.json:
         result = {
-            "python": platform.python_version(), "implementation": platform.python_implementation(), "cpus": cpus,
-            "quick": args.quick, "batches": batches, "batch_s": batch_s, "rows": rows,
+            "python": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "cpus": cpus,
+            "quick": args.quick,
+            "batches": batches,
+            "batch_s": batch_s,
+            "rows": rows,
         }
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -15,10 +15,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sanic import HTTPResponse, Request, Sanic  # noqa: E402
+from sanic import HTTPResponse, Request, Sanic
 
-from config import Settings  # noqa: E402
-from engines import EngineClient  # noqa: E402
+from config import Settings
+from engines import EngineClient
 
 
 def make_app(upstream: str) -> Sanic:

@@ -50,11 +50,74 @@ sys.path.insert(0, ROOT)
 MODEL = "bench"
 SLO_TTFT_MS = 8000.0  # cluster time
 SLO_TPOT_MS = 100.0
-WORDS = (
-    "the of and to in is that it for on with as was at by an be this from or have are not but had his they "
-    "you were her she which one all their there we can has been if more when will would who so no model token "
-    "engine cache prefill decode stream batch queue block latency river stone cloud light garden paper window"
-).split()
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "it",
+    "for",
+    "on",
+    "with",
+    "as",
+    "was",
+    "at",
+    "by",
+    "an",
+    "be",
+    "this",
+    "from",
+    "or",
+    "have",
+    "are",
+    "not",
+    "but",
+    "had",
+    "his",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "which",
+    "one",
+    "all",
+    "their",
+    "there",
+    "we",
+    "can",
+    "has",
+    "been",
+    "if",
+    "more",
+    "when",
+    "will",
+    "would",
+    "who",
+    "so",
+    "no",
+    "model",
+    "token",
+    "engine",
+    "cache",
+    "prefill",
+    "decode",
+    "stream",
+    "batch",
+    "queue",
+    "block",
+    "latency",
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "garden",
+    "paper",
+    "window",
+]
 
 # The simulated cluster, in cluster time: (role, uncached prefill tokens/s, decode step ms, ms per sequence).
 ENGINES = (
@@ -104,7 +167,11 @@ def make_requests(seed: int, n: int, systems: list[str], bodies: bool = True) ->
         if rng.random() < 0.25:
             r = Req(-1, int(math.exp(rng.uniform(math.log(100), math.log(1000)))), rng.randint(16, 96))
         else:
-            r = Req(rng.randrange(len(systems)), int(math.exp(rng.uniform(math.log(50), math.log(5000)))), rng.randint(16, 96))
+            r = Req(
+                rng.randrange(len(systems)),
+                int(math.exp(rng.uniform(math.log(50), math.log(5000)))),
+                rng.randint(16, 96),
+            )
         if bodies:
             messages = [{"role": "system", "content": systems[r.system]}] if r.system >= 0 else []
             messages.append({"role": "user", "content": f"request {seed}-{i}: " + _text(rng, r.user_tokens)})
@@ -146,7 +213,7 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, my - slope * mx), max(slope, 1e-9)
 
 
-async def measure_speeds(cluster: "Cluster", speedup: float) -> Speeds:
+async def measure_speeds(cluster: Cluster, speedup: float) -> Speeds:
     """Time the engines directly, one at a time: prefills of two sizes, decode streams at two batch sizes."""
     import aiohttp
 
@@ -215,12 +282,20 @@ class Cluster:
         self.sims, self.engines, instances = [], [], []
         for i, (role, rate, step_ms, per_seq_ms) in enumerate(ENGINES, start=1):
             cfg = {
-                "role": role, "model": MODEL, "speedup": speedup, "prefill_tokens_per_s": rate,
-                "decode_step_ms": step_ms, "decode_per_seq_ms": per_seq_ms, "block_size": BLOCK, "kv_hold_timeout_s": 60.0,
+                "role": role,
+                "model": MODEL,
+                "speedup": speedup,
+                "prefill_tokens_per_s": rate,
+                "decode_step_ms": step_ms,
+                "decode_per_seq_ms": per_seq_ms,
+                "block_size": BLOCK,
+                "kv_hold_timeout_s": 60.0,
             }
             proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--serve-sim", json.dumps(cfg)],
-                stdout=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+                stdout=subprocess.PIPE,
+                cwd=ROOT,
+                start_new_session=True,
             )
             self.sims.append(proc)
             port = int(proc.stdout.readline().split()[1])
@@ -228,7 +303,8 @@ class Cluster:
             instances.append(instance(i, role, MODEL, f"127.0.0.1:{port}"))
         models = [{"id": MODEL, "slo_ttft": round(SLO_TTFT_MS / speedup), "slo_tpot": round(SLO_TPOT_MS / speedup)}]
         cfg = coordinator_config(
-            instances, models,
+            instances,
+            models,
             scheduler_config={"scheduler_type": policy, "admission": admission, "metrics_scrape_interval": 0.5},
             exception_config={"retry_delay": 0.01, "max_retry": 1},
         )
@@ -271,7 +347,7 @@ async def one(session, url: str, req: Req) -> Result:
                     if not n:
                         first = last
                     n += 1
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return Result(599)
     if not n:
         return Result(598)
@@ -327,9 +403,19 @@ def summarize(
     errors = sum(1 for r in results if r.status not in (200, 429))
     admitted = len(results) - rejected
     return Row(
-        policy, admission, load, offered, good / (window_s * speedup), good / len(results),
-        good / admitted if admitted else 0.0, _pct(ttft, 0.5), _pct(ttft, 0.99), _pct(tpot, 0.5), _pct(tpot, 0.99),
-        rejected / len(results), errors,
+        policy,
+        admission,
+        load,
+        offered,
+        good / (window_s * speedup),
+        good / len(results),
+        good / admitted if admitted else 0.0,
+        _pct(ttft, 0.5),
+        _pct(ttft, 0.99),
+        _pct(tpot, 0.5),
+        _pct(tpot, 0.99),
+        rejected / len(results),
+        errors,
     )
 
 
@@ -354,13 +440,16 @@ async def run(args, systems: list[str], clusters: list[Cluster], loads: list[flo
     print(
         "measured (cluster time): prefill "
         + ", ".join(f"{rate:.0f} tokens/s + {base * 1000:.0f} ms" for base, rate in speeds.prefill)
-        + "; decode step " + ", ".join(f"{a * 1000:.0f} + {b * 1000:.1f}/seq ms" for a, b in speeds.decode)
+        + "; decode step "
+        + ", ".join(f"{a * 1000:.0f} + {b * 1000:.1f}/seq ms" for a, b in speeds.decode)
         + f"\ncapacity {cap:.2f} req/s (prefill {prefill_cap:.2f}, decode {decode_cap:.2f})"
     )
     rows = []
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        await asyncio.gather(*(prewarm(session, url, systems) for c in clusters for role, url in c.engines if role == "prefill"))
+        await asyncio.gather(
+            *(prewarm(session, url, systems) for c in clusters for role, url in c.engines if role == "prefill")
+        )
         print(HEADER, flush=True)
         for cluster in clusters:
             warm = make_requests(args.seed + 1000, args.warmup, systems)
@@ -370,7 +459,9 @@ async def run(args, systems: list[str], clusters: list[Cluster], loads: list[flo
             for cluster in clusters:
                 rng = random.Random(args.seed + k)
                 results, window = await phase(session, cluster.url, reqs, load * cap * args.speedup, rng)
-                rows.append(summarize(cluster.policy, cluster.admission, load, load * cap, results, window, args.speedup))
+                rows.append(
+                    summarize(cluster.policy, cluster.admission, load, load * cap, results, window, args.speedup)
+                )
                 print(_format(rows[-1]), flush=True)
                 await asyncio.sleep(1.0)
     return rows
@@ -398,7 +489,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--loads", default="0.7,1.0,1.3")
     parser.add_argument(
-        "--runs", default="round_robin:off,load_balance:off,kv_cache_affinity:off,slo_aware:reject",
+        "--runs",
+        default="round_robin:off,load_balance:off,kv_cache_affinity:off,slo_aware:reject",
         help="policy:admission pairs, comma-separated",
     )
     parser.add_argument("--serve-sim", help=argparse.SUPPRESS)
@@ -442,7 +534,11 @@ def verdict_line(rows: list[Row]) -> str:
     others = [goodput(p, 1.0) for p in ("round_robin", "load_balance", "kv_cache_affinity")]
     best = max((g for g in others if not math.isnan(g)), default=float("nan"))
     rr = others[0]
-    at130 = [r.admitted_attainment for r in rows if r.policy == "slo_aware" and r.admission == "reject" and abs(r.load - 1.3) < 1e-9]
+    at130 = [
+        r.admitted_attainment
+        for r in rows
+        if r.policy == "slo_aware" and r.admission == "reject" and abs(r.load - 1.3) < 1e-9
+    ]
     return (
         f"slo_aware_vs_round_robin={slo / rr if rr else float('inf'):.2f} "
         f"slo_aware_vs_best_other={slo / best if best else float('inf'):.2f} "

@@ -1,4 +1,5 @@
 """`python -m deployer render [--config FILE] [--out DIR]`."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,7 @@ import codecs
 import json
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
 from .render import DEFAULT_CONFIG, DEFAULT_OUT, write
 from .settings import ConfigError, load
@@ -61,20 +62,21 @@ def _cmd_render(args: argparse.Namespace) -> int:
     for path in written:
         print(f"wrote {path}")
     d = settings.deploy
-    print(f"namespace {settings.namespace}: {d.p_instances_num} prefill + {d.d_instances_num} decode "
-          f"engines, Coordinator on nodePort {d.coordinator_node_port}")
+    print(
+        f"namespace {settings.namespace}: {d.p_instances_num} prefill + {d.d_instances_num} decode "
+        f"engines, Coordinator on nodePort {d.coordinator_node_port}"
+    )
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deployer",
-                                     description="Render the Coordinator's Kubernetes deployment.")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deployer", description="Render the Coordinator's Kubernetes deployment."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     render = sub.add_parser("render", help="render the manifests and the cluster user_config.json")
-    render.add_argument("--config", default=str(DEFAULT_CONFIG),
-                        help="input user_config.json (default: %(default)s)")
-    render.add_argument("--out", default=str(DEFAULT_OUT),
-                        help="output directory (default: %(default)s)")
+    render.add_argument("--config", default=str(DEFAULT_CONFIG), help="input user_config.json (default: %(default)s)")
+    render.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: %(default)s)")
     render.set_defaults(func=_cmd_render)
     args = parser.parse_args(argv)
     return args.func(args)

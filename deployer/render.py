@@ -4,6 +4,7 @@ All YAML comes from the Jinja templates in ``templates/``; Python only computes 
 (names, labels, argument lists, the instance list) and hands them to the templates, which
 emit every scalar through the ``j`` filter (JSON encoding, always a valid YAML scalar).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import jinja2
 
@@ -40,7 +41,7 @@ OUTPUT_FILES = ("coordinator_init.yaml", "engine_prefill.yaml", "engine_decode.y
 _SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
 
 
-def _yaml_escape(m: "re.Match[str]") -> str:
+def _yaml_escape(m: re.Match[str]) -> str:
     hi, lo = int(m.group(2), 16), int(m.group(3), 16)
     return f"{m.group(1)}\\U{0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00):08X}"
 
@@ -67,7 +68,7 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def labels(settings: Settings, component: str) -> Dict[str, str]:
+def labels(settings: Settings, component: str) -> dict[str, str]:
     """Selector labels of one component (also put on its pods)."""
     return {
         "app.kubernetes.io/name": "motor",
@@ -79,18 +80,23 @@ def labels(settings: Settings, component: str) -> Dict[str, str]:
 def engine_address(settings: Settings, role: str, index: int) -> str:
     name = ENGINE_NAME[role]
     eng = settings.prefill if role == "prefill" else settings.decode
-    return (f"{name}-{index}.{name}.{settings.namespace}.svc."
-            f"{settings.deploy.cluster_domain}:{eng.port}")
+    return f"{name}-{index}.{name}.{settings.namespace}.svc.{settings.deploy.cluster_domain}:{eng.port}"
 
 
-def instances(settings: Settings) -> List[Dict[str, Any]]:
+def instances(settings: Settings) -> list[dict[str, Any]]:
     """Every prefill and decode pod by its stable DNS name, then any static instances of the input."""
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     model = settings.prefill.served_model_name
     for role, count in (("prefill", settings.deploy.p_instances_num), ("decode", settings.deploy.d_instances_num)):
         for i in range(count):
-            out.append({"id": len(out) + 1, "role": role, "model_name": model,
-                        "endpoints": [{"id": 0, "address": engine_address(settings, role, i)}]})
+            out.append(
+                {
+                    "id": len(out) + 1,
+                    "role": role,
+                    "model_name": model,
+                    "endpoints": [{"id": 0, "address": engine_address(settings, role, i)}],
+                }
+            )
     for extra in settings.raw.get("motor_coordinator_config", {}).get("instances", []):
         item = copy.deepcopy(extra)
         item["id"] = len(out) + 1
@@ -98,21 +104,22 @@ def instances(settings: Settings) -> List[Dict[str, Any]]:
     return out
 
 
-def models(settings: Settings) -> List[Dict[str, Any]]:
+def models(settings: Settings) -> list[dict[str, Any]]:
     """The served model first (SLOs from the input entry of the same id), then every other input model,
     in the input's order: static instances may serve them, and instances added later through
     POST /instances/refresh find their SLOs there."""
     given = settings.raw.get("motor_coordinator_config", {}).get("models", [])
     name = settings.prefill.served_model_name
     entry = copy.deepcopy(next((m for m in given if m["id"] == name), {}))
-    entry.update({"id": name, "p_max_seqlen": settings.prefill.max_model_len,
-                  "d_max_seqlen": settings.decode.max_model_len})
+    entry.update(
+        {"id": name, "p_max_seqlen": settings.prefill.max_model_len, "d_max_seqlen": settings.decode.max_model_len}
+    )
     entry.setdefault("slo_ttft", 1000)
     entry.setdefault("slo_tpot", 50)
     return [entry] + [copy.deepcopy(m) for m in given if m["id"] != name]
 
 
-def cluster_user_config(settings: Settings) -> Dict[str, Any]:
+def cluster_user_config(settings: Settings) -> dict[str, Any]:
     """The user_config.json the Coordinator pods read: the input with every default filled in,
     the Coordinator bound to 0.0.0.0 and the engine pods listed as instances."""
     cfg = copy.deepcopy(settings.raw)
@@ -126,26 +133,34 @@ def cluster_user_config(settings: Settings) -> Dict[str, Any]:
     return cfg
 
 
-def engine_args(settings: Settings, role: str) -> List[str]:
+def engine_args(settings: Settings, role: str) -> list[str]:
     eng: EngineConfig = settings.prefill if role == "prefill" else settings.decode
     kv = {"kv_connector": eng.kv_connector, "kv_role": KV_ROLE[role], "kv_buffer_device": eng.kv_buffer_device}
     if eng.kv_connector_extra_config:
         kv["kv_connector_extra_config"] = eng.kv_connector_extra_config
     args = [
         eng.model_path,
-        "--host", "0.0.0.0",
-        "--port", str(eng.port),
-        "--served-model-name", eng.served_model_name,
-        "--max-model-len", str(eng.max_model_len),
-        "--tensor-parallel-size", str(eng.tensor_parallel_size),
-        "--pipeline-parallel-size", str(eng.pipeline_parallel_size),
-        "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
-        "--kv-transfer-config", json.dumps(kv, separators=(",", ":")),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(eng.port),
+        "--served-model-name",
+        eng.served_model_name,
+        "--max-model-len",
+        str(eng.max_model_len),
+        "--tensor-parallel-size",
+        str(eng.tensor_parallel_size),
+        "--pipeline-parallel-size",
+        str(eng.pipeline_parallel_size),
+        "--gpu-memory-utilization",
+        str(eng.gpu_memory_utilization),
+        "--kv-transfer-config",
+        json.dumps(kv, separators=(",", ":")),
     ]
     return args + list(eng.extra_args)
 
 
-def _engine_context(settings: Settings, role: str) -> Dict[str, Any]:
+def _engine_context(settings: Settings, role: str) -> dict[str, Any]:
     eng: EngineConfig = settings.prefill if role == "prefill" else settings.decode
     name = ENGINE_NAME[role]
     res = copy.deepcopy(dataclasses.asdict(eng.resources))
@@ -170,7 +185,7 @@ def _engine_context(settings: Settings, role: str) -> Dict[str, Any]:
     }
 
 
-def render(settings: Settings) -> Dict[str, str]:
+def render(settings: Settings) -> dict[str, str]:
     """Return {file name: text} for the whole bundle."""
     env = environment()
     cfg = cluster_user_config(settings)
@@ -208,13 +223,13 @@ def render(settings: Settings) -> Dict[str, str]:
     return {name: out[name] for name in OUTPUT_FILES}
 
 
-def write(settings: Settings, out_dir: Path) -> List[Path]:
+def write(settings: Settings, out_dir: Path) -> list[Path]:
     """Write the bundle into out_dir, every file or none: each is staged beside its target and renamed into
     place only once all are written, so a target that is a directory or a full disk leaves out_dir as it was
     (and removes the directories made for it)."""
     files = render(settings)
     made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
-    staged: Dict[Path, Path] = {}
+    staged: dict[Path, Path] = {}
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():

@@ -16,6 +16,7 @@ top-level key that is a near miss of a known one (a misspelled section would lea
 other top-level keys (MindIE's sections for components this project does not have) are passed over with a
 warning. Unknown keys in ``motor_coordinator_config`` are left for the Coordinator to judge.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,12 +28,18 @@ import posixpath
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
-from config import ROOT_KEY as COORDINATOR_KEY
-from config import ConfigError as CoordinatorConfigError
-from config import (address_key, check_instance_set, parse_instance, parse_models, settings_from_dict,
-                    split_address)
+from config import (
+    ROOT_KEY as COORDINATOR_KEY,
+    ConfigError as CoordinatorConfigError,
+    address_key,
+    check_instance_set,
+    parse_instance,
+    parse_models,
+    settings_from_dict,
+    split_address,
+)
 
 CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
 # The Secret (not a ConfigMap: it may carry API keys, the valid_keys of api_key_config and
@@ -48,8 +55,24 @@ COORDINATOR_CODE_DIR = "/opt/motor"
 # it and the container cannot start; inside SYSTEM_TREES (programs, libraries, the interpreter, the kernel's
 # interfaces) it hides part of them. Inside the others a directory of one's own is fine: /etc/motor-tls,
 # /var/lib/models, /root/.cache/huggingface.
-SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/opt", "/proc", "/root", "/run",
-               "/sbin", "/srv", "/sys", "/usr", "/var")
+SYSTEM_DIRS = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/home",
+    "/lib",
+    "/lib64",
+    "/opt",
+    "/proc",
+    "/root",
+    "/run",
+    "/sbin",
+    "/srv",
+    "/sys",
+    "/usr",
+    "/var",
+)
 SYSTEM_TREES = ("/bin", "/lib", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
 MAX_INSTANCES = 64
@@ -85,123 +108,175 @@ MANAGED_ENGINE_FLAGS = {
 class ConfigError(ValueError):
     """Bad input. ``errors`` holds one ``key.path: message`` line per problem."""
 
-    def __init__(self, errors: List[str]):
+    def __init__(self, errors: list[str]):
         self.errors = list(errors)
         super().__init__("\n".join(self.errors))
 
 
-def _doc(text: str) -> Dict[str, str]:
+def _doc(text: str) -> dict[str, str]:
     return {"doc": text}
 
 
 @dataclass
 class ResourceSpec:
     """Kubernetes-style ``{"requests": {...}, "limits": {...}}`` for cpu and memory."""
-    requests: Dict[str, str] = field(default_factory=dict, metadata=_doc("cpu/memory requests"))
-    limits: Dict[str, str] = field(default_factory=dict, metadata=_doc("cpu/memory limits"))
+
+    requests: dict[str, str] = field(default_factory=dict, metadata=_doc("cpu/memory requests"))
+    limits: dict[str, str] = field(default_factory=dict, metadata=_doc("cpu/memory limits"))
 
 
 @dataclass
 class DeployConfig:
-    job_id: str = field(default="mindie-motor", metadata=_doc(
-        "deployment name; also the Kubernetes namespace everything is created in (DNS-1123 label)"))
-    create_namespace: bool = field(default=True, metadata=_doc(
-        "render a Namespace object for job_id at the top of coordinator_init.yaml"))
-    cluster_domain: str = field(default="cluster.local", metadata=_doc(
-        "cluster DNS domain used in the engines' stable names"))
-    image_name: str = field(default="motor-coordinator:latest", metadata=_doc(
-        "Coordinator image (its working directory holds app.py)"))
-    engine_image_name: str = field(default="vllm/vllm-openai:latest", metadata=_doc(
-        "vLLM engine image (must provide `vllm serve` and NIXL); pin a version in production"))
-    image_pull_policy: str = field(default="IfNotPresent", metadata=_doc(
-        "Always, IfNotPresent or Never, for every container"))
-    image_pull_secrets: List[str] = field(default_factory=list, metadata=_doc(
-        "names of docker-registry Secrets for every pod"))
+    job_id: str = field(
+        default="mindie-motor",
+        metadata=_doc("deployment name; also the Kubernetes namespace everything is created in (DNS-1123 label)"),
+    )
+    create_namespace: bool = field(
+        default=True, metadata=_doc("render a Namespace object for job_id at the top of coordinator_init.yaml")
+    )
+    cluster_domain: str = field(
+        default="cluster.local", metadata=_doc("cluster DNS domain used in the engines' stable names")
+    )
+    image_name: str = field(
+        default="motor-coordinator:latest", metadata=_doc("Coordinator image (its working directory holds app.py)")
+    )
+    engine_image_name: str = field(
+        default="vllm/vllm-openai:latest",
+        metadata=_doc("vLLM engine image (must provide `vllm serve` and NIXL); pin a version in production"),
+    )
+    image_pull_policy: str = field(
+        default="IfNotPresent", metadata=_doc("Always, IfNotPresent or Never, for every container")
+    )
+    image_pull_secrets: list[str] = field(
+        default_factory=list, metadata=_doc("names of docker-registry Secrets for every pod")
+    )
     coordinator_replicas: int = field(default=1, metadata=_doc("Coordinator pods, 1..16"))
-    p_instances_num: int = field(default=1, metadata=_doc(
-        f"prefill instances (one pod each), 1..{MAX_INSTANCES}"))
-    d_instances_num: int = field(default=1, metadata=_doc(
-        f"decode instances (one pod each), 1..{MAX_INSTANCES}"))
-    coordinator_node_port: int = field(default=31015, metadata=_doc(
-        "nodePort of the inference Service, 30000..32767"))
-    coordinator_resources: ResourceSpec = field(default_factory=lambda: ResourceSpec(
-        requests={"cpu": "1", "memory": "1Gi"}, limits={"cpu": "2", "memory": "2Gi"}),
-        metadata=_doc("Coordinator container requests/limits"))
-    coordinator_node_selector: Dict[str, str] = field(default_factory=dict, metadata=_doc(
-        "nodeSelector of the Coordinator pods"))
-    coordinator_tolerations: List[Dict[str, Any]] = field(default_factory=list, metadata=_doc(
-        "tolerations of the Coordinator pods (Kubernetes Toleration objects)"))
-    service_account_name: str = field(default="", metadata=_doc(
-        "service account of the Coordinator pods; empty: the namespace default. "
-        "No API token is mounted either way"))
-    run_as_user: int = field(default=1000, metadata=_doc(
-        "non-root UID (and GID) the Coordinator runs as"))
-    prestop_sleep_seconds: int = field(default=5, metadata=_doc(
-        "preStop sleep before SIGTERM, so Service endpoints stop routing to a terminating pod, 0..300"))
-    termination_grace_period_seconds: int = field(default=0, metadata=_doc(
-        "0: prestop_sleep_seconds + shutdown_config.drain_timeout + 10; "
-        "otherwise must exceed prestop + drain"))
-    tls_secret_name: str = field(default="motor-coordinator-tls", metadata=_doc(
-        "Secret mounted when infer_tls_config or mgmt_tls_config enables TLS"))
-    tls_mount_path: str = field(default="/etc/motor-tls", metadata=_doc(
-        "where that Secret is mounted; cert_file/key_file/ca_file must lie under it"))
-    weight_mount_path: str = field(default="/mnt/weight/", metadata=_doc(
-        "host directory with model weights, mounted read-only at the same path in engine pods; "
-        "empty: no mount (model_path is then a Hugging Face id or baked into the image)"))
-    dshm_size: str = field(default="8Gi", metadata=_doc(
-        "size of the memory-backed /dev/shm of engine pods"))
+    p_instances_num: int = field(default=1, metadata=_doc(f"prefill instances (one pod each), 1..{MAX_INSTANCES}"))
+    d_instances_num: int = field(default=1, metadata=_doc(f"decode instances (one pod each), 1..{MAX_INSTANCES}"))
+    coordinator_node_port: int = field(default=31015, metadata=_doc("nodePort of the inference Service, 30000..32767"))
+    coordinator_resources: ResourceSpec = field(
+        default_factory=lambda: ResourceSpec(
+            requests={"cpu": "1", "memory": "1Gi"}, limits={"cpu": "2", "memory": "2Gi"}
+        ),
+        metadata=_doc("Coordinator container requests/limits"),
+    )
+    coordinator_node_selector: dict[str, str] = field(
+        default_factory=dict, metadata=_doc("nodeSelector of the Coordinator pods")
+    )
+    coordinator_tolerations: list[dict[str, Any]] = field(
+        default_factory=list, metadata=_doc("tolerations of the Coordinator pods (Kubernetes Toleration objects)")
+    )
+    service_account_name: str = field(
+        default="",
+        metadata=_doc(
+            "service account of the Coordinator pods; empty: the namespace default. No API token is mounted either way"
+        ),
+    )
+    run_as_user: int = field(default=1000, metadata=_doc("non-root UID (and GID) the Coordinator runs as"))
+    prestop_sleep_seconds: int = field(
+        default=5,
+        metadata=_doc("preStop sleep before SIGTERM, so Service endpoints stop routing to a terminating pod, 0..300"),
+    )
+    termination_grace_period_seconds: int = field(
+        default=0,
+        metadata=_doc(
+            "0: prestop_sleep_seconds + shutdown_config.drain_timeout + 10; otherwise must exceed prestop + drain"
+        ),
+    )
+    tls_secret_name: str = field(
+        default="motor-coordinator-tls",
+        metadata=_doc("Secret mounted when infer_tls_config or mgmt_tls_config enables TLS"),
+    )
+    tls_mount_path: str = field(
+        default="/etc/motor-tls",
+        metadata=_doc("where that Secret is mounted; cert_file/key_file/ca_file must lie under it"),
+    )
+    weight_mount_path: str = field(
+        default="/mnt/weight/",
+        metadata=_doc(
+            "host directory with model weights, mounted read-only at the same path in engine pods; "
+            "empty: no mount (model_path is then a Hugging Face id or baked into the image)"
+        ),
+    )
+    dshm_size: str = field(default="8Gi", metadata=_doc("size of the memory-backed /dev/shm of engine pods"))
 
 
 @dataclass
 class EngineConfig:
     engine_type: str = field(default="vllm", metadata=_doc("only `vllm` is supported"))
-    model_path: str = field(default="/mnt/weight/qwen3", metadata=_doc(
-        "model directory inside the container (or a Hugging Face id), the `vllm serve` positional"))
-    served_model_name: str = field(default="qwen3", metadata=_doc(
-        "--served-model-name; the model id clients send. Must be equal for prefill and decode"))
-    max_model_len: int = field(default=8192, metadata=_doc(
-        "--max-model-len; also the Coordinator's p_max_seqlen / d_max_seqlen"))
+    model_path: str = field(
+        default="/mnt/weight/qwen3",
+        metadata=_doc("model directory inside the container (or a Hugging Face id), the `vllm serve` positional"),
+    )
+    served_model_name: str = field(
+        default="qwen3",
+        metadata=_doc("--served-model-name; the model id clients send. Must be equal for prefill and decode"),
+    )
+    max_model_len: int = field(
+        default=8192, metadata=_doc("--max-model-len; also the Coordinator's p_max_seqlen / d_max_seqlen")
+    )
     tensor_parallel_size: int = field(default=1, metadata=_doc("--tensor-parallel-size"))
     pipeline_parallel_size: int = field(default=1, metadata=_doc("--pipeline-parallel-size"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_doc("--gpu-memory-utilization, (0, 1]"))
     port: int = field(default=8000, metadata=_doc("engine HTTP port (--port), probes on /health"))
-    side_channel_port: int = field(default=5600, metadata=_doc(
-        "VLLM_NIXL_SIDE_CHANNEL_PORT (NIXL handshake); the host is the pod IP"))
-    kv_connector: str = field(default="NixlConnector", metadata=_doc(
-        "kv_connector of --kv-transfer-config; kv_role is kv_producer (prefill) / kv_consumer (decode)"))
-    kv_buffer_device: str = field(default="cuda", metadata=_doc(
-        "kv_buffer_device of --kv-transfer-config: `cuda` for GPU engines; `cpu`, the default and the only "
-        "value, when accelerator_num is 0 (CPU engines)"))
-    kv_connector_extra_config: Dict[str, Any] = field(default_factory=dict, metadata=_doc(
-        "kv_connector_extra_config of --kv-transfer-config, omitted when empty"))
-    accelerator_resource_name: str = field(default="nvidia.com/gpu", metadata=_doc(
-        "extended resource requested for the accelerators (a DNS-subdomain prefix outside kubernetes.io, '/', "
-        "a name), e.g. nvidia.com/gpu, amd.com/gpu"))
-    accelerator_num: int = field(default=1, metadata=_doc(
-        "accelerators per pod; 0 for CPU engines, otherwise >= tensor * pipeline parallel size"))
-    resources: ResourceSpec = field(default_factory=lambda: ResourceSpec(
-        requests={"cpu": "4", "memory": "32Gi"}, limits={"cpu": "16", "memory": "64Gi"}),
-        metadata=_doc("engine container cpu/memory requests/limits"))
-    startup_timeout_seconds: int = field(default=1800, metadata=_doc(
-        "how long the startup probe waits for /health (model load), >= 30"))
-    extra_args: List[str] = field(default_factory=list, metadata=_doc(
-        "further `vllm serve` arguments, appended as given (not the flags the deployer sets)"))
-    env: Dict[str, str] = field(default_factory=dict, metadata=_doc(
-        "further environment variables (not the deployer-managed NIXL ones)"))
-    node_selector: Dict[str, str] = field(default_factory=dict, metadata=_doc("nodeSelector of the engine pods"))
-    tolerations: List[Dict[str, Any]] = field(default_factory=list, metadata=_doc(
-        "tolerations of the engine pods"))
+    side_channel_port: int = field(
+        default=5600, metadata=_doc("VLLM_NIXL_SIDE_CHANNEL_PORT (NIXL handshake); the host is the pod IP")
+    )
+    kv_connector: str = field(
+        default="NixlConnector",
+        metadata=_doc("kv_connector of --kv-transfer-config; kv_role is kv_producer (prefill) / kv_consumer (decode)"),
+    )
+    kv_buffer_device: str = field(
+        default="cuda",
+        metadata=_doc(
+            "kv_buffer_device of --kv-transfer-config: `cuda` for GPU engines; `cpu`, the default and the only "
+            "value, when accelerator_num is 0 (CPU engines)"
+        ),
+    )
+    kv_connector_extra_config: dict[str, Any] = field(
+        default_factory=dict, metadata=_doc("kv_connector_extra_config of --kv-transfer-config, omitted when empty")
+    )
+    accelerator_resource_name: str = field(
+        default="nvidia.com/gpu",
+        metadata=_doc(
+            "extended resource requested for the accelerators (a DNS-subdomain prefix outside kubernetes.io, '/', "
+            "a name), e.g. nvidia.com/gpu, amd.com/gpu"
+        ),
+    )
+    accelerator_num: int = field(
+        default=1,
+        metadata=_doc("accelerators per pod; 0 for CPU engines, otherwise >= tensor * pipeline parallel size"),
+    )
+    resources: ResourceSpec = field(
+        default_factory=lambda: ResourceSpec(
+            requests={"cpu": "4", "memory": "32Gi"}, limits={"cpu": "16", "memory": "64Gi"}
+        ),
+        metadata=_doc("engine container cpu/memory requests/limits"),
+    )
+    startup_timeout_seconds: int = field(
+        default=1800, metadata=_doc("how long the startup probe waits for /health (model load), >= 30")
+    )
+    extra_args: list[str] = field(
+        default_factory=list,
+        metadata=_doc("further `vllm serve` arguments, appended as given (not the flags the deployer sets)"),
+    )
+    env: dict[str, str] = field(
+        default_factory=dict, metadata=_doc("further environment variables (not the deployer-managed NIXL ones)")
+    )
+    node_selector: dict[str, str] = field(default_factory=dict, metadata=_doc("nodeSelector of the engine pods"))
+    tolerations: list[dict[str, Any]] = field(default_factory=list, metadata=_doc("tolerations of the engine pods"))
 
 
 @dataclass
 class CoordinatorView:
     """What the deployer reads from ``motor_coordinator_config`` (defaults as the Coordinator's)."""
+
     infer_port: int = 1025
     mgmt_port: int = 1026
     obs_port: int = 1027
     infer_tls: bool = False
     mgmt_tls: bool = False
-    tls_files: List[str] = field(default_factory=list)
+    tls_files: list[str] = field(default_factory=list)
     drain_timeout: float = 30
     pd_dispatch: str = "handoff"
 
@@ -212,7 +287,7 @@ class Settings:
     prefill: EngineConfig
     decode: EngineConfig
     coordinator: CoordinatorView
-    raw: Dict[str, Any]  # the whole input, untouched
+    raw: dict[str, Any]  # the whole input, untouched
 
     @property
     def namespace(self) -> str:
@@ -232,13 +307,17 @@ SECTIONS = {
 }
 log = logging.getLogger("deployer")
 # A top-level key naming one of these is meant for a section the deployer reads, however it is spelled.
-_SECTION_WORDS = (("deploy", "motor_deploy_config"), ("prefil", "motor_engine_prefill_config"),
-                  ("decod", "motor_engine_decode_config"), ("coordinat", "motor_coordinator_config"))
+_SECTION_WORDS = (
+    ("deploy", "motor_deploy_config"),
+    ("prefil", "motor_engine_prefill_config"),
+    ("decod", "motor_engine_decode_config"),
+    ("coordinat", "motor_coordinator_config"),
+)
 # Every top-level key of user_config.json; `version` is MindIE's format version, passed through unread.
 TOP_LEVEL_KEYS = ("version", *SECTIONS, "motor_coordinator_config")
 
 
-def _near_miss(key: str) -> Optional[str]:
+def _near_miss(key: str) -> str | None:
     """The known top-level key `key` is probably a misspelling of, if any (MindIE's sections for its other
     components, motor_controller_config and the like, are none)."""
     lower = key.lower()
@@ -250,29 +329,30 @@ def _near_miss(key: str) -> Optional[str]:
 
 # --------------------------------------------------------------------------- generic typed loading
 
+
 def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
-    if origin in (list, List):
+    if origin in (list, list):
         return "a list"
-    if origin in (dict, Dict):
+    if origin in (dict, dict):
         return "an object"
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
 
 
-def _check_type(value: Any, tp: Any, path: str, errors: List[str]) -> Any:
+def _check_type(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             errors.append(f"{path}: must be an object")
             return tp()
         return _load_dataclass(tp, value, path, errors)
-    if origin in (list, List):
+    if origin in (list, list):
         (item_tp,) = get_args(tp)
         if not isinstance(value, list):
             errors.append(f"{path}: must be {_type_name(tp)}")
             return []
         return [_check_type(v, item_tp, f"{path}[{i}]", errors) for i, v in enumerate(value)]
-    if origin in (dict, Dict):
+    if origin in (dict, dict):
         _, val_tp = get_args(tp)
         if not isinstance(value, dict):
             errors.append(f"{path}: must be an object")
@@ -293,7 +373,7 @@ def _check_type(value: Any, tp: Any, path: str, errors: List[str]) -> Any:
     return value
 
 
-def _load_dataclass(cls: type, data: Dict[str, Any], path: str, errors: List[str]) -> Any:
+def _load_dataclass(cls: type, data: dict[str, Any], path: str, errors: list[str]) -> Any:
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -318,8 +398,22 @@ _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # fullmat
 QUOTA_PREFIX = "requests."  # ResourceQuota's name for a resource's requests
 LABEL_VALUE_RULE = "at most 63 letters, digits, '-', '_' or '.', beginning and ending with a letter or digit"
 _QUANTITY = re.compile(r"(?P<num>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suf>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?")
-_SUFFIX = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-           "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
+_SUFFIX = {
+    None: 1,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 
 
 def _is_loopback(address: str) -> bool:
@@ -330,7 +424,7 @@ def _is_loopback(address: str) -> bool:
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
-        ip: "ipaddress.IPv4Address | ipaddress.IPv6Address" = ipaddress.IPv4Address(socket.inet_aton(host))
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.IPv4Address(socket.inet_aton(host))
     except OSError:
         try:
             ip = ipaddress.IPv6Address(host)
@@ -360,28 +454,39 @@ def _is_extended_resource_name(name: str) -> bool:
     """What the API server takes as an extended resource (its IsExtendedResourceName): a label key with a
     prefix, outside the kubernetes.io namespace, that is still one with "requests." in front (the quota name).
     A name without a prefix is a native resource: cpu, memory, ephemeral-storage, hugepages-*."""
-    return ("/" in name and "kubernetes.io/" not in name and not name.startswith(QUOTA_PREFIX)
-            and _is_label_key(QUOTA_PREFIX + name))
+    return (
+        "/" in name
+        and "kubernetes.io/" not in name
+        and not name.startswith(QUOTA_PREFIX)
+        and _is_label_key(QUOTA_PREFIX + name)
+    )
 
 
-def _check_node_selector(selector: Dict[str, str], path: str, errors: List[str]) -> None:
+def _check_node_selector(selector: dict[str, str], path: str, errors: list[str]) -> None:
     """What the API server refuses in a nodeSelector: keys and values are label keys and values."""
     for key, value in selector.items():
         if not _is_label_key(key):
-            errors.append(f"{path}.{key}: not a label key (an optional DNS subdomain prefix and '/', "
-                          f"then {LABEL_VALUE_RULE})")
+            errors.append(
+                f"{path}.{key}: not a label key (an optional DNS subdomain prefix and '/', then {LABEL_VALUE_RULE})"
+            )
         elif not _is_label_value(value):
             errors.append(f"{path}.{key}: not a label value: empty or {LABEL_VALUE_RULE} (got {value!r})")
 
 
-def _check_tolerations(tolerations: List[Dict[str, Any]], path: str, errors: List[str]) -> None:
+def _check_tolerations(tolerations: list[dict[str, Any]], path: str, errors: list[str]) -> None:
     """What the API server refuses in a pod's tolerations (its validateTolerations)."""
     for i, tol in enumerate(tolerations):
         at = f"{path}[{i}]"
-        bad = [f"{at}.{name}: unknown key (known: {', '.join(TOLERATION_FIELDS)})" for name in tol
-               if name not in TOLERATION_FIELDS]
-        bad += [f"{at}.{name}: must be {_type_name(tp)} (got {tol[name]!r})" for name, tp in TOLERATION_FIELDS.items()
-                if name in tol and (not isinstance(tol[name], tp) or isinstance(tol[name], bool))]
+        bad = [
+            f"{at}.{name}: unknown key (known: {', '.join(TOLERATION_FIELDS)})"
+            for name in tol
+            if name not in TOLERATION_FIELDS
+        ]
+        bad += [
+            f"{at}.{name}: must be {_type_name(tp)} (got {tol[name]!r})"
+            for name, tp in TOLERATION_FIELDS.items()
+            if name in tol and (not isinstance(tol[name], tp) or isinstance(tol[name], bool))
+        ]
         if bad:
             errors.extend(bad)
             continue
@@ -398,30 +503,31 @@ def _check_tolerations(tolerations: List[Dict[str, Any]], path: str, errors: Lis
         elif not _is_label_value(value):
             errors.append(f"{at}.value: not a label value: empty or {LABEL_VALUE_RULE} (got {value!r})")
         if effect and effect not in TAINT_EFFECTS:
-            errors.append(f"{at}.effect: must be empty (every effect) or one of {', '.join(TAINT_EFFECTS)} "
-                          f"(got {effect!r})")
+            errors.append(
+                f"{at}.effect: must be empty (every effect) or one of {', '.join(TAINT_EFFECTS)} (got {effect!r})"
+            )
         elif "tolerationSeconds" in tol and effect != "NoExecute":
             errors.append(f"{at}.tolerationSeconds: only with effect NoExecute")
 
 
-def parse_quantity(text: str) -> Optional[float]:
+def parse_quantity(text: str) -> float | None:
     m = _QUANTITY.fullmatch(text) if isinstance(text, str) else None
     if not m:
         return None
     return float(m.group("num")) * _SUFFIX[m.group("suf")]
 
 
-def _port(value: Any, path: str, errors: List[str]) -> None:
+def _port(value: Any, path: str, errors: list[str]) -> None:
     if isinstance(value, int) and not isinstance(value, bool) and not 1 <= value <= 65535:
         errors.append(f"{path}: must be 1..65535 (got {value})")
 
 
-def _in_range(value: Any, lo: float, hi: float, path: str, errors: List[str], what: str = "") -> None:
+def _in_range(value: Any, lo: float, hi: float, path: str, errors: list[str], what: str = "") -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not lo <= value <= hi:
         errors.append(f"{path}: must be {lo}..{hi}{what} (got {value})")
 
 
-def _check_resources(res: ResourceSpec, path: str, errors: List[str]) -> None:
+def _check_resources(res: ResourceSpec, path: str, errors: list[str]) -> None:
     for part in ("requests", "limits"):
         for name, qty in getattr(res, part).items():
             if name not in ("cpu", "memory", "ephemeral-storage"):
@@ -435,7 +541,7 @@ def _check_resources(res: ResourceSpec, path: str, errors: List[str]) -> None:
             errors.append(f"{path}.requests.{name}: {req} exceeds limits.{name} {lim}")
 
 
-def _no_overlap(path: str, mounts: tuple, key: str, pod: str, errors: List[str]) -> None:
+def _no_overlap(path: str, mounts: tuple, key: str, pod: str, errors: list[str]) -> None:
     """Refuse a mount path equal to, inside or containing another mount of the same pod."""
     own = path.rstrip("/") + "/"
     for other in mounts:
@@ -443,7 +549,7 @@ def _no_overlap(path: str, mounts: tuple, key: str, pod: str, errors: List[str])
             errors.append(f"{key}: {path!r} overlaps {other}, also mounted in {pod}")
 
 
-def _check_mount_path(path: str, key: str, mounts: tuple, pod: str, trees: tuple, errors: List[str]) -> None:
+def _check_mount_path(path: str, key: str, mounts: tuple, pod: str, trees: tuple, errors: list[str]) -> None:
     """A volume's mount path: absolute and normalized (Kubernetes refuses '..'; '//usr' and '/usr/.' are /usr),
     clear of the pod's other mounts, not at or above a system directory, not in `trees` (nor at or above them)."""
     if not path.startswith("/") or path.startswith("//") or posixpath.normpath(path) != (path.rstrip("/") or "/"):
@@ -456,15 +562,19 @@ def _check_mount_path(path: str, key: str, mounts: tuple, pod: str, trees: tuple
     if hidden:
         errors.append(f"{key}: {path!r} would hide {hidden}, which the container needs; use a directory of its own")
     elif inside:
-        errors.append(f"{key}: {path!r} lies inside {inside}, whose files the container runs; a volume there "
-                      f"would hide some of them")
+        errors.append(
+            f"{key}: {path!r} lies inside {inside}, whose files the container runs; a volume there "
+            f"would hide some of them"
+        )
 
 
-def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
+def _check_deploy(d: DeployConfig, errors: list[str]) -> None:
     p = "motor_deploy_config"
     if not _DNS_LABEL.fullmatch(d.job_id) or len(d.job_id) > 40:
-        errors.append(f"{p}.job_id: must be a DNS-1123 label of at most 40 characters "
-                      f"(lowercase letters, digits, '-'; got {d.job_id!r})")
+        errors.append(
+            f"{p}.job_id: must be a DNS-1123 label of at most 40 characters "
+            f"(lowercase letters, digits, '-'; got {d.job_id!r})"
+        )
     if not _is_dns_subdomain(d.cluster_domain):
         errors.append(f"{p}.cluster_domain: must be {DNS_SUBDOMAIN_RULE} (got {d.cluster_domain!r})")
     for key in ("image_name", "engine_image_name"):
@@ -472,8 +582,7 @@ def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
         if not val or any(c.isspace() for c in val):
             errors.append(f"{p}.{key}: must be a non-empty image reference (got {val!r})")
     if d.image_pull_policy not in PULL_POLICIES:
-        errors.append(f"{p}.image_pull_policy: must be one of {', '.join(PULL_POLICIES)} "
-                      f"(got {d.image_pull_policy!r})")
+        errors.append(f"{p}.image_pull_policy: must be one of {', '.join(PULL_POLICIES)} (got {d.image_pull_policy!r})")
     for i, name in enumerate(d.image_pull_secrets):
         if isinstance(name, str) and not _is_dns_subdomain(name):
             errors.append(f"{p}.image_pull_secrets[{i}]: not a Secret name, {DNS_SUBDOMAIN_RULE} (got {name!r})")
@@ -485,27 +594,38 @@ def _check_deploy(d: DeployConfig, errors: List[str]) -> None:
     _check_node_selector(d.coordinator_node_selector, f"{p}.coordinator_node_selector", errors)
     _check_tolerations(d.coordinator_tolerations, f"{p}.coordinator_tolerations", errors)
     if d.service_account_name and not _is_dns_subdomain(d.service_account_name):
-        errors.append(f"{p}.service_account_name: not a service account name, {DNS_SUBDOMAIN_RULE} "
-                      f"(got {d.service_account_name!r})")
-    _in_range(d.run_as_user, 1, 2 ** 31 - 1, f"{p}.run_as_user", errors, " (non-root)")
+        errors.append(
+            f"{p}.service_account_name: not a service account name, {DNS_SUBDOMAIN_RULE} "
+            f"(got {d.service_account_name!r})"
+        )
+    _in_range(d.run_as_user, 1, 2**31 - 1, f"{p}.run_as_user", errors, " (non-root)")
     _in_range(d.prestop_sleep_seconds, 0, 300, f"{p}.prestop_sleep_seconds", errors)
     if d.termination_grace_period_seconds < 0:
         errors.append(f"{p}.termination_grace_period_seconds: must be >= 0")
     if not _is_dns_subdomain(d.tls_secret_name):
         errors.append(f"{p}.tls_secret_name: not a Secret name, {DNS_SUBDOMAIN_RULE} (got {d.tls_secret_name!r})")
     elif d.tls_secret_name == CONFIG_SECRET_NAME:
-        errors.append(f"{p}.tls_secret_name: {d.tls_secret_name!r} is the Secret the deployer renders for the "
-                      f"Coordinator's user_config.json")
-    _check_mount_path(d.tls_mount_path, f"{p}.tls_mount_path", COORDINATOR_MOUNTS, "the Coordinator pod",
-                      SYSTEM_TREES + (COORDINATOR_CODE_DIR,), errors)
+        errors.append(
+            f"{p}.tls_secret_name: {d.tls_secret_name!r} is the Secret the deployer renders for the "
+            f"Coordinator's user_config.json"
+        )
+    _check_mount_path(
+        d.tls_mount_path,
+        f"{p}.tls_mount_path",
+        COORDINATOR_MOUNTS,
+        "the Coordinator pod",
+        SYSTEM_TREES + (COORDINATOR_CODE_DIR,),
+        errors,
+    )
     if d.weight_mount_path:
-        _check_mount_path(d.weight_mount_path, f"{p}.weight_mount_path", ENGINE_MOUNTS, "the engine pods",
-                          SYSTEM_TREES, errors)
+        _check_mount_path(
+            d.weight_mount_path, f"{p}.weight_mount_path", ENGINE_MOUNTS, "the engine pods", SYSTEM_TREES, errors
+        )
     if parse_quantity(d.dshm_size) is None:
         errors.append(f"{p}.dshm_size: not a Kubernetes quantity (got {d.dshm_size!r})")
 
 
-def _managed_flag(arg: str) -> Optional[str]:
+def _managed_flag(arg: str) -> str | None:
     """The deployer-set flag that a `vllm serve` argument would set, if any. vLLM reads
     --max_model_len as --max-model-len, --kv-transfer-config.kv_role=... as part of
     --kv-transfer-config, and argparse takes a unique prefix (--max-model) for the whole flag."""
@@ -518,15 +638,20 @@ def _managed_flag(arg: str) -> Optional[str]:
     return next((flag for flag in MANAGED_ENGINE_FLAGS if flag.startswith(name)), None)
 
 
-def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[str]) -> None:
+def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: list[str]) -> None:
     if e.engine_type != "vllm":
         errors.append(f"{p}.engine_type: only 'vllm' is supported (got {e.engine_type!r})")
     if not e.model_path:
         errors.append(f"{p}.model_path: must not be empty")
-    elif (e.model_path.startswith("/") and deploy.weight_mount_path
-          and not (e.model_path.rstrip("/") + "/").startswith(deploy.weight_mount_path.rstrip("/") + "/")):
-        errors.append(f"{p}.model_path: {e.model_path!r} is not under "
-                      f"motor_deploy_config.weight_mount_path {deploy.weight_mount_path!r}")
+    elif (
+        e.model_path.startswith("/")
+        and deploy.weight_mount_path
+        and not (e.model_path.rstrip("/") + "/").startswith(deploy.weight_mount_path.rstrip("/") + "/")
+    ):
+        errors.append(
+            f"{p}.model_path: {e.model_path!r} is not under "
+            f"motor_deploy_config.weight_mount_path {deploy.weight_mount_path!r}"
+        )
     if not e.served_model_name or any(c.isspace() for c in e.served_model_name):
         errors.append(f"{p}.served_model_name: must be a non-empty name without spaces")
     _in_range(e.max_model_len, 16, 10_000_000, f"{p}.max_model_len", errors)
@@ -543,20 +668,29 @@ def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[st
     if not e.kv_buffer_device:
         errors.append(f"{p}.kv_buffer_device: must not be empty")
     elif e.accelerator_num == 0 and e.kv_buffer_device != CPU_KV_BUFFER:
-        errors.append(f"{p}.kv_buffer_device: must be {CPU_KV_BUFFER!r} when accelerator_num is 0: the pod has "
-                      f"no accelerator to hold the KV buffer (got {e.kv_buffer_device!r})")
+        errors.append(
+            f"{p}.kv_buffer_device: must be {CPU_KV_BUFFER!r} when accelerator_num is 0: the pod has "
+            f"no accelerator to hold the KV buffer (got {e.kv_buffer_device!r})"
+        )
     if not _is_extended_resource_name(e.accelerator_resource_name):
-        errors.append(f"{p}.accelerator_resource_name: not an extended resource name: a DNS-subdomain prefix "
-                      f"outside kubernetes.io, '/', then {LABEL_VALUE_RULE}, e.g. nvidia.com/gpu; not cpu, memory, "
-                      f"ephemeral-storage or hugepages-* (got {e.accelerator_resource_name!r})")
-    if isinstance(e.accelerator_num, int) and isinstance(e.tensor_parallel_size, int) \
-            and isinstance(e.pipeline_parallel_size, int):
+        errors.append(
+            f"{p}.accelerator_resource_name: not an extended resource name: a DNS-subdomain prefix "
+            f"outside kubernetes.io, '/', then {LABEL_VALUE_RULE}, e.g. nvidia.com/gpu; not cpu, memory, "
+            f"ephemeral-storage or hugepages-* (got {e.accelerator_resource_name!r})"
+        )
+    if (
+        isinstance(e.accelerator_num, int)
+        and isinstance(e.tensor_parallel_size, int)
+        and isinstance(e.pipeline_parallel_size, int)
+    ):
         need = e.tensor_parallel_size * e.pipeline_parallel_size
         if e.accelerator_num < 0:
             errors.append(f"{p}.accelerator_num: must be >= 0")
         elif 0 < e.accelerator_num < need:
-            errors.append(f"{p}.accelerator_num: {e.accelerator_num} is fewer than "
-                          f"tensor_parallel_size * pipeline_parallel_size = {need}")
+            errors.append(
+                f"{p}.accelerator_num: {e.accelerator_num} is fewer than "
+                f"tensor_parallel_size * pipeline_parallel_size = {need}"
+            )
     _check_resources(e.resources, f"{p}.resources", errors)
     _check_node_selector(e.node_selector, f"{p}.node_selector", errors)
     _check_tolerations(e.tolerations, f"{p}.tolerations", errors)
@@ -564,8 +698,10 @@ def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[st
     for i, arg in enumerate(e.extra_args):
         flag = _managed_flag(arg)
         if flag:
-            errors.append(f"{p}.extra_args[{i}]: {arg!r} would override {flag}, which the deployer sets "
-                          f"({MANAGED_ENGINE_FLAGS[flag]})")
+            errors.append(
+                f"{p}.extra_args[{i}]: {arg!r} would override {flag}, which the deployer sets "
+                f"({MANAGED_ENGINE_FLAGS[flag]})"
+            )
     for name in e.env:
         if not _IDENTIFIER.fullmatch(name):
             errors.append(f"{p}.env.{name}: not a valid environment variable name")
@@ -573,7 +709,7 @@ def _check_engine(e: EngineConfig, p: str, deploy: DeployConfig, errors: List[st
             errors.append(f"{p}.env.{name}: set by the deployer; use side_channel_port instead")
 
 
-def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> CoordinatorView:
+def _coordinator_view(raw: Any, deploy: DeployConfig, errors: list[str]) -> CoordinatorView:
     p = "motor_coordinator_config"
     view = CoordinatorView()
     if raw is None:
@@ -583,7 +719,7 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
         errors.append(f"{p}: must be an object")
         return view
 
-    def sub(name: str) -> Dict[str, Any]:
+    def sub(name: str) -> dict[str, Any]:
         val = raw.get(name, {})
         if not isinstance(val, dict):
             errors.append(f"{p}.{name}: must be an object")
@@ -592,8 +728,11 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
 
     api = sub("api_config")
     ports = {}
-    for key, attr in (("coordinator_api_infer_port", "infer_port"), ("coordinator_api_mgmt_port", "mgmt_port"),
-                      ("coordinator_obs_port", "obs_port")):
+    for key, attr in (
+        ("coordinator_api_infer_port", "infer_port"),
+        ("coordinator_api_mgmt_port", "mgmt_port"),
+        ("coordinator_obs_port", "obs_port"),
+    ):
         val = api.get(key, getattr(view, attr))
         path = f"{p}.api_config.{key}"
         if not isinstance(val, int) or isinstance(val, bool):
@@ -608,8 +747,9 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
     for key, attr in (("infer_tls_config", "infer_tls"), ("mgmt_tls_config", "mgmt_tls")):
         tls = sub(key)
         switch = {k: tls[k] for k in ("enable_tls", "tls_enable") if k in tls}  # tls_enable: MindIE's spelling
-        bad = [f"{p}.{key}.{k}: must be true or false (got {v!r})"
-               for k, v in switch.items() if not isinstance(v, bool)]
+        bad = [
+            f"{p}.{key}.{k}: must be true or false (got {v!r})" for k, v in switch.items() if not isinstance(v, bool)
+        ]
         if not bad and len(set(switch.values())) > 1:
             bad.append(f"{p}.{key}.tls_enable: contradicts enable_tls (MindIE's spelling of the same switch)")
         if bad:
@@ -629,9 +769,11 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
                 if fkey != "ca_file":
                     errors.append(f"{fpath}: required when enable_tls is true")
             elif not val.startswith(mount) or len(val) == len(mount):
-                errors.append(f"{fpath}: must be a file under motor_deploy_config.tls_mount_path "
-                              f"{deploy.tls_mount_path!r}, where Secret {deploy.tls_secret_name!r} "
-                              f"is mounted (got {val!r})")
+                errors.append(
+                    f"{fpath}: must be a file under motor_deploy_config.tls_mount_path "
+                    f"{deploy.tls_mount_path!r}, where Secret {deploy.tls_secret_name!r} "
+                    f"is mounted (got {val!r})"
+                )
             else:
                 view.tls_files.append(val)
 
@@ -639,16 +781,14 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
     drain = shutdown.get("drain_timeout", view.drain_timeout)
     # Bounded (NaN fails the comparison too): it sizes terminationGracePeriodSeconds, an integer.
     if not isinstance(drain, (int, float)) or isinstance(drain, bool) or not 0 <= drain <= MAX_DRAIN_SECONDS:
-        errors.append(f"{p}.shutdown_config.drain_timeout: must be a number 0..{MAX_DRAIN_SECONDS} "
-                      f"(got {drain!r})")
+        errors.append(f"{p}.shutdown_config.drain_timeout: must be a number 0..{MAX_DRAIN_SECONDS} (got {drain!r})")
     else:
         view.drain_timeout = drain
 
     sched = sub("scheduler_config")
     dispatch = sched.get("pd_dispatch", view.pd_dispatch)
     if dispatch not in PD_DISPATCH:
-        errors.append(f"{p}.scheduler_config.pd_dispatch: must be one of {', '.join(PD_DISPATCH)} "
-                      f"(got {dispatch!r})")
+        errors.append(f"{p}.scheduler_config.pd_dispatch: must be one of {', '.join(PD_DISPATCH)} (got {dispatch!r})")
     else:
         view.pd_dispatch = dispatch
 
@@ -671,8 +811,10 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: List[str]) -> Coor
             continue
         for j, ep in enumerate(parsed.endpoints):
             if _is_loopback(ep.address):
-                errors.append(f"{p}.instances[{i}].endpoints[{j}].address: {ep.address!r} is a loopback address, "
-                              f"unreachable from the Coordinator pod")
+                errors.append(
+                    f"{p}.instances[{i}].endpoints[{j}].address: {ep.address!r} is a loopback address, "
+                    f"unreachable from the Coordinator pod"
+                )
     return view
 
 
@@ -680,7 +822,7 @@ def load(raw: Any) -> Settings:
     """Validate the whole user_config.json object and return the effective settings."""
     if not isinstance(raw, dict):
         raise ConfigError(["user_config.json: the top level must be a JSON object"])
-    errors: List[str] = []
+    errors: list[str] = []
     for key in raw:
         if key in TOP_LEVEL_KEYS:
             continue
@@ -707,19 +849,28 @@ def load(raw: Any) -> Settings:
         _check_engine(prefill, "motor_engine_prefill_config", deploy, errors)
         _check_engine(decode, "motor_engine_decode_config", deploy, errors)
         if prefill.served_model_name != decode.served_model_name:
-            errors.append(f"motor_engine_decode_config.served_model_name: {decode.served_model_name!r} "
-                          f"differs from motor_engine_prefill_config.served_model_name "
-                          f"{prefill.served_model_name!r}; a P/D pair serves one model")
+            errors.append(
+                f"motor_engine_decode_config.served_model_name: {decode.served_model_name!r} "
+                f"differs from motor_engine_prefill_config.served_model_name "
+                f"{prefill.served_model_name!r}; a P/D pair serves one model"
+            )
         if prefill.kv_connector != decode.kv_connector:
-            errors.append(f"motor_engine_decode_config.kv_connector: {decode.kv_connector!r} differs "
-                          f"from motor_engine_prefill_config.kv_connector {prefill.kv_connector!r}")
+            errors.append(
+                f"motor_engine_decode_config.kv_connector: {decode.kv_connector!r} differs "
+                f"from motor_engine_prefill_config.kv_connector {prefill.kv_connector!r}"
+            )
     view = _coordinator_view(raw.get("motor_coordinator_config"), deploy, errors)
-    if not errors and deploy.termination_grace_period_seconds and \
-            deploy.termination_grace_period_seconds <= deploy.prestop_sleep_seconds + view.drain_timeout:
-        errors.append(f"motor_deploy_config.termination_grace_period_seconds: "
-                      f"{deploy.termination_grace_period_seconds} must exceed prestop_sleep_seconds + "
-                      f"motor_coordinator_config.shutdown_config.drain_timeout "
-                      f"({deploy.prestop_sleep_seconds} + {view.drain_timeout})")
+    if (
+        not errors
+        and deploy.termination_grace_period_seconds
+        and deploy.termination_grace_period_seconds <= deploy.prestop_sleep_seconds + view.drain_timeout
+    ):
+        errors.append(
+            f"motor_deploy_config.termination_grace_period_seconds: "
+            f"{deploy.termination_grace_period_seconds} must exceed prestop_sleep_seconds + "
+            f"motor_coordinator_config.shutdown_config.drain_timeout "
+            f"({deploy.prestop_sleep_seconds} + {view.drain_timeout})"
+        )
     if errors:
         raise ConfigError(errors)
     settings = Settings(deploy=deploy, prefill=prefill, decode=decode, coordinator=view, raw=copy.deepcopy(raw))
@@ -735,6 +886,7 @@ def _coordinator_accepts(settings: Settings) -> None:
     engine pods, with the ids the render gives them, so the message names the input's index: the
     rendered list puts the engine pods first."""
     from .render import cluster_user_config, instances  # render imports this module
+
     rendered = instances(settings)
     generated = settings.deploy.p_instances_num + settings.deploy.d_instances_num
     static = [parse_instance(f"instances[{i}]", inst) for i, inst in enumerate(rendered[generated:])]
@@ -743,10 +895,13 @@ def _coordinator_accepts(settings: Settings) -> None:
     except CoordinatorConfigError as exc:
         raise ConfigError([str(exc)]) from None
     pods = {address_key(pod["endpoints"][0]["address"]): pod["id"] for pod in rendered[:generated]}
-    clashes = [f"{COORDINATOR_KEY}.instances[{i}].endpoints[{j}].address: {address_key(ep.address)} is already "
-               f"the address of instance {pods[address_key(ep.address)]}, an engine pod the deployer renders"
-               for i, inst in enumerate(static) for j, ep in enumerate(inst.endpoints)
-               if address_key(ep.address) in pods]
+    clashes = [
+        f"{COORDINATOR_KEY}.instances[{i}].endpoints[{j}].address: {address_key(ep.address)} is already "
+        f"the address of instance {pods[address_key(ep.address)]}, an engine pod the deployer renders"
+        for i, inst in enumerate(static)
+        for j, ep in enumerate(inst.endpoints)
+        if address_key(ep.address) in pods
+    ]
     if clashes:
         raise ConfigError(clashes)
     coordinator_log = logging.getLogger("coordinator.config")
@@ -765,12 +920,12 @@ def _models_warned_on_the_input(record: logging.LogRecord) -> bool:
     return f"{COORDINATOR_KEY}.models[" not in record.getMessage()
 
 
-def defaults_as_dict(cls: type) -> Dict[str, Any]:
+def defaults_as_dict(cls: type) -> dict[str, Any]:
     """The defaults of one section, as they appear in user_config.json."""
     return dataclasses.asdict(cls())
 
 
-def key_docs(cls: type, prefix: str) -> List[tuple]:
+def key_docs(cls: type, prefix: str) -> list[tuple]:
     """(key path, default, doc) for every key of a section, nested objects flattened."""
     rows = []
     inst = cls()

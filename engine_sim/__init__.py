@@ -11,17 +11,17 @@ Usage in tests::
 Standalone: ``python -m engine_sim --port 8000 --role union --model m``.
 See engine_sim/README.md for the timing model, PD semantics and fault knobs.
 """
+
 from __future__ import annotations
 
 import asyncio
 import copy
 import threading
-from typing import Optional
 
 from .config import FAULT_KNOBS, SimConfig
 from .server import SimServer
 
-__all__ = ["SimConfig", "SimHandle", "launch", "serve", "FAULT_KNOBS", "SimServer"]
+__all__ = ["FAULT_KNOBS", "SimConfig", "SimHandle", "SimServer", "launch", "serve"]
 
 
 async def serve(config: SimConfig) -> SimServer:
@@ -37,11 +37,10 @@ class SimHandle:
     def __init__(self, config: SimConfig, start_timeout: float = 10.0):
         self.config = config
         self._loop = asyncio.new_event_loop()
-        self._server: Optional[SimServer] = None
+        self._server: SimServer | None = None
         self._ready = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._main, name=f"engine_sim-{config.role}",
-                                        daemon=True)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=f"engine_sim-{config.role}", daemon=True)
         self._thread.start()
         if not self._ready.wait(start_timeout):
             raise RuntimeError("engine_sim did not start in time")
@@ -52,7 +51,7 @@ class SimHandle:
         asyncio.set_event_loop(self._loop)
         try:
             self._server = self._loop.run_until_complete(serve(self.config))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             self._error = e
             self._ready.set()
             return
@@ -134,7 +133,7 @@ async def _as_coro(fn, *a, **kw):
     return fn(*a, **kw)
 
 
-def launch(config: Optional[SimConfig] = None, **kwargs) -> SimHandle:
+def launch(config: SimConfig | None = None, **kwargs) -> SimHandle:
     """Start a sim in a background thread; ``launch(SimConfig(...))`` or ``launch(role=..., ...)``."""
     if config is None:
         config = SimConfig(**kwargs)

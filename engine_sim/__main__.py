@@ -1,4 +1,5 @@
 """CLI: python -m engine_sim --port N --role union|prefill|decode --model NAME ..."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ def parse_args(argv=None):
 
 async def _amain(cfg: SimConfig):
     srv = await serve(cfg)
-    print(f"engine_sim listening on http://{cfg.host}:{srv.port} role={cfg.role} "
-          f"model={cfg.model} engine_id={cfg.engine_id}", flush=True)
+    print(
+        f"engine_sim listening on http://{cfg.host}:{srv.port} role={cfg.role} "
+        f"model={cfg.model} engine_id={cfg.engine_id}",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -53,13 +57,26 @@ def main(argv=None):
     a = parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(a.log_level).upper(), logging.WARNING))
     faults = json.loads(a.faults) if a.faults else {}
-    cfg = SimConfig(role=a.role, model=a.model, host=a.host, port=a.port, engine_id=a.engine_id,
-                    max_model_len=a.max_model_len, prefill_tokens_per_s=a.prefill_tokens_per_s,
-                    decode_step_ms=a.decode_step_ms, decode_per_seq_ms=a.decode_per_seq_ms,
-                    kv_capacity_tokens=a.kv_capacity_tokens, max_num_seqs=a.max_num_seqs,
-                    max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                    speedup=a.speedup, zero_latency=a.zero_latency,
-                    kv_hold_timeout_s=a.kv_hold_timeout_s, faults=faults, log_level=a.log_level)
+    cfg = SimConfig(
+        role=a.role,
+        model=a.model,
+        host=a.host,
+        port=a.port,
+        engine_id=a.engine_id,
+        max_model_len=a.max_model_len,
+        prefill_tokens_per_s=a.prefill_tokens_per_s,
+        decode_step_ms=a.decode_step_ms,
+        decode_per_seq_ms=a.decode_per_seq_ms,
+        kv_capacity_tokens=a.kv_capacity_tokens,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        block_size=a.block_size,
+        speedup=a.speedup,
+        zero_latency=a.zero_latency,
+        kv_hold_timeout_s=a.kv_hold_timeout_s,
+        faults=faults,
+        log_level=a.log_level,
+    )
     asyncio.run(_amain(cfg))
     return 0
 

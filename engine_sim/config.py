@@ -1,24 +1,35 @@
 """SimConfig: every knob of one simulated vLLM server."""
+
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
 FAULT_KNOBS = (
-    "fail_status", "fail_first_n", "hang_before_first_byte", "slow_first_byte_s",
-    "stall_mid_stream_after_n", "close_mid_stream_after_n", "malformed_chunk_after_n", "partial_event_at_n",
-    "eos_on_prefill", "health_status", "slow_health_s", "fail_body", "fail_retry_after",
+    "fail_status",
+    "fail_first_n",
+    "hang_before_first_byte",
+    "slow_first_byte_s",
+    "stall_mid_stream_after_n",
+    "close_mid_stream_after_n",
+    "malformed_chunk_after_n",
+    "partial_event_at_n",
+    "eos_on_prefill",
+    "health_status",
+    "slow_health_s",
+    "fail_body",
+    "fail_retry_after",
 )
 
 
 @dataclass
 class SimConfig:
-    role: str = "union"                 # union | prefill | decode
+    role: str = "union"  # union | prefill | decode
     model: str = "sim-model"
     host: str = "127.0.0.1"
-    port: int = 0                       # 0 = pick a free port
-    engine_id: Optional[str] = None     # default: a fresh uuid4
+    port: int = 0  # 0 = pick a free port
+    engine_id: str | None = None  # default: a fresh uuid4
     max_model_len: int = 8192
     prefill_tokens_per_s: float = 8000.0
     decode_step_ms: float = 10.0
@@ -29,12 +40,12 @@ class SimConfig:
     block_size: int = 16
     speedup: float = 1.0
     zero_latency: bool = False
-    kv_hold_timeout_s: float = 30.0     # NixlConnector's kv_lease_duration (vLLM 0.32; D's heartbeats extend it)
-    kv_transfer_tokens_per_s: float = 1_000_000.0   # simulated NIXL pull bandwidth
-    prefix_cache_blocks: int = 0        # LRU bound; 0 = kv_capacity_tokens // block_size
-    faults: Dict[str, Any] = field(default_factory=dict)
+    kv_hold_timeout_s: float = 30.0  # NixlConnector's kv_lease_duration (vLLM 0.32; D's heartbeats extend it)
+    kv_transfer_tokens_per_s: float = 1_000_000.0  # simulated NIXL pull bandwidth
+    prefix_cache_blocks: int = 0  # LRU bound; 0 = kv_capacity_tokens // block_size
+    faults: dict[str, Any] = field(default_factory=dict)
     # Extra fields merged into issued tickets: newer vLLM versions add fields a gateway must relay unchanged.
-    ticket_extra: Dict[str, Any] = field(default_factory=dict)
+    ticket_extra: dict[str, Any] = field(default_factory=dict)
     # /v1/messages usage with cache_creation/cache_read_input_tokens, as vLLM started with
     # --enable-prompt-tokens-details answers (the OpenAI routes always carry prompt_tokens_details).
     anthropic_cache_usage: bool = False

@@ -16,6 +16,7 @@ Timing model
   So TTFT grows with queued prompt tokens and ITL grows with the batch.
 * ``zero_latency`` servers bypass this module's loop entirely.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,23 +25,84 @@ import collections
 import itertools
 import logging
 import time
-from typing import Dict, List, Optional
 
 from .config import SimConfig
 
 log = logging.getLogger("engine_sim")
 
-LAT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-               5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+LAT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 XFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 
 
 class Histogram:
-    __slots__ = ("buckets", "counts", "sum", "count")
+    __slots__ = ("buckets", "count", "counts", "sum")
 
     def __init__(self, buckets):
         self.buckets = tuple(buckets)
@@ -53,7 +115,7 @@ class Histogram:
         self.sum += v
         self.count += 1
 
-    def render(self, name: str, labels: str) -> List[str]:
+    def render(self, name: str, labels: str) -> list[str]:
         out, acc = [], 0
         for b, c in zip(self.buckets, self.counts):
             acc += c
@@ -66,19 +128,33 @@ class Histogram:
 
 class Seq:
     """One request inside the engine (all its ``n`` choices decode together)."""
-    __slots__ = ("rid", "prompt_tokens", "cached_tokens", "remaining_prefill", "out_lens",
-                 "emitted", "event", "done", "aborted", "arrival", "first_token_time",
-                 "last_token_time", "finish_time", "hold_for_remote", "block_hashes",
-                 "kv_tokens")
 
-    def __init__(self, rid: str, prompt_tokens: int, cached_tokens: int, out_lens: List[int],
-                 block_hashes=None):
+    __slots__ = (
+        "aborted",
+        "arrival",
+        "block_hashes",
+        "cached_tokens",
+        "done",
+        "emitted",
+        "event",
+        "finish_time",
+        "first_token_time",
+        "hold_for_remote",
+        "kv_tokens",
+        "last_token_time",
+        "out_lens",
+        "prompt_tokens",
+        "remaining_prefill",
+        "rid",
+    )
+
+    def __init__(self, rid: str, prompt_tokens: int, cached_tokens: int, out_lens: list[int], block_hashes=None):
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = min(cached_tokens, max(prompt_tokens - 1, 0))
         self.remaining_prefill = prompt_tokens - self.cached_tokens
         self.out_lens = out_lens
-        self.emitted = 0            # tokens emitted per choice (all choices advance together)
+        self.emitted = 0  # tokens emitted per choice (all choices advance together)
         self.event = asyncio.Event()
         self.done = False
         self.aborted = False
@@ -99,35 +175,47 @@ class Seq:
 
 
 class Ticket:
-    __slots__ = ("rid", "tokens", "block_ids", "expiry", "kv_tokens")
+    __slots__ = ("block_ids", "expiry", "kv_tokens", "rid", "tokens")
 
     def __init__(self, rid, tokens, block_ids, expiry, kv_tokens):
-        self.rid, self.tokens, self.block_ids, self.expiry, self.kv_tokens = \
-            rid, tokens, block_ids, expiry, kv_tokens
+        self.rid, self.tokens, self.block_ids, self.expiry, self.kv_tokens = rid, tokens, block_ids, expiry, kv_tokens
 
 
 class Engine:
     def __init__(self, cfg: SimConfig):
         self.cfg = cfg
         self.waiting: collections.deque = collections.deque()
-        self.running: List[Seq] = []
-        self.tickets: Dict[str, Ticket] = {}
-        self.prefix: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+        self.running: list[Seq] = []
+        self.tickets: dict[str, Ticket] = {}
+        self.prefix: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.prefix_cap = cfg.prefix_cache_blocks or max(1, cfg.kv_capacity_tokens // cfg.block_size)
-        self._wake: Optional[asyncio.Event] = None
-        self._task: Optional[asyncio.Task] = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
         self._block_ids = itertools.count(1)
         self.reset_stats()
 
     # ------------------------------------------------------------------ stats / metrics
     def reset_stats(self):
         self.stats = dict(
-            received=0, completed=0, aborted=0, failed=0, held_kv_tickets=0, kv_pulled=0,
-            kv_released=0, kv_expired=0, recomputes=0, remote_kv_hits=0,
-            remote_kv_unreachable=0, prefix_cache_hit_tokens=0, prompt_tokens=0,
-            generation_tokens=0, tickets_issued=0, prefill_without_ticket=0, metaserver_calls=0,
+            received=0,
+            completed=0,
+            aborted=0,
+            failed=0,
+            held_kv_tickets=0,
+            kv_pulled=0,
+            kv_released=0,
+            kv_expired=0,
+            recomputes=0,
+            remote_kv_hits=0,
+            remote_kv_unreachable=0,
+            prefix_cache_hit_tokens=0,
+            prompt_tokens=0,
+            generation_tokens=0,
+            tickets_issued=0,
+            prefill_without_ticket=0,
+            metaserver_calls=0,
         )
-        self.aborted_ids: List[str] = []
+        self.aborted_ids: list[str] = []
         self.ttft = Histogram(LAT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -204,7 +292,7 @@ class Engine:
             self.stats["kv_expired"] += 1
             self._kick()
 
-    def pull_ticket(self, rid: str) -> Optional[Ticket]:
+    def pull_ticket(self, rid: str) -> Ticket | None:
         self.expire_tickets()
         t = self.tickets.pop(rid, None)
         if t is not None:
@@ -289,7 +377,7 @@ class Engine:
             if used + need > cfg.kv_capacity_tokens and self.running:
                 break
             if used + need > cfg.kv_capacity_tokens and self.tickets and not self.running:
-                break   # wait for held KV to be pulled / expire
+                break  # wait for held KV to be pulled / expire
             self.waiting.popleft()
             s.kv_tokens = need
             used += need
@@ -307,7 +395,7 @@ class Engine:
                     timeout = max(0.0, min(t.expiry for t in self.tickets.values()) - time.monotonic()) + 0.001
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             budget = cfg.max_num_batched_tokens

@@ -1,4 +1,5 @@
 """Prometheus text exposition of a sim server, named and labelled like vLLM's /metrics."""
+
 from __future__ import annotations
 
 
@@ -17,37 +18,87 @@ def render(server) -> str:
         out.append(f"# TYPE {name} {typ}")
         out.extend(samples)
 
-    metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
-           [f"vllm:num_requests_running{{{lab}}} {float(len(eng.running))}"])
-    metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-           [f"vllm:num_requests_waiting{{{lab}}} {float(len(eng.waiting))}"])
-    metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-           [f"vllm:kv_cache_usage_perc{{{lab}}} {eng.kv_usage()}"])
-    metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
-           [f"vllm:prefix_cache_queries_total{{{lab}}} {float(eng.prefix_queries)}"])
-    metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
-           [f"vllm:prefix_cache_hits_total{{{lab}}} {float(eng.prefix_hits)}"])
-    metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
-           [f"vllm:prompt_tokens_total{{{lab}}} {float(eng.stats['prompt_tokens'])}"])
-    metric("vllm:prompt_tokens_by_source_total", "counter",
-           "Number of prompt tokens by source.",
-           [f'vllm:prompt_tokens_by_source_total{{{lab},source="{src}"}} {float(v)}'
-            for src, v in eng.by_source.items()])
-    metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
-           [f"vllm:generation_tokens_total{{{lab}}} {float(eng.stats['generation_tokens'])}"])
+    metric(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        [f"vllm:num_requests_running{{{lab}}} {float(len(eng.running))}"],
+    )
+    metric(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        [f"vllm:num_requests_waiting{{{lab}}} {float(len(eng.waiting))}"],
+    )
+    metric(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        [f"vllm:kv_cache_usage_perc{{{lab}}} {eng.kv_usage()}"],
+    )
+    metric(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        [f"vllm:prefix_cache_queries_total{{{lab}}} {float(eng.prefix_queries)}"],
+    )
+    metric(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        [f"vllm:prefix_cache_hits_total{{{lab}}} {float(eng.prefix_hits)}"],
+    )
+    metric(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        [f"vllm:prompt_tokens_total{{{lab}}} {float(eng.stats['prompt_tokens'])}"],
+    )
+    metric(
+        "vllm:prompt_tokens_by_source_total",
+        "counter",
+        "Number of prompt tokens by source.",
+        [f'vllm:prompt_tokens_by_source_total{{{lab},source="{src}"}} {float(v)}' for src, v in eng.by_source.items()],
+    )
+    metric(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        [f"vllm:generation_tokens_total{{{lab}}} {float(eng.stats['generation_tokens'])}"],
+    )
     reasons = ("stop", "length", "abort")
-    succ = [f'vllm:request_success_total{{{lab},finished_reason="{r}"}} {float(eng.success.get(r, 0))}'
-            for r in reasons]
-    succ += [f'vllm:request_success_total{{{lab},finished_reason="{r}"}} {float(v)}'
-             for r, v in eng.success.items() if r not in reasons]
+    succ = [
+        f'vllm:request_success_total{{{lab},finished_reason="{r}"}} {float(eng.success.get(r, 0))}' for r in reasons
+    ]
+    succ += [
+        f'vllm:request_success_total{{{lab},finished_reason="{r}"}} {float(v)}'
+        for r, v in eng.success.items()
+        if r not in reasons
+    ]
     metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", succ)
-    metric("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
-           eng.ttft.render("vllm:time_to_first_token_seconds", lab))
-    metric("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
-           eng.itl.render("vllm:inter_token_latency_seconds", lab))
-    metric("vllm:e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
-           eng.e2e.render("vllm:e2e_request_latency_seconds", lab))
+    metric(
+        "vllm:time_to_first_token_seconds",
+        "histogram",
+        "Histogram of time to first token in seconds.",
+        eng.ttft.render("vllm:time_to_first_token_seconds", lab),
+    )
+    metric(
+        "vllm:inter_token_latency_seconds",
+        "histogram",
+        "Histogram of inter-token latency in seconds.",
+        eng.itl.render("vllm:inter_token_latency_seconds", lab),
+    )
+    metric(
+        "vllm:e2e_request_latency_seconds",
+        "histogram",
+        "Histogram of e2e request latency in seconds.",
+        eng.e2e.render("vllm:e2e_request_latency_seconds", lab),
+    )
     if server.cfg.role in ("decode", "prefill"):
-        metric("vllm:nixl_xfer_time_seconds", "histogram", "Histogram of transfer duration for NIXL KV Cache transfers.",
-               eng.xfer.render("vllm:nixl_xfer_time_seconds", lab))
+        metric(
+            "vllm:nixl_xfer_time_seconds",
+            "histogram",
+            "Histogram of transfer duration for NIXL KV Cache transfers.",
+            eng.xfer.render("vllm:nixl_xfer_time_seconds", lab),
+        )
     return "\n".join(out) + "\n"

@@ -1,4 +1,5 @@
 """aiohttp application of the simulated vLLM server (routes, shapes, faults, PD)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,7 @@ import logging
 import time
 import uuid
 from decimal import Decimal, InvalidOperation
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -19,8 +20,10 @@ try:
     def dumps(o) -> str:
         return _fastjson.dumps(o, ensure_ascii=False, escape_forward_slashes=False)
 except Exception:  # pragma: no cover
+
     def dumps(o) -> str:
         return json.dumps(o, ensure_ascii=False, separators=(",", ":"))
+
 
 from . import tokens as T
 from .config import FAULT_KNOBS, SimConfig
@@ -32,12 +35,11 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, etype: str = "BadRequestError",
-                 param: Optional[str] = None):
+    def __init__(self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.etype, self.param = status, message, etype, param
-        self.raw_body: Optional[str] = None  # an injected failure's body, sent as it is (`fail_body`)
-        self.headers: Dict[str, str] = {}    # an injected failure's extra headers (`fail_retry_after`)
+        self.raw_body: str | None = None  # an injected failure's body, sent as it is (`fail_body`)
+        self.headers: dict[str, str] = {}  # an injected failure's extra headers (`fail_retry_after`)
 
 
 def openai_error(status: int, message: str, etype: str, param=None) -> web.Response:
@@ -50,14 +52,14 @@ def anthropic_error(status: int, message: str, etype: str) -> web.Response:
     return web.Response(status=status, text=dumps(body), content_type="application/json")
 
 
-def pydantic_style_error(loc: Tuple, msg: str, etype: str, inp: Any = None) -> ApiError:
+def pydantic_style_error(loc: tuple, msg: str, etype: str, inp: Any = None) -> ApiError:
     """vLLM's RequestValidationError handler: type 'Bad Request', param = dotted loc."""
     err = {"type": etype, "loc": ("body",) + tuple(loc), "msg": msg, "input": inp}
     message = "1 validation error:\n  " + repr(err)
     return ApiError(400, message, "Bad Request", ".".join(("body",) + tuple(str(x) for x in loc)))
 
 
-def pydantic_int(v: Any, loc: Tuple) -> int:
+def pydantic_int(v: Any, loc: tuple) -> int:
     """An `int` field as pydantic's lax mode reads it (vLLM's request models): a bool is 0 or 1, an integral
     float or a string of an integer (or of an integral float) is taken; anything else is its 400."""
     if isinstance(v, int):
@@ -71,17 +73,31 @@ def pydantic_int(v: Any, loc: Tuple) -> int:
     if exact is not None and exact.is_finite() and exact == exact.to_integral_value():
         return int(exact)
     if isinstance(v, str):
-        raise pydantic_style_error(loc, "Input should be a valid integer, unable to parse string as an integer",
-                                   "int_parsing", v)
-    raise pydantic_style_error(loc, "Input should be a valid integer, got a number with a fractional part",
-                               "int_from_float", v)
+        raise pydantic_style_error(
+            loc, "Input should be a valid integer, unable to parse string as an integer", "int_parsing", v
+        )
+    raise pydantic_style_error(
+        loc, "Input should be a valid integer, got a number with a fractional part", "int_from_float", v
+    )
 
 
-_BOOL_WORDS = {"0": False, "off": False, "f": False, "false": False, "n": False, "no": False,
-               "1": True, "on": True, "t": True, "true": True, "y": True, "yes": True}
+_BOOL_WORDS = {
+    "0": False,
+    "off": False,
+    "f": False,
+    "false": False,
+    "n": False,
+    "no": False,
+    "1": True,
+    "on": True,
+    "t": True,
+    "true": True,
+    "y": True,
+    "yes": True,
+}
 
 
-def pydantic_bool(v: Any, loc: Tuple) -> bool:
+def pydantic_bool(v: Any, loc: tuple) -> bool:
     """A `bool` field as pydantic's lax mode reads it: a bool, 0 or 1, or one of its words ("true", "no", ...)."""
     if isinstance(v, bool):
         return v
@@ -92,7 +108,7 @@ def pydantic_bool(v: Any, loc: Tuple) -> bool:
     raise pydantic_style_error(loc, "Input should be a valid boolean", "bool_parsing", v)
 
 
-def _thinking_budget(th: Any) -> Optional[int]:
+def _thinking_budget(th: Any) -> int | None:
     """`thinking` as vLLM 0.32's AnthropicThinkingConfig validates it; the budget of an enabled one, else None.
 
     `budget_tokens` is `int = Field(ge=1024)` in pydantic's lax mode: an integral float or a numeric
@@ -101,13 +117,21 @@ def _thinking_budget(th: Any) -> Optional[int]:
     if th is None:
         return None
     if not isinstance(th, dict):
-        raise pydantic_style_error(("thinking",), "Input should be a valid dictionary or object to "
-                                   "extract fields from", "model_attributes_type", th)
+        raise pydantic_style_error(
+            ("thinking",),
+            "Input should be a valid dictionary or object to extract fields from",
+            "model_attributes_type",
+            th,
+        )
     kind = th.get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
-        raise pydantic_style_error(("thinking",), f"Input tag '{kind}' found using 'type' does not "
-                                   "match any of the expected tags: 'enabled', 'disabled', 'adaptive'",
-                                   "union_tag_invalid", th)
+        raise pydantic_style_error(
+            ("thinking",),
+            f"Input tag '{kind}' found using 'type' does not "
+            "match any of the expected tags: 'enabled', 'disabled', 'adaptive'",
+            "union_tag_invalid",
+            th,
+        )
     if kind != "enabled":
         return None
     loc = ("thinking", "enabled", "budget_tokens")
@@ -115,8 +139,9 @@ def _thinking_budget(th: Any) -> Optional[int]:
         raise pydantic_style_error(loc, "Field required", "missing", th)
     b = pydantic_int(th["budget_tokens"], loc)
     if b < 1024:
-        raise pydantic_style_error(loc, "Input should be greater than or equal to 1024",
-                                   "greater_than_equal", th["budget_tokens"])
+        raise pydantic_style_error(
+            loc, "Input should be greater than or equal to 1024", "greater_than_equal", th["budget_tokens"]
+        )
     return int(b)
 
 
@@ -143,15 +168,16 @@ def _schema_value(schema: Any, depth: int = 0) -> Any:
 
 class Gen:
     """What one request will produce: choices of pieces plus accounting."""
-    __slots__ = ("pieces", "texts", "finish", "stop_reason", "kinds", "tool", "thinking_n")
+
+    __slots__ = ("finish", "kinds", "pieces", "stop_reason", "texts", "thinking_n", "tool")
 
     def __init__(self):
-        self.pieces: List[Tuple[str, ...]] = []
-        self.texts: List[str] = []
-        self.finish: List[str] = []
-        self.stop_reason: List[Any] = []
-        self.kinds = None          # messages: per-piece block kind
-        self.tool = None           # messages: (id, name, input)
+        self.pieces: list[tuple[str, ...]] = []
+        self.texts: list[str] = []
+        self.finish: list[str] = []
+        self.stop_reason: list[Any] = []
+        self.kinds = None  # messages: per-piece block kind
+        self.tool = None  # messages: (id, name, input)
         self.thinking_n = 0
 
 
@@ -159,13 +185,13 @@ class SimServer:
     def __init__(self, cfg: SimConfig):
         self.cfg = cfg
         self.engine = Engine(cfg)
-        self.faults: Dict[str, Any] = dict(cfg.faults or {})
-        self.records: List[dict] = []
+        self.faults: dict[str, Any] = dict(cfg.faults or {})
+        self.records: list[dict] = []
         self.port = cfg.port
         self.host = cfg.host
         self.created = int(time.time())
-        self.session: Optional[aiohttp.ClientSession] = None
-        self.runner: Optional[web.AppRunner] = None
+        self.session: aiohttp.ClientSession | None = None
+        self.runner: web.AppRunner | None = None
         self._models_body = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -190,8 +216,7 @@ class SimServer:
         return app
 
     async def start(self):
-        self.runner = web.AppRunner(self.build_app(), handler_cancellation=True,
-                                    access_log=None, shutdown_timeout=0.5)
+        self.runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, reuse_address=True)
         await site.start()
@@ -243,21 +268,44 @@ class SimServer:
     async def h_models(self, request):
         if self._models_body is None:
             c = self.created
-            self._models_body = dumps({"object": "list", "data": [{
-                "id": self.cfg.model, "object": "model", "created": c, "owned_by": "vllm",
-                "root": self.cfg.model, "parent": None, "max_model_len": self.cfg.max_model_len,
-                "permission": [{
-                    "id": "modelperm-" + uuid.uuid4().hex, "object": "model_permission",
-                    "created": c, "allow_create_engine": False, "allow_sampling": True,
-                    "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                    "allow_fine_tuning": False, "organization": "*", "group": None,
-                    "is_blocking": False}]}]})
+            self._models_body = dumps(
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": self.cfg.model,
+                            "object": "model",
+                            "created": c,
+                            "owned_by": "vllm",
+                            "root": self.cfg.model,
+                            "parent": None,
+                            "max_model_len": self.cfg.max_model_len,
+                            "permission": [
+                                {
+                                    "id": "modelperm-" + uuid.uuid4().hex,
+                                    "object": "model_permission",
+                                    "created": c,
+                                    "allow_create_engine": False,
+                                    "allow_sampling": True,
+                                    "allow_logprobs": True,
+                                    "allow_search_indices": False,
+                                    "allow_view": True,
+                                    "allow_fine_tuning": False,
+                                    "organization": "*",
+                                    "group": None,
+                                    "is_blocking": False,
+                                }
+                            ],
+                        }
+                    ],
+                }
+            )
         return web.Response(text=self._models_body, content_type="application/json")
 
     async def h_metrics(self, request):
         from .metrics import render
-        return web.Response(text=render(self), content_type="text/plain",
-                            charset="utf-8", headers={"X-Sim": "1"})
+
+        return web.Response(text=render(self), content_type="text/plain", charset="utf-8", headers={"X-Sim": "1"})
 
     async def h_sim_stats(self, request):
         return web.json_response(self.stats())
@@ -297,8 +345,7 @@ class SimServer:
         t = self.engine.pull_ticket(rid) if rid else None
         if t is None:
             return web.json_response({"error": "unknown, expired or already pulled"}, status=404)
-        return web.json_response({"remote_request_id": rid, "num_tokens": t.tokens,
-                                  "block_ids": t.block_ids})
+        return web.json_response({"remote_request_id": rid, "num_tokens": t.tokens, "block_ids": t.block_ids})
 
     async def h_kv_release(self, request):
         b = await self._kv_body(request)
@@ -308,8 +355,9 @@ class SimServer:
 
     async def h_kv_tickets(self, request):
         self.engine.expire_tickets()
-        return web.json_response({rid: {"num_tokens": t.tokens, "block_ids": t.block_ids}
-                                  for rid, t in self.engine.tickets.items()})
+        return web.json_response(
+            {rid: {"num_tokens": t.tokens, "block_ids": t.block_ids} for rid, t in self.engine.tickets.items()}
+        )
 
     # ------------------------------------------------------------------ inference routes
     async def h_chat(self, request):
@@ -334,25 +382,35 @@ class SimServer:
         resp.headers.update(e.headers)
         return resp
 
-    async def _read(self, request, kind) -> Tuple[dict, Optional[ApiError]]:
+    async def _read(self, request, kind) -> tuple[dict, ApiError | None]:
         raw = await request.read()
-        hdrs = {k: v for k, v in request.headers.items()}
+        hdrs = dict(request.headers.items())
         try:
             body = json.loads(raw) if raw else None
         except Exception as e:
             body = None
             pos = getattr(e, "pos", 0)
-            detail = {"type": "json_invalid", "loc": f"body.{pos}", "msg": "JSON decode error",
-                      "input": "<dict of 0 items>", "ctx": {"error": getattr(e, "msg", str(e))}}
+            detail = {
+                "type": "json_invalid",
+                "loc": f"body.{pos}",
+                "msg": "JSON decode error",
+                "input": "<dict of 0 items>",
+                "ctx": {"error": getattr(e, "msg", str(e))},
+            }
             err = ApiError(400, "1 validation error:\n  " + repr(detail), "Bad Request", f"body.{pos}")
-            self.records.append({"path": request.path, "headers": hdrs, "body": None,
-                                 "raw": raw.decode("utf-8", "replace"), "time": time.time()})
+            self.records.append(
+                {
+                    "path": request.path,
+                    "headers": hdrs,
+                    "body": None,
+                    "raw": raw.decode("utf-8", "replace"),
+                    "time": time.time(),
+                }
+            )
             return {}, err
-        self.records.append({"path": request.path, "headers": hdrs, "body": body,
-                             "time": time.time()})
+        self.records.append({"path": request.path, "headers": hdrs, "body": body, "time": time.time()})
         if not isinstance(body, dict):
-            return {}, pydantic_style_error((), "Input should be a valid dictionary",
-                                            "model_attributes_type", body)
+            return {}, pydantic_style_error((), "Input should be a valid dictionary", "model_attributes_type", body)
         return body, None
 
     async def _apply_pre_faults(self, kind):
@@ -419,20 +477,25 @@ class SimServer:
         if m is not None and not isinstance(m, str):
             raise pydantic_style_error(("model",), "Input should be a valid string", "string_type", m)
         if m and m != self.cfg.model:
-            raise ApiError(404, f"The model `{m}` does not exist. Valid aliases: {self.cfg.model}.",
-                           "NotFoundError", "model")
+            raise ApiError(
+                404, f"The model `{m}` does not exist. Valid aliases: {self.cfg.model}.", "NotFoundError", "model"
+            )
 
     def _count_tokens(self, body, hdrs):
         self._check_model(body, "count_tokens")
         msgs = body.get("messages")
         if not isinstance(msgs, list):
-            raise pydantic_style_error(("messages",), "Field required" if msgs is None else
-                                       "Input should be a valid list", "missing", body)
-        n = T.chat_prompt_tokens(self._anthropic_messages(msgs), tools=self._anthropic_tools(body),
-                                 system=body.get("system"))
-        return web.Response(text=dumps({"input_tokens": n,
-                                        "context_management": {"original_input_tokens": n}}),
-                            content_type="application/json", headers=hdrs)
+            raise pydantic_style_error(
+                ("messages",), "Field required" if msgs is None else "Input should be a valid list", "missing", body
+            )
+        n = T.chat_prompt_tokens(
+            self._anthropic_messages(msgs), tools=self._anthropic_tools(body), system=body.get("system")
+        )
+        return web.Response(
+            text=dumps({"input_tokens": n, "context_management": {"original_input_tokens": n}}),
+            content_type="application/json",
+            headers=hdrs,
+        )
 
     @staticmethod
     def _anthropic_messages(msgs):
@@ -443,13 +506,22 @@ class SimServer:
         tools = body.get("tools")
         if not tools:
             return None
-        return [{"type": "function", "function": {"name": t.get("name"), "description":
-                 t.get("description"), "parameters": t.get("input_schema")}}
-                for t in tools if isinstance(t, dict)]
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.get("name"),
+                    "description": t.get("description"),
+                    "parameters": t.get("input_schema"),
+                },
+            }
+            for t in tools
+            if isinstance(t, dict)
+        ]
 
     def _parse(self, kind: str, body: dict) -> dict:
         self._check_model(body, kind)
-        req: Dict[str, Any] = {"kind": kind, "body": body}
+        req: dict[str, Any] = {"kind": kind, "body": body}
         stream = body.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
             raise pydantic_style_error(("stream",), "Input should be a valid boolean", "bool_type", stream)
@@ -457,11 +529,11 @@ class SimServer:
         so = body.get("stream_options")
         if kind != "messages" and so is not None:
             if not isinstance(so, dict):
-                raise pydantic_style_error(("stream_options",), "Input should be a valid dictionary",
-                                           "model_type", so)
+                raise pydantic_style_error(("stream_options",), "Input should be a valid dictionary", "model_type", so)
             if so and not stream:  # vLLM refuses only non-empty ones
-                raise pydantic_style_error((), "Value error, Stream options can only be defined "
-                                           "when `stream=True`.", "value_error", body)
+                raise pydantic_style_error(
+                    (), "Value error, Stream options can only be defined when `stream=True`.", "value_error", body
+                )
         so = so or {}
         req["include_usage"] = bool(so.get("include_usage")) if kind != "messages" else True
         req["continuous_usage"] = bool(so.get("continuous_usage_stats")) if kind != "messages" else False
@@ -474,8 +546,9 @@ class SimServer:
                 raise pydantic_style_error(("messages",), "Input should be a valid list", "list_type", msgs)
             for i, m in enumerate(msgs):
                 if not isinstance(m, dict) or "role" not in m:
-                    raise pydantic_style_error(("messages", i), "Input should be a valid message "
-                                               "with a role", "model_type", m)
+                    raise pydantic_style_error(
+                        ("messages", i), "Input should be a valid message with a role", "model_type", m
+                    )
             tools = body.get("tools")
             if tools is not None and not isinstance(tools, list):
                 raise pydantic_style_error(("tools",), "Input should be a valid list", "list_type", tools)
@@ -489,12 +562,14 @@ class SimServer:
             if prompt is None:
                 raise pydantic_style_error(("prompt",), "Field required", "missing", body)
             if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
-                raise pydantic_style_error(("prompt",), "Input should be a valid string or list",
-                                           "string_type", prompt)
-            if isinstance(prompt, list) and not all(isinstance(x, int) for x in prompt) \
-                    and len(prompt) > 1:
-                raise ApiError(400, "Sim serves one prompt per request; batched prompts are "
-                               "not supported", "BadRequestError", "prompt")
+                raise pydantic_style_error(("prompt",), "Input should be a valid string or list", "string_type", prompt)
+            if isinstance(prompt, list) and not all(isinstance(x, int) for x in prompt) and len(prompt) > 1:
+                raise ApiError(
+                    400,
+                    "Sim serves one prompt per request; batched prompts are not supported",
+                    "BadRequestError",
+                    "prompt",
+                )
             if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
                 prompt = prompt[0]
             req["prompt_text"] = T.completion_prompt_text(prompt)
@@ -507,29 +582,32 @@ class SimServer:
             if not isinstance(msgs, list):
                 raise pydantic_style_error(("messages",), "Input should be a valid list", "list_type", msgs)
             for i, m in enumerate(msgs):
-                if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system", "ctx", "msg") \
-                        or not isinstance(m.get("content"), (str, list)):
-                    raise pydantic_style_error(("messages", i), "Input should be a valid message",
-                                               "model_type", m)
+                if (
+                    not isinstance(m, dict)
+                    or m.get("role") not in ("user", "assistant", "system", "ctx", "msg")
+                    or not isinstance(m.get("content"), (str, list))
+                ):
+                    raise pydantic_style_error(("messages", i), "Input should be a valid message", "model_type", m)
             mt = body.get("max_tokens")
             if mt is None:
                 raise pydantic_style_error(("max_tokens",), "Field required", "missing", body)
             mt = pydantic_int(mt, ("max_tokens",))
             if mt <= 0:
-                raise pydantic_style_error(("max_tokens",), "Value error, max_tokens must be positive",
-                                           "value_error", mt)
+                raise pydantic_style_error(
+                    ("max_tokens",), "Value error, max_tokens must be positive", "value_error", mt
+                )
             tools = self._anthropic_tools(body)
-            req["prompt_text"] = T.render_chat_prompt(self._anthropic_messages(msgs), tools=tools,
-                                                      system=body.get("system"))
+            req["prompt_text"] = T.render_chat_prompt(
+                self._anthropic_messages(msgs), tools=tools, system=body.get("system")
+            )
             req["prompt_tokens"] = T.count_text_tokens(req["prompt_text"])
             tc = body.get("tool_choice")
-            if tc is not None and (not isinstance(tc, dict) or tc.get("type") not in
-                                   ("auto", "any", "tool", "none")):
-                raise pydantic_style_error(("tool_choice",), "Input should be a valid tool choice",
-                                           "model_type", tc)
+            if tc is not None and (not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none")):
+                raise pydantic_style_error(("tool_choice",), "Input should be a valid tool choice", "model_type", tc)
             if isinstance(tc, dict) and tc.get("type") == "tool" and not tc.get("name"):
-                raise pydantic_style_error(("tool_choice",), "Value error, tool_choice.name is "
-                                           "required when type is 'tool'", "value_error", tc)
+                raise pydantic_style_error(
+                    ("tool_choice",), "Value error, tool_choice.name is required when type is 'tool'", "value_error", tc
+                )
             req["tool_choice"] = tc
             req["tools"] = [t for t in (body.get("tools") or []) if isinstance(t, dict)]
             th = body.get("thinking")
@@ -537,20 +615,23 @@ class SimServer:
             req["thinking"] = isinstance(th, dict) and th.get("type") in ("enabled", "adaptive")
             ss = body.get("stop_sequences")
             if ss is not None and (not isinstance(ss, list) or not all(isinstance(x, str) for x in ss)):
-                raise pydantic_style_error(("stop_sequences",), "Input should be a valid list",
-                                           "list_type", ss)
+                raise pydantic_style_error(("stop_sequences",), "Input should be a valid list", "list_type", ss)
             body_stop = ss or []
             kvp = body.get("kv_transfer_params")
             # vLLM's validate_thinking_budget (a model validator: after every field passed) exempts
             # prefill legs, which are sent with max_tokens 1; the decode leg is still checked.
             if budget is not None and budget >= mt and not (isinstance(kvp, dict) and kvp.get("do_remote_decode")):
-                raise pydantic_style_error((), "Value error, thinking.budget_tokens must be less than "
-                                           "max_tokens", "value_error", body)
-            if isinstance(tc, dict) and tc.get("type") == "tool" and req["tools"] and \
-                    not any(t.get("name") == tc["name"] for t in req["tools"]):
+                raise pydantic_style_error(
+                    (), "Value error, thinking.budget_tokens must be less than max_tokens", "value_error", body
+                )
+            if (
+                isinstance(tc, dict)
+                and tc.get("type") == "tool"
+                and req["tools"]
+                and not any(t.get("name") == tc["name"] for t in req["tools"])
+            ):
                 # the tool parser's adjust_request (get_json_schema_from_tools): a ValueError, 400
-                raise ApiError(400, f"Tool '{tc['name']}' has not been passed in `tools`.",
-                               "BadRequestError")
+                raise ApiError(400, f"Tool '{tc['name']}' has not been passed in `tools`.", "BadRequestError")
 
         if mt is not None:
             mt = pydantic_int(mt, ("max_tokens",))
@@ -580,20 +661,29 @@ class SimServer:
             elif isinstance(stop, str):
                 stop = [stop]
             elif not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
-                raise pydantic_style_error(("stop",), "Input should be a valid string or list",
-                                           "string_type", stop)
+                raise pydantic_style_error(("stop",), "Input should be a valid string or list", "string_type", stop)
             body_stop = stop
         mn = pydantic_int(body.get("min_tokens", 0), ("min_tokens",))  # null too is refused
 
         P, L = req["prompt_tokens"], self.cfg.max_model_len
         if P > L or (P == L and mt is None):
-            raise ApiError(400, f"This model's maximum context length is {L} tokens. However, "
-                           f"your request has {P} input tokens. Please reduce the length of the "
-                           f"input messages.", "BadRequestError", "input_tokens")
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {L} tokens. However, "
+                f"your request has {P} input tokens. Please reduce the length of the "
+                f"input messages.",
+                "BadRequestError",
+                "input_tokens",
+            )
         if mt is not None and mt > L - P:
-            raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {mt}. "
-                           f"This model's maximum context length is {L} tokens and your request "
-                           f"has {P} input tokens ({mt} > {L} - {P}).", "BadRequestError", "max_tokens")
+            raise ApiError(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {mt}. "
+                f"This model's maximum context length is {L} tokens and your request "
+                f"has {P} input tokens ({mt} > {L} - {P}).",
+                "BadRequestError",
+                "max_tokens",
+            )
         req["max_tokens"] = mt if mt is not None else L - P
         req["n"] = n
         req["stop"] = tuple(body_stop)
@@ -638,9 +728,16 @@ class SimServer:
         if req["kind"] == "messages":
             return self._generate_messages(req, g, pkey)
         for c in range(req["n"]):
-            pieces, text, fin, sr = T.generate(pkey, req["seed"], req["temperature"], c,
-                                               req["max_tokens"], req["ignore_eos"],
-                                               req["min_tokens"], req["stop"])
+            pieces, text, fin, sr = T.generate(
+                pkey,
+                req["seed"],
+                req["temperature"],
+                c,
+                req["max_tokens"],
+                req["ignore_eos"],
+                req["min_tokens"],
+                req["stop"],
+            )
             if req["echo_only"]:  # vLLM generates one token and answers the prompt alone
                 pieces, text = tuple("" for _ in pieces), ""
             g.pieces.append(pieces)
@@ -651,11 +748,10 @@ class SimServer:
 
     def _generate_messages(self, req, g: Gen, pkey) -> Gen:
         mt = req["max_tokens"]
-        kinds: List[str] = []
-        pieces: List[str] = []
+        kinds: list[str] = []
+        pieces: list[str] = []
         if req["thinking"]:
-            th, _, _, _ = T.generate(pkey ^ 0x5A5A, req["seed"], req["temperature"], 0,
-                                     min(8, mt), True, 0, ())
+            th, _, _, _ = T.generate(pkey ^ 0x5A5A, req["seed"], req["temperature"], 0, min(8, mt), True, 0, ())
             g.thinking_n = len(th)
             pieces.extend(th)
             kinds.extend(["thinking"] * len(th))
@@ -675,7 +771,7 @@ class SimServer:
             js = dumps(args)
             k = max(1, T.count_text_tokens(js))
             step = max(1, -(-len(js) // k)) if js else 1
-            chunks = [js[i:i + step] for i in range(0, len(js), step)] or [""]
+            chunks = [js[i : i + step] for i in range(0, len(js), step)] or [""]
             while len(chunks) < k:
                 chunks.append("")
             if len(pieces) + k > mt:  # cut by max_tokens: the call's first tokens only
@@ -688,9 +784,9 @@ class SimServer:
         else:
             rest = mt - len(pieces)
             if rest > 0:
-                p2, text, finish, stop_reason = T.generate(pkey, req["seed"], req["temperature"],
-                                                           0, rest, req["ignore_eos"],
-                                                           req["min_tokens"], req["stop"])
+                p2, text, finish, stop_reason = T.generate(
+                    pkey, req["seed"], req["temperature"], 0, rest, req["ignore_eos"], req["min_tokens"], req["stop"]
+                )
                 pieces.extend(p2)
                 kinds.extend(["text"] * len(p2))
             else:
@@ -716,15 +812,17 @@ class SimServer:
             return 0
         t0 = time.monotonic()
         try:
-            async with self.session.post(f"http://{host}:{port}/sim/kv/pull",
-                                         json={"remote_request_id": rid,
-                                               "remote_engine_id": kvp.get("remote_engine_id")}) as r:
+            async with self.session.post(
+                f"http://{host}:{port}/sim/kv/pull",
+                json={"remote_request_id": rid, "remote_engine_id": kvp.get("remote_engine_id")},
+            ) as r:
                 status = r.status
                 data = await r.json(content_type=None) if status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             eng.stats["remote_kv_unreachable"] += 1
-            raise ApiError(500, f"KV transfer from {host}:{port} failed: {type(e).__name__}",
-                           "InternalServerError")
+            raise ApiError(
+                500, f"KV transfer from {host}:{port} failed: {type(e).__name__}", "InternalServerError"
+            ) from None
         if status != 200 or not isinstance(data, dict):
             eng.stats["recomputes"] += 1
             return 0
@@ -742,17 +840,20 @@ class SimServer:
         body["stream"] = False
         body["kv_transfer_params"] = {
             "request_id": kvp.get("request_id") or req["id"],
-            "do_remote_prefill": True, "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
             "remote_engine_id": kvp.get("remote_engine_id"),
-            "remote_host": kvp.get("remote_host"), "remote_port": kvp.get("remote_port"),
+            "remote_host": kvp.get("remote_host"),
+            "remote_port": kvp.get("remote_port"),
         }
         try:
             async with self.session.post(kvp["metaserver"], json=body) as r:
                 data = await r.json(content_type=None) if r.status == 200 else None
                 status = r.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-            raise ApiError(500, f"metaserver {kvp['metaserver']} failed: {type(e).__name__}",
-                           "InternalServerError")
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+            raise ApiError(
+                500, f"metaserver {kvp['metaserver']} failed: {type(e).__name__}", "InternalServerError"
+            ) from None
         self.engine.stats["metaserver_calls"] += 1
         if status != 200 or not isinstance(data, dict):
             raise ApiError(500, f"metaserver answered HTTP {status}", "InternalServerError")
@@ -802,7 +903,7 @@ class SimServer:
         if not seq.done:
             self.engine.abort(seq, req["log_id"])
 
-    def _maybe_ticket(self, req, g: Gen) -> Optional[dict]:
+    def _maybe_ticket(self, req, g: Gen) -> dict | None:
         if not req.get("remote_decode"):
             return None
         if g.finish[0] != "length":
@@ -810,12 +911,20 @@ class SimServer:
             return None
         t = self.engine.issue_ticket(req["id"], req["prompt_tokens"], time.monotonic())
         return {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": [list(t.block_ids)], "remote_engine_id": self.cfg.engine_id,
-            "remote_request_id": req["id"], "remote_host": self.cfg.host,
-            "remote_port": self.port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-            "remote_num_tokens": req["prompt_tokens"], "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull", "remote_prefill_cached_tokens": 0,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(t.block_ids)],
+            "remote_engine_id": self.cfg.engine_id,
+            "remote_request_id": req["id"],
+            "remote_host": self.cfg.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": req["prompt_tokens"],
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": 0,
             **self.cfg.ticket_extra,
         }
 
@@ -829,8 +938,12 @@ class SimServer:
             details["created_cache_tokens"] = None
         if not stream:
             details["multimodal_tokens"] = None
-        usage = {"prompt_tokens": p, "total_tokens": p + completion, "completion_tokens": completion,
-                 "prompt_tokens_details": details}
+        usage = {
+            "prompt_tokens": p,
+            "total_tokens": p + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": details,
+        }
         if not stream:
             usage["completion_tokens_details"] = None
         return usage
@@ -841,8 +954,12 @@ class SimServer:
         (message_start is built from the stream's first chunk, which has no details: the whole prompt.)"""
         if not self.cfg.anthropic_cache_usage:
             return {"input_tokens": req["prompt_tokens"], "output_tokens": completion}
-        return {"input_tokens": max(0, req["prompt_tokens"] - req["cached"]), "output_tokens": completion,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": req["cached"]}
+        return {
+            "input_tokens": max(0, req["prompt_tokens"] - req["cached"]),
+            "output_tokens": completion,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": req["cached"],
+        }
 
     @property
     def fingerprint(self) -> str:
@@ -856,10 +973,14 @@ class SimServer:
         content = []
         for i, p in enumerate(pieces):
             lp = T.token_logprob(pk, c, i)
-            top = [{"token": p if r == 0 else T.token_word(pk, 1000 + r, None, c, i),
+            top = [
+                {
+                    "token": p if r == 0 else T.token_word(pk, 1000 + r, None, c, i),
                     "logprob": T.token_logprob(pk, c, i, r),
-                    "bytes": list((p if r == 0 else T.token_word(pk, 1000 + r, None, c, i)).encode())}
-                   for r in range(k)]
+                    "bytes": list((p if r == 0 else T.token_word(pk, 1000 + r, None, c, i)).encode()),
+                }
+                for r in range(k)
+            ]
             content.append({"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": top})
         return {"content": content}
 
@@ -888,33 +1009,71 @@ class SimServer:
         if kind == "chat":
             choices = []
             for c, pieces in enumerate(g.pieces):
-                choices.append({
-                    "index": c,
-                    "message": {"role": "assistant", "content": g.texts[c], "refusal": None,
-                                "annotations": None, "audio": None, "function_call": None,
-                                "reasoning": None},
-                    "logprobs": self._chat_logprobs(req, c, pieces),
-                    "finish_reason": g.finish[c], "stop_reason": g.stop_reason[c],
-                    "token_ids": None, "routed_experts": None,
-                })
-            return {"id": req["id"], "object": "chat.completion", "created": created,
-                    "model": model, "choices": choices, "service_tier": None,
-                    "system_fingerprint": self.fingerprint, "usage": self._usage(req, completion, True),
-                    "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
-                    "kv_transfer_params": kvt, "ec_transfer_params": None, "metrics": None}
+                choices.append(
+                    {
+                        "index": c,
+                        "message": {
+                            "role": "assistant",
+                            "content": g.texts[c],
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "reasoning": None,
+                        },
+                        "logprobs": self._chat_logprobs(req, c, pieces),
+                        "finish_reason": g.finish[c],
+                        "stop_reason": g.stop_reason[c],
+                        "token_ids": None,
+                        "routed_experts": None,
+                    }
+                )
+            return {
+                "id": req["id"],
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "service_tier": None,
+                "system_fingerprint": self.fingerprint,
+                "usage": self._usage(req, completion, True),
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "prompt_text": None,
+                "kv_transfer_params": kvt,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
         if kind == "completions":
             choices = []
             for c, pieces in enumerate(g.pieces):
                 text = (req["prompt_text"] + g.texts[c]) if req["echo"] else g.texts[c]
-                choices.append({"index": c, "text": text,
-                                "logprobs": self._cmpl_logprobs(req, c, pieces),
-                                "finish_reason": g.finish[c], "stop_reason": g.stop_reason[c],
-                                "token_ids": None, "prompt_logprobs": None,
-                                "prompt_token_ids": None, "routed_experts": None})
-            return {"id": req["id"], "object": "text_completion", "created": created,
-                    "model": model, "choices": choices, "service_tier": None,
-                    "system_fingerprint": self.fingerprint, "usage": self._usage(req, completion, False),
-                    "kv_transfer_params": kvt, "ec_transfer_params": None, "metrics": None}
+                choices.append(
+                    {
+                        "index": c,
+                        "text": text,
+                        "logprobs": self._cmpl_logprobs(req, c, pieces),
+                        "finish_reason": g.finish[c],
+                        "stop_reason": g.stop_reason[c],
+                        "token_ids": None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": None,
+                        "routed_experts": None,
+                    }
+                )
+            return {
+                "id": req["id"],
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "service_tier": None,
+                "system_fingerprint": self.fingerprint,
+                "usage": self._usage(req, completion, False),
+                "kv_transfer_params": kvt,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
         # messages (vLLM dumps with exclude_none)
         content = []
         pieces, kinds = g.pieces[0], g.kinds or []
@@ -928,19 +1087,28 @@ class SimServer:
             except ValueError as e:
                 raise ApiError(400, str(e), "BadRequestError") from None
         if g.thinking_n:
-            content.append({"type": "thinking",
-                            "thinking": "".join(p for p, k in zip(pieces, kinds) if k == "thinking"),
-                            "signature": uuid.uuid4().hex})
+            content.append(
+                {
+                    "type": "thinking",
+                    "thinking": "".join(p for p, k in zip(pieces, kinds) if k == "thinking"),
+                    "signature": uuid.uuid4().hex,
+                }
+            )
         if g.texts[0]:
             content.append({"type": "text", "text": g.texts[0]})
         if g.tool and g.finish[0] == "tool_calls":
-            content.append({"type": "tool_use", "id": g.tool[0], "name": g.tool[1],
-                            "input": g.tool[2]})
+            content.append({"type": "tool_use", "id": g.tool[0], "name": g.tool[1], "input": g.tool[2]})
         if not content:  # vLLM's canonical empty completion: one empty text block
             content.append({"type": "text", "text": ""})
-        out = {"id": req["id"], "type": "message", "role": "assistant", "content": content,
-               "model": model, "stop_reason": _anthropic_stop(g)[0],
-               "usage": self._anthropic_usage(req, completion)}
+        out = {
+            "id": req["id"],
+            "type": "message",
+            "role": "assistant",
+            "content": content,
+            "model": model,
+            "stop_reason": _anthropic_stop(g)[0],
+            "usage": self._anthropic_usage(req, completion),
+        }
         if _anthropic_stop(g)[1] is not None:
             out["stop_sequence"] = _anthropic_stop(g)[1]
         if kvt is not None:
@@ -981,14 +1149,23 @@ class SimServer:
 
         if chat:
             for c in range(len(g.pieces)):
-                ch = {"index": c, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None}
+                ch = {
+                    "index": c,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 extra = f',"usage":{dumps(usage_now())}' if cont else ""
                 await w.data(head + f'"choices":[{dumps(ch)}]{extra},"prompt_token_ids":null,"prompt_text":null}}')
         elif req["echo"]:
             for c in range(len(g.pieces)):
-                ch = {"index": c, "text": req["prompt_text"], "logprobs": None,
-                      "finish_reason": None, "stop_reason": None}
+                ch = {
+                    "index": c,
+                    "text": req["prompt_text"],
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                }
                 await w.data(head + f'"choices":[{dumps(ch)}]}}')
         total = seq.max_len
         # vLLM puts `system_fingerprint` on the stream's last chunk: the usage chunk, else the last choice chunk.
@@ -1007,14 +1184,16 @@ class SimServer:
                     continue
                 lp = None
                 if req["logprobs"]:
-                    lp = (self._chat_logprobs(req, c, [piece]) if chat else
-                          self._cmpl_logprobs(req, c, [piece]))
+                    lp = self._chat_logprobs(req, c, [piece]) if chat else self._cmpl_logprobs(req, c, [piece])
                 if chat:
-                    ch = {"index": c, "delta": {"content": piece}, "logprobs": lp,
-                          "finish_reason": g.finish[c] if last else None}
+                    ch = {
+                        "index": c,
+                        "delta": {"content": piece},
+                        "logprobs": lp,
+                        "finish_reason": g.finish[c] if last else None,
+                    }
                 else:
-                    ch = {"index": c, "text": piece, "logprobs": lp,
-                          "finish_reason": g.finish[c] if last else None}
+                    ch = {"index": c, "text": piece, "logprobs": lp, "finish_reason": g.finish[c] if last else None}
                 if last:
                     ch["stop_reason"] = g.stop_reason[c]
                 elif not chat:
@@ -1027,18 +1206,33 @@ class SimServer:
                     extra += f',"system_fingerprint":{dumps(self.fingerprint)}'
                 await w.data(head + f'"choices":[{dumps(ch)}]{extra}}}')
         if req["include_usage"]:
-            await w.data(head + f'"choices":[],"usage":{dumps(self._usage(req, sum(len(p) for p in g.pieces), chat, stream=True))},'
-                         f'"system_fingerprint":{dumps(self.fingerprint)}}}')
+            await w.data(
+                head
+                + f'"choices":[],"usage":{dumps(self._usage(req, sum(len(p) for p in g.pieces), chat, stream=True))},'
+                f'"system_fingerprint":{dumps(self.fingerprint)}}}'
+            )
         self._maybe_ticket(req, g)
         await w.raw(b"data: [DONE]\n\n")
 
     async def _stream_messages(self, w, req, g: Gen, seq: Seq):
         model = self.cfg.model
         P = req["prompt_tokens"]
-        await w.event("message_start", {"type": "message_start", "message": {
-            "id": req["id"], "type": "message", "role": "assistant", "content": [], "model": model,
-            "stop_reason": None,
-            "stop_sequence": None, "usage": {"input_tokens": P, "output_tokens": 0}}})
+        await w.event(
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {
+                    "id": req["id"],
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [],
+                    "model": model,
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": P, "output_tokens": 0},
+                },
+            },
+        )
         pieces, kinds = g.pieces[0], g.kinds or []
         idx = -1
         cur = None
@@ -1060,8 +1254,9 @@ class SimServer:
                     blk = {"type": "text", "text": ""}
                 else:
                     blk = {"type": "tool_use", "id": g.tool[0], "name": g.tool[1], "input": {}}
-                await w.event("content_block_start", {"type": "content_block_start",
-                                                      "content_block": blk, "index": idx})
+                await w.event(
+                    "content_block_start", {"type": "content_block_start", "content_block": blk, "index": idx}
+                )
             if not piece:
                 continue
             if kd == "thinking":
@@ -1070,21 +1265,31 @@ class SimServer:
                 delta = {"type": "text_delta", "text": piece}
             else:
                 delta = {"type": "input_json_delta", "partial_json": piece}
-            await w.event("content_block_delta", {"type": "content_block_delta", "delta": delta,
-                                                  "index": idx})
+            await w.event("content_block_delta", {"type": "content_block_delta", "delta": delta, "index": idx})
         if cur is not None:
             await self._close_block(w, idx, cur, signature)
         completion = len(pieces)
-        await w.event("message_delta", {"type": "message_delta", "delta": {
-            "stop_reason": _anthropic_stop(g)[0], "stop_sequence": _anthropic_stop(g)[1]},
-            "usage": self._anthropic_usage(req, completion)})
+        await w.event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": _anthropic_stop(g)[0], "stop_sequence": _anthropic_stop(g)[1]},
+                "usage": self._anthropic_usage(req, completion),
+            },
+        )
         self._maybe_ticket(req, g)
         await w.event("message_stop", {"type": "message_stop"})
 
     async def _close_block(self, w, idx, kind, signature):
         if kind == "thinking":
-            await w.event("content_block_delta", {"type": "content_block_delta", "delta": {
-                "type": "signature_delta", "signature": signature}, "index": idx})
+            await w.event(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "delta": {"type": "signature_delta", "signature": signature},
+                    "index": idx,
+                },
+            )
         await w.event("content_block_stop", {"type": "content_block_stop", "index": idx})
 
 
@@ -1095,7 +1300,7 @@ class SimulatedClose(Exception):
 _ANTH_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def _anthropic_stop(g: Gen) -> Tuple[str, Optional[str]]:
+def _anthropic_stop(g: Gen) -> tuple[str, str | None]:
     """vLLM's (stop_reason, stop_sequence): a matched stop string is reported as `stop_sequence`."""
     if g.finish[0] == "stop" and isinstance(g.stop_reason[0], str):
         return "stop_sequence", g.stop_reason[0]
@@ -1103,10 +1308,16 @@ def _anthropic_stop(g: Gen) -> Tuple[str, Optional[str]]:
 
 
 def _etype(status: int) -> str:
-    return {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-            404: "NotFoundError", 422: "UnprocessableEntityError", 429: "RateLimitError",
-            501: "NotImplementedError", 503: "ServiceUnavailableError"}.get(
-        status, "InternalServerError" if status >= 500 else "BadRequestError")
+    return {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        403: "PermissionDeniedError",
+        404: "NotFoundError",
+        422: "UnprocessableEntityError",
+        429: "RateLimitError",
+        501: "NotImplementedError",
+        503: "ServiceUnavailableError",
+    }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
 
 
 async def _wait(seq: Seq, k: int):

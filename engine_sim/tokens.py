@@ -15,25 +15,107 @@ Pure functions, no I/O, no dependencies beyond the standard library:
   strings / token lists → the sum.
 * ``generate(...)``: the deterministic "model": the word sequence a request produces.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any
 
 BYTES_PER_TOKEN = 4
 IMAGE_TOKENS = 64
 IMAGE_PLACEHOLDER = "<|image|>" + "#" * (IMAGE_TOKENS * BYTES_PER_TOKEN - len("<|image|>"))
 
-WORDS = (
-    "the of and to in is that it for on with as was at by an be this from or have are not "
-    "but had his they you were her she which one all their there we can has been if more when "
-    "will would who so no model token engine cache prefill decode stream batch queue block "
-    "latency river stone cloud light garden paper window music number table yellow quiet swift "
-    "bright ocean forest mountain silver simple little market winter summer signal vector kernel"
-).split()
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "it",
+    "for",
+    "on",
+    "with",
+    "as",
+    "was",
+    "at",
+    "by",
+    "an",
+    "be",
+    "this",
+    "from",
+    "or",
+    "have",
+    "are",
+    "not",
+    "but",
+    "had",
+    "his",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "which",
+    "one",
+    "all",
+    "their",
+    "there",
+    "we",
+    "can",
+    "has",
+    "been",
+    "if",
+    "more",
+    "when",
+    "will",
+    "would",
+    "who",
+    "so",
+    "no",
+    "model",
+    "token",
+    "engine",
+    "cache",
+    "prefill",
+    "decode",
+    "stream",
+    "batch",
+    "queue",
+    "block",
+    "latency",
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "garden",
+    "paper",
+    "window",
+    "music",
+    "number",
+    "table",
+    "yellow",
+    "quiet",
+    "swift",
+    "bright",
+    "ocean",
+    "forest",
+    "mountain",
+    "silver",
+    "simple",
+    "little",
+    "market",
+    "winter",
+    "summer",
+    "signal",
+    "vector",
+    "kernel",
+]
 _NWORDS = len(WORDS)
 
 
@@ -58,8 +140,7 @@ def _part_text(part: Any) -> str:
     if t == "thinking":
         return str(part.get("thinking") or "")
     if t == "tool_use":
-        return json.dumps({"name": part.get("name"), "input": part.get("input")},
-                          sort_keys=True, ensure_ascii=False)
+        return json.dumps({"name": part.get("name"), "input": part.get("input")}, sort_keys=True, ensure_ascii=False)
     if t == "tool_result":
         return content_text(part.get("content"))
     if t == "redacted_thinking":
@@ -80,13 +161,15 @@ def content_text(content: Any) -> str:
     return _part_text(content)
 
 
-def render_chat_prompt(messages: Sequence[dict], tools: Optional[Sequence[Any]] = None,
-                       system: Any = None) -> str:
+def render_chat_prompt(messages: Sequence[dict], tools: Sequence[Any] | None = None, system: Any = None) -> str:
     """ChatML-like rendering of a conversation, ending with the generation prompt."""
     out = []
     if tools:
-        out.append("<|im_start|>system\n# Tools\n" +
-                   json.dumps(list(tools), sort_keys=True, ensure_ascii=False) + "<|im_end|>\n")
+        out.append(
+            "<|im_start|>system\n# Tools\n"
+            + json.dumps(list(tools), sort_keys=True, ensure_ascii=False)
+            + "<|im_end|>\n"
+        )
     if system:
         out.append("<|im_start|>system\n" + content_text(system) + "<|im_end|>\n")
     for m in messages or ():
@@ -129,6 +212,7 @@ def completion_prompt_tokens(prompt: Any) -> int:
 
 # --------------------------------------------------------------------------- generation
 
+
 def _h64(*parts: Any) -> int:
     d = hashlib.blake2b(repr(parts).encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return struct.unpack("<Q", d)[0]
@@ -138,13 +222,12 @@ def prompt_key(text: str) -> int:
     return _h64("p", text)
 
 
-def eos_length(pkey: int, seed: Optional[int], temperature: Optional[float], choice: int) -> int:
+def eos_length(pkey: int, seed: int | None, temperature: float | None, choice: int) -> int:
     """Where the 'model' would emit EOS: 8..64 tokens, a pure function of its inputs."""
     return 8 + _h64("eos", pkey, seed, temperature, choice) % 57
 
 
-def token_word(pkey: int, seed: Optional[int], temperature: Optional[float], choice: int,
-               i: int) -> str:
+def token_word(pkey: int, seed: int | None, temperature: float | None, choice: int, i: int) -> str:
     return " " + WORDS[_h64("w", pkey, seed, temperature, choice, i) % _NWORDS]
 
 
@@ -154,9 +237,16 @@ def token_logprob(pkey: int, choice: int, i: int, rank: int = 0) -> float:
 
 
 @lru_cache(maxsize=4096)
-def generate(pkey: int, seed: Optional[int], temperature: Optional[float], choice: int,
-             max_tokens: int, ignore_eos: bool = False, min_tokens: int = 0,
-             stop: tuple = ()) -> tuple:
+def generate(
+    pkey: int,
+    seed: int | None,
+    temperature: float | None,
+    choice: int,
+    max_tokens: int,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
+    stop: tuple = (),
+) -> tuple:
     """Deterministic output of one choice.
 
     Returns ``(pieces, text, finish_reason, stop_reason)``: ``pieces`` is one string per
@@ -186,7 +276,7 @@ def generate(pkey: int, seed: Optional[int], temperature: Optional[float], choic
                         hit = (k, s)
             if hit is not None:
                 finish, stop_reason = "stop", hit[1]
-                acc = acc[:hit[0]]
+                acc = acc[: hit[0]]
                 break
     # cut pieces so that they concatenate to the (possibly truncated) final text
     pieces, pos = [], 0
@@ -204,12 +294,20 @@ def block_hashes(text: str, block_tokens: int = 16) -> list:
     step = block_tokens * BYTES_PER_TOKEN
     out, prev = [], b""
     for off in range(0, len(data) - step + 1, step):
-        prev = hashlib.blake2b(prev + data[off:off + step], digest_size=12).digest()
+        prev = hashlib.blake2b(prev + data[off : off + step], digest_size=12).digest()
         out.append(prev)
     return out
 
 
 __all__ = [
-    "count_text_tokens", "render_chat_prompt", "chat_prompt_tokens", "completion_prompt_tokens",
-    "completion_prompt_text", "content_text", "generate", "prompt_key", "block_hashes", "WORDS",
+    "WORDS",
+    "block_hashes",
+    "chat_prompt_tokens",
+    "completion_prompt_text",
+    "completion_prompt_tokens",
+    "content_text",
+    "count_text_tokens",
+    "generate",
+    "prompt_key",
+    "render_chat_prompt",
 ]

@@ -4,7 +4,7 @@ Each route is tagged with the plane (port) that serves it: inference, management
 A request for a route of another plane gets 404, so management routes never answer on the inference
 port and the reverse.
 
-Sanic runs no middleware at all for a route that has none, which saves the inference routes 3–4 %
+Sanic runs no middleware at all for a route that has none, which saves the inference routes 3-4 %
 of their cost. So the plane guard and the request-id stamp are named middleware of every route except
 those tagged `ctx_self_guarded` (the inference routes), whose handler does both itself (serve_inference).
 A route that has neither at start-up stops the worker from starting (fail closed). The inference

@@ -74,7 +74,7 @@ def valid_key(cfg: ApiKeyConfig, key: str) -> bool:
     # Sanic decodes header bytes with surrogateescape: encoding back the same way gives the bytes sent
     # (a key that is not UTF-8 is simply wrong, not an error).
     presented = key.encode("utf-8", "surrogateescape")
-    return any([hmac.compare_digest(presented, valid.encode()) for valid in cfg.valid_keys])
+    return any([hmac.compare_digest(presented, valid.encode()) for valid in cfg.valid_keys])  # noqa: C419 (all compared)
 
 
 def check_api_key(request: Request, api: str) -> None:
@@ -129,7 +129,9 @@ def error_response(err: CoordinatorError, api: str, rid: str) -> HTTPResponse:
     headers[REQUEST_ID] = rid
     if api == ANTHROPIC:
         headers[ANTHROPIC_REQUEST_ID] = rid
-    return HTTPResponse(body, status=status, headers=headers, content_type=headers.pop("Content-Type", "application/json"))
+    return HTTPResponse(
+        body, status=status, headers=headers, content_type=headers.pop("Content-Type", "application/json")
+    )
 
 
 class RelayResponse(HTTPResponse):
@@ -158,7 +160,7 @@ class RelayResponse(HTTPResponse):
 class SanicSink:
     """The dispatcher's view of the client connection; what goes out is noted on the request's record."""
 
-    __slots__ = ("request", "rid", "headers", "started", "ended", "response", "api", "rec", "writable")
+    __slots__ = ("api", "ended", "headers", "rec", "request", "response", "rid", "started", "writable")
 
     def __init__(self, request: Request, rid: str, api: str, rec: RequestRecord):
         self.request, self.rid, self.api, self.rec = request, rid, api, rec
@@ -265,8 +267,10 @@ async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api:
         await sink.response.eof()
         return None
     if (
-        isinstance(err, UpstreamError) and (rec.retries or not err.retryable)
-        and (rec.status >= 500 or rec.status in SDK_RETRIED) and "Retry-After" not in err.headers
+        isinstance(err, UpstreamError)
+        and (rec.retries or not err.retryable)
+        and (rec.status >= 500 or rec.status in SDK_RETRIED)
+        and "Retry-After" not in err.headers
     ):
         # The Coordinator has retried already (on other engines when it had them), or judged a retry useless:
         # the SDKs' own retries, which obey this header, would multiply the load on failing engines and open

@@ -12,7 +12,7 @@ itself fetches nothing (the Swagger UI, whose OAuth2 page the server would fetch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from sanic import Sanic
 from sanic_ext import openapi
@@ -28,7 +28,7 @@ DOCS_PREFIX = "/docs"
 @dataclass
 class ChatMessage:
     role: str  # system, developer, user, assistant or tool
-    content: Union[str, list[dict[str, Any]]]
+    content: str | list[dict[str, Any]]
 
 
 @dataclass
@@ -43,14 +43,14 @@ class ChatCompletionRequest:
     model: str
     messages: list[ChatMessage]
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -58,14 +58,14 @@ class CompletionRequest:
     """Any other field is passed to the engine unchanged."""
 
     model: str
-    prompt: Union[str, list[str], list[int]]
+    prompt: str | list[str] | list[int]
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -73,14 +73,14 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: Optional[dict[str, int]] = None
+    prompt_tokens_details: dict[str, int] | None = None
 
 
 @dataclass
 class ChatChoice:
     index: int
     message: ChatMessage
-    finish_reason: Optional[str]
+    finish_reason: str | None
 
 
 @dataclass
@@ -99,7 +99,7 @@ class ChatCompletion:
 class CompletionChoice:
     index: int
     text: str
-    finish_reason: Optional[str]
+    finish_reason: str | None
 
 
 @dataclass
@@ -118,8 +118,8 @@ class Completion:
 class OpenAIErrorBody:
     message: str
     type: str
-    param: Optional[str]
-    code: Optional[str]
+    param: str | None
+    code: str | None
 
 
 @dataclass
@@ -134,19 +134,19 @@ class MessagesRequest:
     model: str
     messages: list[ChatMessage]
     max_tokens: int
-    system: Optional[Union[str, list[dict[str, Any]]]] = None
+    system: str | list[dict[str, Any]] | None = None
     stream: bool = False
-    temperature: Optional[float] = None
-    stop_sequences: Optional[list[str]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    temperature: float | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
 class CountTokensRequest:
     model: str
     messages: list[ChatMessage]
-    system: Optional[Union[str, list[dict[str, Any]]]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -164,7 +164,7 @@ class Message:
     role: str  # assistant
     model: str
     content: list[dict[str, Any]]
-    stop_reason: Optional[str]
+    stop_reason: str | None
     usage: AnthropicUsage
 
 
@@ -191,9 +191,9 @@ class KvTransferParams:
     request_id: str
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
-    remote_engine_id: Optional[str] = None
-    remote_host: Optional[str] = None
-    remote_port: Optional[Union[int, str]] = None
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | str | None = None
 
 
 @dataclass
@@ -202,8 +202,8 @@ class MetaserverRequest:
 
     model: str
     kv_transfer_params: KvTransferParams
-    messages: Optional[list[ChatMessage]] = None
-    prompt: Optional[Union[str, list[str], list[int]]] = None
+    messages: list[ChatMessage] | None = None
+    prompt: str | list[str] | list[int] | None = None
     stream: bool = False
 
 
@@ -252,7 +252,9 @@ _INFERENCE_ERRORS = (400, 401, 404, 413, 415, 429, 502, 503, 504)
 
 def _responses(ok: Any, error: Any, statuses: tuple[int, ...] = _INFERENCE_ERRORS) -> list:
     out = [openapi.definitions.Response({"application/json": ok}, status=200, description="OK")]
-    out += [openapi.definitions.Response({"application/json": error}, status=s, description=_ERRORS[s]) for s in statuses]
+    out += [
+        openapi.definitions.Response({"application/json": error}, status=s, description=_ERRORS[s]) for s in statuses
+    ]
     return out
 
 
@@ -261,7 +263,11 @@ def _document(handler, summary: str, tag: str, body: Any, ok: Any, error: Any, *
         summary=summary,
         description=_PASS_THROUGH if body is not None else None,
         tag=tag,
-        parameter=[openapi.definitions.Parameter(REQUEST_ID, str, "header", description="echoed on every response; made up when absent")],
+        parameter=[
+            openapi.definitions.Parameter(
+                REQUEST_ID, str, "header", description="echoed on every response; made up when absent"
+            )
+        ],
         response=_responses(ok, error, **kw),
     )(handler)
     if body is not None:
@@ -285,14 +291,51 @@ def mount(app: Sanic) -> None:
     for bp in (management.bp, observability.bp):  # other ports: documented in docs/operations.md
         openapi.exclude(bp=bp)
 
-    _document(openai.chat_completions, "Chat completion (JSON or SSE)", "OpenAI", ChatCompletionRequest, ChatCompletion, OpenAIError)
+    _document(
+        openai.chat_completions,
+        "Chat completion (JSON or SSE)",
+        "OpenAI",
+        ChatCompletionRequest,
+        ChatCompletion,
+        OpenAIError,
+    )
     _document(openai.completions, "Text completion (JSON or SSE)", "OpenAI", CompletionRequest, Completion, OpenAIError)
-    _document(models.list_models, "Served models with SLOs and live instance counts (Anthropic's shape when the "
-              "request carries anthropic-version)", "OpenAI", None, ModelList, OpenAIError, statuses=(401,))
-    _document(models.retrieve_model, "One served model (the SDKs' models.retrieve; Anthropic's shape when the request "
-              "carries anthropic-version)", "OpenAI", None, ModelCard, OpenAIError, statuses=(401, 404))
-    _document(anthropic.messages, "Anthropic Messages (JSON or SSE)", "Anthropic", MessagesRequest, Message, AnthropicError)
-    _document(anthropic.count_tokens, "Count the tokens of a Messages request", "Anthropic", CountTokensRequest, TokenCount,
-              AnthropicError)
-    _document(metaserver.metaserver, "PD forwarding for engines (pd_dispatch: trigger)", "Internal", MetaserverRequest,
-              ChatCompletion, OpenAIError, statuses=(400, 403, 404, 413, 415, 502, 503, 504))
+    _document(
+        models.list_models,
+        "Served models with SLOs and live instance counts (Anthropic's shape when the "
+        "request carries anthropic-version)",
+        "OpenAI",
+        None,
+        ModelList,
+        OpenAIError,
+        statuses=(401,),
+    )
+    _document(
+        models.retrieve_model,
+        "One served model (the SDKs' models.retrieve; Anthropic's shape when the request carries anthropic-version)",
+        "OpenAI",
+        None,
+        ModelCard,
+        OpenAIError,
+        statuses=(401, 404),
+    )
+    _document(
+        anthropic.messages, "Anthropic Messages (JSON or SSE)", "Anthropic", MessagesRequest, Message, AnthropicError
+    )
+    _document(
+        anthropic.count_tokens,
+        "Count the tokens of a Messages request",
+        "Anthropic",
+        CountTokensRequest,
+        TokenCount,
+        AnthropicError,
+    )
+    _document(
+        metaserver.metaserver,
+        "PD forwarding for engines (pd_dispatch: trigger)",
+        "Internal",
+        MetaserverRequest,
+        ChatCompletion,
+        OpenAIError,
+        statuses=(400, 403, 404, 413, 415, 502, 503, 504),
+    )

@@ -49,8 +49,13 @@ def _servable_models(view, health) -> list[str]:
     breaker not open. With a prefill and a decode that is a PD pair; a union, or a prefill or decode alone,
     serves requests whole (the scheduler's fallback)."""
     return [
-        model for model in view.models()
-        if any(not t.paused and health.usable(t.slot) for role in ("union", "prefill", "decode") for t in view.pool(model, role))
+        model
+        for model in view.models()
+        if any(
+            not t.paused and health.usable(t.slot)
+            for role in ("union", "prefill", "decode")
+            for t in view.pool(model, role)
+        )
     ]
 
 

@@ -33,7 +33,7 @@ def _entries(ctx, api: str) -> dict[str, dict]:
     for name in dict.fromkeys([*models, *view.models()]):
         m = models.get(name)
 
-        def live(role: str) -> int:
+        def live(role: str, name: str = name) -> int:
             return len({t.instance_id for t in view.pool(name, role) if health.is_healthy(t.slot)})
 
         union = live("union")

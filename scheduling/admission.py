@@ -21,7 +21,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from scheduling.policies import MARGIN
 from scheduling.shared import W_QUEUED, WORKER_FIELDS, SharedState
@@ -41,7 +41,12 @@ class AdmissionQueue:
     """This worker's requests waiting for a plan within budget, earliest deadline first."""
 
     def __init__(
-        self, shared: SharedState, size: int, tick_s: float = 0.005, tries_per_tick: int = 8, worker: int = 0,
+        self,
+        shared: SharedState,
+        size: int,
+        tick_s: float = 0.005,
+        tries_per_tick: int = 8,
+        worker: int = 0,
         num_workers: int = 1,
     ):
         self.w, self.lock = shared.workers, shared.lock
@@ -87,7 +92,7 @@ class AdmissionQueue:
             self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), self.tick_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             heap = self.heap
             while heap and heap[0][2].done():
@@ -108,4 +113,6 @@ class AdmissionQueue:
                     continue
                 left = job.slo_ttft_ms / 1000.0 - (time.monotonic() - job.arrived)
                 if MARGIN * left < job.floor_s:
-                    fut.set_exception(OverBudget("the SLO budget ran out while the request waited for capacity", job.retry_after_s))
+                    fut.set_exception(
+                        OverBudget("the SLO budget ran out while the request waited for capacity", job.retry_after_s)
+                    )

@@ -11,7 +11,7 @@ a request whose prefill is still running.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from scheduling.shared import (
     L_DECODE_TOKENS,
@@ -36,14 +36,16 @@ class Ledger:
         self.worker = worker
         self.base = worker * ROW
         self.rows = range(0, max(num_workers, worker + 1) * ROW, ROW)
-        self.observer: Callable[["Lease"], None] | None = None
-        self.on_prefilled: Callable[["Lease"], None] | None = None  # a lease's prompt is in its engine's cache now
+        self.observer: Callable[[Lease], None] | None = None
+        self.on_prefilled: Callable[[Lease], None] | None = None  # a lease's prompt is in its engine's cache now
 
-    def lease(self, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool = True, kind: str = "") -> "Lease":
+    def lease(
+        self, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool = True, kind: str = ""
+    ) -> Lease:
         """Take load on `slot`: one request, its uncached prompt tokens (while prefilling) and its output budget."""
         return Lease(self, slot, prompt_tokens, decode_tokens, prefilling, kind or (PREFILL if prefilling else DECODE))
 
-    def hold(self, slot: int) -> "Hold":
+    def hold(self, slot: int) -> Hold:
         return Hold(self, slot)
 
     def at(self, slot: int) -> int:
@@ -81,9 +83,26 @@ class Lease:
     """What one request holds on one slot; `release()` is idempotent."""
 
     __slots__ = (
-        "ledger", "slot", "arr", "at", "prompt_tokens", "decode_tokens", "prefilling", "released", "kind",
-        "started", "first_at", "ended", "events", "ok", "engine_uncached", "batch", "predicted", "shift", "hashes",
+        "arr",
+        "at",
+        "batch",
+        "decode_tokens",
+        "ended",
+        "engine_uncached",
+        "events",
+        "first_at",
+        "hashes",
+        "kind",
+        "ledger",
+        "ok",
+        "predicted",
+        "prefilling",
+        "prompt_tokens",
+        "released",
         "sample",
+        "shift",
+        "slot",
+        "started",
     )
 
     def __init__(self, ledger: Ledger, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool, kind: str):

@@ -109,7 +109,9 @@ class Policy:
         """The prompt tokens `t` must compute: those of its longest cached prefix are free."""
         memo = job.cached.get(t.slot)
         if memo is None:
-            blocks = self.index.cached_blocks(job.block_hashes, t.slot) if self.index is not None and job.block_hashes else 0
+            blocks = (
+                self.index.cached_blocks(job.block_hashes, t.slot) if self.index is not None and job.block_hashes else 0
+            )
             memo = job.cached[t.slot] = min(blocks * self.block_tokens, job.prompt_tokens - 1) if blocks else 0
         return job.prompt_tokens - memo
 
@@ -304,7 +306,9 @@ class SloAware(LoadBalance):
                 best = (over, tpot + allowance, d, tpot, first, allowance)
         return best[2:]
 
-    def _pick_prefill(self, ps: list[Target], job: JobInfo, now: float, start: int) -> tuple[Target, float, float, float] | None:
+    def _pick_prefill(
+        self, ps: list[Target], job: JobInfo, now: float, start: int
+    ) -> tuple[Target, float, float, float] | None:
         """The prefill target that finishes first, allowance included: (it, its expected finish, its allowance,
         the least expected service time of any)."""
         best, floor = None, UNKNOWN
@@ -366,9 +370,7 @@ class SloAware(LoadBalance):
         return t
 
 
-POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (RoundRobin, LoadBalance, KvCacheAffinity, SloAware)
-}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LoadBalance, KvCacheAffinity, SloAware)}
 
 
 def make_policy(name: str, shared: SharedState, ledger: Ledger, health: Health, **model) -> Policy:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 
 from scheduling.shared import (
+    ERROR_WINDOW,
     H_DC_N,
     H_DECODE_PER_SEQ_S,
     H_DECODE_STEP_S,
@@ -55,7 +56,6 @@ from scheduling.shared import (
     H_QUEUE_UNTIL,
     H_TPOT_LATE_S,
     H_TPOT_N,
-    ERROR_WINDOW,
     HEALTH_FIELDS,
     SharedState,
 )
@@ -91,7 +91,10 @@ class Predictor:
         return allowance if allowance > 0.0 else 0.0
 
     def decode_known(self, slot: int) -> bool:
-        return self.h[slot * HEALTH_FIELDS + H_DC_N] >= self.min_samples or self.h[slot * HEALTH_FIELDS + H_ENGINE_ITL_S] > 0.0
+        return (
+            self.h[slot * HEALTH_FIELDS + H_DC_N] >= self.min_samples
+            or self.h[slot * HEALTH_FIELDS + H_ENGINE_ITL_S] > 0.0
+        )
 
     def step_s(self, slot: int, batch: float) -> float:
         """Seconds per output token with `batch` sequences running (inf when unknown)."""
@@ -217,7 +220,13 @@ class Predictor:
         The sums are read once and written once: each access to the shared array costs more than the arithmetic.
         """
         h, k = self.h, self.keep
-        n, sx, sy, sxx, sxy = k * h[i] + 1.0, k * h[i + 1] + x, k * h[i + 2] + y, k * h[i + 3] + x * x, k * h[i + 4] + x * y
+        n, sx, sy, sxx, sxy = (
+            k * h[i] + 1.0,
+            k * h[i + 1] + x,
+            k * h[i + 2] + y,
+            k * h[i + 3] + x * x,
+            k * h[i + 4] + x * y,
+        )
         h[i], h[i + 1], h[i + 2], h[i + 3], h[i + 4] = n, sx, sy, sxx, sxy
         if n < self.min_samples:
             return None

@@ -26,15 +26,15 @@ from config import Endpoint, Instance, address_key, parse_instance
 from scheduling.ledger import Ledger
 from scheduling.shared import (
     BREAKER_CLOSED,
+    DOC_BYTES,
+    G_DOC_LEN,
+    G_DOC_VERSION,
     H_BREAKER,
     H_FAILURES,
     H_HEALTHY,
     HEALTH_FIELDS,
     MAX_SLOTS,
     MAX_WORKERS,
-    G_DOC_LEN,
-    G_DOC_VERSION,
-    DOC_BYTES,
     SharedState,
 )
 
@@ -91,8 +91,15 @@ class Topology:
                 self.paused.add(inst.id)
             for ep, slot in zip(inst.endpoints, e["slots"]):
                 t = Target(
-                    inst.id, ep.id, slot, inst.role, inst.model_name, inst.engine_type, ep.base_url.rstrip("/"),
-                    ep.address, bool(e.get("paused")),
+                    inst.id,
+                    ep.id,
+                    slot,
+                    inst.role,
+                    inst.model_name,
+                    inst.engine_type,
+                    ep.base_url.rstrip("/"),
+                    ep.address,
+                    bool(e.get("paused")),
                 )
                 self.targets.append(t)
                 self.pools.setdefault((inst.model_name, inst.role), []).append(t)
@@ -103,7 +110,6 @@ class Topology:
 
     def pool(self, model: str, role: str) -> list[Target]:
         return self.pools.get((model, role), [])
-
 
 
 class Registry:
@@ -138,7 +144,7 @@ class Registry:
         doc = ujson.loads(bytes(self.shared.doc[:n]))
         return doc["instances"], doc["free"]
 
-    def apply(self, event: str, items: list[Instance | int]) -> "RefreshResult":
+    def apply(self, event: str, items: list[Instance | int]) -> RefreshResult:
         """Apply one refresh event atomically: it is applied whole or, on a RefreshError, not at all."""
         with self.shared.lock:
             entries, free = self._read()
@@ -262,7 +268,9 @@ def _check_addresses(entries: list[dict]) -> None:
         for ep in e["endpoints"]:
             addr = address_key(ep["address"])
             if addr in owner:
-                raise RefreshError(f"endpoint address {addr} is registered twice (instances {owner[addr]} and {e['id']})", 409)
+                raise RefreshError(
+                    f"endpoint address {addr} is registered twice (instances {owner[addr]} and {e['id']})", 409
+                )
             owner[addr] = e["id"]
 
 
@@ -294,4 +302,4 @@ def parse_refresh_body(body: object) -> tuple[str, list]:
     return event, items
 
 
-__all__ = ["Registry", "Topology", "Target", "RefreshError", "RefreshResult", "parse_refresh_body", "Endpoint"]
+__all__ = ["Endpoint", "RefreshError", "RefreshResult", "Registry", "Target", "Topology", "parse_refresh_body"]

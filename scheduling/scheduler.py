@@ -10,8 +10,8 @@ an engine kind sees only engines of that kind.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Awaitable
 
 from scheduling.admission import OFF, REJECT, AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
@@ -73,7 +73,9 @@ class Scheduler:
         self.queue = queue
         self.tokenizers = tokenizers or {}
         # Loading a tokenizer (and compiling its chat template) blocks: done here, at start-up, not in a request.
-        self.meters: dict[str, PromptMeter] = {m: make_meter(path, policy.block_tokens) for m, path in self.tokenizers.items()}
+        self.meters: dict[str, PromptMeter] = {
+            m: make_meter(path, policy.block_tokens) for m, path in self.tokenizers.items()
+        }
         self.learn_interval_s = learn_interval_s
         self._learn_after: dict[int, float] = {}  # slot -> when this worker next learns from one of its requests
         ledger.observer = self._observe
@@ -94,7 +96,7 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------------
 
-    def try_admit(self, job: JobInfo) -> "Plan | None":
+    def try_admit(self, job: JobInfo) -> Plan | None:
         """The first plan if SLO admission lets the request in now; None when it must wait (`queued`).
 
         Raises OverBudget when it is refused. Synchronous, so that the usual request (let in at once) costs no
@@ -104,8 +106,13 @@ class Scheduler:
         if job.feasible is not False or self.admission == OFF or (self._idle(plan) and not job.hopeless):
             return plan
         log.debug(
-            "over budget: model=%s ttft=%.3f/%.3f s tpot=%.4f/%.4f s floor=%.3f", job.model, job.ttft_s,
-            job.slo_ttft_ms / 1000, job.tpot_s, job.slo_tpot_ms / 1000, job.floor_s,
+            "over budget: model=%s ttft=%.3f/%.3f s tpot=%.4f/%.4f s floor=%.3f",
+            job.model,
+            job.ttft_s,
+            job.slo_ttft_ms / 1000,
+            job.tpot_s,
+            job.slo_tpot_ms / 1000,
+            job.floor_s,
         )
         if self.admission == REJECT or self.queue is None:
             raise OverBudget(
@@ -115,15 +122,17 @@ class Scheduler:
             )
         return None
 
-    def queued(self, job: JobInfo) -> Awaitable["Plan"]:
+    def queued(self, job: JobInfo) -> Awaitable[Plan]:
         """Wait in the admission queue until a plan meets the budget (or the queue gives up: OverBudget)."""
         return self.queue.wait(job, lambda: self.plan(job))
 
-    def _idle(self, plan: "Plan") -> bool:
+    def _idle(self, plan: Plan) -> bool:
         """Engines with nothing of ours in flight serve a request as well as they ever will: unless even the
         expected times miss the budget, refusing it would help no one, and serving it lets the model learn
         (allowances inflated by a bad moment would otherwise refuse everything, and never see it pass)."""
-        return all(not self.ledger.requests(t.slot) and not self.ledger.held(t.slot) for t in (plan.prefill, plan.target) if t)
+        return all(
+            not self.ledger.requests(t.slot) and not self.ledger.held(t.slot) for t in (plan.prefill, plan.target) if t
+        )
 
     # -- leases and learning ---------------------------------------------------------------------
 
@@ -192,7 +201,8 @@ class Scheduler:
     def _usable(self, pool: list[Target], exclude: frozenset[int], job: JobInfo) -> list[Target]:
         usable, kind = self.health.usable, job.engine_type
         return [
-            t for t in pool
+            t
+            for t in pool
             if not t.paused and t.slot not in exclude and usable(t.slot) and (kind is None or t.engine_type == kind)
         ]
 
@@ -210,14 +220,20 @@ class Scheduler:
                 return Plan(p, d)
             whole = self._usable(u_pool, exclude, job) or ps or ds
         else:
-            whole = self._usable(u_pool, exclude, job) or self._usable(p_pool, exclude, job) or self._usable(d_pool, exclude, job)
+            whole = (
+                self._usable(u_pool, exclude, job)
+                or self._usable(p_pool, exclude, job)
+                or self._usable(d_pool, exclude, job)
+            )
         if not whole:
             raise NoCapacity(f"no healthy instance of model {model!r} is available")
         if len(whole) == 1 and self.admission == OFF:
             return Plan(None, whole[0])
         return Plan(None, self.policy.choose_whole(whole, job))
 
-    def pick_one(self, model: str, job: JobInfo, roles: tuple[str, ...], exclude: frozenset[int] = frozenset()) -> Target:
+    def pick_one(
+        self, model: str, job: JobInfo, roles: tuple[str, ...], exclude: frozenset[int] = frozenset()
+    ) -> Target:
         """One engine of the model, preferring roles in order (count_tokens, metaserver)."""
         view = self.registry.view()
         for role in roles:
@@ -230,12 +246,19 @@ class Scheduler:
 def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health: Health) -> Scheduler:
     """The scheduler `settings` (config.Settings) describe, on the shared learned model and prefix index."""
     policy = make_policy(
-        settings.scheduler_type, shared, ledger, health,
-        predictor=Predictor(shared), index=PrefixIndex(shared),
-        block_tokens=settings.kv_affinity_block_size, overload_factor=settings.affinity_overload_factor,
+        settings.scheduler_type,
+        shared,
+        ledger,
+        health,
+        predictor=Predictor(shared),
+        index=PrefixIndex(shared),
+        block_tokens=settings.kv_affinity_block_size,
+        overload_factor=settings.affinity_overload_factor,
     )
     queue = None
     if settings.admission == "queue":
-        queue = AdmissionQueue(shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers)
+        queue = AdmissionQueue(
+            shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers
+        )
     tokenizers = {m.id: m.tokenizer_path for m in settings.models if m.tokenizer_path}
     return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, tokenizers=tokenizers)

@@ -43,8 +43,16 @@ LEDGER_FIELDS = 5
     H_QUEUE_UNTIL,  # virtual time (time.monotonic) when the prefill work sent so far should be done
     H_QUEUE_SHIFT_S,  # sum of corrections applied to H_QUEUE_UNTIL from observed completions
     H_LAST_DONE,  # time (monotonic) of the last observed prefill completion
-    H_PF_N, H_PF_SX, H_PF_SY, H_PF_SXX, H_PF_SXY,  # decayed sums: prefill seconds vs uncached tokens
-    H_DC_N, H_DC_SX, H_DC_SY, H_DC_SXX, H_DC_SXY,  # decayed sums: seconds per token vs batch size
+    H_PF_N,
+    H_PF_SX,
+    H_PF_SY,
+    H_PF_SXX,
+    H_PF_SXY,  # decayed sums: prefill seconds vs uncached tokens
+    H_DC_N,
+    H_DC_SX,
+    H_DC_SY,
+    H_DC_SXX,
+    H_DC_SXY,  # decayed sums: seconds per token vs batch size
     H_ENGINE_TTFT_S,  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
     H_ENGINE_ITL_S,  # engine's mean inter-token latency over the last scrape interval
     H_LATE_S,  # 95th percentile of the last ERROR_WINDOW prefill errors (observed - predicted finish)
@@ -103,7 +111,7 @@ class SharedState:
     prefill_usage: Any = None  # RawArray int64 [MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS]
 
     @classmethod
-    def create(cls) -> "SharedState":
+    def create(cls) -> SharedState:
         ctx = multiprocessing.get_context("spawn")
         return cls(
             doc=ctx.RawArray(ctypes.c_char, DOC_BYTES),
@@ -144,9 +152,8 @@ class SharedState:
         return {f"motor_{k}": getattr(self, k) for k in _FIELDS}
 
     @classmethod
-    def from_shared_ctx(cls, ctx: Any) -> "SharedState":
+    def from_shared_ctx(cls, ctx: Any) -> SharedState:
         return cls(*(getattr(ctx, f"motor_{k}") for k in _FIELDS))
-
 
     def clear_worker(self, worker: int) -> None:
         """Zero what worker `worker` holds: its ledger row and its admission counters. Safe only while that

@@ -47,8 +47,17 @@ def endpoint_status(view: Topology, ledger: Ledger, health: Health) -> list[Endp
         running, waiting, kv_usage = health.engine_load(t.slot)
         out.append(
             EndpointStatus(
-                t, health.is_healthy(t.slot), health.breaker(t.slot), requests, prompt_tokens, decode_tokens,
-                prefilling, ledger.held(t.slot), running, waiting, kv_usage,
+                t,
+                health.is_healthy(t.slot),
+                health.breaker(t.slot),
+                requests,
+                prompt_tokens,
+                decode_tokens,
+                prefilling,
+                ledger.held(t.slot),
+                running,
+                waiting,
+                kv_usage,
             )
         )
     return out
@@ -62,7 +71,13 @@ def instances_json(view: Topology, ledger: Ledger, health: Health) -> list[dict]
         t = s.target
         usable[t.instance_id] = usable.get(t.instance_id, False) or health.usable(t.slot)
         by_instance[t.instance_id].append(
-            {"id": t.endpoint_id, "address": t.address, "healthy": s.healthy, "breaker": s.breaker, "load": s.load_json()}
+            {
+                "id": t.endpoint_id,
+                "address": t.address,
+                "healthy": s.healthy,
+                "breaker": s.breaker,
+                "load": s.load_json(),
+            }
         )
     out = []
     for iid, inst in view.instances.items():

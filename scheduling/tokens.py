@@ -185,7 +185,9 @@ class TokenizerMeter(PromptMeter):
         config = _read_json(os.path.join(folder, "tokenizer_config.json"))
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: use "default"
-            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+            source = next(
+                (t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None
+            )
         jinja_file = os.path.join(folder, "chat_template.jinja")
         if not source and os.path.isfile(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
@@ -256,7 +258,10 @@ def make_meter(tokenizer_path: str, block_tokens: int = 16) -> PromptMeter:
         try:
             return TokenizerMeter(tokenizer_path, block_tokens)
         except ImportError:
-            log.warning("tokenizer_path %s set but the 'tokenizers' package is not installed: estimating token counts", tokenizer_path)
+            log.warning(
+                "tokenizer_path %s set but the 'tokenizers' package is not installed: estimating token counts",
+                tokenizer_path,
+            )
         except Exception as e:
             log.warning("tokenizer %s could not be loaded (%s): estimating token counts", tokenizer_path, e)
     return PromptMeter(block_tokens)

@@ -16,11 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from config import Settings
 from errors import RateLimited, ServiceUnavailable
-from scheduling.shared import G_DRAINING, G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, W_INFLIGHT, WORKER_FIELDS, SharedState, worker_sum
+from scheduling.shared import (
+    G_DRAINING,
+    G_RATE_STAMP_US,
+    G_RATE_TOKENS_MILLI,
+    W_INFLIGHT,
+    WORKER_FIELDS,
+    SharedState,
+    worker_sum,
+)
 
 
 class Admitted:
@@ -52,7 +60,11 @@ class Attended(Admitted):
 
 class Admission:
     def __init__(
-        self, settings: Settings, shared: SharedState, worker: int = 0, clock: Callable[[], float] = time.monotonic,
+        self,
+        settings: Settings,
+        shared: SharedState,
+        worker: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.s, self.shared, self.lock = settings, shared, shared.hot_lock
         self.cap = settings.max_inflight_requests
@@ -110,7 +122,7 @@ class Admission:
             g[G_RATE_TOKENS_MILLI] = tokens
             return (1000 - tokens) / (1000 * self.rate)
 
-    def admit(self) -> "Admitted":
+    def admit(self) -> Admitted:
         """Let one request in, or raise why not: `with admission.admit():` holds its place until the block ends."""
         g = self.shared.globals
         if self.stopping or g[G_DRAINING]:
@@ -132,7 +144,7 @@ class Admission:
             w[self.at] += 1  # only this worker writes its row: no lock without a cap to check
         return Admitted(self)
 
-    def attend(self) -> "Attended":
+    def attend(self) -> Attended:
         """`with admission.attend():` the drain waits for the block as for an admitted request; no place is taken,
         and a draining worker does not refuse it (the client request it belongs to is already in)."""
         return Attended(self)

@@ -62,12 +62,20 @@ class Background:
             healthy, why = False, f" (the check failed: {e!r})"
         self.timeouts.pop(key, None)  # the run of late answers ends: a pass, another failure, or its last one
         if healthy != self.health.is_healthy(t.slot):
-            log.warning("instance %d endpoint %s is now %s%s", t.instance_id, t.address, "healthy" if healthy else "unhealthy", why)
+            log.warning(
+                "instance %d endpoint %s is now %s%s",
+                t.instance_id,
+                t.address,
+                "healthy" if healthy else "unhealthy",
+                why,
+            )
         self.health.set_healthy(t.slot, healthy)
 
     async def _scrape(self, t: Target) -> None:
         try:
-            status, body = await self.client.get(t.url + "/metrics", timeout_s=max(1.0, self.s.metrics_scrape_interval_s))
+            status, body = await self.client.get(
+                t.url + "/metrics", timeout_s=max(1.0, self.s.metrics_scrape_interval_s)
+            )
         except UpstreamError:
             return
         if status != 200:

@@ -19,7 +19,8 @@ import logging
 import os
 import socket
 import time
-from typing import Awaitable, Callable, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import ujson
 
@@ -27,7 +28,6 @@ from config import ModelConfig, Settings, split_address
 from engines import EngineClient
 from errors import (
     ANTHROPIC,
-    dumps,
     EngineStatusError,
     Forbidden,
     InvalidRequest,
@@ -36,26 +36,44 @@ from errors import (
     ServiceUnavailable,
     UpstreamError,
     UpstreamProtocolError,
+    dumps,
 )
-from scheduling.health import Health
 from scheduling.admission import OverBudget
+from scheduling.health import Health
 from scheduling.ledger import DECODE, PREFILL, WHOLE
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
 from scheduling.scheduler import NoCapacity, Plan, Scheduler
-from scheduling.tokens import CHAT as CHAT_PROMPT, COMPLETION as COMPLETION_PROMPT, MESSAGES as MESSAGES_PROMPT, engine_uncached
+from scheduling.tokens import (
+    CHAT as CHAT_PROMPT,
+    COMPLETION as COMPLETION_PROMPT,
+    MESSAGES as MESSAGES_PROMPT,
+    engine_uncached,
+)
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
 from serving.legs import PREFILL_TICKET, decode_leg, prefill_body, prefill_leg
 from serving.observe import MESSAGE_DELTA, Observer, RequestRecord
 from serving.resolve import RECHECK_AFTER_S, RESOLVED_FOR_S, addresses
-from serving.usage import NO_CACHED_PROMPT, EventSplitter, PrefillUsages, fix_event, fix_events, fix_response, prefill_usage
+from serving.usage import (
+    NO_CACHED_PROMPT,
+    EventSplitter,
+    PrefillUsages,
+    fix_event,
+    fix_events,
+    fix_response,
+    prefill_usage,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("coordinator.serving")
 
 _DEFAULT_MODEL = ModelConfig("")  # a model served without a `models` entry has the default limits
 MAX_OUTPUT_BUDGET = 1 << 31  # output tokens a request counts for in the ledger (beyond any model's context)
-_PROMPT_KINDS = {CHAT: CHAT_PROMPT, COMPLETIONS: COMPLETION_PROMPT, MESSAGES: MESSAGES_PROMPT}  # how the scheduler reads a prompt
+_PROMPT_KINDS = {
+    CHAT: CHAT_PROMPT,
+    COMPLETIONS: COMPLETION_PROMPT,
+    MESSAGES: MESSAGES_PROMPT,
+}  # how the scheduler reads a prompt
 
 
 class Sink(Protocol):
@@ -94,7 +112,12 @@ def _refusal(e: NoCapacity | OverBudget, settings: Settings) -> ServiceUnavailab
 
 class Dispatcher:
     def __init__(
-        self, settings: Settings, scheduler: Scheduler, health: Health, client: EngineClient, observer: Observer,
+        self,
+        settings: Settings,
+        scheduler: Scheduler,
+        health: Health,
+        client: EngineClient,
+        observer: Observer,
         prefill_usages: PrefillUsages,
     ):
         self.s = settings
@@ -308,7 +331,9 @@ class Dispatcher:
 
     # -- disaggregated: handoff ------------------------------------------------------------------
 
-    def _prefill(self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes) -> Awaitable[dict]:
+    def _prefill(
+        self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes
+    ) -> Awaitable[dict]:
         """Run the prefill leg (with retries on other prefill instances); returns P's parsed response."""
 
         def repick(exclude: frozenset[int]) -> Target:
@@ -338,8 +363,16 @@ class Dispatcher:
         return self._attempts(job, sink, rec, target, repick, call)
 
     def _decode(
-        self, job: Job, info: JobInfo, target: Target, sink: Sink, rec: RequestRecord, body: bytes, p_usage: dict | None,
-        ticket: bool = True, triggered: bool = False,
+        self,
+        job: Job,
+        info: JobInfo,
+        target: Target,
+        sink: Sink,
+        rec: RequestRecord,
+        body: bytes,
+        p_usage: dict | None,
+        ticket: bool = True,
+        triggered: bool = False,
     ) -> Awaitable[None]:
         """The decode leg (with retries on other decode instances); `ticket`: `body` carries one (P's, or
         trigger mode's), which a retry after D's 5xx leaves out. `triggered`: P's usage is not known yet (D
@@ -396,7 +429,9 @@ class Dispatcher:
                             rec.events += splitter.tail.count(b"data:")
                             await sink.send(fix_event(splitter.tail, p_counts(), anthropic) + b"\n\n")
                     if not sink.started:
-                        raise UpstreamProtocolError("decode engine ended the stream without sending anything", detail=t.url)
+                        raise UpstreamProtocolError(
+                            "decode engine ended the stream without sending anything", detail=t.url
+                        )
                     lease.succeed()
                 else:
                     _, data = await self.client.post(t.url + job.route, body, rid, timeout_s=self.s.infer_timeout_s)
@@ -451,13 +486,17 @@ class Dispatcher:
         rid = ticket.get("remote_request_id")
         if not self.s.kv_release_path or p is None or not isinstance(rid, str):
             return
-        task = asyncio.get_running_loop().create_task(self._post_release(job.request_id, p.url + self.s.kv_release_path, rid))
+        task = asyncio.get_running_loop().create_task(
+            self._post_release(job.request_id, p.url + self.s.kv_release_path, rid)
+        )
         self._detached.add(task)
         task.add_done_callback(self._detached.discard)
 
     async def _post_release(self, request_id: str, url: str, remote_request_id: str) -> None:
         try:
-            await self.client.post(url, dumps({"remote_request_id": remote_request_id}), request_id, timeout_s=self.s.connect_timeout_s)
+            await self.client.post(
+                url, dumps({"remote_request_id": remote_request_id}), request_id, timeout_s=self.s.connect_timeout_s
+            )
             log.info("request_id=%s released prefill KV %r at %s", request_id, remote_request_id, url)
         except UpstreamError as e:  # already pulled or expired (404), or P is gone: nothing left to free
             log.info("request_id=%s prefill KV release at %s: %r", request_id, url, str(e))
@@ -523,7 +562,9 @@ class Dispatcher:
             for max_age_s in (RESOLVED_FOR_S, RECHECK_AFTER_S):
                 wanted = await addresses(host, max_age_s)
                 for t, t_host, t_port in named if wanted else ():
-                    same_engine = t_port == str(port) or (engine_id not in (None, "") and str(t.instance_id) == str(engine_id))
+                    same_engine = t_port == str(port) or (
+                        engine_id not in (None, "") and str(t.instance_id) == str(engine_id)
+                    )
                     if same_engine and wanted & await addresses(t_host, max_age_s):
                         return t
         raise Forbidden(

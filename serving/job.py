@@ -13,7 +13,12 @@ import ujson
 
 from errors import InvalidRequest
 
-CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"
+CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+)
 METASERVER = "/v1/metaserver"
 
 
@@ -165,12 +170,16 @@ def _checked_messages(body: dict, content_required: bool) -> list:
             raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content'", param=f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"messages[{i}].role is required and must be a non-empty string", param=f"messages[{i}].role")
+            raise InvalidRequest(
+                f"messages[{i}].role is required and must be a non-empty string", param=f"messages[{i}].role"
+            )
         content = m.get("content")
         if content is None and (content_required or (role != "assistant" and "content" not in m)):
             raise InvalidRequest(f"messages[{i}].content is required", param=f"messages[{i}].content")
         if content is not None and not isinstance(content, (str, list)):
-            raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content")
+            raise InvalidRequest(
+                f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content"
+            )
     return messages
 
 
@@ -196,9 +205,13 @@ def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: 
         if isinstance(thinking, dict) and thinking.get("type") == "enabled":
             budget = lax_int(thinking.get("budget_tokens"))
             if budget is None or budget < 1024:
-                raise InvalidRequest("'thinking.budget_tokens' must be an integer >= 1024", param="thinking.budget_tokens")
+                raise InvalidRequest(
+                    "'thinking.budget_tokens' must be an integer >= 1024", param="thinking.budget_tokens"
+                )
             if budget >= max_tokens:
-                raise InvalidRequest("thinking.budget_tokens must be less than max_tokens", param="thinking.budget_tokens")
+                raise InvalidRequest(
+                    "thinking.budget_tokens must be less than max_tokens", param="thinking.budget_tokens"
+                )
         return
     if body.get("stream_options") is not None:
         if not isinstance(body["stream_options"], dict):
@@ -206,17 +219,25 @@ def _check_leg_dropped_fields(body: dict, route: str, stream: bool, max_tokens: 
         if not stream and body["stream_options"]:  # vLLM refuses only non-empty ones
             raise InvalidRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
     stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+    if (
+        stop is not None
+        and not isinstance(stop, str)
+        and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop))
+    ):
         raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
     ids = body.get("stop_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)):
+    if ids is not None and not (
+        isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)
+    ):
         raise InvalidRequest("'stop_token_ids' must be a list of integers", param="stop_token_ids")
     if "min_tokens" in body:  # (null too: vLLM's field is an int, 0 unless given)
         low = lax_int(body["min_tokens"])
         if low is None or low < 0:
             raise InvalidRequest("'min_tokens' must be an integer >= 0", param="min_tokens")
         if max_tokens is not None and low > max_tokens:
-            raise InvalidRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {low}.", param="min_tokens")
+            raise InvalidRequest(
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {low}.", param="min_tokens"
+            )
 
 
 def _check_tools(body: dict) -> None:
@@ -237,7 +258,9 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str,
         _check_tools(body)
         max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
         if not from_engine:
-            _check_leg_dropped_fields(body, route, stream, lax_int(body.get("max_completion_tokens") or body.get("max_tokens")))
+            _check_leg_dropped_fields(
+                body, route, stream, lax_int(body.get("max_completion_tokens") or body.get("max_tokens"))
+            )
     elif route == COMPLETIONS:
         stream = _stream(body)
         prompt = body.get("prompt")

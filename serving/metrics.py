@@ -35,15 +35,50 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 OTHER_MODEL = "other"
 
-REQUESTS = Counter("motor_requests_total", "Requests answered, by route, model and HTTP status (499: client went away)", ["route", "model", "status"])
-TTFT = Histogram("motor_ttft_seconds", "Time to first token of streamed requests, measured at the Coordinator", ["route", "model"], buckets=LATENCY_BUCKETS)
-TPOT = Histogram("motor_tpot_seconds", "Time per output token after the first, streamed requests", ["route", "model"], buckets=TPOT_BUCKETS)
-E2E = Histogram("motor_e2e_seconds", "End-to-end duration of successful requests", ["route", "model"], buckets=LATENCY_BUCKETS)
-LEG = Histogram("motor_leg_seconds", "Duration of each PD leg (prefill: until P answered; decode: until D's answer ended)", ["leg", "model"], buckets=LATENCY_BUCKETS)
-PROMPT_TOKENS = Counter("motor_prompt_tokens_total", "Prompt tokens of successful requests (engine usage, else the Coordinator's count)", ["route", "model"])
-OUTPUT_TOKENS = Counter("motor_generation_tokens_total", "Output tokens of successful requests (usage, or SSE events)", ["route", "model"])
-MISSED = Counter("motor_missed_handoffs_total", "PD requests whose decode recomputed the prompt (P returned no kv_transfer_params, or D failed with them)", ["model"])
-RETRIES = Counter("motor_retries_total", "Engine attempts retried before the first byte, by the error that caused them", ["model", "reason"])
+REQUESTS = Counter(
+    "motor_requests_total",
+    "Requests answered, by route, model and HTTP status (499: client went away)",
+    ["route", "model", "status"],
+)
+TTFT = Histogram(
+    "motor_ttft_seconds",
+    "Time to first token of streamed requests, measured at the Coordinator",
+    ["route", "model"],
+    buckets=LATENCY_BUCKETS,
+)
+TPOT = Histogram(
+    "motor_tpot_seconds",
+    "Time per output token after the first, streamed requests",
+    ["route", "model"],
+    buckets=TPOT_BUCKETS,
+)
+E2E = Histogram(
+    "motor_e2e_seconds", "End-to-end duration of successful requests", ["route", "model"], buckets=LATENCY_BUCKETS
+)
+LEG = Histogram(
+    "motor_leg_seconds",
+    "Duration of each PD leg (prefill: until P answered; decode: until D's answer ended)",
+    ["leg", "model"],
+    buckets=LATENCY_BUCKETS,
+)
+PROMPT_TOKENS = Counter(
+    "motor_prompt_tokens_total",
+    "Prompt tokens of successful requests (engine usage, else the Coordinator's count)",
+    ["route", "model"],
+)
+OUTPUT_TOKENS = Counter(
+    "motor_generation_tokens_total", "Output tokens of successful requests (usage, or SSE events)", ["route", "model"]
+)
+MISSED = Counter(
+    "motor_missed_handoffs_total",
+    "PD requests whose decode recomputed the prompt (P returned no kv_transfer_params, or D failed with them)",
+    ["model"],
+)
+RETRIES = Counter(
+    "motor_retries_total",
+    "Engine attempts retried before the first byte, by the error that caused them",
+    ["model", "reason"],
+)
 REJECTIONS = Counter("motor_rejections_total", "Requests refused before reaching an engine, by reason", ["reason"])
 DISCONNECTS = Counter("motor_client_disconnects_total", "Clients that went away, by phase", ["phase"])
 
@@ -67,9 +102,19 @@ class SharedStateCollector:
     def collect(self):
         g, w = self.registry.shared.globals, self.registry.shared.workers
         rows = range(0, len(self.ledger.rows) * WORKER_FIELDS, WORKER_FIELDS)
-        yield GaugeMetricFamily("motor_inflight_requests", "Requests admitted and being served, all workers", value=worker_sum(w, rows, W_INFLIGHT))
-        yield GaugeMetricFamily("motor_queued_requests", "Requests waiting in SLO admission queues, all workers", value=worker_sum(w, rows, W_QUEUED))
-        yield GaugeMetricFamily("motor_draining", "1 while the Coordinator is shutting down", value=1 if g[G_DRAINING] else 0)
+        yield GaugeMetricFamily(
+            "motor_inflight_requests",
+            "Requests admitted and being served, all workers",
+            value=worker_sum(w, rows, W_INFLIGHT),
+        )
+        yield GaugeMetricFamily(
+            "motor_queued_requests",
+            "Requests waiting in SLO admission queues, all workers",
+            value=worker_sum(w, rows, W_QUEUED),
+        )
+        yield GaugeMetricFamily(
+            "motor_draining", "1 while the Coordinator is shutting down", value=1 if g[G_DRAINING] else 0
+        )
 
         view = self.registry.view()
         labels = ["instance", "endpoint", "role", "model"]
@@ -79,15 +124,42 @@ class SharedStateCollector:
 
         fams = [
             (family("motor_instance_healthy", "1 when the endpoint passes its health check"), lambda s: s.healthy),
-            (family("motor_instance_paused", "1 when the instance is paused (no new requests)"), lambda s: s.target.paused),
-            (family("motor_instance_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open"), lambda s: BREAKER_CODES[s.breaker]),
-            (family("motor_instance_inflight_requests", "Legs this Coordinator has in flight on the endpoint"), lambda s: s.inflight_requests),
-            (family("motor_instance_inflight_prompt_tokens", "Prompt tokens of those legs still prefilling"), lambda s: s.inflight_prompt_tokens),
-            (family("motor_instance_inflight_decode_tokens", "Output tokens budgeted for those legs"), lambda s: s.inflight_decode_tokens),
-            (family("motor_instance_held_decode_slots", "Decode legs promised to requests still in prefill"), lambda s: s.held_decode_slots),
-            (family("motor_engine_num_requests_running", "The engine's vllm:num_requests_running"), lambda s: s.engine_running),
-            (family("motor_engine_num_requests_waiting", "The engine's vllm:num_requests_waiting"), lambda s: s.engine_waiting),
-            (family("motor_engine_kv_cache_usage_perc", "The engine's vllm:kv_cache_usage_perc (0..1)"), lambda s: s.engine_kv_cache_usage),
+            (
+                family("motor_instance_paused", "1 when the instance is paused (no new requests)"),
+                lambda s: s.target.paused,
+            ),
+            (
+                family("motor_instance_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open"),
+                lambda s: BREAKER_CODES[s.breaker],
+            ),
+            (
+                family("motor_instance_inflight_requests", "Legs this Coordinator has in flight on the endpoint"),
+                lambda s: s.inflight_requests,
+            ),
+            (
+                family("motor_instance_inflight_prompt_tokens", "Prompt tokens of those legs still prefilling"),
+                lambda s: s.inflight_prompt_tokens,
+            ),
+            (
+                family("motor_instance_inflight_decode_tokens", "Output tokens budgeted for those legs"),
+                lambda s: s.inflight_decode_tokens,
+            ),
+            (
+                family("motor_instance_held_decode_slots", "Decode legs promised to requests still in prefill"),
+                lambda s: s.held_decode_slots,
+            ),
+            (
+                family("motor_engine_num_requests_running", "The engine's vllm:num_requests_running"),
+                lambda s: s.engine_running,
+            ),
+            (
+                family("motor_engine_num_requests_waiting", "The engine's vllm:num_requests_waiting"),
+                lambda s: s.engine_waiting,
+            ),
+            (
+                family("motor_engine_kv_cache_usage_perc", "The engine's vllm:kv_cache_usage_perc (0..1)"),
+                lambda s: s.engine_kv_cache_usage,
+            ),
         ]
         for s in endpoint_status(view, self.ledger, self.health):
             t = s.target
@@ -101,7 +173,7 @@ class SharedStateCollector:
 class _PendingCount:
     """A counter child and what this worker added to it since the last flush."""
 
-    __slots__ = ("child", "amount")
+    __slots__ = ("amount", "child")
 
     def __init__(self, child):
         self.child, self.amount = child, 0.0
@@ -120,7 +192,7 @@ class _PendingHistogram:
     are prometheus-client internals, so the version is pinned and tests/test_metrics.py reads the counts back.
     """
 
-    __slots__ = ("child", "bounds", "counts", "total", "seen")
+    __slots__ = ("bounds", "child", "counts", "seen", "total")
 
     def __init__(self, child):
         self.child, self.bounds = child, child._upper_bounds
@@ -146,7 +218,18 @@ class _PendingHistogram:
 class _Series:
     """What requests of one (route, model, status) add to the metrics, made on first use."""
 
-    __slots__ = ("requests", "e2e", "prompt_tokens", "output_tokens", "ttft", "tpot", "prefill_leg", "decode_leg", "parts", "dirty")
+    __slots__ = (
+        "decode_leg",
+        "dirty",
+        "e2e",
+        "output_tokens",
+        "parts",
+        "prefill_leg",
+        "prompt_tokens",
+        "requests",
+        "tpot",
+        "ttft",
+    )
 
     def __init__(self, route: str, model: str, status: int):
         self.requests = _PendingCount(REQUESTS.labels(route, model, str(status)))
@@ -161,7 +244,15 @@ class _Series:
         self.tpot = _PendingHistogram(TPOT.labels(route, model))
         self.prefill_leg = _PendingHistogram(LEG.labels("prefill", model))
         self.decode_leg = _PendingHistogram(LEG.labels("decode", model))
-        self.parts += [self.e2e, self.prompt_tokens, self.output_tokens, self.ttft, self.tpot, self.prefill_leg, self.decode_leg]
+        self.parts += [
+            self.e2e,
+            self.prompt_tokens,
+            self.output_tokens,
+            self.ttft,
+            self.tpot,
+            self.prefill_leg,
+            self.decode_leg,
+        ]
 
     def flush(self) -> None:
         self.dirty = False

@@ -14,8 +14,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from scheduling.registry import Target
 from serving.job import CHAT, COMPLETIONS, MESSAGES, VISIBLE
@@ -33,6 +33,8 @@ _OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
 _MESSAGES_OUTPUT_KEY = (b'"output_tokens":',)
 _INPUT_KEYS = (b'"prompt_tokens":', b'"input_tokens":')
 _INT = re.compile(rb"\s*(\d+)")
+
+
 def log_value(value: str) -> str:
     """A client-given value (a model name) for a `key=value` log field: as it is when it cannot forge a field
     or a line, else quoted with JSON's escapes (spaces, `=`-looking text, newlines and non-ASCII kept visible
@@ -107,7 +109,7 @@ class FlushTimer:
     cancels the pending call.
     """
 
-    __slots__ = ("flush", "delay_s", "handle")
+    __slots__ = ("delay_s", "flush", "handle")
 
     def __init__(self, flush: Callable[[], None], delay_s: float):
         self.flush, self.delay_s = flush, delay_s
@@ -180,10 +182,21 @@ class Observer:
         if self.request_log.enabled():
             self.request_log.write(
                 "request_id=%s route=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
-                "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s duration_ms=%.1f%s" % (
-                    rec.request_id, rec.route, log_value(rec.model) if rec.model else "-", rec.stream, _name(rec.prefill), _name(rec.target),
-                    rec.status, f"{rec.ttft_s * 1000:.1f}" if rec.stream and rec.ttft_s is not None else "-",
-                    rec.prompt_tokens, rec.generated_tokens, rec.retries, rec.missed_handoff, rec.duration_s * 1000,
+                "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s duration_ms=%.1f%s"
+                % (
+                    rec.request_id,
+                    rec.route,
+                    log_value(rec.model) if rec.model else "-",
+                    rec.stream,
+                    _name(rec.prefill),
+                    _name(rec.target),
+                    rec.status,
+                    f"{rec.ttft_s * 1000:.1f}" if rec.stream and rec.ttft_s is not None else "-",
+                    rec.prompt_tokens,
+                    rec.generated_tokens,
+                    rec.retries,
+                    rec.missed_handoff,
+                    rec.duration_s * 1000,
                     f" error={rec.error!r}" if rec.error else "",
                 )
             )
@@ -198,5 +211,7 @@ class Observer:
     def missed_handoff(self, job, rec: RequestRecord, why: str) -> None:
         log.warning(
             "request_id=%s missed handoff (prefill %s): %s; decode recomputes the prompt",
-            job.request_id, _name(rec.prefill), why,
+            job.request_id,
+            _name(rec.prefill),
+            why,
         )

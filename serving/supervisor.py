@@ -88,7 +88,11 @@ def start_heartbeat(shared: SharedState, worker: int, watch_parent: bool = True)
 
 class Supervisor:
     def __init__(
-        self, manager: Any, shared: SharedState, watchdog_timeout_s: float, interval_s: float = 0.5,
+        self,
+        manager: Any,
+        shared: SharedState,
+        watchdog_timeout_s: float,
+        interval_s: float = 0.5,
         stop_deadline_s: float = float("inf"),
     ):
         """`watchdog_timeout_s`: how old a live worker's heartbeat may get before it is killed (0: never;
@@ -145,7 +149,9 @@ class Supervisor:
             if process.is_alive():
                 log.error(
                     "worker %s (pid %s) is still running %.0f s after the stop signal: killing it",
-                    process.name, process.pid, self.stop_deadline_s,
+                    process.name,
+                    process.pid,
+                    self.stop_deadline_s,
                 )
                 try:
                     os.kill(process.pid, signal.SIGKILL)
@@ -154,14 +160,14 @@ class Supervisor:
 
     def _exit_during_startup(self, sig: int) -> None:
         log.warning(
-            "%s before every worker started: stopping the workers and exiting (Sanic's start-up wait would "
-            "never end)", signal.Signals(sig).name,
+            "%s before every worker started: stopping the workers and exiting (Sanic's start-up wait would never end)",
+            signal.Signals(sig).name,
         )
         children = multiprocessing.active_children()  # the workers and Sanic's state manager process
         for child in children:
             try:
                 child.kill()
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:
                 pass
         deadline = time.monotonic() + 5
         for child in children:
@@ -171,7 +177,7 @@ class Supervisor:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         os._exit(128 + sig)
 
@@ -199,7 +205,7 @@ class Supervisor:
                 continue
             try:
                 self._check()
-            except Exception:  # noqa: BLE001 - never let the watch die
+            except Exception:
                 log.exception("worker supervisor check failed")
 
     def _stop_late_restarts(self) -> None:
@@ -210,7 +216,9 @@ class Supervisor:
         time.sleep(2 * self.interval_s)  # let the monitor loop handle what is on its pipe
         for process in self._servers():
             if process.is_alive() and process.pid not in self.stopped_pids:
-                log.warning("stopping worker %s (pid %s), restarted as the Coordinator began to stop", process.name, process.pid)
+                log.warning(
+                    "stopping worker %s (pid %s), restarted as the Coordinator began to stop", process.name, process.pid
+                )
                 process.terminate()
 
     def _silence(self, process: Any, current: Any, now: float) -> float:
@@ -235,7 +243,10 @@ class Supervisor:
             return
         log.error(
             "worker %s (pid %s) has not run its event loop for %.1f s (worker_watchdog_timeout %g s): killing it",
-            process.name, current.pid, silent_s, self.watchdog_timeout_s,
+            process.name,
+            current.pid,
+            silent_s,
+            self.watchdog_timeout_s,
         )
         self.killed[current] = now
         try:
@@ -286,7 +297,10 @@ class Supervisor:
         pid, code = current.pid, current.exitcode
         log.error(
             "worker %s (pid %s) exited with code %s while the Coordinator runs: releasing what it held and "
-            "restarting it", name, pid, code,
+            "restarting it",
+            name,
+            pid,
+            code,
         )
         lived = now - self.started_at.get(name, float("-inf"))  # restarted by the supervisor how long ago
         delay = min(MAX_DELAY_S, max(1.0, 2 * self.delay.get(name, 0.0))) if lived < QUICK_DEATH_S else 0.0

@@ -18,7 +18,6 @@ from errors import dumps
 from scheduling.shared import PREFILL_USAGE_FIELDS, PREFILL_USAGE_SLOTS, SharedState
 
 
-
 def prefill_usage(p_response: dict) -> dict | None:
     usage = p_response.get("usage")
     return usage if isinstance(usage, dict) else None

@@ -92,7 +92,7 @@ def cryptography_certs(folder: Path) -> Certs:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def issue(cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None, name: str) -> tuple:
         key = ec.generate_private_key(ec.SECP256R1())
@@ -117,7 +117,9 @@ def cryptography_certs(folder: Path) -> Certs:
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(signer_key.public_key()), critical=False
             )
             if name == "server":
-                b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+                b = b.add_extension(
+                    x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+                )
         cert = b.sign(signer_key, hashes.SHA256())
         (folder / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         pem_key = key.private_bytes(

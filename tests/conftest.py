@@ -9,8 +9,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine_sim import SimConfig, launch  # noqa: E402
-from tests.support import Coordinator, coordinator_config, instance  # noqa: E402
+from engine_sim import SimConfig, launch
+from tests.support import Coordinator, coordinator_config, instance
 
 MODEL = "qwen3"
 
@@ -50,7 +50,9 @@ def module_sims():
 def union_cluster(module_sims):
     """One union engine behind a one-worker Coordinator."""
     u = module_sims("union")
-    cfg = coordinator_config([instance(1, "union", MODEL, u.address)], models=[{"id": MODEL, "slo_ttft": 800, "slo_tpot": 40}])
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, u.address)], models=[{"id": MODEL, "slo_ttft": 800, "slo_tpot": 40}]
+    )
     with Coordinator(cfg) as coord:
         coord.engines = {"union": u}
         yield coord

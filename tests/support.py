@@ -79,7 +79,12 @@ class Coordinator:
     """A running `python app.py` process."""
 
     def __init__(
-        self, config: dict, workers: int | None = None, wrap: bool = True, env: dict | None = None, verify: str | bool = True,
+        self,
+        config: dict,
+        workers: int | None = None,
+        wrap: bool = True,
+        env: dict | None = None,
+        verify: str | bool = True,
         root: str = ROOT,
     ):
         """`config` is a motor_coordinator_config object, written wrapped in a whole user_config.json unless
@@ -100,9 +105,13 @@ class Coordinator:
         args = [sys.executable, os.path.join(root, "app.py"), "--config", self.config_path]
         if workers is not None:
             args += ["--workers", str(workers)]
-        self.log = open(self.log_path, "wb")
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(
-            args, cwd=root, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            args,
+            cwd=root,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
             start_new_session=True,
         )
         try:
@@ -206,7 +215,7 @@ class Coordinator:
                 pass
         return self.proc.returncode
 
-    def __enter__(self) -> "Coordinator":
+    def __enter__(self) -> Coordinator:
         return self
 
     def __exit__(self, *exc) -> None:

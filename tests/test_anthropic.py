@@ -25,7 +25,11 @@ from tests.support import Coordinator, coordinator_config, free_port, instance, 
 WEATHER_TOOL = {
     "name": "get_weather",
     "description": "Current weather of a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]},
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
 }
 # One pixel PNG: image blocks must reach the engine untouched.
 PIXEL = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
@@ -94,7 +98,9 @@ def test_sdk_create(cluster):
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text.strip()
     assert msg.stop_reason in ("end_turn", "max_tokens")
     assert 0 < msg.usage.output_tokens <= 12
-    counted = c.messages.count_tokens(model=MODEL, system="You are terse.", messages=[{"role": "user", "content": "Hello there"}])
+    counted = c.messages.count_tokens(
+        model=MODEL, system="You are terse.", messages=[{"role": "user", "content": "Hello there"}]
+    )
     assert msg.usage.input_tokens == counted.input_tokens > 0
 
 
@@ -117,7 +123,9 @@ def test_async_sdk(cluster):
     async def run():
         c = async_sdk(cluster)
         msg = await c.messages.create(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "async one"}])
-        async with c.messages.stream(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "async one"}]) as s:
+        async with c.messages.stream(
+            model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "async one"}]
+        ) as s:
             text = "".join([t async for t in s.text_stream])
             final = await s.get_final_message()
         counted = await c.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "async one"}])
@@ -134,7 +142,11 @@ def test_tool_use_round_trip(cluster):
     c = sdk(cluster)
     question = {"role": "user", "content": "Weather in Paris?"}
     first = c.messages.create(
-        model=MODEL, max_tokens=64, tools=[WEATHER_TOOL], tool_choice={"type": "tool", "name": "get_weather"}, messages=[question]
+        model=MODEL,
+        max_tokens=64,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[question],
     )
     assert first.stop_reason == "tool_use"
     (call,) = [b for b in first.content if b.type == "tool_use"]
@@ -142,7 +154,11 @@ def test_tool_use_round_trip(cluster):
 
     # The same call streamed: input_json_delta pieces add up to the same input.
     with c.messages.stream(
-        model=MODEL, max_tokens=64, tools=[WEATHER_TOOL], tool_choice={"type": "tool", "name": "get_weather"}, messages=[question]
+        model=MODEL,
+        max_tokens=64,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[question],
     ) as s:
         kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
         streamed = s.get_final_message()
@@ -154,7 +170,9 @@ def test_tool_use_round_trip(cluster):
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 C, sunny"}]},
     ]
-    second = c.messages.create(model=MODEL, max_tokens=16, tools=[WEATHER_TOOL], tool_choice={"type": "none"}, messages=turn)
+    second = c.messages.create(
+        model=MODEL, max_tokens=16, tools=[WEATHER_TOOL], tool_choice={"type": "none"}, messages=turn
+    )
     assert second.content[0].type == "text" and second.stop_reason in ("end_turn", "max_tokens")
     engine = cluster.engines.get("decode") or cluster.engines["union"]
     assert posts(engine, "/v1/messages")[-1]["body"]["messages"] == json.loads(json.dumps(turn))
@@ -163,8 +181,13 @@ def test_tool_use_round_trip(cluster):
 def test_thinking_stream_has_thinking_and_signature(cluster):
     r = httpx.post(
         cluster.url + "/v1/messages",
-        json={"model": MODEL, "max_tokens": 1100, "stream": True, "thinking": {"type": "enabled", "budget_tokens": 1024},
-              "messages": [{"role": "user", "content": "think first"}]},
+        json={
+            "model": MODEL,
+            "max_tokens": 1100,
+            "stream": True,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "think first"}],
+        },
         timeout=30,
     )
     assert r.status_code == 200
@@ -176,14 +199,22 @@ def test_thinking_stream_has_thinking_and_signature(cluster):
 def test_thinking_budget_not_below_max_tokens_is_refused_at_the_edge(cluster):
     """vLLM exempts prefill legs from `budget_tokens < max_tokens`: P would prefill and hold the KV, and only
     D would refuse. The Coordinator refuses it first, with vLLM's message, whole or disaggregated."""
-    ask = {"model": MODEL, "messages": [{"role": "user", "content": "think"}], "thinking": {"type": "enabled", "budget_tokens": 2048}}
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "think"}],
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+    }
     for max_tokens in (2048, 16):
         with pytest.raises(anthropic.BadRequestError) as e:
             sdk(cluster).messages.create(max_tokens=max_tokens, **ask)
         assert e.value.body["error"] == {
-            "type": "invalid_request_error", "message": "thinking.budget_tokens must be less than max_tokens"}
+            "type": "invalid_request_error",
+            "message": "thinking.budget_tokens must be less than max_tokens",
+        }
     with pytest.raises(anthropic.BadRequestError) as e:
-        with sdk(cluster).messages.stream(max_tokens=4096, **{**ask, "thinking": {"type": "enabled", "budget_tokens": 1000}}):
+        with sdk(cluster).messages.stream(
+            max_tokens=4096, **{**ask, "thinking": {"type": "enabled", "budget_tokens": 1000}}
+        ):
             pass
     assert e.value.body["error"]["message"] == "'thinking.budget_tokens' must be an integer >= 1024"
     assert all(engine.requests() == [] for engine in cluster.engines.values())
@@ -194,13 +225,21 @@ def test_thinking_budget_not_below_max_tokens_is_refused_at_the_edge(cluster):
 def test_integer_fields_are_read_as_vllm_reads_them(cluster, budget, max_tokens):
     """vLLM's request models read integers in pydantic's lax mode: 2048.0 and "2048" are 2048 (a client that
     computes a budget as max_tokens * 0.5 sends a float). The Coordinator's own checks agree, whole or split."""
-    body = {"model": MODEL, "max_tokens": max_tokens, "thinking": {"type": "enabled", "budget_tokens": budget},
-            "messages": [{"role": "user", "content": "think"}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "thinking": {"type": "enabled", "budget_tokens": budget},
+        "messages": [{"role": "user", "content": "think"}],
+    }
     r = httpx.post(cluster.url + "/v1/messages", json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert [block["type"] for block in r.json()["content"]][0] == "thinking"
     for bad in (2048.5, "2048.5", True, "many"):
-        r = httpx.post(cluster.url + "/v1/messages", json={**body, "thinking": {"type": "enabled", "budget_tokens": bad}}, timeout=30)
+        r = httpx.post(
+            cluster.url + "/v1/messages",
+            json={**body, "thinking": {"type": "enabled", "budget_tokens": bad}},
+            timeout=30,
+        )
         assert r.status_code == 400 and "budget_tokens" in r.json()["error"]["message"], (bad, r.text)
 
 
@@ -210,11 +249,17 @@ def test_sdk_reads_the_request_id(cluster):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "which request?"}]}
     sent = {"X-Request-Id": "anth-rid-1"}
     assert c.messages.create(**body, extra_headers=sent)._request_id == "anth-rid-1"
-    assert c.messages.count_tokens(model=MODEL, messages=body["messages"], extra_headers=sent)._request_id == "anth-rid-1"
+    assert (
+        c.messages.count_tokens(model=MODEL, messages=body["messages"], extra_headers=sent)._request_id == "anth-rid-1"
+    )
     with c.messages.stream(**body, extra_headers=sent) as s:
         assert s.request_id == "anth-rid-1" and s.get_final_message().content
     raw = c.messages.with_raw_response.create(**body)  # no id sent: the one the Coordinator made
-    assert raw.request_id == raw.headers["x-request-id"] and len(raw.request_id) == 32 and raw.parse()._request_id == raw.request_id
+    assert (
+        raw.request_id == raw.headers["x-request-id"]
+        and len(raw.request_id) == 32
+        and raw.parse()._request_id == raw.request_id
+    )
     with pytest.raises(anthropic.NotFoundError) as e:
         c.messages.create(**{**body, "model": "no-such-model"}, extra_headers=sent)
     assert e.value.request_id == e.value.body["request_id"] == "anth-rid-1"
@@ -226,7 +271,12 @@ def test_sdk_lists_and_retrieves_models_in_anthropics_shape(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={"enable_api_key": True, "valid_keys": ["k-one"], "header_name": "Authorization", "key_prefix": "Bearer "},
+        api_key_config={
+            "enable_api_key": True,
+            "valid_keys": ["k-one"],
+            "header_name": "Authorization",
+            "key_prefix": "Bearer ",
+        },
     )
     with Coordinator(cfg) as coord:
         c = sdk(coord, api_key="k-one")  # sent as x-api-key
@@ -251,27 +301,50 @@ def test_request_id_on_answers_refused_before_the_body_is_read(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={"enable_api_key": True, "valid_keys": ["k-one"], "header_name": "Authorization", "key_prefix": "Bearer "},
+        api_key_config={
+            "enable_api_key": True,
+            "valid_keys": ["k-one"],
+            "header_name": "Authorization",
+            "key_prefix": "Bearer ",
+        },
         rate_limit_config={"max_request_body_size": 64 * 1024},
     )
     with Coordinator(cfg) as coord:
         with pytest.raises(anthropic.AuthenticationError) as e:
-            sdk(coord, api_key="bad").messages.create(model=MODEL, max_tokens=2, messages=USER, extra_headers={"X-Request-Id": "anth-401"})
+            sdk(coord, api_key="bad").messages.create(
+                model=MODEL, max_tokens=2, messages=USER, extra_headers={"X-Request-Id": "anth-401"}
+            )
         assert e.value.request_id == e.value.body["request_id"] == "anth-401"
         with pytest.raises(anthropic.ContentTooLargeError) as e:
-            sdk(coord, api_key="k-one").messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x" * 100_000}])
+            sdk(coord, api_key="k-one").messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x" * 100_000}]
+            )
         assert e.value.request_id == e.value.body["request_id"] and e.value.type == "request_too_large"
         key = {"x-api-key": "k-one"}
         for size in (100_000, 12 * 1024 * 1024):
-            r = httpx.post(coord.url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * size}]},
-                           headers=key, timeout=30)
+            r = httpx.post(
+                coord.url + "/v1/messages",
+                json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * size}]},
+                headers=key,
+                timeout=30,
+            )
             assert r.status_code == 413 and error_of(r)["type"] == "request_too_large"
-        r = httpx.post(coord.url + "/v1/messages/count_tokens", content=b"model=x", headers={**key, "Content-Type": "text/plain"})
+        r = httpx.post(
+            coord.url + "/v1/messages/count_tokens", content=b"model=x", headers={**key, "Content-Type": "text/plain"}
+        )
         assert r.status_code == 415 and error_of(r)["type"] == "invalid_request_error"
         r = httpx.get(coord.url + "/v1/messages", headers={**key, "X-Request-Id": "anth-405"})
-        assert r.status_code == 405 and error_of(r)["type"] == "invalid_request_error" and r.headers["request-id"] == "anth-405"
+        assert (
+            r.status_code == 405
+            and error_of(r)["type"] == "invalid_request_error"
+            and r.headers["request-id"] == "anth-405"
+        )
         # The OpenAI routes keep their own envelope and header.
-        r = httpx.post(coord.url + "/v1/chat/completions", json={"model": MODEL, "messages": USER}, headers={"X-Request-Id": "oai-401"})
+        r = httpx.post(
+            coord.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": USER},
+            headers={"X-Request-Id": "oai-401"},
+        )
         assert r.status_code == 401 and set(r.json()) == {"error"} and "request-id" not in r.headers
         assert r.headers["x-request-id"] == "oai-401"
         assert u.requests() == []
@@ -284,10 +357,13 @@ FULL_BODY = {
     "max_tokens": 20,
     "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
     "messages": [
-        {"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PIXEL}},
-            {"type": "text", "text": "What is in the picture?"},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PIXEL}},
+                {"type": "text", "text": "What is in the picture?"},
+            ],
+        },
         {"role": "assistant", "content": "A pixel."},
         {"role": "user", "content": "And the weather?"},
     ],
@@ -365,10 +441,17 @@ def test_pd_named_tool_choice_reaches_prefill_as_any(pd):
     p.reset()
     d.reset()
     named = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
-    ask = {"model": MODEL, "max_tokens": 64, "tools": [WEATHER_TOOL], "tool_choice": named,
-           "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+    ask = {
+        "model": MODEL,
+        "max_tokens": 64,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": named,
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+    }
     msg = sdk(pd).messages.create(**ask)
-    assert msg.stop_reason == "tool_use" and msg.content[-1].type == "tool_use" and msg.content[-1].name == "get_weather"
+    assert (
+        msg.stop_reason == "tool_use" and msg.content[-1].type == "tool_use" and msg.content[-1].name == "get_weather"
+    )
     with sdk(pd).messages.stream(**ask) as s:
         assert s.get_final_message().content[-1].input == msg.content[-1].input
     p_legs, d_legs = posts(p, "/v1/messages"), posts(d, "/v1/messages")
@@ -435,13 +518,16 @@ class DecodeRelay:
     def _rewrite_event(self, event: bytes) -> bytes:
         lines = event.split(b"\n")
         return b"\n".join(
-            b"data: " + json.dumps(self.rewrite(json.loads(ln[5:]))).encode() if ln.startswith(b"data:") else ln for ln in lines
+            b"data: " + json.dumps(self.rewrite(json.loads(ln[5:]))).encode() if ln.startswith(b"data:") else ln
+            for ln in lines
         )
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "x-request-id")}
         body = await request.read()
-        async with self.session.request(request.method, self.upstream + request.path_qs, data=body or None, headers=headers) as up:
+        async with self.session.request(
+            request.method, self.upstream + request.path_qs, data=body or None, headers=headers
+        ) as up:
             if request.path != "/v1/messages" or up.status != 200:
                 return web.Response(body=await up.read(), status=up.status, content_type=up.content_type)
             if up.content_type != "text/event-stream":
@@ -485,13 +571,19 @@ def test_pd_usage_is_prefills_and_tickets_never_reach_the_client(sims):
     p, d = sims("prefill"), sims("decode")
     relay = DecodeRelay(d.url)
     try:
-        cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, relay.address)])
+        cfg = coordinator_config(
+            [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, relay.address)]
+        )
         with Coordinator(cfg) as coord:
             body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "count my input"}]}
             prompt = httpx.post(p.url + "/v1/messages/count_tokens", json=body).json()["input_tokens"]
             # The relay really reports what the Coordinator must undo.
             raw_d = httpx.post(relay.url + "/v1/messages", json=body, timeout=30).json()
-            assert raw_d["usage"] == {"input_tokens": 0, "cache_read_input_tokens": prompt, "output_tokens": raw_d["usage"]["output_tokens"]}
+            assert raw_d["usage"] == {
+                "input_tokens": 0,
+                "cache_read_input_tokens": prompt,
+                "output_tokens": raw_d["usage"]["output_tokens"],
+            }
             assert raw_d["kv_transfer_params"] == DecodeRelay.ECHO
 
             msg = sdk(coord).messages.create(**body)
@@ -547,7 +639,12 @@ def test_pd_usage_with_vllms_cache_details(sims):
 
 
 def test_count_tokens_goes_to_exactly_one_engine(cluster):
-    body = {"model": MODEL, "system": "sys", "tools": [WEATHER_TOOL], "messages": [{"role": "user", "content": "how many tokens?"}]}
+    body = {
+        "model": MODEL,
+        "system": "sys",
+        "tools": [WEATHER_TOOL],
+        "messages": [{"role": "user", "content": "how many tokens?"}],
+    }
     r = httpx.post(cluster.url + "/v1/messages/count_tokens", json=body)
     assert r.status_code == 200
     engines = list(cluster.engines.values())
@@ -578,11 +675,20 @@ BAD_BODIES = [
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": []}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": "hi"}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": 5, "content": "x"}]}).encode()),
-    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "", "content": "x"}]}).encode()),
+    (
+        "/v1/messages",
+        json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "", "content": "x"}]}).encode(),
+    ),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"content": "x"}]}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user"}]}).encode()),
-    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": None}]}).encode()),
-    ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": 7}]}).encode()),
+    (
+        "/v1/messages",
+        json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": None}]}).encode(),
+    ),
+    (
+        "/v1/messages",
+        json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": 7}]}).encode(),
+    ),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": USER, "stream": "yes"}).encode()),
     ("/v1/messages", json.dumps({"model": MODEL, "max_tokens": 5, "messages": USER, "tools": 1}).encode()),
     ("/v1/messages/count_tokens", json.dumps({"model": MODEL, "messages": USER, "tools": "x"}).encode()),
@@ -604,10 +710,18 @@ def test_roles_are_the_engines_to_judge(union_cluster):
         {"role": "msg", "content": "more"},
     ]
     m = sdk(union_cluster).messages.create(model=MODEL, max_tokens=4, messages=messages)
-    assert m.content[0].text and [x["role"] for x in engine.requests()[-1]["body"]["messages"]] == ["user", "system", "ctx", "msg"]
+    assert m.content[0].text and [x["role"] for x in engine.requests()[-1]["body"]["messages"]] == [
+        "user",
+        "system",
+        "ctx",
+        "msg",
+    ]
     count = sdk(union_cluster).messages.count_tokens(model=MODEL, messages=messages)
     assert count.input_tokens > 0
-    r = httpx.post(union_cluster.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]})
+    r = httpx.post(
+        union_cluster.url + "/v1/messages",
+        json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]},
+    )
     assert r.status_code == 400 and error_of(r)["type"] == "invalid_request_error"
     assert engine.requests()[-1]["body"]["messages"] == [{"role": "tool", "content": "x"}]  # the engine judged it
 
@@ -669,7 +783,9 @@ def test_engine_errors_come_back_in_anthropic_shape(union_cluster):
 def test_engine_failure_before_and_after_the_first_byte(sims):
     engine = sims("union")
     # A breaker that stays closed: this test is about what the client sees, not about failing over.
-    cfg = coordinator_config([instance(1, "union", MODEL, engine.address)], scheduler_config={"breaker_failure_threshold": 100})
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, engine.address)], scheduler_config={"breaker_failure_threshold": 100}
+    )
     body = {"model": MODEL, "max_tokens": 30, "messages": [{"role": "user", "content": "fail me"}], "stream": True}
     with Coordinator(cfg) as coord:
         engine.set_faults(fail_status=500)
@@ -684,7 +800,12 @@ def test_engine_failure_before_and_after_the_first_byte(sims):
         r = httpx.post(coord.url + "/v1/messages", json=body, timeout=30)
         assert r.status_code == 200
         events = sse(r.text)
-        assert [n for n, _ in events[:4]] == ["message_start", "content_block_start", "content_block_delta", "content_block_delta"]
+        assert [n for n, _ in events[:4]] == [
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+        ]
         name, data = events[-1]
         assert name == "error" and set(data) == {"type", "error", "request_id"} and data["error"]["type"] == "api_error"
         assert data["request_id"] == r.headers["request-id"] == r.headers["x-request-id"]
@@ -703,8 +824,13 @@ def test_error_type_follows_the_status_the_client_gets(sims):
     engine = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, engine.address)],
-        exception_config={"retry_delay": 0.01, "max_retry": 1, "first_token_timeout": 0.5, "infer_timeout": 0.5,
-                          "stream_idle_timeout": 0.5},
+        exception_config={
+            "retry_delay": 0.01,
+            "max_retry": 1,
+            "first_token_timeout": 0.5,
+            "infer_timeout": 0.5,
+            "stream_idle_timeout": 0.5,
+        },
         scheduler_config={"breaker_failure_threshold": 100},
     )
     body = {"model": MODEL, "max_tokens": 30, "messages": USER}
@@ -798,16 +924,33 @@ def test_api_keys_on_anthropic_and_openai_routes(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={"enable_api_key": True, "valid_keys": ["k-one", "k-two"], "header_name": "Authorization", "key_prefix": "Bearer "},
+        api_key_config={
+            "enable_api_key": True,
+            "valid_keys": ["k-one", "k-two"],
+            "header_name": "Authorization",
+            "key_prefix": "Bearer ",
+        },
     )
     with Coordinator(cfg) as coord:
-        assert sdk(coord, api_key="k-one").messages.create(model=MODEL, max_tokens=2, messages=USER).content  # x-api-key
-        assert sdk(coord, api_key=None, auth_token="k-two").messages.create(model=MODEL, max_tokens=2, messages=USER).content  # Bearer
+        assert (
+            sdk(coord, api_key="k-one").messages.create(model=MODEL, max_tokens=2, messages=USER).content
+        )  # x-api-key
+        assert (
+            sdk(coord, api_key=None, auth_token="k-two")
+            .messages.create(model=MODEL, max_tokens=2, messages=USER)
+            .content
+        )  # Bearer
         assert sdk(coord, api_key="k-two").messages.count_tokens(model=MODEL, messages=USER).input_tokens > 0
         with sdk(coord, api_key="k-one").messages.stream(model=MODEL, max_tokens=3, messages=USER) as s:
             assert s.get_final_message().content
 
-        for headers in ({}, {"x-api-key": "wrong"}, {"x-api-key": "k-on"}, {"Authorization": "Bearer nope"}, {"Authorization": "k-one"}):
+        for headers in (
+            {},
+            {"x-api-key": "wrong"},
+            {"x-api-key": "k-on"},
+            {"Authorization": "Bearer nope"},
+            {"Authorization": "k-one"},
+        ):
             for path, extra in (("/v1/messages", {"max_tokens": 2}), ("/v1/messages/count_tokens", {})):
                 r = httpx.post(coord.url + path, json={"model": MODEL, "messages": USER, **extra}, headers=headers)
                 assert r.status_code == 401, (headers, path)
@@ -822,25 +965,55 @@ def test_api_keys_on_anthropic_and_openai_routes(sims):
         chat = {"model": MODEL, "messages": USER, "max_tokens": 2}
         r = httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"x-api-key": "k-one"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        assert httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer k-one"}).status_code == 200
+        assert (
+            httpx.post(
+                coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer k-one"}
+            ).status_code
+            == 200
+        )
         # The scheme is case-insensitive (RFC 9110); the key is not.
-        assert httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "bearer k-one"}).status_code == 200
-        assert httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "BEARER k-one"}).status_code == 200
-        assert httpx.post(coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer K-ONE"}).status_code == 401
-        assert all("k-one" not in json.dumps(r["headers"]) and "k-two" not in json.dumps(r["headers"]) for r in u.requests())
+        assert (
+            httpx.post(
+                coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "bearer k-one"}
+            ).status_code
+            == 200
+        )
+        assert (
+            httpx.post(
+                coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "BEARER k-one"}
+            ).status_code
+            == 200
+        )
+        assert (
+            httpx.post(
+                coord.url + "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer K-ONE"}
+            ).status_code
+            == 401
+        )
+        assert all(
+            "k-one" not in json.dumps(r["headers"]) and "k-two" not in json.dumps(r["headers"]) for r in u.requests()
+        )
 
 
 def test_custom_auth_header_and_x_api_key(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={"enable_api_key": True, "valid_keys": ["sekrit"], "header_name": "X-Api-Token", "key_prefix": ""},
+        api_key_config={
+            "enable_api_key": True,
+            "valid_keys": ["sekrit"],
+            "header_name": "X-Api-Token",
+            "key_prefix": "",
+        },
     )
     with Coordinator(cfg) as coord:
         body = {"model": MODEL, "max_tokens": 2, "messages": USER}
         assert httpx.post(coord.url + "/v1/messages", json=body, headers={"X-Api-Token": "sekrit"}).status_code == 200
         assert httpx.post(coord.url + "/v1/messages", json=body, headers={"x-api-key": "sekrit"}).status_code == 200
-        assert httpx.post(coord.url + "/v1/messages", json=body, headers={"Authorization": "Bearer sekrit"}).status_code == 401
+        assert (
+            httpx.post(coord.url + "/v1/messages", json=body, headers={"Authorization": "Bearer sekrit"}).status_code
+            == 401
+        )
 
 
 def test_rate_limited_is_rate_limit_error(sims):

@@ -39,8 +39,9 @@ def bench_cluster():
 
 def test_fake_engine_speaks_vllm_pd(bench_cluster):
     engines, _, _ = bench_cluster
-    status, _, raw = overhead.request(engines.prefill, "POST", "/v1/chat/completions",
-                                      overhead.body("bench", False, **overhead.PREFILL_LEG))
+    status, _, raw = overhead.request(
+        engines.prefill, "POST", "/v1/chat/completions", overhead.body("bench", False, **overhead.PREFILL_LEG)
+    )
     prefill = json.loads(raw)
     assert status == 200
     assert prefill["choices"][0]["finish_reason"] == "length"
@@ -70,9 +71,15 @@ def test_every_cell_relays_faithfully(bench_cluster):
         assert overhead.check_answer(gw.infer_port, gw.body(cell), cell in overhead.STREAMED) == "", cell
     # The SDK's view of a PD stream: usage billed once, with P's prompt count.
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.infer_port}/v1", api_key="unused", max_retries=0, timeout=30)
-    chunks = list(client.chat.completions.create(
-        model="bench-pd", messages=overhead.MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="bench-pd",
+            messages=overhead.MESSAGES,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == overhead.TOKEN_TEXT
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (12, 16)
     assert sum(1 for c in chunks if c.usage) == 1
@@ -106,8 +113,13 @@ def test_one_short_wrk_cell(bench_cluster):
 
 def test_pick_bench_times_every_policy_on_every_cluster(tmp_path):
     out = tmp_path / "pick.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pick.py"), "--quick", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "pick.py"), "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "| policy | cluster | prompt | pick µs (prepare+plan) | full µs (with leases) |" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
@@ -120,12 +132,19 @@ def test_pick_bench_times_every_policy_on_every_cluster(tmp_path):
         assert math.isfinite(r["full_us"]) and r["full_us"] > 0, r
 
 
-@pytest.mark.skipif(not all(shutil.which(t) for t in ("valgrind", "callgrind_control", "wrk", "gcc")),
-                    reason="needs valgrind, wrk and gcc (apt-get install -y valgrind wrk gcc)")
+@pytest.mark.skipif(
+    not all(shutil.which(t) for t in ("valgrind", "callgrind_control", "wrk", "gcc")),
+    reason="needs valgrind, wrk and gcc (apt-get install -y valgrind wrk gcc)",
+)
 def test_instruction_count_of_one_cell():
     """bench/instructions.py runs the Coordinator under callgrind and counts one cell's requests and instructions."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "instructions.py"), "--cells", "chat", "--seconds", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "instructions.py"), "--cells", "chat", "--seconds", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = [line for line in proc.stdout.splitlines() if line.startswith("| chat |")]
     assert len(row) == 1, proc.stdout

@@ -43,7 +43,8 @@ def test_one_engine_spelt_two_ways_is_refused_as_one_address(first, second):
 
 
 @pytest.mark.parametrize(
-    "address", ["10.0.0.5:8000", "engine-0.engines.svc:8000", "http://e:8000", "https://e:8443", "[::1]:8000", "HTTP://E:80"]
+    "address",
+    ["10.0.0.5:8000", "engine-0.engines.svc:8000", "http://e:8000", "https://e:8443", "[::1]:8000", "HTTP://E:80"],
 )
 def test_engine_addresses_are_read_as_the_engine_client_reads_them(address):
     inst = settings_from_dict(coordinator_config([union(1, address)])).instances[0]
@@ -111,7 +112,9 @@ def test_a_listen_host_that_does_not_resolve_is_refused_but_engine_hosts_are_not
     cfg = coordinator_config([union(1, "not-an-engine.invalid:8000")])
     assert settings_from_dict(cfg).instances[0].endpoints[0].address == "not-an-engine.invalid:8000"
     cfg["api_config"]["coordinator_api_host"] = "not-a-host.invalid"
-    assert refused(cfg).startswith("motor_coordinator_config.api_config.coordinator_api_host: 'not-a-host.invalid' does not resolve")
+    assert refused(cfg).startswith(
+        "motor_coordinator_config.api_config.coordinator_api_host: 'not-a-host.invalid' does not resolve"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +140,10 @@ def test_tls_files_must_exist_and_load(cert, tmp_path, section):
     assert getattr(settings_from_dict(cfg), section.split("_")[0] + "_tls").cert_file == cert_file
 
     cfg[section] = {"enable_tls": True, "cert_file": str(tmp_path / "missing.pem"), "key_file": key_file}
-    assert refused(cfg) == f"motor_coordinator_config.{section}.cert_file: '{tmp_path / 'missing.pem'}' is not a readable file"
+    assert (
+        refused(cfg)
+        == f"motor_coordinator_config.{section}.cert_file: '{tmp_path / 'missing.pem'}' is not a readable file"
+    )
     cfg[section] = {"enable_tls": True, "cert_file": cert_file, "key_file": str(tmp_path / "missing.key")}
     assert refused(cfg).startswith(f"motor_coordinator_config.{section}.key_file: ")
     garbage = tmp_path / "garbage.pem"
@@ -158,26 +164,43 @@ def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
     cases = {
         "same-address": {**base, "instances": [union(1, "127.0.0.1:9"), union(2, "127.0.0.1:9")]},
         "too-many": {**base, "instances": [union(i, f"127.0.0.1:{10000 + i}") for i in range(300)]},
-        "missing-cert": {**base, "infer_tls_config": {"enable_tls": True, "cert_file": "/nonexistent.pem", "key_file": "/nonexistent.key"}},
+        "missing-cert": {
+            **base,
+            "infer_tls_config": {"enable_tls": True, "cert_file": "/nonexistent.pem", "key_file": "/nonexistent.key"},
+        },
         "bad-host": {**base, "api_config": {**base["api_config"], "coordinator_api_host": "not-a-host.invalid"}},
-        "port-in-use": {**base, "api_config": {**base["api_config"], "coordinator_api_mgmt_port": taken.getsockname()[1]}},
+        "port-in-use": {
+            **base,
+            "api_config": {**base["api_config"], "coordinator_api_mgmt_port": taken.getsockname()[1]},
+        },
     }
     for name, cfg in cases.items():
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"motor_coordinator_config": cfg}))
-        proc = subprocess.run([sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 2, (name, proc.stdout[-2000:], proc.stderr[-2000:])
         lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("config error: motor_coordinator_config."), (name, proc.stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("config error: motor_coordinator_config."), (
+            name,
+            proc.stderr[-2000:],
+        )
         assert "Traceback" not in proc.stdout + proc.stderr
-    assert "api_config.coordinator_api_mgmt_port: cannot listen on 127.0.0.1:%d (Address already in use)" % taken.getsockname()[1] in lines[0]
+    assert (
+        "api_config.coordinator_api_mgmt_port: cannot listen on 127.0.0.1:%d (Address already in use)"
+        % taken.getsockname()[1]
+        in lines[0]
+    )
     taken.close()
 
 
 def test_a_config_path_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path):
     """A directory gave a traceback (only a missing file was caught)."""
     for path, why in ((tmp_path, "Is a directory"), (tmp_path / "missing.json", "No such file or directory")):
-        proc = subprocess.run([sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 2, (path, proc.stderr[-2000:])
         assert proc.stderr.strip().splitlines() == [f"config error: {path}: {why}"], proc.stderr[-2000:]
 
@@ -186,21 +209,37 @@ def test_a_config_nested_too_deeply_is_one_line_not_a_traceback(tmp_path):
     """json's decoder recursed into a RecursionError, which was not caught."""
     path = tmp_path / "deep.json"
     path.write_text('{"motor_coordinator_config": {"x": ' + "[" * 100000 + "]" * 100000 + "}}")
-    proc = subprocess.run([sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [f"config error: {path}: not valid JSON (nested too deeply)"], proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"config error: {path}: not valid JSON (nested too deeply)"], (
+        proc.stderr[-2000:]
+    )
 
 
 @pytest.mark.parametrize("section", ["api_key_config", "mgmt_api_key_config"])
-@pytest.mark.parametrize("name, ok", [("X-Api-Key", True), ("x_key.v2!#$%&'*+^`|~", True), ("Bad Header:", False),
-                                      ("Authorization:", False), ("X-Key\n", False), ("Ключ", False), ("", False)])
+@pytest.mark.parametrize(
+    "name, ok",
+    [
+        ("X-Api-Key", True),
+        ("x_key.v2!#$%&'*+^`|~", True),
+        ("Bad Header:", False),
+        ("Authorization:", False),
+        ("X-Key\n", False),
+        ("Ключ", False),
+        ("", False),
+    ],
+)
 def test_the_api_key_header_name_must_be_an_http_token(section, name, ok):
     cfg = {section: {"header_name": name}}
     if ok:
         assert getattr(settings_from_dict(cfg), section.replace("_config", "")).header_name == name
     else:
         message = refused(cfg)
-        assert message.startswith(f"motor_coordinator_config.{section}.header_name: must ") and "\n" not in message, message
+        assert message.startswith(f"motor_coordinator_config.{section}.header_name: must ") and "\n" not in message, (
+            message
+        )
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 10**400])
@@ -208,7 +247,7 @@ def test_numbers_must_be_finite(value):
     """Python's json reads NaN and Infinity: a timeout or rate of NaN compares false with every bound (and
     an integer too large for a float overflowed with a traceback)."""
     raw = json.loads(json.dumps({"exception_config": {"infer_timeout": value}}))
-    with pytest.raises(ConfigError, match="exception_config.infer_timeout: must be a number"):
+    with pytest.raises(ConfigError, match=r"exception_config\.infer_timeout: must be a number"):
         settings_from_dict(raw)
 
 
@@ -218,7 +257,7 @@ def test_the_worker_watchdog_timeout_is_off_or_at_least_3_s(value, ok):
     if ok:
         assert settings_from_dict(raw).worker_watchdog_timeout_s == value
     else:
-        with pytest.raises(ConfigError, match="inference_workers_config.worker_watchdog_timeout"):
+        with pytest.raises(ConfigError, match=r"inference_workers_config\.worker_watchdog_timeout"):
             settings_from_dict(raw)
 
 

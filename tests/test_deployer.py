@@ -1,4 +1,5 @@
 """Tests of the Kubernetes deployer (`python -m deployer render`)."""
+
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,7 @@ import yaml
 
 import config
 from deployer import render as R
-from deployer.settings import (COORDINATOR_MOUNTS, ENGINE_MOUNTS, ConfigError, DeployConfig, EngineConfig,
-                               key_docs, load)
+from deployer.settings import COORDINATOR_MOUNTS, ENGINE_MOUNTS, ConfigError, DeployConfig, EngineConfig, key_docs, load
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "deployer" / "user_config.json"
@@ -63,48 +63,90 @@ def errors_of(cfg: dict) -> list:
     return info.value.errors
 
 
-TLS = {"enable_tls": True, "cert_file": "/etc/motor-tls/tls.crt", "key_file": "/etc/motor-tls/tls.key",
-       "ca_file": "/etc/motor-tls/ca.crt"}
+TLS = {
+    "enable_tls": True,
+    "cert_file": "/etc/motor-tls/tls.crt",
+    "key_file": "/etc/motor-tls/tls.key",
+    "ca_file": "/etc/motor-tls/ca.crt",
+}
 EDGE_CONFIGS = {
     "default": base(),
     "tls_both": with_changes(motor_coordinator_config={"infer_tls_config": dict(TLS), "mgmt_tls_config": dict(TLS)}),
     "tls_infer_only": with_changes(motor_coordinator_config={"infer_tls_config": dict(TLS)}),
     "many_pd": with_changes(motor_deploy_config={"p_instances_num": 4, "d_instances_num": 7}),
     "custom_ns_ports": with_changes(
-        motor_deploy_config={"job_id": "team-llm", "create_namespace": False, "coordinator_node_port": 30000,
-                             "cluster_domain": "corp.internal", "image_pull_secrets": ["regcred"],
-                             "service_account_name": "motor-sa", "coordinator_node_selector": {"pool": "cpu"},
-                             "coordinator_tolerations": [{"key": "dedicated", "operator": "Equal",
-                                                          "value": "motor", "effect": "NoSchedule"}]},
-        motor_coordinator_config={"api_config.coordinator_api_infer_port": 8080,
-                                  "api_config.coordinator_api_mgmt_port": 9090,
-                                  "api_config.coordinator_obs_port": 9100,
-                                  "shutdown_config.drain_timeout": 120},
-        motor_engine_prefill_config={"port": 9000, "side_channel_port": 5601, "tensor_parallel_size": 2,
-                                     "accelerator_num": 2, "env": {"UCX_TLS": "rc,cuda_copy"},
-                                     "extra_args": ["--enforce-eager", "--max-num-seqs", "64"],
-                                     "kv_connector_extra_config": {"backends": ["UCX"]},
-                                     "node_selector": {"gpu": "h200"}},
-        motor_engine_decode_config={"port": 9001, "side_channel_port": 5602}),
+        motor_deploy_config={
+            "job_id": "team-llm",
+            "create_namespace": False,
+            "coordinator_node_port": 30000,
+            "cluster_domain": "corp.internal",
+            "image_pull_secrets": ["regcred"],
+            "service_account_name": "motor-sa",
+            "coordinator_node_selector": {"pool": "cpu"},
+            "coordinator_tolerations": [
+                {"key": "dedicated", "operator": "Equal", "value": "motor", "effect": "NoSchedule"}
+            ],
+        },
+        motor_coordinator_config={
+            "api_config.coordinator_api_infer_port": 8080,
+            "api_config.coordinator_api_mgmt_port": 9090,
+            "api_config.coordinator_obs_port": 9100,
+            "shutdown_config.drain_timeout": 120,
+        },
+        motor_engine_prefill_config={
+            "port": 9000,
+            "side_channel_port": 5601,
+            "tensor_parallel_size": 2,
+            "accelerator_num": 2,
+            "env": {"UCX_TLS": "rc,cuda_copy"},
+            "extra_args": ["--enforce-eager", "--max-num-seqs", "64"],
+            "kv_connector_extra_config": {"backends": ["UCX"]},
+            "node_selector": {"gpu": "h200"},
+        },
+        motor_engine_decode_config={"port": 9001, "side_channel_port": 5602},
+    ),
     # Every form of toleration and node selector the API server accepts.
     "placement": with_changes(
-        motor_deploy_config={"coordinator_node_selector": {"kubernetes.io/os": "linux", "node-role.example.com/cpu": "",
-                                                           "Zone_A.1": "Rack-7_b.2"},
-                             "coordinator_tolerations": [{"operator": "Exists"},
-                                                         {"key": "example.com/maintenance", "operator": "Exists",
-                                                          "effect": "NoExecute", "tolerationSeconds": 300},
-                                                         {"key": "dedicated", "value": "motor", "effect": ""}]},
-        motor_engine_prefill_config={"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
-                                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                                      "effect": "NoSchedule"},
-                                                     {"key": "pool", "operator": "Equal", "value": "a" * 63,
-                                                      "effect": "PreferNoSchedule"}]}),
+        motor_deploy_config={
+            "coordinator_node_selector": {
+                "kubernetes.io/os": "linux",
+                "node-role.example.com/cpu": "",
+                "Zone_A.1": "Rack-7_b.2",
+            },
+            "coordinator_tolerations": [
+                {"operator": "Exists"},
+                {
+                    "key": "example.com/maintenance",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": 300,
+                },
+                {"key": "dedicated", "value": "motor", "effect": ""},
+            ],
+        },
+        motor_engine_prefill_config={
+            "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                {"key": "pool", "operator": "Equal", "value": "a" * 63, "effect": "PreferNoSchedule"},
+            ],
+        },
+    ),
     "cpu_engines_no_weights": with_changes(
         motor_deploy_config={"weight_mount_path": ""},
-        motor_engine_prefill_config={"accelerator_num": 0, "kv_buffer_device": "cpu", "model_path": "Qwen/Qwen3-0.6B",
-                                     "served_model_name": "qwen3-small"},
-        motor_engine_decode_config={"accelerator_num": 0, "kv_buffer_device": "cpu", "model_path": "Qwen/Qwen3-0.6B",
-                                    "served_model_name": "qwen3-small"}),
+        motor_engine_prefill_config={
+            "accelerator_num": 0,
+            "kv_buffer_device": "cpu",
+            "model_path": "Qwen/Qwen3-0.6B",
+            "served_model_name": "qwen3-small",
+        },
+        motor_engine_decode_config={
+            "accelerator_num": 0,
+            "kv_buffer_device": "cpu",
+            "model_path": "Qwen/Qwen3-0.6B",
+            "served_model_name": "qwen3-small",
+        },
+    ),
 }
 
 
@@ -116,17 +158,24 @@ def edge(request):
 
 # --------------------------------------------------------------------------- CLI and committed bundle
 
+
 def test_cli_render_writes_every_file_and_says_so(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "deployer", "render", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deployer", "render", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     for name in R.OUTPUT_FILES:
         assert (tmp_path / name).is_file()
         assert f"wrote {tmp_path / name}" in proc.stdout
     # Same bytes as the committed bundle: the committed files cannot go stale.
     for name in R.OUTPUT_FILES:
-        assert (tmp_path / name).read_text() == (COMMITTED / name).read_text(), \
+        assert (tmp_path / name).read_text() == (COMMITTED / name).read_text(), (
             f"deployer/deployment/{name} is stale: run `python -m deployer render`"
+        )
 
 
 def test_committed_bundle_equals_fresh_render():
@@ -140,8 +189,13 @@ def test_cli_bad_node_port_exits_nonzero_naming_the_key(tmp_path):
     cfg = with_changes(motor_deploy_config={"coordinator_node_port": 80})
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(cfg))
-    proc = subprocess.run([sys.executable, "-m", "deployer", "render", "--config", str(path),
-                           "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deployer", "render", "--config", str(path), "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "motor_deploy_config.coordinator_node_port: must be 30000..32767" in proc.stderr
     assert not (tmp_path / "out").exists()
@@ -151,8 +205,13 @@ def test_cli_unreadable_and_malformed_input(tmp_path):
     bad = tmp_path / "broken.json"
     bad.write_text("{not json")
     for path in (tmp_path / "missing.json", bad):
-        proc = subprocess.run([sys.executable, "-m", "deployer", "render", "--config", str(path),
-                               "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "deployer", "render", "--config", str(path), "--out", str(tmp_path / "o")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode != 0 and str(path) in proc.stderr
 
 
@@ -161,20 +220,37 @@ def _cli_render(tmp_path, text=None, out=None):
     if text is not None:
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
     args = ["--config", str(path)] if text is not None else []
-    return subprocess.run([sys.executable, "-m", "deployer", "render", *args, "--out", str(out or tmp_path / "o")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "deployer", "render", *args, "--out", str(out or tmp_path / "o")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-@pytest.mark.parametrize("changes, expected", [
-    ({"motor_coordinator_config": {"shutdown_config.drain_timeout": float("nan")}},
-     "motor_coordinator_config.shutdown_config.drain_timeout: must be a number 0..86400 (got nan)"),
-    ({"motor_coordinator_config": {"shutdown_config.drain_timeout": float("inf")}},
-     "motor_coordinator_config.shutdown_config.drain_timeout: must be a number 0..86400 (got inf)"),
-    ({"motor_coordinator_config": {"models": [{"id": ["x"]}]}}, "motor_coordinator_config.models[0].id:"),
-    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": ["m"],
-                                                  "endpoints": [{"address": "e:8000"}]}]}},
-     "motor_coordinator_config.instances[0].model_name:"),
-])
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        (
+            {"motor_coordinator_config": {"shutdown_config.drain_timeout": float("nan")}},
+            "motor_coordinator_config.shutdown_config.drain_timeout: must be a number 0..86400 (got nan)",
+        ),
+        (
+            {"motor_coordinator_config": {"shutdown_config.drain_timeout": float("inf")}},
+            "motor_coordinator_config.shutdown_config.drain_timeout: must be a number 0..86400 (got inf)",
+        ),
+        ({"motor_coordinator_config": {"models": [{"id": ["x"]}]}}, "motor_coordinator_config.models[0].id:"),
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [{"role": "union", "model_name": ["m"], "endpoints": [{"address": "e:8000"}]}]
+                }
+            },
+            "motor_coordinator_config.instances[0].model_name:",
+        ),
+    ],
+)
 def test_cli_bad_values_are_one_clear_line_not_a_traceback(tmp_path, changes, expected):
     proc = _cli_render(tmp_path, json.dumps(with_changes(**changes)))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -196,8 +272,9 @@ def test_cli_non_utf8_input_and_an_out_that_is_a_file(tmp_path):
     text = json.dumps(base()).encode()
     for bom in (b"", b"\xef\xbb\xbf"):
         proc = _cli_render(tmp_path, bom + text.replace(b"mindie-motor", b"mindie-m\xf6tor", 1))  # Latin-1 o-umlaut
-        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == \
-            [f"error: {tmp_path / 'in.json'}: not UTF-8 text (byte {len(bom) + text.index(b'mindie-motor') + 8})"]
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+            f"error: {tmp_path / 'in.json'}: not UTF-8 text (byte {len(bom) + text.index(b'mindie-motor') + 8})"
+        ]
     afile = tmp_path / "afile"
     afile.write_text("")
     proc = _cli_render(tmp_path, out=afile)
@@ -213,10 +290,12 @@ def test_input_nested_too_deeply_is_one_line_not_a_recursion_error(tmp_path):
         cfg = base()
         cfg["motor_coordinator_config"]["x"] = json.loads("[" * (levels - 2) + "]" * (levels - 2))
         return cfg
+
     for text in ("[" * 100000 + "]" * 100000, json.dumps(nested(500)), json.dumps(nested(MAX_NESTING + 1))):
         proc = _cli_render(tmp_path, text)
         assert proc.returncode == 2 and proc.stderr.splitlines() == [
-            f"error: {tmp_path / 'in.json'}: lists and objects nested more than {MAX_NESTING} levels deep"], proc.stderr
+            f"error: {tmp_path / 'in.json'}: lists and objects nested more than {MAX_NESTING} levels deep"
+        ], proc.stderr
         assert not (tmp_path / "o").exists()
     proc = _cli_render(tmp_path, json.dumps(nested(MAX_NESTING)))
     assert proc.returncode == 0, proc.stderr
@@ -229,7 +308,8 @@ def test_an_out_that_cannot_take_every_file_is_left_as_it_was(tmp_path):
     (out / "coordinator_init.yaml").write_text("old")
     proc = _cli_render(tmp_path, out=out)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
-        f"error: cannot write {out / 'user_config.json'}: Is a directory"], proc.stderr
+        f"error: cannot write {out / 'user_config.json'}: Is a directory"
+    ], proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["coordinator_init.yaml", "user_config.json"]
     assert (out / "coordinator_init.yaml").read_text() == "old"
 
@@ -241,6 +321,7 @@ def test_a_failed_write_removes_what_it_wrote_and_the_directories_it_made(tmp_pa
         if path.name.startswith(".user_config.json"):
             raise OSError(28, "No space left on device", str(path))
         return real(path, text, **kwargs)
+
     monkeypatch.setattr(Path, "write_text", full_disk)
     with pytest.raises(OSError, match="No space left"):
         R.write(load(base()), tmp_path / "new" / "out")
@@ -252,15 +333,30 @@ def test_default_file_coordinator_section_is_the_agreed_shape():
     assert coord["api_config"]["coordinator_api_host"] == "127.0.0.1"
     assert coord["instances"] == []  # `python app.py` starts the simulator
     assert coord["api_config"]["coordinator_api_infer_port"] == 1025
-    assert set(coord) >= {"api_config", "inference_workers_config", "api_key_config", "mgmt_api_key_config",
-                          "infer_tls_config", "mgmt_tls_config", "scheduler_config", "exception_config",
-                          "rate_limit_config", "shutdown_config", "log_config", "models", "instances"}
+    assert set(coord) >= {
+        "api_config",
+        "inference_workers_config",
+        "api_key_config",
+        "mgmt_api_key_config",
+        "infer_tls_config",
+        "mgmt_tls_config",
+        "scheduler_config",
+        "exception_config",
+        "rate_limit_config",
+        "shutdown_config",
+        "log_config",
+        "models",
+        "instances",
+    }
 
 
 def test_default_file_carries_every_deploy_key_with_its_default():
     cfg = base()
-    for section, cls in (("motor_deploy_config", DeployConfig), ("motor_engine_prefill_config", EngineConfig),
-                         ("motor_engine_decode_config", EngineConfig)):
+    for section, cls in (
+        ("motor_deploy_config", DeployConfig),
+        ("motor_engine_prefill_config", EngineConfig),
+        ("motor_engine_decode_config", EngineConfig),
+    ):
         for path, default, _doc in key_docs(cls, section):
             assert cfg[section][path.split(".")[-1]] == default, path
 
@@ -274,11 +370,13 @@ def test_docs_list_every_key():
 
 # --------------------------------------------------------------------------- schema validation
 
+
 def test_every_document_passes_kubernetes_schemas_strictly_offline(edge, monkeypatch):
     _, _, b = edge
 
     def no_network(*args, **kwargs):
         raise AssertionError("kubernetes_validate tried to use the network")
+
     monkeypatch.setattr(socket.socket, "connect", no_network)
     docs = all_docs(b)
     assert docs and all(isinstance(d, dict) for d in docs)
@@ -297,16 +395,24 @@ def test_strict_validation_really_rejects_unknown_fields():
 def test_the_coordinator_accepts_the_rendered_user_config(edge):
     cfg, s, b = edge
     coord = config.settings_from_dict(b["config"], on_this_host=False)  # the pod's TLS files are not here
-    assert (coord.infer_port, coord.mgmt_port, coord.obs_port) == \
-        (s.coordinator.infer_port, s.coordinator.mgmt_port, s.coordinator.obs_port)
+    assert (coord.infer_port, coord.mgmt_port, coord.obs_port) == (
+        s.coordinator.infer_port,
+        s.coordinator.mgmt_port,
+        s.coordinator.obs_port,
+    )
     assert len(coord.instances) == s.deploy.p_instances_num + s.deploy.d_instances_num
 
 
 def test_bundle_kinds(edge):
     cfg, s, b = edge
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in b["docs"]["coordinator_init.yaml"])
-    expected = [("Secret", R.CONFIG_SECRET_NAME), ("Deployment", R.COORDINATOR_NAME),
-                ("Service", R.INFER_SERVICE), ("Service", R.MGMT_SERVICE), ("Service", R.METRICS_SERVICE)]
+    expected = [
+        ("Secret", R.CONFIG_SECRET_NAME),
+        ("Deployment", R.COORDINATOR_NAME),
+        ("Service", R.INFER_SERVICE),
+        ("Service", R.MGMT_SERVICE),
+        ("Service", R.METRICS_SERVICE),
+    ]
     if s.deploy.create_namespace:
         expected.append(("Namespace", s.namespace))
     assert kinds == sorted(expected)
@@ -319,6 +425,7 @@ def test_bundle_kinds(edge):
 
 
 # --------------------------------------------------------------------------- cross references
+
 
 def _pod_labels(workload: dict) -> dict:
     return workload["spec"]["template"]["metadata"]["labels"]
@@ -333,8 +440,7 @@ def test_service_selectors_match_exactly_one_workload(edge):
         assert len(matching) == 1, f"Service {svc['metadata']['name']} selects {len(matching)} workloads"
         w = matching[0]
         assert w["spec"]["selector"]["matchLabels"].items() <= _pod_labels(w).items()
-        named = {p["name"]: p["containerPort"] for c in w["spec"]["template"]["spec"]["containers"]
-                 for p in c["ports"]}
+        named = {p["name"]: p["containerPort"] for c in w["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in named, f"{svc['metadata']['name']}: targetPort {port['targetPort']}"
             assert port["port"] == named[port["targetPort"]]
@@ -346,10 +452,12 @@ def test_coordinator_ports_probes_and_service_ports_follow_the_config(edge):
     dep = find(b, "Deployment", R.COORDINATOR_NAME)
     c = dep["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"infer": api["coordinator_api_infer_port"], "mgmt": api["coordinator_api_mgmt_port"],
-                     "metrics": api["coordinator_obs_port"]}
-    for probe, path in (("startupProbe", "/startup"), ("livenessProbe", "/liveness"),
-                        ("readinessProbe", "/readiness")):
+    assert ports == {
+        "infer": api["coordinator_api_infer_port"],
+        "mgmt": api["coordinator_api_mgmt_port"],
+        "metrics": api["coordinator_obs_port"],
+    }
+    for probe, path in (("startupProbe", "/startup"), ("livenessProbe", "/liveness"), ("readinessProbe", "/readiness")):
         assert c[probe]["httpGet"]["path"] == path
         assert ports[c[probe]["httpGet"]["port"]] == api["coordinator_api_mgmt_port"]
     infer = find(b, "Service", R.INFER_SERVICE)
@@ -377,8 +485,9 @@ def test_a_secret_holds_the_rendered_user_config_and_is_mounted(edge):
     pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
     c = pod["containers"][0]
     vols = {v["name"]: v for v in pod["volumes"]}
-    cfg_mount = [m for m in c["volumeMounts"]
-                 if vols[m["name"]].get("secret", {}).get("secretName") == R.CONFIG_SECRET_NAME]
+    cfg_mount = [
+        m for m in c["volumeMounts"] if vols[m["name"]].get("secret", {}).get("secretName") == R.CONFIG_SECRET_NAME
+    ]
     assert len(cfg_mount) == 1 and cfg_mount[0]["readOnly"] is True
     assert c["command"] == ["python", "app.py", "--config", cfg_mount[0]["mountPath"] + "/user_config.json"]
     assert {"name": "USER_CONFIG_PATH", "value": "/etc/motor/user_config.json"} in c["env"]
@@ -387,8 +496,12 @@ def test_a_secret_holds_the_rendered_user_config_and_is_mounted(edge):
 
 
 def test_api_keys_are_only_in_the_secret_never_in_a_configmap():
-    keys = {"api_key_config.enable_api_key": True, "api_key_config.valid_keys": ["sk-infer-0123456789"],
-            "mgmt_api_key_config.enable_api_key": True, "mgmt_api_key_config.valid_keys": ["sk-mgmt-0123456789"]}
+    keys = {
+        "api_key_config.enable_api_key": True,
+        "api_key_config.valid_keys": ["sk-infer-0123456789"],
+        "mgmt_api_key_config.enable_api_key": True,
+        "mgmt_api_key_config.valid_keys": ["sk-mgmt-0123456789"],
+    }
     b = bundle(with_changes(motor_coordinator_config=keys))
     assert not [d for d in all_docs(b) if d["kind"] == "ConfigMap"]
     holding = [d["kind"] for d in all_docs(b) if "sk-infer-0123456789" in json.dumps(d) or "sk-mgmt" in json.dumps(d)]
@@ -397,11 +510,15 @@ def test_api_keys_are_only_in_the_secret_never_in_a_configmap():
 
 def test_config_change_changes_the_pod_template_hash():
     a = find(bundle(base()), "Deployment", R.COORDINATOR_NAME)
-    b = find(bundle(with_changes(motor_coordinator_config={"log_config.log_level": "DEBUG"})),
-             "Deployment", R.COORDINATOR_NAME)
+    b = find(
+        bundle(with_changes(motor_coordinator_config={"log_config.log_level": "DEBUG"})),
+        "Deployment",
+        R.COORDINATOR_NAME,
+    )
     key = "motor/config-hash"
-    assert a["spec"]["template"]["metadata"]["annotations"][key] != \
-        b["spec"]["template"]["metadata"]["annotations"][key]
+    assert (
+        a["spec"]["template"]["metadata"]["annotations"][key] != b["spec"]["template"]["metadata"]["annotations"][key]
+    )
 
 
 def test_coordinator_pod_hardening_and_drain(edge):
@@ -422,8 +539,11 @@ def test_explicit_grace_period_must_exceed_prestop_plus_drain():
     errs = errors_of(with_changes(motor_deploy_config={"termination_grace_period_seconds": 30}))
     assert any(e.startswith("motor_deploy_config.termination_grace_period_seconds:") for e in errs)
     s = load(with_changes(motor_deploy_config={"termination_grace_period_seconds": 90}))
-    pod = find({"docs": {"x": list(yaml.safe_load_all(R.render(s)["coordinator_init.yaml"]))}},
-               "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
+    pod = find(
+        {"docs": {"x": list(yaml.safe_load_all(R.render(s)["coordinator_init.yaml"]))}},
+        "Deployment",
+        R.COORDINATOR_NAME,
+    )["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 90
 
 
@@ -456,10 +576,14 @@ def test_no_two_volumes_share_a_mount_path(edge):
     """Kubernetes refuses a pod with two volumeMounts on one path; COORDINATOR_MOUNTS and ENGINE_MOUNTS,
     which tls_mount_path / weight_mount_path are checked against, are what the templates mount."""
     _, s, b = edge
-    for kind, name, fixed in (("Deployment", R.COORDINATOR_NAME, COORDINATOR_MOUNTS),
-                              ("StatefulSet", R.ENGINE_NAME["prefill"], ENGINE_MOUNTS)):
-        mounts = {m["name"]: m["mountPath"] for m in
-                  find(b, kind, name)["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    for kind, name, fixed in (
+        ("Deployment", R.COORDINATOR_NAME, COORDINATOR_MOUNTS),
+        ("StatefulSet", R.ENGINE_NAME["prefill"], ENGINE_MOUNTS),
+    ):
+        mounts = {
+            m["name"]: m["mountPath"]
+            for m in find(b, kind, name)["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        }
         assert len(set(mounts.values())) == len(mounts)
         configurable = {"tls": s.deploy.tls_mount_path, "weights": s.deploy.weight_mount_path}
         assert sorted(p for n, p in mounts.items() if n not in configurable) == sorted(fixed)
@@ -470,13 +594,16 @@ def test_mindie_spelling_tls_enable_turns_tls_on(section):
     tls = {k: v for k, v in TLS.items() if k != "enable_tls"}
     b = bundle(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True)}))
     pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
-    assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == [R.CONFIG_SECRET_NAME,
-                                                                                     "motor-coordinator-tls"]
+    assert [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v] == [
+        R.CONFIG_SECRET_NAME,
+        "motor-coordinator-tls",
+    ]
     coord = config.settings_from_dict(b["config"], on_this_host=False)  # the pod's TLS files are not here
     assert getattr(coord, section.replace("_config", "")).enable_tls is True
     errs = errors_of(with_changes(motor_coordinator_config={section: dict(tls, tls_enable=True, enable_tls=False)}))
-    assert errs == [f"motor_coordinator_config.{section}.tls_enable: contradicts enable_tls "
-                    f"(MindIE's spelling of the same switch)"]
+    assert errs == [
+        f"motor_coordinator_config.{section}.tls_enable: contradicts enable_tls (MindIE's spelling of the same switch)"
+    ]
     with pytest.raises(config.ConfigError, match=f"{section}.tls_enable: contradicts enable_tls"):
         config.settings_from_dict({section: dict(tls, tls_enable=False, enable_tls=True)})
 
@@ -493,10 +620,13 @@ def test_tls_on_renders_https_probes():
 
 # --------------------------------------------------------------------------- engines
 
+
 def test_engines_statefulsets_args_env_and_probes(edge):
     cfg, s, b = edge
-    for role, eng, count in (("prefill", s.prefill, s.deploy.p_instances_num),
-                             ("decode", s.decode, s.deploy.d_instances_num)):
+    for role, eng, count in (
+        ("prefill", s.prefill, s.deploy.p_instances_num),
+        ("decode", s.decode, s.deploy.d_instances_num),
+    ):
         name = R.ENGINE_NAME[role]
         sts = find(b, "StatefulSet", name)
         svc = find(b, "Service", name)
@@ -516,7 +646,7 @@ def test_engines_statefulsets_args_env_and_probes(edge):
         assert kv["kv_connector"] == "NixlConnector"
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
         assert kv["kv_buffer_device"] == eng.kv_buffer_device
-        assert args[len(args) - len(eng.extra_args):] == eng.extra_args or not eng.extra_args
+        assert args[len(args) - len(eng.extra_args) :] == eng.extra_args or not eng.extra_args
         env = {e["name"]: e for e in c["env"]}
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(eng.side_channel_port)
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -546,8 +676,9 @@ def test_rendered_user_config_lists_every_engine_pod_by_dns_name(edge):
     for role, eng in (("prefill", s.prefill), ("decode", s.decode)):
         sts = R.ENGINE_NAME[role]
         addrs = [i["endpoints"][0]["address"] for i in inst if i["role"] == role]
-        assert addrs == [f"{sts}-{k}.{sts}.{s.namespace}.svc.{s.deploy.cluster_domain}:{eng.port}"
-                         for k in range(len(addrs))]
+        assert addrs == [
+            f"{sts}-{k}.{sts}.{s.namespace}.svc.{s.deploy.cluster_domain}:{eng.port}" for k in range(len(addrs))
+        ]
     assert all(i["model_name"] == s.prefill.served_model_name for i in inst)
     model = coord["models"][0]
     assert model["id"] == s.prefill.served_model_name
@@ -568,23 +699,34 @@ def test_many_pd_instances_have_stable_names():
 
 
 def test_static_union_instance_is_kept_after_the_generated_ones():
-    extra = {"id": 99, "role": "union", "model_name": "qwen3",
-             "endpoints": [{"id": 0, "address": "union.other-ns.svc.cluster.local:8000"}]}
+    extra = {
+        "id": 99,
+        "role": "union",
+        "model_name": "qwen3",
+        "endpoints": [{"id": 0, "address": "union.other-ns.svc.cluster.local:8000"}],
+    }
     b = bundle(with_changes(motor_coordinator_config={"instances": [extra]}))
     inst = b["config"]["motor_coordinator_config"]["instances"]
     assert [i["role"] for i in inst] == ["prefill", "decode", "union"] and inst[-1]["id"] == 3
 
 
 def test_slo_values_of_the_served_model_are_kept():
-    cfg = with_changes(motor_coordinator_config={"models": [{"id": "qwen3", "slo_ttft": 250, "slo_tpot": 20}]},
-                       motor_engine_decode_config={"max_model_len": 4096})
+    cfg = with_changes(
+        motor_coordinator_config={"models": [{"id": "qwen3", "slo_ttft": 250, "slo_tpot": 20}]},
+        motor_engine_decode_config={"max_model_len": 4096},
+    )
     model = bundle(cfg)["config"]["motor_coordinator_config"]["models"]
     assert model == [{"id": "qwen3", "slo_ttft": 250, "slo_tpot": 20, "p_max_seqlen": 8192, "d_max_seqlen": 4096}]
 
 
 def test_static_instances_that_only_look_like_loopback_are_kept():
-    addresses = ["10.0.0.5:8000", "123.example.com:8000", "[::ffff:10.0.0.5]:8001", "[2001:db8::1]:8000",
-                 "localhost.example.com:8000"]
+    addresses = [
+        "10.0.0.5:8000",
+        "123.example.com:8000",
+        "[::ffff:10.0.0.5]:8001",
+        "[2001:db8::1]:8000",
+        "localhost.example.com:8000",
+    ]
     ext = [{"role": "union", "model_name": "qwen3", "endpoints": [{"address": a}]} for a in addresses]
     rendered = bundle(with_changes(motor_coordinator_config={"instances": ext}))["config"]
     inst = rendered["motor_coordinator_config"]["instances"]
@@ -599,15 +741,18 @@ def test_every_input_model_is_kept_even_with_no_instance_yet():
     rendered = bundle(cfg)["config"]
     assert rendered["motor_coordinator_config"]["models"] == [
         {"id": "qwen3", "slo_ttft": 250, "slo_tpot": 50, "p_max_seqlen": 8192, "d_max_seqlen": 8192},
-        {"id": "later", "slo_ttft": 300, "slo_tpot": 30}, {"id": "external"}]
+        {"id": "later", "slo_ttft": 300, "slo_tpot": 30},
+        {"id": "external"},
+    ]
     coord = config.settings_from_dict(rendered, on_this_host=False)
     assert coord.model("later").slo_ttft_ms == 300 and not any(i.model_name == "later" for i in coord.instances)
 
 
 def test_cpu_engines_get_a_cpu_kv_buffer_unless_the_input_says_otherwise():
     """With accelerator_num 0 the kv_buffer_device stayed "cuda": a CPU engine has no device for it."""
-    cfg = with_changes(motor_engine_prefill_config={"accelerator_num": 0},
-                       motor_engine_decode_config={"accelerator_num": 0})
+    cfg = with_changes(
+        motor_engine_prefill_config={"accelerator_num": 0}, motor_engine_decode_config={"accelerator_num": 0}
+    )
     for section in ("motor_engine_prefill_config", "motor_engine_decode_config"):
         del cfg[section]["kv_buffer_device"]
     b = bundle(cfg)
@@ -617,16 +762,19 @@ def test_cpu_engines_get_a_cpu_kv_buffer_unless_the_input_says_otherwise():
         assert b["config"][f"motor_engine_{role}_config"]["kv_buffer_device"] == "cpu"
     # The input's value stands: "cuda" (what the default file carries) is refused, not replaced.
     errs = errors_of(with_changes(motor_engine_decode_config={"accelerator_num": 0}))
-    assert errs == ["motor_engine_decode_config.kv_buffer_device: must be 'cpu' when accelerator_num is 0: the pod "
-                    "has no accelerator to hold the KV buffer (got 'cuda')"]
+    assert errs == [
+        "motor_engine_decode_config.kv_buffer_device: must be 'cpu' when accelerator_num is 0: the pod "
+        "has no accelerator to hold the KV buffer (got 'cuda')"
+    ]
     assert load(with_changes(motor_engine_decode_config={"kv_buffer_device": "cpu"})).decode.kv_buffer_device == "cpu"
 
 
 def test_values_that_need_quoting_stay_intact():
     tricky = "yes: #{not} 'a comment' \"quoted\" & <b> \u00e9"
-    cfg = with_changes(motor_engine_prefill_config={"env": {"TRICKY": tricky}, "extra_args": ["--x", "null"]},
-                       motor_coordinator_config={"api_key_config.enable_api_key": True,
-                                                 "api_key_config.valid_keys": ["on", tricky]})
+    cfg = with_changes(
+        motor_engine_prefill_config={"env": {"TRICKY": tricky}, "extra_args": ["--x", "null"]},
+        motor_coordinator_config={"api_key_config.enable_api_key": True, "api_key_config.valid_keys": ["on", tricky]},
+    )
     b = bundle(cfg)
     c = find(b, "StatefulSet", "motor-engine-prefill")["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "TRICKY", "value": tricky} in c["env"]
@@ -637,7 +785,7 @@ def test_values_that_need_quoting_stay_intact():
 
 def test_characters_above_the_bmp_render_as_yaml_escapes():
     """JSON's surrogate-pair escapes ("\\ud83d\\ude00") are rejected by Kubernetes' Go YAML parser."""
-    emoji = "smile \U0001F600 \\ud83d literal"
+    emoji = "smile \U0001f600 \\ud83d literal"
     cfg = with_changes(motor_engine_prefill_config={"env": {"GREETING": emoji}, "extra_args": ["--x", emoji]})
     b = bundle(cfg)
     text = b["files"]["engine_prefill.yaml"]
@@ -649,212 +797,485 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
 
 # --------------------------------------------------------------------------- refusals
 
-@pytest.mark.parametrize("changes, expected", [
-    ({"motor_deploy_config": {"coordinator_node_port": 80}},
-     "motor_deploy_config.coordinator_node_port: must be 30000..32767"),
-    ({"motor_deploy_config": {"coordinator_node_port": 32768}},
-     "motor_deploy_config.coordinator_node_port: must be 30000..32767"),
-    ({"motor_deploy_config": {"d_instances_num": 0}}, "motor_deploy_config.d_instances_num: must be 1..64"),
-    ({"motor_deploy_config": {"p_instances_num": 0}}, "motor_deploy_config.p_instances_num: must be 1..64"),
-    ({"motor_deploy_config": {"coordinator_replicas": 0}}, "motor_deploy_config.coordinator_replicas: must be 1..16"),
-    ({"motor_deploy_config": {"p_instances_num": "2"}}, "motor_deploy_config.p_instances_num: must be an integer"),
-    ({"motor_deploy_config": {"p_instances_num": True}}, "motor_deploy_config.p_instances_num: must be an integer"),
-    ({"motor_deploy_config": {"job_id": "Bad_NS"}}, "motor_deploy_config.job_id: must be a DNS-1123 label"),
-    ({"motor_deploy_config": {"image_pull_policy": "Sometimes"}}, "motor_deploy_config.image_pull_policy:"),
-    ({"motor_deploy_config": {"replicas": 2}}, "motor_deploy_config.replicas: unknown key"),
-    ({"motor_deploy_config": {"coordinator_resources": {"requests": {"cpu": "4"}, "limits": {"cpu": "2"}}}},
-     "motor_deploy_config.coordinator_resources.requests.cpu: 4 exceeds limits.cpu 2"),
-    ({"motor_deploy_config": {"coordinator_resources": {"requests": {"memory": "lots"}}}},
-     "motor_deploy_config.coordinator_resources.requests.memory: not a Kubernetes quantity"),
-    ({"motor_coordinator_config": {"api_config.coordinator_api_mgmt_port": 1025}},
-     "motor_coordinator_config.api_config.coordinator_api_mgmt_port: clashes with "
-     "motor_coordinator_config.api_config.coordinator_api_infer_port"),
-    ({"motor_coordinator_config": {"api_config.coordinator_obs_port": 70000}},
-     "motor_coordinator_config.api_config.coordinator_obs_port: must be 1..65535"),
-    ({"motor_engine_decode_config": {"side_channel_port": 8000}},
-     "motor_engine_decode_config.side_channel_port: clashes with motor_engine_decode_config.port"),
-    ({"motor_coordinator_config": {"instances": [{"id": 1, "role": "verifier", "model_name": "qwen3",
-                                                  "endpoints": [{"id": 0, "address": "x.y:8000"}]}]}},
-     "motor_coordinator_config.instances[0].role: must be one of prefill, decode, union"),
-    ({"motor_coordinator_config": {"instances": [{"id": 1, "role": "union", "model_name": "qwen3",
-                                                  "endpoints": [{"id": 0, "address": "127.0.0.1:8000"}]}]}},
-     "motor_coordinator_config.instances[0].endpoints[0].address: '127.0.0.1:8000' is a loopback address"),
-    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
-                                                  "endpoints": [{"address": "http://127.0.0.1:8000"}]}]}},
-     "motor_coordinator_config.instances[0].endpoints[0].address: 'http://127.0.0.1:8000' is a loopback address"),
-    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
-                                                  "endpoints": [{"address": "[::1]:8000"}]}]}},
-     "motor_coordinator_config.instances[0].endpoints[0].address: '[::1]:8000' is a loopback address"),
-    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
-                                                  "endpoints": [{"address": "::1:8000"}]}]}},
-     "motor_coordinator_config.instances[0].endpoints[0].address: must be host:port"),
-    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
-                                                  "endpoints": [{"address": "https://LOCALHOST:8443"}]}]}},
-     "motor_coordinator_config.instances[0].endpoints[0].address: 'https://LOCALHOST:8443' is a loopback address"),
-    # Every spelling the resolver reads as loopback: a final dot, inet_aton's IPv4 forms, IPv4-mapped IPv6.
-    *[({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
-                                                    "endpoints": [{"address": "ext.example.com:8000"},
-                                                                  {"address": address}]}]}},
-       f"motor_coordinator_config.instances[0].endpoints[1].address: {address!r} is a loopback address")
-      for address in ("localhost.:8000", "127.1:8000", "2130706433:8000", "0x7f.1:8000", "0177.0.0.1:8000",
-                      "127.0.0.1.:8000", "0:8000", "[::ffff:127.0.0.1]:8000", "http://[::ffff:7f00:1]:8000")],
-    # What the Coordinator itself refuses, on the input's index (the deployer renumbers instances).
-    ({"motor_coordinator_config": {"instances": [{"role": "union", "endpoints": [{"address": "10.0.0.5:8000"}]}]}},
-     "motor_coordinator_config.instances[0].model_name: must be a string"),
-    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": ["m"],
-                                                  "endpoints": [{"address": "e:8000"}]}]}},
-     "motor_coordinator_config.instances[0].model_name: must be a string"),
-    ({"motor_coordinator_config": {"instances": [{"role": "union", "model_name": "qwen3",
-                                                  "endpoints": [{"address": "ext-engine:http"}]}]}},
-     "motor_coordinator_config.instances[0].endpoints[0].address: must be host:port"),
-    ({"motor_coordinator_config": {"models": [{"id": ["x"]}]}},
-     "motor_coordinator_config.models[0].id: must be a string"),
-    ({"motor_coordinator_config": {"scheduler_config.scheduler_type": "least_load"}},
-     "motor_coordinator_config.scheduler_config.scheduler_type: must be one of round_robin"),
-    ({"motor_coordinator_config": {"models": [{"id": "qwen3", "slo_ttft": 0}]}},
-     "motor_coordinator_config.models[0].slo_ttft: must be >= 1"),
-    ({"motor_coordinator_config": {"scheduler_config.pd_dispatch": "both"}},
-     "motor_coordinator_config.scheduler_config.pd_dispatch: must be one of handoff, trigger"),
-    ({"motor_coordinator_config": {"mgmt_tls_config": {"enable_tls": True, "cert_file": "", "key_file": "/k"}}},
-     "motor_coordinator_config.mgmt_tls_config.cert_file: required when enable_tls is true"),
-    ({"motor_coordinator_config": {"infer_tls_config": {"enable_tls": True, "cert_file": "/etc/ssl/c.crt",
-                                                        "key_file": "/etc/motor-tls/k.key"}}},
-     "motor_coordinator_config.infer_tls_config.cert_file: must be a file under motor_deploy_config.tls_mount_path"),
-    ({"motor_engine_decode_config": {"served_model_name": "other"}},
-     "motor_engine_decode_config.served_model_name: 'other' differs"),
-    ({"motor_engine_prefill_config": {"tensor_parallel_size": 4}},
-     "motor_engine_prefill_config.accelerator_num: 1 is fewer than tensor_parallel_size"),
-    ({"motor_engine_prefill_config": {"engine_type": "sglang"}}, "motor_engine_prefill_config.engine_type:"),
-    ({"motor_engine_prefill_config": {"model_path": "/data/qwen3"}},
-     "motor_engine_prefill_config.model_path: '/data/qwen3' is not under motor_deploy_config.weight_mount_path"),
-    ({"motor_engine_prefill_config": {"env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "1"}}},
-     "motor_engine_prefill_config.env.VLLM_NIXL_SIDE_CHANNEL_PORT: set by the deployer"),
-    ({"motor_engine_prefill_config": {"extra_args": ["--enforce-eager", "--port", "9000"]}},
-     "motor_engine_prefill_config.extra_args[1]: '--port' would override --port, which the deployer sets (from port)"),
-    ({"motor_engine_decode_config": {"extra_args": ["--max_model_len=32768"]}},
-     "motor_engine_decode_config.extra_args[0]: '--max_model_len=32768' would override --max-model-len"),
-    ({"motor_engine_prefill_config": {"extra_args": ["-tp", "2"]}},
-     "motor_engine_prefill_config.extra_args[0]: '-tp' would override -tp, which the deployer sets "
-     "(from tensor_parallel_size)"),
-    ({"motor_engine_prefill_config": {"extra_args": ["--kv-transfer-config.kv_role", "kv_both"]}},
-     "motor_engine_prefill_config.extra_args[0]: '--kv-transfer-config.kv_role' would override --kv-transfer-config"),
-    ({"motor_engine_prefill_config": {"extra_args": ["--served-model", "x"]}},
-     "motor_engine_prefill_config.extra_args[0]: '--served-model' would override --served-model-name"),
-    ({"motor_deploy_config": {"tls_mount_path": "/tmp"}},
-     "motor_deploy_config.tls_mount_path: '/tmp' overlaps /tmp, also mounted in the Coordinator pod"),
-    ({"motor_deploy_config": {"tls_mount_path": "/etc/motor/tls"}},
-     "motor_deploy_config.tls_mount_path: '/etc/motor/tls' overlaps /etc/motor"),
-    ({"motor_deploy_config": {"tls_mount_path": "/etc"}},
-     "motor_deploy_config.tls_mount_path: '/etc' overlaps /etc/motor"),
-    ({"motor_deploy_config": {"tls_mount_path": "/"}}, "motor_deploy_config.tls_mount_path: '/' overlaps"),
-    ({"motor_deploy_config": {"tls_mount_path": "/x/../tmp"}},
-     "motor_deploy_config.tls_mount_path: must be a normalized absolute directory"),
-    ({"motor_deploy_config": {"weight_mount_path": "/dev/shm/"},
-      "motor_engine_prefill_config": {"model_path": "/dev/shm/qwen3"},
-      "motor_engine_decode_config": {"model_path": "/dev/shm/qwen3"}},
-     "motor_deploy_config.weight_mount_path: '/dev/shm/' overlaps /dev/shm, also mounted in the engine pods"),
-    # A volume on the code directory or a system directory hides what the container runs: a crash loop.
-    *[({"motor_deploy_config": {"tls_mount_path": path}}, f"motor_deploy_config.tls_mount_path: {path!r} {why}")
-      for path, why in (("/opt/motor", "would hide /opt/motor"), ("/opt/motor/tls", "lies inside /opt/motor"),
-                        ("/opt", "would hide /opt"), ("/usr", "would hide /usr"), ("/var/", "would hide /var"),
-                        ("/usr/local/tls", "lies inside /usr"), ("/lib64/x", "lies inside /lib64"))],
-    *[({"motor_deploy_config": {"weight_mount_path": path},
-        "motor_engine_prefill_config": {"model_path": path + "/qwen3"},
-        "motor_engine_decode_config": {"model_path": path + "/qwen3"}}, f"motor_deploy_config.weight_mount_path: {why}")
-      for path, why in (("/usr", "'/usr' would hide /usr"), ("/etc", "'/etc' would hide /etc"),
-                        ("/usr/lib/models", "'/usr/lib/models' lies inside /usr"),
-                        # Kubernetes refuses '..' in a mountPath or hostPath; //usr and /usr/. are /usr.
-                        ("/mnt/../weight", "must be a normalized absolute directory (got '/mnt/../weight')"),
-                        ("/mnt/./weight", "must be a normalized absolute directory"),
-                        ("//usr", "must be a normalized absolute directory"),
-                        ("mnt/weight", "must be a normalized absolute directory"))],
-    ({"motor_deploy_config": {"tls_mount_path": "//opt/motor"}},
-     "motor_deploy_config.tls_mount_path: must be a normalized absolute directory"),
-    ({"motor_engine_prefill_config": {"gpu_memory_utilization": 1.5}},
-     "motor_engine_prefill_config.gpu_memory_utilization: must be in (0, 1]"),
-    # `$` matches before a final newline: every name is matched whole.
-    ({"motor_engine_prefill_config": {"kv_connector": "Nixl\n"},
-      "motor_engine_decode_config": {"kv_connector": "Nixl\n"}},
-     "motor_engine_prefill_config.kv_connector: must be a connector class name"),
-    ({"motor_engine_decode_config": {"env": {"A\n": "1"}}},
-     "motor_engine_decode_config.env.A\n: not a valid environment"),
-    ({"motor_deploy_config": {"service_account_name": "sa\n"}},
-     "motor_deploy_config.service_account_name: not a service account name, a DNS subdomain"),
-    ({"motor_deploy_config": {"tls_secret_name": "tls\n"}}, "motor_deploy_config.tls_secret_name: not a Secret name"),
-    ({"motor_deploy_config": {"tls_secret_name": "motor-coordinator-config"}},
-     "motor_deploy_config.tls_secret_name: 'motor-coordinator-config' is the Secret the deployer renders"),
-    ({"motor_deploy_config": {"tls_secret_name": "a" * 254}}, "motor_deploy_config.tls_secret_name: not a Secret name"),
-    ({"motor_deploy_config": {"image_pull_secrets": ["ok", "reg\n"]}},
-     "motor_deploy_config.image_pull_secrets[1]: not a Secret name"),
-    ({"motor_deploy_config": {"service_account_name": "s" * 254}}, "motor_deploy_config.service_account_name:"),
-    ({"motor_deploy_config": {"cluster_domain": "cluster.local\n"}}, "motor_deploy_config.cluster_domain: must be"),
-    ({"motor_deploy_config": {"dshm_size": "8Gi\n"}}, "motor_deploy_config.dshm_size: not a Kubernetes quantity"),
-    ({"motor_engine_decode_config": {"resources": {"limits": {"cpu": "16\n"}}}},
-     "motor_engine_decode_config.resources.limits.cpu: not a Kubernetes quantity"),
-    # Native resources would replace the engine's own requests and limits; the rest Kubernetes refuses.
-    *[({"motor_engine_prefill_config": {"accelerator_resource_name": name}},
-       "motor_engine_prefill_config.accelerator_resource_name: not an extended resource name")
-      for name in ("cpu", "memory", "ephemeral-storage", "hugepages-2Mi", "gpu", "nvidia.com/", "example.com/a/b",
-                   "kubernetes.io/gpu", "gpu.kubernetes.io/a100", "requests.example.com/gpu", "Example.com/gpu",
-                   "/gpu", "nvidia.com/gpu\n", "a" * 245 + "/gpu")],
-    # Tolerations and node selectors that kubectl would refuse (the schemas alone accept them).
-    ({"motor_deploy_config": {"coordinator_tolerations": [{"foo": 1}]}},
-     "motor_deploy_config.coordinator_tolerations[0].foo: unknown key (known: key, operator, value, effect, "
-     "tolerationSeconds)"),
-    ({"motor_engine_prefill_config": {"tolerations": [{"key": "k", "value": 5}]}},
-     "motor_engine_prefill_config.tolerations[0].value: must be a string (got 5)"),
-    ({"motor_engine_prefill_config": {"tolerations": [{"key": "k", "operator": "Exists", "tolerationSeconds": True,
-                                                       "effect": "NoExecute"}]}},
-     "motor_engine_prefill_config.tolerations[0].tolerationSeconds: must be an integer (got True)"),
-    ({"motor_engine_decode_config": {"tolerations": [{"key": "k", "operator": "In", "value": "v"}]}},
-     "motor_engine_decode_config.tolerations[0].operator: must be one of Equal, Exists (got 'In')"),
-    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
-     "motor_deploy_config.coordinator_tolerations[0].value: must be empty when operator is Exists"),
-    ({"motor_deploy_config": {"coordinator_tolerations": [{"value": "v", "effect": "NoSchedule"}]}},
-     "motor_deploy_config.coordinator_tolerations[0].operator: must be Exists when key is empty"),
-    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "value": "two words"}]}},
-     "motor_deploy_config.coordinator_tolerations[0].value: not a label value"),
-    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "value": "a" * 64}]}},
-     "motor_deploy_config.coordinator_tolerations[0].value: not a label value"),
-    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "a b", "operator": "Exists"}]}},
-     "motor_deploy_config.coordinator_tolerations[0].key: not a label key"),
-    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "operator": "Exists", "effect": "NoRun"}]}},
-     "motor_deploy_config.coordinator_tolerations[0].effect: must be empty (every effect) or one of NoSchedule"),
-    ({"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule",
-                                                           "tolerationSeconds": 60}]}},
-     "motor_deploy_config.coordinator_tolerations[0].tolerationSeconds: only with effect NoExecute"),
-    ({"motor_deploy_config": {"coordinator_node_selector": {"a b": "c"}}},
-     "motor_deploy_config.coordinator_node_selector.a b: not a label key"),
-    ({"motor_deploy_config": {"coordinator_node_selector": {"a": "c d"}}},
-     "motor_deploy_config.coordinator_node_selector.a: not a label value"),
-    ({"motor_engine_prefill_config": {"node_selector": {"Example.com/gpu": "h200"}}},
-     "motor_engine_prefill_config.node_selector.Example.com/gpu: not a label key"),
-    ({"motor_engine_decode_config": {"node_selector": {"/gpu": "h200"}}},
-     "motor_engine_decode_config.node_selector./gpu: not a label key"),
-    ({"motor_engine_decode_config": {"node_selector": {"gpu": "-h200"}}},
-     "motor_engine_decode_config.node_selector.gpu: not a label value"),
-    ({"motor_engine_decode_config": {"node_selector": {"x" * 64: "h200"}}},
-     f"motor_engine_decode_config.node_selector.{'x' * 64}: not a label key"),
-])
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        (
+            {"motor_deploy_config": {"coordinator_node_port": 80}},
+            "motor_deploy_config.coordinator_node_port: must be 30000..32767",
+        ),
+        (
+            {"motor_deploy_config": {"coordinator_node_port": 32768}},
+            "motor_deploy_config.coordinator_node_port: must be 30000..32767",
+        ),
+        ({"motor_deploy_config": {"d_instances_num": 0}}, "motor_deploy_config.d_instances_num: must be 1..64"),
+        ({"motor_deploy_config": {"p_instances_num": 0}}, "motor_deploy_config.p_instances_num: must be 1..64"),
+        (
+            {"motor_deploy_config": {"coordinator_replicas": 0}},
+            "motor_deploy_config.coordinator_replicas: must be 1..16",
+        ),
+        ({"motor_deploy_config": {"p_instances_num": "2"}}, "motor_deploy_config.p_instances_num: must be an integer"),
+        ({"motor_deploy_config": {"p_instances_num": True}}, "motor_deploy_config.p_instances_num: must be an integer"),
+        ({"motor_deploy_config": {"job_id": "Bad_NS"}}, "motor_deploy_config.job_id: must be a DNS-1123 label"),
+        ({"motor_deploy_config": {"image_pull_policy": "Sometimes"}}, "motor_deploy_config.image_pull_policy:"),
+        ({"motor_deploy_config": {"replicas": 2}}, "motor_deploy_config.replicas: unknown key"),
+        (
+            {"motor_deploy_config": {"coordinator_resources": {"requests": {"cpu": "4"}, "limits": {"cpu": "2"}}}},
+            "motor_deploy_config.coordinator_resources.requests.cpu: 4 exceeds limits.cpu 2",
+        ),
+        (
+            {"motor_deploy_config": {"coordinator_resources": {"requests": {"memory": "lots"}}}},
+            "motor_deploy_config.coordinator_resources.requests.memory: not a Kubernetes quantity",
+        ),
+        (
+            {"motor_coordinator_config": {"api_config.coordinator_api_mgmt_port": 1025}},
+            "motor_coordinator_config.api_config.coordinator_api_mgmt_port: clashes with "
+            "motor_coordinator_config.api_config.coordinator_api_infer_port",
+        ),
+        (
+            {"motor_coordinator_config": {"api_config.coordinator_obs_port": 70000}},
+            "motor_coordinator_config.api_config.coordinator_obs_port: must be 1..65535",
+        ),
+        (
+            {"motor_engine_decode_config": {"side_channel_port": 8000}},
+            "motor_engine_decode_config.side_channel_port: clashes with motor_engine_decode_config.port",
+        ),
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [
+                        {
+                            "id": 1,
+                            "role": "verifier",
+                            "model_name": "qwen3",
+                            "endpoints": [{"id": 0, "address": "x.y:8000"}],
+                        }
+                    ]
+                }
+            },
+            "motor_coordinator_config.instances[0].role: must be one of prefill, decode, union",
+        ),
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [
+                        {
+                            "id": 1,
+                            "role": "union",
+                            "model_name": "qwen3",
+                            "endpoints": [{"id": 0, "address": "127.0.0.1:8000"}],
+                        }
+                    ]
+                }
+            },
+            "motor_coordinator_config.instances[0].endpoints[0].address: '127.0.0.1:8000' is a loopback address",
+        ),
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [
+                        {"role": "union", "model_name": "qwen3", "endpoints": [{"address": "http://127.0.0.1:8000"}]}
+                    ]
+                }
+            },
+            "motor_coordinator_config.instances[0].endpoints[0].address: 'http://127.0.0.1:8000' is a loopback address",
+        ),
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [{"role": "union", "model_name": "qwen3", "endpoints": [{"address": "[::1]:8000"}]}]
+                }
+            },
+            "motor_coordinator_config.instances[0].endpoints[0].address: '[::1]:8000' is a loopback address",
+        ),
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [{"role": "union", "model_name": "qwen3", "endpoints": [{"address": "::1:8000"}]}]
+                }
+            },
+            "motor_coordinator_config.instances[0].endpoints[0].address: must be host:port",
+        ),
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [
+                        {"role": "union", "model_name": "qwen3", "endpoints": [{"address": "https://LOCALHOST:8443"}]}
+                    ]
+                }
+            },
+            "motor_coordinator_config.instances[0].endpoints[0].address: 'https://LOCALHOST:8443' is a loopback address",
+        ),
+        # Every spelling the resolver reads as loopback: a final dot, inet_aton's IPv4 forms, IPv4-mapped IPv6.
+        *[
+            (
+                {
+                    "motor_coordinator_config": {
+                        "instances": [
+                            {
+                                "role": "union",
+                                "model_name": "qwen3",
+                                "endpoints": [{"address": "ext.example.com:8000"}, {"address": address}],
+                            }
+                        ]
+                    }
+                },
+                f"motor_coordinator_config.instances[0].endpoints[1].address: {address!r} is a loopback address",
+            )
+            for address in (
+                "localhost.:8000",
+                "127.1:8000",
+                "2130706433:8000",
+                "0x7f.1:8000",
+                "0177.0.0.1:8000",
+                "127.0.0.1.:8000",
+                "0:8000",
+                "[::ffff:127.0.0.1]:8000",
+                "http://[::ffff:7f00:1]:8000",
+            )
+        ],
+        # What the Coordinator itself refuses, on the input's index (the deployer renumbers instances).
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [{"role": "union", "endpoints": [{"address": "10.0.0.5:8000"}]}]
+                }
+            },
+            "motor_coordinator_config.instances[0].model_name: must be a string",
+        ),
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [{"role": "union", "model_name": ["m"], "endpoints": [{"address": "e:8000"}]}]
+                }
+            },
+            "motor_coordinator_config.instances[0].model_name: must be a string",
+        ),
+        (
+            {
+                "motor_coordinator_config": {
+                    "instances": [
+                        {"role": "union", "model_name": "qwen3", "endpoints": [{"address": "ext-engine:http"}]}
+                    ]
+                }
+            },
+            "motor_coordinator_config.instances[0].endpoints[0].address: must be host:port",
+        ),
+        (
+            {"motor_coordinator_config": {"models": [{"id": ["x"]}]}},
+            "motor_coordinator_config.models[0].id: must be a string",
+        ),
+        (
+            {"motor_coordinator_config": {"scheduler_config.scheduler_type": "least_load"}},
+            "motor_coordinator_config.scheduler_config.scheduler_type: must be one of round_robin",
+        ),
+        (
+            {"motor_coordinator_config": {"models": [{"id": "qwen3", "slo_ttft": 0}]}},
+            "motor_coordinator_config.models[0].slo_ttft: must be >= 1",
+        ),
+        (
+            {"motor_coordinator_config": {"scheduler_config.pd_dispatch": "both"}},
+            "motor_coordinator_config.scheduler_config.pd_dispatch: must be one of handoff, trigger",
+        ),
+        (
+            {"motor_coordinator_config": {"mgmt_tls_config": {"enable_tls": True, "cert_file": "", "key_file": "/k"}}},
+            "motor_coordinator_config.mgmt_tls_config.cert_file: required when enable_tls is true",
+        ),
+        (
+            {
+                "motor_coordinator_config": {
+                    "infer_tls_config": {
+                        "enable_tls": True,
+                        "cert_file": "/etc/ssl/c.crt",
+                        "key_file": "/etc/motor-tls/k.key",
+                    }
+                }
+            },
+            "motor_coordinator_config.infer_tls_config.cert_file: must be a file under motor_deploy_config.tls_mount_path",
+        ),
+        (
+            {"motor_engine_decode_config": {"served_model_name": "other"}},
+            "motor_engine_decode_config.served_model_name: 'other' differs",
+        ),
+        (
+            {"motor_engine_prefill_config": {"tensor_parallel_size": 4}},
+            "motor_engine_prefill_config.accelerator_num: 1 is fewer than tensor_parallel_size",
+        ),
+        ({"motor_engine_prefill_config": {"engine_type": "sglang"}}, "motor_engine_prefill_config.engine_type:"),
+        (
+            {"motor_engine_prefill_config": {"model_path": "/data/qwen3"}},
+            "motor_engine_prefill_config.model_path: '/data/qwen3' is not under motor_deploy_config.weight_mount_path",
+        ),
+        (
+            {"motor_engine_prefill_config": {"env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "1"}}},
+            "motor_engine_prefill_config.env.VLLM_NIXL_SIDE_CHANNEL_PORT: set by the deployer",
+        ),
+        (
+            {"motor_engine_prefill_config": {"extra_args": ["--enforce-eager", "--port", "9000"]}},
+            "motor_engine_prefill_config.extra_args[1]: '--port' would override --port, which the deployer sets (from port)",
+        ),
+        (
+            {"motor_engine_decode_config": {"extra_args": ["--max_model_len=32768"]}},
+            "motor_engine_decode_config.extra_args[0]: '--max_model_len=32768' would override --max-model-len",
+        ),
+        (
+            {"motor_engine_prefill_config": {"extra_args": ["-tp", "2"]}},
+            "motor_engine_prefill_config.extra_args[0]: '-tp' would override -tp, which the deployer sets "
+            "(from tensor_parallel_size)",
+        ),
+        (
+            {"motor_engine_prefill_config": {"extra_args": ["--kv-transfer-config.kv_role", "kv_both"]}},
+            "motor_engine_prefill_config.extra_args[0]: '--kv-transfer-config.kv_role' would override --kv-transfer-config",
+        ),
+        (
+            {"motor_engine_prefill_config": {"extra_args": ["--served-model", "x"]}},
+            "motor_engine_prefill_config.extra_args[0]: '--served-model' would override --served-model-name",
+        ),
+        (
+            {"motor_deploy_config": {"tls_mount_path": "/tmp"}},
+            "motor_deploy_config.tls_mount_path: '/tmp' overlaps /tmp, also mounted in the Coordinator pod",
+        ),
+        (
+            {"motor_deploy_config": {"tls_mount_path": "/etc/motor/tls"}},
+            "motor_deploy_config.tls_mount_path: '/etc/motor/tls' overlaps /etc/motor",
+        ),
+        (
+            {"motor_deploy_config": {"tls_mount_path": "/etc"}},
+            "motor_deploy_config.tls_mount_path: '/etc' overlaps /etc/motor",
+        ),
+        ({"motor_deploy_config": {"tls_mount_path": "/"}}, "motor_deploy_config.tls_mount_path: '/' overlaps"),
+        (
+            {"motor_deploy_config": {"tls_mount_path": "/x/../tmp"}},
+            "motor_deploy_config.tls_mount_path: must be a normalized absolute directory",
+        ),
+        (
+            {
+                "motor_deploy_config": {"weight_mount_path": "/dev/shm/"},
+                "motor_engine_prefill_config": {"model_path": "/dev/shm/qwen3"},
+                "motor_engine_decode_config": {"model_path": "/dev/shm/qwen3"},
+            },
+            "motor_deploy_config.weight_mount_path: '/dev/shm/' overlaps /dev/shm, also mounted in the engine pods",
+        ),
+        # A volume on the code directory or a system directory hides what the container runs: a crash loop.
+        *[
+            ({"motor_deploy_config": {"tls_mount_path": path}}, f"motor_deploy_config.tls_mount_path: {path!r} {why}")
+            for path, why in (
+                ("/opt/motor", "would hide /opt/motor"),
+                ("/opt/motor/tls", "lies inside /opt/motor"),
+                ("/opt", "would hide /opt"),
+                ("/usr", "would hide /usr"),
+                ("/var/", "would hide /var"),
+                ("/usr/local/tls", "lies inside /usr"),
+                ("/lib64/x", "lies inside /lib64"),
+            )
+        ],
+        *[
+            (
+                {
+                    "motor_deploy_config": {"weight_mount_path": path},
+                    "motor_engine_prefill_config": {"model_path": path + "/qwen3"},
+                    "motor_engine_decode_config": {"model_path": path + "/qwen3"},
+                },
+                f"motor_deploy_config.weight_mount_path: {why}",
+            )
+            for path, why in (
+                ("/usr", "'/usr' would hide /usr"),
+                ("/etc", "'/etc' would hide /etc"),
+                ("/usr/lib/models", "'/usr/lib/models' lies inside /usr"),
+                # Kubernetes refuses '..' in a mountPath or hostPath; //usr and /usr/. are /usr.
+                ("/mnt/../weight", "must be a normalized absolute directory (got '/mnt/../weight')"),
+                ("/mnt/./weight", "must be a normalized absolute directory"),
+                ("//usr", "must be a normalized absolute directory"),
+                ("mnt/weight", "must be a normalized absolute directory"),
+            )
+        ],
+        (
+            {"motor_deploy_config": {"tls_mount_path": "//opt/motor"}},
+            "motor_deploy_config.tls_mount_path: must be a normalized absolute directory",
+        ),
+        (
+            {"motor_engine_prefill_config": {"gpu_memory_utilization": 1.5}},
+            "motor_engine_prefill_config.gpu_memory_utilization: must be in (0, 1]",
+        ),
+        # `$` matches before a final newline: every name is matched whole.
+        (
+            {
+                "motor_engine_prefill_config": {"kv_connector": "Nixl\n"},
+                "motor_engine_decode_config": {"kv_connector": "Nixl\n"},
+            },
+            "motor_engine_prefill_config.kv_connector: must be a connector class name",
+        ),
+        (
+            {"motor_engine_decode_config": {"env": {"A\n": "1"}}},
+            "motor_engine_decode_config.env.A\n: not a valid environment",
+        ),
+        (
+            {"motor_deploy_config": {"service_account_name": "sa\n"}},
+            "motor_deploy_config.service_account_name: not a service account name, a DNS subdomain",
+        ),
+        (
+            {"motor_deploy_config": {"tls_secret_name": "tls\n"}},
+            "motor_deploy_config.tls_secret_name: not a Secret name",
+        ),
+        (
+            {"motor_deploy_config": {"tls_secret_name": "motor-coordinator-config"}},
+            "motor_deploy_config.tls_secret_name: 'motor-coordinator-config' is the Secret the deployer renders",
+        ),
+        (
+            {"motor_deploy_config": {"tls_secret_name": "a" * 254}},
+            "motor_deploy_config.tls_secret_name: not a Secret name",
+        ),
+        (
+            {"motor_deploy_config": {"image_pull_secrets": ["ok", "reg\n"]}},
+            "motor_deploy_config.image_pull_secrets[1]: not a Secret name",
+        ),
+        ({"motor_deploy_config": {"service_account_name": "s" * 254}}, "motor_deploy_config.service_account_name:"),
+        ({"motor_deploy_config": {"cluster_domain": "cluster.local\n"}}, "motor_deploy_config.cluster_domain: must be"),
+        ({"motor_deploy_config": {"dshm_size": "8Gi\n"}}, "motor_deploy_config.dshm_size: not a Kubernetes quantity"),
+        (
+            {"motor_engine_decode_config": {"resources": {"limits": {"cpu": "16\n"}}}},
+            "motor_engine_decode_config.resources.limits.cpu: not a Kubernetes quantity",
+        ),
+        # Native resources would replace the engine's own requests and limits; the rest Kubernetes refuses.
+        *[
+            (
+                {"motor_engine_prefill_config": {"accelerator_resource_name": name}},
+                "motor_engine_prefill_config.accelerator_resource_name: not an extended resource name",
+            )
+            for name in (
+                "cpu",
+                "memory",
+                "ephemeral-storage",
+                "hugepages-2Mi",
+                "gpu",
+                "nvidia.com/",
+                "example.com/a/b",
+                "kubernetes.io/gpu",
+                "gpu.kubernetes.io/a100",
+                "requests.example.com/gpu",
+                "Example.com/gpu",
+                "/gpu",
+                "nvidia.com/gpu\n",
+                "a" * 245 + "/gpu",
+            )
+        ],
+        # Tolerations and node selectors that kubectl would refuse (the schemas alone accept them).
+        (
+            {"motor_deploy_config": {"coordinator_tolerations": [{"foo": 1}]}},
+            "motor_deploy_config.coordinator_tolerations[0].foo: unknown key (known: key, operator, value, effect, "
+            "tolerationSeconds)",
+        ),
+        (
+            {"motor_engine_prefill_config": {"tolerations": [{"key": "k", "value": 5}]}},
+            "motor_engine_prefill_config.tolerations[0].value: must be a string (got 5)",
+        ),
+        (
+            {
+                "motor_engine_prefill_config": {
+                    "tolerations": [
+                        {"key": "k", "operator": "Exists", "tolerationSeconds": True, "effect": "NoExecute"}
+                    ]
+                }
+            },
+            "motor_engine_prefill_config.tolerations[0].tolerationSeconds: must be an integer (got True)",
+        ),
+        (
+            {"motor_engine_decode_config": {"tolerations": [{"key": "k", "operator": "In", "value": "v"}]}},
+            "motor_engine_decode_config.tolerations[0].operator: must be one of Equal, Exists (got 'In')",
+        ),
+        (
+            {"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+            "motor_deploy_config.coordinator_tolerations[0].value: must be empty when operator is Exists",
+        ),
+        (
+            {"motor_deploy_config": {"coordinator_tolerations": [{"value": "v", "effect": "NoSchedule"}]}},
+            "motor_deploy_config.coordinator_tolerations[0].operator: must be Exists when key is empty",
+        ),
+        (
+            {"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "value": "two words"}]}},
+            "motor_deploy_config.coordinator_tolerations[0].value: not a label value",
+        ),
+        (
+            {"motor_deploy_config": {"coordinator_tolerations": [{"key": "k", "value": "a" * 64}]}},
+            "motor_deploy_config.coordinator_tolerations[0].value: not a label value",
+        ),
+        (
+            {"motor_deploy_config": {"coordinator_tolerations": [{"key": "a b", "operator": "Exists"}]}},
+            "motor_deploy_config.coordinator_tolerations[0].key: not a label key",
+        ),
+        (
+            {
+                "motor_deploy_config": {
+                    "coordinator_tolerations": [{"key": "k", "operator": "Exists", "effect": "NoRun"}]
+                }
+            },
+            "motor_deploy_config.coordinator_tolerations[0].effect: must be empty (every effect) or one of NoSchedule",
+        ),
+        (
+            {
+                "motor_deploy_config": {
+                    "coordinator_tolerations": [
+                        {"key": "k", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 60}
+                    ]
+                }
+            },
+            "motor_deploy_config.coordinator_tolerations[0].tolerationSeconds: only with effect NoExecute",
+        ),
+        (
+            {"motor_deploy_config": {"coordinator_node_selector": {"a b": "c"}}},
+            "motor_deploy_config.coordinator_node_selector.a b: not a label key",
+        ),
+        (
+            {"motor_deploy_config": {"coordinator_node_selector": {"a": "c d"}}},
+            "motor_deploy_config.coordinator_node_selector.a: not a label value",
+        ),
+        (
+            {"motor_engine_prefill_config": {"node_selector": {"Example.com/gpu": "h200"}}},
+            "motor_engine_prefill_config.node_selector.Example.com/gpu: not a label key",
+        ),
+        (
+            {"motor_engine_decode_config": {"node_selector": {"/gpu": "h200"}}},
+            "motor_engine_decode_config.node_selector./gpu: not a label key",
+        ),
+        (
+            {"motor_engine_decode_config": {"node_selector": {"gpu": "-h200"}}},
+            "motor_engine_decode_config.node_selector.gpu: not a label value",
+        ),
+        (
+            {"motor_engine_decode_config": {"node_selector": {"x" * 64: "h200"}}},
+            f"motor_engine_decode_config.node_selector.{'x' * 64}: not a label key",
+        ),
+    ],
+)
 def test_bad_input_is_refused_naming_the_key(changes, expected):
     errs = errors_of(with_changes(**changes))
     assert any(e.startswith(expected) for e in errs), errs
 
 
 def test_mount_paths_of_their_own_inside_system_directories_are_fine():
-    for tls, weights in (("/opt/motor-tls", "/root/.cache/huggingface"), ("/etc/ssl/motor", "/var/lib/models/"),
-                         ("/run/secrets/motor", "/data")):
-        s = load(with_changes(motor_deploy_config={"tls_mount_path": tls, "weight_mount_path": weights},
-                              motor_engine_prefill_config={"model_path": weights.rstrip("/") + "/qwen3"},
-                              motor_engine_decode_config={"model_path": weights.rstrip("/") + "/qwen3"}))
+    for tls, weights in (
+        ("/opt/motor-tls", "/root/.cache/huggingface"),
+        ("/etc/ssl/motor", "/var/lib/models/"),
+        ("/run/secrets/motor", "/data"),
+    ):
+        s = load(
+            with_changes(
+                motor_deploy_config={"tls_mount_path": tls, "weight_mount_path": weights},
+                motor_engine_prefill_config={"model_path": weights.rstrip("/") + "/qwen3"},
+                motor_engine_decode_config={"model_path": weights.rstrip("/") + "/qwen3"},
+            )
+        )
         assert (s.deploy.tls_mount_path, s.deploy.weight_mount_path) == (tls, weights)
 
 
 def test_a_job_id_with_a_final_newline_is_refused_as_the_job_id():
     """It passed the job_id check and the Coordinator's loader then blamed an engine address."""
     errs = errors_of(with_changes(motor_deploy_config={"job_id": "mindie-motor\n"}))
-    assert errs == ["motor_deploy_config.job_id: must be a DNS-1123 label of at most 40 characters "
-                    "(lowercase letters, digits, '-'; got 'mindie-motor\\n')"]
+    assert errs == [
+        "motor_deploy_config.job_id: must be a DNS-1123 label of at most 40 characters "
+        "(lowercase letters, digits, '-'; got 'mindie-motor\\n')"
+    ]
     assert load(with_changes(motor_deploy_config={"tls_secret_name": "a" * 253})).deploy.tls_secret_name == "a" * 253
 
 
@@ -870,8 +1291,10 @@ def test_accelerators_are_any_extended_resource_and_never_replace_cpu_or_memory(
     for name in names:
         b = bundle(with_changes(motor_engine_decode_config={"accelerator_resource_name": name, "accelerator_num": 2}))
         res = find(b, "StatefulSet", R.ENGINE_NAME["decode"])["spec"]["template"]["spec"]["containers"][0]["resources"]
-        assert res == {"requests": {"cpu": "4", "memory": "32Gi", name: "2"},
-                       "limits": {"cpu": "16", "memory": "64Gi", name: "2"}}
+        assert res == {
+            "requests": {"cpu": "4", "memory": "32Gi", name: "2"},
+            "limits": {"cpu": "16", "memory": "64Gi", name: "2"},
+        }
     s = load(base())
     s.prefill.accelerator_resource_name = "memory"  # what load refuses: the render does not write it over memory
     with pytest.raises(AssertionError):
@@ -882,9 +1305,14 @@ def test_a_misspelled_section_is_refused_not_ignored(tmp_path):
     """motor_engine_prefil_config was ignored, and the prefill engines rendered with the defaults."""
     cfg = base()
     cfg["motor_engine_prefil_config"] = cfg.pop("motor_engine_prefill_config")
-    assert errors_of(cfg) == ["motor_engine_prefil_config: unknown top-level key; did you mean motor_engine_prefill_config?"]
-    for near_miss, meant in (("motor_decode_config", "motor_engine_decode_config"), ("Motor_Deploy_Config", "motor_deploy_config"),
-                             ("motor_coordinator", "motor_coordinator_config")):
+    assert errors_of(cfg) == [
+        "motor_engine_prefil_config: unknown top-level key; did you mean motor_engine_prefill_config?"
+    ]
+    for near_miss, meant in (
+        ("motor_decode_config", "motor_engine_decode_config"),
+        ("Motor_Deploy_Config", "motor_deploy_config"),
+        ("motor_coordinator", "motor_coordinator_config"),
+    ):
         other = base()
         other[near_miss] = other.pop(meant)
         assert f"{near_miss}: unknown top-level key; did you mean {meant}?" in errors_of(other)
@@ -911,29 +1339,37 @@ def test_refusals_of_models_and_static_instances_name_the_input_s_index():
     Coordinator's messages on the rendered file named positions the input does not have."""
     cfg = with_changes(motor_coordinator_config={"models": [{"id": "other"}, {"id": "qwen3", "slo_ttft": -1}]})
     assert errors_of(cfg) == ["motor_coordinator_config.models[1].slo_ttft: must be >= 1"]
-    ext = [{"role": "union", "model_name": "other", "endpoints": [{"address": "ext.example.com:8000"}]},
-           {"role": "union", "model_name": "other", "endpoints": [{"address": "http://ext.example.com:8000"}]}]
+    ext = [
+        {"role": "union", "model_name": "other", "endpoints": [{"address": "ext.example.com:8000"}]},
+        {"role": "union", "model_name": "other", "endpoints": [{"address": "http://ext.example.com:8000"}]},
+    ]
     cfg = with_changes(motor_coordinator_config={"models": [{"id": "other"}], "instances": ext})
     # Instance 3: the id the render gives the first static instance, after 1 prefill and 1 decode pod.
-    assert errors_of(cfg) == ["motor_coordinator_config.instances[1].endpoints[0].address: ext.example.com:8000 "
-                              "is already the address of instance 3"]
+    assert errors_of(cfg) == [
+        "motor_coordinator_config.instances[1].endpoints[0].address: ext.example.com:8000 "
+        "is already the address of instance 3"
+    ]
 
 
 def test_a_static_instance_at_an_engine_pod_s_address_is_named_by_the_input_s_index():
     """It was named by its rendered index (instances[3]), after the engine pods."""
     pod = "http://Motor-engine-decode-0.motor-engine-decode.mindie-motor.svc.cluster.local:8000"
-    ext = [{"role": "union", "model_name": "qwen3", "endpoints": [{"address": "ext.example.com:8000"}]},
-           {"role": "union", "model_name": "qwen3", "endpoints": [{"address": "a.example.com:1"}, {"address": pod}]}]
+    ext = [
+        {"role": "union", "model_name": "qwen3", "endpoints": [{"address": "ext.example.com:8000"}]},
+        {"role": "union", "model_name": "qwen3", "endpoints": [{"address": "a.example.com:1"}, {"address": pod}]},
+    ]
     assert errors_of(with_changes(motor_coordinator_config={"instances": ext})) == [
         "motor_coordinator_config.instances[1].endpoints[1].address: motor-engine-decode-0.motor-engine-decode."
-        "mindie-motor.svc.cluster.local:8000 is already the address of instance 2, an engine pod the deployer renders"]
+        "mindie-motor.svc.cluster.local:8000 is already the address of instance 2, an engine pod the deployer renders"
+    ]
 
 
 def test_unknown_model_keys_are_warned_about_once_on_the_input_s_index(caplog):
     load(with_changes(motor_coordinator_config={"models": [{"id": "other", "x": 1}, {"id": "qwen3", "y": 1}]}))
     assert [r.getMessage() for r in caplog.records if "models[" in r.getMessage()] == [
         "config: unknown key motor_coordinator_config.models[0].x ignored",
-        "config: unknown key motor_coordinator_config.models[1].y ignored"]
+        "config: unknown key motor_coordinator_config.models[1].y ignored",
+    ]
 
 
 def test_several_errors_are_reported_together():
@@ -946,10 +1382,12 @@ def test_missing_sections_take_defaults_but_coordinator_section_is_required():
     assert s.deploy.coordinator_node_port == 31015 and s.prefill.port == 8000
     assert s.coordinator.infer_port == 1025
     assert errors_of({"motor_deploy_config": {}}) == [
-        "motor_coordinator_config: missing (the Coordinator's own section is required)"]
+        "motor_coordinator_config: missing (the Coordinator's own section is required)"
+    ]
 
 
 # --------------------------------------------------------------------------- end to end (needs app.py)
+
 
 def _free_ports(n: int) -> list:
     socks = [socket.socket() for _ in range(n)]
@@ -970,8 +1408,14 @@ def test_coordinator_starts_on_rendered_config_with_loopback_addresses(sims):
 
     cfg = bundle(base())["config"]
     coord = cfg["motor_coordinator_config"]
-    coord["api_config"].update({"coordinator_api_host": "127.0.0.1", "coordinator_api_infer_port": free_port(),
-                                "coordinator_api_mgmt_port": free_port(), "coordinator_obs_port": free_port()})
+    coord["api_config"].update(
+        {
+            "coordinator_api_host": "127.0.0.1",
+            "coordinator_api_infer_port": free_port(),
+            "coordinator_api_mgmt_port": free_port(),
+            "coordinator_obs_port": free_port(),
+        }
+    )
     model = coord["models"][0]["id"]
     for inst in coord["instances"]:
         inst["endpoints"][0]["address"] = sims(inst["role"], model=model).address

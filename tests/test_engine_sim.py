@@ -1,4 +1,5 @@
 """Tests of engine_sim, the vLLM-faithful engine simulator (fast: speedup / zero-latency)."""
+
 import json
 import threading
 import time
@@ -33,6 +34,7 @@ def fresh():
         h = launch(SimConfig(**kw))
         hs.append(h)
         return h
+
     yield make
     for h in hs:
         h.stop()
@@ -67,7 +69,7 @@ def test_token_estimate_and_template():
     assert count_text_tokens("") == 0
     assert count_text_tokens("a") == 1
     assert count_text_tokens("abcd") == 1 and count_text_tokens("abcde") == 2
-    assert count_text_tokens("é") == 1                     # 2 utf-8 bytes
+    assert count_text_tokens("é") == 1  # 2 utf-8 bytes
     p = render_chat_prompt([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     assert p == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with_tools = render_chat_prompt([{"role": "user", "content": "hi"}], tools=[{"name": "t"}])
@@ -87,7 +89,8 @@ def test_models_and_health(union):
 
 def test_chat_json_shape_via_sdk(union):
     r = oa(union).chat.completions.with_raw_response.create(
-        model="m", messages=MSG, max_tokens=5, extra_headers={"X-Request-Id": "req-42"})
+        model="m", messages=MSG, max_tokens=5, extra_headers={"X-Request-Id": "req-42"}
+    )
     assert r.headers["x-request-id"] == "req-42"
     c = r.parse()
     assert c.id == "chatcmpl-req-42" and c.object == "chat.completion"
@@ -103,9 +106,16 @@ def test_chat_json_shape_via_sdk(union):
 
 
 def test_chat_stream_shape(union):
-    r = httpx.post(union.url + "/v1/chat/completions", json={
-        "model": "m", "messages": MSG, "stream": True, "max_tokens": 6,
-        "stream_options": {"include_usage": True}})
+    r = httpx.post(
+        union.url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": MSG,
+            "stream": True,
+            "max_tokens": 6,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert r.headers["content-type"].startswith("text/event-stream")
     ev = sse_events(r.text)
     assert ev[-1] == (None, "[DONE]")
@@ -118,14 +128,14 @@ def test_chat_stream_shape(union):
     assert choice_chunks[-1]["choices"][0]["finish_reason"] == "length"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in choice_chunks)
     # same request non-streamed gives the same text
-    j = httpx.post(union.url + "/v1/chat/completions", json={
-        "model": "m", "messages": MSG, "max_tokens": 6}).json()
+    j = httpx.post(union.url + "/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 6}).json()
     assert j["choices"][0]["message"]["content"] == text
 
 
 def test_chat_stream_sdk_and_n2(union):
-    s = oa(union).chat.completions.create(model="m", messages=MSG, stream=True, n=2,
-                                          max_tokens=4, stream_options={"include_usage": True})
+    s = oa(union).chat.completions.create(
+        model="m", messages=MSG, stream=True, n=2, max_tokens=4, stream_options={"include_usage": True}
+    )
     texts, finishes, usage = {0: "", 1: ""}, {}, None
     for ch in s:
         if ch.usage:
@@ -144,8 +154,12 @@ def test_completions_json_and_stream(union):
     assert c.id.startswith("cmpl-") and c.object == "text_completion"
     assert c.choices[0].logprobs is None and c.choices[0].finish_reason == "length"
     assert c.usage.prompt_tokens == count_text_tokens("Once upon a time")
-    ev = sse_events(httpx.post(union.url + "/v1/completions", json={
-        "model": "m", "prompt": "Once upon a time", "max_tokens": 4, "stream": True}).text)
+    ev = sse_events(
+        httpx.post(
+            union.url + "/v1/completions",
+            json={"model": "m", "prompt": "Once upon a time", "max_tokens": 4, "stream": True},
+        ).text
+    )
     assert ev[-1][1] == "[DONE]"
     chunks = [json.loads(d) for _, d in ev[:-1]]
     assert "".join(x["choices"][0]["text"] for x in chunks) == c.choices[0].text
@@ -156,18 +170,16 @@ def test_completions_json_and_stream(union):
 
 def test_determinism_seed_and_stop(union):
     cl = oa(union)
-    a = cl.chat.completions.create(model="m", messages=MSG, seed=7, max_tokens=20,
-                                   extra_body={"ignore_eos": True})
-    b = cl.chat.completions.create(model="m", messages=MSG, seed=7, max_tokens=20,
-                                   extra_body={"ignore_eos": True})
-    c = cl.chat.completions.create(model="m", messages=MSG, seed=8, max_tokens=20,
-                                   extra_body={"ignore_eos": True})
+    a = cl.chat.completions.create(model="m", messages=MSG, seed=7, max_tokens=20, extra_body={"ignore_eos": True})
+    b = cl.chat.completions.create(model="m", messages=MSG, seed=7, max_tokens=20, extra_body={"ignore_eos": True})
+    c = cl.chat.completions.create(model="m", messages=MSG, seed=8, max_tokens=20, extra_body={"ignore_eos": True})
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.choices[0].message.content != c.choices[0].message.content
     words = a.choices[0].message.content.split()
     stop = words[3]
-    s = cl.chat.completions.create(model="m", messages=MSG, seed=7, max_tokens=20, stop=[stop],
-                                   extra_body={"ignore_eos": True})
+    s = cl.chat.completions.create(
+        model="m", messages=MSG, seed=7, max_tokens=20, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert s.choices[0].finish_reason == "stop"
     assert stop not in s.choices[0].message.content
     assert json.loads(s.model_dump_json())["choices"][0]["stop_reason"] == stop
@@ -177,8 +189,7 @@ def test_determinism_seed_and_stop(union):
 
 
 def test_logprobs(union):
-    c = oa(union).chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True,
-                                          top_logprobs=2)
+    c = oa(union).chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2)
     lp = c.choices[0].logprobs.content
     assert len(lp) == 3 and len(lp[0].top_logprobs) == 2 and lp[0].logprob <= 0
 
@@ -189,8 +200,9 @@ def test_validation_errors(union):
     assert r.status_code == 400
     e = r.json()["error"]
     assert set(e) == {"message", "type", "param", "code"} and e["code"] == 400
-    r = httpx.post(u + "/v1/chat/completions", json={"model": "m", "messages": MSG,
-                                                     "stream_options": {"include_usage": True}})
+    r = httpx.post(
+        u + "/v1/chat/completions", json={"model": "m", "messages": MSG, "stream_options": {"include_usage": True}}
+    )
     assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
     r = httpx.post(u + "/v1/chat/completions", json={"model": "nope", "messages": MSG})
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
@@ -207,8 +219,7 @@ def test_validation_errors(union):
 
 def test_unknown_fields_recorded(union):
     union.reset()
-    oa(union).chat.completions.create(model="m", messages=MSG, max_tokens=1,
-                                      extra_body={"my_custom_field": {"a": 1}})
+    oa(union).chat.completions.create(model="m", messages=MSG, max_tokens=1, extra_body={"my_custom_field": {"a": 1}})
     recs = union.requests()
     assert recs[-1]["path"] == "/v1/chat/completions"
     assert recs[-1]["body"]["my_custom_field"] == {"a": 1}
@@ -238,21 +249,26 @@ def test_prefix_cache_hits(union):
 # ---------------------------------------------------------------------------- Anthropic
 def test_messages_json_and_stream_sdk(union):
     cl = an(union)
-    m = cl.messages.create(model="m", max_tokens=10, system=[{"type": "text", "text": "be brief"}],
-                           messages=[{"role": "user", "content": "hi"}],
-                           stop_sequences=["zzzz"], extra_body={"whatever": 1, "top_k": 5})
+    m = cl.messages.create(
+        model="m",
+        max_tokens=10,
+        system=[{"type": "text", "text": "be brief"}],
+        messages=[{"role": "user", "content": "hi"}],
+        stop_sequences=["zzzz"],
+        extra_body={"whatever": 1, "top_k": 5},
+    )
     assert m.type == "message" and m.role == "assistant"
     assert m.content[0].type == "text" and m.content[0].text
     assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens <= 10
-    with cl.messages.stream(model="m", max_tokens=10,
-                            messages=[{"role": "user", "content": "hi"}]) as s:
+    with cl.messages.stream(model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}]) as s:
         events = [e.type for e in s]
         final = s.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop"
     assert final.content[0].text and 0 < final.usage.output_tokens <= 10
-    raw = httpx.post(union.url + "/v1/messages", json={
-        "model": "m", "max_tokens": 10, "stream": True,
-        "messages": [{"role": "user", "content": "hi"}]}).text
+    raw = httpx.post(
+        union.url + "/v1/messages",
+        json={"model": "m", "max_tokens": 10, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+    ).text
     names = [e for e, _ in sse_events(raw)]
     assert names[0] == "message_start" and names[1] == "content_block_start"
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -262,35 +278,63 @@ def test_messages_json_and_stream_sdk(union):
 
 
 def test_messages_tool_use_and_thinking(union):
-    tools = [{"name": "get_weather", "description": "w", "input_schema": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        "required": ["city"]}}]
-    m = an(union).messages.create(model="m", max_tokens=100, tools=tools,
-                                  messages=[{"role": "user", "content": "weather?"}])
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "w",
+            "input_schema": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        }
+    ]
+    m = an(union).messages.create(
+        model="m", max_tokens=100, tools=tools, messages=[{"role": "user", "content": "weather?"}]
+    )
     assert m.stop_reason == "tool_use"
     tu = [b for b in m.content if b.type == "tool_use"][0]
     assert tu.name == "get_weather" and tu.input == {"city": "sample", "days": 1}
-    raw = httpx.post(union.url + "/v1/messages", json={
-        "model": "m", "max_tokens": 2048, "stream": True, "tools": tools,
-        "thinking": {"type": "enabled", "budget_tokens": 1024},
-        "messages": [{"role": "user", "content": "weather?"}]}).text
+    raw = httpx.post(
+        union.url + "/v1/messages",
+        json={
+            "model": "m",
+            "max_tokens": 2048,
+            "stream": True,
+            "tools": tools,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "weather?"}],
+        },
+    ).text
     ev = [(e, json.loads(d)) for e, d in sse_events(raw)]
     starts = [d["content_block"]["type"] for e, d in ev if e == "content_block_start"]
     assert starts == ["thinking", "tool_use"]
     deltas = {d["delta"]["type"] for e, d in ev if e == "content_block_delta"}
     assert {"thinking_delta", "signature_delta", "input_json_delta"} <= deltas
-    pj = "".join(d["delta"]["partial_json"] for e, d in ev
-                 if e == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
+    pj = "".join(
+        d["delta"]["partial_json"]
+        for e, d in ev
+        if e == "content_block_delta" and d["delta"]["type"] == "input_json_delta"
+    )
     assert json.loads(pj) == {"city": "sample", "days": 1}
     assert ev[-2][1]["delta"]["stop_reason"] == "tool_use"
-    none = an(union).messages.create(model="m", max_tokens=20, tools=tools,
-                                     tool_choice={"type": "none"},
-                                     messages=[{"role": "user", "content": "weather?"}])
+    none = an(union).messages.create(
+        model="m",
+        max_tokens=20,
+        tools=tools,
+        tool_choice={"type": "none"},
+        messages=[{"role": "user", "content": "weather?"}],
+    )
     assert all(b.type == "text" for b in none.content)
 
 
-WEATHER = [{"name": "get_weather", "description": "w", "input_schema": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+WEATHER = [
+    {
+        "name": "get_weather",
+        "description": "w",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 
 
 def test_messages_named_tool_cut_by_max_tokens_is_vllms_400(union):
@@ -304,13 +348,23 @@ def test_messages_named_tool_cut_by_max_tokens_is_vllms_400(union):
     assert set(e.value.body) == {"type", "error"} and e.value.body["error"]["type"] == "BadRequestError"
     assert e.value.body["error"]["message"] == "Expecting value: line 1 column 9 (char 8)"  # json.loads('{"city":')
     m = an(union).messages.create(model="m", max_tokens=2, tools=WEATHER, tool_choice={"type": "any"}, messages=MSG)
-    assert m.stop_reason == "max_tokens" and [b.model_dump(exclude_none=True) for b in m.content] == [{"type": "text", "text": ""}]
+    assert m.stop_reason == "max_tokens" and [b.model_dump(exclude_none=True) for b in m.content] == [
+        {"type": "text", "text": ""}
+    ]
     with an(union).messages.stream(model="m", max_tokens=2, tools=WEATHER, tool_choice=named, messages=MSG) as s:
         assert s.get_final_message().stop_reason == "max_tokens"
     whole = an(union).messages.create(model="m", max_tokens=64, tools=WEATHER, tool_choice=named, messages=MSG)
     assert whole.stop_reason == "tool_use" and whole.content[0].input == {"city": "sample"}
-    r = httpx.post(union.url + "/v1/messages", json={"model": "m", "max_tokens": 64, "tools": WEATHER, "messages": MSG,
-                                                     "tool_choice": {"type": "tool", "name": "nope"}})
+    r = httpx.post(
+        union.url + "/v1/messages",
+        json={
+            "model": "m",
+            "max_tokens": 64,
+            "tools": WEATHER,
+            "messages": MSG,
+            "tool_choice": {"type": "tool", "name": "nope"},
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["message"] == "Tool 'nope' has not been passed in `tools`."
 
 
@@ -319,8 +373,10 @@ def test_messages_thinking_budget_is_validated_like_vllm(fresh):
     p = fresh(role="prefill")
 
     def post(thinking, max_tokens, **extra):
-        return httpx.post(p.url + "/v1/messages", json={"model": "m", "max_tokens": max_tokens, "messages": MSG,
-                                                        "thinking": thinking, **extra})
+        return httpx.post(
+            p.url + "/v1/messages",
+            json={"model": "m", "max_tokens": max_tokens, "messages": MSG, "thinking": thinking, **extra},
+        )
 
     low = post({"type": "enabled", "budget_tokens": 16}, 24)
     assert low.status_code == 400 and low.json()["error"]["param"] == "body.thinking.enabled.budget_tokens"
@@ -352,7 +408,9 @@ def test_messages_cache_usage_is_vllms(fresh):
     second = an(u).messages.create(model="m", max_tokens=4, messages=msgs).usage
     assert 0 < second.cache_read_input_tokens < prompt
     assert second.input_tokens == prompt - second.cache_read_input_tokens
-    raw = httpx.post(u.url + "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": msgs, "stream": True}).text
+    raw = httpx.post(
+        u.url + "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": msgs, "stream": True}
+    ).text
     ev = {e: json.loads(d) for e, d in sse_events(raw)}
     assert ev["message_start"]["message"]["usage"] == {"input_tokens": prompt, "output_tokens": 0}
     usage = ev["message_delta"]["usage"]
@@ -360,21 +418,23 @@ def test_messages_cache_usage_is_vllms(fresh):
 
 
 def test_count_tokens_and_images(union):
-    msgs = [{"role": "user", "content": [
-        {"type": "text", "text": "what is this"},
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+            ],
+        }
+    ]
     r = an(union).messages.count_tokens(model="m", messages=msgs)
-    raw = httpx.post(union.url + "/v1/messages/count_tokens",
-                     json={"model": "m", "messages": msgs}).json()
-    assert raw == {"input_tokens": r.input_tokens,
-                   "context_management": {"original_input_tokens": r.input_tokens}}
-    txt = an(union).messages.count_tokens(model="m", messages=[{"role": "user",
-                                                                 "content": "what is this"}])
-    assert r.input_tokens >= txt.input_tokens + 60     # an image counts ~64 tokens
+    raw = httpx.post(union.url + "/v1/messages/count_tokens", json={"model": "m", "messages": msgs}).json()
+    assert raw == {"input_tokens": r.input_tokens, "context_management": {"original_input_tokens": r.input_tokens}}
+    txt = an(union).messages.count_tokens(model="m", messages=[{"role": "user", "content": "what is this"}])
+    assert r.input_tokens >= txt.input_tokens + 60  # an image counts ~64 tokens
     m = an(union).messages.create(model="m", max_tokens=1, messages=msgs)
     assert m.usage.input_tokens == r.input_tokens
-    bad = httpx.post(union.url + "/v1/messages", json={"model": "zzz", "max_tokens": 3,
-                                                       "messages": msgs})
+    bad = httpx.post(union.url + "/v1/messages", json={"model": "zzz", "max_tokens": 3, "messages": msgs})
     assert bad.status_code == 404 and bad.json()["type"] == "error"
     assert bad.json()["error"]["type"] == "NotFoundError"
     missing = httpx.post(union.url + "/v1/messages", json={"model": "m", "messages": msgs})
@@ -382,31 +442,50 @@ def test_count_tokens_and_images(union):
 
 
 # ---------------------------------------------------------------------------- PD
-PREFILL_KVP = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL_KVP = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def test_pd_handoff(fresh):
     p = fresh(role="prefill")
     d = fresh(role="decode")
-    body = {"model": "m", "messages": [{"role": "user", "content": "pd prompt " * 30}],
-            "max_tokens": 1, "kv_transfer_params": PREFILL_KVP}
-    pr = httpx.post(p.url + "/v1/chat/completions", json=body,
-                    headers={"X-Request-Id": "pd-1"}).json()
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "pd prompt " * 30}],
+        "max_tokens": 1,
+        "kv_transfer_params": PREFILL_KVP,
+    }
+    pr = httpx.post(p.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "pd-1"}).json()
     kvp = pr["kv_transfer_params"]
-    assert set(kvp) == {"do_remote_prefill", "do_remote_decode", "remote_block_ids",
-                        "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-                        "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
-                        "remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens"}
+    assert set(kvp) == {
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "dcp_size",
+        "pp_size",
+        "remote_num_tokens",
+        "remote_blocks_expiry_time",
+        "transfer_mode",
+        "remote_prefill_cached_tokens",
+    }
     assert kvp["do_remote_prefill"] is True and kvp["remote_engine_id"] == p.engine_id
     assert kvp["remote_port"] == p.port and kvp["transfer_mode"] == "pull"
     assert kvp["remote_num_tokens"] == pr["usage"]["prompt_tokens"]
     assert isinstance(kvp["remote_block_ids"][0], list)
     assert p.stats()["held_kv_tickets"] == 1 and p.stats()["kv_used_tokens"] > 0
-    dbody = dict(body, max_tokens=5, stream=True, stream_options={"include_usage": True},
-                 kv_transfer_params=kvp)
-    ev = sse_events(httpx.post(d.url + "/v1/chat/completions", json=dbody,
-                               headers={"X-Request-Id": "pd-1"}).text)
+    dbody = dict(body, max_tokens=5, stream=True, stream_options={"include_usage": True}, kv_transfer_params=kvp)
+    ev = sse_events(httpx.post(d.url + "/v1/chat/completions", json=dbody, headers={"X-Request-Id": "pd-1"}).text)
     usage = json.loads(ev[-2][1])["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == kvp["remote_num_tokens"]
     assert p.stats()["kv_pulled"] == 1 and p.stats()["held_kv_tickets"] == 0
@@ -418,8 +497,7 @@ def test_pd_handoff(fresh):
     src = {s.labels["source"]: s.value for s in fams["vllm:prompt_tokens_by_source"].samples}
     assert src["external_kv_transfer"] == kvp["remote_num_tokens"]
     # the same ticket again: already pulled → D recomputes, still answers
-    j = httpx.post(d.url + "/v1/chat/completions", json=dict(body, max_tokens=2,
-                                                              kv_transfer_params=kvp)).json()
+    j = httpx.post(d.url + "/v1/chat/completions", json=dict(body, max_tokens=2, kv_transfer_params=kvp)).json()
     assert j["choices"][0]["message"]["content"] is not None and j["kv_transfer_params"] is None
     assert d.stats()["recomputes"] == 1
 
@@ -438,24 +516,29 @@ def test_pd_no_ticket_paths_and_release(fresh):
     assert p.stats()["held_kv_tickets"] == 0 and p.stats()["prefill_without_ticket"] == 2
     # release frees the held ticket; pulling it afterwards is a 404
     kvp = httpx.post(p.url + "/v1/chat/completions", json=body).json()["kv_transfer_params"]
-    assert httpx.post(p.url + "/sim/kv/release",
-                      json={"remote_request_id": kvp["remote_request_id"]}).status_code == 200
+    assert (
+        httpx.post(p.url + "/sim/kv/release", json={"remote_request_id": kvp["remote_request_id"]}).status_code == 200
+    )
     assert p.stats()["kv_released"] == 1 and p.stats()["held_kv_tickets"] == 0
-    assert httpx.post(p.url + "/sim/kv/pull", json={
-        "remote_request_id": kvp["remote_request_id"],
-        "remote_engine_id": p.engine_id}).status_code == 404
+    assert (
+        httpx.post(
+            p.url + "/sim/kv/pull",
+            json={"remote_request_id": kvp["remote_request_id"], "remote_engine_id": p.engine_id},
+        ).status_code
+        == 404
+    )
     # Anthropic traffic through P and D
     mb = {"model": "m", "max_tokens": 1, "messages": MSG, "kv_transfer_params": PREFILL_KVP}
     mp = httpx.post(p.url + "/v1/messages", json=mb).json()
     assert mp["kv_transfer_params"]["do_remote_prefill"] is True
-    md = httpx.post(d.url + "/v1/messages", json=dict(mb, max_tokens=4,
-                                                      kv_transfer_params=mp["kv_transfer_params"])).json()
+    md = httpx.post(
+        d.url + "/v1/messages", json=dict(mb, max_tokens=4, kv_transfer_params=mp["kv_transfer_params"])
+    ).json()
     assert "kv_transfer_params" not in md and d.stats()["remote_kv_hits"] == 1
     # P dead → D answers 500 at once
     kvp = httpx.post(p.url + "/v1/chat/completions", json=body).json()["kv_transfer_params"]
     p.stop()
-    r = httpx.post(d.url + "/v1/chat/completions", json=dict(body, max_tokens=3,
-                                                              kv_transfer_params=kvp))
+    r = httpx.post(d.url + "/v1/chat/completions", json=dict(body, max_tokens=3, kv_transfer_params=kvp))
     assert r.status_code == 500 and r.json()["error"]["code"] == 500
 
 
@@ -470,17 +553,22 @@ def test_ticket_expiry(fresh):
 
 
 def test_union_ignores_kv_transfer_params(union):
-    r = httpx.post(union.url + "/v1/chat/completions", json={
-        "model": "m", "messages": MSG, "max_tokens": 1, "kv_transfer_params": PREFILL_KVP}).json()
+    r = httpx.post(
+        union.url + "/v1/chat/completions",
+        json={"model": "m", "messages": MSG, "max_tokens": 1, "kv_transfer_params": PREFILL_KVP},
+    ).json()
     assert r["kv_transfer_params"] is None
 
 
 # ---------------------------------------------------------------------------- aborts & faults
 def test_abort_recorded_on_disconnect(fresh):
     h = fresh(role="union", speedup=1, decode_step_ms=20)
-    with httpx.stream("POST", h.url + "/v1/chat/completions", headers={"X-Request-Id": "gone"},
-                      json={"model": "m", "messages": MSG, "stream": True, "max_tokens": 200,
-                            "extra": 1, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        h.url + "/v1/chat/completions",
+        headers={"X-Request-Id": "gone"},
+        json={"model": "m", "messages": MSG, "stream": True, "max_tokens": 200, "extra": 1, "ignore_eos": True},
+    ) as r:
         it = r.iter_lines()
         got = 0
         for line in it:
@@ -506,30 +594,36 @@ def test_fault_knobs(fresh):
     h.set_faults(fail_status=503)
     r = httpx.post(h.url + "/v1/chat/completions", json={"model": "m", "messages": MSG})
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
-    assert httpx.get(h.url + "/health").status_code == 200        # faults spare /health
+    assert httpx.get(h.url + "/health").status_code == 200  # faults spare /health
     h.clear_faults()
     httpx.post(h.url + "/sim/faults", json={"health_status": 503})
     assert httpx.get(h.url + "/health").status_code == 503
     httpx.delete(h.url + "/sim/faults")
     h.set_faults(malformed_chunk_after_n=2)
-    txt = httpx.post(h.url + "/v1/chat/completions", json={
-        "model": "m", "messages": MSG, "stream": True, "max_tokens": 4}).text
+    txt = httpx.post(
+        h.url + "/v1/chat/completions", json={"model": "m", "messages": MSG, "stream": True, "max_tokens": 4}
+    ).text
     assert "data: {not json\n\n" in txt
     h.clear_faults()
     h.set_faults(close_mid_stream_after_n=2)
     with pytest.raises(httpx.HTTPError):
-        httpx.post(h.url + "/v1/chat/completions", json={
-            "model": "m", "messages": MSG, "stream": True, "max_tokens": 10, "ignore_eos": True})
+        httpx.post(
+            h.url + "/v1/chat/completions",
+            json={"model": "m", "messages": MSG, "stream": True, "max_tokens": 10, "ignore_eos": True},
+        )
     h.clear_faults()
     h.set_faults(hang_before_first_byte=True)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(h.url + "/v1/chat/completions", json={"model": "m", "messages": MSG},
-                   timeout=0.3)
+        httpx.post(h.url + "/v1/chat/completions", json={"model": "m", "messages": MSG}, timeout=0.3)
     h.set_faults(hang_before_first_byte=None, stall_mid_stream_after_n=1)
     got = []
     with pytest.raises(httpx.ReadTimeout):
-        with httpx.stream("POST", h.url + "/v1/chat/completions", timeout=0.5, json={
-                "model": "m", "messages": MSG, "stream": True, "max_tokens": 10}) as r:
+        with httpx.stream(
+            "POST",
+            h.url + "/v1/chat/completions",
+            timeout=0.5,
+            json={"model": "m", "messages": MSG, "stream": True, "max_tokens": 10},
+        ) as r:
             for line in r.iter_lines():
                 if line:
                     got.append(line)
@@ -540,16 +634,21 @@ def test_metrics_parse(union):
     oa(union).chat.completions.create(model="m", messages=MSG, max_tokens=3)
     text = httpx.get(union.url + "/metrics").text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
-                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
-                 "vllm:prompt_tokens", "vllm:generation_tokens",
-                 "vllm:prompt_tokens_by_source"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:prompt_tokens_by_source",
+    ):
         assert name in fams, name
     s = fams["vllm:num_requests_running"].samples[0]
     assert s.labels == {"model_name": "m", "engine": "0"}
-    ttft = [x for x in fams["vllm:time_to_first_token_seconds"].samples
-            if x.name.endswith("_count")][0]
+    ttft = [x for x in fams["vllm:time_to_first_token_seconds"].samples if x.name.endswith("_count")][0]
     assert ttft.value >= 1
     gen = fams["vllm:generation_tokens"].samples[0]
     assert gen.name == "vllm:generation_tokens_total" and gen.value >= 3
@@ -561,21 +660,30 @@ def test_timing_long_prompt_slower_and_queueing(fresh):
 
     def ttft(content):
         t0 = time.perf_counter()
-        with httpx.stream("POST", h.url + "/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": content}],
-                "stream": True, "max_tokens": 2}) as r:
+        with httpx.stream(
+            "POST",
+            h.url + "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": content}], "stream": True, "max_tokens": 2},
+        ) as r:
             for line in r.iter_lines():
                 if '"content":""' not in line and line.startswith("data: {"):
                     return time.perf_counter() - t0
+
     short = min(ttft("hi %d" % i) for i in range(3))
-    long = ttft("unique long prompt " * 1500)            # ~7.1k tokens ≈ 0.9 s / 2
+    long = ttft("unique long prompt " * 1500)  # ~7.1k tokens ≈ 0.9 s / 2
     assert long > short * 2
     # more running requests than max_num_seqs → some wait
     results = []
 
     def slow():
-        results.append(httpx.post(h.url + "/v1/chat/completions", timeout=20, json={
-            "model": "m", "messages": MSG, "max_tokens": 40, "ignore_eos": True}).status_code)
+        results.append(
+            httpx.post(
+                h.url + "/v1/chat/completions",
+                timeout=20,
+                json={"model": "m", "messages": MSG, "max_tokens": 40, "ignore_eos": True},
+            ).status_code
+        )
+
     ts = [threading.Thread(target=slow) for _ in range(5)]
     for t in ts:
         t.start()
@@ -589,8 +697,10 @@ def test_timing_long_prompt_slower_and_queueing(fresh):
 def test_zero_latency_and_cli_free_port():
     with launch(SimConfig(model="z", zero_latency=True)) as h:
         for _ in range(20):
-            r = httpx.post(h.url + "/v1/chat/completions",
-                           json={"model": "z", "messages": MSG, "max_tokens": 50, "ignore_eos": True})
+            r = httpx.post(
+                h.url + "/v1/chat/completions",
+                json={"model": "z", "messages": MSG, "max_tokens": 50, "ignore_eos": True},
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50
         assert h.stats()["completed"] == 20
         assert h.address == f"127.0.0.1:{h.port}" and h.port > 0
@@ -600,9 +710,12 @@ def test_abort_non_streaming_and_kv_pressure(fresh):
     # a non-streaming request whose client gives up is aborted in the engine too
     h = fresh(role="prefill", speedup=1, prefill_tokens_per_s=2000)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(h.url + "/v1/completions", timeout=0.2, headers={"X-Request-Id": "nb"},
-                   json={"model": "m", "prompt": "z" * 20000, "max_tokens": 1,
-                         "kv_transfer_params": PREFILL_KVP})
+        httpx.post(
+            h.url + "/v1/completions",
+            timeout=0.2,
+            headers={"X-Request-Id": "nb"},
+            json={"model": "m", "prompt": "z" * 20000, "max_tokens": 1, "kv_transfer_params": PREFILL_KVP},
+        )
     deadline = time.time() + 5
     while time.time() < deadline and h.stats()["aborted"] == 0:
         time.sleep(0.02)
@@ -614,14 +727,18 @@ def test_abort_non_streaming_and_kv_pressure(fresh):
     kvp = httpx.post(p.url + "/v1/completions", json=body).json()["kv_transfer_params"]
     assert 0.5 < p.stats()["kv_cache_usage_perc"] <= 1.0
     out = []
-    t = threading.Thread(target=lambda: out.append(httpx.post(
-        p.url + "/v1/completions", timeout=10, json=dict(body, prompt="r" * 1200)).json()))
+    t = threading.Thread(
+        target=lambda: out.append(
+            httpx.post(p.url + "/v1/completions", timeout=10, json=dict(body, prompt="r" * 1200)).json()
+        )
+    )
     t.start()
     deadline = time.time() + 3
     while time.time() < deadline and p.stats()["waiting"] == 0:
         time.sleep(0.01)
     assert p.stats()["waiting"] == 1 and not out
-    httpx.post(p.url + "/sim/kv/pull", json={"remote_request_id": kvp["remote_request_id"],
-                                             "remote_engine_id": p.engine_id})
+    httpx.post(
+        p.url + "/sim/kv/pull", json={"remote_request_id": kvp["remote_request_id"], "remote_engine_id": p.engine_id}
+    )
     t.join(5)
     assert out and out[0]["kv_transfer_params"]["do_remote_prefill"] is True

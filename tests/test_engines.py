@@ -15,7 +15,7 @@ import hashlib
 import random
 import socket
 import ssl
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -763,6 +763,7 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 @pytest.mark.parametrize("interim", [CONTINUE, INTERIM, CONTINUE + INTERIM], ids=["100", "103", "both"])
 def test_interim_answers_are_skipped_for_the_final_one(interim):
     """A 1xx was taken for the answer: (103, b'') as a success, a stream with nothing in it."""
+
     async def scenario():
         async with Engine(serve_each(interim + response(OK_BODY))) as (srv, client):
             assert await post(client, srv.url) == (200, OK_BODY)
@@ -771,7 +772,10 @@ def test_interim_answers_are_skipped_for_the_final_one(interim):
             got = []
             await collect(client, srv.url, got)
             assert b"".join(got) == b"".join(EVENTS)
-        async with Engine(serve_each(interim + response(b'{"error":"boom"}', b"500 Internal Server Error"))) as (srv, client):
+        async with Engine(serve_each(interim + response(b'{"error":"boom"}', b"500 Internal Server Error"))) as (
+            srv,
+            client,
+        ):
             with pytest.raises(EngineStatusError) as e:
                 await post(client, srv.url)
             assert e.value.status == 500 and e.value.body == b'{"error":"boom"}' and e.value.retry_after is None
@@ -798,7 +802,10 @@ def test_a_streams_long_error_body_is_read_whole_at_once():
     error = b'{"error":{"message":"' + b"x" * (2 * STREAM_BUFFER) + b'"}}'
 
     async def scenario():
-        async with Engine(serve_each(streamed(error, status=b"400 Bad Request")), connect_timeout_s=3.0) as (srv, client):
+        async with Engine(serve_each(streamed(error, status=b"400 Bad Request")), connect_timeout_s=3.0) as (
+            srv,
+            client,
+        ):
             started = asyncio.get_running_loop().time()
             with pytest.raises(EngineStatusError) as e:
                 await collect(client, srv.url, [])
@@ -823,6 +830,7 @@ def test_a_transfer_coding_other_than_chunked_is_read_to_the_close():
 def test_a_request_the_engine_may_have_run_is_not_sent_again():
     """A pooled connection the engine drops after working on the request for a while: it may have run it.
     It was sent again on every pooled connection in turn, unseen by the dispatcher's retries."""
+
     async def read_work_drop(peer: Peer) -> None:
         assert await peer.request() is not None
         await peer.send(response(OK_BODY))
@@ -841,6 +849,7 @@ def test_a_request_the_engine_may_have_run_is_not_sent_again():
 
 def test_a_stale_connection_is_replaced_once_not_by_every_pooled_one():
     """Every pooled connection closed by the engine at the next request: one resend, on a new connection."""
+
     async def scenario():
         async with Engine(serve_each(response(OK_BODY), None, close_after=2)) as (srv, client):
             await asyncio.gather(*(post(client, srv.url) for _ in range(4)))  # four pooled connections

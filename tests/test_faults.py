@@ -43,11 +43,18 @@ def cluster(module_sims):
     cfg = coordinator_config(
         instances,
         exception_config={
-            "max_retry": MAX_RETRY, "retry_delay": 0.01, "kv_release_path": "/sim/kv/release",
-            "stream_keepalive_interval": 0.15, **TIMEOUTS,
+            "max_retry": MAX_RETRY,
+            "retry_delay": 0.01,
+            "kv_release_path": "/sim/kv/release",
+            "stream_keepalive_interval": 0.15,
+            **TIMEOUTS,
         },
         # The matrix provokes many failures on purpose: the breaker has its own tests (test_limits.py).
-        scheduler_config={"breaker_failure_threshold": 1000, "health_check_interval": 0.2, "metrics_scrape_interval": 0.2},
+        scheduler_config={
+            "breaker_failure_threshold": 1000,
+            "health_check_interval": 0.2,
+            "metrics_scrape_interval": 0.2,
+        },
     )
     with Coordinator(cfg) as coord:
         coord.sims = {"union": u, "prefill": p, "decode": d}
@@ -71,7 +78,13 @@ def model_of(where: str) -> str:
 
 
 def chat_body(model: str, stream: bool, max_tokens: int = 8, content: str = "hello there", **extra) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "ignore_eos": True, **extra}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return body
@@ -151,7 +164,9 @@ WHERE = pytest.mark.parametrize("where", ["union", "prefill", "decode"])
 
 
 @STREAM
-@pytest.mark.parametrize("where,status", [("union", 503), ("prefill", 503), ("decode", 503), ("union", 429), ("union", 408)])
+@pytest.mark.parametrize(
+    "where,status", [("union", 503), ("prefill", 503), ("decode", 503), ("union", 429), ("union", 408)]
+)
 def test_retryable_status_is_retried_on_each_instance_then_answered(c, where, stream, status):
     sims = c.sims[where]
     for s in sims:
@@ -330,8 +345,7 @@ def test_sdk_sees_a_mid_stream_error_as_an_api_error(c):
     with pytest.raises(openai.APIError):
         body = chat_body(PD, True, max_tokens=500)
         body["extra_body"] = {"ignore_eos": body.pop("ignore_eos")}
-        for chunk in client.chat.completions.create(**body):
-            got.append(chunk)
+        got.extend(client.chat.completions.create(**body))
     assert len(got) == 3
     assert_recovered(c, PD, True)
 
@@ -339,7 +353,13 @@ def test_sdk_sees_a_mid_stream_error_as_an_api_error(c):
 def test_anthropic_stream_error_is_one_error_event_in_its_envelope(c):
     for s in c.sims["decode"]:
         s.set_faults(close_mid_stream_after_n=3)
-    body = {"model": PD, "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}], "stream": True, "ignore_eos": True}
+    body = {
+        "model": PD,
+        "max_tokens": 500,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "ignore_eos": True,
+    }
     code, _, text = call(c, body, "/v1/messages")
     assert code == 200
     last = text.strip().split("\n\n")[-1]
@@ -349,7 +369,9 @@ def test_anthropic_stream_error_is_one_error_event_in_its_envelope(c):
     assert len(sse_events(text)) == 4  # three relayed events, then the error
     client = anthropic.Anthropic(base_url=c.url, api_key="x", max_retries=0, timeout=30)
     with pytest.raises(anthropic.APIStatusError):
-        with client.messages.stream(model=PD, max_tokens=500, messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True}) as stream:
+        with client.messages.stream(
+            model=PD, max_tokens=500, messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True}
+        ) as stream:
             for _ in stream:
                 pass
     assert_recovered(c, PD, True)
@@ -399,7 +421,12 @@ def test_an_engines_501_is_the_requests_answer(c):
     and status, and neither the Coordinator nor the SDK retries it (the breaker: test_limits.py)."""
     message = "logprobs are not supported with this sampler"
     for s in c.sims["union"]:
-        s.set_faults(fail_status=501, fail_body=json.dumps({"error": {"message": message, "type": "NotImplementedError", "param": None, "code": 501}}))
+        s.set_faults(
+            fail_status=501,
+            fail_body=json.dumps(
+                {"error": {"message": message, "type": "NotImplementedError", "param": None, "code": 501}}
+            ),
+        )
     client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=2, timeout=30)  # the SDK's default
     with pytest.raises(openai.APIStatusError) as exc:
         client.chat.completions.create(model=UNION, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
@@ -420,11 +447,18 @@ def test_an_engines_retry_after_is_relayed_and_ends_the_retries_once_every_engin
     assert_recovered(c, UNION, False)
 
 
-@pytest.mark.parametrize("sent,relayed", [
-    ("1.5", "2"), ("Wed, 21 Oct 2037 07:28:00 GMT", "Wed, 21 Oct 2037 07:28:00 GMT"),
-    ("21 Oct 2037 07:28:00 -0000", "Wed, 21 Oct 2037 07:28:00 GMT"),  # a date in another form: written as HTTP's
-    ("soon", None), ("nan", None), ("-5", None), ("Wed, 21 Oct 99999999999999999999 07:28:00 GMT", None),
-])
+@pytest.mark.parametrize(
+    "sent,relayed",
+    [
+        ("1.5", "2"),
+        ("Wed, 21 Oct 2037 07:28:00 GMT", "Wed, 21 Oct 2037 07:28:00 GMT"),
+        ("21 Oct 2037 07:28:00 -0000", "Wed, 21 Oct 2037 07:28:00 GMT"),  # a date in another form: written as HTTP's
+        ("soon", None),
+        ("nan", None),
+        ("-5", None),
+        ("Wed, 21 Oct 99999999999999999999 07:28:00 GMT", None),
+    ],
+)
 def test_an_engines_retry_after_is_relayed_only_in_a_form_http_allows(c, sent, relayed):
     for s in c.sims["union"]:
         s.set_faults(fail_status=429, fail_retry_after=sent)
@@ -437,9 +471,19 @@ def test_an_engines_retry_after_is_relayed_only_in_a_form_http_allows(c, sent, r
 def test_a_prompt_too_long_answered_with_a_500_is_the_clients_400(c, stream):
     message = "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens."
     for s in c.sims["union"]:
-        s.set_faults(fail_status=500, fail_body=json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 500}}))
+        s.set_faults(
+            fail_status=500,
+            fail_body=json.dumps(
+                {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 500}}
+            ),
+        )
     code, headers, text = call(c, chat_body(UNION, stream))
-    assert code == 400 and openai_error(text) == {"message": message, "type": "invalid_request_error", "param": None, "code": 400}
+    assert code == 400 and openai_error(text) == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": 400,
+    }
     assert len(attempts(c.sims["union"])) == 1  # not retried: no engine would take that prompt
     assert "x-should-retry" not in headers
     assert_recovered(c, UNION, stream)
@@ -449,19 +493,30 @@ def test_an_engine_error_in_another_shape_reaches_the_client_in_its_apis(c):
     for s in c.sims["union"]:
         s.set_faults(fail_status=404, fail_body='{"detail":"Not Found"}')  # FastAPI's own 404
     code, _, text = call(c, chat_body(UNION, False))
-    assert code == 404 and openai_error(text) == {"message": "Not Found", "type": "invalid_request_error", "param": None, "code": 404}
+    assert code == 404 and openai_error(text) == {
+        "message": "Not Found",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": 404,
+    }
     client = anthropic.Anthropic(base_url=c.url, api_key="x", max_retries=0, timeout=30)
     with pytest.raises(anthropic.NotFoundError) as exc:
         client.messages.create(model=UNION, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert exc.value.body["error"] == {"type": "not_found_error", "message": "Not Found"}
     # An older vLLM's error object, its message at the top level.
     for s in c.sims["union"]:
-        s.set_faults(fail_status=400, fail_body='{"object":"error","message":"bad temperature","type":"BadRequestError","param":null,"code":400}')
+        s.set_faults(
+            fail_status=400,
+            fail_body='{"object":"error","message":"bad temperature","type":"BadRequestError","param":null,"code":400}',
+        )
     code, _, text = call(c, chat_body(UNION, False))
     assert code == 400 and openai_error(text)["message"] == "bad temperature"
     # FastAPI's validation errors: a list of them.
     for s in c.sims["union"]:
-        s.set_faults(fail_status=422, fail_body='{"detail":[{"loc":["body","n"],"msg":"Input should be a valid integer","type":"int_parsing"}]}')
+        s.set_faults(
+            fail_status=422,
+            fail_body='{"detail":[{"loc":["body","n"],"msg":"Input should be a valid integer","type":"int_parsing"}]}',
+        )
     code, _, text = call(c, chat_body(UNION, False))
     assert code == 422 and openai_error(text)["message"] == "Input should be a valid integer"
     # An Anthropic-shaped error whose type is not a name.
@@ -511,7 +566,12 @@ class RawClient:
 
 def body_for(api: str, model: str, stream: bool, max_tokens: int, content: str) -> tuple[str, dict]:
     if api == "anthropic":
-        body = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}], "ignore_eos": True}
+        body = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": content}],
+            "ignore_eos": True,
+        }
         if stream:
             body["stream"] = True
         return "/v1/messages", body
@@ -521,7 +581,7 @@ def body_for(api: str, model: str, stream: bool, max_tokens: int, content: str) 
 def assert_aborted(sims, rid: str) -> None:
     """The engines recorded the abort of this request (a late disconnect may also abort a retry of it)."""
     assert wait_until(lambda: total(sims, "aborted") >= 1)
-    ids = sum((s.stats()["aborted_request_ids"] for s in sims), [])
+    ids = [i for s in sims for i in s.stats()["aborted_request_ids"]]
     assert ids[0] == rid and all(i.startswith(rid) for i in ids), ids
 
 
@@ -615,15 +675,21 @@ def test_a_client_that_stops_reading_is_dropped_after_the_idle_timeout():
     now its connection is dropped once it has taken nothing for `stream_idle_timeout`, and the engine
     request with it."""
     engine = FloodEngine()
-    cfg = coordinator_config([instance(1, "union", MODEL, f"127.0.0.1:{engine.server_address[1]}")],
-                             exception_config={"stream_idle_timeout": 3})
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, f"127.0.0.1:{engine.server_address[1]}")],
+        exception_config={"stream_idle_timeout": 3},
+    )
     try:
         with Coordinator(cfg) as coord:
-            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "flood"}], "stream": True}).encode()
+            body = json.dumps(
+                {"model": MODEL, "messages": [{"role": "user", "content": "flood"}], "stream": True}
+            ).encode()
             with socket.create_connection(("127.0.0.1", coord.infer_port)) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                s.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(body) + body
+                )
                 started = time.monotonic()
                 assert s.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
                 assert engine.hung_up.wait(15)  # while the client is still connected
@@ -644,7 +710,7 @@ def test_disconnects_are_counted_by_phase(c):
 def _missed_handoffs(c) -> float:
     prefix = f'motor_missed_handoffs_total{{model="{PD}"}} '
     lines = [line for line in httpx.get(c.obs + "/metrics").text.splitlines() if line.startswith(prefix)]
-    return float(lines[0][len(prefix):]) if lines else 0.0
+    return float(lines[0][len(prefix) :]) if lines else 0.0
 
 
 def _disconnects(c) -> dict:

@@ -111,7 +111,9 @@ def test_what_the_image_installs_covers_what_its_code_imports():
                     continue
                 if word.endswith(".txt"):
                     lines = (ROOT / word).read_text().splitlines()
-                    installed |= {re.split(r"[=<>\[ ]", ln, maxsplit=1)[0] for ln in lines if ln and not ln.startswith("#")}
+                    installed |= {
+                        re.split(r"[=<>\[ ]", ln, maxsplit=1)[0] for ln in lines if ln and not ln.startswith("#")
+                    }
                 elif not word.startswith("-"):
                     installed.add(re.split(r"[=<>\[]", word, maxsplit=1)[0])
     installed = {name.lower().replace("_", "-") for name in installed}
@@ -155,4 +157,8 @@ def test_the_image_agrees_with_the_rendered_manifests():
     assert instructions("WORKDIR") == [COORDINATOR_CODE_DIR]
     # EXPOSE names the Coordinator's default ports (interface.md section 1).
     defaults = config.Settings()
-    assert [int(p) for p in instructions("EXPOSE")[0].split()] == [defaults.infer_port, defaults.mgmt_port, defaults.obs_port]
+    assert [int(p) for p in instructions("EXPOSE")[0].split()] == [
+        defaults.infer_port,
+        defaults.mgmt_port,
+        defaults.obs_port,
+    ]

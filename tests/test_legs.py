@@ -16,10 +16,13 @@ def job(raw: bytes):
     return job_from_body(CHAT, "openai", raw, parse_body(raw), "rid-1")
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"model":"m","messages":[{"role":"user","content":"hi \\u00e9"}],"max_tokens":4,"stream":true}',
-    b'  \n {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.5}  ',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"m","messages":[{"role":"user","content":"hi \\u00e9"}],"max_tokens":4,"stream":true}',
+        b'  \n {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.5}  ',
+    ],
+)
 def test_decode_leg_is_the_client_body_plus_the_ticket(raw):
     out = decode_leg(job(raw), TICKET)
     assert json.loads(out) == {**json.loads(raw), "kv_transfer_params": TICKET}
@@ -41,16 +44,29 @@ def test_an_escaped_key_is_still_the_client_ticket():
     assert sent["kv_transfer_params"] == TICKET
 
 
-@pytest.mark.parametrize("choice,prefill_choice", [
-    ({"type": "tool", "name": "t"}, {"type": "any"}),
-    ({"type": "tool", "name": "t", "disable_parallel_tool_use": False}, {"type": "any", "disable_parallel_tool_use": False}),
-    ({"type": "auto"}, {"type": "auto"}),
-    ({"type": "any", "disable_parallel_tool_use": True}, {"type": "any", "disable_parallel_tool_use": True}),
-    ({"type": "none"}, {"type": "none"}),
-])
+@pytest.mark.parametrize(
+    "choice,prefill_choice",
+    [
+        ({"type": "tool", "name": "t"}, {"type": "any"}),
+        (
+            {"type": "tool", "name": "t", "disable_parallel_tool_use": False},
+            {"type": "any", "disable_parallel_tool_use": False},
+        ),
+        ({"type": "auto"}, {"type": "auto"}),
+        ({"type": "any", "disable_parallel_tool_use": True}, {"type": "any", "disable_parallel_tool_use": True}),
+        ({"type": "none"}, {"type": "none"}),
+    ],
+)
 def test_messages_prefill_leg_turns_a_named_tool_choice_into_any(choice, prefill_choice):
-    raw = json.dumps({"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}],
-                      "tools": [{"name": "t", "input_schema": {"type": "object"}}], "tool_choice": choice}).encode()
+    raw = json.dumps(
+        {
+            "model": "m",
+            "max_tokens": 9,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"name": "t", "input_schema": {"type": "object"}}],
+            "tool_choice": choice,
+        }
+    ).encode()
     j = job_from_body(MESSAGES, "anthropic", raw, parse_body(raw), "rid-1")
     assert prefill_body(j)["tool_choice"] == prefill_choice and prefill_body(j)["tools"] == j.body["tools"]
     assert j.body["tool_choice"] == choice and json.loads(decode_leg(j, TICKET))["tool_choice"] == choice

@@ -99,7 +99,9 @@ def test_rate_limit_refills_at_its_rate_however_often_it_is_asked(rate, expected
     refill. Each call's refill is a fraction of a milli-token here: the bucket once dropped it and moved its
     stamp to now anyway, so nothing refilled and only the burst was admitted. The clock is driven."""
     now = [1000.0]
-    admission = Admission(dataclasses.replace(Settings(), requests_per_second=rate), SharedState.create(), clock=lambda: now[0])
+    admission = Admission(
+        dataclasses.replace(Settings(), requests_per_second=rate), SharedState.create(), clock=lambda: now[0]
+    )
     admitted = 0
     for _ in range(30_000):
         admitted += admission._take_rate_token() == 0.0
@@ -110,6 +112,7 @@ def test_rate_limit_refills_at_its_rate_however_often_it_is_asked(rate, expected
 def test_the_drain_waits_for_an_engines_metaserver_call_which_takes_no_place():
     """In trigger mode an engine's metaserver call may reach a worker with no client request of its own: that
     worker's drain must not stop it (it is half of a request another worker holds), nor count it in flight."""
+
     async def main() -> None:
         admission = Admission(Settings(), SharedState.create())
         release = asyncio.Event()
@@ -143,7 +146,9 @@ def test_inflight_cap_holds_across_workers(c):
     def one(i: int):
         start.wait()
         # 1000 tokens at 2 ms per step: each admitted request holds its place for about 2 s.
-        results.append(clients[i].post(c.url + "/v1/chat/completions", json=chat(MODEL, 1000, f"cap {i}", ignore_eos=True)))
+        results.append(
+            clients[i].post(c.url + "/v1/chat/completions", json=chat(MODEL, 1000, f"cap {i}", ignore_eos=True))
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
@@ -173,7 +178,10 @@ def test_body_over_the_limit_is_refused_before_it_reaches_an_engine(c):
         r = post(c, chat(MODEL, content="x" * size))
         assert r.status_code == 413
         assert r.json()["error"]["code"] == "request_too_large"
-    r = httpx.post(c.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 200_000}]})
+    r = httpx.post(
+        c.url + "/v1/messages",
+        json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 200_000}]},
+    )
     assert r.status_code == 413 and r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
     assert c.u.stats()["received"] == 0
     assert post(c, chat(MODEL)).status_code == 200
@@ -205,7 +213,10 @@ def test_breaker_opens_on_5xx_stops_traffic_in_every_worker_and_recovers(c):
     assert c.bad.stats()["received"] - seen <= probes
 
     c.bad.clear_faults()  # the engine recovers: after the open time one probe closes the breaker
-    assert wait_until(lambda: post(c, chat(FLAKY)).status_code == 200 and endpoints(c)[c.bad.address]["breaker"] == "closed", 3 * OPEN_S)
+    assert wait_until(
+        lambda: post(c, chat(FLAKY)).status_code == 200 and endpoints(c)[c.bad.address]["breaker"] == "closed",
+        3 * OPEN_S,
+    )
     assert breaker_metric(c, "3") == 0.0
     before = c.bad.stats()["completed"]
     for _ in range(6):
@@ -318,8 +329,11 @@ def test_health_check_verdict_per_kind_of_failure():
 
     try:
         assert asyncio.run(verdicts()) == {
-            "blackhole": [True, True, False], "silent": [True, True, False], "silent TLS": [True, True, False],
-            "refused": [False, False, False], "unusable address": [False, False, False],
+            "blackhole": [True, True, False],
+            "silent": [True, True, False],
+            "silent TLS": [True, True, False],
+            "refused": [False, False, False],
+            "unusable address": [False, False, False],
         }
     finally:
         for sock in (filler, blackhole, silent):
@@ -344,7 +358,9 @@ def test_a_health_check_that_fails_for_another_reason_marks_the_endpoint_unhealt
         await client.close()
         url = f"http://127.0.0.1:{free_port()}"
         health.set_healthy(0, True)
-        await Background(settings, None, health, client)._check(Target(0, 0, 0, "union", "m", "vllm", url, url[7:], False))
+        await Background(settings, None, health, client)._check(
+            Target(0, 0, 0, "union", "m", "vllm", url, url[7:], False)
+        )
         return health.is_healthy(0)
 
     assert asyncio.run(verdict()) is False

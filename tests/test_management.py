@@ -31,7 +31,8 @@ LONG_STREAM_TOKENS = 400  # 10 ms per token at speedup 2: about 2 s
 def cluster(module_sims):
     engines = {i: module_sims("union", speedup=2.0) for i in (1, 2, 3)}
     cfg = coordinator_config(
-        [instance(i, "union", MODEL, engines[i].address) for i in BASELINE], inference_workers_config={"num_workers": WORKERS}
+        [instance(i, "union", MODEL, engines[i].address) for i in BASELINE],
+        inference_workers_config={"num_workers": WORKERS},
     )
     with Coordinator(cfg) as coord:
         coord.engines = engines
@@ -126,11 +127,23 @@ def test_readiness_is_false_while_no_instance_can_take_a_request(cluster):
 
 
 INFER_ROUTES = [
-    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/messages"),
-    ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/metaserver"), ("GET", "/v1/models"),
-    ("GET", "/docs"), ("GET", "/docs/openapi.json"), ("GET", "/docs/redoc"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/metaserver"),
+    ("GET", "/v1/models"),
+    ("GET", "/docs"),
+    ("GET", "/docs/openapi.json"),
+    ("GET", "/docs/redoc"),
 ]
-MGMT_ROUTES = [("GET", "/startup"), ("GET", "/liveness"), ("GET", "/readiness"), ("GET", "/instances"), ("POST", "/instances/refresh")]
+MGMT_ROUTES = [
+    ("GET", "/startup"),
+    ("GET", "/liveness"),
+    ("GET", "/readiness"),
+    ("GET", "/instances"),
+    ("POST", "/instances/refresh"),
+]
 OBS_ROUTES = [("GET", "/health"), ("GET", "/metrics")]
 
 
@@ -162,7 +175,9 @@ def test_every_route_is_served_on_its_own_port_only(cluster):
 
 def requests_counted(coord, status: str) -> float:
     """The sum of motor_requests_total over every route and model, for one status."""
-    lines = [line for line in httpx.get(coord.obs + "/metrics").text.splitlines() if line.startswith("motor_requests_total{")]
+    lines = [
+        line for line in httpx.get(coord.obs + "/metrics").text.splitlines() if line.startswith("motor_requests_total{")
+    ]
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if f'status="{status}"' in line)
 
 
@@ -191,10 +206,18 @@ print(json.dumps({"bare": bare, "late": late}))
 def test_only_the_inference_routes_run_without_middleware_and_a_new_route_without_a_guard_stops_start_up(tmp_path):
     # In a process of its own: importing app.py sets the metrics directory for the process (here, one of the test's).
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", GUARD_CHECK], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", GUARD_CHECK], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bare"] == ["v1/chat/completions", "v1/completions", "v1/messages", "v1/messages/count_tokens", "v1/metaserver"]
+    assert result["bare"] == [
+        "v1/chat/completions",
+        "v1/completions",
+        "v1/messages",
+        "v1/messages/count_tokens",
+        "v1/metaserver",
+    ]
     assert "late" in result["late"] and "no plane guard" in result["late"]
 
 
@@ -205,21 +228,41 @@ def test_instances_show_role_model_endpoints_health_breaker_and_load(cluster):
     insts = instances(cluster)
     assert set(insts) == set(BASELINE)
     one = insts[1]
-    assert (one["role"], one["model_name"], one["paused"], one["healthy"], one["schedulable"]) == ("union", MODEL, False, True, True)
+    assert (one["role"], one["model_name"], one["paused"], one["healthy"], one["schedulable"]) == (
+        "union",
+        MODEL,
+        False,
+        True,
+        True,
+    )
     (ep,) = one["endpoints"]
     assert ep["address"] == cluster.engines[1].address and ep["id"] == 0
     assert ep["healthy"] is True and ep["breaker"] == "closed"
-    assert set(ep["load"]) >= {"inflight_requests", "inflight_prompt_tokens", "inflight_decode_tokens", "engine_running",
-                               "engine_waiting", "engine_kv_cache_usage"}
+    assert set(ep["load"]) >= {
+        "inflight_requests",
+        "inflight_prompt_tokens",
+        "inflight_decode_tokens",
+        "engine_running",
+        "engine_waiting",
+        "engine_kv_cache_usage",
+    }
     assert ep["load"]["inflight_requests"] == 0
 
 
 def test_instances_show_the_load_of_a_request_in_flight(cluster):
     cluster.refresh("pause", [2])
-    with httpx.stream("POST", cluster.url + "/v1/chat/completions", timeout=30, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": LONG_STREAM_TOKENS,
-        "stream": True, "ignore_eos": True,
-    }) as r:
+    with httpx.stream(
+        "POST",
+        cluster.url + "/v1/chat/completions",
+        timeout=30,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": LONG_STREAM_TOKENS,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    ) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the stream
         next(lines)
         load = instances(cluster)[1]["endpoints"][0]["load"]
@@ -287,17 +330,43 @@ REFUSED = [
     pytest.param(b"[1, 2]", 400, "JSON object", id="not-an-object"),
     pytest.param({"event": "replace", "instances": []}, 400, "event", id="unknown-event"),
     pytest.param({"event": "set"}, 400, "instances", id="no-instances"),
-    pytest.param({"event": "add", "instances": [{"id": 9, "model_name": MODEL, "endpoints": [{"address": "127.0.0.1:9"}]}]},
-                 400, "instances[0].role", id="missing-role"),
-    pytest.param({"event": "add", "instances": [{"id": 9, "role": "union", "model_name": MODEL, "endpoints": [{"address": "nohost"}]}]},
-                 400, "instances[0].endpoints[0].address", id="bad-address"),
+    pytest.param(
+        {"event": "add", "instances": [{"id": 9, "model_name": MODEL, "endpoints": [{"address": "127.0.0.1:9"}]}]},
+        400,
+        "instances[0].role",
+        id="missing-role",
+    ),
+    pytest.param(
+        {
+            "event": "add",
+            "instances": [{"id": 9, "role": "union", "model_name": MODEL, "endpoints": [{"address": "nohost"}]}],
+        },
+        400,
+        "instances[0].endpoints[0].address",
+        id="bad-address",
+    ),
     pytest.param({"event": "pause", "instances": ["one"]}, 400, "instances[0]", id="bad-id"),
-    pytest.param({"event": "add", "instances": [{"id": 9, "role": "union", "model_name": MODEL, "endpoints": [
-        {"id": 0, "address": "127.0.0.1:9"}, {"id": 0, "address": "127.0.0.1:8"}]}]},
-                 400, "instances[0].endpoints[1].id: duplicate endpoint id 0", id="duplicate-endpoint-ids"),
+    pytest.param(
+        {
+            "event": "add",
+            "instances": [
+                {
+                    "id": 9,
+                    "role": "union",
+                    "model_name": MODEL,
+                    "endpoints": [{"id": 0, "address": "127.0.0.1:9"}, {"id": 0, "address": "127.0.0.1:8"}],
+                }
+            ],
+        },
+        400,
+        "instances[0].endpoints[1].id: duplicate endpoint id 0",
+        id="duplicate-endpoint-ids",
+    ),
     pytest.param("duplicate", 400, "duplicate", id="duplicate-ids"),
     pytest.param("other-role", 409, "different role", id="id-reused-other-role"),
-    pytest.param("other-endpoints", 409, "different role, model or endpoints", id="id-added-again-with-other-endpoints"),
+    pytest.param(
+        "other-endpoints", 409, "different role, model or endpoints", id="id-added-again-with-other-endpoints"
+    ),
     pytest.param("address-taken", 409, "registered twice", id="address-of-another-instance"),
     pytest.param({"event": "pause", "instances": [42]}, 404, "42", id="pause-unknown"),
 ]
@@ -309,7 +378,10 @@ def test_refresh_refusals_change_nothing(cluster, body, status, words):
     special = {
         "duplicate": {"event": "add", "instances": [d[3], {**d[3]}]},
         "other-role": {"event": "add", "instances": [{**d[1], "role": "prefill"}]},
-        "other-endpoints": {"event": "add", "instances": [{**d[1], "endpoints": [{"id": 0, "address": "127.0.0.1:1"}]}]},
+        "other-endpoints": {
+            "event": "add",
+            "instances": [{**d[1], "endpoints": [{"id": 0, "address": "127.0.0.1:1"}]}],
+        },
         "address-taken": {"event": "add", "instances": [{**d[3], "endpoints": d[1]["endpoints"]}]},
     }
     body = special.get(body, body) if isinstance(body, str) else body
@@ -325,7 +397,9 @@ def test_refresh_refusals_change_nothing(cluster, body, status, words):
 
 def test_refresh_body_over_10_mib_is_413(cluster):
     padding = "x" * (10 * 1024 * 1024)
-    r = httpx.post(cluster.mgmt + "/instances/refresh", json={"event": "add", "instances": [], "pad": padding}, timeout=30)
+    r = httpx.post(
+        cluster.mgmt + "/instances/refresh", json={"event": "add", "instances": [], "pad": padding}, timeout=30
+    )
     assert r.status_code == 413
     assert r.json()["status"] == "failed"
     assert set(instances(cluster)) == set(BASELINE)
@@ -351,8 +425,13 @@ def test_set_reroutes_every_worker_at_once(cluster):
 
 
 def _long_stream(coord, out: dict, tokens: int = LONG_STREAM_TOKENS) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": tokens,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "long"}],
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", coord.url + "/v1/chat/completions", json=body, timeout=60) as r:
         out["status"] = r.status_code
         out["events"] = sse_events(r.read())
@@ -373,7 +452,11 @@ def test_paused_instance_finishes_its_stream_takes_nothing_new_and_resumes(clust
         assert cluster.refresh("pause", [1]).status_code == 200
         assert cluster.refresh("resume", [2]).status_code == 200
         insts = instances(cluster)
-        assert insts[1]["paused"] and not insts[1]["schedulable"] and insts[1]["endpoints"][0]["load"]["inflight_requests"] == 1
+        assert (
+            insts[1]["paused"]
+            and not insts[1]["schedulable"]
+            and insts[1]["endpoints"][0]["load"]["inflight_requests"] == 1
+        )
         for _ in range(10):
             assert chat(cluster).status_code == 200
         assert a.stats()["received"] == 1 and b.stats()["received"] == 10
@@ -414,8 +497,13 @@ def test_management_key_protects_instances_but_never_the_probes(sims):
         for path in ("/startup", "/liveness", "/readiness"):
             assert httpx.get(coord.mgmt + path).status_code == 200
         body = {"event": "del", "instances": [1]}
-        for headers in ({}, {"X-Motor-Management-Key": "wrong"}, {"X-Motor-Management-Key": "m-ke"}, {"Authorization": "Bearer m-key"},
-                        {"X-Motor-Management-Key": "m-k\xe9y".encode("latin-1")}):
+        for headers in (
+            {},
+            {"X-Motor-Management-Key": "wrong"},
+            {"X-Motor-Management-Key": "m-ke"},
+            {"Authorization": "Bearer m-key"},
+            {"X-Motor-Management-Key": "m-k\xe9y".encode("latin-1")},
+        ):
             assert httpx.get(coord.mgmt + "/instances", headers=headers).status_code == 401
             r = httpx.post(coord.mgmt + "/instances/refresh", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["status"] == "failed"
@@ -468,7 +556,8 @@ def test_probes_during_start_up_answer_ok_from_their_first_answer(sims):
 def test_probes_while_draining_say_not_ready_but_alive(sims):
     u = sims("union", speedup=2.0)
     cfg = coordinator_config(
-        [instance(1, "union", MODEL, u.address)], shutdown_config={"drain_timeout": 30},
+        [instance(1, "union", MODEL, u.address)],
+        shutdown_config={"drain_timeout": 30},
         inference_workers_config={"num_workers": WORKERS},
     )
     coord = Coordinator(cfg)
@@ -477,7 +566,9 @@ def test_probes_while_draining_say_not_ready_but_alive(sims):
     try:
         # A SIGTERM is drained only by workers that finished starting (sanic #2997): wait until each served one.
         mark = len(coord.output())
-        assert wait_until(lambda: chat(coord).status_code == 200 and len(worker_pids(coord, mark)) == WORKERS, timeout_s=20)
+        assert wait_until(
+            lambda: chat(coord).status_code == 200 and len(worker_pids(coord, mark)) == WORKERS, timeout_s=20
+        )
         stream.start()
         assert wait_until(lambda: u.stats()["running"] == 1, timeout_s=10)
         coord.proc.send_signal(signal.SIGTERM)

@@ -32,8 +32,12 @@ def cluster(module_sims):
     p, d = module_sims("prefill", model=PD_MODEL), module_sims("decode", model=PD_MODEL)
     slow = module_sims("union", model=SLOW_MODEL, speedup=1.0, decode_step_ms=20.0)
     cfg = coordinator_config(
-        [instance(1, "union", MODEL, u.address), instance(2, "prefill", PD_MODEL, p.address),
-         instance(3, "decode", PD_MODEL, d.address), instance(4, "union", SLOW_MODEL, slow.address)],
+        [
+            instance(1, "union", MODEL, u.address),
+            instance(2, "prefill", PD_MODEL, p.address),
+            instance(3, "decode", PD_MODEL, d.address),
+            instance(4, "union", SLOW_MODEL, slow.address),
+        ],
         exception_config={"retry_delay": 0.01, "max_retry": 2},
         inference_workers_config={"num_workers": WORKERS},
     )
@@ -126,7 +130,9 @@ def test_request_counts_add_up_across_workers(c):
         assert not any(lab.get("model", "").startswith("no-such") for lab, _ in after.samples["motor_requests_total"])
         assert delta(before, after, "motor_e2e_seconds_count", model=MODEL) == 18
         assert delta(before, after, "motor_ttft_seconds_count", route=COMPLETIONS, model=MODEL) == 8
-        assert delta(before, after, "motor_ttft_seconds_count", route=CHAT, model=MODEL) == 0  # JSON: no first token to see
+        assert (
+            delta(before, after, "motor_ttft_seconds_count", route=CHAT, model=MODEL) == 0
+        )  # JSON: no first token to see
 
 
 def test_tokens_and_stream_latencies(c):
@@ -137,7 +143,9 @@ def test_tokens_and_stream_latencies(c):
     streamed = sum(1 for t in tokens if t["choices"] and t["choices"][0]["delta"].get("content"))
     assert streamed == 9
     after = scrape_after(c, before, 2, route=CHAT, model=MODEL, status=200)
-    assert delta(before, after, "motor_generation_tokens_total", route=CHAT, model=MODEL) == usage["completion_tokens"] + 9
+    assert (
+        delta(before, after, "motor_generation_tokens_total", route=CHAT, model=MODEL) == usage["completion_tokens"] + 9
+    )
     assert delta(before, after, "motor_prompt_tokens_total", route=CHAT, model=MODEL) >= usage["prompt_tokens"]
     assert delta(before, after, "motor_tpot_seconds_count", route=CHAT, model=MODEL) == 1
     ttft = delta(before, after, "motor_ttft_seconds_sum", route=CHAT, model=MODEL)
@@ -151,13 +159,22 @@ def test_tokens_and_stream_latencies(c):
     assert delta(after, later, "motor_generation_tokens_total", route=CHAT, model=MODEL) == 5
 
 
-WEATHER_TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 def message_stream(coord, model: str, rid: str, **extra) -> int:
     """One streamed /v1/messages request; the output_tokens of its message_delta, checked to differ from
     what counting its events would give (more content blocks than the one the framing count assumes)."""
-    body = {"model": model, "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": "think, then answer"}], **extra}
+    body = {
+        "model": model,
+        "max_tokens": 20,
+        "stream": True,
+        "messages": [{"role": "user", "content": "think, then answer"}],
+        **extra,
+    }
     r = post(coord, "/v1/messages", body, headers={"X-Request-Id": rid})
     assert r.status_code == 200
     events = [json.loads(e) for e in sse_events(r.content)]
@@ -172,7 +189,9 @@ def test_anthropic_stream_tokens_are_its_usage(c, model):
     gets), whatever its content blocks: a thinking block, then a text or a tool_use block."""
     route = "/v1/messages"
     before = scrape(c)
-    thinking = message_stream(c, model, f"think-{model}", max_tokens=1040, thinking={"type": "enabled", "budget_tokens": 1024})
+    thinking = message_stream(
+        c, model, f"think-{model}", max_tokens=1040, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
     after = scrape_after(c, before, 1, route=route, model=model, status=200)
     assert delta(before, after, "motor_generation_tokens_total", route=route, model=model) == thinking
     # TPOT divides the time after the first token by the tokens after it: the same count.
@@ -180,18 +199,28 @@ def test_anthropic_stream_tokens_are_its_usage(c, model):
     ttft = delta(before, after, "motor_ttft_seconds_sum", route=route, model=model)
     tpot = delta(before, after, "motor_tpot_seconds_sum", route=route, model=model)
     assert (e2e - ttft) / tpot + 1 == pytest.approx(thinking, rel=1e-6)
-    tool = message_stream(c, model, f"tool-{model}", max_tokens=1040, thinking={"type": "enabled", "budget_tokens": 1024}, tools=[WEATHER_TOOL])
+    tool = message_stream(
+        c,
+        model,
+        f"tool-{model}",
+        max_tokens=1040,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        tools=[WEATHER_TOOL],
+    )
     later = scrape_after(c, after, 1, route=route, model=model, status=200)
     assert delta(after, later, "motor_generation_tokens_total", route=route, model=model) == tool
     for rid, tokens in ((f"think-{model}", thinking), (f"tool-{model}", tool)):  # and the request's log line
-        assert wait_until(lambda: f"request_id={rid} " in c.output())
+        assert wait_until(lambda rid=rid: f"request_id={rid} " in c.output())
         (line,) = [ln for ln in c.output().splitlines() if f"request_id={rid} " in ln]
         assert f" output_tokens={tokens} " in line
 
 
 def test_count_tokens_serves_no_tokens(c):
     before = scrape(c)
-    r = httpx.post(c.url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": [{"role": "user", "content": "count me"}]})
+    r = httpx.post(
+        c.url + "/v1/messages/count_tokens",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "count me"}]},
+    )
     assert r.status_code == 200 and r.json()["input_tokens"] > 0
     after = scrape_after(c, before, 1, route="/v1/messages/count_tokens", model=MODEL, status=200)
     assert delta(before, after, "motor_prompt_tokens_total", route="/v1/messages/count_tokens", model=MODEL) == 0
@@ -278,14 +307,18 @@ def test_inflight_and_engine_gauges(c):
 def test_client_disconnects_by_phase(c):
     slow = c.engines["slow"]
     before = scrape(c)
-    with httpx.stream("POST", c.url + CHAT, json=chat_body(model=SLOW_MODEL, max_tokens=200, ignore_eos=True, stream=True), timeout=30) as r:
+    with httpx.stream(
+        "POST", c.url + CHAT, json=chat_body(model=SLOW_MODEL, max_tokens=200, ignore_eos=True, stream=True), timeout=30
+    ) as r:
         lines = r.iter_lines()
         next(lines)
     assert wait_until(lambda: slow.stats()["aborted"] == 1)
     slow.set_faults(slow_first_byte_s=5)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(c.url + CHAT, json=chat_body(model=SLOW_MODEL), timeout=httpx.Timeout(30, read=0.5))
-    assert wait_until(lambda: delta(before, scrape(c), "motor_client_disconnects_total", phase="before_first_byte") == 1)
+    assert wait_until(
+        lambda: delta(before, scrape(c), "motor_client_disconnects_total", phase="before_first_byte") == 1
+    )
     after = scrape_after(c, before, 2, model=SLOW_MODEL, status=499)
     assert delta(before, after, "motor_client_disconnects_total", phase="streaming") == 1
     assert delta(before, after, "motor_requests_total", model=SLOW_MODEL, status=499) == 2
@@ -318,8 +351,17 @@ def test_one_structured_log_line_per_request(c):
     assert len(lines) == 1
     line = lines[0]
     assert " INFO coordinator.request[" in line
-    for field in ("route=/v1/chat/completions", f"model={PD_MODEL}", "prefill=2/0@", "decode=3/0@", "status=200",
-                  "ttft_ms=", "prompt_tokens=", "output_tokens=3", "duration_ms="):
+    for field in (
+        "route=/v1/chat/completions",
+        f"model={PD_MODEL}",
+        "prefill=2/0@",
+        "decode=3/0@",
+        "status=200",
+        "ttft_ms=",
+        "prompt_tokens=",
+        "output_tokens=3",
+        "duration_ms=",
+    ):
         assert field in line, field
     # No access log by default (Sanic's would read "... INFO: 127.0.0.1:PORT POST http://... 200 ...").
     assert not re.search(r"(GET|POST) http://\S+ \d{3} ", c.output())
@@ -346,12 +388,21 @@ def test_client_values_cannot_forge_request_line_fields_or_lines(c):
 
 def test_every_response_carries_a_request_id(c):
     calls = [
-        ("GET", c.mgmt + "/startup", None), ("GET", c.mgmt + "/readiness", None), ("GET", c.mgmt + "/instances", None),
-        ("POST", c.mgmt + "/instances/refresh", {"event": "nope"}), ("GET", c.mgmt + "/nowhere", None),
-        ("GET", c.obs + "/metrics", None), ("GET", c.obs + "/health", None), ("GET", c.obs + "/nowhere", None),
-        ("GET", c.url + "/v1/models", None), ("GET", c.url + "/nowhere", None), ("GET", c.url + "/docs", None),
-        ("POST", c.url + CHAT, {"model": MODEL}), ("POST", c.url + CHAT, chat_body()),
-        ("POST", c.url + "/v1/messages", {"model": MODEL}), ("DELETE", c.url + "/v1/models", None),
+        ("GET", c.mgmt + "/startup", None),
+        ("GET", c.mgmt + "/readiness", None),
+        ("GET", c.mgmt + "/instances", None),
+        ("POST", c.mgmt + "/instances/refresh", {"event": "nope"}),
+        ("GET", c.mgmt + "/nowhere", None),
+        ("GET", c.obs + "/metrics", None),
+        ("GET", c.obs + "/health", None),
+        ("GET", c.obs + "/nowhere", None),
+        ("GET", c.url + "/v1/models", None),
+        ("GET", c.url + "/nowhere", None),
+        ("GET", c.url + "/docs", None),
+        ("POST", c.url + CHAT, {"model": MODEL}),
+        ("POST", c.url + CHAT, chat_body()),
+        ("POST", c.url + "/v1/messages", {"model": MODEL}),
+        ("DELETE", c.url + "/v1/models", None),
     ]
     for method, url, body in calls:
         r = httpx.request(method, url, json=body)
@@ -369,7 +420,12 @@ def test_every_response_carries_a_request_id(c):
 def test_openapi_spec_documents_the_inference_routes(c):
     spec = httpx.get(c.url + "/docs/openapi.json").json()
     assert set(spec["paths"]) == {
-        "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/metaserver", "/v1/models",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/metaserver",
+        "/v1/models",
         "/v1/models/{model}",
     }
     chat = spec["paths"]["/v1/chat/completions"]["post"]
@@ -380,7 +436,9 @@ def test_openapi_spec_documents_the_inference_routes(c):
     assert {"200", "400", "401", "404", "413", "429", "502", "503"} <= set(responses)
     openai_error = responses["400"]["content"]["application/json"]["schema"]["properties"]["error"]["properties"]
     assert set(openai_error) == {"message", "type", "param", "code"}
-    messages = spec["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]["properties"]
+    messages = spec["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"][
+        "properties"
+    ]
     assert set(messages) == {"type", "error", "request_id"}
     page = httpx.get(c.url + "/docs")
     assert page.status_code == 200 and "openapi.json" in page.text
@@ -406,11 +464,16 @@ def test_batched_histogram_writes_what_observe_would():
         pending.flush()
     pending.flush()  # a flush with nothing pending writes nothing
     assert written == [0, 5]  # nothing is written before a flush
-    samples = [("_count", {}), ("_sum", {})] + [("_bucket", {"le": le}) for le in [str(float(b)) for b in LATENCY_BUCKETS] + ["+Inf"]]
+    samples = [("_count", {}), ("_sum", {})] + [
+        ("_bucket", {"le": le}) for le in [str(float(b)) for b in LATENCY_BUCKETS] + ["+Inf"]
+    ]
     for suffix, labels in samples:
         want = registry.get_sample_value("direct_seconds" + suffix, {"k": "x", **labels})
         got = registry.get_sample_value("batched_seconds" + suffix, {"k": "x", **labels})
-        assert want is not None and got == pytest.approx(want, rel=1e-12), (suffix, labels)  # sums added in another order
+        assert want is not None and got == pytest.approx(want, rel=1e-12), (
+            suffix,
+            labels,
+        )  # sums added in another order
 
 
 def test_metrics_reach_the_files_by_the_timer_without_a_scrape():

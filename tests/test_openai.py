@@ -73,8 +73,10 @@ def test_chat_stream_shape(union_cluster):
 
 def test_completions_stream_raw_ends_with_done(union_cluster):
     with httpx.stream(
-        "POST", union_cluster.url + "/v1/completions",
-        json={"model": MODEL, "prompt": "abc", "max_tokens": 4, "stream": True}, timeout=30,
+        "POST",
+        union_cluster.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "abc", "max_tokens": 4, "stream": True},
+        timeout=30,
     ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -88,7 +90,10 @@ def test_completions_stream_raw_ends_with_done(union_cluster):
 def test_same_prompt_and_seed_give_same_text(union_cluster):
     c = client(union_cluster)
     args = dict(model=MODEL, messages=[{"role": "user", "content": "determinism"}], max_tokens=12, seed=7)
-    assert c.chat.completions.create(**args).choices[0].message.content == c.chat.completions.create(**args).choices[0].message.content
+    assert (
+        c.chat.completions.create(**args).choices[0].message.content
+        == c.chat.completions.create(**args).choices[0].message.content
+    )
 
 
 def test_unknown_fields_reach_the_engine_and_client_key_does_not(union_cluster):
@@ -119,9 +124,15 @@ def test_first_chunk_arrives_before_generation_ends(sims):
         started = time.monotonic()
         arrivals = []
         with httpx.stream(
-            "POST", coord.url + "/v1/chat/completions",
-            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 20,
-                  "stream": True, "ignore_eos": True},
+            "POST",
+            coord.url + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 20,
+                "stream": True,
+                "ignore_eos": True,
+            },
             timeout=30,
         ) as r:
             for line in r.iter_lines():
@@ -159,8 +170,10 @@ def test_models_retrieve_answers_one_model_or_a_404(union_cluster):
         with pytest.raises(openai.NotFoundError) as e:
             c.models.retrieve(missing)
         assert e.value.body["code"] == "model_not_found" and missing in e.value.body["message"]
-    assert httpx.get(union_cluster.url + "/v1/models/org/no-such-model").json()["error"]["message"] == \
-        "The model `org/no-such-model` does not exist."
+    assert (
+        httpx.get(union_cluster.url + "/v1/models/org/no-such-model").json()["error"]["message"]
+        == "The model `org/no-such-model` does not exist."
+    )
 
 
 BAD_BODIES = [
@@ -174,14 +187,34 @@ BAD_BODIES = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": ["hi"]}).encode(), 400),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"content": "hi"}]}).encode(), 400),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user"}]}).encode(), 400),
-    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400),
-    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(), 400),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(),
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(),
+        400,
+    ),
     ("/v1/completions", json.dumps({"model": MODEL}).encode(), 400),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": 42}).encode(), 400),
     # `tools` not a list: the scheduler renders tools into the prompt it counts (was a 500).
-    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": 1}).encode(), 400),
-    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": "abc"}).encode(), 400),
-    ("/v1/chat/completions", json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": 1}).encode(),
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": "abc"}).encode(),
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(),
+        404,
+    ),
 ]
 
 
@@ -216,7 +249,11 @@ def test_what_vllm_accepts_reaches_the_engine(union_cluster):
 
 
 def test_wrong_content_type_is_415(union_cluster):
-    r = httpx.post(union_cluster.url + "/v1/chat/completions", content=b"model=x", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    r = httpx.post(
+        union_cluster.url + "/v1/chat/completions",
+        content=b"model=x",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 415
     assert "application/json" in r.json()["error"]["message"]
 
@@ -236,14 +273,18 @@ def test_management_routes_are_not_on_the_inference_port(union_cluster):
 
 def test_body_over_limit_is_413(sims):
     u = sims("union")
-    cfg = coordinator_config([instance(1, "union", MODEL, u.address)], rate_limit_config={"max_request_body_size": 4096})
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, u.address)], rate_limit_config={"max_request_body_size": 4096}
+    )
     with Coordinator(cfg) as coord:
         big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 10_000}]}
         r = httpx.post(coord.url + "/v1/chat/completions", json=big)
         assert r.status_code == 413
         assert r.json()["error"]["code"] == "request_too_large"
         assert u.stats()["received"] == 0
-        ok = httpx.post(coord.url + "/v1/chat/completions", json={**big, "messages": [{"role": "user", "content": "x"}]})
+        ok = httpx.post(
+            coord.url + "/v1/chat/completions", json={**big, "messages": [{"role": "user", "content": "x"}]}
+        )
         assert ok.status_code == 200
 
 
@@ -251,7 +292,12 @@ def test_api_key_auth(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={"enable_api_key": True, "valid_keys": ["k-one", "k-two"], "header_name": "Authorization", "key_prefix": "Bearer "},
+        api_key_config={
+            "enable_api_key": True,
+            "valid_keys": ["k-one", "k-two"],
+            "header_name": "Authorization",
+            "key_prefix": "Bearer ",
+        },
     )
     with Coordinator(cfg) as coord:
         for key in (None, "wrong", "k-on", "k-one-and-more"):
@@ -267,11 +313,16 @@ def test_api_key_auth(sims):
         assert all("k-two" not in json.dumps(r["headers"]) for r in u.requests())
         # A key that is not UTF-8 is a wrong key (was a 500, which the SDKs retry).
         latin1 = "Bearer k-\xf6ne".encode("latin-1")
-        r = httpx.post(coord.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"Authorization": latin1})
+        r = httpx.post(
+            coord.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"Authorization": latin1}
+        )
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(coord.url + "/v1/models", headers={"Authorization": latin1}).status_code == 401
-        r = httpx.post(coord.url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
-                       headers={"x-api-key": "k-\xf6ne".encode("latin-1")})
+        r = httpx.post(
+            coord.url + "/v1/messages",
+            json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+            headers={"x-api-key": "k-\xf6ne".encode("latin-1")},
+        )
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
@@ -279,12 +330,22 @@ def test_custom_auth_header_and_prefix(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={"enable_api_key": True, "valid_keys": ["sekrit"], "header_name": "X-Api-Token", "key_prefix": ""},
+        api_key_config={
+            "enable_api_key": True,
+            "valid_keys": ["sekrit"],
+            "header_name": "X-Api-Token",
+            "key_prefix": "",
+        },
     )
     with Coordinator(cfg) as coord:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
-        assert httpx.post(coord.url + "/v1/completions", json=body, headers={"X-Api-Token": "sekrit"}).status_code == 200
-        assert httpx.post(coord.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}).status_code == 401
+        assert (
+            httpx.post(coord.url + "/v1/completions", json=body, headers={"X-Api-Token": "sekrit"}).status_code == 200
+        )
+        assert (
+            httpx.post(coord.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}).status_code
+            == 401
+        )
 
 
 def test_two_workers_subprocess_serves_sdk_traffic(sims):
@@ -293,11 +354,15 @@ def test_two_workers_subprocess_serves_sdk_traffic(sims):
     with Coordinator(cfg, workers=2) as coord:
         c = client(coord)
         for i in range(20):
-            assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"n{i}"}], max_tokens=2).choices
+            assert c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"n{i}"}], max_tokens=2
+            ).choices
         served = [a.stats()["received"], b.stats()["received"]]
         assert sum(served) == 20 and min(served) >= 3  # both engines took a share
         # The request log lines come from worker processes, not from the main process.
-        served_by = {int(w.split("[")[1].rstrip("]:")) for w in coord.output().split() if w.startswith("coordinator.request[")}
+        served_by = {
+            int(w.split("[")[1].rstrip("]:")) for w in coord.output().split() if w.startswith("coordinator.request[")
+        }
         assert served_by and served_by <= set(coord.worker_pids())
         assert coord.proc.pid not in served_by
 
@@ -308,7 +373,9 @@ def test_invalid_config_exits_nonzero_with_key_path(tmp_path):
     cfg["api_config"]["coordinator_api_infer_port"] = 70000
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"motor_coordinator_config": cfg}))
-    proc = subprocess.run([sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode != 0
     assert "motor_coordinator_config.api_config.coordinator_api_infer_port: must be 1..65535" in proc.stderr
     assert "Goin' Fast" not in proc.stdout + proc.stderr and str(port) not in proc.stdout
@@ -319,7 +386,9 @@ def test_bare_coordinator_section_and_default_simulator():
     cfg = coordinator_config([], models=[{"id": "sim-model"}])
     with Coordinator(cfg, wrap=False) as coord:
         assert "built-in engine simulator" in coord.output()
-        resp = client(coord).chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        resp = client(coord).chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert resp.choices[0].message.content
         m = httpx.get(coord.url + "/v1/models").json()["data"][0]
         assert (m["p_instances_num"], m["d_instances_num"]) == (1, 1)

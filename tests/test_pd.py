@@ -65,7 +65,9 @@ def test_prefill_leg_is_length_capped_and_decode_leg_is_the_client_body(fresh):
         "stream_options": {"include_usage": True},
         "custom_field": [1, 2],
     }
-    with httpx.stream("POST", fresh.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "pd-rid-1"}, timeout=30) as r:
+    with httpx.stream(
+        "POST", fresh.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "pd-rid-1"}, timeout=30
+    ) as r:
         assert r.status_code == 200
         r.read()
     p_req, d_req = legs(fresh.p, fresh.d)
@@ -76,8 +78,12 @@ def test_prefill_leg_is_length_capped_and_decode_leg_is_the_client_body(fresh):
     for dropped in ("stop", "stop_token_ids", "min_tokens"):
         assert dropped not in pb
     assert pb["kv_transfer_params"] == {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
     }
     assert pb["messages"] == body["messages"] and pb["custom_field"] == [1, 2] and pb["temperature"] == 0.5
     db = d_req["body"]
@@ -101,9 +107,17 @@ def test_ticket_is_relayed_byte_for_byte(fresh):
     _, d_req = legs(fresh.p, fresh.d, "/v1/completions")
     ticket = d_req["body"]["kv_transfer_params"]
     issued = {
-        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": fresh.p.engine_id,
-        "remote_host": "127.0.0.1", "remote_port": fresh.p.port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-        "transfer_mode": "pull", "remote_prefill_cached_tokens": 0, **TICKET_EXTRA,
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": fresh.p.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": fresh.p.port,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": 0,
+        **TICKET_EXTRA,
     }
     for key, value in issued.items():
         assert json.dumps(ticket[key]) == json.dumps(value), key
@@ -137,8 +151,11 @@ def test_raw_json_has_no_ticket_key(fresh):
 
 def test_streamed_usage_chunk_is_fixed_up(fresh):
     stream = client(fresh).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "stream usage " * 30}], max_tokens=5,
-        stream=True, stream_options={"include_usage": True},
+        model=MODEL,
+        messages=[{"role": "user", "content": "stream usage " * 30}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     usage = chunks[-1].usage
@@ -150,7 +167,12 @@ def test_streamed_usage_chunk_is_fixed_up(fresh):
 
 
 def test_completions_stream_through_pd(fresh):
-    with httpx.stream("POST", fresh.url + "/v1/completions", json={"model": MODEL, "prompt": "pd stream", "max_tokens": 4, "stream": True}, timeout=30) as r:
+    with httpx.stream(
+        "POST",
+        fresh.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "pd stream", "max_tokens": 4, "stream": True},
+        timeout=30,
+    ) as r:
         events = sse_events(r.read())
     assert events[-1] == "[DONE]"
     texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]]
@@ -164,9 +186,18 @@ def test_decode_stream_is_incremental(sims):
     cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)])
     with Coordinator(cfg) as coord:
         started, arrivals = time.monotonic(), []
-        with httpx.stream("POST", coord.url + "/v1/chat/completions", timeout=30, json={
-            "model": MODEL, "messages": [{"role": "user", "content": "slow"}], "max_tokens": 16, "ignore_eos": True, "stream": True,
-        }) as r:
+        with httpx.stream(
+            "POST",
+            coord.url + "/v1/chat/completions",
+            timeout=30,
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "slow"}],
+                "max_tokens": 16,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as r:
             for line in r.iter_lines():
                 if '"content":"' in line and '"content":""' not in line:
                     arrivals.append(time.monotonic() - started)
@@ -178,7 +209,9 @@ def test_decode_stream_is_incremental(sims):
 
 def test_missed_handoff_is_served_and_counted(fresh):
     fresh.p.set_faults(eos_on_prefill=True)
-    resp = client(fresh).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "eos"}], max_tokens=4)
+    resp = client(fresh).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "eos"}], max_tokens=4
+    )
     assert resp.choices[0].message.content
     _, d_req = legs(fresh.p, fresh.d)
     assert "kv_transfer_params" not in d_req["body"]  # D recomputes the prompt
@@ -195,13 +228,20 @@ def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sim
     from tests.support import free_port
 
     p, d = sims("prefill", ticket_extra={"remote_port": free_port()}), sims("decode")
-    cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
-                             exception_config={"retry_delay": 0.01})
+    cfg = coordinator_config(
+        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
+        exception_config={"retry_delay": 0.01},
+    )
     with Coordinator(cfg) as coord:
         for stream in (False, True, False, True):
             resp = client(coord).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "p is gone"}], max_tokens=4, stream=stream)
-            text = "".join(c.choices[0].delta.content or "" for c in resp if c.choices) if stream else resp.choices[0].message.content
+                model=MODEL, messages=[{"role": "user", "content": "p is gone"}], max_tokens=4, stream=stream
+            )
+            text = (
+                "".join(c.choices[0].delta.content or "" for c in resp if c.choices)
+                if stream
+                else resp.choices[0].message.content
+            )
             assert text.strip()
         legs = [r["body"] for r in d.requests() if r["path"] == "/v1/chat/completions"]
         assert len(legs) == 8 and all(("kv_transfer_params" in b) == (i % 2 == 0) for i, b in enumerate(legs))
@@ -211,26 +251,43 @@ def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sim
         assert [ln for ln in metrics.splitlines() if ln.startswith("motor_missed_handoffs_total{")][0].endswith(" 4.0")
 
 
-@pytest.mark.parametrize("route,extra", [
-    ("/v1/chat/completions", {"n": 2}),
-    ("/v1/completions", {"n": 3}),
-    ("/v1/completions", {"echo": True, "logprobs": 1}),
-    ("/v1/chat/completions", {"prompt_logprobs": 1}),
-    ("/v1/completions", {"echo": True, "max_tokens": 0}),
-    # vLLM reads integers in pydantic's lax mode: 2.0 and "3" children are children too.
-    ("/v1/chat/completions", {"n": 2.0}),
-    ("/v1/completions", {"n": "3"}),
-    # Chat's echo asks for prompt logprobs (top_logprobs, 0 by default), which skip the transferred KV.
-    ("/v1/chat/completions", {"echo": True}),
-    ("/v1/completions", {"echo": "true", "max_tokens": 0}),  # vLLM reads booleans laxly too
-], ids=["chat_n", "completions_n", "echo_logprobs", "prompt_logprobs", "echo_without_generation", "chat_n_float",
-        "completions_n_str", "chat_echo", "echo_str_without_generation"])
+@pytest.mark.parametrize(
+    "route,extra",
+    [
+        ("/v1/chat/completions", {"n": 2}),
+        ("/v1/completions", {"n": 3}),
+        ("/v1/completions", {"echo": True, "logprobs": 1}),
+        ("/v1/chat/completions", {"prompt_logprobs": 1}),
+        ("/v1/completions", {"echo": True, "max_tokens": 0}),
+        # vLLM reads integers in pydantic's lax mode: 2.0 and "3" children are children too.
+        ("/v1/chat/completions", {"n": 2.0}),
+        ("/v1/completions", {"n": "3"}),
+        # Chat's echo asks for prompt logprobs (top_logprobs, 0 by default), which skip the transferred KV.
+        ("/v1/chat/completions", {"echo": True}),
+        ("/v1/completions", {"echo": "true", "max_tokens": 0}),  # vLLM reads booleans laxly too
+    ],
+    ids=[
+        "chat_n",
+        "completions_n",
+        "echo_logprobs",
+        "prompt_logprobs",
+        "echo_without_generation",
+        "chat_n_float",
+        "completions_n_str",
+        "chat_echo",
+        "echo_str_without_generation",
+    ],
+)
 def test_what_one_kv_ticket_cannot_carry_is_computed_on_decode(fresh, route, extra):
     """One ticket carries one prompt's KV to one sequence: n > 1 children would all pull blocks P frees after
     the first, prompt logprobs skip the transferred KV, and echo with max_tokens 0 generates nothing. No prefill
     leg: D computes the prompt itself."""
     body = {"model": MODEL, "max_tokens": 3, **extra}
-    body.update({"messages": [{"role": "user", "content": "one ticket"}]} if route.endswith("chat/completions") else {"prompt": "one ticket"})
+    body.update(
+        {"messages": [{"role": "user", "content": "one ticket"}]}
+        if route.endswith("chat/completions")
+        else {"prompt": "one ticket"}
+    )
     r = httpx.post(fresh.url + route, json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == int(extra.get("n", 1))
@@ -249,28 +306,51 @@ def test_a_retry_that_finds_no_engine_is_not_counted(sims):
     recompute happened, and neither the metrics nor the request line may say one did."""
     p, d = sims("prefill"), sims("decode")
     d.set_faults(fail_status=503)
-    cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
-                             exception_config={"retry_delay": 0.01},
-                             scheduler_config={"breaker_failure_threshold": 1})
+    cfg = coordinator_config(
+        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
+        exception_config={"retry_delay": 0.01},
+        scheduler_config={"breaker_failure_threshold": 1},
+    )
     with Coordinator(cfg) as coord:
-        r = httpx.post(coord.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 4,
-                       "messages": [{"role": "user", "content": "d fails"}]})
+        r = httpx.post(
+            coord.url + "/v1/chat/completions",
+            json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "d fails"}]},
+        )
         assert r.status_code == 502
         assert d.stats()["received"] == 1
         metrics = httpx.get(coord.obs + "/metrics").text
-        counted = [ln for ln in metrics.splitlines() if ln.startswith(("motor_retries_total{", "motor_missed_handoffs_total{"))]
+        counted = [
+            ln for ln in metrics.splitlines() if ln.startswith(("motor_retries_total{", "motor_missed_handoffs_total{"))
+        ]
         assert all(ln.endswith(" 0.0") for ln in counted), counted
         assert wait_until(lambda: "status=502" in coord.output())
         line = next(ln for ln in coord.output().splitlines() if "status=502" in ln)
         assert "retries=0 missed_handoff=False" in line and "missed handoff" not in coord.output()
 
 
-@pytest.mark.parametrize("extra", [
-    {"stream_options": {"include_usage": True}},  # without stream: true
-    {"stop": 5}, {"stop": ["ok", 7]}, {"stop_token_ids": ["x"]}, {"min_tokens": -1}, {"min_tokens": "two"},
-    {"min_tokens": 9, "max_tokens": 4}, {"min_tokens": None},
-], ids=["stream_options", "stop_int", "stop_list", "stop_token_ids", "min_tokens_negative", "min_tokens_str", "min_over_max",
-        "min_tokens_null"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"stream_options": {"include_usage": True}},  # without stream: true
+        {"stop": 5},
+        {"stop": ["ok", 7]},
+        {"stop_token_ids": ["x"]},
+        {"min_tokens": -1},
+        {"min_tokens": "two"},
+        {"min_tokens": 9, "max_tokens": 4},
+        {"min_tokens": None},
+    ],
+    ids=[
+        "stream_options",
+        "stop_int",
+        "stop_list",
+        "stop_token_ids",
+        "min_tokens_negative",
+        "min_tokens_str",
+        "min_over_max",
+        "min_tokens_null",
+    ],
+)
 def test_what_only_decode_would_refuse_is_refused_before_the_prefill(fresh, extra):
     """The prefill leg leaves these fields out, so only D would see them: after P computed the prompt and
     while it holds the KV. They are checked first, as vLLM checks them."""
@@ -284,7 +364,12 @@ def test_what_only_decode_would_refuse_is_refused_before_the_prefill(fresh, extr
 def test_integer_fields_are_read_as_vllm_reads_them(fresh, max_tokens, min_tokens):
     """vLLM's request models read integers in pydantic's lax mode ("4" and 4.0 are 4): so does every check
     the Coordinator makes before the prefill, and D gets the client's values as they were sent."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens, "min_tokens": min_tokens}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": max_tokens,
+        "min_tokens": min_tokens,
+    }
     r = httpx.post(fresh.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
     [leg] = [x["body"] for x in fresh.d.requests() if x["path"] == "/v1/chat/completions"]
@@ -296,22 +381,41 @@ def test_integer_fields_are_read_as_vllm_reads_them(fresh, max_tokens, min_token
 TOOLS = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
 
 
-@pytest.mark.parametrize("extra,message", [
-    ({"stop_sequences": "END"}, "'stop_sequences' must be a list of strings"),
-    # P gets {"type": "any"} for a named tool, which it would take with any name or none at all.
-    ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "Tool 'nope' has not been passed in `tools`."),
-    ({"tool_choice": {"type": "tool", "name": "get_weather"}}, "Tool 'get_weather' has not been passed in `tools`."),
-    ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name is required when type is 'tool'"),
-    # vLLM exempts the prefill leg from `budget_tokens < max_tokens`: P would prefill, and only D refuse.
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens must be less than max_tokens"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 16}}, "'thinking.budget_tokens' must be an integer >= 1024"),
-    ({"thinking": {"type": "enabled", "budget_tokens": "lots"}}, "'thinking.budget_tokens' must be an integer >= 1024"),
-], ids=["stop_sequences", "unknown_tool", "no_tools", "no_name", "budget_not_below_max", "budget_low", "budget_str"])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"stop_sequences": "END"}, "'stop_sequences' must be a list of strings"),
+        # P gets {"type": "any"} for a named tool, which it would take with any name or none at all.
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
+            "Tool 'nope' has not been passed in `tools`.",
+        ),
+        (
+            {"tool_choice": {"type": "tool", "name": "get_weather"}},
+            "Tool 'get_weather' has not been passed in `tools`.",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name is required when type is 'tool'"),
+        # vLLM exempts the prefill leg from `budget_tokens < max_tokens`: P would prefill, and only D refuse.
+        (
+            {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            "thinking.budget_tokens must be less than max_tokens",
+        ),
+        ({"thinking": {"type": "enabled", "budget_tokens": 16}}, "'thinking.budget_tokens' must be an integer >= 1024"),
+        (
+            {"thinking": {"type": "enabled", "budget_tokens": "lots"}},
+            "'thinking.budget_tokens' must be an integer >= 1024",
+        ),
+    ],
+    ids=["stop_sequences", "unknown_tool", "no_tools", "no_name", "budget_not_below_max", "budget_low", "budget_str"],
+)
 def test_what_only_decode_would_refuse_on_messages_is_refused_before_the_prefill(fresh, extra, message):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], **extra}
     r = httpx.post(fresh.url + "/v1/messages", json=body)
     assert r.status_code == 400 and r.json() == {
-        "type": "error", "error": {"type": "invalid_request_error", "message": message}, "request_id": r.headers["request-id"]}
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": message},
+        "request_id": r.headers["request-id"],
+    }
     assert fresh.p.stats()["received"] == 0 and fresh.d.stats()["received"] == 0
 
 
@@ -326,8 +430,11 @@ def test_a_trigger_mode_disconnect_is_counted_once(sims):
     with Coordinator(cfg) as coord:
         p.set_faults(slow_first_byte_s=5)
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(coord.url + "/v1/chat/completions", timeout=httpx.Timeout(30, read=1.0),
-                       json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "bye"}]})
+            httpx.post(
+                coord.url + "/v1/chat/completions",
+                timeout=httpx.Timeout(30, read=1.0),
+                json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "bye"}]},
+            )
         assert wait_until(lambda: coord.output().count("status=499") == 2, timeout_s=20)
 
         def disconnects() -> float:
@@ -366,7 +473,11 @@ def test_trigger_mode_decode_calls_metaserver(sims):
             resp = client(coord).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "trigger me"}], max_tokens=4, stream=stream
             )
-            text = "".join(c.choices[0].delta.content or "" for c in resp if c.choices) if stream else resp.choices[0].message.content
+            text = (
+                "".join(c.choices[0].delta.content or "" for c in resp if c.choices)
+                if stream
+                else resp.choices[0].message.content
+            )
             assert text.strip()
             d_req = [r for r in d.requests() if r["path"] == "/v1/chat/completions"][0]
             ktp = d_req["body"]["kv_transfer_params"]
@@ -384,7 +495,8 @@ def test_trigger_mode_bills_what_p_had_cached_whichever_worker_served_the_metase
     p, d = sims("prefill"), sims("decode")
     cfg = coordinator_config(
         [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
-        scheduler_config={"pd_dispatch": "trigger"}, inference_workers_config={"num_workers": 2},
+        scheduler_config={"pd_dispatch": "trigger"},
+        inference_workers_config={"num_workers": 2},
     )
     with Coordinator(cfg) as coord:
         c = client(coord)
@@ -392,8 +504,9 @@ def test_trigger_mode_bills_what_p_had_cached_whichever_worker_served_the_metase
             prompt = [{"role": "user", "content": f"trigger billing {i} " * 30}]
             first = c.chat.completions.create(model=MODEL, messages=prompt, max_tokens=3)
             assert first.usage.prompt_tokens_details.cached_tokens == 0, first.usage  # nothing cached on P yet
-            again = c.chat.completions.create(model=MODEL, messages=prompt, max_tokens=3, stream=True,
-                                              stream_options={"include_usage": True})
+            again = c.chat.completions.create(
+                model=MODEL, messages=prompt, max_tokens=3, stream=True, stream_options={"include_usage": True}
+            )
             usage = list(again)[-1].usage
             assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens, usage  # P's prefix hits
         assert d.stats()["metaserver_calls"] == 12
@@ -433,7 +546,8 @@ def test_trigger_mode_with_api_keys_and_a_cap_lets_engines_in(sims):
     p, d = sims("prefill"), sims("decode")
     cfg = coordinator_config(
         [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
-        scheduler_config={"pd_dispatch": "trigger"}, api_key_config=KEYS,
+        scheduler_config={"pd_dispatch": "trigger"},
+        api_key_config=KEYS,
         rate_limit_config={"max_inflight_requests": 1},  # D's call is half of the one request in flight
     )
     with Coordinator(cfg) as coord:
@@ -445,8 +559,11 @@ def test_trigger_mode_with_api_keys_and_a_cap_lets_engines_in(sims):
 def test_metaserver_from_elsewhere_needs_a_key(sims):
     """No registered instance at the caller's address (loopback here): a call without a valid key is a 401,
     and one with a key is admitted like a client's: not a way around the keys or the limits."""
-    cfg = coordinator_config([instance(1, "decode", MODEL, "decode-0.invalid:8000")], api_key_config=KEYS,
-                             rate_limit_config={"requests_per_second": 0.2})
+    cfg = coordinator_config(
+        [instance(1, "decode", MODEL, "decode-0.invalid:8000")],
+        api_key_config=KEYS,
+        rate_limit_config={"requests_per_second": 0.2},
+    )
     with Coordinator(cfg) as coord:
         ktp = {"request_id": "m-1", "do_remote_decode": True, "do_remote_prefill": False}
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": ktp}
@@ -473,15 +590,31 @@ def test_engine_addresses_match_in_any_spelling_and_by_name():
 
 
 def _meta(coord, ktp: dict, **body):
-    return httpx.post(coord.url + "/v1/metaserver", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "meta"}], "stream": False,
-        "kv_transfer_params": {"request_id": "meta-1", **ktp}, **body,
-    }, timeout=30)
+    return httpx.post(
+        coord.url + "/v1/metaserver",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "meta"}],
+            "stream": False,
+            "kv_transfer_params": {"request_id": "meta-1", **ktp},
+            **body,
+        },
+        timeout=30,
+    )
 
 
 def test_metaserver_forwards_to_the_named_registered_instance(fresh):
     host, port = fresh.p.address.split(":")
-    r = _meta(fresh, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "1", "remote_host": host, "remote_port": port})
+    r = _meta(
+        fresh,
+        {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "1",
+            "remote_host": host,
+            "remote_port": port,
+        },
+    )
     assert r.status_code == 200
     assert r.json()["kv_transfer_params"]["remote_engine_id"] == fresh.p.engine_id  # P's answer, passed through
     p_req = [x for x in fresh.p.requests() if x["path"] == "/v1/chat/completions"][-1]
@@ -502,11 +635,21 @@ def test_metaserver_knows_an_instance_registered_by_name_from_its_address(sims):
     with Coordinator(cfg) as coord:
         port = p.address.split(":")[1]
         for host, engine_id in (("127.0.0.1", "1"), ("::ffff:127.0.0.1", "1"), ("127.0.0.1", "")):
-            r = _meta(coord, {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": host,
-                              "remote_port": port, "remote_engine_id": engine_id})
+            r = _meta(
+                coord,
+                {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_host": host,
+                    "remote_port": port,
+                    "remote_engine_id": engine_id,
+                },
+            )
             assert r.status_code == 200, (host, r.text)
         assert p.stats()["received"] == 3
-        r = _meta(coord, {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": d.address.split(":")[1]})
+        r = _meta(
+            coord, {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": d.address.split(":")[1]}
+        )
         assert r.status_code == 403  # D's address: not a prefill instance, in any spelling
         assert p.stats()["received"] == 3 and d.stats()["received"] == 0
 
@@ -519,7 +662,12 @@ def test_metaserver_refuses_unregistered_targets(fresh, sims):
         {"do_remote_prefill": True, "remote_host": "127.0.0.2", "remote_port": "8000"},
         {"do_remote_prefill": True, "remote_engine_id": "999"},
         # A registered address, but of the wrong role.
-        {"do_remote_prefill": True, "remote_host": fresh.d.address.split(":")[0], "remote_port": fresh.d.address.split(":")[1], "remote_engine_id": "2"},
+        {
+            "do_remote_prefill": True,
+            "remote_host": fresh.d.address.split(":")[0],
+            "remote_port": fresh.d.address.split(":")[1],
+            "remote_engine_id": "2",
+        },
     ):
         r = _meta(fresh, ktp)
         assert r.status_code == 403, ktp
@@ -527,13 +675,23 @@ def test_metaserver_refuses_unregistered_targets(fresh, sims):
     assert stranger.stats()["received"] == 0
 
 
-@pytest.mark.parametrize("ktp", [
-    {}, {"do_remote_prefill": True}, {"request_id": "x"}, {"request_id": "x", "do_remote_prefill": True, "do_remote_decode": True},
-    # The id becomes the engine request's X-Request-Id header: no CR/LF to inject a header with, no 1 MB id.
-    {"request_id": "x\r\nX-Injected: 1", "do_remote_prefill": True}, {"request_id": "x" * 129, "do_remote_prefill": True},
-])
+@pytest.mark.parametrize(
+    "ktp",
+    [
+        {},
+        {"do_remote_prefill": True},
+        {"request_id": "x"},
+        {"request_id": "x", "do_remote_prefill": True, "do_remote_decode": True},
+        # The id becomes the engine request's X-Request-Id header: no CR/LF to inject a header with, no 1 MB id.
+        {"request_id": "x\r\nX-Injected: 1", "do_remote_prefill": True},
+        {"request_id": "x" * 129, "do_remote_prefill": True},
+    ],
+)
 def test_metaserver_rejects_malformed_control_objects(fresh, ktp):
-    r = httpx.post(fresh.url + "/v1/metaserver", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": ktp})
+    r = httpx.post(
+        fresh.url + "/v1/metaserver",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": ktp},
+    )
     assert r.status_code == 400
     assert r.json()["error"]["message"]
 
@@ -546,13 +704,17 @@ def test_fallback_to_whole_requests_when_no_decode_is_healthy(sims):
     cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, dead_decode)])
     with Coordinator(cfg) as coord:
         assert wait_until(lambda: httpx.get(coord.url + "/v1/models").json()["data"][0]["d_instances_num"] == 0)
-        resp = client(coord).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "fallback"}], max_tokens=5)
+        resp = client(coord).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "fallback"}], max_tokens=5
+        )
         assert resp.choices[0].message.content
         p_req = [r for r in p.requests() if r["path"] == "/v1/chat/completions"][-1]
         assert "kv_transfer_params" not in p_req["body"] and p_req["body"]["max_tokens"] == 5  # served whole
         # No usable instance at all: a clear 503.
         assert coord.refresh("set", [instance(2, "decode", MODEL, dead_decode)]).status_code == 200
         assert wait_until(lambda: httpx.get(coord.mgmt + "/instances").json()["instances"][0]["healthy"] is False)
-        r = httpx.post(coord.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        r = httpx.post(
+            coord.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        )
         assert r.status_code == 503
         assert MODEL in r.json()["error"]["message"]

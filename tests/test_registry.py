@@ -11,7 +11,7 @@ import pytest
 from config import Endpoint, Instance
 from scheduling.health import Health
 from scheduling.ledger import Ledger
-from scheduling.registry import Registry, RefreshError
+from scheduling.registry import RefreshError, Registry
 from scheduling.shared import MAX_SLOTS, SharedState
 
 MODEL = "m"
@@ -108,11 +108,14 @@ def test_a_refused_set_leaves_every_health_row_as_it_was(world):
     assert sorted(registry.view().instances) == [1, 2]
 
 
-@pytest.mark.parametrize("taken, again", [
-    ("engine-0.svc:8000", "HTTP://Engine-0.SVC:8000"),
-    ("[::1]:8000", "[0:0::1]:8000"),
-    ("http://10.0.0.5:8000", "https://10.0.0.5:8000"),
-])
+@pytest.mark.parametrize(
+    "taken, again",
+    [
+        ("engine-0.svc:8000", "HTTP://Engine-0.SVC:8000"),
+        ("[::1]:8000", "[0:0::1]:8000"),
+        ("http://10.0.0.5:8000", "https://10.0.0.5:8000"),
+    ],
+)
 def test_one_engine_spelt_two_ways_is_one_address(world, taken, again):
     """Load, health and breakers key on the engine: a second spelling of a taken address is refused, not a
     second instance sending to the same socket with its own ledger column."""

@@ -23,8 +23,18 @@ from scheduling.registry import Registry, Target
 from scheduling.scheduler import LEARN_INTERVAL_S, Scheduler
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
 from scheduling.shared import (
-    ERROR_WINDOW, H_DC_N, H_ENGINE_ITL_S, H_ENGINE_TTFT_S, H_LAST_DONE, H_LATE_N, H_LATE_S, H_PF_N, H_QUEUE_SHIFT_S,
-    H_QUEUE_UNTIL, HEALTH_FIELDS, SharedState,
+    ERROR_WINDOW,
+    H_DC_N,
+    H_ENGINE_ITL_S,
+    H_ENGINE_TTFT_S,
+    H_LAST_DONE,
+    H_LATE_N,
+    H_LATE_S,
+    H_PF_N,
+    H_QUEUE_SHIFT_S,
+    H_QUEUE_UNTIL,
+    HEALTH_FIELDS,
+    SharedState,
 )
 from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
 
@@ -33,10 +43,14 @@ BLOCK = 16
 
 
 def target(slot: int, role: str) -> Target:
-    return Target(slot + 1, 0, slot, role, MODEL, "vllm", f"http://127.0.0.1:{9000 + slot}", f"127.0.0.1:{9000 + slot}", False)
+    return Target(
+        slot + 1, 0, slot, role, MODEL, "vllm", f"http://127.0.0.1:{9000 + slot}", f"127.0.0.1:{9000 + slot}", False
+    )
 
 
-def job(prompt_tokens: int = 100, max_tokens: int = 50, ttft_ms: float = 2000, tpot_ms: float = 100, hashes=()) -> JobInfo:
+def job(
+    prompt_tokens: int = 100, max_tokens: int = 50, ttft_ms: float = 2000, tpot_ms: float = 100, hashes=()
+) -> JobInfo:
     return JobInfo(MODEL, prompt_tokens, max_tokens, ttft_ms, tpot_ms, block_hashes=list(hashes))
 
 
@@ -49,7 +63,15 @@ class World:
         self.health = Health(self.shared)
         self.predictor = Predictor(self.shared)
         self.index = PrefixIndex(self.shared)
-        self.policy = make_policy(policy, self.shared, self.ledger, self.health, predictor=self.predictor, index=self.index, block_tokens=BLOCK)
+        self.policy = make_policy(
+            policy,
+            self.shared,
+            self.ledger,
+            self.health,
+            predictor=self.predictor,
+            index=self.index,
+            block_tokens=BLOCK,
+        )
 
 
 async def admit(sched: Scheduler, job: JobInfo):
@@ -68,14 +90,16 @@ def teach_prefill(pred: Predictor, slot: int, tokens_per_s: float, base_s: float
         t = done + 1.0
 
 
-def queue_work(w: "World", slot: int, tokens: int):
+def queue_work(w: World, slot: int, tokens: int):
     """A prefill of ours in flight on `slot`: a ledger lease and its place in the virtual queue."""
     lease = w.ledger.lease(slot, tokens, 1)
     lease.predicted, lease.shift = w.predictor.start_prefill(slot, tokens, lease.started)
     return lease
 
 
-def teach_decode(pred: Predictor, slot: int, step_s: float, per_seq_s: float, batches=range(1, 9)) -> None:
+def teach_decode(
+    pred: Predictor, slot: int, step_s: float, per_seq_s: float, batches: tuple[int, ...] = tuple(range(1, 9))
+) -> None:
     t = time.monotonic() - 200
     for b in list(batches) * 2:
         first = t + 0.02 + step_s + per_seq_s * b
@@ -91,8 +115,15 @@ CHAT_BODY = {
     "model": MODEL,
     "messages": [
         {"role": "system", "content": "You are terse. " * 40},
-        {"role": "user", "content": [{"type": "text", "text": "Describe "}, {"type": "image_url", "image_url": {"url": "x"}}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Describe "}, {"type": "image_url", "image_url": {"url": "x"}}],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
         {"role": "tool", "content": "42", "tool_call_id": "1"},
     ],
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
@@ -103,8 +134,13 @@ def test_estimate_renders_the_prompt_as_the_engine_counts_it():
     meter = PromptMeter(BLOCK)
     tokens, hashes = meter.measure(CHAT, CHAT_BODY)
     assert tokens == sim_tokens.chat_prompt_tokens(CHAT_BODY["messages"], tools=CHAT_BODY["tools"])
-    assert len(hashes) == len(sim_tokens.render_chat_prompt(CHAT_BODY["messages"], tools=CHAT_BODY["tools"]).encode()) // (BLOCK * 4)
-    anthropic = {"system": "Be brief.", "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]}
+    assert len(hashes) == len(
+        sim_tokens.render_chat_prompt(CHAT_BODY["messages"], tools=CHAT_BODY["tools"]).encode()
+    ) // (BLOCK * 4)
+    anthropic = {
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}],
+    }
     tokens, _ = meter.measure(MESSAGES, anthropic)
     assert tokens == sim_tokens.chat_prompt_tokens(anthropic["messages"], system="Be brief.")
     assert meter.measure(COMPLETION, {"prompt": [1, 2, 3, 4, 5]}, hashes=False) == (5, [])
@@ -114,13 +150,25 @@ def test_estimate_renders_the_prompt_as_the_engine_counts_it():
 def test_block_hashes_are_chained_over_the_whole_prompt():
     system = {"role": "system", "content": "shared system prompt " * 30}
     a = PromptMeter(BLOCK).measure(CHAT, {"messages": [system, {"role": "user", "content": "first question " * 20}]})[1]
-    b = PromptMeter(BLOCK).measure(CHAT, {"messages": [system, {"role": "user", "content": "second question " * 20}]})[1]
-    other = PromptMeter(BLOCK).measure(CHAT, {"messages": [{"role": "system", "content": "another " * 75}, {"role": "user", "content": "first question " * 20}]})[1]
+    b = PromptMeter(BLOCK).measure(CHAT, {"messages": [system, {"role": "user", "content": "second question " * 20}]})[
+        1
+    ]
+    other = PromptMeter(BLOCK).measure(
+        CHAT,
+        {
+            "messages": [
+                {"role": "system", "content": "another " * 75},
+                {"role": "user", "content": "first question " * 20},
+            ]
+        },
+    )[1]
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert shared >= len("shared system prompt " * 30) // (BLOCK * 4)
     assert a[shared:] != b[shared:] and a[0] != other[0]
     # Tools are part of the prefix: the same conversation with tools shares nothing at the start.
-    with_tools = PromptMeter(BLOCK).measure(CHAT, {"messages": [system], "tools": [{"type": "function", "function": {"name": "g"}}]})[1]
+    with_tools = PromptMeter(BLOCK).measure(
+        CHAT, {"messages": [system], "tools": [{"type": "function", "function": {"name": "g"}}]}
+    )[1]
     assert with_tools[0] != a[0]
     assert chained_hashes(b"x" * 130, 64) == chained_hashes(b"x" * 128, 64)
     assert len(set(chained_hashes(b"x" * 640, 64))) == 10  # same blocks, different prefixes: all distinct
@@ -147,8 +195,12 @@ def test_exact_counts_with_a_local_tokenizer(tmp_path):
     tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     specials = ["<s>", "<|im_start|>", "<|im_end|>", "[UNK]"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20, "system user assistant tools " * 20], trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog " * 20, "system user assistant tools " * 20], trainer
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     template = (
         "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -158,8 +210,17 @@ def test_exact_counts_with_a_local_tokenizer(tmp_path):
 
     meter = make_meter(str(tmp_path), BLOCK)
     assert meter.exact
-    body = {"messages": [{"role": "system", "content": "the lazy dog"}, {"role": "user", "content": "quick brown fox " * 30}]}
-    rendered = "<s><|im_start|>system\nthe lazy dog<|im_end|>\n<|im_start|>user\n" + "quick brown fox " * 30 + "<|im_end|>\n<|im_start|>assistant\n"
+    body = {
+        "messages": [
+            {"role": "system", "content": "the lazy dog"},
+            {"role": "user", "content": "quick brown fox " * 30},
+        ]
+    }
+    rendered = (
+        "<s><|im_start|>system\nthe lazy dog<|im_end|>\n<|im_start|>user\n"
+        + "quick brown fox " * 30
+        + "<|im_end|>\n<|im_start|>assistant\n"
+    )
     expected = tok.encode(rendered, add_special_tokens=False).ids
     tokens, hashes = meter.measure(CHAT, body)
     assert tokens == len(expected)
@@ -493,10 +554,13 @@ def test_slo_aware_whole_requests():
 def scheduler(policy: str, admission: str, queue_size: int = 4) -> tuple[Scheduler, World]:
     w = World(policy)
     registry = Registry(w.shared)
-    registry.apply("set", [
-        Instance(1, "prefill", MODEL, (Endpoint(0, "127.0.0.1:9001"),)),
-        Instance(2, "decode", MODEL, (Endpoint(0, "127.0.0.1:9002"),)),
-    ])
+    registry.apply(
+        "set",
+        [
+            Instance(1, "prefill", MODEL, (Endpoint(0, "127.0.0.1:9001"),)),
+            Instance(2, "decode", MODEL, (Endpoint(0, "127.0.0.1:9002"),)),
+        ],
+    )
     queue = AdmissionQueue(w.shared, queue_size, tick_s=0.002) if admission == "queue" else None
     return Scheduler(registry, w.ledger, w.health, w.policy, admission=admission, queue=queue), w
 
@@ -719,10 +783,16 @@ vllm:inter_token_latency_seconds_count{{model_name="m"}} {itl_count}
 def test_scrape_keeps_gauges_and_interval_means():
     health = Health(SharedState.create())
     scrapes = EngineScrapes(health)
-    scrapes.update(4, parse_engine_metrics(METRICS.format(running=3, ttft_sum=10.0, ttft_count=10, itl_sum=1.0, itl_count=100)))
+    scrapes.update(
+        4, parse_engine_metrics(METRICS.format(running=3, ttft_sum=10.0, ttft_count=10, itl_sum=1.0, itl_count=100))
+    )
     assert health.engine_load(4) == (3.0, 2.0, 0.25) and health.get(4, H_ENGINE_TTFT_S) == 0.0
-    scrapes.update(4, parse_engine_metrics(METRICS.format(running=5, ttft_sum=16.0, ttft_count=12, itl_sum=5.0, itl_count=200)))
+    scrapes.update(
+        4, parse_engine_metrics(METRICS.format(running=5, ttft_sum=16.0, ttft_count=12, itl_sum=5.0, itl_count=200))
+    )
     assert health.get(4, H_ENGINE_TTFT_S) == pytest.approx(3.0)  # 6 s over 2 requests in the interval
     assert health.get(4, H_ENGINE_ITL_S) == pytest.approx(0.04)
-    scrapes.update(4, parse_engine_metrics(METRICS.format(running=0, ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0)))
+    scrapes.update(
+        4, parse_engine_metrics(METRICS.format(running=0, ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0))
+    )
     assert health.get(4, H_ENGINE_ITL_S) == pytest.approx(0.04)  # an engine restart is not a sample

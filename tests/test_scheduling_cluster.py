@@ -4,6 +4,7 @@ instances with two workers, and SLO admission answering 429 with Retry-After."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import subprocess
@@ -17,7 +18,11 @@ import pytest
 from tests.conftest import MODEL
 from tests.support import ROOT, Coordinator, coordinator_config, instance, wait_until
 
-LOAD_GAUGES = ("motor_instance_inflight_requests", "motor_instance_inflight_prompt_tokens", "motor_instance_inflight_decode_tokens")
+LOAD_GAUGES = (
+    "motor_instance_inflight_requests",
+    "motor_instance_inflight_prompt_tokens",
+    "motor_instance_inflight_decode_tokens",
+)
 
 
 def client(coord) -> openai.OpenAI:
@@ -31,8 +36,11 @@ def load_samples(coord) -> list[float]:
 
 def chat(i: int, tokens: int = 8, words: int = 20) -> dict:
     return {
-        "model": MODEL, "messages": [{"role": "user", "content": f"request {i} " + "word " * words}],
-        "max_tokens": tokens, "ignore_eos": True, "stream": True,
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"request {i} " + "word " * words}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": True,
     }
 
 
@@ -40,8 +48,12 @@ def test_ledger_returns_to_zero_after_cancelled_and_failed_requests(sims):
     p1, p2 = sims("prefill", speedup=5.0), sims("prefill", speedup=5.0)
     d1, d2 = sims("decode", speedup=5.0), sims("decode", speedup=5.0)
     cfg = coordinator_config(
-        [instance(1, "prefill", MODEL, p1.address), instance(2, "prefill", MODEL, p2.address),
-         instance(3, "decode", MODEL, d1.address), instance(4, "decode", MODEL, d2.address)],
+        [
+            instance(1, "prefill", MODEL, p1.address),
+            instance(2, "prefill", MODEL, p2.address),
+            instance(3, "decode", MODEL, d1.address),
+            instance(4, "decode", MODEL, d2.address),
+        ],
         scheduler_config={"scheduler_type": "slo_aware"},
         exception_config={"max_retry": 1, "retry_delay": 0.01},
     )
@@ -59,8 +71,10 @@ def test_ledger_returns_to_zero_after_cancelled_and_failed_requests(sims):
 
                 async def cancel_before_first_byte(i):
                     try:
-                        await asyncio.wait_for(http.post("/v1/chat/completions", json=chat(i, tokens=50, words=3000)), 0.05)
-                    except asyncio.TimeoutError:
+                        await asyncio.wait_for(
+                            http.post("/v1/chat/completions", json=chat(i, tokens=50, words=3000)), 0.05
+                        )
+                    except TimeoutError:
                         pass
 
                 async def complete(i):
@@ -94,7 +108,7 @@ def test_round_robin_rotates_across_two_workers(sims):
         order = sorted([(r["time"], "a") for r in a.requests()] + [(r["time"], "b") for r in b.requests()])
         engines = [name for _, name in order]
         assert len(engines) == 20
-        assert all(x != y for x, y in zip(engines, engines[1:]))  # strictly alternating: one shared counter
+        assert all(x != y for x, y in itertools.pairwise(engines))  # strictly alternating: one shared counter
         assert re.search(r"Srv 1.*Worker ready", coord.output()) or coord.output().count("Worker ready") >= 2
 
 
@@ -141,9 +155,15 @@ def test_kv_cache_affinity_sends_each_conversation_back_to_its_cache(sims, strea
                     {"role": "user", "content": f"question {turn}"},
                 ]
                 if stream:
-                    chunks = list(oa.chat.completions.create(
-                        model=MODEL, messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True},
-                    ))
+                    chunks = list(
+                        oa.chat.completions.create(
+                            model=MODEL,
+                            messages=messages,
+                            max_tokens=2,
+                            stream=True,
+                            stream_options={"include_usage": True},
+                        )
+                    )
                     usage = chunks[-1].usage
                 else:
                     usage = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage
@@ -168,7 +188,9 @@ def slo_cluster(sims, admission: str, slo_ttft: int = 1, **sched):
 def warm(coord, n: int = 6) -> None:
     """Requests that teach the model the engines' speeds (admitted: an unknown engine is never refused)."""
     for i in range(n):
-        r = httpx.post(coord.url + "/v1/chat/completions", json=chat(i, tokens=12), headers={"x-slo-ttft-ms": "60000"}, timeout=30)
+        r = httpx.post(
+            coord.url + "/v1/chat/completions", json=chat(i, tokens=12), headers={"x-slo-ttft-ms": "60000"}, timeout=30
+        )
         assert r.status_code == 200
 
 
@@ -178,20 +200,27 @@ def test_reject_admission_answers_429_with_retry_after(sims):
         assert models[0]["slo_ttft"] == 1 and models[0]["slo_tpot"] == 1000  # the budget the scheduler uses
         warm(coord)
         with pytest.raises(openai.RateLimitError) as e:
-            client(coord).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 50}], max_tokens=8)
+            client(coord).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi " * 50}], max_tokens=8
+            )
         assert int(e.value.response.headers["retry-after"]) >= 1
         assert e.value.response.json()["error"]["type"] == "rate_limit_error"
         assert "SLO" in e.value.response.json()["error"]["message"]
         # A request's own budget (x-slo-ttft-ms) replaces the model's.
         ok = client(coord).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_headers={"x-slo-ttft-ms": "60000"}
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            extra_headers={"x-slo-ttft-ms": "60000"},
         )
         assert ok.choices[0].message.content
         with pytest.raises(anthropic.RateLimitError) as ae:
             anthropic.Anthropic(base_url=coord.url, api_key="unused", max_retries=0).messages.create(
                 model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi " * 50}]
             )
-        assert ae.value.response.json()["error"]["type"] == "rate_limit_error" and ae.value.response.headers["retry-after"]
+        assert (
+            ae.value.response.json()["error"]["type"] == "rate_limit_error" and ae.value.response.headers["retry-after"]
+        )
         assert wait_until(lambda: max(load_samples(coord)) == 0.0)
 
 
@@ -204,10 +233,12 @@ def test_queue_admission_serves_what_fits_and_refuses_what_cannot(sims):
 
         async def burst():
             async with httpx.AsyncClient(base_url=coord.url, timeout=30) as http:
-                return await asyncio.gather(*(
-                    http.post("/v1/chat/completions", json=chat(i, tokens=20), headers={"x-slo-ttft-ms": "20000"})
-                    for i in range(8)
-                ))
+                return await asyncio.gather(
+                    *(
+                        http.post("/v1/chat/completions", json=chat(i, tokens=20), headers={"x-slo-ttft-ms": "20000"})
+                        for i in range(8)
+                    )
+                )
 
         assert [r.status_code for r in asyncio.run(burst())] == [200] * 8
         assert wait_until(lambda: max(load_samples(coord)) == 0.0)
@@ -227,7 +258,12 @@ def test_single_process_mode_makes_its_own_shared_state(sims):
     u = sims("union")
     cfg = coordinator_config([instance(1, "union", MODEL, u.address)])
     url = f"http://127.0.0.1:{cfg['api_config']['coordinator_api_infer_port']}"
-    proc = subprocess.Popen([sys.executable, "-c", SINGLE_PROCESS, json.dumps(cfg)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SINGLE_PROCESS, json.dumps(cfg)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
 
         def up() -> bool:

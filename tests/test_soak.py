@@ -31,7 +31,11 @@ def cluster(module_sims):
     p = module_sims("prefill", model=PD, speedup=50)
     d = module_sims("decode", model=PD, speedup=50)
     cfg = coordinator_config(
-        [instance(1, "union", UNION, u.address), instance(2, "prefill", PD, p.address), instance(3, "decode", PD, d.address)],
+        [
+            instance(1, "union", UNION, u.address),
+            instance(2, "prefill", PD, p.address),
+            instance(3, "decode", PD, d.address),
+        ],
         inference_workers_config={"num_workers": 2},
         exception_config={"retry_delay": 0.01, "kv_release_path": "/sim/kv/release"},
     )
@@ -47,7 +51,12 @@ def request_for(rng: random.Random, i: int) -> tuple[str, dict]:
     text = f"soak {i} " + "lorem ipsum " * rng.randint(1, 40)
     kind = rng.choice(("chat", "chat", "completions", "messages"))
     if kind == "messages":
-        body = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": text}], "stream": stream}
+        body = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": text}],
+            "stream": stream,
+        }
         return "/v1/messages", body
     if kind == "completions":
         return "/v1/completions", {"model": model, "prompt": text, "max_tokens": max_tokens, "stream": stream}
@@ -74,7 +83,7 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, i: i
                 return
             await resp.read()
             tally[resp.status] = tally.get(resp.status, 0) + 1
-    except asyncio.TimeoutError:
+    except TimeoutError:
         tally["disconnected"] += 1
 
 

@@ -47,7 +47,9 @@ def test_management_tls_covers_management_and_metrics_only(sims, certs):
         assert coord.mgmt.startswith("https://") and coord.url.startswith("http://")
         assert tls(coord.mgmt + "/readiness", certs) == 200 and tls(coord.obs + "/metrics", certs) == 200
         for port in (coord.mgmt_port, coord.obs_port):
-            assert refused(lambda: plain(f"http://127.0.0.1:{port}/readiness"))  # no plain HTTP where TLS is on
+            assert refused(
+                lambda port=port: plain(f"http://127.0.0.1:{port}/readiness")
+            )  # no plain HTTP where TLS is on
         assert plain(coord.url + "/v1/models") == 200  # the inference port keeps its own setting: plain HTTP
 
 
@@ -66,4 +68,6 @@ def test_inference_tls_with_a_ca_checks_the_client_certificates_presented(sims, 
         stranger = (certs.other_ca, certs.other_ca[: -len(".pem")] + ".key")  # a certificate the CA did not sign
         assert refused(lambda: tls(coord.url + "/v1/models", certs, stranger))
         assert refused(lambda: plain(f"http://127.0.0.1:{coord.infer_port}/v1/models"))
-        assert plain(coord.mgmt + "/readiness") == 200 and plain(coord.obs + "/metrics") == 200  # plain: their own setting
+        assert (
+            plain(coord.mgmt + "/readiness") == 200 and plain(coord.obs + "/metrics") == 200
+        )  # plain: their own setting

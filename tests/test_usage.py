@@ -8,18 +8,29 @@ import pytest
 
 from serving.usage import EventSplitter, fix_event, fix_events
 
-P_USAGE = {"prompt_tokens": 40, "total_tokens": 41, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 8}}
+P_USAGE = {
+    "prompt_tokens": 40,
+    "total_tokens": 41,
+    "completion_tokens": 1,
+    "prompt_tokens_details": {"cached_tokens": 8},
+}
 
 
 def chunk(i: int) -> bytes:
     return b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"t%d"}}]}' % i
 
 
-USAGE_EVENT = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":16,"total_tokens":56,' \
-              b'"prompt_tokens_details":{"cached_tokens":40}},"kv_transfer_params":null}'
-TICKET_EVENT = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"}}],"kv_transfer_params": {"remote_block_ids":[1]}}'
-ANTHROPIC_START = b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":{"input_tokens":3,' \
-                  b'"cache_read_input_tokens":40,"output_tokens":1}}}'
+USAGE_EVENT = (
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":16,"total_tokens":56,'
+    b'"prompt_tokens_details":{"cached_tokens":40}},"kv_transfer_params":null}'
+)
+TICKET_EVENT = (
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"}}],"kv_transfer_params": {"remote_block_ids":[1]}}'
+)
+ANTHROPIC_START = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":{"input_tokens":3,'
+    b'"cache_read_input_tokens":40,"output_tokens":1}}}'
+)
 
 
 @pytest.mark.parametrize(
@@ -43,17 +54,25 @@ def test_fix_events_is_fix_event_on_each_event(events, anthropic):
 def test_usage_event_takes_the_prompt_side_from_prefill():
     p_usage = {**P_USAGE, "prompt_tokens": 30}  # P's count differs from D's 40: the client is billed P's
     fixed = fix_events(b"".join(e + b"\n\n" for e in (chunk(0), USAGE_EVENT)), p_usage, False)
-    usage = json.loads(fixed.split(b"\n\n")[1][len(b"data: "):])["usage"]
+    usage = json.loads(fixed.split(b"\n\n")[1][len(b"data: ") :])["usage"]
     assert usage["prompt_tokens"] == 30 and usage["total_tokens"] == 46
     assert usage["prompt_tokens_details"] == {"cached_tokens": 8}
     assert b"kv_transfer_params" not in fixed
 
 
 def test_usage_with_blanks_is_fixed_and_null_usage_or_the_key_in_text_is_relayed_as_is():
-    spaced = b'data: {"id":"c","choices":[],"usage" :  {"prompt_tokens":40,"completion_tokens":2,"total_tokens":42}}\n\n'
+    spaced = (
+        b'data: {"id":"c","choices":[],"usage" :  {"prompt_tokens":40,"completion_tokens":2,"total_tokens":42}}\n\n'
+    )
     fixed = fix_events(spaced, {"prompt_tokens": 30}, False)
-    assert json.loads(fixed.strip()[len(b"data: "):])["usage"] == {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32}
-    untouched = b'data: {"id":"c","choices":[{"delta":{"content":"\\"usage\\": {"}}],"usage":null}\n\n' + chunk(3) + b"\n\n"
+    assert json.loads(fixed.strip()[len(b"data: ") :])["usage"] == {
+        "prompt_tokens": 30,
+        "completion_tokens": 2,
+        "total_tokens": 32,
+    }
+    untouched = (
+        b'data: {"id":"c","choices":[{"delta":{"content":"\\"usage\\": {"}}],"usage":null}\n\n' + chunk(3) + b"\n\n"
+    )
     assert fix_events(untouched, P_USAGE, False) is untouched
 
 

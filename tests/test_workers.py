@@ -32,8 +32,13 @@ def chat(coord, max_tokens: int = 2, **extra) -> httpx.Response:
 
 
 def long_stream(coord, tokens: int) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": tokens, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "long"}],
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
     try:
         with httpx.stream("POST", coord.url + "/v1/chat/completions", json=body, timeout=60) as r:
             r.read()
@@ -59,8 +64,13 @@ def idle(coord) -> bool:
     """No request in flight, nothing on any engine's ledger column (requests, tokens, held decode slots)."""
     try:
         zero = all(
-            not (load["inflight_requests"] or load["inflight_prompt_tokens"] or load["inflight_decode_tokens"]
-                 or load["prefilling_requests"] or load["held_decode_slots"])
+            not (
+                load["inflight_requests"]
+                or load["inflight_prompt_tokens"]
+                or load["inflight_decode_tokens"]
+                or load["prefilling_requests"]
+                or load["held_decode_slots"]
+            )
             for load in loads(coord)
         )
     except httpx.HTTPError:
@@ -70,6 +80,7 @@ def idle(coord) -> bool:
 
 def restarted(coord, name: str, old_pid: int, timeout_s: float = 45) -> int:
     """Wait until worker `name` runs again under a new pid and logged itself ready; return the pid."""
+
     def up() -> bool:
         pid = coord.server_workers().get(name)
         return pid is not None and pid != old_pid and f"Worker ready [{pid}]" in coord.output()
@@ -86,8 +97,13 @@ def test_a_killed_worker_gives_back_its_load_and_is_restarted(sims):
     a, b = sims("union", speedup=2.0), sims("union", speedup=2.0)
     cfg = coordinator_config(
         [instance(1, "union", MODEL, a.address), instance(2, "union", MODEL, b.address)],
-        inference_workers_config={"num_workers": 3}, rate_limit_config={"max_inflight_requests": 6},
-        scheduler_config={"scheduler_type": "load_balance", "health_check_interval": 0.2, "metrics_scrape_interval": 0.2},
+        inference_workers_config={"num_workers": 3},
+        rate_limit_config={"max_inflight_requests": 6},
+        scheduler_config={
+            "scheduler_type": "load_balance",
+            "health_check_interval": 0.2,
+            "metrics_scrape_interval": 0.2,
+        },
     )
     with Coordinator(cfg) as coord:
         workers = coord.server_workers()
@@ -274,8 +290,11 @@ def test_sigterm_before_the_workers_are_ready_exits_promptly(sims):
     log_path = path + ".log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "app.py"), "--config", path], cwd=ROOT, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, os.path.join(ROOT, "app.py"), "--config", path],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def output() -> str:
@@ -290,7 +309,9 @@ def test_sigterm_before_the_workers_are_ready_exits_promptly(sims):
         try:
             code = proc.wait(20)
         except subprocess.TimeoutExpired:
-            raise AssertionError("the Coordinator did not exit within 20 s of SIGTERM during start-up:\n" + output())
+            raise AssertionError(
+                "the Coordinator did not exit within 20 s of SIGTERM during start-up:\n" + output()
+            ) from None
         assert code == 128 + signal.SIGTERM, output()
 
         def group_gone() -> bool:

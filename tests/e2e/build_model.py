@@ -71,7 +71,9 @@ def build_tokenizer(out: str) -> None:
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
-        json.dump({"bos_token": SPECIAL[0], "eos_token": SPECIAL[2], "pad_token": SPECIAL[0]}, f, indent=2, sort_keys=True)
+        json.dump(
+            {"bos_token": SPECIAL[0], "eos_token": SPECIAL[2], "pad_token": SPECIAL[0]}, f, indent=2, sort_keys=True
+        )
 
 
 def build_model(out: str) -> None:

@@ -36,7 +36,8 @@ def engines() -> dict:
     if missing or not os.environ.get("MOTOR_E2E_RUN"):
         pytest.fail(
             f"no real vLLM engines ({', '.join(missing) or 'MOTOR_E2E_RUN'} unset): run `make e2e`, which starts them "
-            "with tests/e2e/vllm_up.sh", pytrace=False,
+            "with tests/e2e/vllm_up.sh",
+            pytrace=False,
         )
     run = os.environ["MOTOR_E2E_RUN"]
     return {r: Engine(r, os.environ[f"MOTOR_E2E_{r.upper()}"], run) for r in ROLES}
@@ -51,7 +52,10 @@ def model() -> str:
 def pd(engines, model) -> Cluster:
     """A one-worker Coordinator in front of the real prefill + decode pair (PD handoff)."""
     cfg = coordinator_config(
-        [instance(1, "prefill", model, engines["prefill"].address), instance(2, "decode", model, engines["decode"].address)],
+        [
+            instance(1, "prefill", model, engines["prefill"].address),
+            instance(2, "decode", model, engines["decode"].address),
+        ],
         models=[{"id": model, "p_max_seqlen": 512, "d_max_seqlen": 512}],
         scheduler_config={"health_check_interval": 0.5, "metrics_scrape_interval": 1.0},
     )

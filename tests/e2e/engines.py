@@ -14,7 +14,7 @@ import httpx
 from tests.support import wait_until
 
 ROLES = ("union", "prefill", "decode")
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 @dataclass
@@ -58,7 +58,10 @@ class Engine:
         with open(os.path.join(self.run_dir, f"{self.name}.log"), "ab") as log:
             proc = subprocess.Popen(
                 ["bash", os.path.join(self.run_dir, f"{self.name}.sh")],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         with open(os.path.join(self.run_dir, f"{self.name}.pid"), "w") as f:
             f.write(str(proc.pid))

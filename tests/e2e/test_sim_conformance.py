@@ -20,20 +20,44 @@ pytestmark = pytest.mark.vllm
 
 # Fields whose values must match too, wherever they appear.
 SAME_VALUE = {
-    "object", "type", "role", "finish_reason", "stop_reason", "stop_sequence", "code", "param", "model",
-    "index", "do_remote_prefill", "do_remote_decode", "transfer_mode", "tp_size", "dcp_size", "pp_size",
-    "remote_host", "remote_blocks_expiry_time", "remote_prefill_cached_tokens",
+    "object",
+    "type",
+    "role",
+    "finish_reason",
+    "stop_reason",
+    "stop_sequence",
+    "code",
+    "param",
+    "model",
+    "index",
+    "do_remote_prefill",
+    "do_remote_decode",
+    "transfer_mode",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_host",
+    "remote_blocks_expiry_time",
+    "remote_prefill_cached_tokens",
 }
 CHAT = [{"role": "user", "content": "Compare these two answers, please."}]
 FIXED = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 PREFILL_TICKET = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
 }
 
 
 def _kind(v) -> str:
-    return "null" if v is None else {bool: "bool", int: "number", float: "number", str: "str"}.get(type(v), type(v).__name__)
+    return (
+        "null"
+        if v is None
+        else {bool: "bool", int: "number", float: "number", str: "str"}.get(type(v), type(v).__name__)
+    )
 
 
 def _kinds(items: list) -> list[str]:
@@ -140,7 +164,10 @@ def cases(model: str) -> dict:
     too_long = "word " * 600
     return {
         "chat json": ("/v1/chat/completions", {"model": model, "messages": CHAT, **FIXED}),
-        "chat json logprobs": ("/v1/chat/completions", {"model": model, "messages": CHAT, "logprobs": True, "top_logprobs": 2, **FIXED}),
+        "chat json logprobs": (
+            "/v1/chat/completions",
+            {"model": model, "messages": CHAT, "logprobs": True, "top_logprobs": 2, **FIXED},
+        ),
         "chat stream": ("/v1/chat/completions", {"model": model, "messages": CHAT, "stream": True, **FIXED}),
         "chat stream usage": (
             "/v1/chat/completions",
@@ -152,10 +179,14 @@ def cases(model: str) -> dict:
             {"model": model, "prompt": "def f(x):", "stream": True, "stream_options": {"include_usage": True}, **FIXED},
         ),
         "completions echo without generation": (
-            "/v1/completions", {"model": model, "prompt": "def f(x):", **FIXED, "echo": True, "max_tokens": 0},
+            "/v1/completions",
+            {"model": model, "prompt": "def f(x):", **FIXED, "echo": True, "max_tokens": 0},
         ),
         "messages json": ("/v1/messages", {"model": model, "messages": CHAT, "max_tokens": 4, "temperature": 0}),
-        "messages stream": ("/v1/messages", {"model": model, "messages": CHAT, "max_tokens": 4, "temperature": 0, "stream": True}),
+        "messages stream": (
+            "/v1/messages",
+            {"model": model, "messages": CHAT, "max_tokens": 4, "temperature": 0, "stream": True},
+        ),
         "messages system": ("/v1/messages", {"model": model, "system": "Be brief.", "messages": CHAT, "max_tokens": 2}),
         "count_tokens": ("/v1/messages/count_tokens", {"model": model, "messages": CHAT}),
         "error unknown model": ("/v1/chat/completions", {"model": "no-such-model", "messages": CHAT, "max_tokens": 2}),
@@ -163,7 +194,10 @@ def cases(model: str) -> dict:
         "error bad json": ("/v1/chat/completions", b'{"model": '),
         "error prompt too long": ("/v1/completions", {"model": model, "prompt": too_long, "max_tokens": 2}),
         "error completions max_tokens 0": ("/v1/completions", {"model": model, "prompt": "def f(x):", "max_tokens": 0}),
-        "error max_tokens over context": ("/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 100000}),
+        "error max_tokens over context": (
+            "/v1/chat/completions",
+            {"model": model, "messages": CHAT, "max_tokens": 100000},
+        ),
         "error messages unknown model": ("/v1/messages", {"model": "no-such-model", "messages": CHAT, "max_tokens": 2}),
         "error messages no max_tokens": ("/v1/messages", {"model": model, "messages": CHAT}),
     }

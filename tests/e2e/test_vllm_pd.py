@@ -169,7 +169,8 @@ def test_prompt_scoring_is_computed_on_decode_alone(pd):
     assert choice.logprobs.tokens == union["logprobs"]["tokens"]
     assert choice.logprobs.token_logprobs == pytest.approx(union["logprobs"]["token_logprobs"], abs=1e-3)
     assert wait_until(
-        lambda: d.metric("vllm:prompt_tokens_by_source_total", source="local_compute") == local0 + resp.usage.prompt_tokens
+        lambda: d.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
+        == local0 + resp.usage.prompt_tokens
     )
     assert d.metric("vllm:nixl_xfer_time_seconds_count") == xfers0
 
@@ -180,12 +181,21 @@ def test_usage_matches_the_engines_numbers(pd):
     union = direct(pd.engines["union"], "/v1/chat/completions", body)["usage"]
     c = oai(pd)
     resp = c.chat.completions.create(model=pd.model, messages=PROMPT, max_tokens=4, extra_body=GREEDY)
-    chunks = list(c.chat.completions.create(
-        model=pd.model, messages=PROMPT, max_tokens=4, extra_body=GREEDY, stream=True, stream_options={"include_usage": True}
-    ))
+    chunks = list(
+        c.chat.completions.create(
+            model=pd.model,
+            messages=PROMPT,
+            max_tokens=4,
+            extra_body=GREEDY,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     for usage in (resp.usage, chunks[-1].usage):
         assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
-            union["prompt_tokens"], union["completion_tokens"], union["total_tokens"]
+            union["prompt_tokens"],
+            union["completion_tokens"],
+            union["total_tokens"],
         )
     msgs = {"model": pd.model, "messages": PROMPT, "max_tokens": 3}
     engine = direct(pd.engines["union"], "/v1/messages", {**msgs, "temperature": 0})["usage"]
@@ -228,7 +238,8 @@ def test_prefill_engine_killed_then_back(pd):
     p.kill()
     r = httpx.post(
         pd.coord.url + "/v1/chat/completions",
-        json={"model": pd.model, "messages": PROMPT, "max_tokens": 4}, timeout=120,
+        json={"model": pd.model, "messages": PROMPT, "max_tokens": 4},
+        timeout=120,
     )
     if r.status_code != 200:
         assert r.status_code in (502, 503), r.text
