@@ -51,13 +51,13 @@ from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.scheduler import build_scheduler
-from scheduling.shared import SharedState, worker_index
 from serving.admission import Admission
 from serving.background import Background
 from serving.dispatch import Dispatcher
 from serving.metrics import PrometheusObserver, clear_stale_files
-from serving.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat
 from serving.usage import PrefillUsages
+from state.shared import SharedState, worker_index
+from workers.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat
 
 log = logging.getLogger("coordinator")
 APP_NAME = "motor_coordinator"
@@ -101,7 +101,7 @@ def create_app(settings: Settings) -> Sanic:
     @app.main_process_ready
     async def supervise_workers(app: Sanic):
         # A worker that dies is restarted, after what it held in shared memory is zeroed; a stop signal to
-        # the main process marks the whole Coordinator draining (serving/supervisor.py).
+        # the main process marks the whole Coordinator draining (workers/supervisor.py).
         Supervisor(
             app.manager,
             app.ctx.main_shared,
@@ -169,7 +169,7 @@ def create_app(settings: Settings) -> Sanic:
         # metrics listeners at once, so probes would find nothing to answer them. This one drains first,
         # with every port still serving: readiness 503 `ready: false`, liveness 200, new requests 503.
         # When the whole Coordinator stops, the main process has set the global draining flag before
-        # signalling the workers (serving/supervisor.py), so every worker refuses at once. A signal sent to
+        # signalling the workers (workers/supervisor.py), so every worker refuses at once. A signal sent to
         # this worker alone makes only this worker drain and exit; the supervisor then restarts it.
         loop = asyncio.get_running_loop()
         stopping: list[asyncio.Task] = []

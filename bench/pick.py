@@ -61,8 +61,8 @@ from scheduling.ledger import DECODE, PREFILL, WHOLE, Ledger  # noqa: E402
 from scheduling.policies import JobInfo  # noqa: E402
 from scheduling.registry import Registry, Target  # noqa: E402
 from scheduling.scheduler import Plan, Scheduler, build_scheduler  # noqa: E402
-from scheduling.shared import SharedState  # noqa: E402
 from scheduling.tokens import CHAT  # noqa: E402
+from state.shared import SharedState  # noqa: E402
 
 # The learned model is warmed with the unit tests' history replays (needs requirements-test.txt's pytest).
 from tests.test_scheduling import teach_decode, teach_prefill  # noqa: E402

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from scheduling.policies import MARGIN
-from scheduling.shared import W_QUEUED, WORKER_FIELDS, SharedState
+from state.shared import W_QUEUED, WORKER_FIELDS, SharedState
 
 OFF, QUEUE, REJECT = "off", "queue", "reject"
 

@@ -17,7 +17,7 @@ recomputes the prefix, after which that engine holds it again.
 
 from __future__ import annotations
 
-from scheduling.shared import PREFIX_ENTRIES, PREFIX_FIELDS, SharedState
+from state.shared import PREFIX_ENTRIES, PREFIX_FIELDS, SharedState
 
 PROBES = 4
 _MASK = PREFIX_ENTRIES - 1

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import time
 
-from scheduling.shared import (
+from state.shared import (
     BREAKER_CLOSED,
     BREAKER_HALF_OPEN,
     BREAKER_OPEN,
-    H_BREAKER,
-    H_FAILURES,
-    H_HEALTHY,
-    H_KV_USAGE,
-    H_OPEN_UNTIL,
-    H_RUNNING,
-    H_SCRAPED_AT,
-    H_WAITING,
-    HEALTH_FIELDS,
+    ENDPOINT_FIELDS,
+    EP_BREAKER,
+    EP_FAILURES,
+    EP_HEALTHY,
+    EP_KV_USAGE,
+    EP_OPEN_UNTIL,
+    EP_RUNNING,
+    EP_SCRAPED_AT,
+    EP_WAITING,
     SharedState,
 )
 
@@ -33,65 +33,65 @@ BREAKER_NAMES = {BREAKER_CLOSED: "closed", BREAKER_OPEN: "open", BREAKER_HALF_OP
 
 class Health:
     def __init__(self, shared: SharedState, failure_threshold: int = 3, open_s: float = 5.0):
-        self.h = shared.health
+        self.h = shared.endpoints
         self.failure_threshold = failure_threshold
         self.open_s = open_s
 
     def usable(self, slot: int) -> bool:
         """May a new request go to this slot now? An open breaker admits a probe once its open time is over."""
-        h, base = self.h, slot * HEALTH_FIELDS
-        if h[base + H_HEALTHY] < 0.5:
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        if h[base + EP_HEALTHY] < 0.5:
             return False
-        return h[base + H_BREAKER] == BREAKER_CLOSED or time.time() >= h[base + H_OPEN_UNTIL]
+        return h[base + EP_BREAKER] == BREAKER_CLOSED or time.time() >= h[base + EP_OPEN_UNTIL]
 
     def attempt(self, slot: int) -> None:
         """A request is being sent to this slot: past an open breaker's open time, it is the half-open probe.
 
         Until the probe answers (or `open_s` passes without an answer) no other request is let through.
         """
-        h, base = self.h, slot * HEALTH_FIELDS
-        if h[base + H_BREAKER] != BREAKER_CLOSED:
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        if h[base + EP_BREAKER] != BREAKER_CLOSED:
             now = time.time()
-            if now >= h[base + H_OPEN_UNTIL]:
-                h[base + H_BREAKER] = BREAKER_HALF_OPEN
-                h[base + H_OPEN_UNTIL] = now + self.open_s
+            if now >= h[base + EP_OPEN_UNTIL]:
+                h[base + EP_BREAKER] = BREAKER_HALF_OPEN
+                h[base + EP_OPEN_UNTIL] = now + self.open_s
 
     def record_success(self, slot: int) -> None:
-        h, base = self.h, slot * HEALTH_FIELDS
-        if h[base + H_FAILURES] or h[base + H_BREAKER] != BREAKER_CLOSED:
-            h[base + H_FAILURES] = 0
-            h[base + H_BREAKER] = BREAKER_CLOSED
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        if h[base + EP_FAILURES] or h[base + EP_BREAKER] != BREAKER_CLOSED:
+            h[base + EP_FAILURES] = 0
+            h[base + EP_BREAKER] = BREAKER_CLOSED
 
     def record_failure(self, slot: int) -> None:
-        h, base = self.h, slot * HEALTH_FIELDS
-        failures = h[base + H_FAILURES] + 1
-        h[base + H_FAILURES] = failures
-        if h[base + H_BREAKER] == BREAKER_HALF_OPEN or failures >= self.failure_threshold:
-            h[base + H_OPEN_UNTIL] = time.time() + self.open_s
-            h[base + H_BREAKER] = BREAKER_OPEN
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        failures = h[base + EP_FAILURES] + 1
+        h[base + EP_FAILURES] = failures
+        if h[base + EP_BREAKER] == BREAKER_HALF_OPEN or failures >= self.failure_threshold:
+            h[base + EP_OPEN_UNTIL] = time.time() + self.open_s
+            h[base + EP_BREAKER] = BREAKER_OPEN
 
     def set_healthy(self, slot: int, healthy: bool) -> None:
-        self.h[slot * HEALTH_FIELDS + H_HEALTHY] = 1.0 if healthy else 0.0
+        self.h[slot * ENDPOINT_FIELDS + EP_HEALTHY] = 1.0 if healthy else 0.0
 
     def is_healthy(self, slot: int) -> bool:
-        return self.h[slot * HEALTH_FIELDS + H_HEALTHY] >= 0.5
+        return self.h[slot * ENDPOINT_FIELDS + EP_HEALTHY] >= 0.5
 
     def breaker(self, slot: int) -> str:
-        return BREAKER_NAMES.get(int(self.h[slot * HEALTH_FIELDS + H_BREAKER]), "closed")
+        return BREAKER_NAMES.get(int(self.h[slot * ENDPOINT_FIELDS + EP_BREAKER]), "closed")
 
     def set_engine_load(self, slot: int, running: float, waiting: float, kv_usage: float) -> None:
-        h, base = self.h, slot * HEALTH_FIELDS
-        h[base + H_RUNNING] = running
-        h[base + H_WAITING] = waiting
-        h[base + H_KV_USAGE] = kv_usage
-        h[base + H_SCRAPED_AT] = time.time()
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        h[base + EP_RUNNING] = running
+        h[base + EP_WAITING] = waiting
+        h[base + EP_KV_USAGE] = kv_usage
+        h[base + EP_SCRAPED_AT] = time.time()
 
     def engine_load(self, slot: int) -> tuple[float, float, float]:
-        h, base = self.h, slot * HEALTH_FIELDS
-        return h[base + H_RUNNING], h[base + H_WAITING], h[base + H_KV_USAGE]
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        return h[base + EP_RUNNING], h[base + EP_WAITING], h[base + EP_KV_USAGE]
 
     def get(self, slot: int, field: int) -> float:
-        return self.h[slot * HEALTH_FIELDS + field]
+        return self.h[slot * ENDPOINT_FIELDS + field]
 
     def put(self, slot: int, field: int, value: float) -> None:
-        self.h[slot * HEALTH_FIELDS + field] = value
+        self.h[slot * ENDPOINT_FIELDS + field] = value

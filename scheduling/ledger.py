@@ -13,18 +13,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from scheduling.shared import (
+from state.shared import (
     L_DECODE_TOKENS,
     L_HELD,
     L_PREFILLING,
     L_PROMPT_TOKENS,
     L_REQUESTS,
     LEDGER_FIELDS,
-    MAX_SLOTS,
+    LEDGER_ROW as ROW,
     SharedState,
 )
-
-ROW = MAX_SLOTS * LEDGER_FIELDS
 
 # What a lease is for (the learned model reads each kind differently).
 PREFILL, DECODE, WHOLE = "prefill", "decode", "whole"

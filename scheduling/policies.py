@@ -33,7 +33,7 @@ from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Target
-from scheduling.shared import G_RR, SharedState
+from state.shared import G_RR, SharedState
 
 # A plan meets its budget when its predicted TTFT and TPOT, allowances included, are within these shares
 # of it: room for what the allowances miss (the Coordinator's own delays, sudden load).

@@ -3,7 +3,7 @@
 Nothing here knows how fast an engine is: every figure comes from timings the dispatcher observes.
 
 Prefill (P and union endpoints). Each endpoint is modelled as one FIFO server (vLLM schedules prefill
-first come, first served, chunking long prompts). Its *virtual queue* `H_QUEUE_UNTIL` is when the
+first come, first served, chunking long prompts). Its *virtual queue* `EP_QUEUE_UNTIL` is when the
 prefill work sent so far should be done: a new prefill of `u` uncached tokens starts at
 max(now, queue end) and takes `base + u / rate`. When a prefill completes, the gap between its
 observed and predicted finish moves the queue end (requests behind it are late or early by the same
@@ -39,24 +39,24 @@ from __future__ import annotations
 
 import math
 
-from scheduling.shared import (
+from state.shared import (
+    ENDPOINT_FIELDS,
+    EP_DC_N,
+    EP_DECODE_PER_SEQ_S,
+    EP_DECODE_STEP_S,
+    EP_ENGINE_ITL_S,
+    EP_LAST_DONE,
+    EP_LATE_N,
+    EP_LATE_S,
+    EP_PF_N,
+    EP_PREFILL_BASE_S,
+    EP_PREFILL_TPS,
+    EP_QUEUE_DELAY_S,
+    EP_QUEUE_SHIFT_S,
+    EP_QUEUE_UNTIL,
+    EP_TPOT_LATE_S,
+    EP_TPOT_N,
     ERROR_WINDOW,
-    H_DC_N,
-    H_DECODE_PER_SEQ_S,
-    H_DECODE_STEP_S,
-    H_ENGINE_ITL_S,
-    H_LAST_DONE,
-    H_LATE_N,
-    H_LATE_S,
-    H_PF_N,
-    H_PREFILL_BASE_S,
-    H_PREFILL_TPS,
-    H_QUEUE_DELAY_S,
-    H_QUEUE_SHIFT_S,
-    H_QUEUE_UNTIL,
-    H_TPOT_LATE_S,
-    H_TPOT_N,
-    HEALTH_FIELDS,
     SharedState,
 )
 
@@ -65,7 +65,7 @@ UNKNOWN = float("inf")
 
 class Predictor:
     def __init__(self, shared: SharedState, decay: float = 1 / 32, min_samples: int = 3):
-        self.h, self.lock, self.errors = shared.health, shared.hot_lock, shared.errors
+        self.h, self.lock, self.errors = shared.endpoints, shared.hot_lock, shared.prediction_errors
         self.keep = 1.0 - decay
         self.decay = decay
         self.min_samples = min_samples
@@ -73,44 +73,44 @@ class Predictor:
     # -- reading (hot path: a few float loads) -------------------------------------------------
 
     def prefill_known(self, slot: int) -> bool:
-        return self.h[slot * HEALTH_FIELDS + H_PREFILL_TPS] > 0.0
+        return self.h[slot * ENDPOINT_FIELDS + EP_PREFILL_TPS] > 0.0
 
     def queue_wait_s(self, slot: int, now: float) -> float:
-        wait = self.h[slot * HEALTH_FIELDS + H_QUEUE_UNTIL] - now
+        wait = self.h[slot * ENDPOINT_FIELDS + EP_QUEUE_UNTIL] - now
         return wait if wait > 0.0 else 0.0
 
     def prefill_s(self, slot: int, tokens: int) -> float:
         """Service time of a prefill of `tokens` uncached tokens, without queueing (inf when unknown)."""
-        h, base = self.h, slot * HEALTH_FIELDS
-        rate = h[base + H_PREFILL_TPS]
-        return h[base + H_PREFILL_BASE_S] + tokens / rate if rate > 0.0 else UNKNOWN
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        rate = h[base + EP_PREFILL_TPS]
+        return h[base + EP_PREFILL_BASE_S] + tokens / rate if rate > 0.0 else UNKNOWN
 
     def allowance_s(self, slot: int) -> float:
         """What to add to a predicted prefill finish so that 95 % finish by then."""
-        allowance = self.h[slot * HEALTH_FIELDS + H_LATE_S]
+        allowance = self.h[slot * ENDPOINT_FIELDS + EP_LATE_S]
         return allowance if allowance > 0.0 else 0.0
 
     def decode_known(self, slot: int) -> bool:
         return (
-            self.h[slot * HEALTH_FIELDS + H_DC_N] >= self.min_samples
-            or self.h[slot * HEALTH_FIELDS + H_ENGINE_ITL_S] > 0.0
+            self.h[slot * ENDPOINT_FIELDS + EP_DC_N] >= self.min_samples
+            or self.h[slot * ENDPOINT_FIELDS + EP_ENGINE_ITL_S] > 0.0
         )
 
     def step_s(self, slot: int, batch: float) -> float:
         """Seconds per output token with `batch` sequences running (inf when unknown)."""
-        h, base = self.h, slot * HEALTH_FIELDS
-        if h[base + H_DC_N] >= self.min_samples:
-            return h[base + H_DECODE_STEP_S] + h[base + H_DECODE_PER_SEQ_S] * batch
-        itl = h[base + H_ENGINE_ITL_S]
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        if h[base + EP_DC_N] >= self.min_samples:
+            return h[base + EP_DECODE_STEP_S] + h[base + EP_DECODE_PER_SEQ_S] * batch
+        itl = h[base + EP_ENGINE_ITL_S]
         return itl if itl > 0.0 else UNKNOWN
 
     def tpot_allowance_s(self, slot: int) -> float:
         """What to add to a predicted TPOT so that 95 % of streams stay within it."""
-        allowance = self.h[slot * HEALTH_FIELDS + H_TPOT_LATE_S]
+        allowance = self.h[slot * ENDPOINT_FIELDS + EP_TPOT_LATE_S]
         return allowance if allowance > 0.0 else 0.0
 
     def first_wait_s(self, slot: int) -> float:
-        return self.h[slot * HEALTH_FIELDS + H_QUEUE_DELAY_S]
+        return self.h[slot * ENDPOINT_FIELDS + EP_QUEUE_DELAY_S]
 
     # -- writing (once per request, under the shared lock) -------------------------------------
 
@@ -119,16 +119,16 @@ class Predictor:
 
         `idle`: nothing else is prefilling there (the ledger says so), whatever the virtual queue holds.
         """
-        h, base = self.h, slot * HEALTH_FIELDS
+        h, base = self.h, slot * ENDPOINT_FIELDS
         with self.lock:
-            end = h[base + H_QUEUE_UNTIL]
+            end = h[base + EP_QUEUE_UNTIL]
             if end < now or idle:
                 end = now
-            rate = h[base + H_PREFILL_TPS]
+            rate = h[base + EP_PREFILL_TPS]
             if rate > 0.0:
-                end += h[base + H_PREFILL_BASE_S] + tokens / rate
-            h[base + H_QUEUE_UNTIL] = end
-            return end, h[base + H_QUEUE_SHIFT_S]
+                end += h[base + EP_PREFILL_BASE_S] + tokens / rate
+            h[base + EP_QUEUE_UNTIL] = end
+            return end, h[base + EP_QUEUE_SHIFT_S]
 
     def learn_prefill(
         self, slot: int, started: float, done: float, tokens: int, predicted: float, shift0: float, fit: bool = True
@@ -138,25 +138,25 @@ class Predictor:
         `fit`: also a sample for the fit and the error ring; without it only the virtual queue and the last
         completion time move (every completion must move them, or later predictions drift).
         """
-        h, base = self.h, slot * HEALTH_FIELDS
+        h, base = self.h, slot * ENDPOINT_FIELDS
         with self.lock:
-            shift = h[base + H_QUEUE_SHIFT_S]
+            shift = h[base + EP_QUEUE_SHIFT_S]
             late = done - (predicted + shift - shift0)
-            if fit and h[base + H_PF_N] >= self.min_samples:  # the error of predictions made by a learned model
-                self._track(slot, 0, base + H_LATE_S, base + H_LATE_N, done - predicted)
-            h[base + H_QUEUE_UNTIL] += late
-            h[base + H_QUEUE_SHIFT_S] = shift + late
-            last = h[base + H_LAST_DONE]
+            if fit and h[base + EP_PF_N] >= self.min_samples:  # the error of predictions made by a learned model
+                self._track(slot, 0, base + EP_LATE_S, base + EP_LATE_N, done - predicted)
+            h[base + EP_QUEUE_UNTIL] += late
+            h[base + EP_QUEUE_SHIFT_S] = shift + late
+            last = h[base + EP_LAST_DONE]
             service = done - (started if started > last or last == 0.0 else last)
             if done > last or last == 0.0:
-                h[base + H_LAST_DONE] = done
+                h[base + EP_LAST_DONE] = done
             if service <= 0.0 or not fit:
                 # (service <= 0: it finished in the same engine step as the previous one, whose sample holds its time)
                 return
-            line = self._add_and_fit(base + H_PF_N, float(tokens), service, ratio_prior=True)
+            line = self._add_and_fit(base + EP_PF_N, float(tokens), service, ratio_prior=True)
             if line is not None:
-                h[base + H_PREFILL_BASE_S] = line[0]
-                h[base + H_PREFILL_TPS] = 1.0 / line[1] if line[1] > 0.0 else 1e12
+                h[base + EP_PREFILL_BASE_S] = line[0]
+                h[base + EP_PREFILL_TPS] = 1.0 / line[1] if line[1] > 0.0 else 1e12
 
     def settle_prefill(self, slot: int, done_by: float, predicted: float, shift0: float) -> None:
         """A prefill whose answer came whole (a JSON answer: no first-token time) was done by `done_by`.
@@ -165,37 +165,37 @@ class Predictor:
         it: the queue end moves up by as much. An answer after the predicted finish says nothing (the
         decode took that time), so nothing is fitted and the last completion time stays.
         """
-        h, base = self.h, slot * HEALTH_FIELDS
-        if predicted + h[base + H_QUEUE_SHIFT_S] - shift0 <= done_by:  # the usual case, told without the lock
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        if predicted + h[base + EP_QUEUE_SHIFT_S] - shift0 <= done_by:  # the usual case, told without the lock
             return
         with self.lock:
-            shift = h[base + H_QUEUE_SHIFT_S]
+            shift = h[base + EP_QUEUE_SHIFT_S]
             early = predicted + shift - shift0 - done_by
             if early > 0.0:
-                h[base + H_QUEUE_UNTIL] -= early
-                h[base + H_QUEUE_SHIFT_S] = shift - early
+                h[base + EP_QUEUE_UNTIL] -= early
+                h[base + EP_QUEUE_SHIFT_S] = shift - early
 
     def learn_decode(
         self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0
     ) -> None:
         """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, and
         the seconds per token predicted when it was planned (0: none)."""
-        h, base = self.h, slot * HEALTH_FIELDS
+        h, base = self.h, slot * ENDPOINT_FIELDS
         with self.lock:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
-                    self._track(slot, 1, base + H_TPOT_LATE_S, base + H_TPOT_N, per_token - predicted)
-                line = self._add_and_fit(base + H_DC_N, batch, per_token, ratio_prior=False)
+                    self._track(slot, 1, base + EP_TPOT_LATE_S, base + EP_TPOT_N, per_token - predicted)
+                line = self._add_and_fit(base + EP_DC_N, batch, per_token, ratio_prior=False)
                 if line is not None:
-                    h[base + H_DECODE_STEP_S], h[base + H_DECODE_PER_SEQ_S] = line
+                    h[base + EP_DECODE_STEP_S], h[base + EP_DECODE_PER_SEQ_S] = line
             step = self.step_s(slot, batch)
             if step == UNKNOWN:
                 return
             wait = first - started - step
             wait = wait if wait > 0.0 else 0.0
-            old = h[base + H_QUEUE_DELAY_S]
-            h[base + H_QUEUE_DELAY_S] = wait if old == 0.0 else self.keep * old + self.decay * wait
+            old = h[base + EP_QUEUE_DELAY_S]
+            h[base + EP_QUEUE_DELAY_S] = wait if old == 0.0 else self.keep * old + self.decay * wait
 
     def _track(self, slot: int, ring: int, value: int, count: int, error: float) -> None:
         """Record one error in the slot's ring and store the 95th percentile of the ring at h[value]."""

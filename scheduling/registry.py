@@ -24,15 +24,15 @@ import ujson
 
 from config import Endpoint, Instance, address_key, parse_instance
 from scheduling.ledger import Ledger
-from scheduling.shared import (
+from state.shared import (
     BREAKER_CLOSED,
     DOC_BYTES,
+    ENDPOINT_FIELDS,
+    EP_BREAKER,
+    EP_FAILURES,
+    EP_HEALTHY,
     G_DOC_LEN,
     G_DOC_VERSION,
-    H_BREAKER,
-    H_FAILURES,
-    H_HEALTHY,
-    HEALTH_FIELDS,
     MAX_SLOTS,
     MAX_WORKERS,
     SharedState,
@@ -235,13 +235,13 @@ class Registry:
         return out
 
     def _reset_slot(self, slot: int) -> None:
-        h = self.shared.health
-        base = slot * HEALTH_FIELDS
-        for k in range(HEALTH_FIELDS):
+        h = self.shared.endpoints
+        base = slot * ENDPOINT_FIELDS
+        for k in range(ENDPOINT_FIELDS):
             h[base + k] = 0.0
-        h[base + H_HEALTHY] = 1.0
-        h[base + H_BREAKER] = BREAKER_CLOSED
-        h[base + H_FAILURES] = 0
+        h[base + EP_HEALTHY] = 1.0
+        h[base + EP_BREAKER] = BREAKER_CLOSED
+        h[base + EP_FAILURES] = 0
 
 
 def _entry(inst: Instance, slots: list[int]) -> dict:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from config import Settings
 from errors import RateLimited, ServiceUnavailable
-from scheduling.shared import (
+from state.shared import (
     G_DRAINING,
     G_RATE_STAMP_US,
     G_RATE_TOKENS_MILLI,

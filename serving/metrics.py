@@ -26,10 +26,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
-from scheduling.shared import G_DRAINING, W_INFLIGHT, W_QUEUED, WORKER_FIELDS, worker_sum
 from scheduling.status import endpoint_status
 from serving.job import COUNT_TOKENS
 from serving.observe import FlushTimer, Observer, RequestRecord
+from state.shared import G_DRAINING, W_INFLIGHT, W_QUEUED, WORKER_FIELDS, worker_sum
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)

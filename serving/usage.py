@@ -15,7 +15,7 @@ import time
 import ujson
 
 from errors import dumps
-from scheduling.shared import PREFILL_USAGE_FIELDS, PREFILL_USAGE_SLOTS, SharedState
+from state.shared import PREFILL_USAGE_FIELDS, PREFILL_USAGE_SLOTS, SharedState
 
 
 def prefill_usage(p_response: dict) -> dict | None:

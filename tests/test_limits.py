@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from config import Settings
-from scheduling.shared import G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, SharedState
 from serving.admission import Admission
+from state.shared import G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, SharedState
 from tests.support import Coordinator, coordinator_config, free_port, instance, sse_events, wait_until
 
 MODEL, FLAKY, GONE = "lim", "lim-flaky", "lim-gone"
@@ -289,8 +289,8 @@ def test_health_check_verdict_per_kind_of_failure():
     from engines import EngineClient
     from scheduling.health import Health
     from scheduling.registry import Target
-    from scheduling.shared import SharedState
     from serving.background import Background
+    from state.shared import SharedState
 
     blackhole = socket.socket()
     blackhole.bind(("127.0.0.1", 0))
@@ -348,8 +348,8 @@ def test_a_health_check_that_fails_for_another_reason_marks_the_endpoint_unhealt
     from engines import EngineClient
     from scheduling.health import Health
     from scheduling.registry import Target
-    from scheduling.shared import SharedState
     from serving.background import Background
+    from state.shared import SharedState
 
     async def verdict() -> bool:
         settings = Settings(health_check_interval_s=0.2)

@@ -481,9 +481,9 @@ def test_metrics_reach_the_files_by_the_timer_without_a_scrape():
     from scheduling.health import Health
     from scheduling.ledger import Ledger
     from scheduling.registry import Registry
-    from scheduling.shared import SharedState
     from serving.metrics import REQUESTS, PrometheusObserver
     from serving.observe import RequestRecord
+    from state.shared import SharedState
 
     shared = SharedState.create()
     registry = Registry(shared)

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from scheduling.shared import PREFILL_USAGE_SLOTS, SharedState
 from serving.usage import PrefillUsages
+from state.shared import PREFILL_USAGE_SLOTS, SharedState
 from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
 

@@ -12,7 +12,7 @@ from config import Endpoint, Instance
 from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.registry import RefreshError, Registry
-from scheduling.shared import MAX_SLOTS, SharedState
+from state.shared import MAX_SLOTS, SharedState
 
 MODEL = "m"
 
@@ -98,12 +98,12 @@ def test_a_refused_set_leaves_every_health_row_as_it_was(world):
     dead = slot_of(registry, 2)
     health.set_healthy(dead, False)
     health.record_failure(dead)
-    before = list(registry.shared.health)
+    before = list(registry.shared.endpoints)
     # Instance 3 at instance 1's address: refused (409) after its slot was chosen, maybe one that 2 holds.
     with pytest.raises(RefreshError) as info:
         registry.apply("set", [inst(1), inst(3, port=10001)])
     assert info.value.status == 409
-    assert list(registry.shared.health) == before
+    assert list(registry.shared.endpoints) == before
     assert not health.is_healthy(dead) and health.breaker(dead) == "open"
     assert sorted(registry.view().instances) == [1, 2]
 

@@ -22,21 +22,21 @@ from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
 from scheduling.scheduler import LEARN_INTERVAL_S, Scheduler
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
-from scheduling.shared import (
+from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
+from state.shared import (
+    ENDPOINT_FIELDS,
+    EP_DC_N,
+    EP_ENGINE_ITL_S,
+    EP_ENGINE_TTFT_S,
+    EP_LAST_DONE,
+    EP_LATE_N,
+    EP_LATE_S,
+    EP_PF_N,
+    EP_QUEUE_SHIFT_S,
+    EP_QUEUE_UNTIL,
     ERROR_WINDOW,
-    H_DC_N,
-    H_ENGINE_ITL_S,
-    H_ENGINE_TTFT_S,
-    H_LAST_DONE,
-    H_LATE_N,
-    H_LATE_S,
-    H_PF_N,
-    H_QUEUE_SHIFT_S,
-    H_QUEUE_UNTIL,
-    HEALTH_FIELDS,
     SharedState,
 )
-from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
 
 MODEL = "m"
 BLOCK = 16
@@ -341,16 +341,16 @@ def test_allowance_is_the_exact_percentile_of_the_window():
     for step in range(5000):
         slot = rng.choice((0, 3))
         error = rng.choice((rng.gauss(0, 1), round(rng.gauss(0, 1), 1), 0.0))
-        base = slot * HEALTH_FIELDS
-        pred._track(slot, 0, base + H_LATE_S, base + H_LATE_N, error)
+        base = slot * ENDPOINT_FIELDS
+        pred._track(slot, 0, base + EP_LATE_S, base + EP_LATE_N, error)
         window = (seen[slot] + [error])[-ERROR_WINDOW:]
         seen[slot] = window
-        assert pred.h[base + H_LATE_S] == sorted(window)[math.ceil(0.95 * len(window)) - 1], step
+        assert pred.h[base + EP_LATE_S] == sorted(window)[math.ceil(0.95 * len(window)) - 1], step
 
 
 def test_engine_itl_stands_in_for_an_unknown_decode_model():
     world = World()
-    world.health.put(5, H_ENGINE_ITL_S, 0.04)
+    world.health.put(5, EP_ENGINE_ITL_S, 0.04)
     assert world.predictor.decode_known(5) and world.predictor.step_s(5, 3) == 0.04
 
 
@@ -579,7 +579,7 @@ def test_scheduler_leases_feed_the_model_and_the_index():
     lease.succeed(engine_uncached={"prompt_tokens": 640}["prompt_tokens"])
     lease.release()
     assert w.index.cached_blocks(info.block_hashes, p) == 40
-    assert w.shared.health  # the model saw one sample
+    assert w.shared.endpoints  # the model saw one sample
     dl = sched.lease(sched.registry.view().pool(MODEL, "decode")[0], info, DECODE)
     dl.first_token()
     dl.events = 20
@@ -597,14 +597,14 @@ def test_a_worker_fits_at_most_one_request_per_slot_per_learn_interval_but_every
         assert sched.learn_interval_s == LEARN_INTERVAL_S
         sched.learn_interval_s = interval_s
         p = sched.registry.view().pool(MODEL, "prefill")[0]
-        h, base = w.shared.health, p.slot * HEALTH_FIELDS
+        h, base = w.shared.endpoints, p.slot * ENDPOINT_FIELDS
         seen = []
         for _ in range(n):
             lease = sched.lease(p, job(640), PREFILL)
             lease.succeed(640)
             time.sleep(0.001)  # later than predicted (nothing is learned yet): the queue is corrected
             lease.release()
-            seen.append((h[base + H_PF_N], h[base + H_QUEUE_SHIFT_S], h[base + H_LAST_DONE] == lease.ended))
+            seen.append((h[base + EP_PF_N], h[base + EP_QUEUE_SHIFT_S], h[base + EP_LAST_DONE] == lease.ended))
         return seen
 
     sampled = prefills(60.0, 3)
@@ -621,26 +621,26 @@ def test_a_json_answer_records_its_prefix_and_settles_the_queue_only_when_early(
     sched = Scheduler(Registry(w.shared), w.ledger, w.health, w.policy)
     u = target(0, "union")
     teach_prefill(w.predictor, 0, 1000.0)  # 640 tokens: 0.65 s predicted
-    h, base = w.shared.health, 0
-    fitted, last_done = h[base + H_PF_N], h[base + H_LAST_DONE]
+    h, base = w.shared.endpoints, 0
+    fitted, last_done = h[base + EP_PF_N], h[base + EP_LAST_DONE]
 
     info = job(640, hashes=chained_hashes(b"q" * 64 * 40, 64))
     early = sched.lease(u, info, WHOLE, learn=False)
     behind = queue_work(w, 0, 640)  # queued behind it: its predicted finish moves up too
-    queue_end = h[base + H_QUEUE_UNTIL]
+    queue_end = h[base + EP_QUEUE_UNTIL]
     early.succeed()
     early.release()  # answered well before its predicted prefill finish
-    moved = queue_end - h[base + H_QUEUE_UNTIL]
+    moved = queue_end - h[base + EP_QUEUE_UNTIL]
     assert moved == pytest.approx(early.predicted - early.ended, abs=1e-6) and moved > 0.5
     assert w.index.cached_blocks(info.block_hashes, 0) == 40
-    assert (h[base + H_PF_N], h[base + H_LAST_DONE]) == (fitted, last_done)  # no sample, no completion time
+    assert (h[base + EP_PF_N], h[base + EP_LAST_DONE]) == (fitted, last_done)  # no sample, no completion time
 
     late = sched.lease(u, job(640), WHOLE, learn=False)
     late.predicted = late.started - 1.0  # as if predicted to finish a second ago: the answer says nothing
-    queue_end = h[base + H_QUEUE_UNTIL]
+    queue_end = h[base + EP_QUEUE_UNTIL]
     late.succeed()
     late.release()
-    assert h[base + H_QUEUE_UNTIL] == queue_end
+    assert h[base + EP_QUEUE_UNTIL] == queue_end
     behind.release()
 
 
@@ -664,7 +664,7 @@ def test_decode_samples_are_chosen_at_the_start_and_only_learnable_leases_use_th
     sched, w = scheduler("slo_aware", "off")
     sched.learn_interval_s = 60.0
     d = sched.registry.view().pool(MODEL, "decode")[0]
-    h, base = w.shared.health, d.slot * HEALTH_FIELDS
+    h, base = w.shared.endpoints, d.slot * ENDPOINT_FIELDS
 
     def decode(learn: bool):
         lease = sched.lease(d, job(640), DECODE, learn=learn)
@@ -678,11 +678,11 @@ def test_decode_samples_are_chosen_at_the_start_and_only_learnable_leases_use_th
     first, second = decode(learn=True), decode(learn=True)  # second starts within the interval: no sample
     assert (json_answer.sample, first.sample, second.sample) == (False, True, False)
     second.release()  # finishing first does not make it the sample
-    assert h[base + H_DC_N] == 0.0
+    assert h[base + EP_DC_N] == 0.0
     first.release()
-    assert h[base + H_DC_N] == 1.0
+    assert h[base + EP_DC_N] == 1.0
     json_answer.release()
-    assert h[base + H_DC_N] == 1.0
+    assert h[base + EP_DC_N] == 1.0
 
 
 def test_reject_admission_refuses_a_plan_over_budget():
@@ -744,7 +744,7 @@ def test_idle_engines_are_never_refused_a_request_they_can_serve():
     p, d = slots(sched)
     teach_prefill(w.predictor, p, 1000.0)
     teach_decode(w.predictor, d, 0.02, 0.005)
-    w.health.put(p, H_LATE_S, 5.0)  # a bad moment left a 5 s allowance for prefill errors
+    w.health.put(p, EP_LATE_S, 5.0)  # a bad moment left a 5 s allowance for prefill errors
     assert w.predictor.allowance_s(p) == 5.0
     plan = asyncio.run(admit(sched, job(500, ttft_ms=3000)))  # 0.5 s expected: served, and learned from
     assert plan.prefill.slot == p
@@ -786,13 +786,13 @@ def test_scrape_keeps_gauges_and_interval_means():
     scrapes.update(
         4, parse_engine_metrics(METRICS.format(running=3, ttft_sum=10.0, ttft_count=10, itl_sum=1.0, itl_count=100))
     )
-    assert health.engine_load(4) == (3.0, 2.0, 0.25) and health.get(4, H_ENGINE_TTFT_S) == 0.0
+    assert health.engine_load(4) == (3.0, 2.0, 0.25) and health.get(4, EP_ENGINE_TTFT_S) == 0.0
     scrapes.update(
         4, parse_engine_metrics(METRICS.format(running=5, ttft_sum=16.0, ttft_count=12, itl_sum=5.0, itl_count=200))
     )
-    assert health.get(4, H_ENGINE_TTFT_S) == pytest.approx(3.0)  # 6 s over 2 requests in the interval
-    assert health.get(4, H_ENGINE_ITL_S) == pytest.approx(0.04)
+    assert health.get(4, EP_ENGINE_TTFT_S) == pytest.approx(3.0)  # 6 s over 2 requests in the interval
+    assert health.get(4, EP_ENGINE_ITL_S) == pytest.approx(0.04)
     scrapes.update(
         4, parse_engine_metrics(METRICS.format(running=0, ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0))
     )
-    assert health.get(4, H_ENGINE_ITL_S) == pytest.approx(0.04)  # an engine restart is not a sample
+    assert health.get(4, EP_ENGINE_ITL_S) == pytest.approx(0.04)  # an engine restart is not a sample

@@ -1,7 +1,7 @@
 """A worker process that dies or is stopped on its own, and a stop signal during start-up.
 
 Each test runs `python app.py` with several Sanic workers (tests/support.py) and acts on one worker process
-with a real signal. The main process's supervisor (serving/supervisor.py) must give back what a dead worker
+with a real signal. The main process's supervisor (workers/supervisor.py) must give back what a dead worker
 held in shared memory, restart it (under the same name, so worker 0 resumes health checks), and only a
 stop of the whole Coordinator may put it in draining.
 """
@@ -21,9 +21,9 @@ from contextlib import contextmanager
 
 import httpx
 
-from serving.supervisor import STOP_GRACE_S
 from tests.conftest import MODEL
 from tests.support import ROOT, Coordinator, coordinator_config, instance, wait_until
+from workers.supervisor import STOP_GRACE_S
 
 
 def chat(coord, max_tokens: int = 2, **extra) -> httpx.Response:
@@ -340,7 +340,7 @@ def test_the_shared_lock_a_dead_worker_held_is_released():
     a lock that is free or only briefly taken is left alone."""
     import multiprocessing
 
-    from scheduling.shared import SharedState
+    from state.shared import SharedState
 
     shared = SharedState.create()
     assert not shared.release_if_stuck(0.1)  # free: left alone
@@ -394,8 +394,8 @@ def test_the_supervisor_releases_the_lock_only_of_a_worker_killed_by_a_signal():
 
     from sanic.worker.constants import ProcessState
 
-    from scheduling.shared import SharedState
-    from serving.supervisor import Supervisor
+    from state.shared import SharedState
+    from workers.supervisor import Supervisor
 
     shared = SharedState.create()
     taker = multiprocessing.get_context("spawn").Process(target=_take_the_lock_and_be_killed, args=(shared,))
@@ -425,7 +425,7 @@ def _watched_workers(ages_s: tuple[float, ...]):
     with the shared state and the manager a Supervisor watches them through."""
     from sanic.worker.constants import ProcessState
 
-    from scheduling.shared import W_HEARTBEAT_MS, WORKER_FIELDS, SharedState
+    from state.shared import W_HEARTBEAT_MS, WORKER_FIELDS, SharedState
 
     shared = SharedState.create()
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in ages_s]
@@ -447,7 +447,7 @@ def test_the_watchdog_kills_the_stalest_silent_worker_one_at_a_time():
     were blocked have had a heartbeat's time."""
     from sanic.worker.constants import ProcessState
 
-    from serving.supervisor import Supervisor
+    from workers.supervisor import Supervisor
 
     with _watched_workers((12, 20, 0.5)) as (shared, manager, sleepers):  # silent 12 s, silent 20 s, beating
         processes = manager.transient_processes
@@ -475,7 +475,7 @@ def test_the_watchdog_kills_the_stalest_silent_worker_one_at_a_time():
 
 def test_the_watchdog_picks_one_of_two_workers_silent_since_the_same_moment():
     """Heartbeats written in the same millisecond: the choice must not compare the processes themselves."""
-    from serving.supervisor import Supervisor
+    from workers.supervisor import Supervisor
 
     with _watched_workers((20, 20)) as (shared, manager, sleepers):
         Supervisor(manager, shared, watchdog_timeout_s=10)._check()

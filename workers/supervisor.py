@@ -47,7 +47,7 @@ import time
 import weakref
 from typing import Any
 
-from scheduling.shared import G_DRAINING, W_HEARTBEAT_MS, WORKER_FIELDS, SharedState, worker_index
+from state.shared import G_DRAINING, W_HEARTBEAT_MS, WORKER_FIELDS, SharedState, worker_index
 
 log = logging.getLogger("coordinator.supervisor")
 

@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
 
-from scheduling.shared import MAX_SLOTS
+from state.shared import MAX_SLOTS
 
 log = logging.getLogger("coordinator.config")
 

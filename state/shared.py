@@ -1,10 +1,11 @@
-"""Cross-worker state in shared memory: the instance document, the load ledger and per-slot health.
+"""Cross-worker state in shared memory: the instance document, the load ledger and the per-endpoint table.
 
 Everything here is made once, in the main process (Sanic's `main_process_start`), and handed to every
 worker through `app.shared_ctx`; in a single process the same raw arrays work on ordinary memory.
 Every schedulable endpoint of every instance owns a *slot*: a column in the ledger and a row in the
-health table. Writers that need no lock: a worker writes only its own ledger row; health rows are
-written by the health checker and by breaker updates (single float stores, torn reads impossible).
+endpoint table. Writers that need no lock: a worker writes only its own ledger row; endpoint rows are
+written by the health checker, breaker updates, the metrics scraper and the predictor (single float stores,
+torn reads impossible; the predictor's multi-field updates take `lock`).
 """
 
 from __future__ import annotations
@@ -23,44 +24,46 @@ DOC_BYTES = 1 << 20
 # prefill is still running (their decode leg will join that engine's batch soon).
 L_REQUESTS, L_PROMPT_TOKENS, L_DECODE_TOKENS, L_PREFILLING, L_HELD = range(5)
 LEDGER_FIELDS = 5
+LEDGER_ROW = MAX_SLOTS * LEDGER_FIELDS  # one worker's ledger row: a group of counters per slot
 
-# Health table fields, one row per slot.
+# Endpoint table fields, one row per slot: health and breaker state, the engine's scraped load, and the
+# predictor's learned model of that endpoint.
 (
-    H_HEALTHY,  # 1.0 healthy, 0.0 unhealthy (active check or breaker decided)
-    H_BREAKER,  # 0 closed, 1 open, 2 half-open (one probe allowed)
-    H_OPEN_UNTIL,  # wall-clock time until which an open breaker rejects
-    H_FAILURES,  # consecutive failures
-    H_RUNNING,  # engine's vllm:num_requests_running
-    H_WAITING,  # engine's vllm:num_requests_waiting
-    H_KV_USAGE,  # engine's vllm:kv_cache_usage_perc (0..1)
-    H_SCRAPED_AT,  # when the metrics above were read
+    EP_HEALTHY,  # 1.0 healthy, 0.0 unhealthy (active check or breaker decided)
+    EP_BREAKER,  # 0 closed, 1 open, 2 half-open (one probe allowed)
+    EP_OPEN_UNTIL,  # wall-clock time until which an open breaker rejects
+    EP_FAILURES,  # consecutive failures
+    EP_RUNNING,  # engine's vllm:num_requests_running
+    EP_WAITING,  # engine's vllm:num_requests_waiting
+    EP_KV_USAGE,  # engine's vllm:kv_cache_usage_perc (0..1)
+    EP_SCRAPED_AT,  # when the metrics above were read
     # The learned model of this endpoint (scheduling/predict.py); 0 = not learned yet. Slot reuse clears it.
-    H_PREFILL_TPS,  # uncached prompt tokens prefilled per second
-    H_DECODE_STEP_S,  # seconds per decode step with an empty batch (intercept)
-    H_DECODE_PER_SEQ_S,  # extra seconds per decode step per running sequence (slope)
-    H_QUEUE_DELAY_S,  # decode leg: wait from its start to its first step (KV pull, engine admission)
-    H_PREFILL_BASE_S,  # fixed seconds per prefill (HTTP, one step), on top of tokens / H_PREFILL_TPS
-    H_QUEUE_UNTIL,  # virtual time (time.monotonic) when the prefill work sent so far should be done
-    H_QUEUE_SHIFT_S,  # sum of corrections applied to H_QUEUE_UNTIL from observed completions
-    H_LAST_DONE,  # time (monotonic) of the last observed prefill completion
-    H_PF_N,
-    H_PF_SX,
-    H_PF_SY,
-    H_PF_SXX,
-    H_PF_SXY,  # decayed sums: prefill seconds vs uncached tokens
-    H_DC_N,
-    H_DC_SX,
-    H_DC_SY,
-    H_DC_SXX,
-    H_DC_SXY,  # decayed sums: seconds per token vs batch size
-    H_ENGINE_TTFT_S,  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
-    H_ENGINE_ITL_S,  # engine's mean inter-token latency over the last scrape interval
-    H_LATE_S,  # 95th percentile of the last ERROR_WINDOW prefill errors (observed - predicted finish)
-    H_LATE_N,  # prefill errors recorded so far (the next one goes to ring position n % ERROR_WINDOW)
-    H_TPOT_LATE_S,  # 95th percentile of the last ERROR_WINDOW TPOT errors (observed - predicted at planning)
-    H_TPOT_N,  # TPOT errors recorded so far
+    EP_PREFILL_TPS,  # uncached prompt tokens prefilled per second
+    EP_DECODE_STEP_S,  # seconds per decode step with an empty batch (intercept)
+    EP_DECODE_PER_SEQ_S,  # extra seconds per decode step per running sequence (slope)
+    EP_QUEUE_DELAY_S,  # decode leg: wait from its start to its first step (KV pull, engine admission)
+    EP_PREFILL_BASE_S,  # fixed seconds per prefill (HTTP, one step), on top of tokens / EP_PREFILL_TPS
+    EP_QUEUE_UNTIL,  # virtual time (time.monotonic) when the prefill work sent so far should be done
+    EP_QUEUE_SHIFT_S,  # sum of corrections applied to EP_QUEUE_UNTIL from observed completions
+    EP_LAST_DONE,  # time (monotonic) of the last observed prefill completion
+    EP_PF_N,
+    EP_PF_SX,
+    EP_PF_SY,
+    EP_PF_SXX,
+    EP_PF_SXY,  # decayed sums: prefill seconds vs uncached tokens
+    EP_DC_N,
+    EP_DC_SX,
+    EP_DC_SY,
+    EP_DC_SXX,
+    EP_DC_SXY,  # decayed sums: seconds per token vs batch size
+    EP_ENGINE_TTFT_S,  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
+    EP_ENGINE_ITL_S,  # engine's mean inter-token latency over the last scrape interval
+    EP_LATE_S,  # 95th percentile of the last ERROR_WINDOW prefill errors (observed - predicted finish)
+    EP_LATE_N,  # prefill errors recorded so far (the next one goes to ring position n % ERROR_WINDOW)
+    EP_TPOT_LATE_S,  # 95th percentile of the last ERROR_WINDOW TPOT errors (observed - predicted at planning)
+    EP_TPOT_N,  # TPOT errors recorded so far
 ) = range(32)
-HEALTH_FIELDS = 32
+ENDPOINT_FIELDS = 32
 
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 
@@ -73,7 +76,7 @@ GLOBAL_FIELDS = 16
 
 # Per-worker rows, one per Sanic worker index: admission counters and the heartbeat. Each worker writes only
 # its own row, the caps sum the rows, and the main process zeroes the row of a worker that died (nothing
-# else writes it) and watches the heartbeats (serving/supervisor.py).
+# else writes it) and watches the heartbeats (workers/supervisor.py).
 W_INFLIGHT = 0  # requests admitted and being served (serving/admission.py)
 W_QUEUED = 1  # requests waiting in this worker's SLO admission queue (scheduling/admission.py)
 W_HEARTBEAT_MS = 2  # when the worker's event loop last ran its heartbeat (CLOCK_MONOTONIC ms; 0: not yet)
@@ -91,7 +94,7 @@ PREFILL_USAGE_SLOTS = 1024
 PREFILL_USAGE_FIELDS = 4
 
 # The learned model's recent prediction errors (scheduling/predict.py): per slot, a ring of prefill-finish
-# errors, then a ring of TPOT errors. The counts in the health table say how many entries are valid, so
+# errors, then a ring of TPOT errors. The counts in the endpoint table say how many entries are valid, so
 # a reused slot (counts cleared) ignores what its previous engine left.
 ERROR_WINDOW = 40
 
@@ -102,11 +105,11 @@ class SharedState:
 
     doc: Any  # RawArray of bytes: the JSON instance document
     ledger: Any  # RawArray int64 [MAX_WORKERS * MAX_SLOTS * LEDGER_FIELDS]
-    health: Any  # RawArray double [MAX_SLOTS * HEALTH_FIELDS]
+    endpoints: Any  # RawArray double [MAX_SLOTS * ENDPOINT_FIELDS]: health, scraped load, learned model
     globals: Any  # RawArray int64 [GLOBAL_FIELDS]
     lock: Any  # a multiprocessing lock for the rare writes (instance refresh, rate limit bucket, learned model)
     prefix: Any = None  # RawArray uint64 [PREFIX_ENTRIES * PREFIX_FIELDS]
-    errors: Any = None  # RawArray double [MAX_SLOTS * 2 * ERROR_WINDOW]
+    prediction_errors: Any = None  # RawArray double [MAX_SLOTS * 2 * ERROR_WINDOW]: the predictor's error rings
     workers: Any = None  # RawArray int64 [MAX_WORKERS * WORKER_FIELDS]: per-worker admission counters
     prefill_usage: Any = None  # RawArray int64 [MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS]
 
@@ -116,11 +119,11 @@ class SharedState:
         return cls(
             doc=ctx.RawArray(ctypes.c_char, DOC_BYTES),
             ledger=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * MAX_SLOTS * LEDGER_FIELDS),
-            health=ctx.RawArray(ctypes.c_double, MAX_SLOTS * HEALTH_FIELDS),
+            endpoints=ctx.RawArray(ctypes.c_double, MAX_SLOTS * ENDPOINT_FIELDS),
             globals=ctx.RawArray(ctypes.c_int64, GLOBAL_FIELDS),
             lock=ctx.Lock(),
             prefix=ctx.RawArray(ctypes.c_uint64, PREFIX_ENTRIES * PREFIX_FIELDS),
-            errors=ctx.RawArray(ctypes.c_double, MAX_SLOTS * 2 * ERROR_WINDOW),
+            prediction_errors=ctx.RawArray(ctypes.c_double, MAX_SLOTS * 2 * ERROR_WINDOW),
             workers=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * WORKER_FIELDS),
             prefill_usage=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS),
         )
@@ -158,9 +161,7 @@ class SharedState:
     def clear_worker(self, worker: int) -> None:
         """Zero what worker `worker` holds: its ledger row and its admission counters. Safe only while that
         worker does not run (it alone writes them): at its start, or in the main process after it died."""
-        from scheduling.ledger import ROW
-
-        ctypes.memset(ctypes.addressof(self.ledger) + worker * ROW * 8, 0, ROW * 8)
+        ctypes.memset(ctypes.addressof(self.ledger) + worker * LEDGER_ROW * 8, 0, LEDGER_ROW * 8)
         if self.workers is not None:
             ctypes.memset(ctypes.addressof(self.workers) + worker * WORKER_FIELDS * 8, 0, WORKER_FIELDS * 8)
 
@@ -173,7 +174,7 @@ def worker_sum(arr: Any, rows: range, field: int) -> int:
     return total
 
 
-_FIELDS = ("doc", "ledger", "health", "globals", "lock", "prefix", "errors", "workers", "prefill_usage")
+_FIELDS = ("doc", "ledger", "endpoints", "globals", "lock", "prefix", "prediction_errors", "workers", "prefill_usage")
 
 
 def worker_index(name: str | None = None) -> int:
