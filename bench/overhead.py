@@ -40,17 +40,23 @@ import http.client
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from harness import processes  # noqa: E402
+from harness.bodies import chat_body  # noqa: E402
+from harness.configs import api_config, instance  # noqa: E402
+from harness.loopback import free_port  # noqa: E402
+from harness.processes import tree  # noqa: E402
+
 OUT = os.path.join(HERE, "out")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -70,10 +76,7 @@ REFERENCE_US = {
 
 
 def body(model: str, stream: bool, **extra) -> str:
-    b = {"model": model, "messages": MESSAGES, "max_tokens": 16, **extra}
-    if stream:
-        b["stream"] = True
-        b["stream_options"] = {"include_usage": True}
+    b = chat_body(model, stream, 16, MESSAGES[0]["content"], usage=True, **extra)
     return json.dumps(b, separators=(",", ":"))
 
 
@@ -103,12 +106,6 @@ def python_version(python: str) -> str:
     return out.stdout.strip()
 
 
-def free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 NICE = 0  # --nice: the niceness of everything the bench starts (negative needs root)
 
 
@@ -128,25 +125,6 @@ def pinned(cores: str | None, args: list[str]) -> list[str]:
     if cores and shutil.which("taskset"):
         args = ["taskset", "-c", cores, *args]
     return ["nice", "-n", str(NICE), *args] if NICE else args
-
-
-def tree(root: int) -> list[int]:
-    """`root` and all its live descendants."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, ()))
-    return out
 
 
 def cpu_seconds(root: int) -> float:
@@ -174,14 +152,6 @@ def peak_rss_mb(pids: list[int]) -> list[float]:
     return out
 
 
-def environ(pid: int) -> list[bytes]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read().split(b"\0")
-    except OSError:
-        return []
-
-
 def wait_http(port: int, path: str, timeout_s: float, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -197,32 +167,12 @@ def wait_http(port: int, path: str, timeout_s: float, proc: subprocess.Popen) ->
     raise RuntimeError(f"nothing answered 200 on 127.0.0.1:{port}{path} within {timeout_s:.0f}s")
 
 
-class Proc:
-    """A child process in its own session, stopped with SIGTERM then SIGKILL of its process group."""
+class Proc(processes.Proc):
+    """harness's child process (own session, log file, SIGTERM then SIGKILL), in the bench's autogroup niceness."""
 
     def __init__(self, args: list[str], log_path: str, env: dict | None = None):
-        self.log_path = log_path
-        self.log = open(log_path, "wb")  # noqa: SIM115 (closed by stop())
-        self.proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.pid = self.proc.pid
+        super().__init__(args, log_path, env=env)
         set_autogroup_nice(self.pid)
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        self.log.close()
 
 
 def build_fake(workdir: str) -> str:
@@ -403,32 +353,19 @@ class Coordinator(Gateway):
         self.label = f"Coordinator, {workers} worker{'s' if workers > 1 else ''}, log {log_level}"
         if python_label:
             self.label += f", {python_label}"
-        self.infer_port, mgmt = free_port(), free_port()
-
-        def inst(iid: int, role: str, model: str, port: int) -> dict:
-            return {
-                "id": iid,
-                "role": role,
-                "model_name": model,
-                "endpoints": [{"id": 0, "address": f"127.0.0.1:{port}"}],
-            }
-
+        api = api_config()
+        self.infer_port, mgmt = api["coordinator_api_infer_port"], api["coordinator_api_mgmt_port"]
         config = {
             "motor_coordinator_config": {
-                "api_config": {
-                    "coordinator_api_host": "127.0.0.1",
-                    "coordinator_api_infer_port": self.infer_port,
-                    "coordinator_api_mgmt_port": mgmt,
-                    "coordinator_obs_port": free_port(),
-                },
+                "api_config": api,
                 "inference_workers_config": {"num_workers": workers},
                 "log_config": {"log_level": log_level},
                 "shutdown_config": {"drain_timeout": 2},
                 "models": [{"id": "bench"}, {"id": "bench-pd"}],
                 "instances": [
-                    inst(1, "union", "bench", engines.union),
-                    inst(2, "prefill", "bench-pd", engines.prefill),
-                    inst(3, "decode", "bench-pd", engines.decode),
+                    instance(1, "union", "bench", f"127.0.0.1:{engines.union}"),
+                    instance(2, "prefill", "bench-pd", f"127.0.0.1:{engines.prefill}"),
+                    instance(3, "decode", "bench-pd", f"127.0.0.1:{engines.decode}"),
                 ],
             }
         }
@@ -442,7 +379,7 @@ class Coordinator(Gateway):
         )
         self.log_offset = 0
         try:
-            wait_http(mgmt, "/readiness", start_timeout_s, self.proc.proc)
+            wait_http(mgmt, "/readiness", start_timeout_s, self.proc)
             # Every worker must be serving before a SIGTERM is safe (sanic #2997) and before timing starts.
             deadline = time.monotonic() + start_timeout_s
             while len(self.worker_pids()) < workers and time.monotonic() < deadline:
@@ -460,9 +397,7 @@ class Coordinator(Gateway):
 
     def worker_pids(self) -> list[int]:
         """Sanic's server workers (started with SANIC_WORKER_NAME=Sanic-Server-*), not its other helpers."""
-        return [
-            p for p in tree(self.proc.pid) if any(v.startswith(b"SANIC_WORKER_NAME=Sanic-Server") for v in environ(p))
-        ]
+        return [p for p in tree(self.proc.pid) if processes.sanic_server_name(p)]
 
     def log_statuses(self) -> dict[str, int]:
         with open(self.proc.log_path, "rb") as f:
@@ -527,8 +462,8 @@ class VllmRouter(Gateway):
         self.mode = mode
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # ready when a real request goes through
-            if self.proc.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.proc.proc.returncode}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}")
             try:
                 if request(self.router_port, "POST", "/v1/chat/completions", self.body(cell), timeout_s=2)[0] == 200:
                     return
@@ -565,7 +500,7 @@ class OneProcessGateway(Gateway):
     ) -> None:
         self.proc = Proc(pinned(cores, args), log_path, env=env)
         try:
-            wait_http(self.gw_port, ready_path, timeout_s, self.proc.proc)
+            wait_http(self.gw_port, ready_path, timeout_s, self.proc)
         except Exception:
             self.stop()
             raise

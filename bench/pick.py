@@ -17,8 +17,8 @@ words; long: 10 messages of 200 words, about 2,400 estimated prompt tokens), it 
             a decode hold, the prefill lease, the decode lease (a union engine: one whole lease)
 
 Before timing, the cluster is made to look like one in service. The learned model knows every engine
-(prefill and decode timings fed to it long ago, as tests/test_scheduling.py teaches it; engines of four
-speeds), so slo_aware predicts instead of exploring. The prefix index holds both prompts on the last
+(prefill and decode timings fed to it long ago by harness/predictor.py; engines of
+four speeds), so slo_aware predicts instead of exploring. The prefix index holds both prompts on the last
 prefill (or union) engine, so the affinity policies find a cached prefix. The first half of every pool
 has 1-3 requests in flight (open leases, decode holds, scraped engine gauges), so the load-aware policies
 compare unequal engines. The benchmark's own leases are released without `succeed()`, as after an error,
@@ -56,6 +56,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from config import SCHEDULER_TYPES, Endpoint, Instance, ModelConfig, Settings  # noqa: E402
+from harness.bodies import WORDS  # noqa: E402
+from harness.predictor import teach_decode, teach_prefill  # noqa: E402
 from scheduling.health import Health  # noqa: E402
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Ledger  # noqa: E402
 from scheduling.policies import JobInfo  # noqa: E402
@@ -63,9 +65,6 @@ from scheduling.registry import Registry, Target  # noqa: E402
 from scheduling.scheduler import Plan, Scheduler, build_scheduler  # noqa: E402
 from scheduling.tokens import CHAT  # noqa: E402
 from state.shared import SharedState  # noqa: E402
-
-# The learned model is warmed with the unit tests' history replays (needs requirements-test.txt's pytest).
-from tests.test_scheduling import teach_decode, teach_prefill  # noqa: E402
 
 MODEL = ModelConfig("bench", slo_ttft_ms=2000, slo_tpot_ms=50)
 BASE_PORT = 20000  # instance k listens (never) at 127.0.0.1:BASE_PORT+k
@@ -90,75 +89,6 @@ CLUSTERS = (
     Cluster("1U", union=1),
     Cluster("8U", union=8),
 )
-
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "that",
-    "it",
-    "for",
-    "on",
-    "with",
-    "as",
-    "was",
-    "at",
-    "by",
-    "an",
-    "be",
-    "this",
-    "from",
-    "or",
-    "have",
-    "are",
-    "not",
-    "but",
-    "had",
-    "his",
-    "they",
-    "you",
-    "were",
-    "her",
-    "she",
-    "which",
-    "one",
-    "all",
-    "their",
-    "there",
-    "we",
-    "can",
-    "has",
-    "been",
-    "if",
-    "more",
-    "when",
-    "will",
-    "would",
-    "who",
-    "so",
-    "no",
-    "model",
-    "token",
-    "engine",
-    "cache",
-    "prefill",
-    "decode",
-    "stream",
-    "batch",
-    "queue",
-    "block",
-    "latency",
-    "river",
-    "stone",
-    "cloud",
-    "light",
-    "garden",
-    "paper",
-    "window",
-]
 
 
 def words(n: int, offset: int) -> str:

@@ -3,7 +3,7 @@
     python bench/scheduling.py [--speedup 5] [--requests 120] [--seed 7] [--runs policy:admission,...]
 
 Each policy gets its own copy of the cluster: four engine_sim processes (two prefill, two decode; one
-of each twice as slow) behind the real Coordinator (`python app.py`, tests/support.py). All copies
+of each twice as slow) behind the real Coordinator (`python app.py`, harness/coordinator.py). All copies
 start first; the client then sends the same requests to each in turn, load level by load level (an
 unmeasured warm-up at 50 %, then Poisson arrivals at 70 %, 100 % and 130 % of capacity), so slow
 moments of a shared machine fall on every policy alike. Requests are streamed chat completions; the
@@ -47,78 +47,13 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from harness.bodies import WORDS  # noqa: E402
+from harness.configs import coordinator_config, instance  # noqa: E402
+from harness.coordinator import Coordinator  # noqa: E402
+
 MODEL = "bench"
 SLO_TTFT_MS = 8000.0  # cluster time
 SLO_TPOT_MS = 100.0
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "that",
-    "it",
-    "for",
-    "on",
-    "with",
-    "as",
-    "was",
-    "at",
-    "by",
-    "an",
-    "be",
-    "this",
-    "from",
-    "or",
-    "have",
-    "are",
-    "not",
-    "but",
-    "had",
-    "his",
-    "they",
-    "you",
-    "were",
-    "her",
-    "she",
-    "which",
-    "one",
-    "all",
-    "their",
-    "there",
-    "we",
-    "can",
-    "has",
-    "been",
-    "if",
-    "more",
-    "when",
-    "will",
-    "would",
-    "who",
-    "so",
-    "no",
-    "model",
-    "token",
-    "engine",
-    "cache",
-    "prefill",
-    "decode",
-    "stream",
-    "batch",
-    "queue",
-    "block",
-    "latency",
-    "river",
-    "stone",
-    "cloud",
-    "light",
-    "garden",
-    "paper",
-    "window",
-]
-
 # The simulated cluster, in cluster time: (role, uncached prefill tokens/s, decode step ms, ms per sequence).
 ENGINES = (
     ("prefill", 800.0, 5.0, 0.5),
@@ -272,12 +207,6 @@ def serve_sim(config_json: str) -> None:
 
 class Cluster:
     def __init__(self, policy: str, admission: str, speedup: float):
-        from tests.support import Coordinator, coordinator_config, instance
-
-        class SlowStartCoordinator(Coordinator):
-            def wait_ready(self, timeout_s: float = 180.0) -> None:  # a busy machine starts workers slowly
-                super().wait_ready(timeout_s)
-
         self.policy, self.admission = policy, admission
         self.sims, self.engines, instances = [], [], []
         for i, (role, rate, step_ms, per_seq_ms) in enumerate(ENGINES, start=1):
@@ -308,7 +237,7 @@ class Cluster:
             scheduler_config={"scheduler_type": policy, "admission": admission, "metrics_scrape_interval": 0.5},
             exception_config={"retry_delay": 0.01, "max_retry": 1},
         )
-        self.coordinator = SlowStartCoordinator(cfg)
+        self.coordinator = Coordinator(cfg, ready_timeout_s=180.0)  # a busy machine starts workers slowly
         self.url = self.coordinator.url + "/v1/chat/completions"
 
     def stop(self) -> None:

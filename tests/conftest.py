@@ -10,7 +10,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine_sim import SimConfig, launch
-from tests.support import Coordinator, coordinator_config, instance
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
 
 MODEL = "qwen3"
 

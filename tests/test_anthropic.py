@@ -18,6 +18,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from harness.clients import anthropic_client as sdk, async_anthropic_client as async_sdk
 from serving.legs import PREFILL_TICKET
 from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, free_port, instance, wait_until
@@ -33,16 +34,6 @@ WEATHER_TOOL = {
 }
 # One pixel PNG: image blocks must reach the engine untouched.
 PIXEL = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
-
-
-def sdk(coord, **kw) -> anthropic.Anthropic:
-    kw.setdefault("api_key", "unused")
-    return anthropic.Anthropic(base_url=coord.url, max_retries=0, timeout=30, **kw)
-
-
-def async_sdk(coord, **kw) -> anthropic.AsyncAnthropic:
-    kw.setdefault("api_key", "unused")
-    return anthropic.AsyncAnthropic(base_url=coord.url, max_retries=0, timeout=30, **kw)
 
 
 def sse(raw: str) -> list[tuple[str, dict]]:

@@ -1389,16 +1389,6 @@ def test_missing_sections_take_defaults_but_coordinator_section_is_required():
 # --------------------------------------------------------------------------- end to end (needs app.py)
 
 
-def _free_ports(n: int) -> list:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def test_coordinator_starts_on_rendered_config_with_loopback_addresses(sims):
     """The rendered user_config.json, engines swapped for simulators on loopback, serves a PD request."""
     import httpx

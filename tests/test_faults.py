@@ -8,6 +8,7 @@ the next request succeeds.
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
 import socket
@@ -20,6 +21,8 @@ import httpx
 import openai
 import pytest
 
+from harness import bodies
+from harness.ledger import ledger, ledger_is_zero
 from serving.dispatch import MAX_OUTPUT_BUDGET
 from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
@@ -77,17 +80,8 @@ def model_of(where: str) -> str:
     return UNION if where == "union" else PD
 
 
-def chat_body(model: str, stream: bool, max_tokens: int = 8, content: str = "hello there", **extra) -> dict:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        **extra,
-    }
-    if stream:
-        body.update(stream=True, stream_options={"include_usage": True})
-    return body
+# chat_body(model, stream, max_tokens=8, ...): the whole answer generated, and its usage chunk when streamed.
+chat_body = functools.partial(bodies.chat_body, content="hello there", usage=True, ignore_eos=True)
 
 
 def call(c, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict, str]:
@@ -115,16 +109,6 @@ def rid_of(record: dict) -> str:
 
 def total(sims, key: str) -> int:
     return sum(s.stats().get(key, 0) for s in sims)
-
-
-def ledger(c) -> list[dict]:
-    doc = httpx.get(c.mgmt + "/instances", timeout=5).json()
-    return [ep["load"] for inst in doc["instances"] for ep in inst["endpoints"]]
-
-
-def ledger_is_zero(c) -> bool:
-    keys = ("inflight_requests", "inflight_prompt_tokens", "inflight_decode_tokens", "prefilling_requests")
-    return all(load[k] == 0 for load in ledger(c) for k in keys)
 
 
 def engines_idle(c) -> bool:

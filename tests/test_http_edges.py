@@ -9,6 +9,7 @@ import socket
 import httpx
 import pytest
 
+from harness import bodies
 from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, instance, wait_until
 
@@ -29,7 +30,7 @@ def raw(port: int, data: bytes, timeout_s: float = 3.0) -> bytes:
 
 
 def chat_body(content: str = "hi", model: str = MODEL) -> bytes:
-    return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}).encode()
+    return json.dumps(bodies.chat_body(model, max_tokens=4, content=content)).encode()
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from config import Settings
+from harness.bodies import chat_body
 from serving.admission import Admission
 from state.shared import G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, SharedState
 from tests.support import Coordinator, coordinator_config, free_port, instance, sse_events, wait_until
@@ -28,7 +29,7 @@ OPEN_S = 3.0
 
 
 def chat(model: str, max_tokens: int = 4, content: str = "hi", **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+    return chat_body(model, max_tokens=max_tokens, content=content, **extra)
 
 
 def post(c, body: dict, **kw) -> httpx.Response:

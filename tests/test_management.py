@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,6 +18,8 @@ import time
 import httpx
 import pytest
 
+from harness.bodies import chat_body
+from harness.coordinator import logged_request_pids as worker_pids
 from tests.conftest import MODEL
 from tests.support import ROOT, Coordinator, coordinator_config, instance, sse_events, wait_until
 
@@ -60,7 +61,7 @@ HTTP = httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)
 
 
 def chat(coord, max_tokens: int = 2, **extra) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, **extra}
+    body = chat_body(MODEL, max_tokens=max_tokens, **extra)
     return HTTP.post(coord.url + "/v1/chat/completions", json=body)
 
 
@@ -76,11 +77,6 @@ def instances(coord) -> dict[int, dict]:
 
 def version(coord) -> int:
     return httpx.get(coord.mgmt + "/instances").json()["version"]
-
-
-def worker_pids(coord, since: int = 0) -> set[str]:
-    """Process ids of the workers that logged a request line after output offset `since`."""
-    return set(re.findall(r"coordinator\.request\[(\d+)\]", coord.output()[since:]))
 
 
 # -- probes ------------------------------------------------------------------------------------------
@@ -425,13 +421,7 @@ def test_set_reroutes_every_worker_at_once(cluster):
 
 
 def _long_stream(coord, out: dict, tokens: int = LONG_STREAM_TOKENS) -> None:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "long"}],
-        "max_tokens": tokens,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = chat_body(MODEL, True, tokens, "long", ignore_eos=True)
     with httpx.stream("POST", coord.url + "/v1/chat/completions", json=body, timeout=60) as r:
         out["status"] = r.status_code
         out["events"] = sse_events(r.read())

@@ -9,6 +9,7 @@ metrics are read back through either worker and must add up to exactly what was 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import threading
@@ -18,6 +19,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import bodies
+from harness.coordinator import logged_request_pids as worker_pids
 from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
 
@@ -90,12 +93,8 @@ def post(coord, path: str, body, **kw) -> httpx.Response:
     return httpx.post(coord.url + path, json=body, timeout=30, **kw)
 
 
-def chat_body(model: str = MODEL, max_tokens: int = 3, **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "count me"}], "max_tokens": max_tokens, **extra}
-
-
-def worker_pids(coord, since: int) -> set[str]:
-    return set(re.findall(r"coordinator\.request\[(\d+)\]", coord.output()[since:]))
+# chat_body(model=MODEL, max_tokens=3, **extra): fields such as `stream` go into the body as given.
+chat_body = functools.partial(bodies.chat_body, model=MODEL, max_tokens=3, content="count me")
 
 
 # -- counts across workers ---------------------------------------------------------------------------

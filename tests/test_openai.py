@@ -11,12 +11,9 @@ import httpx
 import openai
 import pytest
 
+from harness.clients import openai_client as client
 from tests.conftest import MODEL
 from tests.support import ROOT, Coordinator, coordinator_config, instance, sse_events
-
-
-def client(coord, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=coord.url + "/v1", api_key=key, max_retries=0, timeout=30)
 
 
 def test_chat_json(union_cluster):

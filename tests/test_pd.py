@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from harness.clients import openai_client as client
 from serving.usage import PrefillUsages
 from state.shared import PREFILL_USAGE_SLOTS, SharedState
 from tests.conftest import MODEL
@@ -17,10 +18,6 @@ from tests.support import Coordinator, coordinator_config, instance, sse_events,
 
 # A field a future vLLM might add to its ticket, with a float that a careless re-encoder could change.
 TICKET_EXTRA = {"future_field": {"nested": [1.5, "x", None]}, "remote_blocks_expiry_time": 1764475200.123456}
-
-
-def client(coord) -> openai.OpenAI:
-    return openai.OpenAI(base_url=coord.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
 def rid(req: dict) -> str | None:

@@ -13,6 +13,7 @@ import pytest
 
 from config import Endpoint, Instance
 from engine_sim import tokens as sim_tokens
+from harness.predictor import teach_decode, teach_prefill
 from scheduling.admission import AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
@@ -79,33 +80,11 @@ async def admit(sched: Scheduler, job: JobInfo):
     return sched.try_admit(job) or await sched.queued(job)
 
 
-def teach_prefill(pred: Predictor, slot: int, tokens_per_s: float, base_s: float = 0.01, samples: int = 12) -> None:
-    """Observed prefills, one after another, long ago (so no queue is left now)."""
-    t = time.monotonic() - 200
-    for k in range(samples):
-        tokens = 200 + 400 * (k % 5)
-        predicted, shift = pred.start_prefill(slot, tokens, t)
-        done = t + base_s + tokens / tokens_per_s
-        pred.learn_prefill(slot, t, done, tokens, predicted, shift)
-        t = done + 1.0
-
-
 def queue_work(w: World, slot: int, tokens: int):
     """A prefill of ours in flight on `slot`: a ledger lease and its place in the virtual queue."""
     lease = w.ledger.lease(slot, tokens, 1)
     lease.predicted, lease.shift = w.predictor.start_prefill(slot, tokens, lease.started)
     return lease
-
-
-def teach_decode(
-    pred: Predictor, slot: int, step_s: float, per_seq_s: float, batches: tuple[int, ...] = tuple(range(1, 9))
-) -> None:
-    t = time.monotonic() - 200
-    for b in list(batches) * 2:
-        first = t + 0.02 + step_s + per_seq_s * b
-        done = first + (step_s + per_seq_s * b) * 40
-        pred.learn_decode(slot, t, first, done, 43, float(b))
-        t = done + 1.0
 
 
 # -- tokens --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from harness.clients import openai_client as client
 from tests.conftest import MODEL
 from tests.support import ROOT, Coordinator, coordinator_config, instance, wait_until
 
@@ -23,10 +24,6 @@ LOAD_GAUGES = (
     "motor_instance_inflight_prompt_tokens",
     "motor_instance_inflight_decode_tokens",
 )
-
-
-def client(coord) -> openai.OpenAI:
-    return openai.OpenAI(base_url=coord.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
 def load_samples(coord) -> list[float]:

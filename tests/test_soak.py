@@ -13,10 +13,10 @@ import asyncio
 import random
 
 import aiohttp
-import httpx
 import pytest
 
-from bench import overhead
+from harness.ledger import ledger_is_zero
+from harness.processes import tree
 from tests.support import Coordinator, coordinator_config, instance, wait_until
 
 UNION, PD = "soak-union", "soak-pd"
@@ -105,7 +105,7 @@ async def drive(url: str, n: int, seed: int) -> dict:
 def tree_rss_kib(pid: int) -> int:
     """Resident memory of a process and all its descendants (Sanic's workers are children of the main process)."""
     total = 0
-    for p in overhead.tree(pid):
+    for p in tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -128,12 +128,6 @@ def established_to(port: int) -> int:
         except FileNotFoundError:
             pass
     return count
-
-
-def ledger_is_zero(c) -> bool:
-    doc = httpx.get(c.mgmt + "/instances", timeout=5).json()
-    keys = ("inflight_requests", "inflight_prompt_tokens", "inflight_decode_tokens", "prefilling_requests")
-    return all(ep["load"][k] == 0 for inst in doc["instances"] for ep in inst["endpoints"] for k in keys)
 
 
 def engines_settled(sims) -> bool:

@@ -21,24 +21,20 @@ from contextlib import contextmanager
 
 import httpx
 
+from harness.bodies import chat_body
+from harness.ledger import IN_FLIGHT, ledger
 from tests.conftest import MODEL
 from tests.support import ROOT, Coordinator, coordinator_config, instance, wait_until
 from workers.supervisor import STOP_GRACE_S
 
 
 def chat(coord, max_tokens: int = 2, **extra) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, **extra}
+    body = chat_body(MODEL, max_tokens=max_tokens, **extra)
     return httpx.post(coord.url + "/v1/chat/completions", json=body, timeout=30)
 
 
 def long_stream(coord, tokens: int) -> None:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "long"}],
-        "max_tokens": tokens,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = chat_body(MODEL, True, tokens, "long", ignore_eos=True)
     try:
         with httpx.stream("POST", coord.url + "/v1/chat/completions", json=body, timeout=60) as r:
             r.read()
@@ -55,24 +51,10 @@ def metric(coord, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def loads(coord) -> list[dict]:
-    r = httpx.get(coord.mgmt + "/instances", timeout=5)
-    return [ep["load"] for inst in r.json()["instances"] for ep in inst["endpoints"]]
-
-
 def idle(coord) -> bool:
     """No request in flight, nothing on any engine's ledger column (requests, tokens, held decode slots)."""
     try:
-        zero = all(
-            not (
-                load["inflight_requests"]
-                or load["inflight_prompt_tokens"]
-                or load["inflight_decode_tokens"]
-                or load["prefilling_requests"]
-                or load["held_decode_slots"]
-            )
-            for load in loads(coord)
-        )
+        zero = all(load[k] == 0 for load in ledger(coord) for k in (*IN_FLIGHT, "held_decode_slots"))
     except httpx.HTTPError:
         return False
     return zero and metric(coord, "motor_inflight_requests") == 0
@@ -121,7 +103,7 @@ def test_a_killed_worker_gives_back_its_load_and_is_restarted(sims):
             for t in streams:
                 t.join(90)
         # What the dead worker held is given back: no ghost load on the engines, no ghost in-flight places.
-        assert wait_until(lambda: idle(coord), timeout_s=30, interval_s=0.2), loads(coord)
+        assert wait_until(lambda: idle(coord), timeout_s=30, interval_s=0.2), ledger(coord)
         assert wait_until(lambda: a.stats()["running"] + b.stats()["running"] == 0, timeout_s=20)
         assert f"worker {victim} (pid {workers[victim]}) exited with code -9" in coord.output()
         new_pid = restarted(coord, victim, workers[victim])
