@@ -54,7 +54,7 @@ sys.path.insert(0, ROOT)
 from harness import processes  # noqa: E402
 from harness.bodies import chat_body  # noqa: E402
 from harness.configs import api_config, instance  # noqa: E402
-from harness.loopback import free_port  # noqa: E402
+from harness.loopback import free_port, free_ports  # noqa: E402
 from harness.processes import tree  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
@@ -915,13 +915,11 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
 def fakes(exe: str, cores: str, workdir: str):
     procs = []
     try:
-        ports = []
-        for role in ("union", "prefill", "decode"):
-            port = free_port()
+        ports = free_ports(3)
+        for role, port in zip(("union", "prefill", "decode"), ports):
             procs.append(Proc(pinned(cores, [exe, str(port), "bench"]), os.path.join(workdir, f"fake-{role}.log")))
-            ports.append(port)
         for p, port in zip(procs, ports):
-            wait_http(port, "/health", 10, p.proc)
+            wait_http(port, "/health", 10, p)
         yield Engines(*ports)
     finally:
         for p in procs:
