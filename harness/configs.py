@@ -46,3 +46,8 @@ def coordinator_config(instances: list[dict], models: list[dict] | None = None, 
         else:
             cfg[key] = value
     return cfg
+
+
+def api_keys(*keys: str, header: str = "Authorization", prefix: str = "Bearer ") -> dict:
+    """An api_key_config section that admits `keys`, read from `header` after `prefix`."""
+    return {"enable_api_key": True, "valid_keys": list(keys), "header_name": header, "key_prefix": prefix}

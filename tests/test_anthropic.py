@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from harness.clients import anthropic_client as sdk, async_anthropic_client as async_sdk
+from harness.configs import api_keys
 from serving.legs import PREFILL_TICKET
 from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, free_port, instance, wait_until
@@ -262,12 +263,7 @@ def test_sdk_lists_and_retrieves_models_in_anthropics_shape(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={
-            "enable_api_key": True,
-            "valid_keys": ["k-one"],
-            "header_name": "Authorization",
-            "key_prefix": "Bearer ",
-        },
+        api_key_config=api_keys("k-one"),
     )
     with Coordinator(cfg) as coord:
         c = sdk(coord, api_key="k-one")  # sent as x-api-key
@@ -292,12 +288,7 @@ def test_request_id_on_answers_refused_before_the_body_is_read(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={
-            "enable_api_key": True,
-            "valid_keys": ["k-one"],
-            "header_name": "Authorization",
-            "key_prefix": "Bearer ",
-        },
+        api_key_config=api_keys("k-one"),
         rate_limit_config={"max_request_body_size": 64 * 1024},
     )
     with Coordinator(cfg) as coord:
@@ -915,12 +906,7 @@ def test_api_keys_on_anthropic_and_openai_routes(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={
-            "enable_api_key": True,
-            "valid_keys": ["k-one", "k-two"],
-            "header_name": "Authorization",
-            "key_prefix": "Bearer ",
-        },
+        api_key_config=api_keys("k-one", "k-two"),
     )
     with Coordinator(cfg) as coord:
         assert (
@@ -990,12 +976,7 @@ def test_custom_auth_header_and_x_api_key(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={
-            "enable_api_key": True,
-            "valid_keys": ["sekrit"],
-            "header_name": "X-Api-Token",
-            "key_prefix": "",
-        },
+        api_key_config=api_keys("sekrit", header="X-Api-Token", prefix=""),
     )
     with Coordinator(cfg) as coord:
         body = {"model": MODEL, "max_tokens": 2, "messages": USER}

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from harness.clients import openai_client as client
+from harness.configs import api_keys
 from tests.conftest import MODEL
 from tests.support import ROOT, Coordinator, coordinator_config, instance, sse_events
 
@@ -289,12 +290,7 @@ def test_api_key_auth(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={
-            "enable_api_key": True,
-            "valid_keys": ["k-one", "k-two"],
-            "header_name": "Authorization",
-            "key_prefix": "Bearer ",
-        },
+        api_key_config=api_keys("k-one", "k-two"),
     )
     with Coordinator(cfg) as coord:
         for key in (None, "wrong", "k-on", "k-one-and-more"):
@@ -327,12 +323,7 @@ def test_custom_auth_header_and_prefix(sims):
     u = sims("union")
     cfg = coordinator_config(
         [instance(1, "union", MODEL, u.address)],
-        api_key_config={
-            "enable_api_key": True,
-            "valid_keys": ["sekrit"],
-            "header_name": "X-Api-Token",
-            "key_prefix": "",
-        },
+        api_key_config=api_keys("sekrit", header="X-Api-Token", prefix=""),
     )
     with Coordinator(cfg) as coord:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}

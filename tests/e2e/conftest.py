@@ -16,13 +16,6 @@ from tests.e2e.engines import ROLES, Engine
 from tests.support import Coordinator, coordinator_config, instance
 
 
-class E2ECoordinator(Coordinator):
-    """Three vLLM engines share the 2 cores with the Coordinator here: its workers may take longer than 30 s to start."""
-
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
-        super().wait_ready(timeout_s)
-
-
 @dataclass
 class Cluster:
     model: str
@@ -59,5 +52,6 @@ def pd(engines, model) -> Cluster:
         models=[{"id": model, "p_max_seqlen": 512, "d_max_seqlen": 512}],
         scheduler_config={"health_check_interval": 0.5, "metrics_scrape_interval": 1.0},
     )
-    with E2ECoordinator(cfg) as coord:
+    # Three vLLM engines share the 2 cores with the Coordinator here: its workers may take longer than 30 s to start.
+    with Coordinator(cfg, ready_timeout_s=180.0) as coord:
         yield Cluster(model, engines, coord)
