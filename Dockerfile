@@ -16,10 +16,15 @@ RUN pip install --no-cache-dir -r requirements.txt tokenizers==0.23.3
 
 # What `python app.py` imports, and its default config (the built-in engine simulator serves when that
 # config lists no instances; rendered deployments mount theirs and pass --config).
-COPY app.py config.py engines.py errors.py ./
-COPY handlers/ handlers/
+COPY app.py ./
+COPY config/ config/
+COPY errors/ errors/
+COPY engines/ engines/
+COPY state/ state/
 COPY scheduling/ scheduling/
 COPY serving/ serving/
+COPY handlers/ handlers/
+COPY workers/ workers/
 COPY engine_sim/ engine_sim/
 COPY deployer/user_config.json deployer/
 # The pods' root filesystem is read-only: compile the bytecode now rather than at every start.
