@@ -98,6 +98,15 @@ DECODE_LEG = {
 # -- processes ------------------------------------------------------------------------------------
 
 
+def tree_label(tree: str) -> str:
+    """A source tree as its commit (short hash), or its path when it is not a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return tree
+    return out.stdout.strip() or tree
+
+
 def python_version(python: str) -> str:
     """The interpreter's version ("3.11.2"); how it was built (PGO, LTO) matters as much: docs/performance.md."""
     out = subprocess.run(
@@ -966,6 +975,12 @@ def main(argv: list[str] | None = None) -> int:
         help="one more Coordinator (1 worker, log INFO) on this interpreter, measured side by side",
     )
     ap.add_argument(
+        "--tree-also",
+        metavar="DIR",
+        help="one more Coordinator (1 worker, log INFO) from this source tree (e.g. a `git worktree` of the "
+        "previous commit), measured side by side: a change's cost in one run",
+    )
+    ap.add_argument(
         "--litellm",
         metavar="EXE",
         help="LiteLLM's `litellm` command (from an environment with litellm[proxy]==1.82.6): measured "
@@ -1034,6 +1049,20 @@ def main(argv: list[str] | None = None) -> int:
                             workdir,
                             python=opts.python_also,
                             python_label=f"python {python_version(opts.python_also)}",
+                        )
+                    )
+                if opts.tree_also:
+                    tree = os.path.abspath(opts.tree_also)
+                    pair.append(
+                        Coordinator(
+                            engines,
+                            1,
+                            "INFO",
+                            gw_core_sets[1],
+                            workdir,
+                            root=tree,
+                            python=opts.python,
+                            python_label=f"tree {tree_label(tree)}",
                         )
                     )
                 if not opts.no_floor:
