@@ -84,8 +84,7 @@ def _generate_message(req: SimRequest) -> Generation:
         args = _sample_value(tool.get("input_schema") or {"type": "object"})
         if not isinstance(args, dict):
             args = {}
-        tool_id = "chatcmpl-tool-" + T._h64("tool", req.id).to_bytes(8, "little").hex()
-        g.tool = (tool_id, tool.get("name") or "", args)
+        g.tool = (T.tool_call_id(req.id), tool.get("name") or "", args)
         js = dumps(args)
         k = max(1, T.count_text_tokens(js))
         step = max(1, -(-len(js) // k)) if js else 1

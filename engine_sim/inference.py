@@ -15,7 +15,7 @@ from . import anthropic_serving, openai_serving, tokens as T
 from .engine import Seq
 from .errors import ApiError, body_validation_failure, error_response, validation_failure
 from .faults import SimulatedClose
-from .generation import eos_at_once, generate
+from .generation import Generation, eos_at_once, generate
 from .json_text import dumps
 from .kv_transfer import is_decode_leg, is_prefill_leg, pull_remote_prefill
 from .request import SimRequest, parse_request
@@ -122,7 +122,9 @@ async def _run(sim: SimServer, request: web.Request, req: SimRequest, headers: d
         raise
 
 
-async def _stream(sim: SimServer, request: web.Request, req: SimRequest, g, seq: Seq, headers: dict):
+async def _stream(
+    sim: SimServer, request: web.Request, req: SimRequest, g: Generation, seq: Seq, headers: dict
+) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
     await resp.prepare(request)
     try:

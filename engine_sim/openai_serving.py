@@ -77,47 +77,31 @@ def completion_logprobs(req: SimRequest, c: int, pieces) -> dict | None:
     return {"text_offset": offs, "token_logprobs": lps, "tokens": toks, "top_logprobs": tops}
 
 
-def final_body(sim: SimServer, req: SimRequest, g: Generation) -> dict:
-    kvt = prefill_leg_ticket(sim, req, g)
-    created = int(time.time())
-    if req.kind == "chat":
-        choices = [
-            {
-                "index": c,
-                "message": {
-                    "role": "assistant",
-                    "content": g.texts[c],
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "reasoning": None,
-                },
-                "logprobs": chat_logprobs(req, c, pieces),
-                "finish_reason": g.finish[c],
-                "stop_reason": g.stop_reason[c],
-                "token_ids": None,
-                "routed_experts": None,
-            }
-            for c, pieces in enumerate(g.pieces)
-        ]
-        return {
-            "id": req.id,
-            "object": "chat.completion",
-            "created": created,
-            "model": sim.cfg.model,
-            "choices": choices,
-            "service_tier": None,
-            "system_fingerprint": sim.fingerprint,
-            "usage": usage(req, g.completion_tokens),
-            "prompt_logprobs": None,
-            "prompt_token_ids": None,
-            "prompt_text": None,
-            "kv_transfer_params": kvt,
-            "ec_transfer_params": None,
-            "metrics": None,
+def _chat_choices(req: SimRequest, g: Generation) -> list[dict]:
+    return [
+        {
+            "index": c,
+            "message": {
+                "role": "assistant",
+                "content": g.texts[c],
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
+            },
+            "logprobs": chat_logprobs(req, c, pieces),
+            "finish_reason": g.finish[c],
+            "stop_reason": g.stop_reason[c],
+            "token_ids": None,
+            "routed_experts": None,
         }
-    choices = [
+        for c, pieces in enumerate(g.pieces)
+    ]
+
+
+def _completion_choices(req: SimRequest, g: Generation) -> list[dict]:
+    return [
         {
             "index": c,
             "text": (req.prompt_text + g.texts[c]) if req.echo else g.texts[c],
@@ -131,19 +115,25 @@ def final_body(sim: SimServer, req: SimRequest, g: Generation) -> dict:
         }
         for c, pieces in enumerate(g.pieces)
     ]
-    return {
+
+
+def final_body(sim: SimServer, req: SimRequest, g: Generation) -> dict:
+    kvt = prefill_leg_ticket(sim, req, g)
+    chat = req.kind == "chat"
+    body = {
         "id": req.id,
-        "object": "text_completion",
-        "created": created,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
         "model": sim.cfg.model,
-        "choices": choices,
+        "choices": _chat_choices(req, g) if chat else _completion_choices(req, g),
         "service_tier": None,
         "system_fingerprint": sim.fingerprint,
         "usage": usage(req, g.completion_tokens),
-        "kv_transfer_params": kvt,
-        "ec_transfer_params": None,
-        "metrics": None,
     }
+    if chat:
+        body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+    body.update(kv_transfer_params=kvt, ec_transfer_params=None, metrics=None)
+    return body
 
 
 async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, seq: Seq) -> None:

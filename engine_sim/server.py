@@ -29,7 +29,6 @@ class SimServer:
         self.faults = Faults(cfg.faults)
         self.records: list[dict] = []
         self.port = cfg.port
-        self.host = cfg.host
         self.created = int(time.time())
         # vLLM's `system_fingerprint`: the version and a hash of the engine's configuration
         self.fingerprint = "vllm-0.32.0-" + hashlib.sha256(cfg.engine_id.encode()).hexdigest()[:8]
@@ -41,18 +40,18 @@ class SimServer:
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         r = app.router
-        r.add_get("/health", self.h_health)
-        r.add_get("/v1/models", self.h_models)
-        r.add_get("/metrics", self.h_metrics)
+        r.add_get("/health", self.serve_health)
+        r.add_get("/v1/models", self.serve_models)
+        r.add_get("/metrics", self.serve_metrics)
         r.add_post("/v1/chat/completions", self._inference_route("chat"))
         r.add_post("/v1/completions", self._inference_route("completions"))
         r.add_post("/v1/messages", self._inference_route("messages"))
         r.add_post("/v1/messages/count_tokens", self._inference_route("count_tokens"))
-        r.add_get("/sim/stats", self.h_sim_stats)
-        r.add_get("/sim/requests", self.h_sim_requests)
-        r.add_post("/sim/faults", self.h_sim_faults)
-        r.add_delete("/sim/faults", self.h_sim_faults_clear)
-        r.add_post("/sim/reset", self.h_sim_reset)
+        r.add_get("/sim/stats", self.serve_stats)
+        r.add_get("/sim/requests", self.serve_requests)
+        r.add_post("/sim/faults", self.serve_set_faults)
+        r.add_delete("/sim/faults", self.serve_clear_faults)
+        r.add_post("/sim/reset", self.serve_reset)
         add_side_channel_routes(r, self)
         return app
 
@@ -95,13 +94,13 @@ class SimServer:
     def stats(self) -> dict:
         return self.engine.snapshot()
 
-    async def h_sim_stats(self, request):
+    async def serve_stats(self, request):
         return web.json_response(self.stats())
 
-    async def h_sim_requests(self, request):
+    async def serve_requests(self, request):
         return web.json_response(self.records)
 
-    async def h_sim_faults(self, request):
+    async def serve_set_faults(self, request):
         try:
             knobs = await request.json()
             self.set_faults(**knobs)
@@ -109,19 +108,19 @@ class SimServer:
             return web.json_response({"error": str(e)}, status=400)
         return web.json_response({"faults": self.faults.knobs})
 
-    async def h_sim_faults_clear(self, request):
+    async def serve_clear_faults(self, request):
         self.clear_faults()
         return web.json_response({"faults": self.faults.knobs})
 
-    async def h_sim_reset(self, request):
+    async def serve_reset(self, request):
         self.reset()
         return web.json_response({"ok": True})
 
     # ------------------------------------------------------------------ vLLM's other routes
-    async def h_health(self, request):
+    async def serve_health(self, request):
         return web.Response(status=await self.faults.health_status())
 
-    async def h_models(self, request):
+    async def serve_models(self, request):
         if self._models_body is None:
             self._models_body = dumps({"object": "list", "data": [self._model_card()]})
         return web.Response(text=self._models_body, content_type="application/json")
@@ -153,5 +152,5 @@ class SimServer:
             "permission": [permission],
         }
 
-    async def h_metrics(self, request):
+    async def serve_metrics(self, request):
         return web.Response(text=render(self), content_type="text/plain", charset="utf-8", headers={"X-Sim": "1"})
