@@ -173,6 +173,14 @@ class Seq:
     def decoding_choices(self) -> int:
         return sum(1 for n in self.out_lens if n > self.emitted)
 
+    async def wait_emitted(self, k: int) -> None:
+        """Until the engine emitted k tokens per choice, or aborted the request."""
+        while self.emitted < k and not self.aborted:
+            self.event.clear()
+            if self.emitted >= k:
+                break
+            await self.event.wait()
+
 
 class Ticket:
     __slots__ = ("block_ids", "expiry", "kv_tokens", "rid", "tokens")

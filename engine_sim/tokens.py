@@ -218,6 +218,11 @@ def _h64(*parts: Any) -> int:
     return struct.unpack("<Q", d)[0]
 
 
+def tool_call_id(request_id: str) -> str:
+    """A tool call's id shaped like vLLM's (`chatcmpl-tool-…`), a pure function of the request id."""
+    return "chatcmpl-tool-" + _h64("tool", request_id).to_bytes(8, "little").hex()
+
+
 def prompt_key(text: str) -> int:
     return _h64("p", text)
 

@@ -217,6 +217,25 @@ def test_validation_errors(union):
         oa(union).chat.completions.create(model="zzz", messages=MSG)
 
 
+def test_numbers_and_booleans_are_read_as_pydantic_reads_them(union):
+    """vLLM's request models run in pydantic's lax mode: "3" and 3.0 are integers, "yes" is true; the
+    rest is vLLM's RequestValidationError, every error listed, `param` the first one's location."""
+    u = union.url
+    j = httpx.post(u + "/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": "3", "n": 2.0})
+    assert j.status_code == 200 and j.json()["usage"]["completion_tokens"] == 6 and len(j.json()["choices"]) == 2
+    c = httpx.post(u + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1, "echo": "yes"})
+    assert c.status_code == 200 and c.json()["choices"][0]["text"].startswith("hi")
+    bad = httpx.post(u + "/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 2.5})
+    e = bad.json()["error"]
+    assert bad.status_code == 400 and e["type"] == "Bad Request" and e["param"] == "body.max_tokens"
+    assert e["message"] == (
+        "1 validation error:\n  {'type': 'int_from_float', 'loc': ('body', 'max_tokens'), "
+        "'msg': 'Input should be a valid integer, got a number with a fractional part', 'input': 2.5}"
+    )
+    two = httpx.post(u + "/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 2.5, "n": "x"})
+    assert two.status_code == 400 and two.json()["error"]["message"].startswith("2 validation errors:\n")
+
+
 def test_unknown_fields_recorded(union):
     union.reset()
     oa(union).chat.completions.create(model="m", messages=MSG, max_tokens=1, extra_body={"my_custom_field": {"a": 1}})
