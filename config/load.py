@@ -65,10 +65,15 @@ _WHY = {
 
 
 class ConfigError(ValueError):
-    """An invalid configuration value; the message starts with the key path."""
+    """An invalid configuration value; the message starts with the key path. `value` holds the value refused,
+    where one key's value is (the deployer quotes it)."""
+
+    def __init__(self, message: str, *value: Any):
+        super().__init__(message)
+        self.value = value  # () or (the value,)
 
 
-def _message(error: ErrorDetails, path: str) -> str:
+def _error(error: ErrorDetails, path: str) -> ConfigError:
     """One line for pydantic's error: `motor_coordinator_config.<key path>: <why>`."""
     for part in error["loc"]:
         path += f"[{part}]" if isinstance(part, int) else f".{part}"
@@ -76,14 +81,17 @@ def _message(error: ErrorDetails, path: str) -> str:
     kind = error["type"]
     if kind == "refused":  # a check of config.sections, in its own words
         why = ctx["why"]
-        path += f".{ctx['key']}" if ctx["key"] else ""
+        if ctx["key"]:  # a rule of the whole object: its input is no one key's value
+            return ConfigError(f"{ROOT_KEY}.{path}.{ctx['key']}: {why}")
     elif kind == "greater_than_equal":
         why = f"must be >= {ctx['ge']}"
     elif kind == "greater_than":
         why = f"must be > {ctx['gt']:g}"
     else:
         why = _WHY.get(kind, error["msg"])
-    return f"{ROOT_KEY}.{path}: {why}"
+    if kind in ("missing", "dataclass_type"):  # the input is the object around the key
+        return ConfigError(f"{ROOT_KEY}.{path}: {why}")
+    return ConfigError(f"{ROOT_KEY}.{path}: {why}", error["input"])
 
 
 @cache
@@ -97,7 +105,7 @@ def validate(schema: Any, value: Any, path: str) -> Any:
     try:
         return _adapter(schema).validate_python(value)
     except ValidationError as e:
-        raise ConfigError(_message(e.errors(include_url=False)[0], path)) from None
+        raise _error(e.errors(include_url=False)[0], path) from None
 
 
 def _dataclass_of(schema: Any) -> type:

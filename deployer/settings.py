@@ -70,6 +70,12 @@ __all__ = [
 log = logging.getLogger("deployer")
 
 
+def _quoted(exc: CoordinatorConfigError) -> str:
+    """The Coordinator's refusal, with the value it refused as the deployer's own refusals quote it."""
+    text = str(exc)
+    return f"{text} (got {exc.value[0]!r})" if exc.value and "(got " not in text else text
+
+
 def _coordinator_view(raw: Any, deploy: DeployConfig, errors: list[str]) -> CoordinatorView:
     p = COORDINATOR_KEY
     view = CoordinatorView()
@@ -85,7 +91,7 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: list[str]) -> Coor
         try:
             return validate(schema, raw.get(key, {}) if data is None else data, key)
         except CoordinatorConfigError as exc:
-            errors.append(str(exc))
+            errors.append(_quoted(exc))
             return default
 
     api = raw.get("api_config", {})
