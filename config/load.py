@@ -60,8 +60,11 @@ _WHY = {
     "string_too_short": "must not be empty",
     "dataclass_type": "must be an object",
     "tuple_type": "must be a list",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
     "missing": "is required",
 }
+_CONTAINERS = ("missing", "dataclass_type", "tuple_type", "list_type", "dict_type")  # errors of the object around
 
 
 class ConfigError(ValueError):
@@ -73,8 +76,8 @@ class ConfigError(ValueError):
         self.value = value  # () or (the value,)
 
 
-def _error(error: ErrorDetails, path: str) -> ConfigError:
-    """One line for pydantic's error: `motor_coordinator_config.<key path>: <why>`."""
+def refusal(error: ErrorDetails, path: str) -> ConfigError:
+    """One line for pydantic's error in the value at key path `path`: `<path>.<key path>: <why>`."""
     for part in error["loc"]:
         path += f"[{part}]" if isinstance(part, int) else f".{part}"
     ctx = error.get("ctx") or {}
@@ -82,30 +85,30 @@ def _error(error: ErrorDetails, path: str) -> ConfigError:
     if kind == "refused":  # a check of config.sections, in its own words
         why = ctx["why"]
         if ctx["key"]:  # a rule of the whole object: its input is no one key's value
-            return ConfigError(f"{ROOT_KEY}.{path}.{ctx['key']}: {why}")
+            return ConfigError(f"{path}.{ctx['key']}: {why}")
     elif kind == "greater_than_equal":
         why = f"must be >= {ctx['ge']}"
     elif kind == "greater_than":
         why = f"must be > {ctx['gt']:g}"
     else:
         why = _WHY.get(kind, error["msg"])
-    if kind in ("missing", "dataclass_type"):  # the input is the object around the key
-        return ConfigError(f"{ROOT_KEY}.{path}: {why}")
-    return ConfigError(f"{ROOT_KEY}.{path}: {why}", error["input"])
+    if kind in _CONTAINERS:  # no one key's value
+        return ConfigError(f"{path}: {why}")
+    return ConfigError(f"{path}: {why}", error["input"])
 
 
 @cache
-def _adapter(schema: Any) -> TypeAdapter:
+def adapter(schema: Any) -> TypeAdapter:
     return TypeAdapter(schema)  # built on first use: the workers, which read no config file, never build one
 
 
 def validate(schema: Any, value: Any, path: str) -> Any:
     """`value` validated against a schema of config.sections, or ConfigError naming the first invalid key under
-    `path` (the key path of `value` in motor_coordinator_config)."""
+    `path`, the key path of `value` (motor_coordinator_config.api_config)."""
     try:
-        return _adapter(schema).validate_python(value)
+        return adapter(schema).validate_python(value)
     except ValidationError as e:
-        raise _error(e.errors(include_url=False)[0], path) from None
+        raise refusal(e.errors(include_url=False)[0], path) from None
 
 
 def _dataclass_of(schema: Any) -> type:
@@ -120,12 +123,12 @@ def warn_unknown(path: str, data: dict, cls: type) -> None:
 
 def parse_instance(path: str, raw: Any) -> Instance:
     """Validate one instance object (config file or /instances/refresh body)."""
-    return validate(InstanceEntry, raw, path)
+    return validate(InstanceEntry, raw, f"{ROOT_KEY}.{path}")
 
 
 def parse_models(path: str, raw: Any) -> tuple[ModelConfig, ...]:
     """Validate the served models (a config file's `models`, or the deployer's input before it reorders them)."""
-    models = validate(ModelList, raw, path)
+    models = validate(ModelList, raw, f"{ROOT_KEY}.{path}")
     for i, m in enumerate(raw):
         warn_unknown(f"{path}[{i}].", m, ModelConfig)
     return models
@@ -225,7 +228,7 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     held: dict[str, Any] = {}  # the sections Settings holds as one object
     for key, schema, attr in SECTIONS:
         data = raw.get(key, {})
-        section = validate(schema, data, key)
+        section = validate(schema, data, f"{ROOT_KEY}.{key}")
         if on_this_host and key in _ON_THIS_HOST:
             _ON_THIS_HOST[key](key, section)
         warn_unknown(f"{key}.", data, _dataclass_of(schema))
@@ -234,7 +237,7 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
         else:
             held[attr] = section
     models = parse_models("models", raw.get("models", []))
-    instances = validate(tuple[InstanceEntry, ...], raw.get("instances", []), "instances")
+    instances = validate(tuple[InstanceEntry, ...], raw.get("instances", []), f"{ROOT_KEY}.instances")
     check_instance_set(list(instances), "instances")
     known = {key for key, _, _ in SECTIONS} | {"models", "instances"}
     for key in sorted(set(raw) - known):

@@ -19,10 +19,17 @@ import posixpath
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, get_type_hints
 
-from config import split_address
-from config.sections import ApiConfig, SchedulerConfig, ShutdownConfig, TlsConfig
+from pydantic import ConfigDict, Strict, ValidationError, WrapValidator, with_config
+from pydantic_core import ErrorDetails
+
+from config import ConfigError as CoordinatorConfigError, adapter, refusal, split_address
+from config.sections import ApiConfig, Bool, Int, SchedulerConfig, ShutdownConfig, Str, TlsConfig
+
+# A number as given (NaN and Infinity too: the bounds refuse them, quoting them); an integer stays one, as the
+# render writes it (--gpu-memory-utilization 1).
+Float = Annotated[float, Strict(), WrapValidator(lambda v, number: v if type(v) is int else number(v))]
 
 CONFIG_PATH_IN_CONTAINER = "/etc/motor/user_config.json"
 # The Secret (not a ConfigMap: it may carry API keys, the valid_keys of api_key_config and
@@ -61,8 +68,19 @@ NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
 MAX_INSTANCES = 64
 MAX_DRAIN_SECONDS = 86400
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
 # A Kubernetes Toleration: its fields and their types, and the values the API server accepts.
-TOLERATION_FIELDS = {"key": str, "operator": str, "value": str, "effect": str, "tolerationSeconds": int}
+@dataclass
+class Toleration:
+    key: Str = ""
+    operator: Str = ""
+    value: Str = ""
+    effect: Str = ""
+    tolerationSeconds: Int = 0
+
+
+TOLERATION_FIELDS = tuple(f.name for f in dataclasses.fields(Toleration))
 TOLERATION_OPERATORS = ("Equal", "Exists")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 # The kv_buffer_device of CPU engines (accelerator_num 0): vLLM's CPU build keeps the NIXL buffer in host memory.
@@ -99,116 +117,119 @@ def _doc(text: str) -> dict[str, str]:
     return {"doc": text}
 
 
+@with_config(ConfigDict(extra="forbid"))  # an unknown key is a typo
 @dataclass
 class ResourceSpec:
     """Kubernetes-style ``{"requests": {...}, "limits": {...}}`` for cpu and memory."""
 
-    requests: dict[str, str] = field(default_factory=dict, metadata=_doc("cpu/memory requests"))
-    limits: dict[str, str] = field(default_factory=dict, metadata=_doc("cpu/memory limits"))
+    requests: dict[str, Str] = field(default_factory=dict, metadata=_doc("cpu/memory requests"))
+    limits: dict[str, Str] = field(default_factory=dict, metadata=_doc("cpu/memory limits"))
 
 
+@with_config(ConfigDict(extra="forbid"))  # an unknown key is a typo
 @dataclass
 class DeployConfig:
-    job_id: str = field(
+    job_id: Str = field(
         default="mindie-motor",
         metadata=_doc("deployment name; also the Kubernetes namespace everything is created in (DNS-1123 label)"),
     )
-    create_namespace: bool = field(
+    create_namespace: Bool = field(
         default=True, metadata=_doc("render a Namespace object for job_id at the top of coordinator_init.yaml")
     )
-    cluster_domain: str = field(
+    cluster_domain: Str = field(
         default="cluster.local", metadata=_doc("cluster DNS domain used in the engines' stable names")
     )
-    image_name: str = field(
+    image_name: Str = field(
         default="motor-coordinator:latest", metadata=_doc("Coordinator image (its working directory holds app.py)")
     )
-    engine_image_name: str = field(
+    engine_image_name: Str = field(
         default="vllm/vllm-openai:latest",
         metadata=_doc("vLLM engine image (must provide `vllm serve` and NIXL); pin a version in production"),
     )
-    image_pull_policy: str = field(
+    image_pull_policy: Str = field(
         default="IfNotPresent", metadata=_doc("Always, IfNotPresent or Never, for every container")
     )
-    image_pull_secrets: list[str] = field(
+    image_pull_secrets: list[Str] = field(
         default_factory=list, metadata=_doc("names of docker-registry Secrets for every pod")
     )
-    coordinator_replicas: int = field(default=1, metadata=_doc("Coordinator pods, 1..16"))
-    p_instances_num: int = field(default=1, metadata=_doc(f"prefill instances (one pod each), 1..{MAX_INSTANCES}"))
-    d_instances_num: int = field(default=1, metadata=_doc(f"decode instances (one pod each), 1..{MAX_INSTANCES}"))
-    coordinator_node_port: int = field(default=31015, metadata=_doc("nodePort of the inference Service, 30000..32767"))
+    coordinator_replicas: Int = field(default=1, metadata=_doc("Coordinator pods, 1..16"))
+    p_instances_num: Int = field(default=1, metadata=_doc(f"prefill instances (one pod each), 1..{MAX_INSTANCES}"))
+    d_instances_num: Int = field(default=1, metadata=_doc(f"decode instances (one pod each), 1..{MAX_INSTANCES}"))
+    coordinator_node_port: Int = field(default=31015, metadata=_doc("nodePort of the inference Service, 30000..32767"))
     coordinator_resources: ResourceSpec = field(
         default_factory=lambda: ResourceSpec(
             requests={"cpu": "1", "memory": "1Gi"}, limits={"cpu": "2", "memory": "2Gi"}
         ),
         metadata=_doc("Coordinator container requests/limits"),
     )
-    coordinator_node_selector: dict[str, str] = field(
+    coordinator_node_selector: dict[str, Str] = field(
         default_factory=dict, metadata=_doc("nodeSelector of the Coordinator pods")
     )
     coordinator_tolerations: list[dict[str, Any]] = field(
         default_factory=list, metadata=_doc("tolerations of the Coordinator pods (Kubernetes Toleration objects)")
     )
-    service_account_name: str = field(
+    service_account_name: Str = field(
         default="",
         metadata=_doc(
             "service account of the Coordinator pods; empty: the namespace default. No API token is mounted either way"
         ),
     )
-    run_as_user: int = field(default=1000, metadata=_doc("non-root UID (and GID) the Coordinator runs as"))
-    prestop_sleep_seconds: int = field(
+    run_as_user: Int = field(default=1000, metadata=_doc("non-root UID (and GID) the Coordinator runs as"))
+    prestop_sleep_seconds: Int = field(
         default=5,
         metadata=_doc("preStop sleep before SIGTERM, so Service endpoints stop routing to a terminating pod, 0..300"),
     )
-    termination_grace_period_seconds: int = field(
+    termination_grace_period_seconds: Int = field(
         default=0,
         metadata=_doc(
             "0: prestop_sleep_seconds + shutdown_config.drain_timeout + 10; otherwise must exceed prestop + drain"
         ),
     )
-    tls_secret_name: str = field(
+    tls_secret_name: Str = field(
         default="motor-coordinator-tls",
         metadata=_doc("Secret mounted when infer_tls_config or mgmt_tls_config enables TLS"),
     )
-    tls_mount_path: str = field(
+    tls_mount_path: Str = field(
         default="/etc/motor-tls",
         metadata=_doc("where that Secret is mounted; cert_file/key_file/ca_file must lie under it"),
     )
-    weight_mount_path: str = field(
+    weight_mount_path: Str = field(
         default="/mnt/weight/",
         metadata=_doc(
             "host directory with model weights, mounted read-only at the same path in engine pods; "
             "empty: no mount (model_path is then a Hugging Face id or baked into the image)"
         ),
     )
-    dshm_size: str = field(default="8Gi", metadata=_doc("size of the memory-backed /dev/shm of engine pods"))
+    dshm_size: Str = field(default="8Gi", metadata=_doc("size of the memory-backed /dev/shm of engine pods"))
 
 
+@with_config(ConfigDict(extra="forbid"))  # an unknown key is a typo
 @dataclass
 class EngineConfig:
-    engine_type: str = field(default="vllm", metadata=_doc("only `vllm` is supported"))
-    model_path: str = field(
+    engine_type: Str = field(default="vllm", metadata=_doc("only `vllm` is supported"))
+    model_path: Str = field(
         default="/mnt/weight/qwen3",
         metadata=_doc("model directory inside the container (or a Hugging Face id), the `vllm serve` positional"),
     )
-    served_model_name: str = field(
+    served_model_name: Str = field(
         default="qwen3",
         metadata=_doc("--served-model-name; the model id clients send. Must be equal for prefill and decode"),
     )
-    max_model_len: int = field(
+    max_model_len: Int = field(
         default=8192, metadata=_doc("--max-model-len; also the Coordinator's p_max_seqlen / d_max_seqlen")
     )
-    tensor_parallel_size: int = field(default=1, metadata=_doc("--tensor-parallel-size"))
-    pipeline_parallel_size: int = field(default=1, metadata=_doc("--pipeline-parallel-size"))
-    gpu_memory_utilization: float = field(default=0.9, metadata=_doc("--gpu-memory-utilization, (0, 1]"))
-    port: int = field(default=8000, metadata=_doc("engine HTTP port (--port), probes on /health"))
-    side_channel_port: int = field(
+    tensor_parallel_size: Int = field(default=1, metadata=_doc("--tensor-parallel-size"))
+    pipeline_parallel_size: Int = field(default=1, metadata=_doc("--pipeline-parallel-size"))
+    gpu_memory_utilization: Float = field(default=0.9, metadata=_doc("--gpu-memory-utilization, (0, 1]"))
+    port: Int = field(default=8000, metadata=_doc("engine HTTP port (--port), probes on /health"))
+    side_channel_port: Int = field(
         default=5600, metadata=_doc("VLLM_NIXL_SIDE_CHANNEL_PORT (NIXL handshake); the host is the pod IP")
     )
-    kv_connector: str = field(
+    kv_connector: Str = field(
         default="NixlConnector",
         metadata=_doc("kv_connector of --kv-transfer-config; kv_role is kv_producer (prefill) / kv_consumer (decode)"),
     )
-    kv_buffer_device: str = field(
+    kv_buffer_device: Str = field(
         default="cuda",
         metadata=_doc(
             "kv_buffer_device of --kv-transfer-config: `cuda` for GPU engines; `cpu`, the default and the only "
@@ -218,14 +239,14 @@ class EngineConfig:
     kv_connector_extra_config: dict[str, Any] = field(
         default_factory=dict, metadata=_doc("kv_connector_extra_config of --kv-transfer-config, omitted when empty")
     )
-    accelerator_resource_name: str = field(
+    accelerator_resource_name: Str = field(
         default="nvidia.com/gpu",
         metadata=_doc(
             "extended resource requested for the accelerators (a DNS-subdomain prefix outside kubernetes.io, '/', "
             "a name), e.g. nvidia.com/gpu, amd.com/gpu"
         ),
     )
-    accelerator_num: int = field(
+    accelerator_num: Int = field(
         default=1,
         metadata=_doc("accelerators per pod; 0 for CPU engines, otherwise >= tensor * pipeline parallel size"),
     )
@@ -235,17 +256,17 @@ class EngineConfig:
         ),
         metadata=_doc("engine container cpu/memory requests/limits"),
     )
-    startup_timeout_seconds: int = field(
+    startup_timeout_seconds: Int = field(
         default=1800, metadata=_doc("how long the startup probe waits for /health (model load), >= 30")
     )
-    extra_args: list[str] = field(
+    extra_args: list[Str] = field(
         default_factory=list,
         metadata=_doc("further `vllm serve` arguments, appended as given (not the flags the deployer sets)"),
     )
-    env: dict[str, str] = field(
+    env: dict[str, Str] = field(
         default_factory=dict, metadata=_doc("further environment variables (not the deployer-managed NIXL ones)")
     )
-    node_selector: dict[str, str] = field(default_factory=dict, metadata=_doc("nodeSelector of the engine pods"))
+    node_selector: dict[str, Str] = field(default_factory=dict, metadata=_doc("nodeSelector of the engine pods"))
     tolerations: list[dict[str, Any]] = field(default_factory=list, metadata=_doc("tolerations of the engine pods"))
 
 
@@ -330,63 +351,40 @@ def near_miss(key: str) -> str | None:
     return next((known for word, known in _SECTION_WORDS if word in lower), None)
 
 
-# --------------------------------------------------------------------------- generic typed loading
+# --------------------------------------------------------------------------- typed loading
 
 
-def _type_name(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin in (list, list):
-        return "a list"
-    if origin in (dict, dict):
-        return "an object"
-    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
+def quoted(exc: CoordinatorConfigError) -> str:
+    """A refusal of the Coordinator's config layer, with the value refused, as the deployer quotes it."""
+    text = str(exc)
+    return f"{text} (got {exc.value[0]!r})" if exc.value and "(got " not in text else text
 
 
-def _check_type(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            errors.append(f"{path}: must be an object")
-            return tp()
-        return load_dataclass(tp, value, path, errors)
-    if origin in (list, list):
-        (item_tp,) = get_args(tp)
-        if not isinstance(value, list):
-            errors.append(f"{path}: must be {_type_name(tp)}")
-            return []
-        return [_check_type(v, item_tp, f"{path}[{i}]", errors) for i, v in enumerate(value)]
-    if origin in (dict, dict):
-        _, val_tp = get_args(tp)
-        if not isinstance(value, dict):
-            errors.append(f"{path}: must be an object")
-            return {}
-        return {k: _check_type(v, val_tp, f"{path}.{k}", errors) for k, v in value.items()}
-    if tp is Any:
-        return value
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, tp)
-    if not ok:
-        errors.append(f"{path}: must be {_type_name(tp)} (got {value!r})")
-    return value
+_UNKNOWN_KEY = ("extra_forbidden", "unexpected_keyword_argument")  # pydantic's error types for an unknown key
 
 
-def load_dataclass(cls: type, data: dict[str, Any], path: str, errors: list[str]) -> Any:
-    hints = get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            errors.append(f"{path}.{key}: unknown key (known: {', '.join(sorted(names))})")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            kwargs[f.name] = _check_type(copy.deepcopy(data[f.name]), hints[f.name], f"{path}.{f.name}", errors)
-    return cls(**kwargs)
+def _refusal(error: ErrorDetails, cls: type, path: str) -> str:
+    if error["type"] not in _UNKNOWN_KEY:
+        return quoted(refusal(error, path))
+    owner = cls  # the dataclass the unknown key is in: the section's own, or one of its fields'
+    for part in error["loc"][:-1]:
+        owner = get_type_hints(owner)[part]
+    names = ", ".join(sorted(f.name for f in dataclasses.fields(owner)))
+    return f"{refusal(error, path).args[0].partition(': ')[0]}: unknown key (known: {names})"
+
+
+def load_section(cls: type, data: dict[str, Any], path: str, errors: list[str]) -> Any:
+    """A deployer-owned section read by pydantic into its dataclass (strict: JSON's own types), every refused
+    value listed in `errors`; the keys refused keep their defaults."""
+    try:
+        return adapter(cls).validate_python(copy.deepcopy(data))
+    except ValidationError as e:
+        refused = e.errors(include_url=False)
+    # The section's unknown keys first, as they were listed before pydantic read these sections.
+    refused.sort(key=lambda e: not (e["type"] in _UNKNOWN_KEY and len(e["loc"]) == 1))
+    errors.extend(_refusal(error, cls, path) for error in refused)
+    bad = {error["loc"][0] for error in refused}
+    return adapter(cls).validate_python(copy.deepcopy({k: v for k, v in data.items() if k not in bad}))
 
 
 # --------------------------------------------------------------------------- semantic checks
@@ -485,11 +483,10 @@ def _check_tolerations(tolerations: list[dict[str, Any]], path: str, errors: lis
             for name in tol
             if name not in TOLERATION_FIELDS
         ]
-        bad += [
-            f"{at}.{name}: must be {_type_name(tp)} (got {tol[name]!r})"
-            for name, tp in TOLERATION_FIELDS.items()
-            if name in tol and (not isinstance(tol[name], tp) or isinstance(tol[name], bool))
-        ]
+        try:
+            adapter(Toleration).validate_python(tol)
+        except ValidationError as e:
+            bad += [quoted(refusal(error, at)) for error in e.errors(include_url=False)]
         if bad:
             errors.extend(bad)
             continue

@@ -50,8 +50,9 @@ from .sections import (
     defaults_as_dict,
     is_loopback,
     key_docs,
-    load_dataclass,
+    load_section,
     near_miss,
+    quoted,
 )
 
 # What deployer.settings has always offered its importers, besides `load`.
@@ -70,12 +71,6 @@ __all__ = [
 log = logging.getLogger("deployer")
 
 
-def _quoted(exc: CoordinatorConfigError) -> str:
-    """The Coordinator's refusal, with the value it refused as the deployer's own refusals quote it."""
-    text = str(exc)
-    return f"{text} (got {exc.value[0]!r})" if exc.value and "(got " not in text else text
-
-
 def _coordinator_view(raw: Any, deploy: DeployConfig, errors: list[str]) -> CoordinatorView:
     p = COORDINATOR_KEY
     view = CoordinatorView()
@@ -89,9 +84,9 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: list[str]) -> Coor
     def read(key: str, schema: Any, default: Any, data: Any = None) -> Any:
         """The section as the Coordinator's model reads it; its default (and the error listed) if refused."""
         try:
-            return validate(schema, raw.get(key, {}) if data is None else data, key)
+            return validate(schema, raw.get(key, {}) if data is None else data, f"{p}.{key}")
         except CoordinatorConfigError as exc:
-            errors.append(_quoted(exc))
+            errors.append(quoted(exc))
             return default
 
     api = raw.get("api_config", {})
@@ -125,7 +120,7 @@ def _coordinator_view(raw: Any, deploy: DeployConfig, errors: list[str]) -> Coor
         read("shutdown_config", ShutdownConfig, view.shutdown)  # lists the Coordinator's "must be an object"
     else:
         try:
-            drain_s = validate(ShutdownConfig, shutdown, "shutdown_config").drain_timeout_s
+            drain_s = validate(ShutdownConfig, shutdown, f"{p}.shutdown_config").drain_timeout_s
         except CoordinatorConfigError:  # its only key: said below, with the deployer's bound
             drain_s = None
         # Bounded: it sizes terminationGracePeriodSeconds, an integer.
@@ -183,7 +178,7 @@ def load(raw: Any) -> Settings:
         if not isinstance(data, dict):
             errors.append(f"{section}: must be an object")
             data = {}
-        parsed[section] = load_dataclass(cls, data, section, errors)
+        parsed[section] = load_section(cls, data, section, errors)
     deploy = parsed["motor_deploy_config"]
     prefill = parsed["motor_engine_prefill_config"]
     decode = parsed["motor_engine_decode_config"]
