@@ -43,24 +43,6 @@ def refused(why: str, key: str = "") -> PydanticCustomError:
     return PydanticCustomError("refused", "{why}", {"why": why, "key": key})
 
 
-def _between(lo: int, hi: int) -> AfterValidator:
-    def check(value: int) -> int:
-        if not lo <= value <= hi:
-            raise refused(f"must be {lo}..{hi}")
-        return value
-
-    return AfterValidator(check)
-
-
-def _one_of(choices: tuple[str, ...]) -> AfterValidator:
-    def check(value: str) -> str:
-        if value not in choices:
-            raise refused(f"must be one of {', '.join(choices)}")
-        return value
-
-    return AfterValidator(check)
-
-
 def _after(check: Any) -> AfterValidator:
     """An AfterValidator from a check that returns why a value is refused, or None."""
 
@@ -73,16 +55,24 @@ def _after(check: Any) -> AfterValidator:
     return AfterValidator(run)
 
 
+def _between(lo: int, hi: int) -> AfterValidator:
+    return _after(lambda v: None if lo <= v <= hi else f"must be {lo}..{hi}")
+
+
+def _one_of(choices: tuple[str, ...]) -> AfterValidator:
+    return _after(lambda v: None if v in choices else f"must be one of {', '.join(choices)}")
+
+
 # The value types. Field(ge=...) and Field(gt=...) are pydantic's bounds, said as "must be >= 1", "must be > 0".
 Int = Annotated[int, Strict()]
 Num = Annotated[float, Strict(), AllowInfNan(False)]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
-NonEmptyStr = Annotated[str, Strict(), Field(min_length=1)]
-Port = Annotated[int, Strict(), _between(1, 65535)]
-Count = Annotated[int, Strict(), Field(ge=1)]
-Seconds = Annotated[float, Strict(), AllowInfNan(False), Field(gt=0)]
-NonNegative = Annotated[float, Strict(), AllowInfNan(False), Field(ge=0.0)]
+NonEmptyStr = Annotated[Str, Field(min_length=1)]
+Port = Annotated[Int, _between(1, 65535)]
+Count = Annotated[Int, Field(ge=1)]
+Seconds = Annotated[Num, Field(gt=0)]
+NonNegative = Annotated[Num, Field(ge=0.0)]
 HeaderName = Annotated[
     NonEmptyStr,
     _after(  # no client could send another name: every request would get 401
@@ -106,9 +96,7 @@ WatchdogSeconds = Annotated[
 ReleasePath = Annotated[
     Str, _after(lambda v: "must be empty or a path starting with /" if v and not v.startswith("/") else None)
 ]
-LogLevel = Annotated[
-    str, Strict(), BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v), _one_of(LOG_LEVELS)
-]
+LogLevel = Annotated[Str, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v), _one_of(LOG_LEVELS)]
 
 
 def _key_list(value: Any) -> tuple[str, ...]:
@@ -147,7 +135,7 @@ class ApiConfig:
 class WorkersConfig:
     """inference_workers_config: the Sanic worker processes."""
 
-    num_workers: Annotated[int, Strict(), _between(1, 64)] = 1
+    num_workers: Annotated[Int, _between(1, 64)] = 1
     worker_watchdog_timeout_s: Annotated[WatchdogSeconds, key("worker_watchdog_timeout")] = 30.0
 
 
@@ -172,7 +160,7 @@ class SchedulerConfig:
 class ExceptionConfig:
     """exception_config: retries and timeouts."""
 
-    max_retry: Annotated[int, Strict(), _between(0, 100)] = 3
+    max_retry: Annotated[Int, _between(0, 100)] = 3
     retry_delay_s: Annotated[NonNegative, key("retry_delay")] = 0.2
     first_token_timeout_s: Annotated[Seconds, key("first_token_timeout")] = 600.0
     infer_timeout_s: Annotated[Seconds, key("infer_timeout")] = 3600.0
@@ -186,8 +174,8 @@ class ExceptionConfig:
 class RateLimitConfig:
     """rate_limit_config: request size, concurrency and rate."""
 
-    max_request_body_bytes: Annotated[int, Strict(), Field(ge=1024), key("max_request_body_size")] = 16 * 1024 * 1024
-    max_inflight_requests: Annotated[int, Strict(), Field(ge=0)] = 0
+    max_request_body_bytes: Annotated[Int, Field(ge=1024), key("max_request_body_size")] = 16 * 1024 * 1024
+    max_inflight_requests: Annotated[Int, Field(ge=0)] = 0
     requests_per_second: NonNegative = 0.0
 
 
@@ -292,7 +280,7 @@ class ModelConfig:
 class Endpoint:
     """One engine process of an instance."""
 
-    id: Annotated[int, Strict(), Field(ge=0)]
+    id: Annotated[Int, Field(ge=0)]
     address: Annotated[NonEmptyStr, AfterValidator(_valid_address)]  # "host:port"
 
     @property
@@ -311,7 +299,7 @@ def _numbered_endpoints(value: Any) -> Any:
 class Instance:
     """One entry of `instances` (or of a POST /instances/refresh body): an engine instance and its endpoints."""
 
-    id: Annotated[int, Strict(), Field(ge=0)]
+    id: Annotated[Int, Field(ge=0)]
     role: Annotated[Str, _one_of(ROLES)]
     model_name: NonEmptyStr
     endpoints: Annotated[tuple[Endpoint, ...], BeforeValidator(_numbered_endpoints)]
