@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from .render import DEFAULT_CONFIG, DEFAULT_OUT, write
-from .settings import ConfigError, load
+from .sections import ConfigError
+from .settings import load
 
 # Far deeper than any real config; much deeper would exhaust the recursion of json, copy.deepcopy or the render.
 MAX_NESTING = 100

@@ -20,7 +20,7 @@ from typing import Any
 
 import jinja2
 
-from .settings import CONFIG_PATH_IN_CONTAINER, CONFIG_SECRET_NAME, EngineConfig, Settings
+from .sections import CONFIG_PATH_IN_CONTAINER, CONFIG_SECRET_NAME, EngineConfig, Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE_DIR = REPO_ROOT / "templates"

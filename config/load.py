@@ -1,0 +1,262 @@
+"""Reading a user_config.json into Settings: each section validated by its model, errors in one line.
+
+`load_settings(path)` reads a whole `user_config.json` (using its `motor_coordinator_config` object) or that
+object alone, warns about unknown keys, and raises `ConfigError` naming the key path of the first invalid
+value: pydantic's error for it, said as the Coordinator has always said it ("must be an integer").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import ssl
+from functools import cache
+from typing import Annotated, Any, get_args, get_origin
+
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails
+
+from state.shared import MAX_SLOTS
+
+from .addresses import address_key
+from .sections import (
+    ROOT_KEY,
+    ApiConfig,
+    ApiKeySection,
+    ApiSection,
+    ExceptionConfig,
+    Instance,
+    InstanceEntry,
+    LogConfig,
+    MgmtApiKeySection,
+    ModelConfig,
+    ModelList,
+    RateLimitConfig,
+    SchedulerConfig,
+    ShutdownConfig,
+    TlsConfig,
+    TlsSection,
+    WorkersConfig,
+    config_key,
+    config_keys,
+)
+from .settings import Settings
+
+log = logging.getLogger("coordinator.config")
+
+DEFAULT_CONFIG_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deployer", "user_config.json"
+)
+
+# What pydantic's own error types say, in the Coordinator's words. Bounds come with their value (ctx).
+_WHY = {
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "finite_number": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "string_too_short": "must not be empty",
+    "dataclass_type": "must be an object",
+    "tuple_type": "must be a list",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
+    "missing": "is required",
+}
+_CONTAINERS = ("missing", "dataclass_type", "tuple_type", "list_type", "dict_type")  # errors of the object around
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message starts with the key path. `value` holds the value refused,
+    where one key's value is (the deployer quotes it)."""
+
+    def __init__(self, message: str, *value: Any):
+        super().__init__(message)
+        self.value = value  # () or (the value,)
+
+
+def refusal(error: ErrorDetails, path: str) -> ConfigError:
+    """One line for pydantic's error in the value at key path `path`: `<path>.<key path>: <why>`."""
+    for part in error["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    ctx = error.get("ctx") or {}
+    kind = error["type"]
+    if kind == "refused":  # a check of config.sections, in its own words
+        why = ctx["why"]
+        if ctx["key"]:  # a rule of the whole object: its input is no one key's value
+            return ConfigError(f"{path}.{ctx['key']}: {why}")
+    elif kind == "greater_than_equal":
+        why = f"must be >= {ctx['ge']}"
+    elif kind == "greater_than":
+        why = f"must be > {ctx['gt']:g}"
+    else:
+        why = _WHY.get(kind, error["msg"])
+    if kind in _CONTAINERS:  # no one key's value
+        return ConfigError(f"{path}: {why}")
+    return ConfigError(f"{path}: {why}", error["input"])
+
+
+@cache
+def adapter(schema: Any) -> TypeAdapter:
+    return TypeAdapter(schema)  # built on first use: the workers, which read no config file, never build one
+
+
+def validate(schema: Any, value: Any, path: str) -> Any:
+    """`value` validated against a schema of config.sections, or ConfigError naming the first invalid key under
+    `path`, the key path of `value` (motor_coordinator_config.api_config)."""
+    try:
+        return adapter(schema).validate_python(value)
+    except ValidationError as e:
+        raise refusal(e.errors(include_url=False)[0], path) from None
+
+
+def _dataclass_of(schema: Any) -> type:
+    return get_args(schema)[0] if get_origin(schema) is Annotated else schema
+
+
+def warn_unknown(path: str, data: dict, cls: type) -> None:
+    known = {name for names in config_keys(cls).values() for name in names}
+    for key in sorted(set(data) - known):
+        log.warning("config: unknown key %s.%s%s ignored", ROOT_KEY, path, key)
+
+
+def parse_instance(path: str, raw: Any) -> Instance:
+    """Validate one instance object (config file or /instances/refresh body)."""
+    return validate(InstanceEntry, raw, f"{ROOT_KEY}.{path}")
+
+
+def parse_models(path: str, raw: Any) -> tuple[ModelConfig, ...]:
+    """Validate the served models (a config file's `models`, or the deployer's input before it reorders them)."""
+    models = validate(ModelList, raw, f"{ROOT_KEY}.{path}")
+    for i, m in enumerate(raw):
+        warn_unknown(f"{path}[{i}].", m, ModelConfig)
+    return models
+
+
+def check_instance_set(instances: list[Instance], path: str) -> None:
+    """What the instance registry (scheduling/registry.py) would refuse at start-up: a duplicate instance id,
+    an engine address named twice, more endpoints than the shared tables have slots."""
+    seen: set[int] = set()
+    owner: dict[str, int] = {}
+    for i, inst in enumerate(instances):
+        if inst.id in seen:
+            raise ConfigError(f"{ROOT_KEY}.{path}[{i}].id: duplicate instance id {inst.id}")
+        seen.add(inst.id)
+        for j, ep in enumerate(inst.endpoints):
+            addr = address_key(ep.address)
+            if addr in owner:
+                raise ConfigError(
+                    f"{ROOT_KEY}.{path}[{i}].endpoints[{j}].address: {addr} is already the address of instance "
+                    f"{owner[addr]}"
+                )
+            owner[addr] = inst.id
+    total = sum(len(inst.endpoints) for inst in instances)
+    if total > MAX_SLOTS:
+        raise ConfigError(f"{ROOT_KEY}.{path}: {total} endpoints in all: at most {MAX_SLOTS}")
+
+
+def _check_host(section: str, api: ApiConfig) -> None:
+    """The Coordinator binds its ports to this host at start-up: it must resolve now (engines' hosts are not
+    checked: an engine that is not up yet is only unhealthy until it is)."""
+    try:
+        socket.getaddrinfo(api.host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(
+            f"{ROOT_KEY}.{section}.{config_key(ApiConfig, 'host')}: {api.host!r} does not resolve to an address to "
+            f"listen on ({e})"
+        ) from None
+
+
+def _check_tls_files(section: str, tls: TlsConfig) -> None:
+    """With TLS on, the certificate and key must load now, not fail in every worker at start-up."""
+    if not tls.enable_tls:
+        return
+    path = f"{ROOT_KEY}.{section}"
+    for key in ("cert_file", "key_file", "ca_file"):
+        name = getattr(tls, key)
+        if name and not (os.path.isfile(name) and os.access(name, os.R_OK)):
+            raise ConfigError(f"{path}.{key}: {name!r} is not a readable file")
+
+    def no_password() -> bytes:
+        raise ValueError("the key is encrypted")
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=no_password)
+    except (ssl.SSLError, ValueError) as e:
+        raise ConfigError(
+            f"{path}.cert_file: cannot load {tls.cert_file!r} with key_file {tls.key_file!r}: {e}"
+        ) from None
+    if tls.ca_file:
+        try:
+            context.load_verify_locations(tls.ca_file)
+        except ssl.SSLError as e:
+            raise ConfigError(f"{path}.ca_file: cannot load {tls.ca_file!r}: {e}") from None
+
+
+# The sections of motor_coordinator_config in the order they are read: (key, schema, the Settings attribute
+# that holds the section, or None where the section's fields are Settings' own).
+SECTIONS = (
+    ("api_config", ApiSection, None),
+    ("inference_workers_config", WorkersConfig, None),
+    ("api_key_config", ApiKeySection, "api_key"),
+    ("mgmt_api_key_config", MgmtApiKeySection, "mgmt_api_key"),
+    ("infer_tls_config", TlsSection, "infer_tls"),
+    ("mgmt_tls_config", TlsSection, "mgmt_tls"),
+    ("scheduler_config", SchedulerConfig, None),
+    ("exception_config", ExceptionConfig, None),
+    ("rate_limit_config", RateLimitConfig, None),
+    ("shutdown_config", ShutdownConfig, None),
+    ("log_config", LogConfig, None),
+)
+# What only the machine that runs the Coordinator can answer, checked after the section is read.
+_ON_THIS_HOST = {"api_config": _check_host, "infer_tls_config": _check_tls_files, "mgmt_tls_config": _check_tls_files}
+
+
+def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = True) -> Settings:
+    """Build Settings from a whole user_config.json object or its motor_coordinator_config alone.
+
+    `on_this_host` False: the file is checked for another machine (the deployer renders it for a pod), so
+    what only that machine can answer is not checked: that the host resolves, that the TLS files load.
+    """
+    if isinstance(raw, dict) and ROOT_KEY in raw:
+        raw = raw[ROOT_KEY]
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{ROOT_KEY}: must be a JSON object")
+    own: dict[str, Any] = {}  # Settings' fields, from the sections whose fields they are
+    held: dict[str, Any] = {}  # the sections Settings holds as one object
+    for key, schema, attr in SECTIONS:
+        data = raw.get(key, {})
+        section = validate(schema, data, f"{ROOT_KEY}.{key}")
+        if on_this_host and key in _ON_THIS_HOST:
+            _ON_THIS_HOST[key](key, section)
+        warn_unknown(f"{key}.", data, _dataclass_of(schema))
+        if attr is None:
+            own.update(vars(section))
+        else:
+            held[attr] = section
+    models = parse_models("models", raw.get("models", []))
+    instances = validate(tuple[InstanceEntry, ...], raw.get("instances", []), f"{ROOT_KEY}.instances")
+    check_instance_set(list(instances), "instances")
+    known = {key for key, _, _ in SECTIONS} | {"models", "instances"}
+    for key in sorted(set(raw) - known):
+        log.warning("config: unknown key %s.%s ignored", ROOT_KEY, key)
+    return Settings(**own, **held, models=models, instances=instances, source_path=source_path)
+
+
+def resolve_config_path(cli_path: str | None) -> str:
+    return cli_path or os.environ.get("USER_CONFIG_PATH") or DEFAULT_CONFIG_PATH
+
+
+def load_settings(path: str) -> Settings:
+    try:
+        with open(path, "rb") as f:
+            raw = json.load(f)
+    except OSError as e:  # missing, a directory, no permission: said in one line like any other config error
+        raise ConfigError(f"{path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # json's decoder recurses once per level of [ or {
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
+    return settings_from_dict(raw, source_path=os.path.abspath(path))

@@ -1,0 +1,369 @@
+"""One model per `motor_coordinator_config` section: each key's name, type, bounds and default, written once.
+
+Every section is a frozen dataclass whose attributes carry units (`first_token_timeout_s`) and whose config
+keys keep MindIE-PyMotor's names (the pydantic alias, `first_token_timeout`). The dataclass is what the rest of
+the Coordinator reads (plain attributes, nothing validated when one is built in code); pydantic validates a
+config object against it (`config.load`), through the `...Section` schemas below where a section also has a
+rule across its keys.
+
+Values are read in pydantic's strict mode, as the hand-written readers before it did: a config file is JSON,
+and a value of the wrong JSON type is refused, not converted. Lax mode would take "8000" or 8000.0 for an
+integer, 1 or "yes" for a boolean, and True for a number. Numbers must be finite (Python's json reads NaN and
+Infinity, which compare false with every bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from functools import cache
+from typing import Annotated, Any, get_type_hints
+
+from pydantic import AfterValidator, AliasChoices, AllowInfNan, BeforeValidator, Field, Strict
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+
+from .addresses import engine_url, split_address
+
+ROOT_KEY = "motor_coordinator_config"
+ROLES = ("prefill", "decode", "union")
+ENGINE_TYPES = ("vllm", "sglang", "mindie")
+SCHEDULER_TYPES = ("round_robin", "load_balance", "kv_cache_affinity", "slo_aware")
+PD_DISPATCH = ("handoff", "trigger")
+ADMISSION = ("off", "queue", "reject")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MIN_WATCHDOG_S = 3.0  # workers write a heartbeat once a second; the supervisor looks twice a second
+HTTP_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token: what a header name may be
+
+
+def refused(why: str, key: str = "") -> PydanticCustomError:
+    """A refusal in the Coordinator's words; `key` names the key it concerns when a rule of the whole object
+    refuses it (config.load appends it to the key path)."""
+    return PydanticCustomError("refused", "{why}", {"why": why, "key": key})
+
+
+def _after(check: Any) -> AfterValidator:
+    """An AfterValidator from a check that returns why a value is refused, or None."""
+
+    def run(value: Any) -> Any:
+        why = check(value)
+        if why:
+            raise refused(why)
+        return value
+
+    return AfterValidator(run)
+
+
+def _between(lo: int, hi: int) -> AfterValidator:
+    return _after(lambda v: None if lo <= v <= hi else f"must be {lo}..{hi}")
+
+
+def _one_of(choices: tuple[str, ...]) -> AfterValidator:
+    return _after(lambda v: None if v in choices else f"must be one of {', '.join(choices)}")
+
+
+# The value types. Field(ge=...) and Field(gt=...) are pydantic's bounds, said as "must be >= 1", "must be > 0".
+Int = Annotated[int, Strict()]
+Num = Annotated[float, Strict(), AllowInfNan(False)]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+NonEmptyStr = Annotated[Str, Field(min_length=1)]
+Port = Annotated[Int, _between(1, 65535)]
+Count = Annotated[Int, Field(ge=1)]
+Seconds = Annotated[Num, Field(gt=0)]
+NonNegative = Annotated[Num, Field(ge=0.0)]
+HeaderName = Annotated[
+    NonEmptyStr,
+    _after(  # no client could send another name: every request would get 401
+        lambda v: (
+            None
+            if HTTP_TOKEN.fullmatch(v)
+            else f"must be an HTTP header name: letters, digits and !#$%&'*+-.^_`|~ (got {v!r})"
+        )
+    ),
+]
+WatchdogSeconds = Annotated[
+    NonNegative,
+    _after(
+        lambda v: (
+            f"must be 0 (off) or at least {MIN_WATCHDOG_S:g} (workers beat once a second)"
+            if 0 < v < MIN_WATCHDOG_S
+            else None
+        )
+    ),
+]
+ReleasePath = Annotated[
+    Str, _after(lambda v: "must be empty or a path starting with /" if v and not v.startswith("/") else None)
+]
+LogLevel = Annotated[Str, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v), _one_of(LOG_LEVELS)]
+
+
+def _key_list(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
+        raise refused("must be a list of non-empty strings")
+    return tuple(value)
+
+
+def _valid_address(address: str) -> str:
+    try:
+        split_address(address)
+    except ValueError as e:
+        raise refused(f"{e} (got {address!r})") from None
+    return address
+
+
+def key(name: str) -> Any:
+    """The config key of an attribute, where MindIE-PyMotor's name differs from it."""
+    return Field(alias=name)
+
+
+# -- sections whose keys are the runtime Settings' own attributes (config.settings) -----------------------
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """api_config: where the Coordinator listens."""
+
+    host: Annotated[NonEmptyStr, key("coordinator_api_host")] = "127.0.0.1"
+    infer_port: Annotated[Port, key("coordinator_api_infer_port")] = 1025
+    mgmt_port: Annotated[Port, key("coordinator_api_mgmt_port")] = 1026
+    obs_port: Annotated[Port, key("coordinator_obs_port")] = 1027
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """inference_workers_config: the Sanic worker processes."""
+
+    num_workers: Annotated[Int, _between(1, 64)] = 1
+    worker_watchdog_timeout_s: Annotated[WatchdogSeconds, key("worker_watchdog_timeout")] = 30.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """scheduler_config: engine choice, PD dispatch, admission, health and breaker."""
+
+    scheduler_type: Annotated[Str, _one_of(SCHEDULER_TYPES)] = "slo_aware"
+    pd_dispatch: Annotated[Str, _one_of(PD_DISPATCH)] = "handoff"
+    admission: Annotated[Str, _one_of(ADMISSION)] = "off"
+    admission_queue_size: Count = 256
+    metrics_scrape_interval_s: Annotated[Seconds, key("metrics_scrape_interval")] = 1.0
+    health_check_interval_s: Annotated[Seconds, key("health_check_interval")] = 1.0
+    health_check_timeout_failures: Count = 3
+    breaker_failure_threshold: Count = 3
+    breaker_open_s: Annotated[Seconds, key("breaker_open_time")] = 5.0
+    kv_affinity_block_size: Count = 16
+    affinity_overload_factor: Annotated[Num, Field(ge=1.0)] = 2.0
+
+
+@dataclass(frozen=True)
+class ExceptionConfig:
+    """exception_config: retries and timeouts."""
+
+    max_retry: Annotated[Int, _between(0, 100)] = 3
+    retry_delay_s: Annotated[NonNegative, key("retry_delay")] = 0.2
+    first_token_timeout_s: Annotated[Seconds, key("first_token_timeout")] = 600.0
+    infer_timeout_s: Annotated[Seconds, key("infer_timeout")] = 3600.0
+    connect_timeout_s: Annotated[Seconds, key("connect_timeout")] = 10.0
+    stream_idle_timeout_s: Annotated[Seconds, key("stream_idle_timeout")] = 300.0
+    stream_keepalive_interval_s: Annotated[Seconds, key("stream_keepalive_interval")] = 15.0
+    kv_release_path: ReleasePath = ""
+
+
+@dataclass(frozen=True)
+class RateLimitConfig:
+    """rate_limit_config: request size, concurrency and rate."""
+
+    max_request_body_bytes: Annotated[Int, Field(ge=1024), key("max_request_body_size")] = 16 * 1024 * 1024
+    max_inflight_requests: Annotated[Int, Field(ge=0)] = 0
+    requests_per_second: NonNegative = 0.0
+
+
+@dataclass(frozen=True)
+class ShutdownConfig:
+    """shutdown_config: the drain on SIGTERM."""
+
+    drain_timeout_s: Annotated[NonNegative, key("drain_timeout")] = 30.0
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """log_config."""
+
+    log_level: LogLevel = "INFO"
+    access_log: Bool = False
+
+
+# -- sections the Settings hold as one object each --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApiKeyConfig:
+    """api_key_config: the clients' keys on the inference port."""
+
+    enable_api_key: Bool = False
+    valid_keys: Annotated[tuple[str, ...], BeforeValidator(_key_list)] = ()
+    header_name: HeaderName = "Authorization"
+    key_prefix: Str = "Bearer "
+
+
+@dataclass(frozen=True)
+class MgmtApiKeyConfig(ApiKeyConfig):
+    """mgmt_api_key_config: the operators' keys on the management and observability ports."""
+
+    header_name: HeaderName = "X-Motor-Management-Key"
+    key_prefix: Str = ""
+
+
+def _keys_when_enabled(cfg: ApiKeyConfig) -> ApiKeyConfig:
+    if cfg.enable_api_key and not cfg.valid_keys:
+        raise refused("must list at least one key when enable_api_key is true", "valid_keys")
+    return cfg
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """infer_tls_config, mgmt_tls_config. MindIE spells the switch tls_enable: either spelling turns TLS on."""
+
+    enable_tls: Annotated[Bool, Field(validation_alias=AliasChoices("enable_tls", "tls_enable"))] = False
+    cert_file: Str = ""
+    key_file: Str = ""
+    ca_file: Str = ""
+
+
+def _one_tls_switch(data: Any) -> Any:
+    """Both spellings of the switch only if they agree (a tls_enable that is no boolean is refused as one)."""
+    if isinstance(data, dict) and "enable_tls" in data and "tls_enable" in data:
+        enable, alias = data["enable_tls"], data["tls_enable"]
+        if isinstance(enable, bool) and alias is not enable:
+            if isinstance(alias, bool):
+                raise refused("contradicts enable_tls (MindIE's spelling of the same switch)", "tls_enable")
+            data = {k: v for k, v in data.items() if k != "enable_tls"}  # pydantic then reads tls_enable alone
+    return data
+
+
+def _cert_and_key_when_enabled(tls: TlsConfig) -> TlsConfig:
+    if tls.enable_tls and not (tls.cert_file and tls.key_file):
+        raise refused("cert_file and key_file are required when enable_tls is true", "cert_file")
+    return tls
+
+
+def _ports_differ(api: ApiConfig) -> ApiConfig:
+    taken: dict[int, str] = {}  # port: the key that has it
+    for attr in ("infer_port", "mgmt_port", "obs_port"):
+        port, name = getattr(api, attr), config_key(ApiConfig, attr)
+        if port in taken:  # the later key clashes, as the deployer says it
+            raise refused(
+                f"clashes with {ROOT_KEY}.api_config.{taken[port]} ({port}); the three ports must differ", name
+            )
+        taken[port] = name
+    return api
+
+
+# -- models and instances ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One entry of `models`: a served model's SLOs and limits."""
+
+    id: NonEmptyStr
+    slo_ttft_ms: Annotated[Count, key("slo_ttft")] = 1000
+    slo_tpot_ms: Annotated[Count, key("slo_tpot")] = 50
+    p_max_seqlen: Count = 8192
+    d_max_seqlen: Count = 8192
+    engine_type: Annotated[Str, _one_of(ENGINE_TYPES)] = "vllm"
+    tokenizer_path: Str = ""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One engine process of an instance."""
+
+    id: Annotated[Int, Field(ge=0)]
+    address: Annotated[NonEmptyStr, AfterValidator(_valid_address)]  # "host:port"
+
+    @property
+    def base_url(self) -> str:
+        return engine_url(self.address)
+
+
+def _numbered_endpoints(value: Any) -> Any:
+    """A non-empty list; an endpoint without an id has its index, one without an address is refused as a string."""
+    if not isinstance(value, list) or not value:
+        raise refused("must be a non-empty list")
+    return [{"id": j, "address": None, **ep} if isinstance(ep, dict) else ep for j, ep in enumerate(value)]
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One entry of `instances` (or of a POST /instances/refresh body): an engine instance and its endpoints."""
+
+    id: Annotated[Int, Field(ge=0)]
+    role: Annotated[Str, _one_of(ROLES)]
+    model_name: NonEmptyStr
+    endpoints: Annotated[tuple[Endpoint, ...], BeforeValidator(_numbered_endpoints)]
+    engine_type: Annotated[Str, _one_of(ENGINE_TYPES)] = "vllm"
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "role": self.role,
+            "model_name": self.model_name,
+            "engine_type": self.engine_type,
+            "endpoints": [{"id": e.id, "address": e.address} for e in self.endpoints],
+        }
+
+
+def _absent_as_null(data: Any) -> Any:
+    """An absent key of an instance is refused as the type it lacks ("must be a string"), not as missing."""
+    if isinstance(data, dict):
+        return {"id": None, "role": None, "model_name": None, "endpoints": None, **data}
+    return data
+
+
+def _endpoint_ids_unique(inst: Instance) -> Instance:
+    # Logs, GET /instances and the metrics' (instance, endpoint) labels name endpoints by id.
+    seen: set[int] = set()
+    for j, ep in enumerate(inst.endpoints):
+        if ep.id in seen:
+            raise refused(f"duplicate endpoint id {ep.id} in instance {inst.id}", f"endpoints[{j}].id")
+        seen.add(ep.id)
+    return inst
+
+
+def _model_ids_unique(models: tuple[ModelConfig, ...]) -> tuple[ModelConfig, ...]:
+    if len({m.id for m in models}) != len(models):
+        raise refused("model ids must be unique")
+    return models
+
+
+# The schemas config.load validates against: the section's dataclass and its rules across keys.
+ApiSection = Annotated[ApiConfig, AfterValidator(_ports_differ)]
+ApiKeySection = Annotated[ApiKeyConfig, AfterValidator(_keys_when_enabled)]
+MgmtApiKeySection = Annotated[MgmtApiKeyConfig, AfterValidator(_keys_when_enabled)]
+TlsSwitch = Annotated[TlsConfig, BeforeValidator(_one_tls_switch)]  # the types and the switch, not the files
+TlsSection = Annotated[TlsSwitch, AfterValidator(_cert_and_key_when_enabled)]
+InstanceEntry = Annotated[Instance, BeforeValidator(_absent_as_null), AfterValidator(_endpoint_ids_unique)]
+ModelList = Annotated[tuple[ModelConfig, ...], AfterValidator(_model_ids_unique)]
+
+
+@cache
+def config_keys(cls: type) -> dict[str, tuple[str, ...]]:
+    """{attribute: the config keys that set it} of a section dataclass."""
+    hints = get_type_hints(cls, include_extras=True)
+    keys = {}
+    for f in dataclasses.fields(cls):
+        names: tuple[str, ...] = (f.name,)
+        for meta in getattr(hints[f.name], "__metadata__", ()):
+            if isinstance(meta, FieldInfo) and isinstance(meta.validation_alias, AliasChoices):
+                names = tuple(str(c) for c in meta.validation_alias.choices)
+            elif isinstance(meta, FieldInfo) and meta.alias:
+                names = (meta.alias,)
+        keys[f.name] = names
+    return keys
+
+
+def config_key(cls: type, attr: str) -> str:
+    """The config key of one attribute of a section dataclass."""
+    return config_keys(cls)[attr][0]

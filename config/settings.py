@@ -1,0 +1,60 @@
+"""The runtime settings: what app.py, handlers/, serving/, scheduling/ and engines/ read.
+
+`Settings` is assembled from the section models (config.sections): it inherits the fields of the sections
+whose keys are its own attributes (api_config, inference_workers_config, scheduler_config, ...), defaults
+included, and holds the other sections as one object each (`api_key`, `infer_tls`, `models`, ...). It is a
+plain frozen dataclass: reading it costs an attribute lookup, nothing validates it when code builds one
+(`Settings(retry_delay_s=0.2)`, `dataclasses.replace`), and only config.load builds one from a file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .sections import (
+    ApiConfig,
+    ApiKeyConfig,
+    ExceptionConfig,
+    Instance,
+    LogConfig,
+    MgmtApiKeyConfig,
+    ModelConfig,
+    RateLimitConfig,
+    SchedulerConfig,
+    ShutdownConfig,
+    TlsConfig,
+    WorkersConfig,
+)
+
+MAX_BACKOFF_S = 10.0  # the longest wait before one retry, however many retries and however long retry_delay
+
+
+@dataclass(frozen=True)
+class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, SchedulerConfig, WorkersConfig, ApiConfig):
+    # The bases in reverse order of user_config.json: a dataclass takes its fields from the last base first.
+    api_key: ApiKeyConfig = field(default_factory=ApiKeyConfig)
+    mgmt_api_key: ApiKeyConfig = field(default_factory=MgmtApiKeyConfig)
+    infer_tls: TlsConfig = field(default_factory=TlsConfig)
+    mgmt_tls: TlsConfig = field(default_factory=TlsConfig)
+    models: tuple[ModelConfig, ...] = ()
+    instances: tuple[Instance, ...] = ()
+    source_path: str = ""
+
+    def backoff_s(self, attempt: int) -> float:
+        """The wait after failed attempt `attempt` (0 = the first): retry_delay doubled each time, capped."""
+        return min(self.retry_delay_s * 2**attempt, MAX_BACKOFF_S)
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        for m in self.models:
+            if m.id == model_id:
+                return m
+        return None
+
+
+def with_models_for_instances(settings: Settings) -> Settings:
+    """Every model named by an instance is served, with default SLOs when the config does not list it."""
+    known = {m.id for m in settings.models}
+    extra = tuple(
+        ModelConfig(id=name) for name in dict.fromkeys(i.model_name for i in settings.instances) if name not in known
+    )
+    return replace(settings, models=settings.models + extra) if extra else settings
