@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
+from typing import Any
 
 from config import Settings
 from engines import EngineClient
@@ -38,10 +39,8 @@ class PrefillCall(Call[dict]):
     __slots__ = ("body",)
     engine = "prefill engine"
 
-    def __init__(
-        self, client: EngineClient, settings: Settings, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: bytes
-    ):
-        super().__init__(client, settings, job, leg, sink, rec)
+    def __init__(self, *call: Any, body: bytes):
+        super().__init__(*call)  # Call's own: client, settings, job, leg, sink, rec
         self.body = body
 
     async def attempt(self, rid: str) -> dict:
@@ -70,20 +69,8 @@ class DecodeCall(Call[None]):
     __slots__ = ("body", "fix", "obs", "recompute", "ticket")
     engine = "decode engine"
 
-    def __init__(
-        self,
-        client: EngineClient,
-        settings: Settings,
-        job: Job,
-        leg: Leg,
-        sink: Sink,
-        rec: RequestRecord,
-        observer: Observer,
-        body: bytes,
-        fix: UsageFix,
-        ticket: bool,
-    ):
-        super().__init__(client, settings, job, leg, sink, rec)
+    def __init__(self, *call: Any, observer: Observer, body: bytes, fix: UsageFix, ticket: bool):
+        super().__init__(*call)  # Call's own: client, settings, job, leg, sink, rec
         self.obs, self.body, self.fix, self.ticket = observer, body, fix, ticket
         self.recompute = not ticket  # the next try leaves P's ticket out (or there is none)
 
@@ -139,13 +126,15 @@ class Handoff:
         self, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: bytes, fix: UsageFix, ticket: bool = True
     ) -> Awaitable[None]:
         """The decode leg, with retries on other decode instances (see DecodeCall)."""
-        return self.retries.run(DecodeCall(self.client, self.s, job, leg, sink, rec, self.obs, body, fix, ticket))
+        return self.retries.run(
+            DecodeCall(self.client, self.s, job, leg, sink, rec, observer=self.obs, body=body, fix=fix, ticket=ticket)
+        )
 
     async def serve(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> None:
         d_leg = plan.leg(DECODE, learn=job.stream)
         hold = d_leg.hold()  # D's batch counts this request while its prefill runs
         try:
-            call = PrefillCall(self.client, self.s, job, plan.leg(PREFILL), sink, rec, prefill_leg(job))
+            call = PrefillCall(self.client, self.s, job, plan.leg(PREFILL), sink, rec, body=prefill_leg(job))
             p_resp = await self.retries.run(call)
         finally:
             hold.release()

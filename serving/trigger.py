@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable
+from typing import Any
 
 from config import Settings, split_address
 from engines import EngineClient
@@ -18,7 +19,7 @@ from errors import ANTHROPIC, Forbidden, dumps
 from scheduling.ledger import DECODE
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
-from scheduling.scheduler import Leg, NoCapacity, Plan, Scheduler
+from scheduling.scheduler import NoCapacity, Plan, Scheduler
 from serving.call import Sink
 from serving.handoff import Handoff
 from serving.job import Job
@@ -36,17 +37,8 @@ class KeptPrefillCall(WholeCall):
 
     __slots__ = ("usages",)
 
-    def __init__(
-        self,
-        client: EngineClient,
-        settings: Settings,
-        job: Job,
-        leg: Leg,
-        sink: Sink,
-        rec: RequestRecord,
-        usages: PrefillUsages,
-    ):
-        super().__init__(client, settings, job, leg, sink, rec)
+    def __init__(self, *call: Any, usages: PrefillUsages):
+        super().__init__(*call)  # Call's own: client, settings, job, leg, sink, rec
         self.usages = usages
 
     def answer(self, data: bytes) -> None:
@@ -107,7 +99,7 @@ class Trigger:
             except NoCapacity as e:
                 raise refusal(e, self.s) from None
         if role == "prefill":
-            call = KeptPrefillCall(self.client, self.s, job, leg, sink, rec, self.usages)
+            call = KeptPrefillCall(self.client, self.s, job, leg, sink, rec, usages=self.usages)
         else:
             call = WholeCall(self.client, self.s, job, leg, sink, rec)
         await self.retries.run(call)
