@@ -15,10 +15,10 @@ from collections.abc import Awaitable
 
 from config import ModelConfig, Settings
 from engines import EngineClient
-from errors import ANTHROPIC, InvalidRequest, NotFound
+from errors import InvalidRequest, NotFound
 from scheduling.admission import OverBudget
 from scheduling.health import Health
-from scheduling.ledger import DECODE, WHOLE
+from scheduling.ledger import WHOLE
 from scheduling.policies import JobInfo
 from scheduling.scheduler import NoCapacity, Plan, Scheduler
 from scheduling.tokens import (
@@ -29,11 +29,10 @@ from scheduling.tokens import (
 from serving.call import Sink
 from serving.handoff import Handoff
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
-from serving.legs import decode_leg
 from serving.observe import Observer, RequestRecord
 from serving.retries import Retries, refusal
 from serving.trigger import Trigger
-from serving.usage import PrefillUsages, UsageFix
+from serving.usage import PrefillUsages
 from serving.whole import CountTokensCall, WholeCall
 
 _DEFAULT_MODEL = ModelConfig("")  # a model served without a `models` entry has the default limits
@@ -47,6 +46,9 @@ _COUNT_ROLES = ("union", "prefill", "decode")  # any engine of the model counts 
 
 
 class Dispatcher:
+    """What the HTTP handler calls: `serve` one inference request (a Job) to its sink; `job_info` is what
+    the scheduler reads of it."""
+
     def __init__(
         self,
         settings: Settings,
@@ -113,8 +115,7 @@ class Dispatcher:
     def _serve_plan(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         if plan.disaggregated:
             if job.decode_computes_prompt:  # (see Job): no prefill leg, D alone
-                leg, fix = plan.leg(DECODE, learn=job.stream), UsageFix(None, job.api == ANTHROPIC)
-                return self.handoff.decode(job, leg, sink, rec, decode_leg(job, None), fix, ticket=False)
+                return self.handoff.decode_alone(job, plan, sink, rec)
             # Trigger mode is MindIE's metaserver protocol for OpenAI routes; Messages always use the handoff.
             if self.s.pd_dispatch == "trigger" and job.route != MESSAGES:
                 return self.trigger.serve(job, plan, sink, rec)

@@ -130,6 +130,11 @@ class Handoff:
             DecodeCall(self.client, self.s, job, leg, sink, rec, observer=self.obs, body=body, fix=fix, ticket=ticket)
         )
 
+    def decode_alone(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
+        """A request that the handoff cannot serve (Job.decode_computes_prompt): D alone, no ticket."""
+        leg, fix = plan.leg(DECODE, learn=job.stream), UsageFix(None, job.api == ANTHROPIC)
+        return self.decode(job, leg, sink, rec, decode_leg(job, None), fix, ticket=False)
+
     async def serve(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> None:
         d_leg = plan.leg(DECODE, learn=job.stream)
         hold = d_leg.hold()  # D's batch counts this request while its prefill runs
