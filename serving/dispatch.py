@@ -26,7 +26,7 @@ from scheduling.tokens import (
     COMPLETION as COMPLETION_PROMPT,
     MESSAGES as MESSAGES_PROMPT,
 )
-from serving.call import Sink
+from serving.call import Sink, Upstream
 from serving.handoff import Handoff
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
 from serving.observe import Observer, RequestRecord
@@ -58,11 +58,11 @@ class Dispatcher:
         observer: Observer,
         prefill_usages: PrefillUsages,
     ):
-        self.s, self.scheduler, self.client = settings, scheduler, client
+        self.s, self.scheduler = settings, scheduler
+        self.up = Upstream(client, settings, observer, prefill_usages)
         self.retries = Retries(settings, health, observer)
-        self.handoff = Handoff(settings, client, self.retries, observer)
-        # prefill_usages: P's usage in trigger mode, between workers
-        self.trigger = Trigger(settings, scheduler, client, self.retries, self.handoff, prefill_usages)
+        self.handoff = Handoff(self.up, self.retries)
+        self.trigger = Trigger(self.up, scheduler, self.retries, self.handoff)
 
     # -- entry points ----------------------------------------------------------------------------
 
@@ -101,7 +101,7 @@ class Dispatcher:
                 leg = self.scheduler.pick(info, _COUNT_ROLES)
             except NoCapacity as e:
                 raise refusal(e, self.s) from None
-            return self.retries.run(CountTokensCall(self.client, self.s, job, leg, sink, rec))
+            return self.retries.run(CountTokensCall(self.up, job, leg, sink, rec, job.raw))
         if job.metaserver is not None:
             return self.trigger.forward(job, info, sink, rec)
         try:
@@ -120,7 +120,7 @@ class Dispatcher:
             if self.s.pd_dispatch == "trigger" and job.route != MESSAGES:
                 return self.trigger.serve(job, plan, sink, rec)
             return self.handoff.serve(job, plan, sink, rec)
-        return self.retries.run(WholeCall(self.client, self.s, job, plan.leg(WHOLE, learn=job.stream), sink, rec))
+        return self.retries.run(WholeCall(self.up, job, plan.leg(WHOLE, learn=job.stream), sink, rec, job.raw))
 
     async def _serve_queued(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
         """The first plan after a wait in the admission queue (`scheduler_config.admission: queue`)."""

@@ -13,19 +13,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from typing import Any
 
-from config import Settings
-from engines import EngineClient
 from errors import ANTHROPIC, EngineStatusError, UpstreamError, UpstreamProtocolError, dumps
-from scheduling.ledger import DECODE, PREFILL
+from scheduling.ledger import DECODE, PREFILL, Lease
 from scheduling.registry import Target
 from scheduling.scheduler import Leg, Plan
 from scheduling.tokens import engine_uncached
-from serving.call import Call, Sink
+from serving.call import Call, Sink, Upstream
 from serving.job import Job
 from serving.legs import decode_leg, prefill_leg
-from serving.observe import Observer, RequestRecord
+from serving.observe import RequestRecord
 from serving.relay import relay
 from serving.retries import Retries
 from serving.usage import UsageFix, prefill_usage
@@ -36,21 +33,17 @@ log = logging.getLogger("coordinator.serving")
 class PrefillCall(Call[dict]):
     """The prefill leg (`body`: serving/legs.py's prefill body); its result is P's parsed answer."""
 
-    __slots__ = ("body",)
+    __slots__ = ()
     engine = "prefill engine"
 
-    def __init__(self, *call: Any, body: bytes):
-        super().__init__(*call)  # Call's own: client, settings, job, leg, sink, rec
-        self.body = body
-
     async def attempt(self, rid: str) -> dict:
-        t, rec = self.leg.target, self.rec
+        t, rec, up = self.leg.target, self.rec, self.up
         rec.prefill = t
         lease = self.leg.lease()
         started = time.monotonic()
         try:
-            _, data = await self.client.post(
-                t.url + self.job.route, self.body, rid, timeout_s=self.settings.first_token_timeout_s
+            _, data = await up.client.post(
+                t.url + self.job.route, self.body, rid, timeout_s=up.settings.first_token_timeout_s
             )
             rec.prefill_s = time.monotonic() - started
             resp = self.parsed(data)
@@ -66,12 +59,14 @@ class DecodeCall(Call[None]):
     """The decode leg: `body` is the client's with a ticket (P's, or trigger mode's) when `ticket`, and `fix`
     makes D's answer fit for the client. A retry after D's 5xx leaves the ticket out (`failed`)."""
 
-    __slots__ = ("body", "fix", "obs", "recompute", "ticket")
+    __slots__ = ("fix", "recompute", "ticket")
     engine = "decode engine"
 
-    def __init__(self, *call: Any, observer: Observer, body: bytes, fix: UsageFix, ticket: bool):
-        super().__init__(*call)  # Call's own: client, settings, job, leg, sink, rec
-        self.obs, self.body, self.fix, self.ticket = observer, body, fix, ticket
+    def __init__(
+        self, up: Upstream, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: bytes, fix: UsageFix, ticket: bool
+    ):
+        Call.__init__(self, up, job, leg, sink, rec, body)
+        self.fix, self.ticket = fix, ticket
         self.recompute = not ticket  # the next try leaves P's ticket out (or there is none)
 
     def attempt(self, rid: str) -> Awaitable[None]:
@@ -79,25 +74,15 @@ class DecodeCall(Call[None]):
         rec.target = self.leg.target
         if self.recompute and self.ticket and not rec.missed_handoff:  # counted when the try without it is made
             rec.missed_handoff = True
-            self.obs.missed_handoff(self.job, rec, "a decode engine failed with P's ticket")
+            self.up.obs.missed_handoff(self.job, rec, "a decode engine failed with P's ticket")
         if self.job.stream:
-            return relay(self, self.body, rid, self.fix)
-        return self._json(rid)
+            return relay(self, rid, self.fix)
+        return self.exchange(rid)
 
-    async def _json(self, rid: str) -> None:
-        rec = self.rec
-        lease = self.leg.lease()
-        try:
-            _, data = await self.client.post(
-                self.leg.target.url + self.job.route, self.body, rid, timeout_s=self.settings.infer_timeout_s
-            )
-            rec.first_token()
-            resp = self.parsed(data)
-            lease.succeed()
-            self.sink.json(200, dumps(self.fix.response(resp)) if isinstance(resp, dict) else data)
-        finally:
-            lease.release()
-            rec.decode_s = time.monotonic() - lease.started
+    def answer(self, data: bytes, lease: Lease) -> None:
+        resp = self.parsed(data)
+        lease.succeed()
+        self.sink.json(200, dumps(self.fix.response(resp)) if isinstance(resp, dict) else data)
 
     def failed(self, err: UpstreamError) -> None:
         # D answered 5xx and may not have been able to take P's KV (P died after answering, or its KV
@@ -118,17 +103,15 @@ class DecodeCall(Call[None]):
 class Handoff:
     """The handoff flow (`serve`), and the decode leg that trigger mode and D-only requests use too (`decode`)."""
 
-    def __init__(self, settings: Settings, client: EngineClient, retries: Retries, observer: Observer):
-        self.s, self.client, self.retries, self.obs = settings, client, retries, observer
+    def __init__(self, up: Upstream, retries: Retries):
+        self.up, self.s, self.retries = up, up.settings, retries
         self._detached: set[asyncio.Task] = set()  # fire-and-forget KV releases, referenced until done
 
     def decode(
         self, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: bytes, fix: UsageFix, ticket: bool = True
     ) -> Awaitable[None]:
         """The decode leg, with retries on other decode instances (see DecodeCall)."""
-        return self.retries.run(
-            DecodeCall(self.client, self.s, job, leg, sink, rec, observer=self.obs, body=body, fix=fix, ticket=ticket)
-        )
+        return self.retries.run(DecodeCall(self.up, job, leg, sink, rec, body, fix, ticket))
 
     def decode_alone(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """A request that the handoff cannot serve (Job.decode_computes_prompt): D alone, no ticket."""
@@ -139,7 +122,7 @@ class Handoff:
         d_leg = plan.leg(DECODE, learn=job.stream)
         hold = d_leg.hold()  # D's batch counts this request while its prefill runs
         try:
-            call = PrefillCall(self.client, self.s, job, plan.leg(PREFILL), sink, rec, body=prefill_leg(job))
+            call = PrefillCall(self.up, job, plan.leg(PREFILL), sink, rec, prefill_leg(job))
             p_resp = await self.retries.run(call)
         finally:
             hold.release()
@@ -147,7 +130,7 @@ class Handoff:
         if not isinstance(ticket, dict):
             ticket = None
             rec.missed_handoff = True
-            self.obs.missed_handoff(job, rec, "prefill returned no kv_transfer_params")
+            self.up.obs.missed_handoff(job, rec, "prefill returned no kv_transfer_params")
         fix = UsageFix(prefill_usage(p_resp), job.api == ANTHROPIC)
         try:
             await self.decode(job, d_leg, sink, rec, decode_leg(job, ticket), fix)
@@ -176,7 +159,7 @@ class Handoff:
 
     async def _post_release(self, request_id: str, url: str, remote_request_id: str) -> None:
         try:
-            await self.client.post(
+            await self.up.client.post(
                 url, dumps({"remote_request_id": remote_request_id}), request_id, timeout_s=self.s.connect_timeout_s
             )
             log.info("request_id=%s released prefill KV %r at %s", request_id, remote_request_id, url)

@@ -23,16 +23,16 @@ from serving.usage import EventSplitter, UsageFix
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the engine is silent, and proxies and clients must not time out
 
 
-async def relay(call: Call[None], body: bytes, rid: str, fix: UsageFix | None) -> None:
-    """One try of `call`'s leg as a stream of `body`; `fix`: the decode leg's usage fix-up (None: relayed as is)."""
-    sink, rec, job, target = call.sink, call.rec, call.job, call.leg.target
+async def relay(call: Call[None], rid: str, fix: UsageFix | None) -> None:
+    """One try of `call` as a stream; `fix`: the decode leg's usage fix-up (None: relayed as it came)."""
+    sink, rec, job, target, up = call.sink, call.rec, call.job, call.leg.target, call.up
     messages = job.route == MESSAGES  # a Messages stream's output count is in its message_delta
     fix_block = fix.events if fix is not None else None
     lease = call.leg.lease()
     try:
         splitter = EventSplitter()
-        async with call.client.stream(target.url + job.route, body, rid) as es:
-            async for chunk in es.chunks(call.settings.stream_keepalive_interval_s):
+        async with up.client.stream(target.url + job.route, call.body, rid) as es:
+            async for chunk in es.chunks(up.settings.stream_keepalive_interval_s):
                 if not chunk:
                     if sink.started:
                         await sink.send(KEEPALIVE)

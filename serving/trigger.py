@@ -11,57 +11,42 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable
-from typing import Any
 
 from config import Settings, split_address
-from engines import EngineClient
 from errors import ANTHROPIC, Forbidden, dumps
-from scheduling.ledger import DECODE
+from scheduling.ledger import DECODE, Lease
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
 from scheduling.scheduler import NoCapacity, Plan, Scheduler
-from serving.call import Sink
+from serving.call import Sink, Upstream
 from serving.handoff import Handoff
 from serving.job import Job
 from serving.legs import PREFILL_TICKET, decode_leg, prefill_body
 from serving.observe import RequestRecord
 from serving.resolve import RECHECK_AFTER_S, RESOLVED_FOR_S, addresses
 from serving.retries import Retries, refusal
-from serving.usage import PrefillUsages, UsageFix
+from serving.usage import UsageFix
 from serving.whole import WholeCall
 
 
 class KeptPrefillCall(WholeCall):
     """A metaserver call's prefill: P's answer goes back to D, and its usage is kept for the client request's
-    decode leg (`usages`)."""
+    decode leg (Upstream.usages)."""
 
-    __slots__ = ("usages",)
+    __slots__ = ()
 
-    def __init__(self, *call: Any, usages: PrefillUsages):
-        super().__init__(*call)  # Call's own: client, settings, job, leg, sink, rec
-        self.usages = usages
-
-    def answer(self, data: bytes) -> None:
-        self.usages.put(self.job.request_id, data)
-        self.sink.json(200, data)
+    def answer(self, data: bytes, lease: Lease) -> None:
+        self.up.usages.put(self.job.request_id, data)
+        WholeCall.answer(self, data, lease)
 
 
 class Trigger:
     """The client request's side (`serve`: D with the ticket) and the engine's (`forward`: its metaserver call)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        scheduler: Scheduler,
-        client: EngineClient,
-        retries: Retries,
-        handoff: Handoff,
-        usages: PrefillUsages,
-    ):
-        self.s, self.scheduler, self.client, self.retries = settings, scheduler, client, retries
-        self.handoff, self.usages = handoff, usages
+    def __init__(self, up: Upstream, scheduler: Scheduler, retries: Retries, handoff: Handoff):
+        self.up, self.s, self.scheduler, self.retries, self.handoff = up, up.settings, scheduler, retries, handoff
         # Made only in trigger mode: it may look up this host's address.
-        self.url = metaserver_url(settings) if settings.pd_dispatch == "trigger" else ""
+        self.url = metaserver_url(self.s) if self.s.pd_dispatch == "trigger" else ""
 
     def serve(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """D first: D asks this Coordinator's /v1/metaserver for the prefill on the P named here."""
@@ -77,7 +62,7 @@ class Trigger:
             "metaserver": self.url,
         }
         rec.prefill = p
-        fix = UsageFix.from_trigger(self.usages, job.request_id, job.api == ANTHROPIC)
+        fix = UsageFix.from_trigger(self.up.usages, job.request_id, job.api == ANTHROPIC)
         return self.handoff.decode(job, plan.leg(DECODE, learn=job.stream), sink, rec, decode_leg(job, ticket), fix)
 
     async def forward(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
@@ -98,10 +83,7 @@ class Trigger:
                 leg = self.scheduler.pick(info, (role, "union"), pinned=True, learn=job.stream)
             except NoCapacity as e:
                 raise refusal(e, self.s) from None
-        if role == "prefill":
-            call = KeptPrefillCall(self.client, self.s, job, leg, sink, rec, usages=self.usages)
-        else:
-            call = WholeCall(self.client, self.s, job, leg, sink, rec)
+        call = (KeptPrefillCall if role == "prefill" else WholeCall)(self.up, job, leg, sink, rec, job.raw)
         await self.retries.run(call)
 
     async def _named_target(self, model: str, role: str, ktp: dict) -> Target | None:

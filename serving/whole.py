@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
+from scheduling.ledger import Lease
 from serving.call import Call
 from serving.relay import relay
 
@@ -16,24 +17,11 @@ class WholeCall(Call[None]):
     def attempt(self, rid: str) -> Awaitable[None]:
         self.rec.target = self.leg.target
         if self.job.stream:
-            return relay(self, self.job.raw, rid, None)
-        return self._json(rid)
+            return relay(self, rid, None)
+        return self.exchange(rid)
 
-    async def _json(self, rid: str) -> None:
-        job, rec = self.job, self.rec
-        lease = self.leg.lease()
-        try:
-            _, data = await self.client.post(
-                self.leg.target.url + job.route, job.raw, rid, timeout_s=self.settings.infer_timeout_s
-            )
-            rec.first_token()
-            lease.succeed()  # the prefix is cached there now, and the prefill was done by now
-            self.answer(data)
-        finally:
-            lease.release()
-
-    def answer(self, data: bytes) -> None:
-        """The engine's JSON answer, to the client."""
+    def answer(self, data: bytes, lease: Lease) -> None:
+        lease.succeed()  # the prefix is cached there now, and the prefill was done by now
         self.sink.json(200, data)
 
 
@@ -43,9 +31,9 @@ class CountTokensCall(Call[None]):
     __slots__ = ()
 
     async def attempt(self, rid: str) -> None:
-        job = self.job
+        up = self.up
         self.rec.target = self.leg.target
-        _, data = await self.client.post(
-            self.leg.target.url + job.route, job.raw, rid, timeout_s=self.settings.first_token_timeout_s
+        _, data = await up.client.post(
+            self.leg.target.url + self.job.route, self.body, rid, timeout_s=up.settings.first_token_timeout_s
         )
         self.sink.json(200, data)
