@@ -46,7 +46,9 @@ from config import (
 from engines import EngineClient
 from errors import CoordinatorError, HeaderFieldsTooLarge, NotFound, PayloadTooLarge
 from handlers import register
-from handlers.common import INFER, MGMT, OBS, api_of_path, error_response, request_id
+from handlers.ids import request_id
+from handlers.planes import INFER, MGMT, OBS
+from handlers.sink import api_of_path, error_response
 from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry

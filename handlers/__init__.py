@@ -15,7 +15,8 @@ layer fewer per request.
 from sanic import Request, Sanic
 
 from handlers import anthropic, docs, management, metaserver, models, observability, openai
-from handlers.common import REQUEST_ID, check_plane, request_id
+from handlers.ids import REQUEST_ID, request_id
+from handlers.planes import check_plane
 
 
 # Plain functions, not coroutines: Sanic calls them without a coroutine to create and await.

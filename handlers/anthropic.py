@@ -3,7 +3,8 @@
 from sanic import Blueprint, Request
 
 from errors import ANTHROPIC
-from handlers.common import INFER, serve_inference
+from handlers.lifetime import serve_inference
+from handlers.planes import INFER
 from serving.job import COUNT_TOKENS, MESSAGES
 
 bp = Blueprint("anthropic")

@@ -20,7 +20,8 @@ from sanic_ext.extensions.openapi.builders import OperationStore
 from sanic_ext.extensions.openapi.extension import OpenAPIExtension
 
 from handlers import anthropic, management, metaserver, models, observability, openai
-from handlers.common import INFER, REQUEST_ID
+from handlers.ids import REQUEST_ID
+from handlers.planes import INFER
 
 DOCS_PREFIX = "/docs"
 

@@ -7,7 +7,8 @@ import logging
 import ujson
 from sanic import Blueprint, Request, json
 
-from handlers.common import MGMT, presented_key, valid_key
+from handlers.auth import presented_key, valid_key
+from handlers.planes import MGMT
 from scheduling.registry import RefreshError, parse_refresh_body
 from scheduling.status import instances_json
 

@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 from sanic import Blueprint, Request
 
 from errors import OPENAI
-from handlers.common import INFER, check_plane, serve_inference
+from handlers.lifetime import serve_inference
+from handlers.planes import INFER, check_plane
 from serving.job import METASERVER
 from serving.resolve import RECHECK_AFTER_S, RESOLVED_FOR_S, addresses, normal
 

@@ -14,7 +14,10 @@ from urllib.parse import unquote
 from sanic import Blueprint, Request, json
 
 from errors import ANTHROPIC, OPENAI, CoordinatorError, NotFound
-from handlers.common import ANTHROPIC_REQUEST_ID, INFER, REQUEST_ID, check_api_key, error_response, request_id
+from handlers.auth import check_api_key
+from handlers.ids import ANTHROPIC_REQUEST_ID, REQUEST_ID, request_id
+from handlers.planes import INFER
+from handlers.sink import error_response
 
 bp = Blueprint("models")
 

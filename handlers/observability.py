@@ -2,7 +2,7 @@
 
 from sanic import Blueprint, HTTPResponse, Request, json
 
-from handlers.common import OBS
+from handlers.planes import OBS
 
 bp = Blueprint("observability")
 

@@ -3,7 +3,8 @@
 from sanic import Blueprint, Request
 
 from errors import OPENAI
-from handlers.common import INFER, serve_inference
+from handlers.lifetime import serve_inference
+from handlers.planes import INFER
 from serving.job import CHAT, COMPLETIONS
 
 bp = Blueprint("openai")

@@ -49,11 +49,11 @@ class RefreshError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """One schedulable endpoint of one instance."""
+    """One schedulable endpoint of one instance: an engine a leg of a request can be sent to."""
 
     instance_id: int
     endpoint_id: int
-    slot: int
+    slot: int  # its column in the shared tables (ledger load, health, breaker), for as long as it is registered
     role: str
     model: str
     engine_type: str

@@ -39,12 +39,98 @@ class NoCapacity(Exception):
 
 @dataclass
 class Plan:
+    """Where a request goes: one engine (`target`), or a P/D pair (`prefill` and `target`).
+
+    `leg` gives each engine call of the plan as a `Leg`, which leases its engine and re-picks one for a retry.
+    """
+
     prefill: Target | None  # set for a P/D pair
     target: Target  # the decode target of a pair, or the one engine of a whole request
+    scheduler: Scheduler
+    job: JobInfo
 
     @property
     def disaggregated(self) -> bool:
         return self.prefill is not None
+
+    def leg(self, kind: str, learn: bool = True) -> Leg:
+        """The call `kind` names: WHOLE (the one engine), PREFILL (P of the pair) or DECODE (D of the pair).
+
+        A whole request's retry is planned whole again, a prefill's as a pair again (P is chosen with its D in
+        view), a decode's among the decode instances (its body carries P's ticket, which only they take).
+        """
+        if kind == PREFILL:
+            return Leg(self.scheduler, self.job, PREFILL, self.prefill, REPLAN)
+        return Leg(self.scheduler, self.job, kind, self.target, REPLAN if kind == WHOLE else ("decode",), learn)
+
+
+# Where a leg's retry goes besides its roles (`Leg.retry_roles`): planned again, or the same engine.
+REPLAN, PINNED = (), None
+
+
+class Leg:
+    """One engine call of a request as the scheduler placed it: a whole request, the prefill or decode half
+    of a P/D pair, or a single-engine call (count_tokens, a metaserver call).
+
+    `target` is the engine it goes to now; `lease()` takes that engine's load in the ledger for one try
+    (the caller releases the lease), `hold()` promises a decode engine's place while the prefill runs, and
+    `move()` re-picks an engine for a retry, the way the leg was chosen (`retry_roles`): planned again
+    (REPLAN), picked among those roles, or kept on the same engine (PINNED: a metaserver call names it).
+    """
+
+    __slots__ = ("job", "kind", "learn", "retry_roles", "scheduler", "target")
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        job: JobInfo,
+        kind: str,
+        target: Target,
+        retry_roles: tuple[str, ...] | None,
+        learn: bool = True,
+    ):
+        self.scheduler, self.job, self.kind, self.target = scheduler, job, kind, target
+        self.retry_roles = retry_roles
+        self.learn = learn  # its leases' timings may teach the learned model (see Scheduler.lease)
+
+    def lease(self) -> Lease:
+        return self.scheduler.lease(self.target, self.job, self.kind, self.learn)
+
+    def hold(self) -> Hold:
+        return self.scheduler.hold(self.target)
+
+    def can_move(self, exclude: set[int]) -> bool:
+        """Is there an engine to retry on besides the excluded slots?"""
+        try:
+            self._pick(frozenset(exclude))
+        except NoCapacity:
+            return False
+        return True
+
+    def move(self, exclude: set[int]) -> bool:
+        """Re-pick `target` for a retry: another engine, else the same one again; False when none is usable
+        (an open breaker), and `target` stays."""
+        try:
+            self.target = self._pick(frozenset(exclude))
+        except NoCapacity:
+            try:
+                self.target = self._pick(frozenset())
+            except NoCapacity:
+                return False
+        return True
+
+    def _pick(self, exclude: frozenset[int]) -> Target:
+        roles, sched, job = self.retry_roles, self.scheduler, self.job
+        if roles is PINNED:
+            return self.target
+        if roles:
+            return sched.pick_one(job.model, job, roles, exclude)
+        if self.kind == PREFILL:
+            plan = sched.plan(job, exclude)
+            if plan.prefill is None:
+                raise NoCapacity("no prefill instance left")
+            return plan.prefill
+        return sched.plan(job, exclude, allow_pd=False).target
 
 
 class Scheduler:
@@ -215,9 +301,11 @@ class Scheduler:
             ps, ds = self._usable(p_pool, exclude, job), self._usable(d_pool, exclude, job)
             if ps and ds:
                 if len(ps) == len(ds) == 1 and self.admission == OFF:
-                    return Plan(ps[0], ds[0])  # nothing to choose between and no verdict wanted: no predictions
+                    return Plan(
+                        ps[0], ds[0], self, job
+                    )  # nothing to choose between and no verdict wanted: no predictions
                 p, d = self.policy.choose_pair(ps, ds, job)
-                return Plan(p, d)
+                return Plan(p, d, self, job)
             whole = self._usable(u_pool, exclude, job) or ps or ds
         else:
             whole = (
@@ -228,8 +316,17 @@ class Scheduler:
         if not whole:
             raise NoCapacity(f"no healthy instance of model {model!r} is available")
         if len(whole) == 1 and self.admission == OFF:
-            return Plan(None, whole[0])
-        return Plan(None, self.policy.choose_whole(whole, job))
+            return Plan(None, whole[0], self, job)
+        return Plan(None, self.policy.choose_whole(whole, job), self, job)
+
+    def pick(self, job: JobInfo, roles: tuple[str, ...], pinned: bool = False, learn: bool = True) -> Leg:
+        """A single-engine call on one engine of `roles` (the first role that has a usable one; NoCapacity:
+        none), retried among them (count_tokens), or on the same engine when `pinned` (a metaserver call)."""
+        return Leg(self, job, WHOLE, self.pick_one(job.model, job, roles), PINNED if pinned else roles, learn)
+
+    def pin(self, target: Target, job: JobInfo, learn: bool = True) -> Leg:
+        """A whole-request call to `target` that its retries keep (a metaserver call names its engine)."""
+        return Leg(self, job, WHOLE, target, PINNED, learn)
 
     def pick_one(
         self, model: str, job: JobInfo, roles: tuple[str, ...], exclude: frozenset[int] = frozenset()

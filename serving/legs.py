@@ -14,6 +14,9 @@ from __future__ import annotations
 from errors import dumps
 from serving.job import MESSAGES, Job
 
+# A ticket is vLLM's `kv_transfer_params`: in P's body it asks P to keep the prompt's KV for a remote decode
+# (these fields, which P fills in its answer: where the blocks are); D's body carries P's answered ticket so
+# that D pulls that KV instead of computing the prompt.
 PREFILL_TICKET = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

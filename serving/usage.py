@@ -90,6 +90,51 @@ class PrefillUsages:
         return usage
 
 
+class UsageFix:
+    """How a decode leg's answer is made fit for the client: P's prompt counts in D's usage, P's ticket out.
+
+    P's usage is given (handoff: P's answer had it; None: nothing to put in), or in trigger mode looked up
+    when the first usage-bearing event comes (`PrefillUsages`, kept by the worker that relayed P's answer
+    to D; none of the prompt cached while not found). A D that computed the prompt itself (`own_prompt`)
+    reports its own counts. Token events carry no usage: they pass without a lookup or a parse.
+    """
+
+    __slots__ = ("anthropic", "p_usage", "request_id", "since_ns", "usages")
+
+    def __init__(self, p_usage: dict | None, anthropic: bool):
+        self.p_usage, self.anthropic = p_usage, anthropic
+        self.usages: PrefillUsages | None = None  # set by `from_trigger`: P's usage is looked up there
+        self.request_id, self.since_ns = "", 0
+
+    @classmethod
+    def from_trigger(cls, usages: PrefillUsages, request_id: str, anthropic: bool) -> UsageFix:
+        """P's usage written by D's metaserver call for `request_id`, which comes after now."""
+        fix = cls(None, anthropic)
+        fix.usages, fix.request_id, fix.since_ns = usages, request_id, time.monotonic_ns()
+        return fix
+
+    def own_prompt(self) -> None:
+        """D computes the prompt itself now (its body leaves P's ticket out): no trigger-mode lookup."""
+        self.usages = None
+
+    def counts(self) -> dict | None:
+        """P's usage for D's answer (None: D's own counts stand)."""
+        if self.usages is not None and self.p_usage is None:
+            self.p_usage = self.usages.get(self.request_id, self.since_ns)
+            return self.p_usage or NO_CACHED_PROMPT
+        return self.p_usage
+
+    def response(self, obj: dict) -> dict:
+        return fix_response(obj, self.counts(), self.anthropic)
+
+    def event(self, event: bytes) -> bytes:
+        return _fix_event(event, self.counts(), self.anthropic) if needs_fix(event) else event
+
+    def events(self, block: bytes) -> bytes:
+        marker = _next_marker(block, 0)
+        return block if marker < 0 else _fix_events_from(block, marker, self.counts(), self.anthropic)
+
+
 def fix_openai_usage(usage: dict, p_usage: dict | None) -> None:
     if not p_usage:
         return
@@ -180,8 +225,11 @@ def fix_events(block: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
     (a fast engine's whole stream can arrive as one block with its usage event last).
     """
     marker = _next_marker(block, 0)
-    if marker < 0:
-        return block
+    return block if marker < 0 else _fix_events_from(block, marker, p_usage, anthropic)
+
+
+def _fix_events_from(block: bytes, marker: int, p_usage: dict | None, anthropic: bool) -> bytes:
+    """`fix_events` from the first marker on (found by the caller)."""
     out, pos = [], 0
     while marker >= 0:
         start = block.rfind(b"\n\n", pos, marker)

@@ -448,7 +448,7 @@ def test_trigger_mode_tells_decode_engines_an_address_they_can_reach(monkeypatch
     import dataclasses
 
     from config import Settings
-    from serving.dispatch import metaserver_url
+    from serving.trigger import metaserver_url
 
     everywhere = dataclasses.replace(Settings(), host="0.0.0.0", infer_port=1025)
     monkeypatch.setenv("POD_IP", "10.4.0.17")

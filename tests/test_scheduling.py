@@ -549,6 +549,39 @@ def slots(sched: Scheduler) -> tuple[int, int]:
     return view.pool(MODEL, "prefill")[0].slot, view.pool(MODEL, "decode")[0].slot
 
 
+def test_a_leg_retries_where_it_was_chosen_and_leases_its_engine():
+    w = World("round_robin")
+    registry = Registry(w.shared)
+    registry.apply(
+        "set",
+        [
+            Instance(1, "prefill", MODEL, (Endpoint(0, "127.0.0.1:9001"),)),
+            Instance(2, "decode", MODEL, (Endpoint(0, "127.0.0.1:9002"),)),
+            Instance(3, "decode", MODEL, (Endpoint(0, "127.0.0.1:9003"),)),
+        ],
+    )
+    sched = Scheduler(registry, w.ledger, w.health, w.policy)
+    info = job()
+    plan = sched.try_admit(info)
+    decode, prefill = plan.leg(DECODE), plan.leg(PREFILL)
+    assert prefill.target is plan.prefill and decode.target is plan.target
+    first = decode.target
+    assert decode.can_move({first.slot}) and decode.move({first.slot})
+    assert decode.target.role == "decode" and decode.target is not first  # the other decode instance
+    alone = prefill.target
+    assert not prefill.can_move({alone.slot}) and prefill.move({alone.slot})  # no other P: the same one again
+    assert prefill.target is alone
+    pinned = sched.pin(first, info)
+    assert pinned.can_move({first.slot}) and pinned.move({first.slot}) and pinned.target is first
+    lease = decode.lease()
+    assert lease.kind == DECODE and w.ledger.requests(decode.target.slot) == 1
+    hold = decode.hold()
+    assert w.ledger.held(decode.target.slot) == 1
+    lease.release()
+    hold.release()
+    assert w.ledger.is_zero()
+
+
 def test_scheduler_leases_feed_the_model_and_the_index():
     sched, w = scheduler("slo_aware", "off")
     p, d = slots(sched)

@@ -1,0 +1,63 @@
+"""The one stream relay: an engine's SSE stream to the client, for every streamed leg (whole, decode, metaserver).
+
+It is the coroutine of one try itself (`Call.attempt` returns it), not a layer under one: every coroutine
+layer costs a loaded worker on each chunk's resumption. Only whole events go out: a keep-alive comment
+or an error event must never land inside one that the network cut in two. A decode leg's events pass
+through its `UsageFix` (P's counts in D's usage, P's ticket taken out); other streams pass as they came.
+The lease is released in `finally`, so cancellation (a client disconnect: Sanic cancels the handler) and
+errors both give the capacity back; leaving the `async with` closes the engine connection, which aborts
+the engine request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from errors import UpstreamProtocolError
+from scheduling.ledger import DECODE
+from serving.call import Call
+from serving.job import MESSAGES
+from serving.observe import MESSAGE_DELTA
+from serving.usage import EventSplitter, UsageFix
+
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the engine is silent, and proxies and clients must not time out
+
+
+async def relay(call: Call[None], rid: str, fix: UsageFix | None) -> None:
+    """One try of `call` as a stream; `fix`: the decode leg's usage fix-up (None: relayed as it came)."""
+    sink, rec, job, target, up = call.sink, call.rec, call.job, call.leg.target, call.up
+    messages = job.route == MESSAGES  # a Messages stream's output count is in its message_delta
+    fix_block = fix.events if fix is not None else None
+    lease = call.leg.lease()
+    try:
+        splitter = EventSplitter()
+        async with up.client.stream(target.url + job.route, call.body, rid) as es:
+            async for chunk in es.chunks(up.settings.stream_keepalive_interval_s):
+                if not chunk:
+                    if sink.started:
+                        await sink.send(KEEPALIVE)
+                    continue
+                if not sink.started:
+                    lease.first_token()
+                    rec.first_token()
+                    await sink.start_stream()
+                block = splitter.complete(chunk)
+                if block:
+                    events = block.count(b"data:")
+                    lease.events += events
+                    rec.events += events
+                    if fix_block is not None:
+                        block = fix_block(block)
+                    if messages and MESSAGE_DELTA in block:
+                        rec.message_delta(block)
+                    await sink.send(block, es.finished and not splitter.tail)
+            if splitter.tail.strip():  # the engine ended without the last event's blank line
+                rec.events += splitter.tail.count(b"data:")
+                await sink.send((splitter.tail if fix is None else fix.event(splitter.tail)) + b"\n\n")
+        if not sink.started:
+            raise UpstreamProtocolError(f"{call.engine} ended the stream without sending anything", detail=target.url)
+        lease.succeed()
+    finally:
+        lease.release()
+        if lease.kind == DECODE:  # the decode leg's time, for its histogram (serving/metrics.py)
+            rec.decode_s = time.monotonic() - lease.started

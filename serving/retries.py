@@ -1,0 +1,77 @@
+"""Retries before the first byte, the breaker's bookkeeping of each try, and the answer when no engine is left.
+
+A leg is retried only before the first byte reaches the client: connect errors, timeouts before the first
+byte, and engine 408/429/5xx, each try with a fresh engine request id and on another instance when one
+exists (`Leg.move`), backing off from `retry_delay`. After the first byte an error becomes one SSE error
+event (handlers/lifetime.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from config import Settings
+from errors import EngineStatusError, RateLimited, ServiceUnavailable, UpstreamError
+from scheduling.admission import OverBudget
+from scheduling.health import Health
+from scheduling.registry import Target
+from scheduling.scheduler import NoCapacity
+from serving.call import Call, T
+from serving.observe import Observer
+
+
+def refusal(e: NoCapacity | OverBudget, settings: Settings) -> ServiceUnavailable | RateLimited:
+    """Why a request gets no engine, as its answer: no usable instance (503) or over the SLO budget (429).
+
+    With no usable instance, the client is told to come back when an open breaker lets a probe through or
+    the next health check may have found an engine back.
+    """
+    if isinstance(e, OverBudget):
+        return RateLimited(str(e), retry_after_s=e.retry_after_s, reason="slo_budget")
+    return ServiceUnavailable(str(e), retry_after_s=max(settings.breaker_open_s, settings.health_check_interval_s))
+
+
+class Retries:
+    def __init__(self, settings: Settings, health: Health, observer: Observer):
+        self.s, self.health, self.obs = settings, health, observer
+
+    def record(self, target: Target, err: Exception | None) -> None:
+        """Feed the breaker: transport errors and 5xx count, 4xx (a prompt too long among them) and 501 do not."""
+        if err is None:
+            self.health.record_success(target.slot)
+        elif isinstance(err, EngineStatusError):
+            if not err.relayed:
+                self.health.record_failure(target.slot)
+            else:
+                self.health.record_success(target.slot)
+        elif isinstance(err, UpstreamError):
+            self.health.record_failure(target.slot)
+
+    async def run(self, call: Call[T]) -> T:
+        """Try `call` until it succeeds, or fails in a way no retry can help; its last error is raised."""
+        job, leg, rec, sink = call.job, call.leg, call.rec, call.sink
+        attempt, exclude = 0, set()
+        while True:
+            target = leg.target
+            rid = job.request_id if attempt == 0 else f"{job.request_id}-{attempt}"
+            self.health.attempt(target.slot)
+            try:
+                result = await call.attempt(rid)
+            except UpstreamError as e:
+                call.failed(e)
+                if target.slot not in exclude:  # one request retried on one engine is one failure to its breaker
+                    self.record(target, e)
+                if not e.retryable or sink.started or attempt >= self.s.max_retry:
+                    raise
+                exclude.add(target.slot)
+                if getattr(e, "retry_after", None) not in (None, "0") and not leg.can_move(exclude):
+                    raise  # no other engine, and this one asked for time (429/503 with Retry-After): the client waits it
+                await asyncio.sleep(self.s.backoff_s(attempt))
+                if not leg.move(exclude):  # (an open breaker): no retry happens, so none is counted
+                    raise e from None
+                attempt += 1
+                rec.retries += 1
+                self.obs.retry(job, target, e)
+                continue
+            self.record(target, None)
+            return result

@@ -1,0 +1,39 @@
+"""Single-engine calls: a whole request on one engine (streamed or JSON), and Anthropic's count_tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+
+from scheduling.ledger import Lease
+from serving.call import Call
+from serving.relay import relay
+
+
+class WholeCall(Call[None]):
+    """The client's own body to one engine, its answer relayed as it came."""
+
+    __slots__ = ()
+
+    def attempt(self, rid: str) -> Awaitable[None]:
+        self.rec.target = self.leg.target
+        if self.job.stream:
+            return relay(self, rid, None)
+        return self.exchange(rid)
+
+    def answer(self, data: bytes, lease: Lease) -> None:
+        lease.succeed()  # the prefix is cached there now, and the prefill was done by now
+        self.sink.json(200, data)
+
+
+class CountTokensCall(Call[None]):
+    """/v1/messages/count_tokens: the engine counts; nothing is leased (it generates nothing)."""
+
+    __slots__ = ()
+
+    async def attempt(self, rid: str) -> None:
+        up = self.up
+        self.rec.target = self.leg.target
+        _, data = await up.client.post(
+            self.leg.target.url + self.job.route, self.body, rid, timeout_s=up.settings.first_token_timeout_s
+        )
+        self.sink.json(200, data)
