@@ -162,7 +162,7 @@ def busy(sched: Scheduler, t: Target, requests: int) -> None:
 
 
 class Request:
-    """One chat request's scheduling, as serving/dispatch.py does it, short of any engine call."""
+    """One chat request's scheduling, as serving/dispatch.py and its flows do it, short of any engine call."""
 
     def __init__(self, sched: Scheduler, body: dict):
         self.sched, self.body = sched, body
