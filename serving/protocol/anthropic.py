@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from pydantic import Field, InstanceOf, ValidationInfo, field_validator
 from typing_extensions import TypedDict
 
-from serving.protocol import MESSAGE_CONFIG, Body, Refusal, Request, Role, Stream, Tools, messages, passed, read, refuse
+from serving.protocol import OPEN_SHAPE, Refusal, Request, Role, Stream, Tools, messages, passed, read, refuse
 
 MIN_THINKING_BUDGET = 1024
 
@@ -22,7 +22,7 @@ class AnthropicMessage(TypedDict):
     """`system` (which Claude Code sends inside `messages`), `user` or `assistant`: which roles exist is the
     engine's to judge. Other keys pass."""
 
-    __pydantic_config__ = MESSAGE_CONFIG
+    __pydantic_config__ = OPEN_SHAPE
     role: Annotated[Role, Field(description="user, assistant or system")]
     content: Annotated[
         str | InstanceOf[list],
@@ -31,9 +31,10 @@ class AnthropicMessage(TypedDict):
     ]
 
 
-class Thinking(Body):
+class Thinking(TypedDict, total=False):
+    __pydantic_config__ = OPEN_SHAPE
     type: passed(str, "enabled or disabled")
-    budget_tokens: read(int) = None
+    budget_tokens: read(int)
 
 
 class CountTokensRequest(Request):
@@ -85,8 +86,8 @@ class MessagesRequest(Request):
     @field_validator("thinking")
     @classmethod
     def _budget(cls, thinking: Any, info: ValidationInfo) -> Any:
-        if isinstance(thinking, Thinking) and thinking.type == "enabled":
-            budget, param = thinking.budget_tokens, "thinking.budget_tokens"
+        if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+            budget, param = thinking.get("budget_tokens"), "thinking.budget_tokens"
             if not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
                 raise refuse(f"'thinking.budget_tokens' must be an integer >= {MIN_THINKING_BUDGET}", param=param)
             max_tokens = info.data.get("max_tokens")  # (absent: refused already)

@@ -16,7 +16,7 @@ from pydantic_core import PydanticKnownError
 from typing_extensions import TypedDict
 
 from serving.protocol import (
-    MESSAGE_CONFIG,
+    OPEN_SHAPE,
     Body,
     MaxTokens,
     Refusal,
@@ -39,7 +39,7 @@ class ChatTurn(TypedDict):
     """A message: which roles exist is the engine's to judge (vLLM takes any role string, custom roles such
     as Llama's `ipython` too); null content is the engine's to judge. Other keys (name, tool_calls, ...) pass."""
 
-    __pydantic_config__ = MESSAGE_CONFIG
+    __pydantic_config__ = OPEN_SHAPE
     role: Annotated[Role, Field(description="system, developer, user, assistant, tool or a template's own role")]
     content: Annotated[Content, Refusal("{param} must be a string or a list of parts", missing="{param} is required")]
 
@@ -47,7 +47,7 @@ class ChatTurn(TypedDict):
 class AssistantTurn(TypedDict):
     """An assistant turn may omit its content (tool or function calls only)."""
 
-    __pydantic_config__ = MESSAGE_CONFIG
+    __pydantic_config__ = OPEN_SHAPE
     role: Literal["assistant"]
     content: NotRequired[Annotated[Content, Refusal("{param} must be a string or a list of parts")]]
 
