@@ -59,8 +59,9 @@ class Refusal:
 
 
 def refuse(message: str, param: str | None = None, at: str | None = None) -> PydanticCustomError:
-    """A validator's refusal: its message as is and its `param`; or, given `at` (a field of the model the
-    validator checks), a message template whose `{param}` and the param are the path of that field."""
+    """A validator's refusal: its message as is and its `param` (else the checked field's path); or, given
+    `at` (a path below the checked field: `content`, `[2].role`), a message template whose `{param}`, and the
+    param, are that path in full."""
     return PydanticCustomError("refused", "{message}", {"message": message, "param": param, "at": at})
 
 
@@ -92,7 +93,7 @@ def _invalid(model: type[BaseModel], error: dict) -> InvalidRequest:
     if error["type"] == "refused":
         ctx = error["ctx"]
         if ctx["at"]:
-            at = f"{param}{'' if ctx['at'].startswith('[') else '.'}{ctx['at']}" if param else ctx["at"]
+            at = param + ("" if ctx["at"].startswith("[") else ".") + ctx["at"]
             return InvalidRequest(ctx["message"].format(param=at), param=at)
         return InvalidRequest(ctx["message"], param=ctx["param"] or param)
     if refusal is None:  # a model's own shape (the body itself is checked before any model sees it)

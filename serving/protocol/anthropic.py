@@ -32,6 +32,8 @@ class AnthropicMessage(TypedDict):
 
 
 class Thinking(TypedDict, total=False):
+    """Extended thinking; its budget is checked when it is enabled."""
+
     __pydantic_config__ = OPEN_SHAPE
     type: passed(str, "enabled or disabled")
     budget_tokens: read(int)

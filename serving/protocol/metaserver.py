@@ -16,7 +16,6 @@ MAX_REQUEST_ID = 128
 class KvTransferParams(Body):
     request_id: Annotated[
         str,
-        # (checked in Python: see NonEmpty)
         *NonEmpty,
         Field(json_schema_extra={"maxLength": MAX_REQUEST_ID, "pattern": f"^{VISIBLE.pattern}$"}),
         Refusal("'kv_transfer_params.request_id' is required"),
