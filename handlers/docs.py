@@ -1,8 +1,9 @@
 """OpenAPI documentation of the inference port: sanic-ext's spec at /docs/openapi.json, ReDoc at /docs.
 
-The dataclasses below only describe bodies for readers of the spec; nothing validates against them.
-OpenAI and Anthropic bodies carry fields the Coordinator does not model and must pass them through to
-the engines, which sanic-ext's `@validate` would refuse (it rejects unknown fields). Of sanic-ext only
+Request bodies are the JSON schemas of the models that validate them (serving/protocol/), turned into
+OpenAPI 3.0's dialect; their fields are what the Coordinator reads, and any other field is passed to the
+engines (`additionalProperties`). The dataclasses below describe answers for readers of the spec alone:
+the Coordinator relays the engines' answers and renders its own errors (errors/). Of sanic-ext only
 the OpenAPI extension is loaded: injection, CORS and the automatic HEAD/OPTIONS routes would add work
 to every request. The docs routes belong to the inference plane, so the plane guard serves them there
 and nowhere else. The ReDoc page loads its script from a CDN in the reader's browser; the Coordinator
@@ -14,59 +15,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
 from sanic import Sanic
 from sanic_ext import openapi
-from sanic_ext.extensions.openapi.builders import OperationStore
+from sanic_ext.extensions.openapi.builders import OperationStore, SpecificationBuilder
 from sanic_ext.extensions.openapi.extension import OpenAPIExtension
 
 from handlers import anthropic, management, metaserver, models, observability, openai
 from handlers.ids import REQUEST_ID
 from handlers.planes import INFER
+from serving.protocol import anthropic as anthropic_protocol, openai as openai_protocol
+from serving.protocol.metaserver import MetaserverCall
 
 DOCS_PREFIX = "/docs"
 
 
 @dataclass
-class ChatMessage:
-    role: str  # system, developer, user, assistant or tool
-    content: str | list[dict[str, Any]]
-
-
-@dataclass
-class StreamOptions:
-    include_usage: bool = False
-
-
-@dataclass
-class ChatCompletionRequest:
-    """Any other field (tools, response_format, top_k, ...) is passed to the engine unchanged."""
-
-    model: str
-    messages: list[ChatMessage]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-
-
-@dataclass
-class CompletionRequest:
-    """Any other field is passed to the engine unchanged."""
-
-    model: str
-    prompt: str | list[str] | list[int]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+class AssistantMessage:
+    role: str  # assistant
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -80,7 +48,7 @@ class Usage:
 @dataclass
 class ChatChoice:
     index: int
-    message: ChatMessage
+    message: AssistantMessage
     finish_reason: str | None
 
 
@@ -129,28 +97,6 @@ class OpenAIError:
 
 
 @dataclass
-class MessagesRequest:
-    """Anthropic Messages; any other field is passed to the engine unchanged."""
-
-    model: str
-    messages: list[ChatMessage]
-    max_tokens: int
-    system: str | list[dict[str, Any]] | None = None
-    stream: bool = False
-    temperature: float | None = None
-    stop_sequences: list[str] | None = None
-    tools: list[dict[str, Any]] | None = None
-
-
-@dataclass
-class CountTokensRequest:
-    model: str
-    messages: list[ChatMessage]
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-
-
-@dataclass
 class AnthropicUsage:
     input_tokens: int
     output_tokens: int
@@ -185,27 +131,6 @@ class AnthropicError:
     type: str  # error
     error: AnthropicErrorBody
     request_id: str  # the request's id, also sent as the `request-id` and X-Request-Id headers
-
-
-@dataclass
-class KvTransferParams:
-    request_id: str
-    do_remote_decode: bool = False
-    do_remote_prefill: bool = False
-    remote_engine_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | str | None = None
-
-
-@dataclass
-class MetaserverRequest:
-    """An engine's PD forwarding call (pd_dispatch: trigger); the target must be a registered instance."""
-
-    model: str
-    kv_transfer_params: KvTransferParams
-    messages: list[ChatMessage] | None = None
-    prompt: str | list[str] | list[int] | None = None
-    stream: bool = False
 
 
 @dataclass
@@ -259,7 +184,43 @@ def _responses(ok: Any, error: Any, statuses: tuple[int, ...] = _INFERENCE_ERROR
     return out
 
 
-def _document(handler, summary: str, tag: str, body: Any, ok: Any, error: Any, **kw) -> None:
+def openapi_schema(model: type[BaseModel]) -> tuple[dict, dict]:
+    """A request model's JSON schema in OpenAPI 3.0's dialect, and the schemas it refers to (components)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = {name: _oas30(sub) for name, sub in schema.pop("$defs", {}).items()}
+    return _oas30(schema), components
+
+
+def request_schema(model: type[BaseModel]) -> dict:
+    """A request body's schema for the spec, the schemas it refers to added to its components."""
+    schema, components = openapi_schema(model)
+    for name, sub in components.items():
+        SpecificationBuilder().add_component("schemas", name, sub)
+    return schema
+
+
+def _oas30(node: Any) -> Any:
+    """pydantic writes JSON Schema 2020-12; OpenAPI 3.0 spells a null alternative `nullable` and a constant `enum`."""
+    if isinstance(node, list):
+        return [_oas30(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _oas30(v) for k, v in node.items()}
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    alternatives = node.get("anyOf")
+    if alternatives and {"type": "null"} in alternatives:
+        rest = [x for x in alternatives if x != {"type": "null"}]
+        del node["anyOf"]
+        node["nullable"] = True
+        if len(rest) == 1:
+            node.update({"allOf": rest} if "$ref" in rest[0] else rest[0])
+        else:
+            node["anyOf"] = rest
+    return node
+
+
+def _document(handler, summary: str, tag: str, body: dict | None, ok: Any, error: Any, **kw) -> None:
     openapi.definition(
         summary=summary,
         description=_PASS_THROUGH if body is not None else None,
@@ -273,7 +234,7 @@ def _document(handler, summary: str, tag: str, body: Any, ok: Any, error: Any, *
     )(handler)
     if body is not None:
         # Straight to the builder: `openapi.body` would wrap the handler, one more call on every request.
-        OperationStore()[handler].body({"application/json": body})
+        OperationStore()[handler].body({"application/json": {"schema": body}}, required=True)
 
 
 def mount(app: Sanic) -> None:
@@ -296,11 +257,18 @@ def mount(app: Sanic) -> None:
         openai.chat_completions,
         "Chat completion (JSON or SSE)",
         "OpenAI",
-        ChatCompletionRequest,
+        request_schema(openai_protocol.ChatCompletionRequest),
         ChatCompletion,
         OpenAIError,
     )
-    _document(openai.completions, "Text completion (JSON or SSE)", "OpenAI", CompletionRequest, Completion, OpenAIError)
+    _document(
+        openai.completions,
+        "Text completion (JSON or SSE)",
+        "OpenAI",
+        request_schema(openai_protocol.CompletionRequest),
+        Completion,
+        OpenAIError,
+    )
     _document(
         models.list_models,
         "Served models with SLOs and live instance counts (Anthropic's shape when the "
@@ -321,13 +289,18 @@ def mount(app: Sanic) -> None:
         statuses=(401, 404),
     )
     _document(
-        anthropic.messages, "Anthropic Messages (JSON or SSE)", "Anthropic", MessagesRequest, Message, AnthropicError
+        anthropic.messages,
+        "Anthropic Messages (JSON or SSE)",
+        "Anthropic",
+        request_schema(anthropic_protocol.MessagesRequest),
+        Message,
+        AnthropicError,
     )
     _document(
         anthropic.count_tokens,
         "Count the tokens of a Messages request",
         "Anthropic",
-        CountTokensRequest,
+        request_schema(anthropic_protocol.CountTokensRequest),
         TokenCount,
         AnthropicError,
     )
@@ -335,7 +308,18 @@ def mount(app: Sanic) -> None:
         metaserver.metaserver,
         "PD forwarding for engines (pd_dispatch: trigger)",
         "Internal",
-        MetaserverRequest,
+        # The control object, on a chat or completions body as an engine rewrote it.
+        {
+            "allOf": [
+                request_schema(MetaserverCall),
+                {
+                    "anyOf": [
+                        request_schema(openai_protocol.ChatCompletionBody),
+                        request_schema(openai_protocol.CompletionBody),
+                    ]
+                },
+            ]
+        },
         ChatCompletion,
         OpenAIError,
         statuses=(400, 403, 404, 413, 415, 502, 503, 504),

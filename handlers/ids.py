@@ -6,7 +6,7 @@ from random import getrandbits
 
 from sanic import Request
 
-from serving.job import VISIBLE
+from serving.protocol import VISIBLE
 
 REQUEST_ID = "X-Request-Id"
 # Anthropic routes send the same id as `request-id` too: Anthropic's SDK reads that header

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduling.registry import Target
-from serving.job import CHAT, COMPLETIONS, MESSAGES, VISIBLE
+from serving.job import CHAT, COMPLETIONS, MESSAGES
+from serving.protocol import VISIBLE
 
 log = logging.getLogger("coordinator.request")
 
