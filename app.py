@@ -53,9 +53,9 @@ from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.scheduler import build_scheduler
-from serving.admission import Admission
 from serving.background import Background
 from serving.dispatch import Dispatcher
+from serving.door import Door
 from serving.metrics import PrometheusObserver, clear_stale_files
 from serving.usage import PrefillUsages
 from state.shared import SharedState, worker_index
@@ -135,7 +135,7 @@ def create_app(settings: Settings) -> Sanic:
         ctx.scheduler = build_scheduler(settings, shared, ctx.registry, ctx.ledger, ctx.health)
         ctx.client = EngineClient(settings)
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
-        ctx.admission = Admission(settings, shared, worker)
+        ctx.door = Door(settings, shared, worker)
         ctx.dispatcher = Dispatcher(
             settings,
             ctx.scheduler,
@@ -156,7 +156,7 @@ def create_app(settings: Settings) -> Sanic:
     @app.before_server_stop
     async def drain(app: Sanic):
         # Readiness turns false and new requests get 503 at once; in-flight ones get the drain window.
-        await app.ctx.admission.drain(settings.drain_timeout_s)
+        await app.ctx.door.drain(settings.drain_timeout_s)
         # The management and metrics ports stop in Sanic tasks of their own ("RunServer"), which run these
         # listeners too; Sanic's cleanup then waits for them without running the loop and spins forever
         # (sanic/app.py shutdown_tasks). So the primary server lets them finish here, while the loop runs.
@@ -177,7 +177,7 @@ def create_app(settings: Settings) -> Sanic:
         stopping: list[asyncio.Task] = []
 
         async def drain_then_stop() -> None:
-            await app.ctx.admission.drain(settings.drain_timeout_s)
+            await app.ctx.door.drain(settings.drain_timeout_s)
             app.stop(terminate=False)
 
         def on_signal() -> None:

@@ -55,7 +55,7 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         rec.model, rec.stream = job.model, job.stream
         if job.stream and api == OPENAI and job.include_usage:
             rec.usage_event = True
-        with ctx.admission.admit() if from_client else ctx.admission.attend():
+        with ctx.door.admit() if from_client else ctx.door.attend():
             await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()
@@ -65,7 +65,7 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         return await _fail(sink, rec, e, api, rid)
     except asyncio.CancelledError:
         task = asyncio.current_task()
-        if not ctx.admission.was_cut(task):  # the client went away: nothing to answer
+        if not ctx.door.was_cut(task):  # the client went away: nothing to answer
             rec.status = 499
             if from_client:  # an engine's metaserver call ends with its client's request, counted there
                 rec.disconnect_phase = "streaming" if sink.started else "before_first_byte"

@@ -34,7 +34,7 @@ async def liveness(request: Request):
 @bp.get("/readiness", ctx_plane=MGMT)
 async def readiness(request: Request):
     ctx = request.app.ctx
-    if ctx.admission.draining:
+    if ctx.door.draining:
         return json({"status": "ok", "message": "draining", "ready": False}, status=503)
     view = ctx.registry.view()
     servable = _servable_models(view, ctx.health)

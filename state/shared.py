@@ -77,7 +77,7 @@ GLOBAL_FIELDS = 16
 # Per-worker rows, one per Sanic worker index: admission counters and the heartbeat. Each worker writes only
 # its own row, the caps sum the rows, and the main process zeroes the row of a worker that died (nothing
 # else writes it) and watches the heartbeats (workers/supervisor.py).
-W_INFLIGHT = 0  # requests admitted and being served (serving/admission.py)
+W_INFLIGHT = 0  # requests admitted and being served (serving/door.py)
 W_QUEUED = 1  # requests waiting in this worker's SLO admission queue (scheduling/admission.py)
 W_HEARTBEAT_MS = 2  # when the worker's event loop last ran its heartbeat (CLOCK_MONOTONIC ms; 0: not yet)
 WORKER_FIELDS = 4

@@ -19,7 +19,7 @@ import pytest
 
 from config import Settings
 from harness.bodies import chat_body
-from serving.admission import Admission
+from serving.door import Door
 from state.shared import G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, SharedState
 from tests.support import Coordinator, coordinator_config, free_port, instance, sse_events, wait_until
 
@@ -83,7 +83,7 @@ def c(cluster):
 def test_rate_limit_bucket_survives_a_stamp_ahead_of_the_clock():
     """Tokens refill with elapsed time; a stamp later than now (a clock stepped back) must not drain the
     bucket for as long as the step (it refused every request for a minute after an NTP correction)."""
-    admission = Admission(dataclasses.replace(Settings(), requests_per_second=20.0), SharedState.create())
+    admission = Door(dataclasses.replace(Settings(), requests_per_second=20.0), SharedState.create())
     assert [admission._take_rate_token() == 0.0 for _ in range(21)] == [True] * 20 + [False]  # a burst of 20
     time.sleep(0.1)
     assert admission._take_rate_token() == 0.0  # refilled at 20 a second
@@ -100,7 +100,7 @@ def test_rate_limit_refills_at_its_rate_however_often_it_is_asked(rate, expected
     refill. Each call's refill is a fraction of a milli-token here: the bucket once dropped it and moved its
     stamp to now anyway, so nothing refilled and only the burst was admitted. The clock is driven."""
     now = [1000.0]
-    admission = Admission(
+    admission = Door(
         dataclasses.replace(Settings(), requests_per_second=rate), SharedState.create(), clock=lambda: now[0]
     )
     admitted = 0
@@ -115,7 +115,7 @@ def test_the_drain_waits_for_an_engines_metaserver_call_which_takes_no_place():
     worker's drain must not stop it (it is half of a request another worker holds), nor count it in flight."""
 
     async def main() -> None:
-        admission = Admission(Settings(), SharedState.create())
+        admission = Door(Settings(), SharedState.create())
         release = asyncio.Event()
 
         async def metaserver_call() -> None:

@@ -1,4 +1,6 @@
-"""Admission at the door: draining, the global in-flight cap and the rate limit, held across all workers.
+"""The door: draining, the global in-flight cap and the rate limit, held across all workers.
+
+(SLO admission, which decides by predicted latency, is scheduling/admission.py.)
 
 Each worker counts its requests in flight in its own row of shared memory (`SharedState.workers`); the cap
 check sums the rows and takes a place under the shared lock, so N workers admit what the configuration
@@ -34,18 +36,18 @@ from state.shared import (
 class Admitted:
     """An admitted request's place: counted in flight, and known to this worker's drain, until released."""
 
-    __slots__ = ("admission", "task")
+    __slots__ = ("door", "task")
 
-    def __init__(self, admission: Admission):
-        self.admission, self.task = admission, None
+    def __init__(self, door: Door):
+        self.door, self.task = door, None
 
     # A plain (not async) context manager: entering and leaving never wait, so they need no coroutines.
     def __enter__(self) -> None:
         self.task = asyncio.current_task()
-        self.admission.local.add(self.task)
+        self.door.local.add(self.task)
 
     def __exit__(self, *exc) -> None:
-        self.admission._leave(self.task)
+        self.door._leave(self.task)
 
 
 class Attended(Admitted):
@@ -55,10 +57,10 @@ class Attended(Admitted):
     __slots__ = ()
 
     def __exit__(self, *exc) -> None:
-        self.admission.local.discard(self.task)
+        self.door.local.discard(self.task)
 
 
-class Admission:
+class Door:
     def __init__(
         self,
         settings: Settings,
@@ -123,7 +125,7 @@ class Admission:
             return (1000 - tokens) / (1000 * self.rate)
 
     def admit(self) -> Admitted:
-        """Let one request in, or raise why not: `with admission.admit():` holds its place until the block ends."""
+        """Let one request in, or raise why not: `with door.admit():` holds its place until the block ends."""
         g = self.shared.globals
         if self.stopping or g[G_DRAINING]:
             raise ServiceUnavailable.draining()
@@ -145,7 +147,7 @@ class Admission:
         return Admitted(self)
 
     def attend(self) -> Attended:
-        """`with admission.attend():` the drain waits for the block as for an admitted request; no place is taken,
+        """`with door.attend():` the drain waits for the block as for an admitted request; no place is taken,
         and a draining worker does not refuse it (the client request it belongs to is already in)."""
         return Attended(self)
 
