@@ -1039,30 +1039,17 @@ def main(argv: list[str] | None = None) -> int:
                 [Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir, python=opts.python)] if 1 in workers else []
             )
             try:
+                # One more Coordinator on another interpreter, or from another source tree.
+                also = []
                 if opts.python_also:
-                    pair.append(
-                        Coordinator(
-                            engines,
-                            1,
-                            "INFO",
-                            gw_core_sets[1],
-                            workdir,
-                            python=opts.python_also,
-                            python_label=f"python {python_version(opts.python_also)}",
-                        )
-                    )
+                    also.append((opts.python_also, ROOT, f"python {python_version(opts.python_also)}"))
                 if opts.tree_also:
                     tree = os.path.abspath(opts.tree_also)
+                    also.append((opts.python, tree, f"tree {tree_label(tree)}"))
+                for python, root, label in also:
                     pair.append(
                         Coordinator(
-                            engines,
-                            1,
-                            "INFO",
-                            gw_core_sets[1],
-                            workdir,
-                            root=tree,
-                            python=opts.python,
-                            python_label=f"tree {tree_label(tree)}",
+                            engines, 1, "INFO", gw_core_sets[1], workdir, root=root, python=python, python_label=label
                         )
                     )
                 if not opts.no_floor:
