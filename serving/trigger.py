@@ -3,7 +3,8 @@
 The client request goes to D with a ticket naming P and this Coordinator's /v1/metaserver; D calls
 that route, and the call is forwarded to the registered instance it names (or one the scheduler picks,
 where it names none). P's answer goes back to D, and its usage is kept for the client request's decode
-leg, whose worker may be another (serving/usage.py PrefillUsages).
+leg, whose worker may be another (serving/usage.py PrefillUsages), under the ticket's id: random bits
+this Coordinator chose, which D's call carries back (`trigger_ticket_id`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable
+from secrets import token_hex
 
 from config import Settings, split_address
 from errors import ANTHROPIC, Forbidden, dumps
@@ -52,17 +54,18 @@ class Trigger:
         """D first: D asks this Coordinator's /v1/metaserver for the prefill on the P named here."""
         p = plan.prefill
         host, port = split_address(p.address)  # an IPv6 host without its brackets
+        ticket_id = trigger_ticket_id(job.request_id)
         ticket = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "request_id": job.request_id,
+            "request_id": ticket_id,
             "remote_engine_id": str(p.instance_id),
             "remote_host": host,
             "remote_port": str(port),
             "metaserver": self.url,
         }
         rec.prefill = p
-        fix = UsageFix.from_trigger(self.up.usages, job.request_id, job.api == ANTHROPIC)
+        fix = UsageFix.from_trigger(self.up.usages, ticket_id, job.api == ANTHROPIC)
         return self.handoff.decode(job, plan.leg(DECODE, learn=job.stream), sink, rec, decode_leg(job, ticket), fix)
 
     async def forward(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
@@ -117,6 +120,14 @@ class Trigger:
         raise Forbidden(
             f"metaserver target {host}:{port} (engine {engine_id}) is not a registered {role} instance of model {model!r}"
         )
+
+
+def trigger_ticket_id(request_id: str) -> str:
+    """The id of D's ticket, which D's metaserver call carries back and P's usage is kept under: the client's
+    request id (its start, for the logs) and 128 bits only this Coordinator chose, from the OS (request ids
+    come from a generator whose state their outputs give away). Clients choose their request ids and may
+    send one twice at once: keyed by it, each would be billed the other's prompt."""
+    return f"{request_id[:64]}.{token_hex(16)}"
 
 
 def metaserver_url(s: Settings) -> str:
