@@ -22,14 +22,19 @@ from tests.conftest import MODEL
 from tests.support import Coordinator, coordinator_config, instance, wait_until
 
 
+def pd(p, d, **sections) -> Coordinator:
+    """A Coordinator in front of prefill engine `p` (instance 1) and decode engine `d` (instance 2)."""
+    return Coordinator(
+        coordinator_config(
+            [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)], **sections
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def pd_once(module_sims):
     p, d = module_sims("prefill"), module_sims("decode")
-    cfg = coordinator_config(
-        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
-        scheduler_config={"pd_dispatch": "trigger"},
-    )
-    with Coordinator(cfg) as coord:
+    with pd(p, d, scheduler_config={"pd_dispatch": "trigger"}) as coord:
         coord.p, coord.d = p, d
         yield coord
 
@@ -65,11 +70,6 @@ def test_two_clients_with_one_request_id_are_each_billed_their_own_prompt(sims, 
     """A client chooses its X-Request-Id: two at once with the same one (a long prompt and a short one) got
     each other's usage in trigger mode, where P's usage was kept under that id for the decode leg."""
     p, d = sims("prefill"), sims("decode")
-    cfg = coordinator_config(
-        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
-        scheduler_config={"pd_dispatch": mode},
-        inference_workers_config={"num_workers": 2},
-    )
 
     async def run(url: str) -> list[tuple[int, int]]:
         c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
@@ -83,7 +83,7 @@ def test_two_clients_with_one_request_id_are_each_billed_their_own_prompt(sims, 
                 seen.append(tuple(got))
             return [own, *seen]
 
-    with Coordinator(cfg) as coord:
+    with pd(p, d, scheduler_config={"pd_dispatch": mode}, inference_workers_config={"num_workers": 2}) as coord:
         own, *seen = asyncio.run(run(coord.url))
     crossed = [pair for pair in seen if pair != own]
     assert not crossed, f"{len(crossed)} of {len(seen)} pairs billed another prompt: {crossed[:5]}"
@@ -165,11 +165,7 @@ def _decode_inflight(coord) -> int:
 
 def _pd(sims, **exception_config):
     p, d = sims("prefill"), sims("decode", speedup=200.0)
-    cfg = coordinator_config(
-        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
-        exception_config=exception_config,
-    )
-    return d, Coordinator(cfg)
+    return d, pd(p, d, exception_config=exception_config)
 
 
 def test_a_slow_reader_gives_the_engine_back_when_the_engine_is_done(sims):
@@ -216,11 +212,7 @@ def test_a_stalled_reader_is_cut_when_its_buffer_is_full(sims):
 def test_a_stream_ends_at_its_total_timeout(sims):
     """stream_total_timeout bounds a stream's whole life, however steadily the engine and the client go."""
     p, d = sims("prefill"), sims("decode", speedup=2.0)
-    cfg = coordinator_config(
-        [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)],
-        exception_config={"stream_total_timeout": 1.5},
-    )
-    with Coordinator(cfg) as coord:
+    with pd(p, d, exception_config={"stream_total_timeout": 1.5}) as coord:
         started = time.monotonic()
         body = {
             "model": MODEL,
