@@ -168,6 +168,10 @@ class ExceptionConfig:
     stream_idle_timeout_s: Annotated[Seconds, key("stream_idle_timeout")] = 300.0
     stream_keepalive_interval_s: Annotated[Seconds, key("stream_keepalive_interval")] = 15.0
     kv_release_path: ReleasePath = ""
+    # A client reading slower than the engine writes: what waits for it on its connection, and how long its
+    # stream may last in all (0: no bound).
+    max_stream_buffer_bytes: Annotated[Int, Field(ge=16384), key("max_stream_buffer_size")] = 1024 * 1024
+    stream_total_timeout_s: Annotated[NonNegative, key("stream_total_timeout")] = 3600.0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 
 from sanic import HTTPResponse, Request
 from sanic.helpers import has_message_body
@@ -49,9 +51,15 @@ class RelayResponse(HTTPResponse):
 
 
 class SanicSink:
-    """The dispatcher's view of the client connection; what goes out is noted on the request's record."""
+    """The dispatcher's view of the client connection; what goes out is noted on the request's record.
 
-    __slots__ = ("api", "ended", "headers", "rec", "request", "response", "rid", "started", "writable")
+    A stream's client may read slower than its engine writes. What Sanic's writer would wait for goes to
+    the connection's buffer at once instead, up to `max_stream_buffer_size`, so the relay keeps taking the
+    engine's answer and gives the engine back when it ends; the end itself waits for the client as long as
+    for a silent engine. A client past either bound, or a stream older than `stream_total_timeout`, is cut.
+    """
+
+    __slots__ = ("api", "deadline", "ended", "headers", "rec", "request", "response", "rid", "started", "writable")
 
     def __init__(self, request: Request, rid: str, api: str, rec: RequestRecord):
         self.request, self.rid, self.api, self.rec = request, rid, api, rec
@@ -70,31 +78,50 @@ class SanicSink:
         # Set while the client's connection takes more bytes (Sanic's protocol clears it when the send
         # buffer is full: its `send` then waits for the client to read).
         self.writable = self.request.transport.get_protocol()._can_write
+        total_s = self.request.app.ctx.settings.stream_total_timeout_s
+        self.deadline = time.monotonic() + total_s if total_s > 0 else math.inf
         self.started = True
 
     async def send(self, data: bytes, last: bool = False) -> None:
         if self.ended:
             return
         self.ended = last
-        if not self.writable.is_set():
-            return await self._send_to_a_full_buffer(data, last)
+        if not self.writable.is_set() or time.monotonic() > self.deadline:
+            return await self._send_to_a_slow_client(data, last)
         # Straight to the connection's writer (Sanic's Http.send), past the response's own send, which only
         # normalises its arguments: one coroutine fewer per relayed chunk.
         await self.response.stream.send(data, last)
 
-    async def _send_to_a_full_buffer(self, data: bytes, last: bool) -> None:
-        """The client is not reading: wait for it as long as for a silent engine (`stream_idle_timeout`), then
-        drop its connection, which Sanic answers by cancelling the request: it ends as a disconnect, and its
-        engine request and capacity are given back (otherwise they were held until the client left)."""
+    async def _send_to_a_slow_client(self, data: bytes, last: bool) -> None:
+        s, transport = self.request.app.ctx.settings, self.request.transport
+        left_s = self.deadline - time.monotonic()
+        if left_s <= 0:
+            return await self._cut(f"its stream ran past stream_total_timeout ({s.stream_total_timeout_s:g} s)")
+        if not last and self.response.stream.response_func == self.response.stream.http1_response_chunked:
+            buffered = transport.get_write_buffer_size() + len(data)
+            if buffered > s.max_stream_buffer_bytes:
+                return await self._cut(
+                    f"it reads slower than the engine writes: {buffered} bytes would wait for it, over"
+                    f" max_stream_buffer_size ({s.max_stream_buffer_bytes})"
+                )
+            if data:  # one chunk of the chunked body, as Sanic's writer frames it, without waiting for the client
+                transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            return
+        # The end of the stream: wait for the client as long as for a silent engine (`stream_idle_timeout`).
         try:
-            async with asyncio.timeout(self.request.app.ctx.settings.stream_idle_timeout_s):
+            async with asyncio.timeout(min(s.stream_idle_timeout_s, left_s)):
                 await self.response.stream.send(data, last)
         except TimeoutError:
-            self.ended = True
-            log.warning("request_id=%s: the client stopped reading; its connection is dropped", self.rid)
-            self.request.transport.abort()
-            await asyncio.sleep(1.0)  # Sanic cancels this task once the connection is lost
-            raise asyncio.CancelledError from None
+            await self._cut("it stopped reading")
+
+    async def _cut(self, why: str) -> None:
+        """Drop the client's connection, which Sanic answers by cancelling the request: it ends as a disconnect,
+        and its engine request and capacity are given back (otherwise they were held until the client left)."""
+        self.ended = True
+        log.warning("request_id=%s: the client's stream is cut: %s", self.rid, why)
+        self.request.transport.abort()
+        await asyncio.sleep(1.0)  # Sanic cancels this task once the connection is lost
+        raise asyncio.CancelledError from None
 
 
 def api_of_path(path: str) -> str:

@@ -30,6 +30,7 @@ from serving.call import Sink, Upstream
 from serving.handoff import Handoff
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
 from serving.observe import Observer, RequestRecord
+from serving.resolve import InstanceAddresses
 from serving.retries import Retries, refusal
 from serving.trigger import Trigger
 from serving.usage import PrefillUsages
@@ -62,7 +63,9 @@ class Dispatcher:
         self.up = Upstream(client, settings, observer, prefill_usages)
         self.retries = Retries(settings, health, observer)
         self.handoff = Handoff(self.up, self.retries)
-        self.trigger = Trigger(self.up, scheduler, self.retries, self.handoff)
+        # The registered instances' addresses, which /v1/metaserver knows engines by (its handler asks too).
+        self.addresses = InstanceAddresses(scheduler.registry)
+        self.trigger = Trigger(self.up, scheduler, self.retries, self.handoff, self.addresses)
 
     # -- entry points ----------------------------------------------------------------------------
 

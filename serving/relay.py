@@ -4,9 +4,11 @@ It is the coroutine of one try itself (`Call.attempt` returns it), not a layer u
 layer costs a loaded worker on each chunk's resumption. Only whole events go out: a keep-alive comment
 or an error event must never land inside one that the network cut in two. A decode leg's events pass
 through its `UsageFix` (P's counts in D's usage, P's ticket taken out); other streams pass as they came.
-The lease is released in `finally`, so cancellation (a client disconnect: Sanic cancels the handler) and
-errors both give the capacity back; leaving the `async with` closes the engine connection, which aborts
-the engine request.
+The lease is released as soon as the engine's answer is whole, before the client has read the end of it
+(a slow reader holds its connection, not the engine: the sink bounds what waits for it), and otherwise in
+`finally`, so cancellation (a client disconnect: Sanic cancels the handler) and errors both give the
+capacity back; leaving the `async with` early closes the engine connection, which aborts the engine
+request.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from __future__ import annotations
 import time
 
 from errors import UpstreamProtocolError
-from scheduling.ledger import DECODE
+from scheduling.ledger import DECODE, Lease
 from serving.call import Call
 from serving.job import MESSAGES
-from serving.observe import MESSAGE_DELTA
+from serving.observe import MESSAGE_DELTA, RequestRecord
 from serving.usage import EventSplitter, UsageFix
 
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the engine is silent, and proxies and clients must not time out
@@ -50,14 +52,33 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None) -> None:
                         block = fix_block(block)
                     if messages and MESSAGE_DELTA in block:
                         rec.message_delta(block)
-                    await sink.send(block, es.finished and not splitter.tail)
-            if splitter.tail.strip():  # the engine ended without the last event's blank line
-                rec.events += splitter.tail.count(b"data:")
-                await sink.send((splitter.tail if fix is None else fix.event(splitter.tail)) + b"\n\n")
+                    last = es.finished and not splitter.tail
+                    if last:
+                        _engine_done(lease, rec)
+                    await sink.send(block, last)
         if not sink.started:
             raise UpstreamProtocolError(f"{call.engine} ended the stream without sending anything", detail=target.url)
-        lease.succeed()
+        _engine_done(lease, rec)
+        tail = b""
+        if splitter.tail.strip():  # the engine ended without the last event's blank line
+            rec.events += splitter.tail.count(b"data:")
+            tail = (splitter.tail if fix is None else fix.event(splitter.tail)) + b"\n\n"
+        await sink.send(tail, True)  # (nothing when the last block ended the stream)
     finally:
+        if not lease.released:
+            _decode_time(lease, rec)
+            lease.release()
+
+
+def _engine_done(lease: Lease, rec: RequestRecord) -> None:
+    """The engine's answer is whole: its share of the engine is given back now, not when a slow client has
+    read what is still buffered for it (the engine is free; only the client's connection still waits)."""
+    if not lease.released:
+        lease.succeed()
+        _decode_time(lease, rec)
         lease.release()
-        if lease.kind == DECODE:  # the decode leg's time, for its histogram (serving/metrics.py)
-            rec.decode_s = time.monotonic() - lease.started
+
+
+def _decode_time(lease: Lease, rec: RequestRecord) -> None:
+    if lease.kind == DECODE:  # the decode leg's time, for its histogram (serving/metrics.py)
+        rec.decode_s = time.monotonic() - lease.started

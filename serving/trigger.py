@@ -3,7 +3,8 @@
 The client request goes to D with a ticket naming P and this Coordinator's /v1/metaserver; D calls
 that route, and the call is forwarded to the registered instance it names (or one the scheduler picks,
 where it names none). P's answer goes back to D, and its usage is kept for the client request's decode
-leg, whose worker may be another (serving/usage.py PrefillUsages).
+leg, whose worker may be another (serving/usage.py PrefillUsages), under the ticket's id: random bits
+this Coordinator chose, which D's call carries back (`trigger_ticket_id`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable
+from secrets import token_hex
 
 from config import Settings, split_address
 from errors import ANTHROPIC, Forbidden, dumps
@@ -23,7 +25,7 @@ from serving.handoff import Handoff
 from serving.job import Job
 from serving.legs import PREFILL_TICKET, decode_leg, prefill_body
 from serving.observe import RequestRecord
-from serving.resolve import RECHECK_AFTER_S, RESOLVED_FOR_S, addresses
+from serving.resolve import InstanceAddresses, host_port, normal
 from serving.retries import Retries, refusal
 from serving.usage import UsageFix
 from serving.whole import WholeCall
@@ -43,26 +45,31 @@ class KeptPrefillCall(WholeCall):
 class Trigger:
     """The client request's side (`serve`: D with the ticket) and the engine's (`forward`: its metaserver call)."""
 
-    def __init__(self, up: Upstream, scheduler: Scheduler, retries: Retries, handoff: Handoff):
+    def __init__(
+        self, up: Upstream, scheduler: Scheduler, retries: Retries, handoff: Handoff, addresses: InstanceAddresses
+    ):
         self.up, self.s, self.scheduler, self.retries, self.handoff = up, up.settings, scheduler, retries, handoff
+        self.addresses = addresses
         # Made only in trigger mode: it may look up this host's address.
         self.url = metaserver_url(self.s) if self.s.pd_dispatch == "trigger" else ""
 
     def serve(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """D first: D asks this Coordinator's /v1/metaserver for the prefill on the P named here."""
+        self.addresses.prime()  # D calls back with P's address: its table is made before that, off this path
         p = plan.prefill
         host, port = split_address(p.address)  # an IPv6 host without its brackets
+        ticket_id = trigger_ticket_id(job.request_id)
         ticket = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "request_id": job.request_id,
+            "request_id": ticket_id,
             "remote_engine_id": str(p.instance_id),
             "remote_host": host,
             "remote_port": str(port),
             "metaserver": self.url,
         }
         rec.prefill = p
-        fix = UsageFix.from_trigger(self.up.usages, job.request_id, job.api == ANTHROPIC)
+        fix = UsageFix.from_trigger(self.up.usages, ticket_id, job.api == ANTHROPIC)
         return self.handoff.decode(job, plan.leg(DECODE, learn=job.stream), sink, rec, decode_leg(job, ticket), fix)
 
     async def forward(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
@@ -88,35 +95,53 @@ class Trigger:
 
     async def _named_target(self, model: str, role: str, ktp: dict) -> Target | None:
         """The registered instance of `model` (role `role` or union) the ticket names by host and port, or by
-        engine id; None when it names none. One named but not registered is refused (Forbidden)."""
+        engine id; None when it names none. One named but not registered is refused (Forbidden).
+
+        The host matches in the registered spelling, or as an IP address a registered name resolved to (the
+        address an engine reports, where the deployer registered it by name; IPv4 mapped into IPv6); a name
+        other than a registered one names none (what a caller sends is never resolved)."""
         host, port, engine_id = ktp.get("remote_host"), ktp.get("remote_port"), ktp.get("remote_engine_id")
         if host in (None, "") and engine_id in (None, ""):
             return None
         view = self.scheduler.registry.view()
         allowed = [t for t in view.targets if t.model == model and t.role in (role, "union")]
-        # Hosts compared as split_address gives them: lowercase, an IPv6 address without its brackets.
-        named = [(t, h, str(p)) for t in allowed for h, p in [split_address(t.address)]]  # (target, host, port)
-        bare = host.strip("[]").lower() if isinstance(host, str) else host
-        for t, t_host, t_port in named:
-            if bare not in (None, "") and (t_host, t_port) == (bare, str(port)):
-                return t
-        for t, t_host, _ in named:
-            if engine_id not in (None, "") and str(t.instance_id) == str(engine_id) and bare in (None, "", t_host):
-                return t
-        if host not in (None, "") and isinstance(host, str):
-            # The same engine in another spelling: by its IP address where it is registered by name (or the
-            # reverse, or IPv4 mapped into IPv6).
-            for max_age_s in (RESOLVED_FOR_S, RECHECK_AFTER_S):
-                wanted = await addresses(host, max_age_s)
-                for t, t_host, t_port in named if wanted else ():
-                    same_engine = t_port == str(port) or (
-                        engine_id not in (None, "") and str(t.instance_id) == str(engine_id)
-                    )
-                    if same_engine and wanted & await addresses(t_host, max_age_s):
-                        return t
+        bare = host.strip("[]").lower() if isinstance(host, str) else ""
+        by_id = [t for t in allowed if engine_id not in (None, "") and str(t.instance_id) == str(engine_id)]
+        if not bare:
+            if by_id:
+                return by_id[0]
+        else:
+            # The same engine: at the port named, or the instance named by id; at the port first.
+            same = sorted(
+                (t for t in allowed if host_port(t)[1] == str(port) or t in by_id),
+                key=lambda t: host_port(t)[1] != str(port),
+            )
+            spelled = [t for t in same if host_port(t)[0] == bare]
+            found = spelled or await self.addresses.at(normal(bare), same)
+            if found:
+                return found[0]
         raise Forbidden(
-            f"metaserver target {host}:{port} (engine {engine_id}) is not a registered {role} instance of model {model!r}"
+            f"metaserver target {shown(host)}:{shown(port)} (engine {shown(engine_id)}) is not a registered {role}"
+            f" instance of model {shown(model)!r}"
         )
+
+
+def trigger_ticket_id(request_id: str) -> str:
+    """The id of D's ticket, which D's metaserver call carries back and P's usage is kept under: the client's
+    request id (its start, for the logs) and 128 bits only this Coordinator chose, from the OS (request ids
+    come from a generator whose state their outputs give away). Clients choose their request ids and may
+    send one twice at once: keyed by it, each would be billed the other's prompt."""
+    return f"{request_id[:64]}.{token_hex(16)}"
+
+
+SHOWN_CHARS = 256
+
+
+def shown(value: object) -> str:
+    """A caller's value as an answer or a log line may show it: its first SHOWN_CHARS characters, and how
+    many more there were (a 1 MB host name is not echoed whole into each 403 and its log line)."""
+    text = str(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}...[{len(text) - SHOWN_CHARS} more characters]"
 
 
 def metaserver_url(s: Settings) -> str:

@@ -32,11 +32,13 @@ class PrefillUsages:
     """P's usage in trigger mode, between workers: D asks this Coordinator's /v1/metaserver for the prefill, and
     that call may reach another worker than the client request whose decode leg then reports usage.
 
-    Each worker writes its own row of slots (a slot per request id hash; a later request may take it over,
-    and the reader then finds nothing); a reader looks in every worker's row. A slot's key is written last
-    and checked again after its counts are read, so a reader never takes counts from two requests. Clients
-    choose request ids and may reuse them: an entry counts only if written after the reader's request began,
-    and the newest such one wins.
+    Entries are keyed by the id of the ticket D was handed (serving/trigger.py `trigger_ticket_id`), which
+    D's metaserver call carries back: random bits this Coordinator chose, never a client's request id (two
+    clients sending one id at once were billed each other's prompts). Each worker writes its own row of
+    slots (a slot per ticket id hash; a later request may take it over, and the reader then finds nothing);
+    a reader looks in every worker's row. A slot's key is written last and checked again after its counts
+    are read, so a reader never takes counts from two requests. An entry counts only if written after the
+    reader's request began, and the newest such one wins (a decode retry's metaserver call comes again).
     """
 
     def __init__(self, shared: SharedState, worker: int, num_workers: int):
@@ -53,7 +55,7 @@ class PrefillUsages:
         return h >> 2 | 1, h % PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
 
     def put(self, request_id: str, answer: bytes) -> None:
-        """P answered the metaserver's prefill for `request_id`: keep its prompt and cached counts."""
+        """P answered the metaserver's prefill for ticket id `request_id`: keep its prompt and cached counts."""
         try:
             usage = prefill_usage(ujson.loads(answer))
         except (ValueError, AttributeError):  # not JSON, or not an object
@@ -108,7 +110,7 @@ class UsageFix:
 
     @classmethod
     def from_trigger(cls, usages: PrefillUsages, request_id: str, anthropic: bool) -> UsageFix:
-        """P's usage written by D's metaserver call for `request_id`, which comes after now."""
+        """P's usage written by D's metaserver call for ticket id `request_id`, which comes after now."""
         fix = cls(None, anthropic)
         fix.usages, fix.request_id, fix.since_ns = usages, request_id, time.monotonic_ns()
         return fix

@@ -10,7 +10,10 @@ import httpx
 import openai
 import pytest
 
+from config import Endpoint, Instance
 from harness.clients import openai_client as client
+from scheduling.registry import Registry
+from serving.resolve import InstanceAddresses
 from serving.usage import PrefillUsages
 from state.shared import PREFILL_USAGE_SLOTS, SharedState
 from tests.conftest import MODEL
@@ -574,16 +577,16 @@ def test_metaserver_from_elsewhere_needs_a_key(sims):
 
 
 def test_engine_addresses_match_in_any_spelling_and_by_name():
-    from handlers.metaserver import is_instance_address
+    def check(caller: str, hosts: list[str]) -> bool:
+        registry = Registry(SharedState.create())
+        registry.apply("set", [Instance(i, "union", MODEL, (Endpoint(0, f"{h}:8000"),)) for i, h in enumerate(hosts)])
+        return asyncio.run(InstanceAddresses(registry).knows(caller))
 
-    def check(caller: str, hosts: set[str]) -> bool:
-        return asyncio.run(is_instance_address(caller, hosts))
-
-    assert check("127.0.0.1", {"127.0.0.1"}) and check("::ffff:127.0.0.1", {"127.0.0.1"})  # a dual-stack listener
-    assert check("fd00::1", {"fd00:0:0::1"})
-    assert check("127.0.0.1", {"localhost"})  # resolved (no connection made)
-    assert not check("127.0.0.1", {"10.1.2.3", "decode-0.invalid", "a..b"})  # "a..b" is not even a valid name
-    assert not check("", {"127.0.0.1"})
+    assert check("127.0.0.1", ["127.0.0.1"]) and check("::ffff:127.0.0.1", ["127.0.0.1"])  # a dual-stack listener
+    assert check("fd00::1", ["[fd00:0:0::1]"])
+    assert check("127.0.0.1", ["localhost"])  # resolved (no connection made)
+    assert not check("127.0.0.1", ["10.1.2.3", "decode-0.invalid"])
+    assert not check("", ["127.0.0.1"])
 
 
 def _meta(coord, ktp: dict, **body):
