@@ -16,6 +16,9 @@
         ├── UpstreamProtocolError    502: the engine answered something unparseable
         └── EngineStatusError        the engine answered an error status (relayed as is when 4xx)
 
+OpenAI's envelope's `code` is a string or null for the Coordinator's own errors; an engine's error relayed
+as is keeps the engine's own (vLLM's: the HTTP status, an integer), and one put into the envelope here
+carries the status the client gets, an integer too (the OpenAPI document says so: handlers/docs.py).
 An error's envelope describes the status the client gets (`client_status`), which for an engine's 5xx is
 the Coordinator's 502, not the engine's status. Anthropic's envelope carries the request id at its top
 level, as Anthropic's API does (the id is also the `request-id` header of every Anthropic-route answer).

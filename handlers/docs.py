@@ -2,8 +2,11 @@
 
 Request bodies are the JSON schemas of the models that validate them (serving/protocol/), turned into
 OpenAPI 3.0's dialect; their fields are what the Coordinator reads, and any other field is passed to the
-engines (`additionalProperties`). The dataclasses below describe answers for readers of the spec alone:
-the Coordinator relays the engines' answers and renders its own errors (errors/). Of sanic-ext only
+engines (`additionalProperties`). The `Answer` models below describe answers, for the spec alone (the
+Coordinator relays the engines' answers and renders its own errors, errors/): what every answer of a
+kind carries is required, null where an engine or the Coordinator writes null, and a streaming route's
+`text/event-stream` is documented beside its JSON. The key schemes are declared per route as
+handlers/auth.py reads keys, and only when api_key_config.enable_api_key is on. Of sanic-ext only
 the OpenAPI extension is loaded: injection, CORS and the automatic HEAD/OPTIONS routes would add work
 to every request. The docs routes belong to the inference plane, so the plane guard serves them there
 and nowhere else. The ReDoc page loads its script from a CDN in the reader's browser; the Coordinator
@@ -12,15 +15,16 @@ itself fetches nothing (the Swagger UI, whose OAuth2 page the server would fetch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from sanic import Sanic
 from sanic_ext import openapi
 from sanic_ext.extensions.openapi.builders import OperationStore, SpecificationBuilder
+from sanic_ext.extensions.openapi.definitions import RequestBody
 from sanic_ext.extensions.openapi.extension import OpenAPIExtension
 
+from config import ApiKeyConfig
 from handlers import anthropic, management, metaserver, models, observability, openai
 from handlers.ids import REQUEST_ID
 from handlers.planes import INFER
@@ -30,127 +34,147 @@ from serving.protocol.metaserver import MetaserverCall
 DOCS_PREFIX = "/docs"
 
 
-@dataclass
-class AssistantMessage:
-    role: str  # assistant
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None = None
+class Answer(BaseModel):
+    """An answer's shape, for the spec alone (nothing validates answers): the fields every answer of its kind
+    carries are required; engines add fields of their own (vLLM's `service_tier`, `kv_transfer_params`, ...)."""
+
+    model_config = ConfigDict(extra="allow")
 
 
-@dataclass
-class Usage:
+Count = dict[str, int | None]  # token counts by kind; vLLM writes null for a kind it does not count
+
+
+class Usage(Answer):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
+    prompt_tokens_details: Count | None = None
+    completion_tokens_details: Count | None = None
 
 
-@dataclass
-class ChatChoice:
+class AssistantMessage(Answer):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
+
+
+class ChatChoice(Answer):
     index: int
     message: AssistantMessage
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
 
 
-@dataclass
-class ChatCompletion:
-    """With `stream: true` the answer is `text/event-stream`: `data: <chat.completion.chunk>` events, then `data: [DONE]`."""
-
+class ChatCompletion(Answer):
     id: str
-    object: str  # chat.completion
+    object: Literal["chat.completion"]
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
 
 
-@dataclass
-class CompletionChoice:
+class CompletionChoice(Answer):
     index: int
     text: str
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
 
 
-@dataclass
-class Completion:
-    """With `stream: true` the answer is `text/event-stream`, ended by `data: [DONE]`."""
-
+class Completion(Answer):
     id: str
-    object: str  # text_completion
+    object: Literal["text_completion"]
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage
 
 
-@dataclass
-class OpenAIErrorBody:
+class OpenAIErrorBody(Answer):
     message: str
     type: str
     param: str | None
-    code: str | None
+    code: Annotated[
+        str | int | None,
+        Field(
+            description="the Coordinator's own errors: a string (`invalid_api_key`, `model_not_found`, ...) or "
+            "null; an engine's error relayed as is: the engine's code (vLLM's: the HTTP status, an integer)"
+        ),
+    ]
 
 
-@dataclass
-class OpenAIError:
+class OpenAIError(Answer):
     error: OpenAIErrorBody
 
 
-@dataclass
-class AnthropicUsage:
+class AnthropicUsage(Answer):
     input_tokens: int
     output_tokens: int
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
 
 
-@dataclass
-class Message:
-    """With `stream: true` the answer is `text/event-stream`: message_start ... message_stop events."""
-
+class Message(Answer):
     id: str
-    type: str  # message
-    role: str  # assistant
+    type: Literal["message"]
+    role: Literal["assistant"]
     model: str
     content: list[dict[str, Any]]
     stop_reason: str | None
+    stop_sequence: str | None = None
     usage: AnthropicUsage
 
 
-@dataclass
-class TokenCount:
+class TokenCount(Answer):
     input_tokens: int
 
 
-@dataclass
-class AnthropicErrorBody:
+class AnthropicErrorBody(Answer):
     type: str
     message: str
 
 
-@dataclass
-class AnthropicError:
-    type: str  # error
+class AnthropicError(Answer):
+    type: Literal["error"]
     error: AnthropicErrorBody
-    request_id: str  # the request's id, also sent as the `request-id` and X-Request-Id headers
+    request_id: Annotated[str, Field(description="the request's id, also its `request-id` and X-Request-Id headers")]
 
 
-@dataclass
-class ModelCard:
+class _Served(Answer):
+    """What both APIs' model entries carry: the Coordinator's own fields."""
+
     id: str
-    object: str  # model
-    owned_by: str  # motor
-    created: int
     p_max_seqlen: int
     d_max_seqlen: int
-    slo_ttft: int  # ms
-    slo_tpot: int  # ms
-    p_instances_num: int  # live, healthy prefill (and union) instances
-    d_instances_num: int  # live, healthy decode (and union) instances
+    slo_ttft: Annotated[int, Field(description="ms")]
+    slo_tpot: Annotated[int, Field(description="ms")]
+    p_instances_num: Annotated[int, Field(description="live, healthy prefill (and union) instances")]
+    d_instances_num: Annotated[int, Field(description="live, healthy decode (and union) instances")]
 
 
-@dataclass
-class ModelList:
-    object: str  # list
-    data: list[ModelCard] = field(default_factory=list)
+class ModelCard(_Served):
+    object: Literal["model"]
+    owned_by: Literal["motor"]
+    created: int
+
+
+class ModelList(Answer):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class AnthropicModelCard(_Served):
+    type: Literal["model"]
+    display_name: str
+    created_at: Annotated[str, Field(description="RFC 3339")]
+
+
+class AnthropicModelList(Answer):
+    data: list[AnthropicModelCard]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
 
 
 _PASS_THROUGH = (
@@ -172,31 +196,124 @@ _ERRORS = {
     504: "An engine missed a deadline",
 }
 
-
 _INFERENCE_ERRORS = (400, 401, 404, 413, 415, 429, 502, 503, 504)
 
+# The streaming routes' `stream: true` answer, one server-sent event at a time. An error after the first
+# byte is the stream's last event.
+_OPENAI_STREAM = {
+    "type": "object",
+    "description": "With `stream: true`: `data:` events (no `event:` field), the last one `data: [DONE]`.",
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "a chunk object (chat.completion.chunk, text_completion) as JSON, or [DONE]; an error "
+            "after the stream started is the stream's last chunk, an OpenAIError",
+        }
+    },
+    "required": ["data"],
+}
+_ANTHROPIC_STREAM = {
+    "type": "object",
+    "description": "With `stream: true`: `event:` and `data:` pairs, message_start ... message_stop.",
+    "properties": {
+        "event": {
+            "type": "string",
+            "enum": [
+                "message_start",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop",
+                "ping",
+                "error",
+            ],
+        },
+        "data": {
+            "type": "string",
+            "description": "the event object, of the event's type, as JSON; an error after the stream started "
+            "is the stream's last event, an AnthropicError",
+        },
+    },
+    "required": ["event", "data"],
+}
 
-def _responses(ok: Any, error: Any, statuses: tuple[int, ...] = _INFERENCE_ERRORS) -> list:
-    out = [openapi.definitions.Response({"application/json": ok}, status=200, description="OK")]
-    out += [
-        openapi.definitions.Response({"application/json": error}, status=s, description=_ERRORS[s]) for s in statuses
-    ]
-    return out
+# Security schemes, by the API whose clients present them (handlers/auth.py reads them).
+OPENAI_KEY, ANTHROPIC_KEY = "api_key", "anthropic_api_key"
+
+
+def security_schemes(cfg: ApiKeyConfig) -> dict[str, dict]:
+    """The configured key header, and Anthropic's `x-api-key` (read on Anthropic requests beside it)."""
+    if cfg.header_name.lower() == "authorization" and cfg.key_prefix.lower() == "bearer ":
+        configured = {"type": "http", "scheme": "bearer", "description": "api_key_config.valid_keys"}
+    else:
+        prefix = f" after the prefix {cfg.key_prefix!r}" if cfg.key_prefix else ""
+        configured = {
+            "type": "apiKey",
+            "in": "header",
+            "name": cfg.header_name,
+            "description": f"api_key_config.valid_keys, in {cfg.header_name}{prefix}",
+        }
+    anthropic_key = {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": "api_key_config.valid_keys, on Anthropic routes (and /v1/models with anthropic-version)",
+    }
+    return {OPENAI_KEY: configured, ANTHROPIC_KEY: anthropic_key}
+
+
+# Per route: alternatives, any one of which admits the request.
+_OPENAI_SECURITY = ({OPENAI_KEY: []},)
+_ANTHROPIC_SECURITY = ({OPENAI_KEY: []}, {ANTHROPIC_KEY: []})
+_MODELS_SECURITY = _OPENAI_SECURITY  # and x-api-key with anthropic-version (which OpenAPI cannot say)
+_METASERVER_SECURITY = ({OPENAI_KEY: []}, {})  # a registered instance's call needs none
+
+_ANTHROPIC_VERSION = openapi.definitions.Parameter(
+    "anthropic-version",
+    str,
+    "header",
+    description="selects Anthropic's shapes (the answer's and the error envelope) and admits x-api-key",
+)
 
 
 def openapi_schema(model: type[BaseModel]) -> tuple[dict, dict]:
-    """A request model's JSON schema in OpenAPI 3.0's dialect, and the schemas it refers to (components)."""
+    """A model's JSON schema in OpenAPI 3.0's dialect, and the schemas it refers to (components)."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     components = {name: _oas30(sub) for name, sub in schema.pop("$defs", {}).items()}
     return _oas30(schema), components
 
 
-def request_schema(model: type[BaseModel]) -> dict:
-    """A request body's schema for the spec, the schemas it refers to added to its components."""
-    schema, components = openapi_schema(model)
-    for name, sub in components.items():
-        SpecificationBuilder().add_component("schemas", name, sub)
-    return schema
+def schema_of(*models: type[BaseModel], inline: bool = False) -> dict:
+    """A body's schema for the spec (any one of `models`): the schemas it refers to added to the spec's
+    components, or with `inline` written out in place (an answer, read where it is documented)."""
+    schemas = []
+    for model in models:
+        schema, components = openapi_schema(model)
+        if inline:
+            schema = _inline(schema, components)
+        else:
+            for name, sub in components.items():
+                SpecificationBuilder().add_component("schemas", name, sub)
+        schemas.append(schema)
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def answer(*models: type[BaseModel]) -> dict:
+    """An answer's schema (any one of `models`), written out in place."""
+    return schema_of(*models, inline=True)
+
+
+def _inline(node: Any, components: dict) -> Any:
+    """`node` with each reference to one of `components` replaced by that schema (answers nest no cycles)."""
+    if isinstance(node, list):
+        return [_inline(x, components) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _inline(v, components) for k, v in node.items() if k != "$ref"}
+    if "$ref" in node:  # the referred schema, with what the reference says beside it (a description)
+        return {**_inline(components[node["$ref"].rsplit("/", 1)[1]], components), **out}
+    return out
 
 
 def _oas30(node: Any) -> Any:
@@ -220,7 +337,53 @@ def _oas30(node: Any) -> Any:
     return node
 
 
-def _document(handler, summary: str, tag: str, body: dict | None, ok: Any, error: Any, **kw) -> None:
+class _MediaType(openapi.definitions.MediaType):
+    """sanic-ext's media type knows one `example`; OpenAPI's also holds named `examples`."""
+
+    examples: dict[str, dict] | None
+
+
+# Request examples: what a reader may send as it is (with a model the Coordinator serves), one per way to ask.
+EXAMPLE_MODEL = "Qwen/Qwen3-8B"
+_HELLO = [{"role": "user", "content": "Hello!"}]
+_CHAT_EXAMPLES = {
+    "chat": {"model": EXAMPLE_MODEL, "messages": _HELLO, "max_tokens": 16},
+    "stream": {
+        "model": EXAMPLE_MODEL,
+        "messages": _HELLO,
+        "max_tokens": 16,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
+}
+_COMPLETION_EXAMPLES = {
+    "completion": {"model": EXAMPLE_MODEL, "prompt": "Once upon a time", "max_tokens": 16},
+    "stream": {"model": EXAMPLE_MODEL, "prompt": "Once upon a time", "max_tokens": 16, "stream": True},
+}
+_MESSAGES_EXAMPLES = {
+    "message": {"model": EXAMPLE_MODEL, "max_tokens": 16, "messages": _HELLO},
+    "stream": {"model": EXAMPLE_MODEL, "max_tokens": 16, "messages": _HELLO, "stream": True},
+}
+_COUNT_TOKENS_EXAMPLES = {"count": {"model": EXAMPLE_MODEL, "messages": _HELLO}}
+
+
+def _document(
+    handler,
+    summary: str,
+    *,
+    tag: str,
+    ok: dict,
+    error: dict,
+    security: tuple[dict, ...] | None,
+    body: dict | None = None,
+    statuses: tuple[int, ...] = _INFERENCE_ERRORS,
+    stream: dict | None = None,
+    headers: tuple = (),
+    examples: dict[str, dict] | None = None,
+) -> None:
+    ok_content = {"application/json": {"schema": ok}}
+    if stream is not None:
+        ok_content["text/event-stream"] = {"schema": stream}
     openapi.definition(
         summary=summary,
         description=_PASS_THROUGH if body is not None else None,
@@ -228,13 +391,24 @@ def _document(handler, summary: str, tag: str, body: dict | None, ok: Any, error
         parameter=[
             openapi.definitions.Parameter(
                 REQUEST_ID, str, "header", description="echoed on every response; made up when absent"
-            )
+            ),
+            *headers,
         ],
-        response=_responses(ok, error, **kw),
+        response=[
+            openapi.definitions.Response(ok_content, status=200, description="OK"),
+            *(
+                openapi.definitions.Response({"application/json": {"schema": error}}, status=s, description=_ERRORS[s])
+                for s in statuses
+            ),
+        ],
     )(handler)
+    # Straight to the builder: `openapi.body` would wrap the handler, one more call on every request.
+    operation = OperationStore()[handler]
     if body is not None:
-        # Straight to the builder: `openapi.body` would wrap the handler, one more call on every request.
-        OperationStore()[handler].body({"application/json": {"schema": body}}, required=True)
+        named = {"examples": {k: {"value": v} for k, v in examples.items()}} if examples else {}
+        operation.requestBody = RequestBody({"application/json": _MediaType(body, **named)}, required=True)
+    for alternative in security or ():
+        operation.secured(alternative)
 
 
 def mount(app: Sanic) -> None:
@@ -253,74 +427,87 @@ def mount(app: Sanic) -> None:
     for bp in (management.bp, observability.bp):  # other ports: documented in docs/operations.md
         openapi.exclude(bp=bp)
 
+    # Keys are declared where they are checked: with api_key_config.enable_api_key off, every route is open.
+    keys = app.ctx.settings.api_key
+    if keys.enable_api_key:
+        for name, scheme in security_schemes(keys).items():
+            SpecificationBuilder().add_component("securitySchemes", name, scheme)
+
+    def secured(alternatives: tuple[dict, ...]) -> tuple[dict, ...] | None:
+        return alternatives if keys.enable_api_key else None
+
+    openai_route = {
+        "tag": "OpenAI",
+        "error": answer(OpenAIError),
+        "security": secured(_OPENAI_SECURITY),
+        "stream": _OPENAI_STREAM,
+    }
+    models_route = {
+        "tag": "OpenAI",
+        "error": answer(OpenAIError, AnthropicError),
+        "security": secured(_MODELS_SECURITY),
+        "headers": (_ANTHROPIC_VERSION,),
+    }
+    anthropic_route = {"tag": "Anthropic", "error": answer(AnthropicError), "security": secured(_ANTHROPIC_SECURITY)}
     _document(
         openai.chat_completions,
         "Chat completion (JSON or SSE)",
-        "OpenAI",
-        request_schema(openai_protocol.ChatCompletionRequest),
-        ChatCompletion,
-        OpenAIError,
+        body=schema_of(openai_protocol.ChatCompletionRequest),
+        ok=answer(ChatCompletion),
+        examples=_CHAT_EXAMPLES,
+        **openai_route,
     )
     _document(
         openai.completions,
         "Text completion (JSON or SSE)",
-        "OpenAI",
-        request_schema(openai_protocol.CompletionRequest),
-        Completion,
-        OpenAIError,
+        body=schema_of(openai_protocol.CompletionRequest),
+        ok=answer(Completion),
+        examples=_COMPLETION_EXAMPLES,
+        **openai_route,
     )
     _document(
         models.list_models,
         "Served models with SLOs and live instance counts (Anthropic's shape when the "
         "request carries anthropic-version)",
-        "OpenAI",
-        None,
-        ModelList,
-        OpenAIError,
+        ok=answer(ModelList, AnthropicModelList),
         statuses=(401,),
+        **models_route,
     )
     _document(
         models.retrieve_model,
         "One served model (the SDKs' models.retrieve; Anthropic's shape when the request carries anthropic-version)",
-        "OpenAI",
-        None,
-        ModelCard,
-        OpenAIError,
+        ok=answer(ModelCard, AnthropicModelCard),
         statuses=(401, 404),
+        **models_route,
     )
     _document(
         anthropic.messages,
         "Anthropic Messages (JSON or SSE)",
-        "Anthropic",
-        request_schema(anthropic_protocol.MessagesRequest),
-        Message,
-        AnthropicError,
+        body=schema_of(anthropic_protocol.MessagesRequest),
+        ok=answer(Message),
+        stream=_ANTHROPIC_STREAM,
+        examples=_MESSAGES_EXAMPLES,
+        **anthropic_route,
     )
     _document(
         anthropic.count_tokens,
         "Count the tokens of a Messages request",
-        "Anthropic",
-        request_schema(anthropic_protocol.CountTokensRequest),
-        TokenCount,
-        AnthropicError,
+        body=schema_of(anthropic_protocol.CountTokensRequest),
+        ok=answer(TokenCount),
+        examples=_COUNT_TOKENS_EXAMPLES,
+        **anthropic_route,
     )
     _document(
         metaserver.metaserver,
         "PD forwarding for engines (pd_dispatch: trigger)",
-        "Internal",
         # The control object, on a chat or completions body as an engine rewrote it.
-        {
+        body={
             "allOf": [
-                request_schema(MetaserverCall),
-                {
-                    "anyOf": [
-                        request_schema(openai_protocol.ChatCompletionBody),
-                        request_schema(openai_protocol.CompletionBody),
-                    ]
-                },
+                schema_of(MetaserverCall),
+                schema_of(openai_protocol.ChatCompletionBody, openai_protocol.CompletionBody),
             ]
         },
-        ChatCompletion,
-        OpenAIError,
-        statuses=(400, 403, 404, 413, 415, 502, 503, 504),
+        ok=answer(ChatCompletion, Completion),
+        statuses=(400, 401, 403, 404, 413, 415, 429, 502, 503, 504),
+        **{**openai_route, "tag": "Internal", "security": secured(_METASERVER_SECURITY)},
     )

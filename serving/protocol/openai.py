@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import Field, InstanceOf, StrictInt, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, InstanceOf, StrictInt, ValidationInfo, field_validator
 from pydantic_core import PydanticKnownError
 from typing_extensions import TypedDict
 
@@ -96,6 +96,9 @@ class ChatCompletionBody(_Sampling):
 
 class CompletionBody(_Sampling):
     """A text completion; any other field is passed to the engine unchanged."""
+
+    # The spec says what `_prompt_or_embeds` checks: one of the two is required.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["prompt_embeds"]}]})
 
     echo: read(bool) = None
     logprobs: passed(int | None, "with echo, the prompt's logprobs") = None
