@@ -6,6 +6,7 @@
     ├── Unauthorized                 401: missing or wrong API key
     ├── Forbidden                    403: the request names a target it may not use
     ├── NotFound                     404: unknown model or route
+    ├── RequestTimeout               408: the client's head or body took longer than its deadline
     ├── PayloadTooLarge              413: the body exceeds the configured limit
     ├── HeaderFieldsTooLarge         431: the request's head exceeds Sanic's limit
     ├── RateLimited                  429: over the in-flight cap, the rate limit or the SLO budget
@@ -111,6 +112,14 @@ class NotFound(CoordinatorError):
     status = 404
     openai_type = "invalid_request_error"
     code = "model_not_found"
+
+
+class RequestTimeout(CoordinatorError):
+    """The request's head or body did not arrive within its deadline (inference_workers_config)."""
+
+    status = 408
+    openai_type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class PayloadTooLarge(CoordinatorError):
