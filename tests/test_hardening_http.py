@@ -231,3 +231,89 @@ def test_what_cannot_be_http_is_a_prompt_400(edge, port, what):
     answer, closed, took = exchange(getattr(edge, port), data)
     assert statuses(answer) == [b"400"], answer
     assert closed and took < HEAD_S / 2, took  # not the head's deadline
+
+
+# -- smaller ones -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route,headers,extra",
+    [("/v1/chat/completions", AUTH, {}), ("/v1/messages", {"x-api-key": KEY}, {"max_tokens": 4})],
+)
+def test_a_huge_model_name_is_not_echoed_whole(edge, route, headers, extra):
+    model = "m" * 100_000
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+    r = httpx.post(edge.url + route, json=body, headers=headers, timeout=10)
+    assert r.status_code == 404
+    assert len(r.content) < 1000 and "[99744 more characters]" in r.text, r.text[:300]
+    rid = r.headers["x-request-id"]
+    assert wait_until(lambda: f"request_id={rid} " in edge.output())
+    [line] = [line for line in edge.output().splitlines() if f"request_id={rid} " in line]
+    assert len(line) < 2000, len(line)
+
+
+def test_a_get_with_a_body_writes_no_error_line(edge):
+    """Sanic logged `body not consumed` at ERROR for any 2xx GET that carried a body."""
+    for url, headers in (
+        (edge.mgmt + "/liveness", {}),
+        (edge.mgmt + "/readiness", {}),
+        (edge.obs + "/metrics", {}),
+        (edge.url + "/v1/models", AUTH),
+        (edge.url + "/v1/models", {}),
+        (edge.mgmt + "/instances", {"X-Motor-Management-Key": MGMT_KEY}),
+    ):
+        r = httpx.request("GET", url, content=b"x" * 10, headers=headers, timeout=10)
+        assert r.status_code in (200, 401), (url, r.status_code)
+    time.sleep(0.5)
+    assert not error_lines(edge), error_lines(edge)
+
+
+def test_a_refresh_that_is_not_json_is_a_415(sims):
+    """A browser posts text/plain or a form to any origin without asking (no preflight): with the management key
+    off, any web page could have changed the instance set."""
+    u = sims("union")
+    with Coordinator(coordinator_config([instance(1, "union", MODEL, u.address)])) as c:
+        body = json.dumps({"event": "set", "instances": []}).encode()
+        for content_type in (None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+            headers = {"content-type": content_type} if content_type else {}
+            r = httpx.post(c.mgmt + "/instances/refresh", content=body, headers=headers, timeout=10)
+            assert r.status_code == 415, (content_type, r.text)
+            assert r.json() == {
+                "request_id": "refresh_request",
+                "status": "failed",
+                "message": "Content-Type must be application/json",
+                "data": {"event_type": None},
+            }
+        assert len(httpx.get(c.mgmt + "/instances", timeout=10).json()["instances"]) == 1  # unchanged
+        r = httpx.post(
+            c.mgmt + "/instances/refresh", content=body, headers={"content-type": "application/json; charset=utf-8"}
+        )
+        assert r.status_code == 200, r.text
+        assert httpx.get(c.mgmt + "/instances", timeout=10).json()["instances"] == []
+
+
+def test_a_huge_integer_is_a_400_that_names_no_interpreter_setting(edge):
+    huge = "1" + "0" * 5000
+    chat = '{"model":"%s","max_tokens":%s,"messages":[{"role":"user","content":"hi"}]}' % (MODEL, huge)
+    for url, headers in (
+        (edge.url + "/v1/chat/completions", AUTH),
+        (edge.url + "/v1/messages", {"x-api-key": KEY}),
+        (edge.mgmt + "/instances/refresh", {"X-Motor-Management-Key": MGMT_KEY}),
+    ):
+        r = httpx.post(url, content=chat.encode(), headers={**JSON, **headers}, timeout=10)
+        assert r.status_code == 400, r.text
+        assert "an integer has more than 4300 digits" in r.text
+        assert "set_int_max_str_digits" not in r.text
+
+
+def test_every_401_names_its_scheme(edge):
+    for method, url, headers in (
+        ("POST", edge.url + "/v1/chat/completions", {}),
+        ("POST", edge.url + "/v1/messages", {"x-api-key": "wrong"}),
+        ("GET", edge.url + "/v1/models", {"authorization": "Bearer wrong"}),
+        ("GET", edge.mgmt + "/instances", {}),
+        ("POST", edge.mgmt + "/instances/refresh", {"X-Motor-Management-Key": "wrong"}),
+    ):
+        r = httpx.request(method, url, json={}, headers=headers, timeout=10)
+        assert r.status_code == 401, (url, r.text)
+        assert r.headers["www-authenticate"] == "Bearer", url
