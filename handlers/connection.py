@@ -4,8 +4,8 @@ request heads whose framing is unambiguous.
 Sanic's REQUEST_TIMEOUT bounds the silence between two bytes of a head, never the head's whole time, and only
 RESPONSE_TIMEOUT (hours) bounds a body's: a client sending a byte a second holds its connection forever.
 `EdgeProtocol` (Sanic's HttpProtocol) gives the head `request_head_timeout` from the segment that brought its first
-byte, and the body `request_body_timeout` from the head's end. Sanic's own timer per connection checks them; the
-only work per request is two attribute copies and one regular expression over the head. A reader waiting past
+byte, and the body `request_body_timeout` from the head's end. Sanic's own timer per connection checks them; what
+a request pays is a coroutine frame, two attribute copies and one regular expression search over its head. A reader waiting past
 its deadline gets a 408 in its route's API shape (the body's reader is the route, which answers it) and the
 connection closes.
 
@@ -27,12 +27,11 @@ import logging
 import re
 from time import monotonic
 
-from sanic.exceptions import BadRequest
 from sanic.headers import format_http1_response
 from sanic.http import Http, Stage
 from sanic.server.protocols.http_protocol import HttpProtocol
 
-from errors import OPENAI, RequestTimeout, ServiceUnavailable, render
+from errors import OPENAI, InvalidRequest, RequestTimeout, ServiceUnavailable, render
 
 log = logging.getLogger("coordinator.connection")
 
@@ -55,17 +54,17 @@ class StrictHttp(Http):
         await super().http1_request_header()
         if _BAD_FIELD_LINE(self.request.head):
             self.request_body = None  # its framing is unknown: nothing more is read from this connection
-            raise BadRequest("malformed header field: a header name must be a token followed at once by a colon")
+            raise InvalidRequest("malformed header field: a header name must be a token followed at once by a colon")
         protocol.body_since = protocol._time
 
 
 def check_head_start(buf: bytearray) -> None:
     """An incomplete head that can never become an HTTP/1.1 one: a 400 now, rather than after the deadline."""
     if buf and buf[0] not in TCHARS:  # a method is a token; 0x16 starts a TLS handshake
-        raise BadRequest("not an HTTP/1.1 request (a TLS handshake on a plain-HTTP port?)")
+        raise InvalidRequest("not an HTTP/1.1 request (a TLS handshake on a plain-HTTP port?)")
     lf = buf.find(b"\n")
     if lf == 0 or (lf > 0 and buf[lf - 1] != 0x0D):
-        raise BadRequest("the request line must end with CRLF")
+        raise InvalidRequest("the request line must end with CRLF")
 
 
 class EdgeProtocol(HttpProtocol):
