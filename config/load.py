@@ -255,7 +255,7 @@ def load_settings(path: str) -> Settings:
             raw = json.load(f)
     except OSError as e:  # missing, a directory, no permission: said in one line like any other config error
         raise ConfigError(f"{path}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # json's decode errors, UnicodeDecodeError, an integer over Python's digit limit
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     except RecursionError:  # json's decoder recurses once per level of [ or {
         raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None

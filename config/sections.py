@@ -137,6 +137,12 @@ class WorkersConfig:
 
     num_workers: Annotated[Int, _between(1, 64)] = 1
     worker_watchdog_timeout_s: Annotated[WatchdogSeconds, key("worker_watchdog_timeout")] = 30.0
+    # A client's whole time to send a request's head (from the segment with its first byte), then its body (from
+    # the head's end): the silence between two bytes is no bound, a byte a second would hold a connection forever.
+    request_head_timeout_s: Annotated[Seconds, key("request_head_timeout")] = 10.0
+    request_body_timeout_s: Annotated[Seconds, key("request_body_timeout")] = 60.0
+    # Open connections a worker keeps on each of its ports; one more is answered 503 and closed.
+    max_connections_per_worker: Count = 4096
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@
     ├── Unauthorized                 401: missing or wrong API key
     ├── Forbidden                    403: the request names a target it may not use
     ├── NotFound                     404: unknown model or route
+    ├── RequestTimeout               408: the client's head or body took longer than its deadline
     ├── PayloadTooLarge              413: the body exceeds the configured limit
     ├── HeaderFieldsTooLarge         431: the request's head exceeds Sanic's limit
     ├── RateLimited                  429: over the in-flight cap, the rate limit or the SLO budget
@@ -27,6 +28,7 @@ level, as Anthropic's API does (the id is also the `request-id` header of every 
 from __future__ import annotations
 
 import math
+import sys
 from datetime import UTC
 from email.utils import format_datetime, parsedate_to_datetime
 
@@ -98,6 +100,11 @@ class Unauthorized(CoordinatorError):
     status = 401
     openai_type = "authentication_error"
     code = "invalid_api_key"
+    CHALLENGE = {"WWW-Authenticate": "Bearer"}  # a 401 names the scheme it wants (RFC 9110 11.6.1)
+
+    def __init__(self, message: str, **kw):
+        super().__init__(message, **kw)
+        self.headers = {**self.CHALLENGE, **self.headers}
 
 
 class Forbidden(CoordinatorError):
@@ -114,6 +121,14 @@ class NotFound(CoordinatorError):
     status = 404
     openai_type = "invalid_request_error"
     code = "model_not_found"
+
+
+class RequestTimeout(CoordinatorError):
+    """The request's head or body did not arrive within its deadline (inference_workers_config)."""
+
+    status = 408
+    openai_type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class PayloadTooLarge(CoordinatorError):
@@ -250,6 +265,23 @@ def _retry_after(value: str | None) -> str | None:
         except Exception:  # the parser raises TypeError, ValueError or OverflowError on what is not a date
             return None
     return str(math.ceil(seconds)) if math.isfinite(seconds) and seconds >= 0 else None
+
+
+ECHO_CHARS = 256  # of a client's value quoted in an error message or a log line
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """A client's value as an error message or a log line quotes it: at most `limit` characters, and then a marker
+    that says how many were left out (a name can be as long as the body limit)."""
+    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more characters]"
+
+
+def unreadable_json(e: ValueError) -> str:
+    """Why a JSON document could not be read, in words for its sender. Python's words for an integer over its
+    digit limit name an interpreter setting (`sys.set_int_max_str_digits`), which is nothing a client can change."""
+    if "int_max_str_digits" in str(e):
+        return f"an integer has more than {sys.get_int_max_str_digits()} digits"
+    return str(e)
 
 
 def dumps(obj: object) -> bytes:

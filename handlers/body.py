@@ -8,6 +8,14 @@ from sanic.exceptions import BadRequest as SanicBadRequest, PayloadTooLarge as S
 from errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 
 
+def check_json_type(request: Request) -> None:
+    """The request says its body is JSON. A browser sends text/plain or a form without a preflight (a "simple request"),
+    so a page could not make its visitor's browser post to a route that requires this."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        raise UnsupportedMediaType("Content-Type must be application/json")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The JSON body, read under the inference limit.
 
@@ -15,9 +23,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     Sanic's REQUEST_MAX_SIZE is one limit for every port, and a declared length over this one is refused
     before a byte of the body is read.
     """
-    content_type = request.headers.get("content-type", "")
-    if content_type.split(";", 1)[0].strip().lower() != "application/json":
-        raise UnsupportedMediaType("Content-Type must be application/json")
+    check_json_type(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         # The 413 says the connection closes, and the body is not read. A client that sent `Expect: 100-continue`

@@ -13,6 +13,7 @@ from errors import (
     ServiceUnavailable,
     UpstreamError,
     client_status,
+    clip,
     sse_error_event,
 )
 from handlers.auth import check_api_key
@@ -52,7 +53,7 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         job = job_from_body(route, api, raw, parse_body(raw), rid)
         job.slo_ttft_ms = slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = slo_header(request, "x-slo-tpot-ms")
-        rec.model, rec.stream = job.model, job.stream
+        rec.model, rec.stream = clip(job.model), job.stream  # the log line's: a name can be megabytes
         if job.stream and api == OPENAI and job.include_usage:
             rec.usage_event = True
         with ctx.door.admit() if from_client else ctx.door.attend():

@@ -7,7 +7,9 @@ import logging
 import ujson
 from sanic import Blueprint, Request, json
 
+from errors import Unauthorized, UnsupportedMediaType, unreadable_json
 from handlers.auth import presented_key, valid_key
+from handlers.body import check_json_type
 from handlers.planes import MGMT
 from scheduling.registry import RefreshError, parse_refresh_body
 from scheduling.status import instances_json
@@ -60,10 +62,11 @@ def _servable_models(view, health) -> list[str]:
     ]
 
 
-def _refused(status: int, message: str, event: str | None = None):
+def _refused(status: int, message: str, event: str | None = None, headers: dict | None = None):
     return json(
         {"request_id": "refresh_request", "status": "failed", "message": message, "data": {"event_type": event}},
         status=status,
+        headers=headers,
     )
 
 
@@ -79,7 +82,11 @@ def _authorized(request: Request) -> bool:
 @bp.get("/instances", ctx_plane=MGMT)
 async def instances(request: Request):
     if not _authorized(request):
-        return json({"status": "failed", "message": "missing or invalid management key"}, status=401)
+        return json(
+            {"status": "failed", "message": "missing or invalid management key"},
+            status=401,
+            headers=Unauthorized.CHALLENGE,
+        )
     ctx = request.app.ctx
     view = ctx.registry.view()
     return json({"version": view.version, "instances": instances_json(view, ctx.ledger, ctx.health)})
@@ -88,14 +95,18 @@ async def instances(request: Request):
 @bp.post("/instances/refresh", ctx_plane=MGMT)
 async def refresh(request: Request):
     if not _authorized(request):
-        return _refused(401, "missing or invalid management key")
+        return _refused(401, "missing or invalid management key", headers=Unauthorized.CHALLENGE)
+    try:
+        check_json_type(request)  # with the management key off, no web page may post here
+    except UnsupportedMediaType as e:
+        return _refused(e.status, e.message)
     raw = request.body or b""
     if len(raw) > MAX_REFRESH_BYTES:
         return _refused(413, f"body exceeds {MAX_REFRESH_BYTES} bytes")
     try:
         body = ujson.loads(raw)
     except ValueError as e:
-        return _refused(400, f"body is not valid JSON: {e}")
+        return _refused(400, f"body is not valid JSON: {unreadable_json(e)}")
     event = body.get("event") if isinstance(body, dict) else None
     try:
         event, items = parse_refresh_body(body)

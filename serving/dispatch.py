@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 
 from config import ModelConfig, Settings
 from engines import EngineClient
-from errors import InvalidRequest, NotFound
+from errors import InvalidRequest, NotFound, clip
 from scheduling.admission import OverBudget
 from scheduling.health import Health
 from scheduling.ledger import WHOLE
@@ -73,7 +73,7 @@ class Dispatcher:
         model = self.s.model(job.model)
         view = self.scheduler.registry.view()
         if model is None and job.model not in view.model_names:
-            raise NotFound(f"The model `{job.model}` does not exist.", param="model")
+            raise NotFound(f"The model `{clip(job.model)}` does not exist.", param="model")
         limits = model or _DEFAULT_MODEL
         info = JobInfo(
             model=job.model,

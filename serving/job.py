@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import ujson
 
-from errors import InvalidRequest
+from errors import InvalidRequest, unreadable_json
 from serving.protocol import (
     Request,
     validate,
@@ -84,7 +84,7 @@ def parse_body(raw: bytes) -> dict:
     try:
         body = ujson.loads(raw)
     except (ValueError, TypeError) as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+        raise InvalidRequest(f"request body is not valid JSON: {unreadable_json(e)}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return body

@@ -297,6 +297,7 @@ def test_request_id_on_answers_refused_before_the_body_is_read(sims):
                 model=MODEL, max_tokens=2, messages=USER, extra_headers={"X-Request-Id": "anth-401"}
             )
         assert e.value.request_id == e.value.body["request_id"] == "anth-401"
+        assert e.value.response.headers["www-authenticate"] == "Bearer"
         with pytest.raises(anthropic.ContentTooLargeError) as e:
             sdk(coord, api_key="k-one").messages.create(
                 model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x" * 100_000}]

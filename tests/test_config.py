@@ -266,3 +266,32 @@ def test_retry_backoff_doubles_from_retry_delay_and_is_capped():
     assert [s.backoff_s(i) for i in range(4)] == [0.2, 0.4, 0.8, 1.6]
     assert s.backoff_s(20) == MAX_BACKOFF_S  # uncapped: 58 hours before the 21st retry
     assert Settings(retry_delay_s=100).backoff_s(0) == MAX_BACKOFF_S
+
+
+@pytest.mark.parametrize(
+    "key,attr,default",
+    [
+        ("request_head_timeout", "request_head_timeout_s", 10.0),
+        ("request_body_timeout", "request_body_timeout_s", 60.0),
+        ("max_connections_per_worker", "max_connections_per_worker", 4096),
+    ],
+)
+def test_the_connection_bounds_have_defaults_and_must_be_positive(key, attr, default):
+    assert getattr(settings_from_dict({}), attr) == default
+    raw = {"motor_coordinator_config": {"inference_workers_config": {key: 3}}}
+    assert getattr(settings_from_dict(raw), attr) == 3
+    for bad in (0, -1, "10"):
+        message = refused({"inference_workers_config": {key: bad}})
+        assert message.startswith(f"motor_coordinator_config.inference_workers_config.{key}: must "), message
+
+
+def test_a_config_with_a_huge_integer_is_one_line_not_a_traceback(tmp_path):
+    """Python refuses to read an integer of more than 4300 digits (a ValueError, which was not caught)."""
+    path = tmp_path / "huge.json"
+    path.write_text('{"motor_coordinator_config": {"x": 1' + "0" * 5000 + "}}")
+    proc = subprocess.run(
+        [sys.executable, "app.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"config error: {path}: not valid JSON ("), line

@@ -4,13 +4,13 @@ Coordinator keeps serving (and logging) afterwards."""
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
 
 from harness import bodies
 from tests.conftest import MODEL
+from tests.raw_http import exchange
 from tests.support import Coordinator, coordinator_config, instance, wait_until
 
 JSON = {"content-type": "application/json"}
@@ -18,15 +18,7 @@ JSON = {"content-type": "application/json"}
 
 def raw(port: int, data: bytes, timeout_s: float = 3.0) -> bytes:
     """What the Coordinator answers to these bytes, read until it closes or goes quiet."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
-        s.sendall(data)
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-        except TimeoutError:
-            pass
-    return out
+    return exchange(port, data, timeout_s)[0]
 
 
 def chat_body(content: str = "hi", model: str = MODEL) -> bytes:

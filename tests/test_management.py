@@ -494,9 +494,11 @@ def test_management_key_protects_instances_but_never_the_probes(sims):
             {"Authorization": "Bearer m-key"},
             {"X-Motor-Management-Key": "m-k\xe9y".encode("latin-1")},
         ):
-            assert httpx.get(coord.mgmt + "/instances", headers=headers).status_code == 401
+            r = httpx.get(coord.mgmt + "/instances", headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
             r = httpx.post(coord.mgmt + "/instances/refresh", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["status"] == "failed"
+            assert r.headers["www-authenticate"] == "Bearer"
         good = {"X-Motor-Management-Key": "m-key"}
         assert [i["id"] for i in httpx.get(coord.mgmt + "/instances", headers=good).json()["instances"]] == [1]
         assert httpx.post(coord.mgmt + "/instances/refresh", json=body, headers=good).status_code == 200

@@ -298,8 +298,10 @@ def test_api_key_auth(sims):
             r = httpx.post(coord.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=headers)
             assert r.status_code == 401, key
             assert r.json()["error"]["type"] == "authentication_error"
-        with pytest.raises(openai.AuthenticationError):
+            assert r.headers["www-authenticate"] == "Bearer"  # the scheme it wants (RFC 9110 11.6.1)
+        with pytest.raises(openai.AuthenticationError) as e:
             client(coord, "bad").completions.create(model=MODEL, prompt="x")
+        assert e.value.response.headers["www-authenticate"] == "Bearer"
         assert client(coord, "k-two").completions.create(model=MODEL, prompt="x", max_tokens=2).choices
         assert httpx.get(coord.url + "/v1/models").status_code == 401
         assert httpx.get(coord.url + "/v1/models", headers={"Authorization": "Bearer k-one"}).status_code == 200
