@@ -977,8 +977,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tree-also",
         metavar="DIR",
+        action="append",
+        default=[],
         help="one more Coordinator (1 worker, log INFO) from this source tree (e.g. a `git worktree` of the "
-        "previous commit), measured side by side: a change's cost in one run",
+        "previous commit), measured side by side: a change's cost in one run; may be given more than once",
     )
     ap.add_argument(
         "--litellm",
@@ -1043,8 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
                 also = []
                 if opts.python_also:
                     also.append((opts.python_also, ROOT, f"python {python_version(opts.python_also)}"))
-                if opts.tree_also:
-                    tree = os.path.abspath(opts.tree_also)
+                for tree in map(os.path.abspath, opts.tree_also):
                     also.append((opts.python, tree, f"tree {tree_label(tree)}"))
                 for python, root, label in also:
                     pair.append(
