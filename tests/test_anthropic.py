@@ -19,10 +19,11 @@ import pytest
 from aiohttp import web
 
 from harness.clients import anthropic_client as sdk, async_anthropic_client as async_sdk
-from harness.configs import api_keys
+from harness.configs import api_keys, coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import free_port, wait_until
 from serving.legs import PREFILL_TICKET
 from tests.conftest import MODEL
-from tests.support import Coordinator, coordinator_config, free_port, instance, wait_until
 
 WEATHER_TOOL = {
     "name": "get_weather",

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from bench import overhead
-from tests.support import ROOT
+from harness import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 
 import engines
 from config import MAX_BACKOFF_S, ConfigError, Settings, settings_from_dict, split_address
-from tests.support import ROOT, coordinator_config, instance
+from harness import ROOT
+from harness.configs import coordinator_config, instance
 
 MODEL = "qwen3"
 

@@ -1394,7 +1394,8 @@ def test_coordinator_starts_on_rendered_config_with_loopback_addresses(sims):
     import httpx
     import openai
 
-    from tests.support import Coordinator, free_port
+    from harness.coordinator import Coordinator
+    from harness.loopback import free_port
 
     cfg = bundle(base())["config"]
     coord = cfg["motor_coordinator_config"]

@@ -22,10 +22,13 @@ import openai
 import pytest
 
 from harness import bodies
+from harness.bodies import sse_events
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
 from harness.ledger import ledger, ledger_is_zero
+from harness.loopback import wait_until
 from serving.dispatch import MAX_OUTPUT_BUDGET
 from tests.conftest import MODEL
-from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
 
 UNION, PD = "fault-union", "fault-pd"
 INFER_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")

@@ -12,9 +12,11 @@ import time
 import httpx
 import pytest
 
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import wait_until
 from tests.conftest import MODEL
 from tests.raw_http import connect, exchange, read_until_closed, statuses
-from tests.support import Coordinator, coordinator_config, instance, wait_until
 
 KEY, MGMT_KEY = "sk-edge", "mgmt-edge"
 HEAD_S, BODY_S = 2.0, 2.0  # the deadlines under test; Sanic's timer looks every half of the shorter

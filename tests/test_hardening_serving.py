@@ -14,12 +14,14 @@ import openai
 import pytest
 
 from config import Endpoint, Instance
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
 from harness.ledger import ledger, ledger_is_zero
+from harness.loopback import wait_until
 from scheduling.registry import Registry
 from serving.resolve import InstanceAddresses, normal
 from state.shared import SharedState
 from tests.conftest import MODEL
-from tests.support import Coordinator, coordinator_config, instance, wait_until
 
 
 def pd(p, d, **sections) -> Coordinator:

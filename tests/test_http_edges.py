@@ -9,9 +9,11 @@ import httpx
 import pytest
 
 from harness import bodies
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import wait_until
 from tests.conftest import MODEL
 from tests.raw_http import exchange
-from tests.support import Coordinator, coordinator_config, instance, wait_until
 
 JSON = {"content-type": "application/json"}
 

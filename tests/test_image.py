@@ -23,7 +23,8 @@ import yaml
 import config
 from deployer import render as R
 from deployer.settings import COORDINATOR_CODE_DIR, load
-from tests.support import Coordinator, coordinator_config
+from harness.configs import coordinator_config
+from harness.coordinator import Coordinator
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = (ROOT / "Dockerfile").read_text()

@@ -18,10 +18,12 @@ import httpx
 import pytest
 
 from config import Settings
-from harness.bodies import chat_body
+from harness.bodies import chat_body, sse_events
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import free_port, wait_until
 from serving.door import Door
 from state.shared import G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, SharedState
-from tests.support import Coordinator, coordinator_config, free_port, instance, sse_events, wait_until
 
 MODEL, FLAKY, GONE = "lim", "lim-flaky", "lim-gone"
 CAP = 4

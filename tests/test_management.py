@@ -18,10 +18,12 @@ import time
 import httpx
 import pytest
 
-from harness.bodies import chat_body
-from harness.coordinator import logged_request_pids as worker_pids
+from harness import ROOT
+from harness.bodies import chat_body, sse_events
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator, logged_request_pids as worker_pids
+from harness.loopback import wait_until
 from tests.conftest import MODEL
-from tests.support import ROOT, Coordinator, coordinator_config, instance, sse_events, wait_until
 
 WORKERS = 2
 BASELINE = (1, 2)

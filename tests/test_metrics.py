@@ -20,9 +20,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import bodies
-from harness.coordinator import logged_request_pids as worker_pids
+from harness.bodies import sse_events
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator, logged_request_pids as worker_pids
+from harness.loopback import wait_until
 from tests.conftest import MODEL
-from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
 
 PD_MODEL, SLOW_MODEL = "pd-model", "slow-model"
 WORKERS = 2

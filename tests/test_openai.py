@@ -11,10 +11,12 @@ import httpx
 import openai
 import pytest
 
+from harness import ROOT
+from harness.bodies import sse_events
 from harness.clients import openai_client as client
-from harness.configs import api_keys
+from harness.configs import api_keys, coordinator_config, instance
+from harness.coordinator import Coordinator
 from tests.conftest import MODEL
-from tests.support import ROOT, Coordinator, coordinator_config, instance, sse_events
 
 
 def test_chat_json(union_cluster):

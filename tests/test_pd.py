@@ -11,13 +11,16 @@ import openai
 import pytest
 
 from config import Endpoint, Instance
+from harness.bodies import sse_events
 from harness.clients import openai_client as client
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import wait_until
 from scheduling.registry import Registry
 from serving.resolve import InstanceAddresses
 from serving.usage import PrefillUsages
 from state.shared import PREFILL_USAGE_SLOTS, SharedState
 from tests.conftest import MODEL
-from tests.support import Coordinator, coordinator_config, instance, sse_events, wait_until
 
 # A field a future vLLM might add to its ticket, with a float that a careless re-encoder could change.
 TICKET_EXTRA = {"future_field": {"nested": [1.5, "x", None]}, "remote_blocks_expiry_time": 1764475200.123456}
@@ -225,7 +228,7 @@ def test_missed_handoff_is_served_and_counted(fresh):
 def test_a_ticket_decode_cannot_use_is_recomputed_on_decode_not_blamed_on_it(sims):
     """P died after answering (its ticket names a port nobody listens on): D answers 500 at once (field
     notes). The retry leaves the ticket out and D computes the prompt itself; D's breaker stays closed."""
-    from tests.support import free_port
+    from harness.loopback import free_port
 
     p, d = sims("prefill", ticket_extra={"remote_port": free_port()}), sims("decode")
     cfg = coordinator_config(
@@ -697,7 +700,7 @@ def test_metaserver_rejects_malformed_control_objects(fresh, ktp):
 
 
 def test_fallback_to_whole_requests_when_no_decode_is_healthy(sims):
-    from tests.support import free_port
+    from harness.loopback import free_port
 
     p = sims("prefill")
     dead_decode = f"127.0.0.1:{free_port()}"

@@ -15,9 +15,12 @@ import httpx
 import openai
 import pytest
 
+from harness import ROOT
 from harness.clients import openai_client as client
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import wait_until
 from tests.conftest import MODEL
-from tests.support import ROOT, Coordinator, coordinator_config, instance, wait_until
 
 LOAD_GAUGES = (
     "motor_instance_inflight_requests",

@@ -15,9 +15,11 @@ import random
 import aiohttp
 import pytest
 
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
 from harness.ledger import ledger_is_zero
+from harness.loopback import wait_until
 from harness.processes import tree
-from tests.support import Coordinator, coordinator_config, instance, wait_until
 
 UNION, PD = "soak-union", "soak-pd"
 WARMUP, MEASURED = 400, 2000

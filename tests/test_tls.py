@@ -8,9 +8,10 @@ import ssl
 import httpx
 import pytest
 
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
 from tests.certs import Certs, make_certs
 from tests.conftest import MODEL
-from tests.support import Coordinator, coordinator_config, instance
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A worker process that dies or is stopped on its own, and a stop signal during start-up.
 
-Each test runs `python app.py` with several Sanic workers (tests/support.py) and acts on one worker process
+Each test runs `python app.py` with several Sanic workers (harness/coordinator.py) and acts on one worker process
 with a real signal. The main process's supervisor (workers/supervisor.py) must give back what a dead worker
 held in shared memory, restart it (under the same name, so worker 0 resumes health checks), and only a
 stop of the whole Coordinator may put it in draining.
@@ -21,10 +21,13 @@ from contextlib import contextmanager
 
 import httpx
 
+from harness import ROOT
 from harness.bodies import chat_body
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
 from harness.ledger import IN_FLIGHT, ledger
+from harness.loopback import wait_until
 from tests.conftest import MODEL
-from tests.support import ROOT, Coordinator, coordinator_config, instance, wait_until
 from workers.supervisor import STOP_GRACE_S
 
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
 from tests.e2e.engines import ROLES, Engine
-from tests.support import Coordinator, coordinator_config, instance
 
 
 @dataclass

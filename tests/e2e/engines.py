@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from tests.support import wait_until
+from harness.loopback import wait_until
 
 ROLES = ("union", "prefill", "decode")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from harness.loopback import wait_until
 from tests.e2e.engines import metric_value
-from tests.support import wait_until
 
 pytestmark = pytest.mark.vllm
 
