@@ -43,8 +43,11 @@ class Admitted:
 
     # A plain (not async) context manager: entering and leaving never wait, so they need no coroutines.
     def __enter__(self) -> None:
-        self.task = asyncio.current_task()
-        self.door.local.add(self.task)
+        door = self.door
+        if door.loop is None:
+            door.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task(door.loop)  # (3.11 finds the running loop with a getpid syscall)
+        door.local.add(self.task)
 
     def __exit__(self, *exc) -> None:
         self.door._leave(self.task)
@@ -73,6 +76,7 @@ class Door:
         self.rate = settings.requests_per_second
         self.burst_milli = int(max(1.0, self.rate) * 1000)
         self.clock = clock
+        self.loop: asyncio.AbstractEventLoop | None = None  # the worker's, known from its first request
         self.warr = shared.workers
         self.at = worker * WORKER_FIELDS + W_INFLIGHT  # this worker's in-flight counter in `warr`
         self.rows = range(W_INFLIGHT, max(settings.num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)

@@ -18,7 +18,14 @@ from serving.protocol import (
 )
 from serving.protocol.anthropic import CountTokensRequest, MessagesRequest
 from serving.protocol.metaserver import MetaserverCall
-from serving.protocol.openai import ChatCompletionBody, ChatCompletionRequest, CompletionBody, CompletionRequest
+from serving.protocol.openai import (
+    ChatCompletionBody,
+    ChatCompletionRequest,
+    CompletionBody,
+    CompletionRequest,
+    PlainChat,
+    read_plain_chat,
+)
 
 CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = (
     "/v1/chat/completions",
@@ -42,7 +49,7 @@ class Job:
     slo_ttft_ms: float = 0.0
     slo_tpot_ms: float = 0.0
     metaserver: dict | None = None  # the PD control object of a /v1/metaserver call
-    request: Request | None = None  # the body as its route's model read it
+    request: Request | PlainChat | None = None  # the body as its route's model (or the plain chat reader) read it
 
     @property
     def include_usage(self) -> bool:
@@ -105,7 +112,9 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str,
     """`from_engine`: a metaserver call's body, the engine's rewrite of a client body (checked already)."""
     if route == METASERVER:
         return _metaserver_job(raw, body)
-    request = validate((_ENGINE_BODIES if from_engine else _REQUESTS)[route], body)
+    request = read_plain_chat(body) if route == CHAT else None
+    if request is None:
+        request = validate((_ENGINE_BODIES if from_engine else _REQUESTS)[route], body)
     stream = route != COUNT_TOKENS and bool(request.stream)
     return Job(route, api, raw, body, request.model, stream, request_id, request.max_output, request=request)
 

@@ -4,14 +4,24 @@ models."""
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import pytest
 
 from errors import InvalidRequest
 from handlers.docs import openapi_schema
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, METASERVER, job_from_body
+from serving.protocol import validate
 from serving.protocol.anthropic import CountTokensRequest, MessagesRequest
 from serving.protocol.metaserver import MetaserverCall
-from serving.protocol.openai import ChatCompletionBody, ChatCompletionRequest, CompletionBody, CompletionRequest
+from serving.protocol.openai import (
+    ChatCompletionBody,
+    ChatCompletionRequest,
+    CompletionBody,
+    CompletionRequest,
+    read_plain_chat,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 VALID = {
@@ -285,6 +295,89 @@ def test_the_output_budget_each_route_takes():
 )
 def test_what_one_kv_ticket_cannot_carry_is_read_as_vllm_reads_it(route, fields, computes):
     assert job(route, **fields).decode_computes_prompt is computes
+
+
+# What the plain chat reader is judged on: each field's plain values and the ones it must leave to the model.
+CHAT_POOLS = {
+    "model": ["m", "", 5, None, "no-such-\ud800", ABSENT],
+    "messages": [
+        USER,
+        [],
+        "hi",
+        [5],
+        [{"role": "user", "content": None}],
+        [{"role": "", "content": "x"}],
+        [{"role": "\ud800", "content": "cut \ud83d", "name": "n"}],
+        [{"role": "assistant", "tool_calls": []}],
+        [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+        [{"role": "system", "content": "be brief"}, *USER, {"role": "assistant", "content": "ok"}],
+        [{"role": "user", "content": "x"}] * 40,
+        ABSENT,
+    ],
+    "stream": [True, False, None, "true", 1, ABSENT],
+    "max_tokens": [None, 1, 16, 0, -1, "4", 4.0, True, "x", ABSENT],
+    "max_completion_tokens": [None, 7, 0, "x", 2.0, ABSENT],
+    "stream_options": [None, {}, {"include_usage": True}, [], "x", ABSENT],
+    "n": [None, 1, 2, 0, -3, "2", 2.0, True, "two", ABSENT],
+    "tools": [None, [], [{"type": "function", "function": {"name": "f"}}], "x", {}, ABSENT],
+    "extra": [
+        {},
+        {"temperature": "hot", "top_p": [], "seed": "s"},
+        {"top_logprobs": None, "prompt_logprobs": 1},
+        {"top_logprobs": 3},
+        {"stop": "x"},
+        {"stop_token_ids": [1, "2"]},
+        {"min_tokens": 100},
+        {"echo": True},
+        {"best_of": 3},
+        {"response_format": {"type": "json_object"}, "user": "u"},
+    ],
+}
+READ = ["model", "stream", "max_output", "children", "prompt_logprobs", "echo", "top_logprobs", "best_of"]
+
+
+def chat_bodies(count: int):
+    rng = random.Random(1)
+    yield VALID[CHAT]
+    for _ in range(count):
+        body = {}
+        for key, pool in CHAT_POOLS.items():
+            value = pool[0] if rng.random() < 0.6 else rng.choice(pool)  # a plain value, else any
+            if key == "extra":
+                body.update(value)
+            elif value is not ABSENT:
+                body[key] = value
+        yield body
+
+
+def test_the_plain_chat_reader_takes_only_what_the_model_takes_and_reads_it_the_same():
+    taken = 0
+    for body in chat_bodies(4000):
+        plain = read_plain_chat(body)
+        if plain is None:
+            continue
+        taken += 1
+        model = validate(ChatCompletionRequest, body)  # raises if the reader took what the model refuses
+        assert [getattr(plain, a) for a in READ] == [getattr(model, a) for a in READ], body
+        fast = job_from_body(CHAT, "openai", b"{}", body, "rid")
+        assert type(fast.request) is type(plain)
+        slow = dataclasses.replace(fast, request=model)
+        assert (fast.stream, fast.max_tokens) == (bool(model.stream), model.max_output)
+        assert fast.decode_computes_prompt is slow.decode_computes_prompt
+    assert taken > 500  # plain bodies do take the hot path
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "messages": USER, "max_tokens": 16},
+        {"model": "m", "messages": USER, "stream": True, "stream_options": {"include_usage": True}},
+        {"model": "m", "messages": [*USER] * 32, "tools": [], "n": 1, "temperature": 0.2, "seed": 3},
+    ],
+)
+def test_plain_chat_bodies_are_read_without_the_model(body):
+    plain = read_plain_chat(body)
+    assert plain is not None and plain.model == "m"
 
 
 def test_a_metaserver_job_carries_the_ticket_as_it_came():

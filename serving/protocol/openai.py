@@ -179,3 +179,80 @@ class ChatCompletionRequest(_LegChecked, ChatCompletionBody):
 
 class CompletionRequest(_LegChecked, CompletionBody):
     """A client's text completion; any other field is passed to the engine unchanged."""
+
+
+# -- the hot path's reader ---------------------------------------------------------------------------------
+# pydantic's check of a tiny chat body costs about 40 k instructions (bench/protocol.py), 8 % of the whole
+# request's 500 k: over the 5 % a body check may take on the hot path. Most chat bodies are plain (a model,
+# a short list of role/content strings, stream, a token cap), and `read_plain_chat` reads those with a few
+# exact-type tests; anything else, and every refusal, goes to `ChatCompletionRequest`. tests/test_protocol.py
+# checks, on a table of bodies, that whatever this reader takes the model takes too and reads the same.
+
+_PLAIN_MESSAGES = 32  # a longer conversation costs pydantic's compiled loop less than a Python one
+_JUDGED_BY_MODEL_ONLY = frozenset(ChatCompletionRequest.model_fields) - {
+    "model",
+    "messages",
+    "stream",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream_options",
+    "n",
+    "tools",
+    # passed to the engine as they are (`passed`): the model reads any value
+    "temperature",
+    "top_p",
+    "seed",
+    "prompt_logprobs",
+    "top_logprobs",
+}
+
+
+class PlainChat:
+    """A plain chat body as `ChatCompletionRequest` reads it: the attributes serving/job.py uses."""
+
+    __slots__ = ("max_output", "model", "n", "prompt_logprobs", "stream", "top_logprobs")
+    echo = None
+    best_of = None
+
+    def __init__(self, model: str, stream: bool | None, max_output: int, n: int | None, body: dict):
+        self.model, self.stream, self.max_output, self.n = model, stream, max_output, n
+        self.prompt_logprobs = body.get("prompt_logprobs")
+        self.top_logprobs = body.get("top_logprobs", 0)
+
+    @property
+    def children(self) -> int:
+        return 1 if self.n is None else self.n
+
+
+def _plain_cap(value: Any) -> bool:
+    return value is None or (type(value) is int and value >= 1)
+
+
+def read_plain_chat(body: dict) -> PlainChat | None:
+    """The body read without pydantic when it is plain, else None (then the model reads it)."""
+    if not body.keys().isdisjoint(_JUDGED_BY_MODEL_ONLY):
+        return None
+    model, messages, stream = body.get("model"), body.get("messages"), body.get("stream", False)
+    if type(model) is not str or not model or type(messages) is not list or not messages:
+        return None
+    if len(messages) > _PLAIN_MESSAGES or (stream is not None and type(stream) is not bool):
+        return None
+    for message in messages:
+        if type(message) is not dict:
+            return None
+        role = message.get("role")
+        if type(role) is not str or not role or type(message.get("content")) is not str:
+            return None
+    cap = body.get("max_completion_tokens")
+    if not _plain_cap(cap):
+        return None
+    if cap is None:
+        cap = body.get("max_tokens")
+        if not _plain_cap(cap):
+            return None
+    options, n, tools = body.get("stream_options"), body.get("n"), body.get("tools")
+    if options is not None and (type(options) is not dict or (options and stream is not True)):
+        return None
+    if (n is not None and type(n) is not int) or (tools is not None and type(tools) is not list):
+        return None
+    return PlainChat(model, stream, DEFAULT_MAX_TOKENS if cap is None else cap, n, body)
