@@ -12,7 +12,7 @@ def check_json_type(request: Request) -> None:
     """The request says its body is JSON. A browser sends text/plain or a form without a preflight (a "simple request"),
     so a page could not make its visitor's browser post to a route that requires this."""
     content_type = request.headers.get("content-type", "")
-    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+    if content_type != "application/json" and content_type.split(";", 1)[0].strip().lower() != "application/json":
         raise UnsupportedMediaType("Content-Type must be application/json")
 
 
