@@ -1,9 +1,10 @@
 """The prefix index: which engine slots hold the KV of which prompt prefixes, shared by all workers.
 
-After a prefill succeeds on a slot, every chained block hash of its prompt (scheduling/tokens.py) is
+After a prefill succeeds on a slot, every chained prefix hash of its prompt (scheduling/tokens.py) is
 recorded with that slot's bit. A prompt's cached prefix on a slot is then its longest run of leading
-blocks carrying the slot's bit: since block k's hash covers blocks 0..k, the recorded blocks of one
-slot form a prefix-closed set and a binary search finds the run's end in about log2(blocks) probes.
+hashes carrying the slot's bit: since each hash covers the prompt up to its prefix's end, the recorded
+hashes of one slot form a prefix-closed set and a binary search finds the run's end in about
+log2(hashes) probes.
 
 The table lives in shared memory (made in the main process with the other shared arrays), so every
 worker routes by the prefills of every worker. It is an open-addressed hash table of fixed size
@@ -17,6 +18,7 @@ recomputes the prefix, after which that engine holds it again.
 
 from __future__ import annotations
 
+from scheduling.tokens import blocks_covered, hashes_covering
 from state.shared import PREFIX_ENTRIES, PREFIX_FIELDS, SharedState
 
 PROBES = 4
@@ -73,18 +75,18 @@ class PrefixIndex:
         bit = 1 << (slot % 64)
         lo, hi = 0, len(hashes)
         if self._has(hashes[-1], bit):
-            return hi
-        while lo < hi:  # invariant: the first lo blocks are held, block hi (if any) is not
+            return blocks_covered(hi)
+        while lo < hi:  # invariant: the first lo hashes are held, hash hi (if any) is not
             mid = (lo + hi + 1) // 2
             if self._has(hashes[mid - 1], bit):
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return blocks_covered(lo)
 
     def last_owner(self, hashes: list[int], blocks: int) -> int:
         """The slot that most recently prefilled the first `blocks` blocks (-1 when unknown)."""
         if blocks <= 0:
             return -1
-        base = self._find(hashes[blocks - 1] or 1)
+        base = self._find(hashes[hashes_covering(blocks) - 1] or 1)
         return int(self.a[base + 2]) if base >= 0 else -1

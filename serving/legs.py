@@ -26,36 +26,52 @@ PREFILL_TICKET = {
     "remote_port": None,
 }
 
-_OPENAI_DROPPED = ("stream_options", "min_tokens", "stop", "stop_token_ids", "kv_transfer_params")
-_ANTHROPIC_DROPPED = ("stop_sequences", "kv_transfer_params")
+# The client's fields a prefill leg must not carry, as what the engine reads when they are absent: the leg's
+# body is the client's bytes with its changes appended (JSON readers keep a key's last value, Python's and so
+# vLLM's among them), so a dropped field is overridden rather than cut out of a prompt of megabytes.
+_OPENAI_DROPPED = {"stream_options": None, "min_tokens": 0, "stop": None, "stop_token_ids": None}
+_ANTHROPIC_DROPPED = {"stop_sequences": None}
+
+
+def prefill_changes(job: Job, ticket: dict | None = None) -> dict:
+    """The fields the prefill leg sets in the client's body (a dropped one at its engine default)."""
+    body = job.body
+    if job.route == MESSAGES:
+        changes = {key: value for key, value in _ANTHROPIC_DROPPED.items() if key in body}
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("type") == "tool":
+            changes["tool_choice"] = {"type": "any"}
+            if "disable_parallel_tool_use" in choice:
+                changes["tool_choice"]["disable_parallel_tool_use"] = choice["disable_parallel_tool_use"]
+    else:
+        changes = {key: value for key, value in _OPENAI_DROPPED.items() if key in body}
+        changes["ignore_eos"] = True
+        if "max_completion_tokens" in body:
+            changes["max_completion_tokens"] = 1
+        if "n" in body:
+            changes["n"] = 1
+    changes["stream"] = False
+    changes["max_tokens"] = 1
+    changes["kv_transfer_params"] = dict(PREFILL_TICKET) if ticket is None else ticket
+    return changes
 
 
 def prefill_body(job: Job, ticket: dict | None = None) -> dict:
-    body = dict(job.body)
-    if job.route == MESSAGES:
-        for key in _ANTHROPIC_DROPPED:
-            body.pop(key, None)
-        choice = body.get("tool_choice")
-        if isinstance(choice, dict) and choice.get("type") == "tool":
-            body["tool_choice"] = {"type": "any"}
-            if "disable_parallel_tool_use" in choice:
-                body["tool_choice"]["disable_parallel_tool_use"] = choice["disable_parallel_tool_use"]
-    else:
-        for key in _OPENAI_DROPPED:
-            body.pop(key, None)
-        body["ignore_eos"] = True
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = 1
-        if "n" in body:
-            body["n"] = 1
-    body["stream"] = False
-    body["max_tokens"] = 1
-    body["kv_transfer_params"] = dict(PREFILL_TICKET) if ticket is None else ticket
+    """The prefill leg's body as an object, the dropped fields left out."""
+    dropped = _ANTHROPIC_DROPPED if job.route == MESSAGES else _OPENAI_DROPPED
+    body = {key: value for key, value in job.body.items() if key not in dropped}
+    for key, value in prefill_changes(job, ticket).items():
+        if key not in dropped:
+            body[key] = value
     return body
 
 
 def prefill_leg(job: Job) -> bytes:
-    return dumps(prefill_body(job))
+    """The client's bytes with the prefill leg's changes appended: the prompt is copied once, never re-encoded."""
+    raw = job.raw
+    end = raw.rindex(b"}")
+    changes = b",".join(b"%s:%s" % (dumps(key), dumps(value)) for key, value in prefill_changes(job).items())
+    return b"".join((memoryview(raw)[:end], b",", changes, b"}"))
 
 
 def decode_leg(job: Job, ticket: dict | None) -> bytes:

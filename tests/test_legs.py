@@ -7,7 +7,7 @@ import json
 import pytest
 
 from serving.job import CHAT, MESSAGES, job_from_body, parse_body
-from serving.legs import decode_leg, prefill_body
+from serving.legs import PREFILL_TICKET, decode_leg, prefill_body, prefill_leg
 
 TICKET = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.7", "remote_port": 5600}
 
@@ -70,3 +70,23 @@ def test_messages_prefill_leg_turns_a_named_tool_choice_into_any(choice, prefill
     j = job_from_body(MESSAGES, "anthropic", raw, parse_body(raw), "rid-1")
     assert prefill_body(j)["tool_choice"] == prefill_choice and prefill_body(j)["tools"] == j.body["tools"]
     assert j.body["tool_choice"] == choice and json.loads(decode_leg(j, TICKET))["tool_choice"] == choice
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"m","messages":[{"role":"user","content":"' + b"long prompt \\u00e9 " * 60000 + b'"}],"stream":true,'
+        b'"stream_options":{"include_usage":true},"stop":["x"],"stop_token_ids":[3],"min_tokens":2,"n":1,'
+        b'"max_completion_tokens":9,"kv_transfer_params":{"remote_host":"evil"}}',
+        b' {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.5 }\n',
+    ],
+)
+def test_the_prefill_leg_is_the_client_bytes_with_its_changes_appended(raw):
+    j = job(raw)
+    out = prefill_leg(j)
+    assert out.startswith(raw[: raw.rindex(b"}")])  # the prompt copied as it came, not re-encoded
+    read = json.loads(out)  # (a key's last value is the one read, as vLLM's JSON reader reads it)
+    neutral = {"stream_options": None, "stop": None, "stop_token_ids": None, "min_tokens": 0}
+    assert read == {**prefill_body(j), **{k: v for k, v in neutral.items() if k in j.body}}
+    assert read["kv_transfer_params"] == PREFILL_TICKET and read["stream"] is False and read["max_tokens"] == 1
+    assert read["ignore_eos"] is True and read["messages"] == j.body["messages"]

@@ -75,11 +75,12 @@ def test_prefill_leg_is_length_capped_and_decode_leg_is_the_client_body(fresh):
         r.read()
     p_req, d_req = legs(fresh.p, fresh.d)
     pb = p_req["body"]
-    assert pb["stream"] is False and "stream_options" not in pb
+    # No stream options, stop conditions or minimum: each is overridden by its engine default (the client's
+    # bytes are relayed with the changes appended; the last value of a key is the one read).
+    assert pb["stream"] is False and pb["stream_options"] is None
     assert pb["max_tokens"] == 1 and pb["max_completion_tokens"] == 1
     assert pb["ignore_eos"] is True and pb["n"] == 1
-    for dropped in ("stop", "stop_token_ids", "min_tokens"):
-        assert dropped not in pb
+    assert pb["stop"] is None and pb["stop_token_ids"] is None and pb["min_tokens"] == 0
     assert pb["kv_transfer_params"] == {
         "do_remote_decode": True,
         "do_remote_prefill": False,

@@ -23,7 +23,17 @@ from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
 from scheduling.scheduler import LEARN_INTERVAL_S, Scheduler
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
-from scheduling.tokens import CHAT, COMPLETION, MESSAGES, PromptMeter, chained_hashes, engine_uncached, make_meter
+from scheduling.tokens import (
+    CHAT,
+    COMPLETION,
+    MESSAGES,
+    PromptMeter,
+    blocks_covered,
+    chained_hashes,
+    engine_uncached,
+    hashes_covering,
+    make_meter,
+)
 from state.shared import (
     ENDPOINT_FIELDS,
     EP_DC_N,
@@ -238,10 +248,12 @@ def test_prefix_index_finds_each_slots_longest_cached_prefix():
 def test_prefix_index_survives_more_keys_than_entries():
     index = PrefixIndex(SharedState.create())
     keys = [(k * 0x9E3779B97F4A7C15) & (2**64 - 1) for k in range(1, 300_000)]
-    index.record(keys, 1)
-    recent = keys[-50:]
+    per_prompt = len(chained_hashes(b"x" * 64 * (1 << 14), 64))  # a 1 MiB prompt's hashes
+    for start in range(0, len(keys), per_prompt):
+        index.record(keys[start : start + per_prompt], 1)
+    recent = keys[-per_prompt:]
     assert index.cached_blocks(recent, 2) == 0
-    assert 0 <= index.cached_blocks(keys, 1) <= len(keys)
+    assert 0 <= index.cached_blocks(recent, 1) <= blocks_covered(per_prompt)
 
 
 # -- learned model -------------------------------------------------------------------------------
@@ -438,10 +450,10 @@ def test_slo_aware_sends_work_where_it_finishes_first():
 def test_slo_aware_counts_a_cached_prefix_as_cheaper_prefill():
     w, ps, ds = slo_world()
     hashes = chained_hashes(b"s" * 64 * 200, 64)  # 3200 tokens
-    w.index.record(hashes[:190], 1)  # the slow engine holds 3040 of them
+    w.index.record(hashes[: hashes_covering(192)], 1)  # the slow engine holds 3072 of them
     info = job(3200, hashes=hashes)
     p, _ = w.policy.choose_pair(ps, ds, info)
-    assert p.slot == 1 and w.policy.uncached(p, info) == 160
+    assert p.slot == 1 and w.policy.uncached(p, info) == 128
 
 
 def test_slo_aware_keeps_each_decode_engine_within_the_tpot_budget():
@@ -808,3 +820,18 @@ def test_scrape_keeps_gauges_and_interval_means():
         4, parse_engine_metrics(METRICS.format(running=0, ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0))
     )
     assert health.get(4, EP_ENGINE_ITL_S) == pytest.approx(0.04)  # an engine restart is not a sample
+
+
+def test_a_long_prompts_hashes_cover_prefixes_sparsely_and_find_a_shared_prefix_to_within_a_sixteenth():
+    block = 64
+    base = bytes(range(256)) * (64 * 1024)  # 16 MiB of distinct blocks
+    long = chained_hashes(base[: 1 << 20], block)  # 1 MiB: 16384 blocks
+    assert len(long) < 200 and blocks_covered(len(long)) == 16384
+    assert chained_hashes(base[:4096], block) == long[:64]  # every block of the first 4 KiB
+    index = PrefixIndex(SharedState.create())
+    index.record(long, 5)
+    for shared_kib in (3, 100, 700, 1023):
+        other = base[: shared_kib * 1024] + b"~" * ((1 << 20) - shared_kib * 1024)
+        found = index.cached_blocks(chained_hashes(other, block), 5)
+        assert shared_kib * 16 * 15 / 16 <= found <= shared_kib * 16  # never more than is shared
+        assert index.last_owner(chained_hashes(other, block), found) == (5 if found else -1)
