@@ -60,9 +60,7 @@ def prefill_body(job: Job, ticket: dict | None = None) -> dict:
     """The prefill leg's body as an object, the dropped fields left out."""
     dropped = _ANTHROPIC_DROPPED if job.route == MESSAGES else _OPENAI_DROPPED
     body = {key: value for key, value in job.body.items() if key not in dropped}
-    for key, value in prefill_changes(job, ticket).items():
-        if key not in dropped:
-            body[key] = value
+    body.update((key, value) for key, value in prefill_changes(job, ticket).items() if key not in dropped)
     return body
 
 
