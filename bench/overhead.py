@@ -75,8 +75,17 @@ REFERENCE_US = {
 }
 
 
+# `--prompt-kib`: every cell's user message padded to this size, as an agent's long prompt (code-like text).
+PAD = {"text": ""}
+
+
+def padding(kib: int) -> str:
+    line = "    total += compute(item, weight=0.5)  # the agent's context, line after line\n"
+    return (line * (kib * 1024 // len(line) + 1))[: kib * 1024]
+
+
 def body(model: str, stream: bool, **extra) -> str:
-    b = chat_body(model, stream, 16, MESSAGES[0]["content"], usage=True, **extra)
+    b = chat_body(model, stream, 16, MESSAGES[0]["content"] + PAD["text"], usage=True, **extra)
     return json.dumps(b, separators=(",", ":"))
 
 
@@ -954,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-router", action="store_true", help="skip vllm-router even when installed")
     ap.add_argument("--no-floor", action="store_true", help="skip the Sanic floor (bench/sanic_floor.py)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--prompt-kib", type=int, default=0, help="pad every cell's user message to this many KiB")
     ap.add_argument("--profile", action="store_true", help="profile the Coordinator's worker with py-spy instead")
     ap.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
     ap.add_argument("--rate", type=int, default=100, help="with --profile: py-spy samples per second (default 100)")
@@ -997,6 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = ap.parse_args(argv)
     global NICE
     NICE = opts.nice
+    PAD["text"] = padding(opts.prompt_kib)
     set_autogroup_nice("self")  # wrk runs in the bench's own session
     opts.duration = opts.duration or (2.0 if opts.quick else 6.0)
     opts.latency = opts.latency if opts.latency is not None else (1.0 if opts.quick else 3.0)

@@ -19,8 +19,8 @@ count is what the request line and metrics report when the engine's answer carri
 Block hashes are chained: block k's hash covers the whole prompt up to the end of block k (system
 prompt and tools included), so two prompts share block k's hash exactly when they share that prefix.
 Prompts of agents run to megabytes, so a prompt is not hashed at every block: the hashes cover each
-prefix up to 64 blocks, then 16 prefix lengths per doubling (`BOUNDARIES`), and a cached prefix is found to
-within 1/16 of its length. The hash is the prefix's CRC-32 beside its length in blocks (64 bits, computed
+prefix up to 16 blocks, then 8 prefix lengths per doubling (`BOUNDARIES`), and a cached prefix is found to
+within 1/8 of its length. The hash is the prefix's CRC-32 beside its length in blocks (64 bits, computed
 in one pass): not cryptographic; a collision only misroutes one request.
 """
 
@@ -137,11 +137,11 @@ def _boundaries(dense: int, per_octave: int, limit: int) -> list[int]:
     return out
 
 
-# The prefixes a prompt's hashes cover, in blocks: each block up to DENSE_BLOCKS (4 KiB of text at 16-token
-# blocks), then 16 per doubling, so that a prompt of n blocks has about 64 + 16 log2(n / 64) hashes (192 for
-# 1 MiB) and a cached prefix is found to within 1/16 of its length. The same counts for every prompt, so that
-# two prompts sharing a prefix share its hashes.
-DENSE_BLOCKS, PER_OCTAVE = 64, 16
+# The prefixes a prompt's hashes cover, in blocks: each block up to DENSE_BLOCKS (1 KiB of text at 16-token
+# blocks), then 8 per doubling, so that a prompt of n blocks has about 16 + 8 log2(n / 16) hashes (96 for
+# 1 MiB) and a cached prefix is found to within 1/8 of its length (never longer than it is). The same counts
+# for every prompt, so that two prompts sharing a prefix share its hashes.
+DENSE_BLOCKS, PER_OCTAVE = 16, 8
 BOUNDARIES = _boundaries(DENSE_BLOCKS, PER_OCTAVE, 1 << 26)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from errors import InvalidRequest
 from handlers.docs import openapi_schema
-from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, METASERVER, job_from_body
+from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, METASERVER, job_from_body, parse_body
 from serving.protocol import validate
 from serving.protocol.anthropic import CountTokensRequest, MessagesRequest
 from serving.protocol.metaserver import MetaserverCall
@@ -24,6 +24,7 @@ from serving.protocol.openai import (
 )
 
 USER = [{"role": "user", "content": "hi"}]
+USER_E = [{"role": "user", "content": "\u00e9 ok"}]
 VALID = {
     CHAT: {"model": "m", "messages": USER},
     COMPLETIONS: {"model": "m", "prompt": "hi"},
@@ -425,3 +426,23 @@ def test_the_request_schemas_are_valid_openapi_3_0():
             "components": {"schemas": components},
         }
     )
+
+
+@pytest.mark.parametrize(
+    "raw, read",
+    [
+        (b'{"model":"m","messages":[{"role":"user","content":"\\u00e9 ok"}]}', {"model": "m", "messages": USER_E}),
+        (b'{"model":"m","content":"cut \\ud83d"}', {"model": "m", "content": "cut \ud83d"}),  # (orjson refuses it)
+        (b'{"t": Infinity}', {"t": float("inf")}),
+        (b'{"a": 1, "a": 2}', {"a": 2}),  # a key's last value, as Python's and vLLM's readers take it
+    ],
+)
+def test_a_body_is_read_as_pythons_json_reader_reads_it(raw, read):
+    assert parse_body(raw) == read
+
+
+@pytest.mark.parametrize("raw", [b'{"a":', b"[1, 2]", b'{"a": 1} x', b"\xff"])
+def test_a_body_that_is_no_json_object_is_refused(raw):
+    with pytest.raises(InvalidRequest) as e:
+        parse_body(raw)
+    assert e.value.status == 400 and "JSON" in e.value.message

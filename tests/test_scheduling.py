@@ -123,9 +123,8 @@ def test_estimate_renders_the_prompt_as_the_engine_counts_it():
     meter = PromptMeter(BLOCK)
     tokens, hashes = meter.measure(CHAT, CHAT_BODY)
     assert tokens == sim_tokens.chat_prompt_tokens(CHAT_BODY["messages"], tools=CHAT_BODY["tools"])
-    assert len(hashes) == len(
-        sim_tokens.render_chat_prompt(CHAT_BODY["messages"], tools=CHAT_BODY["tools"]).encode()
-    ) // (BLOCK * 4)
+    blocks = len(sim_tokens.render_chat_prompt(CHAT_BODY["messages"], tools=CHAT_BODY["tools"]).encode()) // (BLOCK * 4)
+    assert blocks_covered(len(hashes)) <= blocks < blocks_covered(len(hashes) + 1)  # as far into it as they reach
     anthropic = {
         "system": "Be brief.",
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}],
@@ -233,16 +232,16 @@ def test_prefix_index_finds_each_slots_longest_cached_prefix():
     system = {"role": "system", "content": "policy text " * 100}
     first = meter.measure(CHAT, {"messages": [system, {"role": "user", "content": "a" * 800}]})[1]
     second = meter.measure(CHAT, {"messages": [system, {"role": "user", "content": "b" * 800}]})[1]
-    shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    shared = blocks_covered(next(i for i, (x, y) in enumerate(zip(first, second)) if x != y))
     assert index.cached_blocks(second, 3) == 0
     index.record(first, 3)
-    assert index.cached_blocks(first, 3) == len(first)
+    assert index.cached_blocks(first, 3) == blocks_covered(len(first))
     assert index.cached_blocks(second, 3) == shared
     assert index.cached_blocks(second, 4) == 0
     assert index.last_owner(second, shared) == 3
     index.record(second, 4)
     assert index.last_owner(first, shared) == 4  # slot 4 prefilled the shared prefix more recently
-    assert index.cached_blocks(first, 3) == len(first)
+    assert index.cached_blocks(first, 3) == blocks_covered(len(first))
 
 
 def test_prefix_index_survives_more_keys_than_entries():
@@ -822,16 +821,16 @@ def test_scrape_keeps_gauges_and_interval_means():
     assert health.get(4, EP_ENGINE_ITL_S) == pytest.approx(0.04)  # an engine restart is not a sample
 
 
-def test_a_long_prompts_hashes_cover_prefixes_sparsely_and_find_a_shared_prefix_to_within_a_sixteenth():
+def test_a_long_prompts_hashes_cover_prefixes_sparsely_and_find_a_shared_prefix_to_within_an_eighth():
     block = 64
     base = bytes(range(256)) * (64 * 1024)  # 16 MiB of distinct blocks
     long = chained_hashes(base[: 1 << 20], block)  # 1 MiB: 16384 blocks
-    assert len(long) < 200 and blocks_covered(len(long)) == 16384
-    assert chained_hashes(base[:4096], block) == long[:64]  # every block of the first 4 KiB
+    assert len(long) < 100 and blocks_covered(len(long)) == 16384
+    assert chained_hashes(base[:1024], block) == long[:16]  # every block of the first KiB
     index = PrefixIndex(SharedState.create())
     index.record(long, 5)
     for shared_kib in (3, 100, 700, 1023):
         other = base[: shared_kib * 1024] + b"~" * ((1 << 20) - shared_kib * 1024)
         found = index.cached_blocks(chained_hashes(other, block), 5)
-        assert shared_kib * 16 * 15 / 16 <= found <= shared_kib * 16  # never more than is shared
+        assert shared_kib * 16 * 7 / 8 <= found <= shared_kib * 16  # never more than is shared
         assert index.last_owner(chained_hashes(other, block), found) == (5 if found else -1)

@@ -1,0 +1,76 @@
+"""Long prompts: what a prompt's size costs the Coordinator, next to vllm-router, in one run.
+
+    python bench/prompts.py                     # sizes 0,32,256,1024 KiB; chat, PD chat, PD chat streamed
+    python bench/prompts.py --sizes 0,256 --duration 4 --tree-also /tmp/base
+
+Each size is one bench/overhead.py run (1 worker on 1 core, log INFO, the same fake engines) with every
+cell's user message padded to that size (`--prompt-kib`). The table gives CPU µs per request, and µs per KiB
+of prompt: (µs at the size - µs at size 0) / KiB, for the Coordinator and vllm-router (when installed:
+`pip install vllm-router==0.1.17`), and their ratio. Arguments it does not know go to bench/overhead.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from bench import overhead  # noqa: E402
+
+CELLS = ("chat", "pd_chat", "pd_chat_stream")
+
+
+def run(sizes: list[int], passthrough: list[str]) -> dict[int, dict[tuple[str, str], float]]:
+    """{size: {(gateway label, cell): CPU µs per request}}"""
+    out = {}
+    for kib in sizes:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            argv = ["--prompt-kib", str(kib), "--json", f.name, "--workers", "1", "--no-warning", "--no-floor"]
+            if overhead.main([*argv, *passthrough]) != 0:
+                raise SystemExit(f"bench/overhead.py failed at {kib} KiB")
+            cells = json.load(f)["cells"]
+        out[kib] = {(c["gateway"], c["cell"]): c["cpu_us_per_req"] for c in cells if c.get("cpu_us_per_req")}
+    return out
+
+
+def table(results: dict[int, dict[tuple[str, str], float]]) -> str:
+    sizes = sorted(results)
+    gateways = sorted({g for r in results.values() for g, _ in r})
+    router = next((g for g in gateways if g.startswith("vllm-router")), None)
+    lines = [
+        "| gateway | cell | KiB | CPU µs/req | µs per KiB | x vllm-router per KiB |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for gw in gateways:
+        for cell in CELLS:
+            base = results[sizes[0]].get((gw, cell))
+            for kib in sizes:
+                us = results[kib].get((gw, cell))
+                if us is None:
+                    continue
+                per = (us - base) / kib if kib and base is not None else None
+                ratio = ""
+                if per is not None and router and gw != router:
+                    r0, r = results[sizes[0]].get((router, cell)), results[kib].get((router, cell))
+                    if r0 is not None and r is not None and r > r0:
+                        ratio = f"{per / ((r - r0) / kib):.2f}x"
+                lines.append(f"| {gw} | {cell} | {kib} | {us:,.0f} | {'' if per is None else f'{per:.2f}'} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="0,32,256,1024", help="prompt sizes in KiB, the first the baseline (0)")
+    opts, passthrough = ap.parse_known_args(argv)
+    sizes = [int(s) for s in opts.sizes.split(",") if s]
+    print(table(run(sizes, passthrough)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
