@@ -7,7 +7,8 @@ Two ways to count, chosen per model:
   template (`chat_template` of the `tokenizer_config.json` beside it, or `chat_template.jinja`), through
   jinja2 with the helpers transformers gives templates, with the generation prompt added, and encoded
   without added special tokens, which is what vLLM does for chat. Completions prompts are encoded with
-  special tokens, as vLLM does. Block hashes are then over token ids.
+  special tokens, as vLLM does. A prompt over EXACT_MAX_BYTES (4 KiB) is estimated at the tokens per byte
+  the exact counts found: encoding holds the event loop about 1 ms per KiB.
 * **estimate** (no tokenizer, or it cannot be loaded): the prompt is rendered with a ChatML template
   (tools as a leading system block, the system prompt, every message, the opened assistant turn: the
   layout of Qwen-style templates and of engine_sim) and counted as one token per 4 UTF-8 bytes, which
@@ -16,7 +17,8 @@ Two ways to count, chosen per model:
 Every request of a prompt route is counted once, by its model's meter, before it is planned; the
 count is what the request line and metrics report when the engine's answer carries no usage.
 
-Block hashes are chained: block k's hash covers the whole prompt up to the end of block k (system
+Block hashes are over the ChatML rendering (a completion's text; a token-id prompt's ids) whichever the
+meter, so that the turns of one conversation share them however each was counted. They are chained: block k's hash covers the whole prompt up to the end of block k (system
 prompt and tools included), so two prompts share block k's hash exactly when they share that prefix.
 Prompts of agents run to megabytes, so a prompt is not hashed at every block: the hashes cover each
 prefix up to 16 blocks, then 8 prefix lengths per doubling (`BOUNDARIES`), and a cached prefix is found to
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import zlib
 from array import array
@@ -36,6 +39,13 @@ from bisect import bisect_right
 log = logging.getLogger("coordinator.tokens")
 
 BYTES_PER_TOKEN = 4
+# tokenizers' encode holds the GIL, so it runs on the event loop whatever thread calls it: about 1 ms per KiB
+# for the e2e model's byte-level BPE on these CPUs (a 1 MiB prompt held the loop a second). A prompt longer than
+# this is estimated instead, at the tokens per byte that the meter's exact counts of shorter prompts found
+# (weighted LEARN_WEIGHT each, from prompts of LEARN_MIN_BYTES up), so the loop is held about 4 ms at most.
+EXACT_MAX_BYTES = 4096
+LEARN_MIN_BYTES = 256
+LEARN_WEIGHT = 0.1
 IMAGE_TOKENS = 64
 IMAGE_PLACEHOLDER = "<|image|>" + "#" * (IMAGE_TOKENS * BYTES_PER_TOKEN - len("<|image|>"))
 
@@ -208,7 +218,8 @@ class PromptMeter:
 
 
 class TokenizerMeter(PromptMeter):
-    """Exact counts from a local tokenizer.json and the model's chat template."""
+    """Exact counts from a local tokenizer.json and the model's chat template, up to EXACT_MAX_BYTES of prompt;
+    longer prompts at the tokens per byte the exact counts found (`tokens_per_byte`)."""
 
     exact = True
 
@@ -231,11 +242,15 @@ class TokenizerMeter(PromptMeter):
                 source = f.read()
         self.template = _compile_template(source) if isinstance(source, str) and source else None
         self.specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.tokens_per_byte = 1 / BYTES_PER_TOKEN  # until exact counts say otherwise
 
     def _chat(self, messages: list, tools: object, system: object, hashes: bool) -> tuple[int, list[int]]:
-        if self.template is None:
-            text = render_chatml(messages, tools, system)
-        else:
+        chatml = render_chatml(messages, tools, system)
+        data = chatml.encode("utf-8", "ignore")
+        if len(data) > EXACT_MAX_BYTES:
+            return self._estimated(data, hashes)
+        text = chatml
+        if self.template is not None:
             msgs = [{"role": "system", "content": content_text(system)}] if system else []
             for m in messages:
                 msg = {**m, "content": content_text(m.get("content"))}
@@ -244,14 +259,23 @@ class TokenizerMeter(PromptMeter):
                 text = self.template.render(messages=msgs, tools=tools, add_generation_prompt=True, **self.specials)
             except Exception as e:  # a template that rejects this conversation: count it the generic way
                 log.debug("chat template failed (%s); counting the ChatML rendering", e)
-                text = render_chatml(messages, tools, system)
-        return self._ids(self.tokenizer.encode(text, add_special_tokens=False).ids, hashes)
+        return self._counted(data, self.tokenizer.encode(text, add_special_tokens=False).ids, hashes)
 
     def _text(self, text: str, hashes: bool, special: bool) -> tuple[int, list[int]]:
-        return self._ids(self.tokenizer.encode(text, add_special_tokens=special).ids, hashes)
+        data = text.encode("utf-8", "ignore")
+        if len(data) > EXACT_MAX_BYTES:
+            return self._estimated(data, hashes)
+        return self._counted(data, self.tokenizer.encode(text, add_special_tokens=special).ids, hashes)
 
-    def _ids(self, ids: list[int], hashes: bool) -> tuple[int, list[int]]:
-        return len(ids), chained_hashes(_ids_bytes(ids), self.block_tokens * 4) if hashes else []
+    def _counted(self, data: bytes, ids: list[int], hashes: bool) -> tuple[int, list[int]]:
+        """An exact count, which teaches the estimate of longer prompts their tokens per byte."""
+        if len(data) >= LEARN_MIN_BYTES:
+            self.tokens_per_byte += LEARN_WEIGHT * (len(ids) / len(data) - self.tokens_per_byte)
+        return len(ids), chained_hashes(data, self.block_tokens * BYTES_PER_TOKEN) if hashes else []
+
+    def _estimated(self, data: bytes, hashes: bool) -> tuple[int, list[int]]:
+        tokens = math.ceil(len(data) * self.tokens_per_byte)
+        return tokens, chained_hashes(data, self.block_tokens * BYTES_PER_TOKEN) if hashes else []
 
 
 def _read_json(path: str) -> dict:

@@ -33,6 +33,7 @@ from scheduling.tokens import (
     engine_uncached,
     hashes_covering,
     make_meter,
+    render_chatml,
 )
 from state.shared import (
     ENDPOINT_FIELDS,
@@ -213,8 +214,17 @@ def test_exact_counts_with_a_local_tokenizer(tmp_path):
     tokens, hashes = meter.measure(CHAT, body)
     assert tokens == len(expected)
     assert tokens != PromptMeter(BLOCK).measure(CHAT, body)[0]
-    assert len(hashes) == len(expected) // BLOCK
+    assert hashes == PromptMeter(BLOCK).measure(CHAT, body)[1]  # over the ChatML text, as the estimate's
     assert meter.measure(COMPLETION, {"prompt": "the quick brown fox"})[0] == len(tok.encode("the quick brown fox").ids)
+    # Past EXACT_MAX_BYTES the count is estimated, at the tokens per byte the exact counts taught it.
+    assert meter.tokens_per_byte != 0.25
+    long = {"messages": [{"role": "user", "content": "quick brown fox " * 2000}]}
+    exact = len(tok.encode(render_chatml(long["messages"]), add_special_tokens=False).ids)
+    before = meter.measure(CHAT, long)[0]
+    for _ in range(30):
+        meter.measure(CHAT, {"messages": [{"role": "user", "content": "quick brown fox " * 40}]})
+    after = meter.measure(CHAT, long)[0]
+    assert abs(after - exact) < abs(before - exact) and abs(after - exact) <= 0.05 * exact
 
 
 def test_missing_tokenizer_falls_back_to_the_estimate(tmp_path):
