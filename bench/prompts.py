@@ -6,7 +6,9 @@
 Each size is one bench/overhead.py run (1 worker on 1 core, log INFO, the same fake engines) with every
 cell's user message padded to that size (`--prompt-kib`). The table gives CPU µs per request, and µs per KiB
 of prompt: (µs at the size - µs at size 0) / KiB, for the Coordinator and vllm-router (when installed:
-`pip install vllm-router==0.1.17`), and their ratio. Arguments it does not know go to bench/overhead.py.
+`pip install vllm-router==0.1.17`), and their ratio; the latency a request adds over direct access at
+concurrency 1 (p50); and the worker's peak RSS, which at 1024 KiB includes 32 requests of 1 MiB in flight
+(`--connections 32`). Arguments it does not know go to bench/overhead.py.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from bench import overhead  # noqa: E402
 CELLS = ("chat", "pd_chat", "pd_chat_stream")
 
 
-def run(sizes: list[int], passthrough: list[str]) -> dict[int, dict[tuple[str, str], float]]:
-    """{size: {(gateway label, cell): CPU µs per request}}"""
+def run(sizes: list[int], passthrough: list[str]) -> dict[int, dict[tuple[str, str], dict]]:
+    """{size: {(gateway label, cell): the cell's results}}"""
     out = {}
     for kib in sizes:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -34,32 +36,42 @@ def run(sizes: list[int], passthrough: list[str]) -> dict[int, dict[tuple[str, s
             if overhead.main([*argv, *passthrough]) != 0:
                 raise SystemExit(f"bench/overhead.py failed at {kib} KiB")
             cells = json.load(f)["cells"]
-        out[kib] = {(c["gateway"], c["cell"]): c["cpu_us_per_req"] for c in cells if c.get("cpu_us_per_req")}
+        out[kib] = {(c["gateway"], c["cell"]): c for c in cells if c.get("cpu_us_per_req")}
     return out
 
 
-def table(results: dict[int, dict[tuple[str, str], float]]) -> str:
+def table(results: dict[int, dict[tuple[str, str], dict]]) -> str:
     sizes = sorted(results)
     gateways = sorted({g for r in results.values() for g, _ in r})
     router = next((g for g in gateways if g.startswith("vllm-router")), None)
     lines = [
-        "| gateway | cell | KiB | CPU µs/req | µs per KiB | x vllm-router per KiB |",
-        "|---|---|---:|---:|---:|---:|",
+        "| gateway | cell | KiB | CPU µs/req | µs per KiB | x vllm-router per KiB | c=1 added p50 ms | peak RSS MB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def cpu(kib: int, gw: str, cell: str) -> float | None:
+        c = results[kib].get((gw, cell))
+        return c["cpu_us_per_req"] if c else None
+
     for gw in gateways:
         for cell in CELLS:
-            base = results[sizes[0]].get((gw, cell))
+            base = cpu(sizes[0], gw, cell)
             for kib in sizes:
-                us = results[kib].get((gw, cell))
-                if us is None:
+                c = results[kib].get((gw, cell))
+                if c is None:
                     continue
+                us = c["cpu_us_per_req"]
                 per = (us - base) / kib if kib and base is not None else None
                 ratio = ""
-                if per is not None and router and gw != router:
-                    r0, r = results[sizes[0]].get((router, cell)), results[kib].get((router, cell))
-                    if r0 is not None and r is not None and r > r0:
-                        ratio = f"{per / ((r - r0) / kib):.2f}x"
-                lines.append(f"| {gw} | {cell} | {kib} | {us:,.0f} | {'' if per is None else f'{per:.2f}'} | {ratio} |")
+                r0, r = cpu(sizes[0], router, cell), cpu(kib, router, cell)
+                if per is not None and router and gw != router and r0 is not None and r is not None and r > r0:
+                    ratio = f"{per / ((r - r0) / kib):.2f}x"
+                added = c.get("added_p50_us")
+                rss = max(c.get("rss_mb") or [0])
+                lines.append(
+                    f"| {gw} | {cell} | {kib} | {us:,.0f} | {'' if per is None else f'{per:.2f}'} | {ratio} "
+                    f"| {'' if added is None else f'{added / 1000:.2f}'} | {rss:.0f} |"
+                )
     return "\n".join(lines)
 
 
