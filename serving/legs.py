@@ -2,7 +2,9 @@
 
 The prefill leg must finish *because of the length cap*, or vLLM returns no `kv_transfer_params` and D
 silently recomputes the prompt: one token, `ignore_eos`, no stop conditions, no `min_tokens`, `n` 1,
-non-streaming, no `stream_options`. On /v1/messages a named tool choice becomes `{"type": "any"}`: with
+non-streaming, no `stream_options`. On /v1/responses the cap is `max_output_tokens`, and P neither stores
+its one-token response (`store`: vLLM never frees a stored one) nor answers it in the background (a
+`queued` answer carries no ticket). On /v1/messages a named tool choice becomes `{"type": "any"}`: with
 a named tool vLLM takes P's one token as the whole call's arguments and json.loads them (a 400), while
 "any" ("required") lets an unparsable call go; the tools stay, so P renders the prompt D renders (vLLM's
 generic chat renderer does not pass the tool choice to the template). The decode leg is the client's
@@ -12,7 +14,7 @@ own body plus P's ticket, unchanged.
 from __future__ import annotations
 
 from errors import dumps
-from serving.job import MESSAGES, Job
+from serving.job import MESSAGES, RESPONSES, Job
 
 # A ticket is vLLM's `kv_transfer_params`: in P's body it asks P to keep the prompt's KV for a remote decode
 # (these fields, which P fills in its answer: where the blocks are); D's body carries P's answered ticket so
@@ -28,6 +30,7 @@ PREFILL_TICKET = {
 
 _OPENAI_DROPPED = ("stream_options", "min_tokens", "stop", "stop_token_ids", "kv_transfer_params")
 _ANTHROPIC_DROPPED = ("stop_sequences", "kv_transfer_params")
+_RESPONSES_SET = {"max_output_tokens": 1, "store": False, "background": False, "ignore_eos": True}
 
 
 def prefill_body(job: Job, ticket: dict | None = None) -> dict:
@@ -40,6 +43,10 @@ def prefill_body(job: Job, ticket: dict | None = None) -> dict:
             body["tool_choice"] = {"type": "any"}
             if "disable_parallel_tool_use" in choice:
                 body["tool_choice"]["disable_parallel_tool_use"] = choice["disable_parallel_tool_use"]
+    elif job.route == RESPONSES:
+        for key in _OPENAI_DROPPED:
+            body.pop(key, None)
+        body.update(_RESPONSES_SET)
     else:
         for key in _OPENAI_DROPPED:
             body.pop(key, None)
@@ -49,7 +56,8 @@ def prefill_body(job: Job, ticket: dict | None = None) -> dict:
         if "n" in body:
             body["n"] = 1
     body["stream"] = False
-    body["max_tokens"] = 1
+    if job.route != RESPONSES:
+        body["max_tokens"] = 1
     body["kv_transfer_params"] = dict(PREFILL_TICKET) if ticket is None else ticket
     return body
 
