@@ -91,7 +91,15 @@ def parse(sim: SimServer, body: dict) -> tuple[SimRequest, list[dict]]:
     req.stop = r.stop
     req.include_usage = False
     P, L = req.prompt_tokens, sim.cfg.max_model_len
-    if P >= L:
+    if P > L:  # the renderer's check
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {L} tokens. However, your prompt contains {P} input tokens, "
+            "which exceeds this limit even without any output tokens. Please reduce the length of the input prompt.",
+            "BadRequestError",
+            "input_tokens",
+        )
+    if P == L:  # then serving's own, which leaves no room for a token
         raise ApiError(
             400,
             f"The engine prompt length {P} exceeds the max_model_len {L}. Please reduce prompt.",
@@ -118,21 +126,22 @@ class _Responses:
 
 
 def usage(req: SimRequest, output: int) -> dict:
+    """vLLM's ResponseUsage as its SimpleContext fills it: no per-turn counts (those are for tool-calling turns)."""
     p, c = req.prompt_tokens, req.cached_tokens
     return {
         "input_tokens": p,
         "input_tokens_details": {
             "cached_tokens": c,
             "cache_write_tokens": 0,
-            "input_tokens_per_turn": [p],
-            "cached_tokens_per_turn": [c],
+            "input_tokens_per_turn": [],
+            "cached_tokens_per_turn": [],
         },
         "output_tokens": output,
         "output_tokens_details": {
             "reasoning_tokens": 0,
             "tool_output_tokens": 0,
-            "output_tokens_per_turn": [output],
-            "tool_output_tokens_per_turn": [0],
+            "output_tokens_per_turn": [],
+            "tool_output_tokens_per_turn": [],
         },
         "total_tokens": p + output,
     }

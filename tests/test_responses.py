@@ -109,6 +109,25 @@ def test_pd_usage_bills_ps_prompt_once_in_json_and_in_response_completed(c):
     assert sum(s.stats()["remote_kv_hits"] for s in c.d) == hits + 2
 
 
+def _missed(c) -> float:
+    lines = httpx.get(c.obs + "/metrics", timeout=10).text.splitlines()
+    return sum(
+        float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(f'motor_missed_handoffs_total{{model="{PD}"')
+    )
+
+
+def test_a_prefill_without_a_ticket_is_a_missed_handoff_and_d_computes_the_prompt(c):
+    missed = _missed(c)
+    c.p.set_faults(eos_on_prefill=True)  # P's one token is EOS: vLLM answers no kv_transfer_params
+    try:
+        r = client(c).responses.create(model=PD, input="no ticket", max_output_tokens=3)
+    finally:
+        c.p.clear_faults()
+    (db,) = created(holder(c.d, r.id), r.id)
+    assert "kv_transfer_params" not in db and r.output_text
+    assert wait_until(lambda: _missed(c) == missed + 1)
+
+
 @pytest.mark.parametrize("model", [MODEL, PD])
 def test_events_come_in_order_with_their_sequence_numbers(c, model):
     with client(c).responses.stream(model=model, input="stream it", max_output_tokens=6) as s:
