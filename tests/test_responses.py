@@ -191,6 +191,32 @@ def test_retrieve_and_delete_go_to_the_holder_and_delete_forgets(c, model):
     assert e.value.body["param"] == "previous_response_id"
 
 
+def test_a_retried_response_is_remembered_where_it_was_served(c):
+    """An engine failing before its first byte: the retry serves the response on the other one, and the id
+    is found there (remembered when planned, moved on the retry)."""
+    sdk, bad, good = client(c), c.u[0], c.u[1]
+    bad.set_faults(fail_status=503)
+    try:
+        moved = None
+        for _ in range(12):  # until the scheduler first placed one on the failing engine
+            r = sdk.responses.create(model=MODEL, input="retry me", max_output_tokens=2)
+            if created(bad, r.id):
+                moved = r
+                break
+    finally:
+        bad.clear_faults()
+    assert moved is not None and created(good, moved.id)
+    assert sdk.responses.retrieve(moved.id).id == moved.id
+    nxt = sdk.responses.create(model=MODEL, input="next", previous_response_id=moved.id, max_output_tokens=2)
+    assert holder(c.u, nxt.id) is good
+
+
+def test_a_clients_own_response_id_is_kept(c):
+    sdk = client(c)
+    r = sdk.responses.create(model=PD, input="mine", max_output_tokens=2, extra_body={"request_id": "resp_my_own_1"})
+    assert r.id == "resp_my_own_1" and sdk.responses.retrieve("resp_my_own_1").id == r.id
+
+
 def test_an_unknown_id_is_a_404_in_openais_shape_everywhere(c):
     sdk = client(c)
     for call in (
@@ -362,3 +388,22 @@ def test_a_client_disconnect_cancels_the_leg_in_flight(slow_pd, phase):
 
 def _any_id(sim) -> str:
     return next(r["body"]["request_id"] for r in sim.requests() if r["path"] == "/v1/responses")
+
+
+def test_the_shared_table_keeps_the_newest_ids_of_each_set():
+    """Unit check of the table's bounds: a set holds RESPONSE_HOME_WAYS ids, a new one evicts its oldest."""
+    from state.response_homes import SharedResponseHomes
+    from state.shared import RESPONSE_HOME_WAYS, SharedState
+
+    homes = SharedResponseHomes(SharedState.create())
+    first_set = homes._place("resp_0")[1]
+    same = [f"resp_{i}" for i in range(300_000) if homes._place(f"resp_{i}")[1] == first_set][: RESPONSE_HOME_WAYS + 1]
+    assert len(same) == RESPONSE_HOME_WAYS + 1
+    for n, rid in enumerate(same):
+        homes.remember(rid, n, 0)
+    assert homes.home(same[0]) is None  # the oldest of its set, evicted by the newest
+    assert [homes.home(rid) for rid in same[1:]] == [(n, 0) for n in range(1, RESPONSE_HOME_WAYS + 1)]
+    homes.remember(same[1], 7, 1)  # written again: moved, not added
+    assert homes.home(same[1]) == (7, 1) and homes.home(same[2]) == (2, 0)
+    homes.forget(same[1])
+    assert homes.home(same[1]) is None and homes.home("resp_elsewhere") is None
