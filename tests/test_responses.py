@@ -236,6 +236,12 @@ def test_an_unknown_id_is_a_404_in_openais_shape_everywhere(c):
     assert sum(s.stats()["received"] for s in [*c.u, c.p, *c.d]) == received  # no engine was asked
 
 
+def test_replaying_a_stored_stream_is_refused_clearly(c):
+    r = client(c).responses.create(model=MODEL, input="replay", max_output_tokens=2)
+    got = httpx.get(f"{c.url}/v1/responses/{r.id}?stream=true", timeout=10)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "stream"
+
+
 def test_an_unstored_response_is_not_remembered(c):
     sdk = client(c)
     r = sdk.responses.create(model=MODEL, input="forget me", max_output_tokens=2, store=False)
