@@ -48,7 +48,7 @@ async def serve(sim: SimServer, request: web.Request, kind: str) -> web.StreamRe
             return anthropic_serving.count_tokens(sim, body, headers)
         await sim.faults.before_first_byte()
         if kind == "responses":  # its id is the body's `request_id` (or a fresh one), not the X-Request-Id
-            req = responses_serving.parse(sim, body)[0]
+            req = responses_serving.parse(sim, body)
         else:
             req = parse_request(kind, body, sim.cfg)
             req.id = ("cmpl-" if kind == "completions" else "chatcmpl-") + (xrid or uuid.uuid4().hex)

@@ -66,8 +66,8 @@ def input_messages(value: Any) -> list[dict]:
     return out
 
 
-def parse(sim: SimServer, body: dict) -> tuple[SimRequest, list[dict]]:
-    """The request, and the conversation its prompt renders (a stored previous one first)."""
+def parse(sim: SimServer, body: dict) -> SimRequest:
+    """The request; its prompt renders the conversation (a stored previous one first, then `input`)."""
     r: ResponsesRequest = validated("responses", body)
     check_served_model(r.model, sim.cfg)
     store = bool(r.store) and sim.cfg.responses_store
@@ -113,7 +113,7 @@ def parse(sim: SimServer, body: dict) -> tuple[SimRequest, list[dict]]:
     req.prompt_key = T.prompt_key(req.prompt_text)
     req.id = r.request_id or "resp_" + uuid.uuid4().hex
     req.responses = _Responses(r, store, messages)
-    return req, messages
+    return req
 
 
 class _Responses:
