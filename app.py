@@ -59,6 +59,7 @@ from serving.dispatch import Dispatcher
 from serving.door import Door
 from serving.metrics import PrometheusObserver, clear_stale_files
 from serving.usage import PrefillUsages
+from state.response_homes import SharedResponseHomes
 from state.shared import SharedState, worker_index
 from workers.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat
 
@@ -146,6 +147,7 @@ def create_app(settings: Settings) -> Sanic:
             ctx.client,
             ctx.observer,
             PrefillUsages(shared, worker, settings.num_workers),
+            SharedResponseHomes(shared),
         )
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)

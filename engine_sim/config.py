@@ -49,6 +49,8 @@ class SimConfig:
     # /v1/messages usage with cache_creation/cache_read_input_tokens, as vLLM started with
     # --enable-prompt-tokens-details answers (the OpenAI routes always carry prompt_tokens_details).
     anthropic_cache_usage: bool = False
+    # /v1/responses keeps responses (`store`, background mode) as vLLM does with VLLM_ENABLE_RESPONSES_API_STORE=1.
+    responses_store: bool = True
     log_level: str = "WARNING"
 
     def __post_init__(self):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from . import anthropic_serving, openai_serving, tokens as T
+from . import anthropic_serving, openai_serving, responses_serving, tokens as T
 from .engine import Seq
 from .errors import ApiError, body_validation_failure, error_response, validation_failure
 from .faults import SimulatedClose
@@ -24,7 +24,12 @@ from .sse import SSE_HEADERS, SseWriter
 if TYPE_CHECKING:
     from .server import SimServer
 
-SERVING = {"chat": openai_serving, "completions": openai_serving, "messages": anthropic_serving}
+SERVING = {
+    "chat": openai_serving,
+    "completions": openai_serving,
+    "messages": anthropic_serving,
+    "responses": responses_serving,
+}
 ANTHROPIC_ROUTES = ("messages", "count_tokens")
 
 
@@ -42,12 +47,15 @@ async def serve(sim: SimServer, request: web.Request, kind: str) -> web.StreamRe
         if not counted:
             return anthropic_serving.count_tokens(sim, body, headers)
         await sim.faults.before_first_byte()
-        req = parse_request(kind, body, sim.cfg)
+        if kind == "responses":  # its id is the body's `request_id` (or a fresh one), not the X-Request-Id
+            req = responses_serving.parse(sim, body)
+        else:
+            req = parse_request(kind, body, sim.cfg)
+            req.id = ("cmpl-" if kind == "completions" else "chatcmpl-") + (xrid or uuid.uuid4().hex)
     except (ApiError, UnicodeError) as e:
         if isinstance(e, UnicodeError):  # a lone surrogate, say: vLLM answers a ValueError in the prompt with 400
             e = ApiError(400, str(e), "BadRequestError")
         return _failed(sim, kind, e, headers, counted)
-    req.id = ("cmpl-" if kind == "completions" else "chatcmpl-") + (xrid or uuid.uuid4().hex)
     req.log_id = xrid or req.id
     try:
         return await _run(sim, request, req, headers)
@@ -111,6 +119,9 @@ async def _run(sim: SimServer, request: web.Request, req: SimRequest, headers: d
     try:
         if req.stream:
             return await _stream(sim, request, req, g, seq, headers)
+        if req.responses is not None and req.responses.background:
+            body = responses_serving.queued(sim, req, g, seq)
+            return web.Response(text=dumps(body), content_type="application/json", headers=headers)
         await seq.wait_emitted(seq.max_len)
         body = serving.final_body(sim, req, g)
         eng.stats["completed"] += 1

@@ -180,9 +180,53 @@ class AnthropicCountTokensRequest(BaseModel):
     tools: Any = None
 
 
+def _response_item(v: Any) -> dict:
+    """An input item: a message (`role` and `content`) or another typed item (function_call, ...)."""
+    if not isinstance(v, dict) or not (("role" in v and "content" in v) or isinstance(v.get("type"), str)):
+        raise PydanticCustomError("model_type", "Input should be a valid input item")
+    return v
+
+
+ResponseItem = Annotated[dict, BeforeValidator(_response_item)]
+
+
+class ResponsesRequest(SamplingRequest):
+    """vLLM's ResponsesRequest: the fields the simulator reads and echoes in the response object."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[ResponseItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool | None = True
+    background: bool | None = False
+    request_id: str | None = None
+    stop: StopStrings = ()
+    tools: list = Field(default_factory=list)
+    tool_choice: Any = "auto"
+    metadata: dict | None = None
+    parallel_tool_calls: bool | None = True
+    max_tool_calls: int | None = None
+    reasoning: Any = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"
+    text: Any = None
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    user: str | None = None
+    prompt: Any = None
+
+    @model_validator(mode="after")
+    def _no_prompt_template(self):
+        if self.prompt is not None:
+            raise ValueError("prompt template is not supported")
+        return self
+
+
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "chat": ChatCompletionRequest,
     "completions": CompletionRequest,
     "messages": AnthropicMessagesRequest,
     "count_tokens": AnthropicCountTokensRequest,
+    "responses": ResponsesRequest,
 }

@@ -19,7 +19,7 @@ from .protocol import REQUEST_MODELS, AnthropicMessagesRequest, ChatCompletionRe
 
 @dataclass(slots=True)
 class SimRequest:
-    kind: str  # chat | completions | messages
+    kind: str  # chat | completions | messages | responses
     body: dict
     stream: bool
     prompt_text: str
@@ -46,6 +46,7 @@ class SimRequest:
     id: str = ""
     log_id: str = ""  # the X-Request-Id, else the response id
     cached_tokens: int = 0
+    responses: Any = None  # /v1/responses: what its answer echoes and stores (responses_serving)
 
 
 def validated(kind: str, body: dict) -> BaseModel:

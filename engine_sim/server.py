@@ -13,7 +13,7 @@ import uuid
 import aiohttp
 from aiohttp import web
 
-from . import inference
+from . import inference, responses_serving
 from .config import SimConfig
 from .engine import Engine
 from .faults import Faults
@@ -35,6 +35,7 @@ class SimServer:
         self.session: aiohttp.ClientSession | None = None  # D's pulls from P, trigger mode's metaserver calls
         self.runner: web.AppRunner | None = None
         self._models_body: str | None = None
+        self.responses: dict[str, responses_serving.Stored] = {}  # /v1/responses' store, by response id
 
     # ------------------------------------------------------------------ lifecycle
     def build_app(self) -> web.Application:
@@ -47,6 +48,8 @@ class SimServer:
         r.add_post("/v1/completions", self._inference_route("completions"))
         r.add_post("/v1/messages", self._inference_route("messages"))
         r.add_post("/v1/messages/count_tokens", self._inference_route("count_tokens"))
+        r.add_post("/v1/responses", self._inference_route("responses"))
+        responses_serving.add_routes(r, self)
         r.add_get("/sim/stats", self.serve_stats)
         r.add_get("/sim/requests", self.serve_requests)
         r.add_post("/sim/faults", self.serve_set_faults)

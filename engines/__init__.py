@@ -455,6 +455,11 @@ class EngineClient:
     def get(self, url: str, timeout_s: float) -> Awaitable[tuple[int, bytes]]:
         return self._read_all(b"GET", url, None, None, timeout_s, "get", False)
 
+    def call(self, method: bytes, url: str, request_id: str, *, timeout_s: float) -> Awaitable[tuple[int, bytes]]:
+        """A bodiless exchange of any method (a POST sends an empty body), answered whatever its status."""
+        body = b"" if method == b"POST" else None
+        return self._read_all(method, url, body, request_id, timeout_s, "response", False)
+
     def stream(self, url: str, body: bytes, request_id: str) -> StreamExchange:
         """Open a streaming exchange: `async with client.stream(...) as es`, then `es.chunks()` inside the block."""
         return StreamExchange(self, url, body, request_id)

@@ -14,7 +14,7 @@ layer fewer per request.
 
 from sanic import Request, Sanic
 
-from handlers import anthropic, docs, management, metaserver, models, observability, openai
+from handlers import anthropic, docs, management, metaserver, models, observability, openai, responses
 from handlers.ids import REQUEST_ID, request_id
 from handlers.planes import check_plane
 
@@ -32,7 +32,7 @@ def stamp_request_id(request: Request, response) -> None:
 
 
 def register(app: Sanic) -> None:
-    for module in (openai, anthropic, models, metaserver, management, observability):
+    for module in (openai, anthropic, responses, models, metaserver, management, observability):
         app.blueprint(module.bp)
     docs.mount(app)
     guarded = [r.name for r in app.router.routes if not getattr(r.ctx, "self_guarded", False)]

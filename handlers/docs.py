@@ -25,10 +25,14 @@ from sanic_ext.extensions.openapi.definitions import RequestBody
 from sanic_ext.extensions.openapi.extension import OpenAPIExtension
 
 from config import ApiKeyConfig
-from handlers import anthropic, management, metaserver, models, observability, openai
+from handlers import anthropic, management, metaserver, models, observability, openai, responses
 from handlers.ids import REQUEST_ID
 from handlers.planes import INFER
-from serving.protocol import anthropic as anthropic_protocol, openai as openai_protocol
+from serving.protocol import (
+    anthropic as anthropic_protocol,
+    openai as openai_protocol,
+    responses as responses_protocol,
+)
 from serving.protocol.metaserver import MetaserverCall
 
 DOCS_PREFIX = "/docs"
@@ -106,6 +110,31 @@ class OpenAIErrorBody(Answer):
 
 class OpenAIError(Answer):
     error: OpenAIErrorBody
+
+
+class ResponseUsage(Answer):
+    input_tokens: int
+    input_tokens_details: dict[str, Any] = Field(description="cached_tokens (and vLLM's per-turn counts)")
+    output_tokens: int
+    output_tokens_details: dict[str, Any] | None = None
+    total_tokens: int
+
+
+class ResponseObject(Answer):
+    id: str = Field(description="resp_...: the response id, which previous_response_id, GET, DELETE and cancel name")
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: str = Field(description="completed, incomplete (max_output_tokens reached), queued, in_progress, cancelled")
+    output: list[dict[str, Any]]
+    previous_response_id: str | None = None
+    usage: ResponseUsage | None = None
+
+
+class ResponseDeleted(Answer):
+    id: str
+    object: Literal["response"]
+    deleted: bool
 
 
 class AnthropicUsage(Answer):
@@ -211,6 +240,21 @@ _OPENAI_STREAM = {
         }
     },
     "required": ["data"],
+}
+_RESPONSES_STREAM = {
+    "type": "object",
+    "description": "With `stream: true`: `event:` and `data:` pairs, response.created ... response.completed (no [DONE]); "
+    "the data's `sequence_number` counts from 0.",
+    "properties": {
+        "event": {
+            "type": "string",
+            "description": "the event's type: response.created, response.in_progress, then per output item its "
+            "added, delta and done events (response.output_text.delta for text), then response.completed (its "
+            "usage is the whole request's); an error after the stream started is an `error` event",
+        },
+        "data": {"type": "string", "description": "the event object as JSON (its `type` is the event's name)"},
+    },
+    "required": ["event", "data"],
 }
 _ANTHROPIC_STREAM = {
     "type": "object",
@@ -365,6 +409,16 @@ _MESSAGES_EXAMPLES = {
     "stream": {"model": EXAMPLE_MODEL, "max_tokens": 16, "messages": _HELLO, "stream": True},
 }
 _COUNT_TOKENS_EXAMPLES = {"count": {"model": EXAMPLE_MODEL, "messages": _HELLO}}
+_RESPONSES_EXAMPLES = {
+    "response": {"model": EXAMPLE_MODEL, "input": "Hello!", "max_output_tokens": 16},
+    "stream": {"model": EXAMPLE_MODEL, "input": "Hello!", "max_output_tokens": 16, "stream": True},
+    "follow-up": {
+        "model": EXAMPLE_MODEL,
+        "input": "And then?",
+        "previous_response_id": "resp_0123456789abcdef0123456789abcdef",
+        "max_output_tokens": 16,
+    },
+}
 
 
 def _document(
@@ -465,6 +519,21 @@ def mount(app: Sanic) -> None:
         examples=_COMPLETION_EXAMPLES,
         **openai_route,
     )
+    _document(
+        responses.create_response,
+        "OpenAI Responses (JSON or SSE events); a follow-up (previous_response_id) goes to the instance holding it",
+        body=schema_of(responses_protocol.ResponsesRequest),
+        ok=answer(ResponseObject),
+        examples=_RESPONSES_EXAMPLES,
+        **{**openai_route, "stream": _RESPONSES_STREAM},
+    )
+    stored = {k: v for k, v in openai_route.items() if k != "stream"}
+    for handler, summary, ok in (
+        (responses.retrieve_response, "A stored response, from the instance that holds it", ResponseObject),
+        (responses.delete_response, "Delete a stored response (see README: vLLM 0.32 keeps it)", ResponseDeleted),
+        (responses.cancel_response, "Cancel a background response on the instance that holds it", ResponseObject),
+    ):
+        _document(handler, summary, ok=answer(ok), statuses=(400, 401, 404, 429, 502, 503, 504), **stored)
     _document(
         models.list_models,
         "Served models with SLOs and live instance counts (Anthropic's shape when the "

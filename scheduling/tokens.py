@@ -329,12 +329,16 @@ def make_meter(tokenizer_path: str, block_tokens: int = 16) -> PromptMeter:
 
 
 def engine_uncached(usage: object) -> int:
-    """The prompt tokens an engine computed (prompt minus cached), from its OpenAI or Anthropic usage; -1 when
+    """The prompt tokens an engine computed (prompt minus cached), from its OpenAI, Responses or Anthropic usage; -1 when
     absent. vLLM's Anthropic `input_tokens` is the prompt less the tokens its cache held and those it wrote to
     the cache (`cache_creation_input_tokens`), which it computed too."""
     if not isinstance(usage, dict):
         return -1
     prompt = usage.get("prompt_tokens")
+    if not isinstance(prompt, int) and isinstance(usage.get("input_tokens_details"), dict):  # a Responses usage
+        prompt, usage = usage.get("input_tokens"), {"prompt_tokens_details": usage["input_tokens_details"]}
+        if not isinstance(prompt, int):
+            return -1
     if not isinstance(prompt, int):
         uncached, created = usage.get("input_tokens"), usage.get("cache_creation_input_tokens")
         if not isinstance(uncached, int):

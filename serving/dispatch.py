@@ -28,13 +28,15 @@ from scheduling.tokens import (
 )
 from serving.call import Sink, Upstream
 from serving.handoff import Handoff
-from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Job
+from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES, Job
 from serving.observe import Observer, RequestRecord
 from serving.resolve import InstanceAddresses
+from serving.responses import StoredResponses
 from serving.retries import Retries, refusal
 from serving.trigger import Trigger
 from serving.usage import PrefillUsages
 from serving.whole import CountTokensCall, WholeCall
+from state.response_homes import ResponseHomes
 
 _DEFAULT_MODEL = ModelConfig("")  # a model served without a `models` entry has the default limits
 MAX_OUTPUT_BUDGET = 1 << 31  # output tokens a request counts for in the ledger (beyond any model's context)
@@ -42,6 +44,7 @@ _PROMPT_KINDS = {
     CHAT: CHAT_PROMPT,
     COMPLETIONS: COMPLETION_PROMPT,
     MESSAGES: MESSAGES_PROMPT,
+    RESPONSES: MESSAGES_PROMPT,  # (Job.prompt_body: as a chat body with its instructions as the system prompt)
 }  # how the scheduler reads a prompt
 _COUNT_ROLES = ("union", "prefill", "decode")  # any engine of the model counts a prompt
 
@@ -58,6 +61,7 @@ class Dispatcher:
         client: EngineClient,
         observer: Observer,
         prefill_usages: PrefillUsages,
+        response_homes: ResponseHomes,
     ):
         self.s, self.scheduler = settings, scheduler
         self.up = Upstream(client, settings, observer, prefill_usages)
@@ -66,6 +70,7 @@ class Dispatcher:
         # The registered instances' addresses, which /v1/metaserver knows engines by (its handler asks too).
         self.addresses = InstanceAddresses(scheduler.registry)
         self.trigger = Trigger(self.up, scheduler, self.retries, self.handoff, self.addresses)
+        self.responses = StoredResponses(response_homes, scheduler, self.up, self.retries)
 
     # -- entry points ----------------------------------------------------------------------------
 
@@ -87,7 +92,7 @@ class Dispatcher:
         )
         if job.route in _PROMPT_KINDS:
             try:
-                self.scheduler.prepare(info, _PROMPT_KINDS[job.route], job.body)
+                self.scheduler.prepare(info, _PROMPT_KINDS[job.route], job.prompt_body)
             except RecursionError:  # counting walks the body's nesting, which JSON lets go 1,000 deep
                 raise InvalidRequest("the request body is nested too deeply") from None
         return info
@@ -107,6 +112,8 @@ class Dispatcher:
             return self.retries.run(CountTokensCall(self.up, job, leg, sink, rec, job.raw))
         if job.metaserver is not None:
             return self.trigger.forward(job, info, sink, rec)
+        if job.route == RESPONSES and job.request.previous_response_id is not None:
+            return self.responses.continue_on(job, info, sink, rec)
         try:
             plan = self.scheduler.try_admit(info)  # None: SLO admission (`scheduler_config.admission`) makes it wait
         except (NoCapacity, OverBudget) as e:
@@ -116,11 +123,16 @@ class Dispatcher:
         return self._serve_plan(job, plan, sink, rec)
 
     def _serve_plan(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
+        if job.route == RESPONSES:  # remembered where it is served (serving/responses.py)
+            return self.responses.recorded(job, plan.target, self._flow(job, plan, sink, rec), rec)
+        return self._flow(job, plan, sink, rec)
+
+    def _flow(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         if plan.disaggregated:
             if job.decode_computes_prompt:  # (see Job): no prefill leg, D alone
                 return self.handoff.decode_alone(job, plan, sink, rec)
-            # Trigger mode is MindIE's metaserver protocol for OpenAI routes; Messages always use the handoff.
-            if self.s.pd_dispatch == "trigger" and job.route != MESSAGES:
+            # Trigger mode is MindIE's metaserver protocol for chat and completions; the others use the handoff.
+            if self.s.pd_dispatch == "trigger" and job.route in (CHAT, COMPLETIONS):
                 return self.trigger.serve(job, plan, sink, rec)
             return self.handoff.serve(job, plan, sink, rec)
         return self.retries.run(WholeCall(self.up, job, plan.leg(WHOLE, learn=job.stream), sink, rec, job.raw))

@@ -7,12 +7,13 @@ pass through untouched).
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import orjson
 import ujson
 
-from errors import InvalidRequest, unreadable_json
+from errors import InvalidRequest, dumps, unreadable_json
 from serving.protocol import (
     Request,
     validate,
@@ -27,6 +28,7 @@ from serving.protocol.openai import (
     PlainChat,
     read_plain_chat,
 )
+from serving.protocol.responses import ResponsesRequest
 
 CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = (
     "/v1/chat/completions",
@@ -34,6 +36,7 @@ CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = (
     "/v1/messages",
     "/v1/messages/count_tokens",
 )
+RESPONSES = "/v1/responses"
 METASERVER = "/v1/metaserver"
 
 
@@ -51,6 +54,16 @@ class Job:
     slo_tpot_ms: float = 0.0
     metaserver: dict | None = None  # the PD control object of a /v1/metaserver call
     request: Request | PlainChat | None = None  # the body as its route's model (or the plain chat reader) read it
+
+    @property
+    def prompt_body(self) -> dict:
+        """The body whose prompt the scheduler counts: a Responses body's as a chat body."""
+        return self.request.conversation() if self.route == RESPONSES else self.body
+
+    @property
+    def response_id(self) -> str:
+        """A Responses request's id: the client's `request_id`, else the one `job_from_body` gave it."""
+        return self.body["request_id"]
 
     @property
     def include_usage(self) -> bool:
@@ -116,6 +129,7 @@ _REQUESTS: dict[str, type[Request]] = {
     COMPLETIONS: CompletionRequest,
     MESSAGES: MessagesRequest,
     COUNT_TOKENS: CountTokensRequest,
+    RESPONSES: ResponsesRequest,
 }
 # A metaserver call's body is an engine's rewrite of a client body, checked already: what the prefill leg
 # leaves out is not checked again.
@@ -130,7 +144,20 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str,
     if request is None:
         request = validate((_ENGINE_BODIES if from_engine else _REQUESTS)[route], body)
     stream = route != COUNT_TOKENS and bool(request.stream)
+    if route == RESPONSES and request.request_id is None:
+        raw, body = _with_response_id(raw, body)
     return Job(route, api, raw, body, request.model, stream, request_id, request.max_output, request=request)
+
+
+def _with_response_id(raw: bytes, body: dict) -> tuple[bytes, dict]:
+    """The body with a response id of the Coordinator's (vLLM's own shape, `resp_<hex>`), so that it knows the
+    response's id before any engine answers, and every leg and retry gives the response that one id."""
+    response_id = "resp_" + uuid.uuid4().hex
+    new = {**body, "request_id": response_id}
+    if "request_id" in body:  # a null one: written anew
+        return dumps(new), new
+    # Put in front of the client's own bytes (no re-serialisation); the key is absent, so this is its one value.
+    return b'{"request_id":' + dumps(response_id) + b"," + raw[raw.index(b"{") + 1 :], new
 
 
 def _metaserver_job(raw: bytes, body: dict) -> Job:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduling.registry import Target
-from serving.job import CHAT, COMPLETIONS, MESSAGES
+from serving.job import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from serving.protocol import VISIBLE
 
 log = logging.getLogger("coordinator.request")
@@ -28,8 +28,12 @@ log = logging.getLogger("coordinator.request")
 # message_stop. A Messages stream's count is its message_delta's usage: each further content block adds
 # events (start, stop, a thinking block's signature_delta), so the events are only the fallback for a
 # stream that ended before its message_delta (or sent it in an unterminated last event).
-STREAM_FRAMING = {CHAT: 2, COMPLETIONS: 1, MESSAGES: 5}
+# A Responses stream's: created, in_progress, the item's and part's added and done, the text's done, completed;
+# its count is response.completed's usage.
+STREAM_FRAMING = {CHAT: 2, COMPLETIONS: 1, MESSAGES: 5, RESPONSES: 8}
 MESSAGE_DELTA = b'"message_delta"'  # in a block of Messages events: its message_delta is there
+# The event whose usage is a stream's output count, by route (in a block of events: it is there).
+FINAL_USAGE_EVENT = {MESSAGES: MESSAGE_DELTA, RESPONSES: b'"response.completed"'}
 _OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
 _MESSAGES_OUTPUT_KEY = (b'"output_tokens":',)
 _INPUT_KEYS = (b'"prompt_tokens":', b'"input_tokens":')
@@ -91,8 +95,9 @@ class RequestRecord:
             self.prompt_tokens = prompt
 
     def message_delta(self, block: bytes) -> None:
-        """Relayed Messages events that hold the stream's message_delta: its usage is the output count (the
-        last `output_tokens` of the block: message_start's comes before it, and nothing after it has one)."""
+        """Relayed events that hold the stream's FINAL_USAGE_EVENT (Messages' message_delta, Responses'
+        response.completed): its usage is the output count (the last `output_tokens` of the block:
+        message_start's comes before it, and nothing after it has one)."""
         self.output_tokens = _last_int(block, _MESSAGES_OUTPUT_KEY)
 
     @property

@@ -18,8 +18,7 @@ import time
 from errors import UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from serving.call import Call
-from serving.job import MESSAGES
-from serving.observe import MESSAGE_DELTA, RequestRecord
+from serving.observe import FINAL_USAGE_EVENT, RequestRecord
 from serving.usage import EventSplitter, UsageFix
 
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the engine is silent, and proxies and clients must not time out
@@ -28,7 +27,7 @@ KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the engine is silent, and pro
 async def relay(call: Call[None], rid: str, fix: UsageFix | None) -> None:
     """One try of `call` as a stream; `fix`: the decode leg's usage fix-up (None: relayed as it came)."""
     sink, rec, job, target, up = call.sink, call.rec, call.job, call.leg.target, call.up
-    messages = job.route == MESSAGES  # a Messages stream's output count is in its message_delta
+    final_usage = FINAL_USAGE_EVENT.get(job.route)  # a Messages or Responses stream's output count is in it
     fix_block = fix.events if fix is not None else None
     lease = call.leg.lease()
     try:
@@ -50,7 +49,7 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None) -> None:
                     rec.events += events
                     if fix_block is not None:
                         block = fix_block(block)
-                    if messages and MESSAGE_DELTA in block:
+                    if final_usage is not None and final_usage in block:
                         rec.message_delta(block)
                     last = es.finished and not splitter.tail
                     if last:

@@ -3,7 +3,8 @@
 D may report the transferred prompt as cached tokens, so the client's usage takes the prompt and cached
 counts from P and the completion count from D, totals recomputed. On /v1/messages that is all of P's
 input side: with cache details vLLM's `input_tokens` is the prompt less the cache reads and writes, so
-P's three counts are taken together. Only the events that carry usage (or a ticket to strip) are parsed;
+P's three counts are taken together; on /v1/responses too (`input_tokens` and its details are P's, `output_tokens` D's),
+in the JSON answer and in `response.completed`, whose `response` nests the object. Only the events that carry usage (or a ticket to strip) are parsed;
 every other byte is relayed as it came.
 """
 
@@ -162,6 +163,18 @@ def fix_anthropic_usage(usage: dict, p_usage: dict | None) -> None:
             usage.pop(key, None)
 
 
+def fix_responses_usage(usage: dict, p_usage: dict | None) -> None:
+    """A Responses usage: the input side (count and details, the cached tokens among them) is P's."""
+    if not p_usage:
+        return
+    prompt = p_usage.get("input_tokens")
+    if isinstance(prompt, int):
+        usage["input_tokens"] = prompt
+    if isinstance(p_usage.get("input_tokens_details"), dict):
+        usage["input_tokens_details"] = p_usage["input_tokens_details"]
+    usage["total_tokens"] = usage.get("input_tokens", 0) + (usage.get("output_tokens") or 0)
+
+
 def fix_response(obj: dict, p_usage: dict | None, anthropic: bool) -> dict:
     """A decode response (JSON body or one SSE event's data) made fit for the client."""
     obj.pop("kv_transfer_params", None)
@@ -169,8 +182,16 @@ def fix_response(obj: dict, p_usage: dict | None, anthropic: bool) -> dict:
     if anthropic and isinstance(obj.get("message"), dict):  # message_start nests the message
         obj["message"].pop("kv_transfer_params", None)
         usage = obj["message"].get("usage")
+    elif not anthropic and isinstance(obj.get("response"), dict):  # a Responses event nests the response
+        obj["response"].pop("kv_transfer_params", None)
+        usage = obj["response"].get("usage")
     if isinstance(usage, dict):
-        (fix_anthropic_usage if anthropic else fix_openai_usage)(usage, p_usage)
+        if anthropic:
+            fix_anthropic_usage(usage, p_usage)
+        elif "input_tokens" in usage:
+            fix_responses_usage(usage, p_usage)
+        else:
+            fix_openai_usage(usage, p_usage)
     return obj
 
 

@@ -1,4 +1,5 @@
-"""Cross-worker state in shared memory: the instance document, the load ledger and the per-endpoint table.
+"""Cross-worker state in shared memory: the instance document, the load ledger, the per-endpoint table and the
+smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes).
 
 Everything here is made once, in the main process (Sanic's `main_process_start`), and handed to every
 worker through `app.shared_ctx`; in a single process the same raw arrays work on ordinary memory.
@@ -93,6 +94,13 @@ PREFIX_FIELDS = 3
 PREFILL_USAGE_SLOTS = 1024
 PREFILL_USAGE_FIELDS = 4
 
+# Where each stored Responses API response was served (state/response_homes.py): sets of ways, each way
+# (response id hash, instance id, endpoint id, when written); a new id takes its set's oldest way.
+RESPONSE_HOME_SETS = 8192
+RESPONSE_HOME_WAYS = 8
+RESPONSE_HOME_FIELDS = 4
+RESPONSE_HOME_WORDS = RESPONSE_HOME_SETS * RESPONSE_HOME_WAYS * RESPONSE_HOME_FIELDS
+
 # The learned model's recent prediction errors (scheduling/predict.py): per slot, a ring of prefill-finish
 # errors, then a ring of TPOT errors. The counts in the endpoint table say how many entries are valid, so
 # a reused slot (counts cleared) ignores what its previous engine left.
@@ -112,6 +120,7 @@ class SharedState:
     prediction_errors: Any = None  # RawArray double [MAX_SLOTS * 2 * ERROR_WINDOW]: the predictor's error rings
     workers: Any = None  # RawArray int64 [MAX_WORKERS * WORKER_FIELDS]: per-worker admission counters
     prefill_usage: Any = None  # RawArray int64 [MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS]
+    response_homes: Any = None  # RawArray int64 [RESPONSE_HOME_WORDS]: where stored responses were served
 
     @classmethod
     def create(cls) -> SharedState:
@@ -126,6 +135,7 @@ class SharedState:
             prediction_errors=ctx.RawArray(ctypes.c_double, MAX_SLOTS * 2 * ERROR_WINDOW),
             workers=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * WORKER_FIELDS),
             prefill_usage=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS),
+            response_homes=ctx.RawArray(ctypes.c_int64, RESPONSE_HOME_WORDS),
         )
 
     @property
@@ -174,7 +184,18 @@ def worker_sum(arr: Any, rows: range, field: int) -> int:
     return total
 
 
-_FIELDS = ("doc", "ledger", "endpoints", "globals", "lock", "prefix", "prediction_errors", "workers", "prefill_usage")
+_FIELDS = (
+    "doc",
+    "ledger",
+    "endpoints",
+    "globals",
+    "lock",
+    "prefix",
+    "prediction_errors",
+    "workers",
+    "prefill_usage",
+    "response_homes",
+)
 
 
 def worker_index(name: str | None = None) -> int:

@@ -215,6 +215,7 @@ def test_only_the_inference_routes_run_without_middleware_and_a_new_route_withou
         "v1/messages",
         "v1/messages/count_tokens",
         "v1/metaserver",
+        "v1/responses",
     ]
     assert "late" in result["late"] and "no plane guard" in result["late"]
 

@@ -428,6 +428,9 @@ def test_openapi_spec_documents_the_inference_routes(c):
         "/v1/metaserver",
         "/v1/models",
         "/v1/models/{model}",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
     }
     chat = spec["paths"]["/v1/chat/completions"]["post"]
     body = chat["requestBody"]["content"]["application/json"]["schema"]["properties"]

@@ -40,7 +40,7 @@ CHECKS = [
     response_schema_conformance,
     ignored_auth,
 ]
-STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/metaserver")
+STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/metaserver", "/v1/responses")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -121,6 +121,9 @@ def test_each_route_declares_the_keys_it_takes(spec):
         "/v1/messages": [openai_key, anthropic_key],
         "/v1/messages/count_tokens": [openai_key, anthropic_key],
         "/v1/metaserver": [openai_key, {}],  # an engine's call needs no key
+        "/v1/responses": [openai_key],
+        "/v1/responses/{response_id}": [openai_key],
+        "/v1/responses/{response_id}/cancel": [openai_key],
     }
 
 

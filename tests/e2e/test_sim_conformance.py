@@ -42,6 +42,7 @@ SAME_VALUE = {
 }
 CHAT = [{"role": "user", "content": "Compare these two answers, please."}]
 FIXED = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+RESPONSE = {"max_output_tokens": 4, "temperature": 0, "ignore_eos": True}
 PREFILL_TICKET = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -116,7 +117,7 @@ def _token_delta(event: dict) -> bool:
     """A stream event that carries generated text and nothing else: an OpenAI chunk with no role, finish or
     usage, or an Anthropic content_block_delta."""
     data = event["data"]
-    if event["event"] == "content_block_delta":
+    if event["event"] in ("content_block_delta", "response.output_text.delta"):
         return True
     if event["event"] is not None or not isinstance(data, dict) or data.get("usage"):
         return False
@@ -200,6 +201,19 @@ def cases(model: str) -> dict:
         ),
         "error messages unknown model": ("/v1/messages", {"model": "no-such-model", "messages": CHAT, "max_tokens": 2}),
         "error messages no max_tokens": ("/v1/messages", {"model": model, "messages": CHAT}),
+        "responses json": ("/v1/responses", {"model": model, "input": "Compare these.", **RESPONSE}),
+        "responses stream": ("/v1/responses", {"model": model, "input": "Compare these.", "stream": True, **RESPONSE}),
+        "responses items and instructions": (
+            "/v1/responses",
+            {"model": model, "input": [{"role": "user", "content": "Hi"}], "instructions": "Be brief.", **RESPONSE},
+        ),
+        "responses unstored": ("/v1/responses", {"model": model, "input": "Compare.", "store": False, **RESPONSE}),
+        "error responses no input": ("/v1/responses", {"model": model, "max_output_tokens": 2}),
+        "error responses prompt too long": ("/v1/responses", {"model": model, "input": too_long, **RESPONSE}),
+        "error responses unknown previous": (
+            "/v1/responses",
+            {"model": model, "input": "x", "previous_response_id": "resp_never", **RESPONSE},
+        ),
     }
 
 
@@ -215,11 +229,14 @@ def test_union_engine_and_sim_answer_alike(case, engines, sims, model):
     assert not differences, f"{case}: the simulator differs from vLLM:\n" + "\n".join(differences)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"])
 def test_prefill_leg_answer_and_ticket_alike(path, engines, sims, model):
     body = {"model": model, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_TICKET}
     if path == "/v1/completions":
         body["prompt"] = "def f(x):"
+    elif path == "/v1/responses":  # as serving/legs.py sends it
+        del body["max_tokens"]
+        body.update(input="Compare these.", max_output_tokens=1, store=False, background=False)
     else:
         body["messages"] = CHAT
     if path != "/v1/messages":
@@ -229,3 +246,31 @@ def test_prefill_leg_answer_and_ticket_alike(path, engines, sims, model):
     assert real["status"] == 200 and isinstance(real["body"].get("kv_transfer_params"), dict), real
     differences = diff(real, sim)
     assert not differences, "the simulator's prefill answer differs from vLLM:\n" + "\n".join(differences)
+
+
+def test_stored_responses_alike(engines, sims, model):
+    """GET, cancel, DELETE and a follow-up of a stored response (the engines run with
+    VLLM_ENABLE_RESPONSES_API_STORE=1), and of an unknown id: same statuses, same bodies' structure."""
+    answers = {}
+    for who, url in (("vllm", engines["union"].url), ("sim", sims["union"].url)):
+        first = httpx.post(
+            url + "/v1/responses", json={"model": model, "input": "Remember me.", **RESPONSE}, timeout=120
+        )
+        rid = first.json()["id"]
+        calls = {
+            "get": httpx.get(f"{url}/v1/responses/{rid}", timeout=30),
+            "get unknown": httpx.get(f"{url}/v1/responses/resp_never", timeout=30),
+            "cancel finished": httpx.post(f"{url}/v1/responses/{rid}/cancel", timeout=30),
+            "cancel unknown": httpx.post(f"{url}/v1/responses/resp_never/cancel", timeout=30),
+            "delete": httpx.delete(f"{url}/v1/responses/{rid}", timeout=30),
+            "follow-up": httpx.post(
+                url + "/v1/responses",
+                json={"model": model, "input": "Again.", "previous_response_id": rid, **RESPONSE},
+                timeout=120,
+            ),
+        }
+        answers[who] = {name: {"status": r.status_code, "body": r.json()} for name, r in calls.items()}
+    real, sim = answers["vllm"], answers["sim"]
+    assert {k: v["status"] for k, v in real.items()} == {k: v["status"] for k, v in sim.items()}
+    differences = diff(real, sim)
+    assert not differences, "the simulator's stored responses differ from vLLM:\n" + "\n".join(differences)

@@ -128,6 +128,8 @@ write_engine() {
         echo "export VLLM_HOST_IP=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT=$side"
         # Without UCX_NET_DEVICES=lo, UCX listens on the machine's external interface too.
         echo "export UCX_NET_DEVICES=lo HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1"
+        # /v1/responses keeps responses (store, previous_response_id, GET, background) only with this set.
+        echo "export VLLM_ENABLE_RESPONSES_API_STORE=1"
         # vLLM pins OMP threads to cores and, with a KV connector on 2 cores, runs 2 pinned threads per engine:
         # with three engines (and other work) on the machine every decode step then waits ~1 s on a descheduled
         # thread. One unpinned thread per engine lets the kernel share the cores.
