@@ -99,6 +99,9 @@ class Job:
         return False
 
 
+_INT64 = float(2**63)
+
+
 def parse_body(raw: bytes) -> dict:
     if not raw:
         raise InvalidRequest("request body is empty: expected a JSON object")
@@ -106,6 +109,9 @@ def parse_body(raw: bytes) -> dict:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         body = _read_lax(raw)
+    else:
+        if isinstance(body, dict) and any(type(v) is float and not -_INT64 <= v < _INT64 for v in body.values()):
+            body = _read_lax(raw)  # orjson reads an integer beyond 64 bits as a float: 10**30 is no 1e30
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return body
@@ -116,8 +122,8 @@ def _read_lax(raw: bytes) -> object:
     surrogate (a client cut an emoji in two), NaN and Infinity, and refuses the rest, saying why.
 
     orjson reads a body at about twice ujson's speed (0.7 against 1.6 µs per KiB), which is most of what a long
-    prompt costs the Coordinator. It reads an integer beyond 64 bits as a float; the fields the Coordinator
-    reads are then read as pydantic's lax mode reads a whole float, and the engine judges the client's bytes."""
+    prompt costs the Coordinator. It reads an integer beyond 64 bits as a float: a body with such a number at
+    its top level (a `max_tokens` of 10**30) is read again here, so that the field stays the integer it is."""
     try:
         return ujson.loads(raw)
     except (ValueError, TypeError) as e:

@@ -404,11 +404,12 @@ def test_pd_legs(pd):
     (p_leg,) = posts(p, "/v1/messages")
     (d_leg,) = posts(d, "/v1/messages")
     pb, db = p_leg["body"], d_leg["body"]
-    assert pb["max_tokens"] == 1 and pb["stream"] is False and "stop_sequences" not in pb
+    # No stop sequences: the client's at the engine's default (its bytes with the leg's changes appended).
+    assert pb["max_tokens"] == 1 and pb["stream"] is False and pb["stop_sequences"] is None
     assert pb["kv_transfer_params"] == PREFILL_TICKET
-    assert {k: v for k, v in pb.items() if k not in ("max_tokens", "stream", "kv_transfer_params")} == {
-        k: v for k, v in FULL_BODY.items() if k not in ("max_tokens", "stop_sequences")
-    }
+    assert {
+        k: v for k, v in pb.items() if k not in ("max_tokens", "stream", "kv_transfer_params", "stop_sequences")
+    } == {k: v for k, v in FULL_BODY.items() if k not in ("max_tokens", "stop_sequences")}
     # D: the client's body, plus P's ticket exactly as P issued it (fields the Coordinator does not know included).
     ticket = db.pop("kv_transfer_params")
     assert db == FULL_BODY

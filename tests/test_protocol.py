@@ -435,6 +435,7 @@ def test_the_request_schemas_are_valid_openapi_3_0():
         (b'{"model":"m","content":"cut \\ud83d"}', {"model": "m", "content": "cut \ud83d"}),  # (orjson refuses it)
         (b'{"t": Infinity}', {"t": float("inf")}),
         (b'{"a": 1, "a": 2}', {"a": 2}),  # a key's last value, as Python's and vLLM's readers take it
+        (b'{"max_tokens": 1000000000000000000000000000000}', {"max_tokens": 10**30}),  # (orjson: 1e30)
     ],
 )
 def test_a_body_is_read_as_pythons_json_reader_reads_it(raw, read):

@@ -80,7 +80,8 @@ def test_the_prefill_leg_is_one_unstored_token_and_d_gets_ps_ticket(c):
     (pb,) = created(c.p, r.id)
     assert pb["max_output_tokens"] == 1 and pb["stream"] is False and pb["ignore_eos"] is True
     assert pb["store"] is False and pb["background"] is False
-    assert "stop" not in pb and "stop_token_ids" not in pb and "max_tokens" not in pb
+    # The client's stop conditions at the engine's defaults (its bytes with the leg's changes appended).
+    assert pb["stop"] is None and pb["stop_token_ids"] is None and "max_tokens" not in pb
     assert pb["kv_transfer_params"]["do_remote_decode"] is True
     assert pb["custom_field"] == [1, 2] and pb["temperature"] == 0.5
     d = holder(c.d, r.id)
