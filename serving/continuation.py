@@ -122,6 +122,7 @@ class Continuation:
         "prompt_ids",
         "reason",
         "resuming",
+        "shown",
         "usage_sent",
     )
 
@@ -133,6 +134,12 @@ class Continuation:
         self.prompt_ids: list[int] | None = None
         self.out_ids: list[int] = []
         self.before = 0  # generated ids when the running continuation began
+        # The generated ids up to the last one whose chunk carried text. vLLM holds back the text of a token that
+        # ends inside a UTF-8 character (its chunk has the id and no text) and of skipped special tokens; a
+        # continuation goes on from the last shown one and generates the held ones again, so their text comes
+        # out whole. (A prompt whose text ends inside a character also trips vLLM's detokenizer: its first chunk
+        # would repeat the whole prompt's text, tokenizers' DecodeStream prefill.)
+        self.shown = 0
         self.head: dict = {}  # the first answer's id, created time and model, written on every chunk after it
         self.block: int | None = None  # Anthropic: the open content block's index (None: none open)
         self.count = 0  # Anthropic: content blocks started so far
@@ -185,12 +192,16 @@ class Continuation:
             if kind == "message_start" and isinstance(obj.get("message"), dict):
                 self.head = {"id": obj["message"].get("id")}
                 changed = self._take_prompt(obj["message"])
+                self._ids_or_not()
             elif kind == "content_block_start":
                 self.block, self.count = obj.get("index"), self.count + 1
                 if (obj.get("content_block") or {}).get("type") != "text":
                     self.reason = "tools"  # a tool_use or thinking block: not continued as text
             elif kind == "content_block_delta":
                 changed = self._take_ids(obj)
+                delta = obj.get("delta") or {}
+                if delta.get("text") or delta.get("partial_json") or delta.get("thinking"):
+                    self.shown = len(self.out_ids)
             elif kind == "content_block_stop":
                 self.block = None
             elif kind == "message_delta":
@@ -205,13 +216,22 @@ class Continuation:
             changed = self._take_prompt(choice) or changed
             changed = self._take_ids(choice) or changed
             delta = choice.get("delta")
+            if delta.get("content") if isinstance(delta, dict) else choice.get("text"):
+                self.shown = len(self.out_ids)
             if isinstance(delta, dict) and (delta.get("reasoning") or delta.get("reasoning_content")):
                 self.reason = "reasoning"  # a reasoning parser's split: completions would not make it
             if isinstance(delta, dict) and delta.get("tool_calls"):
                 self.reason = "tools"
             if choice.get("finish_reason"):
                 self.finish, self.done = choice["finish_reason"], True
+        self._ids_or_not()
         return _event_with(event, obj) if changed else event
+
+    def _ids_or_not(self) -> None:
+        """After the first event: an engine that sent no prompt ids in it sends none (vLLM 0.32's Messages route
+        ignores `return_token_ids`); its events then pass unread."""
+        if self.prompt_ids is None:
+            self.reason = "no_token_ids"
 
     def _take_prompt(self, obj: dict) -> bool:
         ids = obj.get("prompt_token_ids")
@@ -281,6 +301,7 @@ class Continuation:
             rec.target = target
             obs.continuation(self.job, target, err)
             retries.health.attempt(target.slot)
+            del self.out_ids[self.shown :]  # the ids whose text the client has not seen are generated again
             self.broken, self.before = None, len(self.out_ids)
             try:
                 await self._try(call, f"{self.job.request_id}-c{n}")
@@ -344,6 +365,8 @@ class Continuation:
         ids = choice.get("token_ids") if isinstance(choice.get("token_ids"), list) else []
         self.out_ids.extend(ids)
         text, finish = choice.get("text") or "", choice.get("finish_reason")
+        if text:
+            self.shown = len(self.out_ids)
         if finish:
             self.finish, self.done = finish, True
         if self.anthropic:
