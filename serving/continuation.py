@@ -207,13 +207,14 @@ class Continuation:
             elif kind == "message_delta":
                 self.done = True
             return _event_with(event, obj) if changed else event
-        if not self.head and "id" in obj:
+        first = self.prompt_ids is None  # the prompt's ids come once, in the first chunk
+        if first:
             self.head = {k: obj.get(k) for k in ("id", "object", "created", "model")}
-        changed = self._take_prompt(obj)
+        changed = first and self._take_prompt(obj)
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
-            changed = self._take_prompt(choice) or changed
+            changed = (first and self._take_prompt(choice)) or changed
             changed = self._take_ids(choice) or changed
             delta = choice.get("delta")
             if delta.get("content") if isinstance(delta, dict) else choice.get("text"):
@@ -224,7 +225,8 @@ class Continuation:
                 self.reason = "tools"
             if choice.get("finish_reason"):
                 self.finish, self.done = choice["finish_reason"], True
-        self._ids_or_not()
+        if first:
+            self._ids_or_not()
         return _event_with(event, obj) if changed else event
 
     def _ids_or_not(self) -> None:

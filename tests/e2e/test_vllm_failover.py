@@ -23,7 +23,7 @@ from harness.loopback import wait_until
 pytestmark = pytest.mark.vllm
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about the weather in Paris in spring."}]
-ANSWER_TOKENS = 160  # a long answer: the kill lands well inside it
+ANSWER_TOKENS = 440  # a long answer (the context is 512): about 2 s of decoding, the kill lands well inside it
 KILL_AFTER = 5  # content chunks read before the decode engine is killed
 P, D, U = 1, 2, 3  # instance ids: prefill, the NixlConnector decode, the union engine as a second decode
 
