@@ -22,6 +22,7 @@ FAULT_KNOBS = (
     "fail_retry_after",
     "mid_stream_fault",
     "mid_stream_fault_after_tokens",
+    "held_text_token",
 )
 # What mid_stream_fault does once mid_stream_fault_after_tokens tokens of a stream are out: the engine dies (every
 # open stream dropped, every later connection too, until the faults are cleared), the connection is reset, an

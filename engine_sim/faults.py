@@ -50,6 +50,12 @@ class Faults:
         self.dead = False
 
     @property
+    def held_text_token(self) -> int:
+        """held_text_token k: the k-th token's chunk carries its id and no text, which comes with the next chunk
+        (what vLLM does with a token that ends inside a UTF-8 character); 0: none."""
+        return int(self.knobs.get("held_text_token") or 0)
+
+    @property
     def eos_on_prefill(self) -> bool:
         return bool(self.knobs.get("eos_on_prefill"))
 

@@ -172,6 +172,7 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
     # vLLM puts `system_fingerprint` on the stream's last chunk: the usage chunk, else the last choice chunk.
     final_k = max(len(p) for p in g.pieces)
     final = (final_k, max(c for c, p in enumerate(g.pieces) if len(p) == final_k))
+    hold, held = sim.faults.held_text_token, [""] * len(g.pieces)
     for k in range(1, seq.max_len + 1):
         await seq.wait_emitted(k)
         for c, pieces in enumerate(g.pieces):
@@ -180,6 +181,10 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
             piece = pieces[k - 1]
             done_tokens[c] = k
             last = k == len(pieces)
+            if held[c]:  # the text a held token's chunk went without comes with the next one
+                piece, held[c] = held[c] + piece, ""
+            if k == hold and not last:  # (vLLM's detokenizer waiting for the rest of a UTF-8 character)
+                piece, held[c] = "", piece
             if not piece and not last and not req.return_token_ids:  # (vLLM sends it when ids are asked for)
                 continue
             lp = None

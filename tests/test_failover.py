@@ -234,6 +234,20 @@ def test_token_ids_the_client_asked_for_stay_and_match_the_unbroken_run(c):
     assert (got.text, got.token_ids, got.usage) == (ref.text, ref.token_ids, ref.usage)
 
 
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_token_whose_text_the_client_has_not_seen_is_generated_again(c, api):
+    """The K-th token's chunk came with its id and no text (vLLM waiting for the rest of a UTF-8 character),
+    then the engine failed: the continuation goes on from token K-1, so that token's text is not lost."""
+    ref = ask(c, api, UNION)
+    for s in c.sims["union"]:
+        s.set_faults(held_text_token=K, mid_stream_fault="reset", mid_stream_fault_after_tokens=K)
+    got = ask(c, api, UNION)
+    assert (got.text, got.finish, got.usage) == (ref.text, ref.finish, ref.usage)
+    sent = continuations_sent(c.sims["union"])
+    assert len(sent) == 1 and sent[0]["max_tokens"] == N - K + 1
+    assert len(sent[0]["prompt"]) == ref.usage[0] + K - 1
+
+
 def test_continuations_are_bounded_per_request_and_then_fail_as_before(c):
     """Every engine breaks after 3 tokens: the first engine and MAX_CONTINUATIONS continuations each add 3, then
     the client gets its one error event, and the refusal is counted as the limit."""
