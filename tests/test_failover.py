@@ -334,3 +334,27 @@ def test_a_client_error_is_never_hidden_by_a_continuation(c):
     r = httpx.post(c.url + "/v1/chat/completions", json=_body("/v1/chat/completions", UNION, {"n": 0}), timeout=30)
     assert r.status_code == 400
     assert continuations_sent(c.sims["union"]) == []
+
+
+def test_trigger_mode_streams_are_continued_on_another_decode_engine(sims):
+    """MindIE's metaserver protocol (D first): the continuation still goes to another decode engine, without a
+    ticket, and the client's usage keeps P's prompt counts."""
+    p = sims("prefill", model=PD, speedup=5)
+    d = [sims("decode", model=PD, speedup=5) for _ in range(2)]
+    instances = [instance(11, "prefill", PD, p.address)] + [
+        instance(21 + i, "decode", PD, s.address) for i, s in enumerate(d)
+    ]
+    cfg = coordinator_config(
+        instances,
+        exception_config={"reschedule_config": {"enable": True}, "retry_delay": 0.01},
+        scheduler_config={"pd_dispatch": "trigger", "breaker_failure_threshold": 1000},
+    )
+    with Coordinator(cfg) as coord:
+        ref = ask(coord, "chat", PD)
+        for s in d:
+            s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=K)
+        got = ask(coord, "chat", PD)
+        assert (got.text, got.finish, got.usage) == (ref.text, ref.finish, ref.usage)
+        sent = continuations_sent(d)
+        assert len(sent) == 1 and "kv_transfer_params" not in sent[0]
+        assert wait_until(lambda: ledger_is_zero(coord), 5), ledger(coord)
