@@ -100,7 +100,7 @@ def _one_prompt(prompt: object) -> bool:
 
 
 class Continuation:
-    """One streamed request's token ids and stream shape, kept while its engine streams (`observe`), and the
+    """One streamed request's token ids and stream shape, kept while its engine streams (`relay`), and the
     continuation of its answer on another engine when that one fails (`resume`)."""
 
     __slots__ = (
@@ -111,12 +111,12 @@ class Continuation:
         "client_ids",
         "complete",
         "count",
-        "created",
         "done",
         "finish",
         "fix",
         "head",
         "include_usage",
+        "injected",
         "job",
         "out_ids",
         "prompt_ids",
@@ -130,6 +130,9 @@ class Continuation:
         self.job, self.anthropic = job, job.api == ANTHROPIC
         self.reason = refusal(job, engine_type)  # why not (counted when a failure comes), None: it can be
         self.client_ids = bool(job.body.get("return_token_ids"))  # the client asked for the ids itself
+        # The engine was asked for ids the client did not ask for: every event is read to strip them, even once
+        # the stream turns out not to be continuable (a tool block, reasoning).
+        self.injected = self.reason is None and not self.client_ids
         self.include_usage = job.include_usage
         self.prompt_ids: list[int] | None = None
         self.out_ids: list[int] = []
@@ -157,7 +160,7 @@ class Continuation:
         """What a try sends: the first engine the client's body asking for ids, a continuation its own."""
         if self.resuming:
             return COMPLETIONS, self._continuation_body()
-        if self.reason is not None or self.client_ids:
+        if not self.injected:
             return route, body
         if b'"return_token_ids"' in body:  # the client's own key (false or null): set in the parsed body
             return route, dumps({**ujson.loads(body), "return_token_ids": True})
@@ -167,7 +170,7 @@ class Continuation:
         """Whole SSE events from the engine, as the client gets them (ids kept, and stripped where not asked
         for; a continuation's chunks in the client's shape). An in-band 5xx ends them: `broken` is set and
         the events before it are returned."""
-        if self.reason is not None and not self.resuming:
+        if self.reason is not None and not self.injected and not self.resuming:
             return block
         out = []
         for event in block.split(b"\n\n"):
@@ -233,7 +236,7 @@ class Continuation:
         """After the first event: an engine that sent no prompt ids in it sends none (vLLM 0.32's Messages route
         ignores `return_token_ids`); its events then pass unread."""
         if self.prompt_ids is None:
-            self.reason = "no_token_ids"
+            self.reason, self.injected = "no_token_ids", False
 
     def _take_prompt(self, obj: dict) -> bool:
         ids = obj.get("prompt_token_ids")
