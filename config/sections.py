@@ -15,6 +15,7 @@ Infinity, which compare false with every bound).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -26,6 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from .addresses import engine_url, split_address
 
+log = logging.getLogger("coordinator.config")
 ROOT_KEY = "motor_coordinator_config"
 ROLES = ("prefill", "decode", "union")
 ENGINE_TYPES = ("vllm", "sglang", "mindie")
@@ -163,6 +165,36 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class RescheduleConfig:
+    """exception_config.reschedule_config: a stream whose engine fails after visible output goes on elsewhere
+    (serving/continuation.py). `max_continuations` bounds how often one request is continued (PyMotor has no
+    such key; its `recompute_max_retry` is gone and ignored)."""
+
+    enable: Bool = False
+    max_continuations: Annotated[Int, _between(1, 10)] = 2
+
+
+def _one_reschedule_switch(data: Any) -> Any:
+    """`recompute_enabled`, PyMotor's deprecated spelling of reschedule_config.enable, read into it; both given
+    and different is refused (PyMotor lets the new key win silently: an operator would not learn which one holds)."""
+    if not isinstance(data, dict) or "recompute_enabled" not in data:
+        return data
+    alias = data["recompute_enabled"]
+    if not isinstance(alias, bool):
+        raise refused("must be a boolean", "recompute_enabled")
+    log.warning(
+        "config: exception_config.recompute_enabled is deprecated; use exception_config.reschedule_config.enable"
+    )
+    section = data.get("reschedule_config", {})
+    if not isinstance(section, dict):
+        return data  # refused as reschedule_config's own type
+    if "enable" in section and section["enable"] is not alias:
+        raise refused("contradicts reschedule_config.enable (its deprecated spelling)", "recompute_enabled")
+    rest = {k: v for k, v in data.items() if k != "recompute_enabled"}
+    return {**rest, "reschedule_config": {**section, "enable": alias}}
+
+
+@dataclass(frozen=True)
 class ExceptionConfig:
     """exception_config: retries and timeouts."""
 
@@ -178,6 +210,9 @@ class ExceptionConfig:
     # stream may last in all (0: no bound).
     max_stream_buffer_bytes: Annotated[Int, Field(ge=16384), key("max_stream_buffer_size")] = 1024 * 1024
     stream_total_timeout_s: Annotated[NonNegative, key("stream_total_timeout")] = 3600.0
+    reschedule: Annotated[RescheduleConfig, key("reschedule_config")] = RescheduleConfig()
+    # Read into reschedule_config.enable (ExceptionSection); a field only so that it is a known key.
+    recompute_enabled: Annotated[Bool | None, key("recompute_enabled")] = None
 
 
 @dataclass(frozen=True)
@@ -351,6 +386,7 @@ def _model_ids_unique(models: tuple[ModelConfig, ...]) -> tuple[ModelConfig, ...
 # The schemas config.load validates against: the section's dataclass and its rules across keys.
 ApiSection = Annotated[ApiConfig, AfterValidator(_ports_differ)]
 ApiKeySection = Annotated[ApiKeyConfig, AfterValidator(_keys_when_enabled)]
+ExceptionSection = Annotated[ExceptionConfig, BeforeValidator(_one_reschedule_switch)]
 MgmtApiKeySection = Annotated[MgmtApiKeyConfig, AfterValidator(_keys_when_enabled)]
 TlsSwitch = Annotated[TlsConfig, BeforeValidator(_one_tls_switch)]  # the types and the switch, not the files
 TlsSection = Annotated[TlsSwitch, AfterValidator(_cert_and_key_when_enabled)]

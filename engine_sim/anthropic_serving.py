@@ -122,6 +122,8 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
         "stop_sequence": None,
         "usage": {"input_tokens": req.prompt_tokens, "output_tokens": 0},
     }
+    if req.return_token_ids:  # (SimConfig.messages_token_ids: an engine that has them on this route)
+        message["prompt_token_ids"] = req.prompt_token_ids()
     await w.event("message_start", {"type": "message_start", "message": message})
     pieces, kinds = g.pieces[0], g.kinds or []
     idx = -1
@@ -142,7 +144,10 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
             start = {"type": "content_block_start", "content_block": _block_start(g, kind), "index": idx}
             await w.event("content_block_start", start)
         if piece:
+            await w.before_token(k, anthropic=True)
             delta = {"type": "content_block_delta", "delta": _block_delta(kind, piece), "index": idx}
+            if req.return_token_ids:
+                delta["token_ids"] = [g.ids[0][k - 1]]
             await w.event("content_block_delta", delta)
     if cur is not None:
         await _close_block(w, idx, cur, signature)

@@ -20,7 +20,14 @@ FAULT_KNOBS = (
     "slow_health_s",
     "fail_body",
     "fail_retry_after",
+    "mid_stream_fault",
+    "mid_stream_fault_after_tokens",
+    "held_text_token",
 )
+# What mid_stream_fault does once mid_stream_fault_after_tokens tokens of a stream are out: the engine dies (every
+# open stream dropped, every later connection too, until the faults are cleared), the connection is reset, an
+# in-band 5xx error event ends the stream (vLLM's way: its HTTP status is 200 by then), or it stalls for good.
+MID_STREAM_FAULTS = ("die", "reset", "error", "stall")
 
 
 @dataclass
@@ -51,6 +58,9 @@ class SimConfig:
     anthropic_cache_usage: bool = False
     # /v1/responses keeps responses (`store`, background mode) as vLLM does with VLLM_ENABLE_RESPONSES_API_STORE=1.
     responses_store: bool = True
+    # An engine whose /v1/messages honours `return_token_ids` as chat does (vLLM 0.32's Messages route has no
+    # such field and answers none): message_start carries `prompt_token_ids`, each content delta `token_ids`.
+    messages_token_ids: bool = False
     log_level: str = "WARNING"
 
     def __post_init__(self):
@@ -63,3 +73,5 @@ class SimConfig:
         unknown = set(self.faults) - set(FAULT_KNOBS)
         if unknown:
             raise ValueError(f"unknown fault knobs: {sorted(unknown)}")
+        if self.faults.get("mid_stream_fault") not in (None, *MID_STREAM_FAULTS):
+            raise ValueError(f"mid_stream_fault must be one of {', '.join(MID_STREAM_FAULTS)}")

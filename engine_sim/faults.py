@@ -1,4 +1,9 @@
-"""Fault knobs (FAULT_KNOBS): the failures tests inject before a request's first byte, mid-stream and on /health."""
+"""Fault knobs (FAULT_KNOBS): the failures tests inject before a request's first byte, mid-stream and on /health.
+
+Mid-stream faults count either SSE events (`*_after_n`) or generated tokens (`mid_stream_fault`, after
+`mid_stream_fault_after_tokens` of them): a stream may fail after its k-th token, which is what a gateway
+continuing a broken answer from its token ids needs to be tested with.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +12,33 @@ from typing import Any
 
 from aiohttp import web
 
-from .config import FAULT_KNOBS
+from .config import FAULT_KNOBS, MID_STREAM_FAULTS
 from .errors import ApiError, error_type_for_status
+from .json_text import dumps
 
 
 class SimulatedClose(Exception):
-    """The close_mid_stream_after_n fault dropped the connection on purpose."""
+    """A fault dropped the connection on purpose, or ended the stream with an error event."""
+
+
+def drop(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.abort()
 
 
 class Faults:
     def __init__(self, knobs: dict[str, Any] | None = None):
         self.knobs: dict[str, Any] = dict(knobs or {})
+        self.dead = False  # the die fault fired: every connection is dropped until the faults are cleared
+        self.streams: dict[int, web.Request] = {}  # the open streams (by id) a death takes with it
 
     def set(self, **knobs) -> None:
         """Set knobs; a None value removes one."""
         unknown = set(knobs) - set(FAULT_KNOBS)
         if unknown:
             raise ValueError(f"unknown fault knobs: {sorted(unknown)}")
+        if knobs.get("mid_stream_fault") not in (None, *MID_STREAM_FAULTS):
+            raise ValueError(f"mid_stream_fault must be one of {', '.join(MID_STREAM_FAULTS)}")
         for k, v in knobs.items():
             if v is None:
                 self.knobs.pop(k, None)
@@ -32,6 +47,13 @@ class Faults:
 
     def clear(self) -> None:
         self.knobs.clear()
+        self.dead = False
+
+    @property
+    def held_text_token(self) -> int:
+        """held_text_token k: the k-th token's chunk carries its id and no text, which comes with the next chunk
+        (what vLLM does with a token that ends inside a UTF-8 character); 0: none."""
+        return int(self.knobs.get("held_text_token") or 0)
 
     @property
     def eos_on_prefill(self) -> bool:
@@ -70,6 +92,29 @@ class Faults:
         """Whether the network cuts the n-th SSE event in two (partial_event_at_n)."""
         v = self.knobs.get("partial_event_at_n")
         return v is not None and n == int(v)
+
+    async def before_token(self, k: int, request: web.Request, resp: web.StreamResponse, anthropic: bool) -> None:
+        """Before a stream's k-th token (1-based) goes out: the mid_stream_fault once k-1 tokens are out."""
+        kind, after = self.knobs.get("mid_stream_fault"), self.knobs.get("mid_stream_fault_after_tokens")
+        if kind is None or after is None or k <= int(after):
+            return
+        if kind == "stall":
+            await asyncio.Event().wait()
+        if kind == "error":  # vLLM's in-band error: its ErrorResponse (or Anthropic's error event), then the end
+            message = "simulated engine failure mid-stream"
+            if anthropic:
+                err = {"type": "error", "error": {"type": "internal_error", "message": message}}
+                await resp.write(b"event: error\ndata: " + dumps(err).encode() + b"\n\n")
+            else:
+                err = {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
+                await resp.write(b"data: " + dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+            raise SimulatedClose()
+        if kind == "die":
+            self.dead = True
+            for other in list(self.streams.values()):
+                drop(other)
+        drop(request)
+        raise SimulatedClose()
 
     async def before_event(self, n: int, request: web.Request, resp: web.StreamResponse) -> None:
         """Stall, close or write a malformed chunk before the n-th SSE event, as the knobs say."""

@@ -12,10 +12,11 @@ from .request import SimRequest
 class Generation:
     """What one request will produce: choices of pieces plus accounting."""
 
-    __slots__ = ("finish", "kinds", "pieces", "stop_reason", "texts", "thinking_n", "tool")
+    __slots__ = ("finish", "ids", "kinds", "pieces", "stop_reason", "texts", "thinking_n", "tool")
 
     def __init__(self):
         self.pieces: list[tuple[str, ...]] = []
+        self.ids: list[tuple[int, ...]] = []  # each piece's token id (return_token_ids)
         self.texts: list[str] = []
         self.finish: list[str] = []
         self.stop_reason: list[Any] = []
@@ -23,8 +24,9 @@ class Generation:
         self.tool = None  # messages: (id, name, input)
         self.thinking_n = 0
 
-    def add_choice(self, pieces: tuple[str, ...], text: str, finish: str, stop_reason: Any) -> None:
+    def add_choice(self, pieces: tuple[str, ...], text: str, finish: str, stop_reason: Any, ids: tuple) -> None:
         self.pieces.append(pieces)
+        self.ids.append(ids)
         self.texts.append(text)
         self.finish.append(finish)
         self.stop_reason.append(stop_reason)
@@ -38,7 +40,7 @@ def eos_at_once(req: SimRequest) -> Generation:
     """Every choice ends on EOS at its first token (the eos_on_prefill fault)."""
     g = Generation()
     for _ in range(req.n):
-        g.add_choice(("",), "", "stop", None)
+        g.add_choice(("",), "", "stop", None, (T.EOS_TOKEN_ID,))
     return g
 
 
@@ -46,20 +48,26 @@ def generate(req: SimRequest) -> Generation:
     if req.kind == "messages":
         return _generate_message(req)
     g = Generation()
+    r = req.answered  # a prompt ending with an answer's first r words goes on from word r+1
     for c in range(req.n):
-        pieces, text, fin, sr = T.generate(
+        pieces, text, fin, sr, ids = T.generate(
             req.prompt_key,
             req.seed,
             req.temperature,
             c,
-            req.max_tokens,
+            r + req.max_tokens,
             req.ignore_eos,
-            req.min_tokens,
+            r + req.min_tokens,
             req.stop,
         )
+        if r:
+            pieces, ids = pieces[r:], ids[r:]
+            if not pieces:  # the prompt's answer had ended before it: EOS at once
+                pieces, ids, fin, sr = ("",), (T.EOS_TOKEN_ID,), "stop", None
+            text = "".join(pieces)
         if req.echo_only:  # vLLM generates one token and answers the prompt alone
             pieces, text = tuple("" for _ in pieces), ""
-        g.add_choice(pieces, text, fin, sr)
+        g.add_choice(pieces, text, fin, sr, ids)
     return g
 
 
@@ -68,10 +76,12 @@ def _generate_message(req: SimRequest) -> Generation:
     mt = req.max_tokens
     kinds: list[str] = []
     pieces: list[str] = []
+    ids: list[int] = []
     if req.thinking:
-        th, _, _, _ = T.generate(req.prompt_key ^ 0x5A5A, req.seed, req.temperature, 0, min(8, mt), True, 0, ())
+        th, _, _, _, th_ids = T.generate(req.prompt_key ^ 0x5A5A, req.seed, req.temperature, 0, min(8, mt), True, 0, ())
         g.thinking_n = len(th)
         pieces.extend(th)
+        ids.extend(th_ids)
         kinds.extend(["thinking"] * len(th))
     tc = req.tool_choice or {}
     tools = req.tools
@@ -95,21 +105,24 @@ def _generate_message(req: SimRequest) -> Generation:
             k = mt - len(pieces)
             finish = "length"
         pieces.extend(chunks[:k])
+        ids.extend((T.text_token_ids(ch) or [T.EOS_TOKEN_ID])[0] for ch in chunks[:k])
         kinds.extend(["tool"] * k)
         if finish != "length":
             finish = "tool_calls"
     else:
         rest = mt - len(pieces)
         if rest > 0:
-            p2, text, finish, stop_reason = T.generate(
+            p2, text, finish, stop_reason, ids2 = T.generate(
                 req.prompt_key, req.seed, req.temperature, 0, rest, req.ignore_eos, req.min_tokens, req.stop
             )
             pieces.extend(p2)
+            ids.extend(ids2)
             kinds.extend(["text"] * len(p2))
         else:
             finish = "length"
     g.kinds = kinds
-    g.add_choice(tuple(pieces), "".join(p for p, k in zip(pieces, kinds) if k == "text"), finish, stop_reason)
+    text = "".join(p for p, k in zip(pieces, kinds) if k == "text")
+    g.add_choice(tuple(pieces), text, finish, stop_reason, tuple(ids))
     return g
 
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from . import anthropic_serving, openai_serving, responses_serving, tokens as T
 from .engine import Seq
 from .errors import ApiError, body_validation_failure, error_response, validation_failure
-from .faults import SimulatedClose
+from .faults import SimulatedClose, drop
 from .generation import Generation, eos_at_once, generate
 from .json_text import dumps
 from .kv_transfer import is_decode_leg, is_prefill_leg, pull_remote_prefill
@@ -35,6 +35,9 @@ ANTHROPIC_ROUTES = ("messages", "count_tokens")
 
 async def serve(sim: SimServer, request: web.Request, kind: str) -> web.StreamResponse:
     """Answer one request of a route: kind is chat, completions, messages or count_tokens."""
+    if sim.faults.dead:  # a dead engine: the connection goes with no answer
+        drop(request)
+        raise ConnectionResetError("the engine is dead (mid_stream_fault: die)")
     body, unreadable = await _read_body(sim, request)
     counted = kind != "count_tokens"  # count_tokens generates nothing: no stats, no faults
     if counted:
@@ -138,11 +141,14 @@ async def _stream(
 ) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
     await resp.prepare(request)
+    sim.faults.streams[id(request)] = request
     try:
         await SERVING[req.kind].stream(sim, SseWriter(request, resp, sim.faults), req, g, seq)
     except SimulatedClose:
         sim.engine.drop(seq)
         return resp
+    finally:
+        sim.faults.streams.pop(id(request), None)
     sim.engine.stats["completed"] += 1
     sim.engine.success[g.finish[0]] += 1
     await resp.write_eof()

@@ -77,6 +77,11 @@ def completion_logprobs(req: SimRequest, c: int, pieces) -> dict | None:
     return {"text_offset": offs, "token_logprobs": lps, "tokens": toks, "top_logprobs": tops}
 
 
+def _ids(req: SimRequest, ids) -> list[int] | None:
+    """What a `token_ids` or `prompt_token_ids` field holds: the ids when return_token_ids, else null."""
+    return list(ids) if req.return_token_ids else None
+
+
 def _chat_choices(req: SimRequest, g: Generation) -> list[dict]:
     return [
         {
@@ -93,7 +98,7 @@ def _chat_choices(req: SimRequest, g: Generation) -> list[dict]:
             "logprobs": chat_logprobs(req, c, pieces),
             "finish_reason": g.finish[c],
             "stop_reason": g.stop_reason[c],
-            "token_ids": None,
+            "token_ids": _ids(req, g.ids[c]),
             "routed_experts": None,
         }
         for c, pieces in enumerate(g.pieces)
@@ -108,9 +113,9 @@ def _completion_choices(req: SimRequest, g: Generation) -> list[dict]:
             "logprobs": completion_logprobs(req, c, pieces),
             "finish_reason": g.finish[c],
             "stop_reason": g.stop_reason[c],
-            "token_ids": None,
+            "token_ids": _ids(req, g.ids[c]),
             "prompt_logprobs": None,
-            "prompt_token_ids": None,
+            "prompt_token_ids": _ids(req, req.prompt_token_ids()) if req.return_token_ids else None,
             "routed_experts": None,
         }
         for c, pieces in enumerate(g.pieces)
@@ -131,7 +136,8 @@ def final_body(sim: SimServer, req: SimRequest, g: Generation) -> dict:
         "usage": usage(req, g.completion_tokens),
     }
     if chat:
-        body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        prompt_ids = _ids(req, req.prompt_token_ids()) if req.return_token_ids else None
+        body.update(prompt_logprobs=None, prompt_token_ids=prompt_ids, prompt_text=None)
     body.update(kv_transfer_params=kvt, ec_transfer_params=None, metrics=None)
     return body
 
@@ -146,17 +152,27 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
     def usage_so_far() -> str:
         return f',"usage":{dumps(usage(req, sum(done_tokens), stream=True))}' if continuous else ""
 
+    # return_token_ids: the prompt's ids once, in chat's first chunk (at its top level) and in each completions
+    # choice's first chunk (in the choice); every later chunk's `token_ids` are the ids of its delta.
+    prompt_ids = dumps(req.prompt_token_ids()) if req.return_token_ids else "null"
+    owed = set(range(len(g.pieces))) if req.return_token_ids and not chat else set()
     if chat:
         for c in range(len(g.pieces)):
             ch = {"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            await w.data(head + f'"choices":[{dumps(ch)}]{usage_so_far()},"prompt_token_ids":null,"prompt_text":null}}')
+            await w.data(
+                head + f'"choices":[{dumps(ch)}]{usage_so_far()},"prompt_token_ids":{prompt_ids},"prompt_text":null}}'
+            )
     elif req.echo:
         for c in range(len(g.pieces)):
             ch = {"index": c, "text": req.prompt_text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+            if c in owed:
+                owed.discard(c)
+                ch["prompt_token_ids"], ch["token_ids"] = req.prompt_token_ids(), []
             await w.data(head + f'"choices":[{dumps(ch)}]}}')
     # vLLM puts `system_fingerprint` on the stream's last chunk: the usage chunk, else the last choice chunk.
     final_k = max(len(p) for p in g.pieces)
     final = (final_k, max(c for c, p in enumerate(g.pieces) if len(p) == final_k))
+    hold, held = sim.faults.held_text_token, [""] * len(g.pieces)
     for k in range(1, seq.max_len + 1):
         await seq.wait_emitted(k)
         for c, pieces in enumerate(g.pieces):
@@ -165,7 +181,11 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
             piece = pieces[k - 1]
             done_tokens[c] = k
             last = k == len(pieces)
-            if not piece and not last:
+            if held[c]:  # the text a held token's chunk went without comes with the next one
+                piece, held[c] = held[c] + piece, ""
+            if k == hold and not last:  # (vLLM's detokenizer waiting for the rest of a UTF-8 character)
+                piece, held[c] = "", piece
+            if not piece and not last and not req.return_token_ids:  # (vLLM sends it when ids are asked for)
                 continue
             lp = None
             if req.logprobs:
@@ -181,7 +201,11 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
                 ch["stop_reason"] = None
             if not chat:
                 ch["prompt_token_ids"] = None
-            ch["token_ids"] = None
+                if c in owed:
+                    owed.discard(c)
+                    ch["prompt_token_ids"] = req.prompt_token_ids()
+            ch["token_ids"] = [g.ids[c][k - 1]] if req.return_token_ids else None
+            await w.before_token(k)
             extra = usage_so_far()
             if (k, c) == final and not req.include_usage:
                 extra += f',"system_fingerprint":{dumps(sim.fingerprint)}'

@@ -121,6 +121,7 @@ class OpenAIRequest(SamplingRequest):
     echo: bool = False
     stop: StopStrings = ()
     logprobs: Any = None
+    return_token_ids: bool | None = None
 
     @model_validator(mode="after")
     def _stream_options_only_when_streaming(self):

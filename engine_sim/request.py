@@ -41,12 +41,18 @@ class SimRequest:
     tools: list[dict] = field(default_factory=list)
     tool_choice: dict | None = None
     thinking: bool = False
+    return_token_ids: bool = False  # prompt_token_ids and each chunk's token_ids in the answer
+    prompt_ids: list[int] | None = None  # a completions prompt given as token ids
+    answered: int = 0  # how many words of an answer the prompt already ends with (tokens.split_answer)
     prompt_key: int = 0
     # set when it is served
     id: str = ""
     log_id: str = ""  # the X-Request-Id, else the response id
     cached_tokens: int = 0
     responses: Any = None  # /v1/responses: what its answer echoes and stores (responses_serving)
+
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompt_ids if self.prompt_ids is not None else T.text_token_ids(self.prompt_text)
 
 
 def validated(kind: str, body: dict) -> BaseModel:
@@ -89,8 +95,13 @@ def parse_request(kind: str, body: dict, cfg: SimConfig) -> SimRequest:
         req = _completion_request(r, body)
     else:
         req = _messages_request(r, body)
+        req.return_token_ids = cfg.messages_token_ids and bool(body.get("return_token_ids"))
     _apply_limits(req, r, cfg)
-    req.prompt_key = T.prompt_key(req.prompt_text)
+    if req.prompt_ids is not None:
+        context, req.answered = T.split_answer(req.prompt_ids)
+        req.prompt_key = T.prompt_key(T.decode_token_ids(context))
+    else:
+        req.prompt_key = T.prompt_key(req.prompt_text)
     return req
 
 
@@ -119,6 +130,7 @@ def _openai_fields(req: SimRequest, r) -> None:
     req.include_usage = bool(options.get("include_usage"))
     req.continuous_usage = bool(options.get("continuous_usage_stats"))
     req.stop = r.stop
+    req.return_token_ids = bool(r.return_token_ids)
 
 
 def _chat_request(r: ChatCompletionRequest, body: dict) -> SimRequest:
@@ -139,6 +151,8 @@ def _completion_request(r: CompletionRequest, body: dict) -> SimRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
     req = _new_request(r, body, "completions", T.completion_prompt_text(prompt), T.completion_prompt_tokens(prompt))
+    if isinstance(prompt, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        req.prompt_ids = prompt
     _openai_fields(req, r)
     lp = r.logprobs
     req.logprobs = lp is not None and lp is not False

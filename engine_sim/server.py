@@ -121,6 +121,9 @@ class SimServer:
 
     # ------------------------------------------------------------------ vLLM's other routes
     async def serve_health(self, request):
+        if self.faults.dead:
+            request.transport.abort()
+            raise ConnectionResetError("the engine is dead (mid_stream_fault: die)")
         return web.Response(status=await self.faults.health_status())
 
     async def serve_models(self, request):

@@ -24,6 +24,10 @@ class SseWriter:
     async def event(self, name: str, obj: dict) -> None:
         await self._emit(b"event: " + name.encode() + b"\ndata: " + dumps(obj).encode() + b"\n\n")
 
+    async def before_token(self, k: int, anthropic: bool = False) -> None:
+        """The token-counted mid-stream faults, before the k-th token (1-based) is written."""
+        await self.faults.before_token(k, self.request, self.resp, anthropic)
+
     async def done(self) -> None:
         await self.resp.write(b"data: [DONE]\n\n")
 

@@ -14,6 +14,12 @@ Pure functions, no I/O, no dependencies beyond the standard library:
 * ``completion_prompt_tokens(prompt)``: string → estimate; list of ints → its length; list of
   strings / token lists → the sum.
 * ``generate(...)``: the deterministic "model": the word sequence a request produces.
+* Token ids (``return_token_ids``, token-id prompts): a prompt's text is its 4-byte chunks, each chunk's id
+  the chunk's bytes behind a 0x01 marker read as one integer (256 and up: reversible, so an id prompt
+  decodes to its text); a generated word's id is ``WORD_TOKEN_BASE`` plus its index in ``WORDS``; EOS is
+  ``EOS_TOKEN_ID``. The "model" is autoregressive over these ids: an answer is the trailing run of word ids
+  of a context, generated from the key of the text before it, so a prompt that ends with the first k
+  words of an answer goes on with word k+1 (``split_answer``).
 """
 
 from __future__ import annotations
@@ -195,9 +201,49 @@ def completion_prompt_text(prompt: Any) -> str:
         return prompt
     if isinstance(prompt, list):
         if all(isinstance(x, int) for x in prompt):
-            return " ".join(str(x) for x in prompt)
+            return decode_token_ids(prompt)
         return "\n".join(completion_prompt_text(x) for x in prompt)
     return str(prompt)
+
+
+EOS_TOKEN_ID = 2
+WORD_TOKEN_BASE = 100  # word ids are 100..100+len(WORDS)-1; prompt chunk ids are 256 and up
+_WORD_INDEX = {w: i for i, w in enumerate(WORDS)}
+
+
+def text_token_ids(text: str) -> list[int]:
+    """A text's ids: one per 4-byte chunk of its UTF-8 (so len(ids) == count_text_tokens(text))."""
+    data = text.encode("utf-8", "surrogatepass")
+    return [
+        int.from_bytes(b"\x01" + data[i : i + BYTES_PER_TOKEN], "big") for i in range(0, len(data), BYTES_PER_TOKEN)
+    ]
+
+
+def word_token_id(piece: str) -> int:
+    """The id of a generated word (its piece as `generate` makes it: a space and the word)."""
+    return WORD_TOKEN_BASE + _WORD_INDEX[piece[1:]]
+
+
+def _token_bytes(token: int) -> bytes:
+    if token == EOS_TOKEN_ID:
+        return b""
+    if WORD_TOKEN_BASE <= token < WORD_TOKEN_BASE + _NWORDS:
+        return (" " + WORDS[token - WORD_TOKEN_BASE]).encode()
+    if token >= 256:
+        return token.to_bytes((token.bit_length() + 7) // 8, "big")[1:]
+    return f"<|{token}|>".encode()  # an id this vocabulary has no text for: a marker, so prompts stay distinct
+
+
+def decode_token_ids(ids: Sequence[int]) -> str:
+    return b"".join(_token_bytes(t) for t in ids).decode("utf-8", "replace")
+
+
+def split_answer(ids: Sequence[int]) -> tuple[Sequence[int], int]:
+    """(the context before its trailing run of generated words, the run's length): where an answer began."""
+    n = len(ids)
+    while n and WORD_TOKEN_BASE <= ids[n - 1] < WORD_TOKEN_BASE + _NWORDS:
+        n -= 1
+    return ids[:n], len(ids) - n
 
 
 def completion_prompt_tokens(prompt: Any) -> int:
@@ -254,12 +300,13 @@ def generate(
 ) -> tuple:
     """Deterministic output of one choice.
 
-    Returns ``(pieces, text, finish_reason, stop_reason)``: ``pieces`` is one string per
+    Returns ``(pieces, text, finish_reason, stop_reason, ids)``: ``pieces`` is one string per
     generated token (the streamed deltas; a piece may be '' or cut short where a stop string
-    truncates the text), ``text`` the final text (= ''.join(pieces)).
+    truncates the text), ``text`` the final text (= ''.join(pieces)), ``ids`` each token's id (the
+    last one EOS_TOKEN_ID when the answer ended on EOS).
     """
     eos = None if ignore_eos else max(eos_length(pkey, seed, temperature, choice), min_tokens, 1)
-    words = []
+    words, ids = [], []
     finish, stop_reason = "length", None
     acc = ""
     n = max(0, int(max_tokens))
@@ -267,10 +314,12 @@ def generate(
         if eos is not None and i + 1 == eos:
             # the EOS token itself is generated but not shown
             words.append("")
+            ids.append(EOS_TOKEN_ID)
             finish = "stop"
             break
         w = token_word(pkey, seed, temperature, choice, i)
         words.append(w)
+        ids.append(word_token_id(w))
         acc += w
         if stop and i + 1 >= min_tokens:
             hit = None
@@ -290,7 +339,7 @@ def generate(
         end = min(pos + len(w), total)
         pieces.append(acc[pos:end] if pos < total else "")
         pos += len(w)
-    return tuple(pieces), acc, finish, stop_reason
+    return tuple(pieces), acc, finish, stop_reason, tuple(ids)
 
 
 def block_hashes(text: str, block_tokens: int = 16) -> list:
@@ -312,7 +361,10 @@ __all__ = [
     "completion_prompt_tokens",
     "content_text",
     "count_text_tokens",
+    "decode_token_ids",
     "generate",
     "prompt_key",
     "render_chat_prompt",
+    "split_answer",
+    "text_token_ids",
 ]

@@ -20,6 +20,7 @@ from engines import EngineClient
 from errors import UpstreamError, UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from scheduling.scheduler import Leg
+from serving.continuation import Continuation, continuation_of
 from serving.job import Job
 from serving.observe import Observer, RequestRecord
 from serving.usage import PrefillUsages
@@ -55,11 +56,17 @@ class Call(Generic[T]):
     """One leg's engine call, tried by `Retries.run` on each engine the leg is moved to; `body` is what a try
     sends (the client's own bytes, or a leg's body: serving/legs.py)."""
 
-    __slots__ = ("body", "job", "leg", "rec", "sink", "up")
+    __slots__ = ("body", "cont", "job", "leg", "rec", "sink", "up")
     engine = "engine"  # how its errors name the engine ("prefill engine", "decode engine")
 
     def __init__(self, up: Upstream, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: bytes):
         self.up, self.job, self.leg, self.sink, self.rec, self.body = up, job, leg, sink, rec, body
+        self.cont: Continuation | None = None  # the running stream's, which `Retries` resumes after a failure
+
+    def continuation(self) -> Continuation | None:
+        """A fresh continuation state for a try of a client's stream (None when reschedule is off)."""
+        self.cont = continuation_of(self)
+        return self.cont
 
     def attempt(self, rid: str) -> Awaitable[T]:
         """One try on `leg.target`, with engine request id `rid` (a fresh one for each retry)."""

@@ -76,7 +76,7 @@ class DecodeCall(Call[None]):
             rec.missed_handoff = True
             self.up.obs.missed_handoff(self.job, rec, "a decode engine failed with P's ticket")
         if self.job.stream:
-            return relay(self, rid, self.fix)
+            return relay(self, rid, self.fix, self.continuation())
         return self.exchange(rid)
 
     def answer(self, data: bytes, lease: Lease) -> None:

@@ -79,6 +79,16 @@ RETRIES = Counter(
     "Engine attempts retried before the first byte, by the error that caused them",
     ["model", "reason"],
 )
+CONTINUATIONS = Counter(
+    "motor_stream_continuations_total",
+    "Streams continued on another engine after a failure past the first byte, by the error that broke them",
+    ["model", "reason"],
+)
+CONTINUATION_REFUSALS = Counter(
+    "motor_stream_continuation_refusals_total",
+    "Streams broken past the first byte and not continued, by why not",
+    ["model", "reason"],
+)
 REJECTIONS = Counter("motor_rejections_total", "Requests refused before reaching an engine, by reason", ["reason"])
 DISCONNECTS = Counter("motor_client_disconnects_total", "Clients that went away, by phase", ["phase"])
 
@@ -335,6 +345,14 @@ class PrometheusObserver(Observer):
     def retry(self, job, target, err) -> None:
         super().retry(job, target, err)
         RETRIES.labels(self._model(job.model), type(err).__name__).inc()
+
+    def continuation(self, job, target, err) -> None:
+        super().continuation(job, target, err)
+        CONTINUATIONS.labels(self._model(job.model), type(err).__name__).inc()
+
+    def continuation_refused(self, job, target, reason: str, err) -> None:
+        super().continuation_refused(job, target, reason, err)
+        CONTINUATION_REFUSALS.labels(self._model(job.model), reason).inc()
 
     def missed_handoff(self, job, rec, why: str) -> None:
         super().missed_handoff(job, rec, why)

@@ -72,6 +72,8 @@ class RequestRecord:
     prefill_s: float | None = None
     decode_s: float | None = None
     retries: int = 0
+    continuations: int = 0  # times its stream went on on another engine after a failure (serving/continuation.py)
+    continuation_refused: str = ""  # why a broken stream was not continued
     missed_handoff: bool = False
     status: int = 200
     error: str = ""
@@ -188,7 +190,7 @@ class Observer:
         if self.request_log.enabled():
             self.request_log.write(
                 "request_id=%s route=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
-                "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s duration_ms=%.1f%s"
+                "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s continuations=%d%s duration_ms=%.1f%s"
                 % (
                     rec.request_id,
                     rec.route,
@@ -202,6 +204,8 @@ class Observer:
                     rec.generated_tokens,
                     rec.retries,
                     rec.missed_handoff,
+                    rec.continuations,
+                    f" continuation_refused={rec.continuation_refused}" if rec.continuation_refused else "",
                     rec.duration_s * 1000,
                     f" error={rec.error!r}" if rec.error else "",
                 )
@@ -213,6 +217,14 @@ class Observer:
 
     def retry(self, job, target: Target, err: Exception) -> None:
         log.warning("request_id=%s retrying after %r on %s", job.request_id, str(err), _name(target))
+
+    def continuation(self, job, target: Target, err: Exception) -> None:
+        log.warning("request_id=%s stream continued on %s after %r", job.request_id, _name(target), str(err))
+
+    def continuation_refused(self, job, target: Target, reason: str, err: Exception) -> None:
+        log.warning(
+            "request_id=%s stream not continued (%s) after %r on %s", job.request_id, reason, str(err), _name(target)
+        )
 
     def missed_handoff(self, job, rec: RequestRecord, why: str) -> None:
         log.warning(

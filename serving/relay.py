@@ -18,21 +18,24 @@ import time
 from errors import UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from serving.call import Call
+from serving.continuation import Continuation
 from serving.observe import FINAL_USAGE_EVENT, RequestRecord
 from serving.usage import EventSplitter, UsageFix
 
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the engine is silent, and proxies and clients must not time out
 
 
-async def relay(call: Call[None], rid: str, fix: UsageFix | None) -> None:
-    """One try of `call` as a stream; `fix`: the decode leg's usage fix-up (None: relayed as it came)."""
+async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continuation | None) -> None:
+    """One try of `call` as a stream; `fix`: the decode leg's usage fix-up (None: relayed as it came); `cont`:
+    the stream's token ids and shape, kept for a continuation (serving/continuation.py), or None."""
     sink, rec, job, target, up = call.sink, call.rec, call.job, call.leg.target, call.up
     final_usage = FINAL_USAGE_EVENT.get(job.route)  # a Messages or Responses stream's output count is in it
     fix_block = fix.events if fix is not None else None
+    route, body = (job.route, call.body) if cont is None else cont.request(job.route, call.body)
     lease = call.leg.lease()
     try:
         splitter = EventSplitter()
-        async with up.client.stream(target.url + job.route, call.body, rid) as es:
+        async with up.client.stream(target.url + route, body, rid) as es:
             async for chunk in es.chunks(up.settings.stream_keepalive_interval_s):
                 if not chunk:
                     if sink.started:
@@ -43,6 +46,12 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None) -> None:
                     rec.first_token()
                     await sink.start_stream()
                 block = splitter.complete(chunk)
+                if block and cont is not None:
+                    block = cont.relay(block)  # ids kept (and stripped), a continuation's in the client's shape
+                    if cont.broken is not None:  # an in-band 5xx: what came before it goes out, then the failure
+                        if block:
+                            await sink.send(block)
+                        raise cont.broken
                 if block:
                     events = block.count(b"data:")
                     lease.events += events
@@ -51,7 +60,8 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None) -> None:
                         block = fix_block(block)
                     if final_usage is not None and final_usage in block:
                         rec.message_delta(block)
-                    last = es.finished and not splitter.tail
+                    # (a continuation's end may come before its engine's last bytes: the client has it all then)
+                    last = (es.finished or (cont is not None and cont.complete)) and not splitter.tail
                     if last:
                         _engine_done(lease, rec)
                     await sink.send(block, last)
@@ -60,8 +70,12 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None) -> None:
         _engine_done(lease, rec)
         tail = b""
         if splitter.tail.strip():  # the engine ended without the last event's blank line
-            rec.events += splitter.tail.count(b"data:")
-            tail = (splitter.tail if fix is None else fix.event(splitter.tail)) + b"\n\n"
+            tail = splitter.tail if cont is None else cont.relay(splitter.tail + b"\n\n").removesuffix(b"\n\n")
+            rec.events += tail.count(b"data:")
+            tail = (tail if fix is None else fix.event(tail)) + b"\n\n"
+            if cont is not None and cont.broken is not None:
+                await sink.send(tail)
+                raise cont.broken
         await sink.send(tail, True)  # (nothing when the last block ended the stream)
     finally:
         if not lease.released:

@@ -2,8 +2,9 @@
 
 A leg is retried only before the first byte reaches the client: connect errors, timeouts before the first
 byte, and engine 408/429/5xx, each try with a fresh engine request id and on another instance when one
-exists (`Leg.move`), backing off from `retry_delay`. After the first byte an error becomes one SSE error
-event (handlers/lifetime.py).
+exists (`Leg.move`), backing off from `retry_delay`. After the first byte a stream is continued on another
+instance when `exception_config.reschedule_config` allows it (serving/continuation.py); otherwise, or when
+that fails too, the error becomes one SSE error event (handlers/lifetime.py).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class Retries:
                 call.failed(e)
                 if target.slot not in exclude:  # one request retried on one engine is one failure to its breaker
                     self.record(target, e)
+                if sink.started and call.cont is not None:  # the client has output: its stream goes on elsewhere
+                    return await call.cont.resume(self, call, e, exclude | {target.slot})
                 if not e.retryable or sink.started or attempt >= self.s.max_retry:
                     raise
                 exclude.add(target.slot)

@@ -17,7 +17,7 @@ class WholeCall(Call[None]):
     def attempt(self, rid: str) -> Awaitable[None]:
         self.rec.target = self.leg.target
         if self.job.stream:
-            return relay(self, rid, None)
+            return relay(self, rid, None, self.continuation())
         return self.exchange(rid)
 
     def answer(self, data: bytes, lease: Lease) -> None:

@@ -296,3 +296,33 @@ def test_a_config_with_a_huge_integer_is_one_line_not_a_traceback(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"config error: {path}: not valid JSON ("), line
+
+
+@pytest.mark.parametrize(
+    "section, enable",
+    [
+        ({}, False),
+        ({"reschedule_config": {"enable": True}}, True),
+        ({"recompute_enabled": True}, True),  # PyMotor's deprecated spelling
+        ({"recompute_enabled": False, "reschedule_config": {"enable": False}}, False),
+        ({"recompute_enabled": True, "recompute_max_retry": 9}, True),  # PyMotor's removed key: ignored
+    ],
+)
+def test_reschedule_config_and_its_deprecated_alias(section, enable):
+    s = settings_from_dict({"exception_config": section})
+    assert s.reschedule.enable is enable
+    assert s.reschedule.max_continuations == 2
+
+
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ({"recompute_enabled": True, "reschedule_config": {"enable": False}}, "exception_config.recompute_enabled"),
+        ({"recompute_enabled": "yes"}, "exception_config.recompute_enabled"),
+        ({"reschedule_config": {"enable": 1}}, "exception_config.reschedule_config.enable"),
+        ({"reschedule_config": {"max_continuations": 0}}, "exception_config.reschedule_config.max_continuations"),
+    ],
+)
+def test_a_reschedule_config_the_coordinator_cannot_honour_names_its_key(section, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        settings_from_dict({"exception_config": section})

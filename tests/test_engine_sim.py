@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_sim import SimConfig, launch
-from engine_sim.tokens import count_text_tokens, render_chat_prompt
+from engine_sim.tokens import count_text_tokens, decode_token_ids, render_chat_prompt
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -761,3 +761,85 @@ def test_abort_non_streaming_and_kv_pressure(fresh):
     )
     t.join(5)
     assert out and out[0]["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+# -- token ids and the mid-stream faults that break a stream after k tokens --------------------------------
+
+
+def stream_chunks(h, path: str, body: dict) -> list[dict]:
+    r = httpx.post(h.url + path, json={**body, "stream": True}, timeout=10)
+    assert r.status_code == 200, r.text
+    return [json.loads(d) for _, d in sse_events(r.text) if d and d != "[DONE]"]
+
+
+def test_return_token_ids_as_vllm_places_them(union):
+    body = {"model": "m", "messages": MSG, "max_tokens": 12, "seed": 3, "return_token_ids": True}
+    js = httpx.post(union.url + "/v1/chat/completions", json=body, timeout=10).json()
+    assert len(js["prompt_token_ids"]) == js["usage"]["prompt_tokens"]
+    assert len(js["choices"][0]["token_ids"]) == js["usage"]["completion_tokens"]
+    chunks = stream_chunks(union, "/v1/chat/completions", body | {"stream_options": {"include_usage": True}})
+    assert chunks[0]["prompt_token_ids"] == js["prompt_token_ids"]  # once, at the top of the first chunk
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    streamed = [t for c in chunks[1:] for ch in c["choices"] for t in ch["token_ids"]]
+    assert streamed == js["choices"][0]["token_ids"]
+    text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+    assert text == js["choices"][0]["message"]["content"]
+
+    plain = httpx.post(union.url + "/v1/chat/completions", json=body | {"return_token_ids": None}, timeout=10).json()
+    assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
+    chunks = stream_chunks(union, "/v1/completions", {"model": "m", "prompt": "rivers", "return_token_ids": True})
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [int.from_bytes(b"\x01rive", "big"), 0x01727300 >> 8]
+    assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
+    assert all(len(c["choices"][0]["token_ids"]) == 1 for c in chunks)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_prompt_of_the_ids_so_far_goes_on_as_the_unbroken_run(union, path):
+    """The sim's model is autoregressive over token ids: the prompt's ids and the first k generated ones,
+    sent as a completions prompt, generate exactly what the unbroken run generated after its k-th token."""
+    first = {"messages": MSG} if path == "/v1/chat/completions" else {"prompt": "Tell me about rivers."}
+    body = {"model": "m", **first, "max_tokens": 40, "seed": 11, "temperature": 0.7, "return_token_ids": True}
+    js = httpx.post(union.url + path, json=body, timeout=10).json()
+    choice = js["choices"][0]
+    prompt_ids = js.get("prompt_token_ids") or choice["prompt_token_ids"]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    ids = choice["token_ids"]
+    for k in (1, 5, len(ids) - 1):
+        rest = {"model": "m", "prompt": prompt_ids + ids[:k], "max_tokens": 40 - k, "seed": 11, "temperature": 0.7}
+        cont = httpx.post(union.url + "/v1/completions", json=rest | {"return_token_ids": True}, timeout=10).json()
+        c = cont["choices"][0]
+        assert c["token_ids"] == ids[k:]
+        assert decode_token_ids(ids[:k]) + c["text"] == text
+        assert c["finish_reason"] == choice["finish_reason"]
+        assert cont["usage"]["prompt_tokens"] == len(prompt_ids) + k
+
+
+@pytest.mark.parametrize("kind", ["die", "reset", "error", "stall"])
+def test_mid_stream_faults_after_k_tokens(fresh, kind):
+    h = fresh(role="union")
+    h.set_faults(mid_stream_fault=kind, mid_stream_fault_after_tokens=3)
+    body = {"model": "m", "messages": MSG, "max_tokens": 10, "ignore_eos": True, "stream": True}
+    got = b""
+    try:
+        with httpx.stream("POST", h.url + "/v1/chat/completions", json=body, timeout=1.0) as r:
+            for part in r.iter_bytes():
+                got += part
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ReadTimeout):
+        pass
+    tokens = [json.loads(d) for _, d in sse_events(got.decode()) if d and d != "[DONE]"]
+    content = [c for c in tokens if c.get("choices") and c["choices"][0]["delta"].get("content")]
+    assert len(content) == 3
+    if kind == "error":
+        assert tokens[-1]["error"]["code"] == 500 and got.endswith(b"data: [DONE]\n\n")
+    alive = kind != "die"
+    assert (httpx.get(h.url + "/health", timeout=2).status_code == 200) if alive else _unreachable(h.url + "/health")
+    h.clear_faults()
+    assert httpx.get(h.url + "/health", timeout=2).status_code == 200
+
+
+def _unreachable(url: str) -> bool:
+    try:
+        httpx.get(url, timeout=2)
+    except httpx.HTTPError:
+        return True
+    return False

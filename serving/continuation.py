@@ -1,0 +1,488 @@
+"""Mid-stream continuation (`exception_config.reschedule_config`): a stream whose engine fails after the client
+has seen output goes on on another instance, and the client sees one unbroken answer.
+
+While the first engine streams, it is asked for token ids (vLLM's `return_token_ids`): its first chunk
+names the prompt's ids, each later one its tokens' ids. They are kept here and taken out of what the client
+gets unless it asked for them itself (set to null: what vLLM writes when they were not asked for). When
+that engine dies, resets the connection, ends the stream with an in-band 5xx error event, or stalls past
+`stream_idle_timeout`, `Retries` hands the request to `resume`: another healthy instance of the leg's
+roles (a decode instance in PD, which computes the prompt itself: see docs/reliability.md) gets a
+/v1/completions request whose prompt is the prompt's ids followed by the generated ones, with the
+remaining `max_tokens`, `min_tokens` less what was generated, and the client's sampling parameters and
+seed. Its chunks are written in the client's route shape: chat chunks, completions chunks or Anthropic
+events (the open text block's index, or the next one), with the first answer's id, created time and model,
+and usage that counts the prompt once (P's counts in PD) and every completion token once.
+
+What cannot be continued exactly is refused up front and fails as before (one SSE error event): see
+`refusal`. Every continuation and every refusal is counted (serving/observe.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+import ujson
+
+from errors import ANTHROPIC, EngineStatusError, UpstreamError, dumps
+from serving.job import CHAT, COMPLETIONS, MESSAGES, Job
+from serving.usage import fix_anthropic_usage, fix_openai_usage
+
+if TYPE_CHECKING:
+    from serving.call import Call
+    from serving.retries import Retries
+    from serving.usage import UsageFix
+
+# The client's sampling fields a continuation keeps (vLLM reads them the same way on both routes). Presence
+# and frequency penalties count only a request's own output tokens (the generated ones become the prompt):
+# they are refused; repetition_penalty counts prompt and output alike and stays exact.
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "priority",
+    "user",
+    "cache_salt",
+    "vllm_xargs",
+)
+_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens"}
+_RETRYABLE_IN_BAND = ("api_error", "internal_error", "overloaded_error")  # Anthropic's 5xx error types
+
+
+def refusal(job: Job, engine_type: str) -> str | None:
+    """Why this request's stream cannot be continued exactly (the reason it is counted under), or None."""
+    b = job.body
+    if engine_type != "vllm":
+        return "engine_type"  # only vLLM's routes are known to take token-id prompts and return ids
+    if (b.get("n") or 1) > 1 or (b.get("best_of") or 1) > 1:
+        return "n"
+    fmt = b.get("response_format")
+    if any(b.get(k) is not None for k in _STRUCTURED) or (isinstance(fmt, dict) and fmt.get("type") != "text"):
+        return "structured_output"  # a grammar's state is not carried over
+    if job.route == MESSAGES and isinstance(b.get("output_config"), dict) and b["output_config"].get("format"):
+        return "structured_output"
+    choice = b.get("tool_choice")
+    if b.get("tools") and choice not in ("none", {"type": "none"}):
+        return "tools"  # a tool parser's state is not carried over, and completions has none
+    if b.get("logprobs") not in (None, False) or b.get("prompt_logprobs") is not None:
+        return "logprobs"  # a recomputed prompt's logprobs differ in the last bits, and top-k shapes differ
+    if b.get("stop") or b.get("stop_sequences"):
+        return "stop_strings"  # vLLM holds back text that may start one: that text would be lost
+    if b.get("presence_penalty") or b.get("frequency_penalty"):
+        return "penalties"
+    if job.route == MESSAGES and isinstance(b.get("thinking"), dict) and b["thinking"].get("type") != "disabled":
+        return "thinking"  # completions has no reasoning parser: thinking and text would not be told apart
+    if b.get("echo"):
+        return "echo"
+    if (job.route == COMPLETIONS and not _one_prompt(b.get("prompt"))) or b.get("truncate_prompt_tokens") is not None:
+        return "prompt"  # several prompts, embeddings, or a prompt truncated by the engine
+    return None
+
+
+def _one_prompt(prompt: object) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+        return True
+    return isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list))
+
+
+class Continuation:
+    """One streamed request's token ids and stream shape, kept while its engine streams (`relay`), and the
+    continuation of its answer on another engine when that one fails (`resume`)."""
+
+    __slots__ = (
+        "anthropic",
+        "before",
+        "block",
+        "broken",
+        "client_ids",
+        "complete",
+        "count",
+        "done",
+        "finish",
+        "fix",
+        "head",
+        "include_usage",
+        "injected",
+        "job",
+        "out_ids",
+        "prompt_ids",
+        "reason",
+        "resuming",
+        "shown",
+        "usage_sent",
+    )
+
+    def __init__(self, job: Job, engine_type: str):
+        self.job, self.anthropic = job, job.api == ANTHROPIC
+        self.reason = refusal(job, engine_type)  # why not (counted when a failure comes), None: it can be
+        self.client_ids = bool(job.body.get("return_token_ids"))  # the client asked for the ids itself
+        # The engine was asked for ids the client did not ask for: every event is read to strip them, even once
+        # the stream turns out not to be continuable (a tool block, reasoning).
+        self.injected = self.reason is None and not self.client_ids
+        self.include_usage = job.include_usage
+        self.prompt_ids: list[int] | None = None
+        self.out_ids: list[int] = []
+        self.before = 0  # generated ids when the running continuation began
+        # The generated ids up to the last one whose chunk carried text. vLLM holds back the text of a token that
+        # ends inside a UTF-8 character (its chunk has the id and no text) and of skipped special tokens; a
+        # continuation goes on from the last shown one and generates the held ones again, so their text comes
+        # out whole. (A prompt whose text ends inside a character also trips vLLM's detokenizer: its first chunk
+        # would repeat the whole prompt's text, tokenizers' DecodeStream prefill.)
+        self.shown = 0
+        self.head: dict = {}  # the first answer's id, created time and model, written on every chunk after it
+        self.block: int | None = None  # Anthropic: the open content block's index (None: none open)
+        self.count = 0  # Anthropic: content blocks started so far
+        self.finish: str | None = None  # the finish reason, once seen
+        self.done = False  # the answer is whole (finished; what follows is framing)
+        self.usage_sent = False
+        self.complete = False  # the client's stream is whole (a continuation wrote its [DONE] or message_stop)
+        self.broken: UpstreamError | None = None  # an in-band 5xx error event ended the stream
+        self.resuming = False
+        self.fix: UsageFix | None = None  # PD: P's counts for the continuation's usage
+
+    # -- while the first engine streams ------------------------------------------------------------------
+
+    def request(self, route: str, body: bytes) -> tuple[str, bytes]:
+        """What a try sends: the first engine the client's body asking for ids, a continuation its own."""
+        if self.resuming:
+            return COMPLETIONS, self._continuation_body()
+        if not self.injected:
+            return route, body
+        if b'"return_token_ids"' in body:  # the client's own key (false or null): set in the parsed body
+            return route, dumps({**ujson.loads(body), "return_token_ids": True})
+        return route, b'{"return_token_ids":true,' + body[body.index(b"{") + 1 :]
+
+    def relay(self, block: bytes) -> bytes:
+        """Whole SSE events from the engine, as the client gets them (ids kept, and stripped where not asked
+        for; a continuation's chunks in the client's shape). An in-band 5xx ends them: `broken` is set and
+        the events before it are returned."""
+        if self.reason is not None and not self.injected and not self.resuming:
+            return block
+        out = []
+        for event in block.split(b"\n\n"):
+            if not event.strip():
+                continue
+            mapped = self._translate(event) if self.resuming else self._observe(event)
+            if self.broken is not None:
+                break
+            if mapped:
+                out.append(mapped)
+        return b"".join(e + b"\n\n" for e in out)
+
+    def _observe(self, event: bytes) -> bytes:
+        obj = _data(event)
+        if not isinstance(obj, dict):
+            return event
+        if self._failed_in_band(obj, event):
+            return b""
+        changed = False
+        if self.anthropic:
+            kind = obj.get("type")
+            if kind == "message_start" and isinstance(obj.get("message"), dict):
+                self.head = {"id": obj["message"].get("id")}
+                changed = self._take_prompt(obj["message"])
+                self._ids_or_not()
+            elif kind == "content_block_start":
+                self.block, self.count = obj.get("index"), self.count + 1
+                if (obj.get("content_block") or {}).get("type") != "text":
+                    self.reason = "tools"  # a tool_use or thinking block: not continued as text
+            elif kind == "content_block_delta":
+                changed = self._take_ids(obj)
+                delta = obj.get("delta") or {}
+                if delta.get("text") or delta.get("partial_json") or delta.get("thinking"):
+                    self.shown = len(self.out_ids)
+            elif kind == "content_block_stop":
+                self.block = None
+            elif kind == "message_delta":
+                self.done = True
+            return _event_with(event, obj) if changed else event
+        first = self.prompt_ids is None  # the prompt's ids come once, in the first chunk
+        if first:
+            self.head = {k: obj.get(k) for k in ("id", "object", "created", "model")}
+        changed = first and self._take_prompt(obj)
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            changed = (first and self._take_prompt(choice)) or changed
+            changed = self._take_ids(choice) or changed
+            delta = choice.get("delta")
+            if delta.get("content") if isinstance(delta, dict) else choice.get("text"):
+                self.shown = len(self.out_ids)
+            if isinstance(delta, dict) and (delta.get("reasoning") or delta.get("reasoning_content")):
+                self.reason = "reasoning"  # a reasoning parser's split: completions would not make it
+            if isinstance(delta, dict) and delta.get("tool_calls"):
+                self.reason = "tools"
+            if choice.get("finish_reason"):
+                self.finish, self.done = choice["finish_reason"], True
+        if first:
+            self._ids_or_not()
+        return _event_with(event, obj) if changed else event
+
+    def _ids_or_not(self) -> None:
+        """After the first event: an engine that sent no prompt ids in it sends none (vLLM 0.32's Messages route
+        ignores `return_token_ids`); its events then pass unread."""
+        if self.prompt_ids is None:
+            self.reason, self.injected = "no_token_ids", False
+
+    def _take_prompt(self, obj: dict) -> bool:
+        ids = obj.get("prompt_token_ids")
+        if isinstance(ids, list) and self.prompt_ids is None:
+            self.prompt_ids = ids
+        if ids is not None and not self.client_ids:
+            _strip(obj, "prompt_token_ids", self.anthropic)
+            return True
+        return False
+
+    def _take_ids(self, obj: dict) -> bool:
+        ids = obj.get("token_ids")
+        if isinstance(ids, list):
+            self.out_ids.extend(ids)
+        if ids is not None and not self.client_ids:
+            _strip(obj, "token_ids", self.anthropic)
+            return True
+        return False
+
+    def _failed_in_band(self, obj: dict, event: bytes) -> bool:
+        """An error event in the stream: a 5xx ends it (`broken`); a 4xx is the request's own and passes."""
+        err = obj.get("error")
+        if not isinstance(err, dict):
+            return False
+        if self.anthropic:
+            failed = obj.get("type") == "error" and err.get("type") in _RETRYABLE_IN_BAND
+            status = 500
+        else:
+            code = err.get("code")
+            status = code if isinstance(code, int) else 500
+            failed = status >= 500
+        if failed:
+            self.broken = EngineStatusError(status, _payload(event))
+        return failed
+
+    # -- on another engine ------------------------------------------------------------------------------
+
+    def why_not(self, err: UpstreamError) -> str | None:
+        """Why the stream broken by `err` is not continued, or None (it is)."""
+        if isinstance(err, EngineStatusError) and err.relayed:
+            return "client_error"  # a 4xx is the request's own answer: never hidden by a continuation
+        if self.reason is not None:
+            return self.reason
+        if self.done:
+            return "after_finish"  # the answer was whole: only its framing was lost
+        if self.prompt_ids is None:
+            return "no_token_ids"  # the engine returned none (vLLM's /v1/messages has no return_token_ids)
+        return None
+
+    async def resume(self, retries: Retries, call: Call, err: UpstreamError, failed: set[int]) -> None:
+        """Continue the answer on other engines, up to `max_continuations` tries; `err` is raised when no
+        continuation happens (the client then gets its one SSE error event, as without continuation)."""
+        obs, rec, leg, s = call.up.obs, call.rec, call.leg, call.up.settings
+        reason = self.why_not(err)
+        if reason is not None:
+            rec.continuation_refused = reason
+            obs.continuation_refused(self.job, leg.target, reason, err)
+            raise err
+        self.resuming, self.fix = True, getattr(call, "fix", None)
+        exclude, reason = set(failed), "limit"
+        for n in range(1, s.reschedule.max_continuations + 1):
+            if not leg.move(exclude):
+                reason = "no_instance"
+                break
+            target = leg.target
+            rec.continuations += 1
+            rec.target = target
+            obs.continuation(self.job, target, err)
+            retries.health.attempt(target.slot)
+            del self.out_ids[self.shown :]  # the ids whose text the client has not seen are generated again
+            self.broken, self.before = None, len(self.out_ids)
+            try:
+                await self._try(call, f"{self.job.request_id}-c{n}")
+            except UpstreamError as e:
+                retries.record(target, e)
+                if isinstance(e, EngineStatusError) and e.relayed:
+                    raise  # the continuation's own 4xx: the client's error, as it came
+                err = e
+                exclude.add(target.slot)
+                if self.done:
+                    break
+                continue
+            retries.record(target, None)
+            return
+        rec.continuation_refused = "after_finish" if self.done else reason
+        obs.continuation_refused(self.job, leg.target, rec.continuation_refused, err)
+        raise err
+
+    def _try(self, call: Call, rid: str) -> Awaitable[None]:
+        from serving.relay import relay  # (relay imports this module: its hooks)
+
+        return relay(call, rid, None, self)
+
+    def _continuation_body(self) -> bytes:
+        b, generated = self.job.body, len(self.out_ids)
+        body: dict = {k: b[k] for k in _SAMPLING if k in b}
+        body["model"] = self.job.model
+        body["prompt"] = (self.prompt_ids or []) + self.out_ids
+        limit = b.get("max_completion_tokens", b.get("max_tokens")) if self.job.route != COMPLETIONS else None
+        if self.job.route == COMPLETIONS:
+            limit = b.get("max_tokens", 16)  # vLLM's completions default
+        body["max_tokens"] = None if limit is None else max(1, limit - generated)  # null: the rest of the context
+        if b.get("min_tokens"):
+            body["min_tokens"] = max(0, b["min_tokens"] - generated)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        body["return_token_ids"] = True
+        return dumps(body)
+
+    def _translate(self, event: bytes) -> bytes:
+        """One event of the continuation's completions stream, in the client's route shape (b"": nothing)."""
+        payload = _payload(event)
+        if payload == b"[DONE]":
+            self.complete = True
+            return b"" if self.anthropic else b"data: [DONE]"
+        obj = _data(event)
+        if not isinstance(obj, dict) or self._failed_in_band(obj, event):
+            return b""
+        if isinstance(obj.get("error"), dict):  # a 4xx in the stream: the request's own error
+            raise EngineStatusError(obj["error"].get("code") or 400, payload)
+        out: list[bytes] = []
+        tail = {"system_fingerprint": obj["system_fingerprint"]} if "system_fingerprint" in obj else {}
+        for choice in obj.get("choices") or ():
+            if isinstance(choice, dict):
+                out.extend(self._choice(choice, obj.get("usage"), tail))
+        if not obj.get("choices") and isinstance(obj.get("usage"), dict):
+            out.extend(self._usage_events(obj["usage"], tail))
+        return b"\n\n".join(out)
+
+    def _choice(self, choice: dict, usage: object, tail: dict) -> list[bytes]:
+        ids = choice.get("token_ids") if isinstance(choice.get("token_ids"), list) else []
+        self.out_ids.extend(ids)
+        text, finish = choice.get("text") or "", choice.get("finish_reason")
+        if text:
+            self.shown = len(self.out_ids)
+        if finish:
+            self.finish, self.done = finish, True
+        if self.anthropic:
+            return self._anthropic_events(text, finish)
+        shown = ids if self.client_ids else None
+        if self.job.route == CHAT:
+            ch: dict = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+        else:
+            ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if finish or self.job.route != CHAT:
+            ch["stop_reason"] = choice.get("stop_reason")
+        if self.job.route != CHAT:
+            ch["prompt_token_ids"] = None
+        ch["token_ids"] = shown
+        chunk = {**self.head, "choices": [ch]}
+        if isinstance(usage, dict):  # continuous_usage_stats: each chunk's running counts
+            chunk["usage"] = self._client_usage(usage)
+        return [b"data: " + dumps({**chunk, **tail})]
+
+    def _anthropic_events(self, text: str, finish: str | None) -> list[bytes]:
+        out = []
+        if text:
+            if self.block is None:
+                self.block, self.count = self.count, self.count + 1
+                start = {
+                    "type": "content_block_start",
+                    "index": self.block,
+                    "content_block": {"type": "text", "text": ""},
+                }
+                out.append(_named("content_block_start", start))
+            delta = {"type": "content_block_delta", "index": self.block, "delta": {"type": "text_delta", "text": text}}
+            out.append(_named("content_block_delta", delta))
+        if finish and self.block is not None:
+            out.append(_named("content_block_stop", {"type": "content_block_stop", "index": self.block}))
+            self.block = None
+        return out
+
+    def _usage_events(self, usage: dict, tail: dict) -> list[bytes]:
+        """The continuation's usage chunk: the client's usage chunk (when it asked for one), or Anthropic's
+        message_delta and message_stop."""
+        if self.usage_sent:
+            return []
+        self.usage_sent = True
+        client = self._client_usage(usage)
+        if self.anthropic:
+            reason = _ANTHROPIC_STOP.get(self.finish or "stop", "end_turn")
+            delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None}, "usage": client}
+            self.complete = True
+            return [_named("message_delta", delta), _named("message_stop", {"type": "message_stop"})]
+        if not self.include_usage:
+            return []
+        return [b"data: " + dumps({**self.head, "choices": [], "usage": client, **tail})]
+
+    def _client_usage(self, usage: dict) -> dict:
+        """The continuation's usage as the client's: the prompt once (the first engine's count, P's in PD), and
+        every completion token once (those before the failure and the continuation's)."""
+        prompt = len(self.prompt_ids or ())
+        counted = usage.get("completion_tokens")
+        completion = self.before + counted if isinstance(counted, int) else len(self.out_ids)
+        p_usage = self.fix.counts() if self.fix is not None else None
+        if self.anthropic:
+            out = {"input_tokens": prompt, "output_tokens": completion}
+            fix_anthropic_usage(out, p_usage)
+            return out
+        out = dict(usage)
+        out.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):  # what the continuation found cached of the first prompt
+            out["prompt_tokens_details"] = {**details, "cached_tokens": min(details.get("cached_tokens") or 0, prompt)}
+        fix_openai_usage(out, p_usage)
+        return out
+
+
+def _strip(obj: dict, key: str, anthropic: bool) -> None:
+    """Ids the client did not ask for: null, as vLLM writes them then (Anthropic's events have no such key)."""
+    if anthropic:
+        del obj[key]
+    else:
+        obj[key] = None
+
+
+def _payload(event: bytes) -> bytes:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return line[5:].strip()
+    return b""
+
+
+def _data(event: bytes) -> object:
+    payload = _payload(event)
+    if not payload or payload == b"[DONE]":
+        return None
+    try:
+        return ujson.loads(payload)
+    except ValueError:
+        return None
+
+
+def _event_with(event: bytes, obj: dict) -> bytes:
+    """The event with its data line written from `obj` (its `event:` line kept)."""
+    lines = [b"data: " + dumps(obj) if ln.startswith(b"data:") else ln for ln in event.split(b"\n")]
+    return b"\n".join(lines)
+
+
+def _named(name: str, obj: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + dumps(obj)
+
+
+def continuation_of(call: Call) -> Continuation | None:
+    """A fresh continuation state for a client stream's first engine, when reschedule is on."""
+    job = call.job
+    if not call.up.settings.reschedule.enable or not job.stream or job.metaserver is not None:
+        return None
+    return Continuation(job, call.leg.target.engine_type)

@@ -1,0 +1,360 @@
+"""The fault matrix's continuation column: streams whose engine fails after the first token go on elsewhere.
+
+One Coordinator with `exception_config.reschedule_config.enable` serves a union model (two engines), a PD
+model (one prefill, two decode engines) and a model on engines that, like vLLM 0.32's /v1/messages, return
+no token ids there. Each engine that could serve the stream is told to fail after K tokens (die, reset,
+in-band 5xx, stall): whichever one the request lands on breaks at token K, and the continuation (N - K
+tokens, fewer than K) runs to its end on the other. The client's answer, read through the real SDKs, must
+be the unbroken run's: same text, finish reason, usage and response id, no token ids it did not ask for;
+the continuation is counted, and the ledger is back at zero.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from harness.bodies import sse_events
+from harness.clients import anthropic_client, openai_client
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.ledger import ledger, ledger_is_zero
+from harness.loopback import wait_until
+
+UNION, PD, PLAIN = "failover-union", "failover-pd", "failover-plain"
+K, N = 10, 16  # the engine fails before token K+1 of N: a continuation generates N-K < K tokens
+MAX_CONTINUATIONS = 2
+SEED, TEMPERATURE = 7, 0.8
+MESSAGES = [{"role": "user", "content": "Tell me about rivers, at length."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(module_sims):
+    sim = {"speedup": 5, "messages_token_ids": True}  # an engine whose Messages route returns ids too
+    u = [module_sims("union", model=UNION, **sim) for _ in range(2)]
+    p = [module_sims("prefill", model=PD, **sim)]
+    d = [module_sims("decode", model=PD, **sim) for _ in range(2)]
+    plain = [module_sims("union", model=PLAIN, speedup=5) for _ in range(2)]  # vLLM 0.32's Messages: no ids
+    instances = [instance(i + 1, "union", UNION, s.address) for i, s in enumerate(u)]
+    instances += [instance(11, "prefill", PD, p[0].address)]
+    instances += [instance(i + 21, "decode", PD, s.address) for i, s in enumerate(d)]
+    instances += [instance(i + 31, "union", PLAIN, s.address) for i, s in enumerate(plain)]
+    cfg = coordinator_config(
+        instances,
+        exception_config={
+            "reschedule_config": {"enable": True, "max_continuations": MAX_CONTINUATIONS},
+            "max_retry": 2,
+            "retry_delay": 0.01,
+            "kv_release_path": "/sim/kv/release",
+            "first_token_timeout": 2.0,
+            "stream_idle_timeout": 0.5,
+            "stream_keepalive_interval": 0.15,
+        },
+        scheduler_config={"breaker_failure_threshold": 1000, "health_check_interval": 0.2},
+    )
+    with Coordinator(cfg) as coord:
+        coord.sims = {"union": u, "prefill": p, "decode": d, "plain": plain}
+        yield coord
+
+
+def all_healthy(c) -> bool:
+    doc = httpx.get(c.mgmt + "/instances", timeout=5).json()
+    return all(ep["healthy"] for inst in doc["instances"] for ep in inst["endpoints"])
+
+
+@pytest.fixture
+def c(cluster):
+    every = [s for group in cluster.sims.values() for s in group]
+    for s in every:  # (clearing the faults brings a dead engine back to life)
+        s.clear_faults()
+        s.reset()
+    assert wait_until(lambda: all_healthy(cluster), 10)  # a dead engine of the last test is back
+    return cluster
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    finish: str | None = None
+    usage: tuple = ()
+    ids: set = field(default_factory=set)  # response ids seen on the chunks
+    blocks: list = field(default_factory=list)  # Anthropic: (event, index) of block events
+    leaked: bool = False  # token ids the client did not ask for reached it
+    token_ids: list = field(default_factory=list)  # the ids the client asked for, as it got them
+
+
+def ask(c, api: str, model: str, **extra) -> Answer:
+    """One streamed request through the real SDK, read to its end."""
+    a = Answer()
+    if api == "messages":
+        stream = anthropic_client(c).messages.create(
+            model=model,
+            max_tokens=N,
+            messages=MESSAGES,
+            stream=True,
+            extra_body={"temperature": TEMPERATURE, "ignore_eos": True, **extra},
+        )
+        for ev in stream:
+            a.leaked |= "token_ids" in json.dumps(ev.model_dump())
+            if ev.type == "message_start":
+                a.ids.add(ev.message.id)
+                prompt = ev.message.usage.input_tokens
+            elif ev.type in ("content_block_start", "content_block_stop"):
+                a.blocks.append((ev.type, ev.index))
+            elif ev.type == "content_block_delta":
+                a.text += ev.delta.text
+                a.blocks.append((ev.type, ev.index))
+            elif ev.type == "message_delta":
+                a.finish, a.usage = ev.delta.stop_reason, (prompt, ev.usage.output_tokens)
+        return a
+    oa = openai_client(c)
+    common = {
+        "model": model,
+        "max_tokens": N,
+        "seed": SEED,
+        "temperature": TEMPERATURE,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True, **extra},
+    }
+    if api == "chat":
+        stream = oa.chat.completions.create(messages=MESSAGES, **common)
+    else:
+        stream = oa.completions.create(prompt="Tell me about rivers, at length.", **common)
+    for chunk in stream:
+        a.ids.add(chunk.id)
+        for ch in chunk.choices:
+            a.text += (ch.delta.content or "") if api == "chat" else ch.text
+            a.finish = ch.finish_reason or a.finish
+            got = (ch.model_extra or {}).get("token_ids")
+            a.token_ids += got or []
+            a.leaked |= got is not None and not extra.get("return_token_ids")
+        prompt_ids = (chunk.model_extra or {}).get("prompt_token_ids")
+        a.leaked |= prompt_ids is not None and not extra.get("return_token_ids")
+        if chunk.usage:
+            u = chunk.usage
+            a.usage = (u.prompt_tokens, u.completion_tokens, u.total_tokens)
+    return a
+
+
+def engines_for(c, where: str) -> list:
+    return c.sims["union"] if where == "union" else c.sims["decode"]
+
+
+def model_for(where: str) -> str:
+    return UNION if where == "union" else PD
+
+
+def continuations_sent(sims) -> list[dict]:
+    """The continuation requests the engines got: completions whose prompt is token ids."""
+    return [
+        r["body"]
+        for s in sims
+        for r in s.requests()
+        if r["path"] == "/v1/completions" and isinstance((r["body"] or {}).get("prompt"), list)
+    ]
+
+
+def counter(c, name: str, **labels) -> float:
+    text = httpx.get(c.obs + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def log_line(c, marker: str) -> str:
+    """The request log line of the last request whose line holds `marker` (written in batches: waited for)."""
+
+    def found() -> str:
+        lines = [ln for ln in c.output().splitlines() if "coordinator.request" in ln and "status=" in ln]
+        return next((ln for ln in reversed(lines) if marker in ln), "")
+
+    assert wait_until(lambda: found(), 5), marker
+    return found()
+
+
+def settled(c) -> bool:
+    return ledger_is_zero(c) and all(
+        not (st := s.stats())["running"] and not st["waiting"] for g in c.sims.values() for s in g
+    )
+
+
+# -- the matrix ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["union", "pd"])
+@pytest.mark.parametrize("api", ["chat", "completions", "messages"])
+@pytest.mark.parametrize("fault", ["die", "reset", "error", "stall"])
+def test_a_stream_broken_after_k_tokens_goes_on_as_the_unbroken_run(c, fault, api, where):
+    model, sims = model_for(where), engines_for(c, where)
+    ref = ask(c, api, model)
+    assert len(ref.text) > 0 and ref.usage[-1 if api == "messages" else 1] == N
+    before = counter(c, "motor_stream_continuations_total")
+    for s in sims:
+        s.set_faults(mid_stream_fault=fault, mid_stream_fault_after_tokens=K)
+
+    got = ask(c, api, model)
+
+    assert got.text == ref.text
+    assert (got.finish, got.usage) == (ref.finish, ref.usage)
+    assert len(got.ids) == 1 and not got.leaked
+    if api == "messages":  # one text block, its index kept across the break
+        assert got.blocks[0] == ("content_block_start", 0) and got.blocks[-1] == ("content_block_stop", 0)
+        assert {i for _, i in got.blocks} == {0}
+    sent = continuations_sent(sims)
+    assert len(sent) == 1, sent
+    assert sent[0]["max_tokens"] == N - K and sent[0]["stream"] is True
+    assert len(sent[0]["prompt"]) == ref.usage[0] + K  # the prompt's ids and the K generated ones
+    if api != "messages":
+        assert sent[0]["seed"] == SEED and sent[0]["temperature"] == TEMPERATURE
+    assert "kv_transfer_params" not in sent[0]  # in PD the other decode engine computes the prompt itself
+    assert wait_until(lambda: counter(c, "motor_stream_continuations_total") == before + 1, 5)
+    assert wait_until(lambda: settled(c), 5), ledger(c)
+    line = log_line(c, f"route=/v1/{'chat/completions' if api == 'chat' else api}")
+    assert " continuations=1 " in line and "status=200" in line, line
+    if fault == "die":  # the failed engine is reported to health as any dead engine is
+        assert wait_until(lambda: not all_healthy(c), 5)
+
+
+def test_token_ids_the_client_asked_for_stay_and_match_the_unbroken_run(c):
+    ref = ask(c, "chat", UNION, return_token_ids=True)
+    assert len(ref.token_ids) == N
+    for s in c.sims["union"]:
+        s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=K)
+    got = ask(c, "chat", UNION, return_token_ids=True)
+    assert (got.text, got.token_ids, got.usage) == (ref.text, ref.token_ids, ref.usage)
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_token_whose_text_the_client_has_not_seen_is_generated_again(c, api):
+    """The K-th token's chunk came with its id and no text (vLLM waiting for the rest of a UTF-8 character),
+    then the engine failed: the continuation goes on from token K-1, so that token's text is not lost."""
+    ref = ask(c, api, UNION)
+    for s in c.sims["union"]:
+        s.set_faults(held_text_token=K, mid_stream_fault="reset", mid_stream_fault_after_tokens=K)
+    got = ask(c, api, UNION)
+    assert (got.text, got.finish, got.usage) == (ref.text, ref.finish, ref.usage)
+    sent = continuations_sent(c.sims["union"])
+    assert len(sent) == 1 and sent[0]["max_tokens"] == N - K + 1
+    assert len(sent[0]["prompt"]) == ref.usage[0] + K - 1
+
+
+def test_continuations_are_bounded_per_request_and_then_fail_as_before(c):
+    """Every engine breaks after 3 tokens: the first engine and MAX_CONTINUATIONS continuations each add 3, then
+    the client gets its one error event, and the refusal is counted as the limit."""
+    for s in c.sims["union"]:
+        s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=3)
+    before = counter(c, "motor_stream_continuation_refusals_total", reason="limit")
+    body = {"model": UNION, "messages": MESSAGES, "max_tokens": N, "ignore_eos": True, "stream": True}
+    r = httpx.post(c.url + "/v1/chat/completions", json=body, timeout=30)
+    events = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
+    text = "".join(ch["delta"].get("content") or "" for e in events for ch in e.get("choices") or ())
+    assert len(re.findall(r" \w+", text)) == 3 * (1 + MAX_CONTINUATIONS)
+    assert "error" in events[-1]
+    assert wait_until(lambda: counter(c, "motor_stream_continuation_refusals_total", reason="limit") == before + 1, 5)
+    assert wait_until(lambda: settled(c), 5), ledger(c)
+    assert f" continuations={MAX_CONTINUATIONS} continuation_refused=limit " in log_line(c, "continuation_refused")
+
+
+# -- what is not continued, and fails as before -----------------------------------------------------
+
+NOT_CONTINUED = [
+    ("n", "/v1/chat/completions", {"n": 2}),
+    ("structured_output", "/v1/chat/completions", {"response_format": {"type": "json_object"}}),
+    ("tools", "/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("logprobs", "/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}),
+    ("logprobs", "/v1/completions", {"logprobs": 1}),
+    ("stop_strings", "/v1/chat/completions", {"stop": ["zzz"]}),
+    ("penalties", "/v1/completions", {"presence_penalty": 0.5}),
+    ("echo", "/v1/completions", {"echo": True}),
+    ("thinking", "/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048}),
+]
+
+
+def _body(path: str, model: str, extra: dict) -> dict:
+    first = {"prompt": "Tell me about rivers."} if path == "/v1/completions" else {"messages": MESSAGES}
+    return {"model": model, **first, "max_tokens": N, "ignore_eos": True, "stream": True, **extra}
+
+
+@pytest.mark.parametrize("reason,path,extra", NOT_CONTINUED, ids=[f"{r}-{p[4:]}" for r, p, _ in NOT_CONTINUED])
+def test_what_cannot_be_continued_exactly_fails_as_before_and_is_counted(c, reason, path, extra):
+    for s in c.sims["union"]:
+        s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=3)
+    before = counter(c, "motor_stream_continuation_refusals_total", reason=reason)
+    r = httpx.post(c.url + path, json=_body(path, UNION, extra), timeout=30)
+    assert r.status_code == 200
+    last = sse_events(r.text)[-1]
+    assert "error" in json.loads(last), last  # one error event, as without continuation
+    sent = [rec["body"] for s in c.sims["union"] for rec in s.requests()]
+    assert all("return_token_ids" not in b for b in sent)  # refused up front: the engine got the client's body
+    assert continuations_sent(c.sims["union"]) == []
+    assert wait_until(lambda: counter(c, "motor_stream_continuation_refusals_total", reason=reason) == before + 1, 5)
+    assert f"continuation_refused={reason} " in log_line(c, f"continuation_refused={reason} ")
+    assert wait_until(lambda: settled(c), 5), ledger(c)
+
+
+def test_messages_on_an_engine_that_returns_no_token_ids_fail_as_before(c):
+    """vLLM 0.32's /v1/messages has no return_token_ids: nothing to continue from."""
+    for s in c.sims["plain"]:
+        s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=3)
+    before = counter(c, "motor_stream_continuation_refusals_total", reason="no_token_ids")
+    r = httpx.post(c.url + "/v1/messages", json=_body("/v1/messages", PLAIN, {}), timeout=30)
+    assert "event: error" in r.text.rsplit("\n\n", 2)[-2]
+    assert continuations_sent(c.sims["plain"]) == []
+    assert wait_until(
+        lambda: counter(c, "motor_stream_continuation_refusals_total", reason="no_token_ids") == before + 1
+    )
+    assert wait_until(lambda: settled(c), 5), ledger(c)
+
+
+def test_non_streamed_requests_keep_their_retries_and_are_not_continued(c):
+    for s in c.sims["union"]:
+        s.set_faults(fail_first_n=1)
+    body = {"model": UNION, "messages": MESSAGES, "max_tokens": N, "ignore_eos": True}
+    r = httpx.post(c.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == N
+    assert "return_token_ids" not in json.dumps([rec["body"] for s in c.sims["union"] for rec in s.requests()])
+    line = log_line(c, "stream=False")
+    assert " retries=2 missed_handoff=False continuations=0 " in line, (
+        line
+    )  # each engine failed once, then one answered
+
+
+def test_a_client_error_is_never_hidden_by_a_continuation(c):
+    """An engine's 4xx before the first byte is the client's answer, continuation or not."""
+    r = httpx.post(c.url + "/v1/chat/completions", json=_body("/v1/chat/completions", UNION, {"n": 0}), timeout=30)
+    assert r.status_code == 400
+    assert continuations_sent(c.sims["union"]) == []
+
+
+def test_trigger_mode_streams_are_continued_on_another_decode_engine(sims):
+    """MindIE's metaserver protocol (D first): the continuation still goes to another decode engine, without a
+    ticket, and the client's usage keeps P's prompt counts."""
+    p = sims("prefill", model=PD, speedup=5)
+    d = [sims("decode", model=PD, speedup=5) for _ in range(2)]
+    instances = [instance(11, "prefill", PD, p.address)] + [
+        instance(21 + i, "decode", PD, s.address) for i, s in enumerate(d)
+    ]
+    cfg = coordinator_config(
+        instances,
+        exception_config={"reschedule_config": {"enable": True}, "retry_delay": 0.01},
+        scheduler_config={"pd_dispatch": "trigger", "breaker_failure_threshold": 1000},
+    )
+    with Coordinator(cfg) as coord:
+        ref = ask(coord, "chat", PD)
+        for s in d:
+            s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=K)
+        got = ask(coord, "chat", PD)
+        assert (got.text, got.finish, got.usage) == (ref.text, ref.finish, ref.usage)
+        sent = continuations_sent(d)
+        assert len(sent) == 1 and "kv_transfer_params" not in sent[0]
+        assert wait_until(lambda: ledger_is_zero(coord), 5), ledger(coord)
