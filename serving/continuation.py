@@ -64,6 +64,8 @@ _RETRYABLE_IN_BAND = ("api_error", "internal_error", "overloaded_error")  # Anth
 def refusal(job: Job, engine_type: str) -> str | None:
     """Why this request's stream cannot be continued exactly (the reason it is counted under), or None."""
     b = job.body
+    if job.route not in (CHAT, COMPLETIONS, MESSAGES):
+        return "route"  # a Responses stream's events are not written from completions chunks
     if engine_type != "vllm":
         return "engine_type"  # only vLLM's routes are known to take token-id prompts and return ids
     if (b.get("n") or 1) > 1 or (b.get("best_of") or 1) > 1:

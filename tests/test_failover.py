@@ -24,6 +24,8 @@ from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.ledger import ledger, ledger_is_zero
 from harness.loopback import wait_until
+from serving.continuation import refusal
+from serving.job import RESPONSES, job_from_body, parse_body
 
 UNION, PD, PLAIN = "failover-union", "failover-pd", "failover-plain"
 K, N = 10, 16  # the engine fails before token K+1 of N: a continuation generates N-K < K tokens
@@ -300,6 +302,12 @@ def test_what_cannot_be_continued_exactly_fails_as_before_and_is_counted(c, reas
     assert wait_until(lambda: counter(c, "motor_stream_continuation_refusals_total", reason=reason) == before + 1, 5)
     assert f"continuation_refused={reason} " in log_line(c, f"continuation_refused={reason} ")
     assert wait_until(lambda: settled(c), 5), ledger(c)
+
+
+def test_a_responses_stream_is_not_continued():
+    raw = b'{"model":"m","input":"Tell me about rivers.","stream":true}'
+    job = job_from_body(RESPONSES, "openai", raw, parse_body(raw), "rid")
+    assert refusal(job, "vllm") == "route"  # its events are not written from completions chunks
 
 
 def test_messages_on_an_engine_that_returns_no_token_ids_fail_as_before(c):
