@@ -15,12 +15,15 @@ the virtual queue held (a lost or aborted request leaves phantom work there othe
 has no first-token time, only an upper bound on it: it moves the queue end only when it arrives before
 its predicted prefill finish (`settle_prefill`), and is not fitted.
 
-Every sampled prefill's error (observed minus predicted finish, as predicted when it was sent; samples
-are below) goes into a ring of the endpoint's last `ERROR_WINDOW` errors; their 95th percentile is its
-`allowance_s`, added to predictions judged against a budget, so an engine that stalls now and then is
-given room for its stalls, and forgets a stall once `ERROR_WINDOW` newer samples have come and gone.
-Decode streams do the same with their observed seconds per token against the TPOT predicted when the
-request was planned (`tpot_allowance_s`), which also covers errors in the predicted batch.
+Error allowances. Every sampled prefill's error (observed minus predicted finish, as predicted when it was
+sent, as a share of the time from then to the predicted finish: a short prompt is not judged by a long
+one's misses) moves the endpoint's allowance, a share added to predictions judged against a budget
+(`allowance_s`): a miss beyond it widens it at once by half the excess (`WIDEN`), a prediction that held
+narrows it by `NARROW` of the way toward its error, and with no evidence at all it halves every
+`ALLOWANCE_HALF_LIFE_S` (so a bad moment cannot shut admission for good: the requests it lets in again
+are the evidence). It settles where about one prediction in twenty misses. Decode streams do the same
+with their observed seconds per token against the TPOT predicted when the request was planned
+(`tpot_allowance_s`), which also covers errors in the predicted batch.
 
 Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
 a least-squares line through (mean batch during a request, its observed seconds per token) pairs. The
@@ -37,8 +40,6 @@ the engine's own mean inter-token latency, from /metrics, stands in for an unkno
 
 from __future__ import annotations
 
-import math
-
 from state.shared import (
     ENDPOINT_FIELDS,
     EP_DC_N,
@@ -46,26 +47,29 @@ from state.shared import (
     EP_DECODE_STEP_S,
     EP_ENGINE_ITL_S,
     EP_LAST_DONE,
-    EP_LATE_N,
-    EP_LATE_S,
+    EP_LATE_SHARE,
     EP_PF_N,
     EP_PREFILL_BASE_S,
     EP_PREFILL_TPS,
     EP_QUEUE_DELAY_S,
     EP_QUEUE_SHIFT_S,
     EP_QUEUE_UNTIL,
-    EP_TPOT_LATE_S,
-    EP_TPOT_N,
-    ERROR_WINDOW,
+    EP_TPOT_LATE_SHARE,
     SharedState,
 )
 
 UNKNOWN = float("inf")
+# Prefill errors are shares of the predicted time from planning to finish, at least this long: a prefill
+# predicted to take a millisecond is not judged by how many milliseconds it missed by in relative terms.
+MIN_SPAN_S = 0.05
+# How allowances move (see the module docstring): a miss widens by this share of the excess, a prediction
+# that held narrows by this share of the room it did not use, and no evidence halves them this often.
+WIDEN, NARROW, ALLOWANCE_HALF_LIFE_S = 0.5, 0.03, 2.0
 
 
 class Predictor:
     def __init__(self, shared: SharedState, decay: float = 1 / 32, min_samples: int = 3):
-        self.h, self.lock, self.errors = shared.endpoints, shared.hot_lock, shared.prediction_errors
+        self.h, self.lock = shared.endpoints, shared.hot_lock
         self.keep = 1.0 - decay
         self.decay = decay
         self.min_samples = min_samples
@@ -85,10 +89,20 @@ class Predictor:
         rate = h[base + EP_PREFILL_TPS]
         return h[base + EP_PREFILL_BASE_S] + tokens / rate if rate > 0.0 else UNKNOWN
 
-    def allowance_s(self, slot: int) -> float:
-        """What to add to a predicted prefill finish so that 95 % finish by then."""
-        allowance = self.h[slot * ENDPOINT_FIELDS + EP_LATE_S]
-        return allowance if allowance > 0.0 else 0.0
+    def base_s(self, slot: int) -> float:
+        """The fixed part of a prefill's service time."""
+        return self.h[slot * ENDPOINT_FIELDS + EP_PREFILL_BASE_S]
+
+    def allowance_s(self, slot: int, span_s: float, now: float) -> float:
+        """What to add to a prefill finish predicted `span_s` from `now` so that about 95 % finish by then."""
+        share = self._allowance(slot * ENDPOINT_FIELDS + EP_LATE_SHARE, now)
+        return share * (span_s if span_s > MIN_SPAN_S else MIN_SPAN_S)
+
+    def mean_prefill_tokens(self, slot: int) -> float:
+        """The (decayed) mean uncached tokens of the prefills learned from on `slot` (0: none yet)."""
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        n = h[base + EP_PF_N]
+        return h[base + EP_PF_N + 1] / n if n > 0.0 else 0.0
 
     def decode_known(self, slot: int) -> bool:
         return (
@@ -104,10 +118,17 @@ class Predictor:
         itl = h[base + EP_ENGINE_ITL_S]
         return itl if itl > 0.0 else UNKNOWN
 
-    def tpot_allowance_s(self, slot: int) -> float:
-        """What to add to a predicted TPOT so that 95 % of streams stay within it."""
-        allowance = self.h[slot * ENDPOINT_FIELDS + EP_TPOT_LATE_S]
-        return allowance if allowance > 0.0 else 0.0
+    def tpot_allowance_s(self, slot: int, tpot_s: float, now: float) -> float:
+        """What to add to a predicted TPOT of `tpot_s` so that about 95 % of streams stay within it."""
+        return self._allowance(slot * ENDPOINT_FIELDS + EP_TPOT_LATE_SHARE, now) * tpot_s
+
+    def _allowance(self, i: int, now: float) -> float:
+        """The allowance share at h[i] (its last move's time at h[i + 1]), narrowed by the time since."""
+        share = self.h[i]
+        if share <= 0.0:
+            return 0.0
+        idle = now - self.h[i + 1]
+        return share * 0.5 ** (idle / ALLOWANCE_HALF_LIFE_S) if idle > 0.0 else share
 
     def first_wait_s(self, slot: int) -> float:
         return self.h[slot * ENDPOINT_FIELDS + EP_QUEUE_DELAY_S]
@@ -143,7 +164,9 @@ class Predictor:
             shift = h[base + EP_QUEUE_SHIFT_S]
             late = done - (predicted + shift - shift0)
             if fit and h[base + EP_PF_N] >= self.min_samples:  # the error of predictions made by a learned model
-                self._track(slot, 0, base + EP_LATE_S, base + EP_LATE_N, done - predicted)
+                span = predicted - started
+                error = (done - predicted) / (span if span > MIN_SPAN_S else MIN_SPAN_S)
+                self._track(base + EP_LATE_SHARE, error, done)
             h[base + EP_QUEUE_UNTIL] += late
             h[base + EP_QUEUE_SHIFT_S] = shift + late
             last = h[base + EP_LAST_DONE]
@@ -185,7 +208,7 @@ class Predictor:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
-                    self._track(slot, 1, base + EP_TPOT_LATE_S, base + EP_TPOT_N, per_token - predicted)
+                    self._track(base + EP_TPOT_LATE_SHARE, per_token / predicted - 1.0, done)
                 line = self._add_and_fit(base + EP_DC_N, batch, per_token, ratio_prior=False)
                 if line is not None:
                     h[base + EP_DECODE_STEP_S], h[base + EP_DECODE_PER_SEQ_S] = line
@@ -197,21 +220,15 @@ class Predictor:
             old = h[base + EP_QUEUE_DELAY_S]
             h[base + EP_QUEUE_DELAY_S] = wait if old == 0.0 else self.keep * old + self.decay * wait
 
-    def _track(self, slot: int, ring: int, value: int, count: int, error: float) -> None:
-        """Record one error in the slot's ring and store the 95th percentile of the ring at h[value]."""
-        h, errors = self.h, self.errors
-        n = int(h[count])
-        start = (slot * 2 + ring) * ERROR_WINDOW
-        i = start + n % ERROR_WINDOW
-        evicted = errors[i]
-        errors[i] = error
-        h[count] = n + 1
-        if n >= ERROR_WINDOW and error < h[value] and evicted < h[value]:
-            # A full window swapped two errors below its percentile: the errors above it, and so the
-            # percentile, are unchanged (most errors: no sort).
-            return
-        n = min(n + 1, ERROR_WINDOW)
-        h[value] = sorted(errors[start : start + n])[math.ceil(0.95 * n) - 1]
+    def _track(self, i: int, error: float, now: float) -> None:
+        """One prediction's error (a share) moves the allowance at h[i]; h[i + 1] is when it last moved."""
+        h = self.h
+        share = self._allowance(i, now)
+        if error > share:  # a miss: widen at once
+            share += WIDEN * (error - share)
+        else:  # it held: narrow, slowly
+            share -= NARROW * (share - (error if error > 0.0 else 0.0))
+        h[i], h[i + 1] = share, now
 
     def _add_and_fit(self, i: int, x: float, y: float, ratio_prior: bool) -> tuple[float, float] | None:
         """Decay the sums at i..i+4 (n, Sx, Sy, Sxx, Sxy) and add one (x, y) sample; then the intercept and

@@ -48,6 +48,7 @@ class Plan:
     target: Target  # the decode target of a pair, or the one engine of a whole request
     scheduler: Scheduler
     job: JobInfo
+    alone: bool = False  # a pair whose decode engine computes the prompt itself (conditional disaggregation)
 
     @property
     def disaggregated(self) -> bool:
@@ -61,6 +62,8 @@ class Plan:
         """
         if kind == PREFILL:
             return Leg(self.scheduler, self.job, PREFILL, self.prefill, REPLAN)
+        if self.alone:  # D computes the prompt: a whole request on it, retried among the decode instances
+            return Leg(self.scheduler, self.job, WHOLE, self.target, ("decode",), learn)
         return Leg(self.scheduler, self.job, kind, self.target, REPLAN if kind == WHOLE else ("decode",), learn)
 
 
@@ -293,19 +296,19 @@ class Scheduler:
         ]
 
     def plan(self, job: JobInfo, exclude: frozenset[int] = frozenset(), allow_pd: bool = True) -> Plan:
-        job.feasible = None
+        job.feasible, job.alone = None, False
         view = self.registry.view()
         model = job.model
         p_pool, d_pool, u_pool = view.pool(model, "prefill"), view.pool(model, "decode"), view.pool(model, "union")
         if allow_pd and p_pool and d_pool:
             ps, ds = self._usable(p_pool, exclude, job), self._usable(d_pool, exclude, job)
             if ps and ds:
-                if len(ps) == len(ds) == 1 and self.admission == OFF:
+                if len(ps) == len(ds) == 1 and self.admission == OFF and not self.policy.decode_alone:
                     return Plan(
                         ps[0], ds[0], self, job
                     )  # nothing to choose between and no verdict wanted: no predictions
                 p, d = self.policy.choose_pair(ps, ds, job)
-                return Plan(p, d, self, job)
+                return Plan(p, d, self, job, job.alone)
             whole = self._usable(u_pool, exclude, job) or ps or ds
         else:
             whole = (
