@@ -310,7 +310,7 @@ def hashes_of(fam: Family, req: Req, key: int) -> list[int]:
     """Chained block hashes: the system prompt's blocks are shared, the user part's are this request's."""
     sys_blocks = fam.systems[req.system] // BLOCK if req.system >= 0 else 0
     own = (req.prompt(fam) // BLOCK) - sys_blocks
-    return [hash(("s", req.system, b)) for b in range(sys_blocks)] + [hash(("u", key, b)) for b in range(own)]
+    return [hash((0, req.system, b)) for b in range(sys_blocks)] + [hash((1, key, b)) for b in range(own)]
 
 
 # -- one run: a family, a policy, a load -----------------------------------------------------------

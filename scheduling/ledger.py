@@ -94,6 +94,7 @@ class Lease:
         "ledger",
         "ok",
         "predicted",
+        "predicted_tpot",
         "prefilling",
         "prompt_tokens",
         "released",
@@ -108,7 +109,7 @@ class Lease:
         self.prompt_tokens, self.decode_tokens, self.prefilling = prompt_tokens, decode_tokens, prefilling
         self.released = self.ok = False
         self.started = clock.now()
-        self.first_at = self.ended = self.predicted = self.shift = 0.0
+        self.first_at = self.ended = self.predicted = self.predicted_tpot = self.shift = 0.0
         self.events = 0
         self.engine_uncached = -1  # uncached prompt tokens as the engine reported them (-1: not reported)
         self.batch = 0  # requests on the slot when this one started, itself included

@@ -31,7 +31,7 @@ from scheduling import clock
 from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
 from scheduling.ledger import Ledger
-from scheduling.predict import UNKNOWN, Predictor
+from scheduling.predict import BUSY_WINDOW_S, UNKNOWN, Predictor
 from scheduling.registry import Target
 from state.shared import G_RR, SharedState
 
@@ -47,7 +47,7 @@ TIE = 0.05
 EXPLORE_ALONE_TOKENS = 512
 # A prefill served on a decode engine may delay the streams there by at most what their predicted TPOT
 # leaves of this many tokens' budget (a stream's TPOT is its mean over its tokens).
-ALONE_STALL_TOKENS = 4
+ALONE_STALL_TOKENS = 2
 
 
 def _clearly_less(a: float, b: float, absolute: float) -> bool:
@@ -152,7 +152,12 @@ class Policy:
         decode leg starts in `delay` seconds."""
         pred = self.predictor
         tpot = pred.step_s(d.slot, self.decode_batch(d, delay))
-        return tpot, (pred.first_wait_s(d.slot) + tpot) if tpot != UNKNOWN else UNKNOWN
+        if tpot == UNKNOWN:
+            return UNKNOWN, UNKNOWN
+        busy = pred.prefill_busy(d.slot, clock.now())
+        if busy > 0.0:  # prompts computed there (requests served whole or alone) take steps from its streams
+            tpot /= 1.0 - busy if busy < 0.9 else 0.1
+        return tpot, pred.first_wait_s(d.slot) + tpot
 
     def predict_prefill(self, p: Target, job: JobInfo, now: float) -> tuple[float, float, float]:
         """(seconds until `p` would finish this prompt's prefill, the same without queueing, the engine's
@@ -384,10 +389,12 @@ class SloAware(LoadBalance):
         predicted to give a clearly sooner first token than the pair (`ttft_pd`) within both budgets: (it,
         its TTFT with allowance, its TPOT, the TTFT floor, the TPOT allowance); None: the pair serves.
 
-        Its prefill runs in the decode engine's steps, so every stream decoding there waits for it (and for
-        the other prefills there) once: that wait must fit in what the predicted TPOT leaves of a few tokens'
-        budget, so only short or mostly cached prompts are served alone on a busy decode engine. An engine whose prefill speed is not known yet is tried
-        with a short prompt while it prefills nothing (UNKNOWN TTFT), so that the model learns it.
+        Its prefill runs in the decode engine's steps, which costs the streams decoding there twice: once at
+        once (every one of them waits for it, and for the prefills before it there: at most what their TPOT
+        leaves of ALONE_STALL_TOKENS tokens' budget), and over time (the share of the engine's time spent
+        prefilling lengthens every step it does not spend decoding). So only short or mostly cached prompts
+        go to a busy decode engine. One whose prefill speed is not known yet is tried with a short prompt
+        while it prefills nothing and its streams have room (an UNKNOWN TTFT), so that the model learns it.
         """
         pred, best = self.predictor, None
         tpot_budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
@@ -395,25 +402,33 @@ class SloAware(LoadBalance):
         n = len(ds)
         for k in range(n):
             d = ds[(start + k) % n]
-            requests, _, decode_tokens, prefilling = self.ledger.load(d.slot)
-            tpot = pred.step_s(d.slot, self.decode_batch(d, 0.0))
-            if tpot == UNKNOWN:
+            step = pred.step_s(d.slot, self.decode_batch(d, 0.0))
+            if step == UNKNOWN:
                 continue
-            tpot_allowance = pred.tpot_allowance_s(d.slot, tpot, now)
+            busy = pred.prefill_busy(d.slot, now)
             finish, service, allowance = self.predict_prefill(d, job, now)
+            # What its streams lose: the prompt's tokens (the fixed part of a prefill there is mostly the step
+            # it shares with them, which they take anyway).
+            stall = service - pred.base_s(d.slot)
+            if finish == UNKNOWN:
+                stall = 0.0
+            elif not _clearly_less(finish + allowance + step, ttft_pd, 0.002):
+                continue
+            busy += stall / BUSY_WINDOW_S
+            if busy >= 0.9:
+                continue
+            tpot = step / (1.0 - busy)
+            tpot_allowance = pred.tpot_allowance_s(d.slot, tpot, now)
+            slack = tpot_budget - tpot - tpot_allowance
+            prefilling = self.ledger.load(d.slot)[3]
+            if slack <= 0.0 or (prefilling + 1) * stall > ALONE_STALL_TOKENS * slack:
+                continue
             if finish == UNKNOWN:
                 if not prefilling and job.prompt_tokens <= EXPLORE_ALONE_TOKENS and best is None:
                     best = (d, UNKNOWN, tpot, 0.0, tpot_allowance)
                 continue
             ttft = finish + allowance + tpot
-            # Its prefill (and those before it there) delays every stream decoding there by its service
-            # time: at most what the predicted TPOT leaves of ALONE_STALL_TOKENS tokens' budget.
-            slack = tpot_budget - tpot - tpot_allowance
-            if slack <= 0.0 or (prefilling + 1) * service > ALONE_STALL_TOKENS * slack or ttft > ttft_budget:
-                continue
-            if not _clearly_less(ttft, ttft_pd, 0.002):
-                continue
-            if best is None or best[1] == UNKNOWN or ttft < best[1]:
+            if ttft <= ttft_budget and (best is None or best[1] == UNKNOWN or ttft < best[1]):
                 best = (d, ttft, tpot, service + tpot, tpot_allowance)
         return best
 

@@ -19,9 +19,9 @@ Error allowances. Every sampled prefill's error (observed minus predicted finish
 sent, as a share of the time from then to the predicted finish: a short prompt is not judged by a long
 one's misses) moves the endpoint's allowance, a share added to predictions judged against a budget
 (`allowance_s`): a miss beyond it widens it at once by half the excess (`WIDEN`), a prediction that held
-narrows it by `NARROW` of the way toward its error, and with no evidence at all it halves every
-`ALLOWANCE_HALF_LIFE_S` (so a bad moment cannot shut admission for good: the requests it lets in again
-are the evidence). It settles where about one prediction in twenty misses. Decode streams do the same
+narrows it by `NARROW` of the way toward its error, and after `ALLOWANCE_QUIET_S` without any evidence it
+halves every `ALLOWANCE_HALF_LIFE_S` (so a bad moment cannot shut admission for good: the requests it lets
+in again are the evidence). It settles where about one prediction in twenty misses. Decode streams do the same
 with their observed seconds per token against the TPOT predicted when the request was planned
 (`tpot_allowance_s`), which also covers errors in the predicted batch.
 
@@ -40,6 +40,8 @@ the engine's own mean inter-token latency, from /metrics, stands in for an unkno
 
 from __future__ import annotations
 
+import math
+
 from state.shared import (
     ENDPOINT_FIELDS,
     EP_DC_N,
@@ -50,6 +52,8 @@ from state.shared import (
     EP_LATE_SHARE,
     EP_PF_N,
     EP_PREFILL_BASE_S,
+    EP_PREFILL_BUSY,
+    EP_PREFILL_BUSY_AT,
     EP_PREFILL_TPS,
     EP_QUEUE_DELAY_S,
     EP_QUEUE_SHIFT_S,
@@ -63,8 +67,12 @@ UNKNOWN = float("inf")
 # predicted to take a millisecond is not judged by how many milliseconds it missed by in relative terms.
 MIN_SPAN_S = 0.05
 # How allowances move (see the module docstring): a miss widens by this share of the excess, a prediction
-# that held narrows by this share of the room it did not use, and no evidence halves them this often.
-WIDEN, NARROW, ALLOWANCE_HALF_LIFE_S = 0.5, 0.03, 2.0
+# that held narrows by this share of the room it did not use, and after ALLOWANCE_QUIET_S without evidence
+# they halve every ALLOWANCE_HALF_LIFE_S.
+WIDEN, NARROW = 0.5, 0.03
+ALLOWANCE_QUIET_S, ALLOWANCE_HALF_LIFE_S = 5.0, 2.0
+# The window over which an endpoint's share of time spent prefilling is measured (an exponential decay).
+BUSY_WINDOW_S = 2.0
 
 
 class Predictor:
@@ -127,8 +135,8 @@ class Predictor:
         share = self.h[i]
         if share <= 0.0:
             return 0.0
-        idle = now - self.h[i + 1]
-        return share * 0.5 ** (idle / ALLOWANCE_HALF_LIFE_S) if idle > 0.0 else share
+        quiet = now - self.h[i + 1] - ALLOWANCE_QUIET_S
+        return share * 0.5 ** (quiet / ALLOWANCE_HALF_LIFE_S) if quiet > 0.0 else share
 
     def first_wait_s(self, slot: int) -> float:
         return self.h[slot * ENDPOINT_FIELDS + EP_QUEUE_DELAY_S]
@@ -147,9 +155,20 @@ class Predictor:
                 end = now
             rate = h[base + EP_PREFILL_TPS]
             if rate > 0.0:
-                end += h[base + EP_PREFILL_BASE_S] + tokens / rate
+                service = h[base + EP_PREFILL_BASE_S] + tokens / rate
+                end += service
+                h[base + EP_PREFILL_BUSY] = self.prefill_busy(slot, now) + service / BUSY_WINDOW_S
+                h[base + EP_PREFILL_BUSY_AT] = now
             h[base + EP_QUEUE_UNTIL] = end
             return end, h[base + EP_QUEUE_SHIFT_S]
+
+    def prefill_busy(self, slot: int, now: float) -> float:
+        """The share of the endpoint's time spent on the prefills sent there lately (over ~BUSY_WINDOW_S)."""
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        busy = h[base + EP_PREFILL_BUSY]
+        if busy <= 0.0:
+            return 0.0
+        return busy * math.exp((h[base + EP_PREFILL_BUSY_AT] - now) / BUSY_WINDOW_S)
 
     def learn_prefill(
         self, slot: int, started: float, done: float, tokens: int, predicted: float, shift0: float, fit: bool = True
@@ -213,7 +232,7 @@ class Predictor:
                 if line is not None:
                     h[base + EP_DECODE_STEP_S], h[base + EP_DECODE_PER_SEQ_S] = line
             step = self.step_s(slot, batch)
-            if step == UNKNOWN:
+            if step == UNKNOWN or started >= first:  # (a whole stream, timed from its first token: no decode leg wait)
                 return
             wait = first - started - step
             wait = wait if wait > 0.0 else 0.0

@@ -233,12 +233,14 @@ class Scheduler:
         """
         if kind == DECODE:
             lease = self.ledger.lease(t.slot, 0, job.max_tokens, prefilling=False, kind=DECODE)
-            lease.predicted = job.tpot_model_s if job.feasible is not None else 0.0  # what the plan expected
+            lease.predicted_tpot = job.tpot_model_s if job.feasible is not None else 0.0  # what the plan expected
         else:
             uncached = self.policy.uncached(t, job)
             idle = not self.ledger.load(t.slot)[3]  # no prefill in flight there: its queue is empty
             lease = self.ledger.lease(t.slot, uncached, 1 if kind == PREFILL else job.max_tokens, kind=kind)
             lease.hashes = job.block_hashes
+            if kind == WHOLE and job.feasible is not None:
+                lease.predicted_tpot = job.tpot_model_s
             if self.predictor is not None:
                 lease.predicted, lease.shift = self.predictor.start_prefill(t.slot, uncached, lease.started, idle)
         lease.batch = self.ledger.requests(t.slot)
@@ -280,8 +282,7 @@ class Scheduler:
             if fit and pred is not None and lease.kind != PREFILL and lease.first_at:
                 batch = (lease.batch + self.ledger.requests(slot)) / 2.0
                 started = lease.started if lease.kind == DECODE else lease.first_at
-                predicted = lease.predicted if lease.kind == DECODE else 0.0
-                pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch, predicted)
+                pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot)
         except Exception:  # learning must never fail a request
             log.exception("learning from a finished request failed")
         if self.queue is not None:

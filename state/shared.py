@@ -62,8 +62,10 @@ LEDGER_ROW = MAX_SLOTS * LEDGER_FIELDS  # one worker's ledger row: a group of co
     EP_LATE_AT,  # when the prefill allowance last moved (it narrows with time since then)
     EP_TPOT_LATE_SHARE,  # TPOT allowance: a high quantile of recent TPOT errors, each a share of its prediction
     EP_TPOT_LATE_AT,  # when the TPOT allowance last moved
-) = range(32)
-ENDPOINT_FIELDS = 32
+    EP_PREFILL_BUSY,  # prefill seconds sent per second there lately (decayed): the share of its time prefilling
+    EP_PREFILL_BUSY_AT,  # when EP_PREFILL_BUSY was last updated
+) = range(34)
+ENDPOINT_FIELDS = 34
 
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 

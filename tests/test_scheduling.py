@@ -17,7 +17,7 @@ from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Ledger
 from scheduling.policies import JobInfo, make_policy
-from scheduling.predict import ALLOWANCE_HALF_LIFE_S, UNKNOWN, Predictor
+from scheduling.predict import ALLOWANCE_HALF_LIFE_S, ALLOWANCE_QUIET_S, UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
 from scheduling.scheduler import LEARN_INTERVAL_S, Scheduler
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
@@ -315,8 +315,8 @@ def test_allowances_widen_after_misses_and_narrow_when_predictions_hold():
 
 
 def test_allowances_narrow_with_time_without_evidence():
-    """A bad moment cannot shut admission for good: with no new evidence an allowance halves every
-    ALLOWANCE_HALF_LIFE_S, so the requests admitted again bring the evidence."""
+    """A bad moment cannot shut admission for good: after ALLOWANCE_QUIET_S without new evidence an allowance
+    halves every ALLOWANCE_HALF_LIFE_S, so the requests admitted again bring the evidence."""
     pred = Predictor(SharedState.create())
     teach_prefill(pred, 1, 1000.0)
     t = time.monotonic()
@@ -325,8 +325,10 @@ def test_allowances_narrow_with_time_without_evidence():
     done = predicted + 10.0
     now_allowance = pred.allowance_s(1, 1.0, done)
     assert now_allowance > 4.0
-    assert pred.allowance_s(1, 1.0, done + ALLOWANCE_HALF_LIFE_S) == pytest.approx(now_allowance / 2)
-    assert pred.allowance_s(1, 1.0, done + 10 * ALLOWANCE_HALF_LIFE_S) < 0.01
+    assert pred.allowance_s(1, 1.0, done + ALLOWANCE_QUIET_S) == now_allowance  # samples come and go: no decay
+    quiet = done + ALLOWANCE_QUIET_S
+    assert pred.allowance_s(1, 1.0, quiet + ALLOWANCE_HALF_LIFE_S) == pytest.approx(now_allowance / 2)
+    assert pred.allowance_s(1, 1.0, quiet + 10 * ALLOWANCE_HALF_LIFE_S) < 0.01
 
 
 def test_engine_itl_stands_in_for_an_unknown_decode_model():
