@@ -172,13 +172,11 @@ class Policy:
         if prefilling:
             # The virtual queue, but never more than the work of ours still in flight there (the ledger's
             # uncached tokens of the prefills not done yet): the queue's end drifts, the ledger does not.
-            wait = min(
-                pred.queue_wait_s(slot, now), pred.prefill_s(slot, tokens) + (prefilling - 1) * pred.base_s(slot)
-            )
+            wait = min(pred.queue_wait_s(slot, now), pred.prefill_s(slot, tokens))
         foreign = self.health.engine_load(slot)[1] - prefilling  # waiting there beyond ours (as last scraped)
         if foreign >= 1.0:
             wait += foreign * pred.prefill_s(slot, int(pred.mean_prefill_tokens(slot)))
-        finish = wait + service
+        finish = wait + service  # (its own step counted even behind others: an engine step may just have begun)
         return finish, service, pred.allowance_s(slot, finish, now)
 
     def judge(self, p: Target | None, d: Target, job: JobInfo) -> None:

@@ -8,8 +8,10 @@ prefill work sent so far should be done: a new prefill of `u` uncached tokens st
 max(now, queue end) and takes `base + u / rate`. When a prefill completes, the gap between its
 observed and predicted finish moves the queue end (requests behind it are late or early by the same
 amount), counting each correction once: a lease remembers the sum of corrections when it started.
-Its service time is the time from max(its start, the previous completion on that endpoint) to its
-completion; `rate` and `base` are a least-squares line through (uncached tokens, service time) pairs.
+The fit's samples are groups of completions: those within `GROUP_S` of each other finished in one engine
+step (a chunked batch), so their tokens add up; the group's service time runs from max(its first
+member's start, the previous group's last completion) to its last completion. `rate` and `base` are a
+least-squares line through (uncached tokens, service time) pairs, each group fitted when the next begins.
 When none of our prefills is in flight on the endpoint (the ledger says so), its queue is empty, whatever
 the virtual queue held (a lost or aborted request leaves phantom work there otherwise). A JSON answer
 has no first-token time, only an upper bound on it: it moves the queue end only when it arrives before
@@ -18,10 +20,11 @@ its predicted prefill finish (`settle_prefill`), and is not fitted.
 Error allowances. Every sampled prefill's error (observed minus predicted finish, as predicted when it was
 sent, as a share of the time from then to the predicted finish: a short prompt is not judged by a long
 one's misses) moves the endpoint's allowance, a share added to predictions judged against a budget
-(`allowance_s`): a miss beyond it widens it at once by half the excess (`WIDEN`), a prediction that held
-narrows it by `NARROW` of the way toward its error, and after `ALLOWANCE_QUIET_S` without any evidence it
-halves every `ALLOWANCE_HALF_LIFE_S` (so a bad moment cannot shut admission for good: the requests it lets
-in again are the evidence). It settles where about one prediction in twenty misses. Decode streams do the same
+(`allowance_s`): a miss widens it at once by half the excess (`WIDEN`), a prediction that held narrows it
+by `NARROW` of the room it did not use (so it settles where misses are rare and small next to the room
+the others leave); after `ALLOWANCE_QUIET_S` without any evidence it halves every
+`ALLOWANCE_HALF_LIFE_S` (so a bad moment cannot shut admission for good: the requests it lets in again
+are the evidence). Decode streams do the same
 with their observed seconds per token against the TPOT predicted when the request was planned
 (`tpot_allowance_s`), which also covers errors in the predicted batch.
 
@@ -48,6 +51,9 @@ from state.shared import (
     EP_DECODE_PER_SEQ_S,
     EP_DECODE_STEP_S,
     EP_ENGINE_ITL_S,
+    EP_GROUP_FIT,
+    EP_GROUP_START,
+    EP_GROUP_TOKENS,
     EP_LAST_DONE,
     EP_LATE_SHARE,
     EP_PF_N,
@@ -71,6 +77,9 @@ MIN_SPAN_S = 0.05
 # they halve every ALLOWANCE_HALF_LIFE_S.
 WIDEN, NARROW = 0.5, 0.03
 ALLOWANCE_QUIET_S, ALLOWANCE_HALF_LIFE_S = 5.0, 2.0
+# Prefill completions this close to the previous one finished in the same engine step (a chunked batch):
+# their tokens and the time since the step's work started make one sample of the fit.
+GROUP_S = 0.003
 # The window over which an endpoint's share of time spent prefilling is measured (an exponential decay).
 BUSY_WINDOW_S = 2.0
 
@@ -151,14 +160,15 @@ class Predictor:
         h, base = self.h, slot * ENDPOINT_FIELDS
         with self.lock:
             end = h[base + EP_QUEUE_UNTIL]
-            if end < now or idle:
-                end = now
             rate = h[base + EP_PREFILL_TPS]
             if rate > 0.0:
                 service = h[base + EP_PREFILL_BASE_S] + tokens / rate
-                end += service
+                # Behind queued work it shares their engine steps (a chunked batch): its tokens, no step of its own.
+                end = (now if end < now or idle else end) + service
                 h[base + EP_PREFILL_BUSY] = self.prefill_busy(slot, now) + service / BUSY_WINDOW_S
                 h[base + EP_PREFILL_BUSY_AT] = now
+            else:
+                end = now
             h[base + EP_QUEUE_UNTIL] = end
             return end, h[base + EP_QUEUE_SHIFT_S]
 
@@ -189,16 +199,22 @@ class Predictor:
             h[base + EP_QUEUE_UNTIL] += late
             h[base + EP_QUEUE_SHIFT_S] = shift + late
             last = h[base + EP_LAST_DONE]
-            service = done - (started if started > last or last == 0.0 else last)
-            if done > last or last == 0.0:
-                h[base + EP_LAST_DONE] = done
-            if service <= 0.0 or not fit:
-                # (service <= 0: it finished in the same engine step as the previous one, whose sample holds its time)
+            if last and done - last <= GROUP_S:  # the same engine step as the last completion: one sample
+                h[base + EP_GROUP_TOKENS] += tokens
+                if fit:
+                    h[base + EP_GROUP_FIT] = 1.0
+                if done > last:
+                    h[base + EP_LAST_DONE] = done
                 return
-            line = self._add_and_fit(base + EP_PF_N, float(tokens), service, ratio_prior=True)
-            if line is not None:
-                h[base + EP_PREFILL_BASE_S] = line[0]
-                h[base + EP_PREFILL_TPS] = 1.0 / line[1] if line[1] > 0.0 else 1e12
+            group_tokens, group_start = h[base + EP_GROUP_TOKENS], h[base + EP_GROUP_START]
+            if h[base + EP_GROUP_FIT] and group_tokens and last > group_start:
+                line = self._add_and_fit(base + EP_PF_N, group_tokens, last - group_start, ratio_prior=True)
+                if line is not None:
+                    h[base + EP_PREFILL_BASE_S] = line[0]
+                    h[base + EP_PREFILL_TPS] = 1.0 / line[1] if line[1] > 0.0 else 1e12
+            h[base + EP_GROUP_TOKENS], h[base + EP_GROUP_FIT] = float(tokens), 1.0 if fit else 0.0
+            h[base + EP_GROUP_START] = started if started > last else last
+            h[base + EP_LAST_DONE] = done
 
     def settle_prefill(self, slot: int, done_by: float, predicted: float, shift0: float) -> None:
         """A prefill whose answer came whole (a JSON answer: no first-token time) was done by `done_by`.

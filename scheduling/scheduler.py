@@ -1,8 +1,10 @@
 """The scheduler: from a model and a request, a plan naming the engine(s) that serve it.
 
-A model with prefill and decode instances is served disaggregated (a P/D pair). When it has no usable
-decode instance the request is served whole on a prefill or union instance (fallback); with only union
-instances whole requests go to one engine. Paused instances, unhealthy ones and those whose breaker is
+A model with prefill and decode instances is served disaggregated (a P/D pair), or, with
+`conditional_disaggregation`, on the pair's decode instance alone when the policy predicts that sooner
+(`Plan.alone`). When it has no usable pair the request is served whole on a union, prefill or decode
+instance (`enable_pd_separation_fallback_to_hybrid`, PyMotor's meaning; false: NoCapacity, a 503); with
+only union instances whole requests go to one engine. Paused instances, unhealthy ones and those whose breaker is
 open are never chosen; `exclude` keeps retries off the slots that already failed, and a job that names
 an engine kind sees only engines of that kind.
 """
@@ -154,6 +156,7 @@ class Scheduler:
         queue: AdmissionQueue | None = None,
         tokenizers: dict[str, str] | None = None,
         learn_interval_s: float = LEARN_INTERVAL_S,
+        fallback_to_hybrid: bool = True,
     ):
         self.registry, self.ledger, self.health, self.policy = registry, ledger, health, policy
         self.predictor: Predictor | None = policy.predictor
@@ -166,6 +169,7 @@ class Scheduler:
             m: make_meter(path, policy.block_tokens) for m, path in self.tokenizers.items()
         }
         self.learn_interval_s = learn_interval_s
+        self.fallback_to_hybrid = fallback_to_hybrid  # `enable_pd_separation_fallback_to_hybrid`
         self._learn_after: dict[int, float] = {}  # slot -> when this worker next learns from one of its requests
         ledger.observer = self._observe
         ledger.on_prefilled = self._prefilled
@@ -310,6 +314,11 @@ class Scheduler:
                     )  # nothing to choose between and no verdict wanted: no predictions
                 p, d = self.policy.choose_pair(ps, ds, job)
                 return Plan(p, d, self, job, job.alone)
+            if not self.fallback_to_hybrid:
+                raise NoCapacity(
+                    f"no usable prefill/decode pair of model {model!r} "
+                    "(enable_pd_separation_fallback_to_hybrid is false: no whole requests)"
+                )
             whole = self._usable(u_pool, exclude, job) or ps or ds
         else:
             whole = (
@@ -355,6 +364,7 @@ def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health
         index=PrefixIndex(shared),
         block_tokens=settings.kv_affinity_block_size,
         overload_factor=settings.affinity_overload_factor,
+        decode_alone=settings.conditional_disaggregation,
     )
     queue = None
     if settings.admission == "queue":
@@ -362,4 +372,13 @@ def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health
             shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers
         )
     tokenizers = {m.id: m.tokenizer_path for m in settings.models if m.tokenizer_path}
-    return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, tokenizers=tokenizers)
+    return Scheduler(
+        registry,
+        ledger,
+        health,
+        policy,
+        admission=settings.admission,
+        queue=queue,
+        tokenizers=tokenizers,
+        fallback_to_hybrid=settings.enable_pd_separation_fallback_to_hybrid,
+    )

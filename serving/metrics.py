@@ -28,7 +28,7 @@ from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.status import endpoint_status
 from serving.job import COUNT_TOKENS
-from serving.observe import FlushTimer, Observer, RequestRecord
+from serving.observe import PLACEMENTS, FlushTimer, Observer, RequestRecord
 from state.shared import G_DRAINING, W_INFLIGHT, W_QUEUED, WORKER_FIELDS, worker_sum
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -73,6 +73,12 @@ MISSED = Counter(
     "motor_missed_handoffs_total",
     "PD requests whose decode recomputed the prompt (P returned no kv_transfer_params, or D failed with them)",
     ["model"],
+)
+PLACEMENT = Counter(
+    "motor_placements_total",
+    "Answered inference requests by placement: pd (a prefill and a decode instance), decode_alone (the pair's "
+    "decode instance computed the prompt), whole (one instance: union or fallback)",
+    ["model", "placement"],
 )
 RETRIES = Counter(
     "motor_retries_total",
@@ -224,6 +230,7 @@ class _Series:
         "e2e",
         "output_tokens",
         "parts",
+        "placements",
         "prefill_leg",
         "prompt_tokens",
         "requests",
@@ -244,6 +251,8 @@ class _Series:
         self.tpot = _PendingHistogram(TPOT.labels(route, model))
         self.prefill_leg = _PendingHistogram(LEG.labels("prefill", model))
         self.decode_leg = _PendingHistogram(LEG.labels("decode", model))
+        self.placements = {p: _PendingCount(PLACEMENT.labels(model, p)) for p in PLACEMENTS}
+        self.parts += [*self.placements.values()]
         self.parts += [
             self.e2e,
             self.prompt_tokens,
@@ -320,6 +329,8 @@ class PrometheusObserver(Observer):
         series.e2e.observe(rec.duration_s)
         if rec.route == COUNT_TOKENS:  # a count, not an inference: no tokens were served
             return
+        if rec.placement:
+            series.placements[rec.placement].amount += 1
         series.prompt_tokens.amount += rec.prompt_tokens
         tokens = rec.generated_tokens
         series.output_tokens.amount += tokens

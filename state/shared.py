@@ -64,8 +64,11 @@ LEDGER_ROW = MAX_SLOTS * LEDGER_FIELDS  # one worker's ledger row: a group of co
     EP_TPOT_LATE_AT,  # when the TPOT allowance last moved
     EP_PREFILL_BUSY,  # prefill seconds sent per second there lately (decayed): the share of its time prefilling
     EP_PREFILL_BUSY_AT,  # when EP_PREFILL_BUSY was last updated
-) = range(34)
-ENDPOINT_FIELDS = 34
+    EP_GROUP_TOKENS,  # uncached tokens of the prefills completed in the current group (one engine step, about)
+    EP_GROUP_START,  # when the current group's work started
+    EP_GROUP_FIT,  # 1.0: a member of the current group is a sample for the fit
+) = range(37)
+ENDPOINT_FIELDS = 37
 
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 
