@@ -340,8 +340,10 @@ class SloAware(LoadBalance):
         self, ps: list[Target], job: JobInfo, now: float, start: int
     ) -> tuple[Target, float, float, float] | None:
         """The prefill target that finishes first, allowance included: (it, its expected finish, its allowance,
-        the least expected service time of any)."""
-        best, floor = None, UNKNOWN
+        the least expected service time of any). When even the first would finish after the TTFT budget,
+        the one that finishes last: there it delays only requests that are late already."""
+        best = latest = None
+        floor = UNKNOWN
         n = len(ps)
         for k in range(n):
             p = ps[(start + k) % n]
@@ -350,7 +352,13 @@ class SloAware(LoadBalance):
                 return None
             if best is None or _clearly_less(finish + allowance, best[1] + best[2], 0.002):
                 best = (p, finish, allowance)
+            if latest is None or finish > latest[1]:
+                latest = (p, finish, allowance)
             floor = min(floor, service)
+        if best[1] > job.slo_ttft_ms / 1000.0 - (now - job.arrived):
+            # Late wherever it goes: where it delays the fewest requests that can still be on time, behind
+            # the work that is late already (without admission it is served all the same).
+            best = latest
         return best[0], best[1], best[2], floor
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:

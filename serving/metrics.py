@@ -76,8 +76,8 @@ MISSED = Counter(
 )
 PLACEMENT = Counter(
     "motor_placements_total",
-    "Answered inference requests by placement: pd (a prefill and a decode instance), decode_alone (the pair's "
-    "decode instance computed the prompt), whole (one instance: union or fallback)",
+    "Inference requests by placement: pd (a prefill and a decode instance), decode_alone (the pair's decode "
+    "instance computed the prompt), whole (one instance: union or fallback)",
     ["model", "placement"],
 )
 RETRIES = Counter(
@@ -240,7 +240,8 @@ class _Series:
 
     def __init__(self, route: str, model: str, status: int):
         self.requests = _PendingCount(REQUESTS.labels(route, model, str(status)))
-        self.parts: list[_PendingCount | _PendingHistogram] = [self.requests]
+        self.placements = {p: _PendingCount(PLACEMENT.labels(model, p)) for p in PLACEMENTS}
+        self.parts: list[_PendingCount | _PendingHistogram] = [self.requests, *self.placements.values()]
         self.dirty = False
         if status >= 400:  # failed requests count, nothing more
             return
@@ -251,8 +252,6 @@ class _Series:
         self.tpot = _PendingHistogram(TPOT.labels(route, model))
         self.prefill_leg = _PendingHistogram(LEG.labels("prefill", model))
         self.decode_leg = _PendingHistogram(LEG.labels("decode", model))
-        self.placements = {p: _PendingCount(PLACEMENT.labels(model, p)) for p in PLACEMENTS}
-        self.parts += [*self.placements.values()]
         self.parts += [
             self.e2e,
             self.prompt_tokens,
@@ -320,6 +319,8 @@ class PrometheusObserver(Observer):
 
     def _add(self, series: _Series, rec: RequestRecord) -> None:
         series.requests.amount += 1
+        if rec.placement:
+            series.placements[rec.placement].amount += 1
         if rec.disconnect_phase:
             DISCONNECTS.labels(rec.disconnect_phase).inc()
         if rec.reject_reason:
@@ -329,8 +330,6 @@ class PrometheusObserver(Observer):
         series.e2e.observe(rec.duration_s)
         if rec.route == COUNT_TOKENS:  # a count, not an inference: no tokens were served
             return
-        if rec.placement:
-            series.placements[rec.placement].amount += 1
         series.prompt_tokens.amount += rec.prompt_tokens
         tokens = rec.generated_tokens
         series.output_tokens.amount += tokens

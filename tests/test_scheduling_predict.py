@@ -321,3 +321,26 @@ def test_conditional_disaggregation_needs_the_slo_aware_policy():
     settings = settings_from_dict({"scheduler_config": {"conditional_disaggregation": True}})
     assert settings.conditional_disaggregation and settings.enable_pd_separation_fallback_to_hybrid
     assert not settings_from_dict({}).conditional_disaggregation
+
+
+def test_a_request_late_wherever_it_goes_queues_behind_work_that_is_late_already():
+    """Without admission nothing is refused; a request that cannot be on time on any prefill engine goes
+    where it delays the fewest that still can: behind the longest queue, not into the shortest."""
+    w = World("slo_aware")
+    registry = Registry(w.shared)
+    registry.apply(
+        "set",
+        [Instance(k + 1, "prefill", MODEL, (Endpoint(0, f"127.0.0.1:{9001 + k}"),)) for k in range(2)]
+        + [Instance(10, "decode", MODEL, (Endpoint(0, "127.0.0.1:9010"),))],
+    )
+    sched = Scheduler(registry, w.ledger, w.health, w.policy)
+    view = registry.view()
+    (p1, p2), (d,) = view.pool(MODEL, "prefill"), view.pool(MODEL, "decode")
+    for p in (p1, p2):
+        teach_prefill(w.predictor, p.slot, 1000.0)
+    teach_decode(w.predictor, d.slot, 0.01, 0.001)
+    short, long = busy_prefill(w, p1.slot, 1000), busy_prefill(w, p2.slot, 4000)  # 1 s and 4 s ahead
+    assert sched.plan(JobInfo(MODEL, 500, 20, 3000, 100)).prefill.slot == p1.slot  # on time on p1: there
+    assert sched.plan(JobInfo(MODEL, 500, 20, 1000, 100)).prefill.slot == p2.slot  # late anywhere: behind p2
+    short.release()
+    long.release()
