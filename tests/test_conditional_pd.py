@@ -11,18 +11,14 @@ from harness.clients import openai_client
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.loopback import wait_until
+from harness.metrics import by_label
 from tests.conftest import MODEL
 
 PATH = "/v1/chat/completions"
 
 
 def placements(coord) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(coord.obs + "/metrics").text.splitlines():
-        if line.startswith("motor_placements_total{"):
-            label = line.split('placement="', 1)[1].split('"', 1)[0]
-            out[label] = float(line.rsplit(" ", 1)[1])
-    return out
+    return by_label(coord, "motor_placements_total", "placement")
 
 
 def chat(coord, k: int) -> str:
