@@ -17,7 +17,10 @@ so its choice costs microseconds and every worker chooses from the same picture.
   learned allowance for prediction errors. A cached prefix lowers a candidate's uncached tokens, so
   affinity is a lower prefill cost, not a rule; a faster or less busy engine is a sooner finish, so the
   pair chosen is also the one that spends the least capacity on the request. Before the model knows a
-  candidate it is tried once while idle, else load balancing decides.
+  candidate it is tried once while idle, else load balancing decides. A request late on every prefill
+  engine goes to the one that finishes last (behind work that is late already). With `decode_alone`
+  (`conditional_disaggregation`) each decode engine is also judged serving the request alone, computing
+  the prompt itself (`_pick_alone`), and is chosen when that is clearly sooner within both budgets.
 
 Every plan carries a verdict (`JobInfo.feasible`): True or False when the model can judge the chosen
 pair against the budgets, None when it cannot yet; SLO admission (scheduling/admission.py) acts on it.

@@ -24,13 +24,15 @@ one's misses) moves the endpoint's allowance, a share added to predictions judge
 by `NARROW` of the room it did not use (so it settles where misses are rare and small next to the room
 the others leave); after `ALLOWANCE_QUIET_S` without any evidence it halves every
 `ALLOWANCE_HALF_LIFE_S` (so a bad moment cannot shut admission for good: the requests it lets in again
-are the evidence). Decode streams do the same
-with their observed seconds per token against the TPOT predicted when the request was planned
-(`tpot_allowance_s`), which also covers errors in the predicted batch.
+are the evidence). Decode streams do the same with their observed seconds per token against the TPOT
+predicted when the request was planned (`tpot_allowance_s`), which also covers errors in the predicted
+batch.
 
 Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
 a least-squares line through (mean batch during a request, its observed seconds per token) pairs. The
-wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean.
+wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean. Prompts
+computed on the endpoint take steps from its streams: `prefill_busy` is the share of its time the
+prefills sent there lately take (decayed over `BUSY_WINDOW_S`), and policies divide a TPOT by 1 - that.
 
 The fits use exponentially decayed sums (the last ~`1/decay` samples dominate), updated under the
 shared lock from finished requests that are samples: at most one per slot every `LEARN_INTERVAL_S` from
@@ -185,7 +187,7 @@ class Predictor:
     ) -> None:
         """A prefill queued at `started` (see start_prefill) completed at `done` after `tokens` uncached tokens.
 
-        `fit`: also a sample for the fit and the error ring; without it only the virtual queue and the last
+        `fit`: also a sample for the fit and the allowance; without it only the virtual queue and the last
         completion time move (every completion must move them, or later predictions drift).
         """
         h, base = self.h, slot * ENDPOINT_FIELDS

@@ -26,7 +26,7 @@ from scheduling.tokens import PromptMeter, make_meter
 
 log = logging.getLogger("coordinator.scheduler")
 
-# The learned model's fits and error rings take at most one request per slot in this many seconds from
+# The learned model's fits and allowances take at most one request per slot in this many seconds from
 # each worker: they cost about 20 µs a request, a twentieth of a streamed request's whole cost in a loaded
 # worker, and requests starting a millisecond apart on one engine tell the model little the others do not.
 # Which requests are samples is decided when they start, so that it does not depend on how long they take.
