@@ -51,6 +51,9 @@ EXPLORE_ALONE_TOKENS = 512
 # A prefill served on a decode engine may delay the streams there by at most what their predicted TPOT
 # leaves of this many tokens' budget (a stream's TPOT is its mean over its tokens).
 ALONE_STALL_TOKENS = 2
+# ... and it goes there only with a prompt at most this many times the mean of those computed there so far:
+# a speed learned from short prompts says little about a long one's.
+ALONE_EXTRAPOLATION = 4.0
 
 
 def _clearly_less(a: float, b: float, absolute: float) -> bool:
@@ -415,6 +418,10 @@ class SloAware(LoadBalance):
             if step == UNKNOWN:
                 continue
             busy = pred.prefill_busy(d.slot, now)
+            if pred.prefill_known(d.slot) and self.uncached(d, job) > ALONE_EXTRAPOLATION * pred.mean_prefill_tokens(
+                d.slot
+            ):  # its prefill speed there is known for prompts of the sizes computed there so far
+                continue
             finish, service, allowance = self.predict_prefill(d, job, now)
             # What its streams lose: the prompt's tokens (the fixed part of a prefill there is mostly the step
             # it shares with them, which they take anyway).

@@ -265,6 +265,23 @@ def test_the_pair_serves_when_it_is_sooner_or_alone_would_cost_the_streams_their
     queue.release()
 
 
+def test_a_decode_engine_that_computed_only_short_prompts_is_not_given_a_long_one():
+    """Its prefill speed was learned from short prompts: a prompt far longer than those (ALONE_EXTRAPOLATION
+    times their mean) keeps the pair, even if the extrapolated speed says D alone would be sooner."""
+    sched, w, p, (d,) = pd_scheduler("reject", alone=True)
+    teach_prefill(w.predictor, p.slot, 500.0)  # a slow P
+    t = time.monotonic() - 100.0
+    for k in range(12):  # D computed prompts of 100-300 tokens, fast
+        tokens = 100 + 100 * (k % 3)
+        predicted, shift = w.predictor.start_prefill(d.slot, tokens, t, idle=True)
+        w.predictor.learn_prefill(d.slot, t, t + 0.01 + tokens / 20000.0, tokens, predicted, shift)
+        t += 1.0
+    teach_decode(w.predictor, d.slot, 0.005, 0.0005)
+    assert w.predictor.mean_prefill_tokens(d.slot) < 300
+    assert sched.try_admit(JobInfo(MODEL, 600, 30, 20000, 200)).alone  # within 4x of what it has seen
+    assert not sched.try_admit(JobInfo(MODEL, 3000, 30, 20000, 200)).alone  # far beyond
+
+
 def test_without_conditional_disaggregation_every_pair_request_uses_the_pair():
     sched, w, p, (d,) = known_cluster(alone=False)
     queue = busy_prefill(w, p.slot, 3000)
