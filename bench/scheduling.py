@@ -1,478 +1,554 @@
-"""Scheduling benchmark: one seeded workload replayed against every policy on a simulated P/D cluster.
+"""Scheduling benchmark: seeded workload families replayed against every policy, in virtual time.
 
-    python bench/scheduling.py [--speedup 5] [--requests 120] [--seed 7] [--runs policy:admission,...]
+    python bench/scheduling.py [--families 13] [--requests 240] [--loads 1.0,1.3] [--seed 1] [--runs ...]
 
-Each policy gets its own copy of the cluster: four engine_sim processes (two prefill, two decode; one
-of each twice as slow) behind the real Coordinator (`python app.py`, harness/coordinator.py). All copies
-start first; the client then sends the same requests to each in turn, load level by load level (an
-unmeasured warm-up at 50 %, then Poisson arrivals at 70 %, 100 % and 130 % of capacity), so slow
-moments of a shared machine fall on every policy alike. Requests are streamed chat completions; the
-client measures TTFT and TPOT itself. The simulators run `--speedup` times faster than the "cluster
-time" every figure is quoted in: the client converts its wall-clock measurements back by that factor,
-and the SLOs the Coordinator gets (`models[].slo_ttft/slo_tpot`, wall-clock ms) are the cluster SLOs
-divided by it.
+Each family is a seeded combination of an arrival process (Poisson, bursty on/off, a ramp), a prompt-length
+mix (narrow, bimodal, long-tailed), prefix sharing (none, a few hot system prompts) and a cluster shape (two
+to four prefill engines of different speeds, one to three decode engines). Family 0 is fixed: short prompts
+and a slow, busy prefill pool beside fast decode engines (where the decode engine alone serves short prompts
+sooner than a P/D pair).
 
-Before any measured traffic, every shared system prompt is prefilled once on every prefill engine,
-straight to the engine: each engine's prefix cache (the simulator's default, 200,000 tokens) then holds
-all of them, as in a steady state.
+What runs is the Coordinator's own scheduling code (scheduling/: Scheduler, the policies, the learned model,
+the ledger, SLO admission and its queue) on shared state made in this process, driven as serving/dispatch.py
+and serving/handoff.py drive it, against engines simulated the way engine_sim simulates vLLM (a FIFO waiting
+queue, continuous batching, chunked prefill within `max_num_batched_tokens` per step, a step lasting
+`step + per_seq x decoding sequences + prefill tokens / rate`, a prefix cache of block hashes). Their
+`/metrics` gauges (running, waiting) are written into the health table every 0.5 s as the scrape does. All of
+it runs on an asyncio loop whose clock is virtual (`VirtualLoop`): a sleep costs no wall time, so the whole
+table takes minutes on a shared 2-core machine and every figure is the same on every run.
 
-Capacity is the arrival rate the cluster could sustain with perfect routing, from engine speeds
-*measured* on this machine before the run (a loaded machine runs the simulators slower than their
-nominal figures): the smaller of
-  prefill: the sum over prefill engines of 1 / (base + u / rate), u the mean prompt tokens minus the
-           shared system prompt (every system prompt a prefix-cache hit: each prefill engine's cache
-           holds all of them), and
-  decode:  the sum over decode engines of B / step(B), B the largest batch whose measured step time
-           meets the TPOT SLO, divided by the mean output tokens.
+Capacity is the arrival rate the cluster sustains with perfect routing and no D-alone serving: the smaller of
+the prefill capacity (sum of prefill engines' rates over the mean uncached prompt, hot prefixes cached) and the
+decode capacity (sum over decode engines of B / step(B), B the largest batch whose step meets the TPOT budget,
+over the mean output length). Loads are shares of it.
 
-The table: goodput (requests per cluster second meeting both SLOs, over the arrival window), SLO
-attainment (share of all requests meeting both) and among admitted ones, p50/p99 TTFT and TPOT of the
-answered requests (cluster ms), and the share refused with 429. The last line is machine-readable.
+Per row: goodput (requests meeting both budgets per second of the arrival window), on-time among the admitted
+(answered, not refused) requests, the share refused (429), TTFT p50 of answered requests. The last lines check
+the issue's figures per family and print them machine-readably.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import collections
 import math
 import os
 import random
+import selectors
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from harness.bodies import WORDS  # noqa: E402
-from harness.configs import coordinator_config, instance  # noqa: E402
-from harness.coordinator import Coordinator  # noqa: E402
+from config import Endpoint, Instance  # noqa: E402
+from scheduling import clock  # noqa: E402
+from scheduling.admission import AdmissionQueue, OverBudget  # noqa: E402
+from scheduling.affinity import PrefixIndex  # noqa: E402
+from scheduling.health import Health  # noqa: E402
+from scheduling.ledger import DECODE, PREFILL, Ledger  # noqa: E402
+from scheduling.policies import JobInfo, make_policy  # noqa: E402
+from scheduling.predict import Predictor  # noqa: E402
+from scheduling.registry import Registry  # noqa: E402
+from scheduling.scheduler import NoCapacity, Scheduler  # noqa: E402
+from state.shared import SharedState  # noqa: E402
 
 MODEL = "bench"
-SLO_TTFT_MS = 8000.0  # cluster time
-SLO_TPOT_MS = 100.0
-# The simulated cluster, in cluster time: (role, uncached prefill tokens/s, decode step ms, ms per sequence).
-ENGINES = (
-    ("prefill", 800.0, 5.0, 0.5),
-    ("prefill", 400.0, 10.0, 1.0),  # twice as slow
-    ("decode", 8000.0, 10.0, 15.0),
-    ("decode", 4000.0, 20.0, 30.0),  # twice as slow
-)
 BLOCK = 16
+SCRAPE_S = 0.5
+STALL_P, STALL_S = 0.002, 0.08  # each engine step is 0-10 % slower than nominal, and 1 in 500 stalls 80 ms
+SLOWDOWN = 1.06  # so engines run about this much slower than nominal on average (capacity counts it)
+DEFAULT_RUNS = (
+    "round_robin:off,load_balance:off,kv_cache_affinity:off,slo_aware:off,slo_aware:reject,slo_aware:queue,"
+    "slo_aware:queue:alone"
+)
 
 
-# -- workload ----------------------------------------------------------------------------------
+# -- virtual time ----------------------------------------------------------------------------------
 
 
-def _text(rng: random.Random, tokens: int) -> str:
-    """ASCII text the engines count as `tokens` tokens (4 bytes each)."""
-    out, size = [], 0
-    while size < tokens * 4:
-        w = rng.choice(WORDS)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)[: tokens * 4]
+class _Selector(selectors.DefaultSelector):
+    """Waiting for I/O is moving the clock: there is no I/O, only timers."""
+
+    loop: VirtualLoop
+
+    def select(self, timeout=None):
+        if timeout is None:
+            raise RuntimeError("the simulation is stuck: nothing is scheduled")
+        self.loop.now += timeout
+        return []
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock jumps to the next timer: asyncio.sleep and wait_for cost no wall time."""
+
+    def __init__(self):
+        selector = _Selector()
+        selector.loop = self
+        self.now = 1000.0
+        super().__init__(selector)
+
+    def time(self) -> float:
+        return self.now
+
+
+# -- the simulated engines -------------------------------------------------------------------------
+
+
+@dataclass
+class Seq:
+    uncached: int  # prompt tokens this engine computes (after its prefix cache)
+    out: int  # tokens to emit (1 for a prefill engine)
+    hashes: list[int]
+    first: asyncio.Future
+    done: asyncio.Future
+    remaining: int = 0
+    emitted: int = 0
+
+
+class Engine:
+    """One simulated vLLM engine (engine_sim's timing model, see engine_sim/engine.py)."""
+
+    def __init__(self, rate: float, step_s: float, per_seq_s: float, max_seqs: int = 128, chunk: int = 4096):
+        self.rate, self.step_s, self.per_seq_s = rate, step_s, per_seq_s
+        self.max_seqs, self.chunk = max_seqs, chunk
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self.running: list[Seq] = []
+        self.cache: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.cache_blocks = 12_000
+        self.wake = asyncio.Event()
+        self.jitter = random.Random(int(rate) + int(step_s * 1e6))
+
+    def cached_tokens(self, hashes: list[int], prompt: int) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.cache:
+                break
+            n += 1
+        return min(n * BLOCK, prompt - 1) if n else 0
+
+    def submit(self, prompt: int, out: int, hashes: list[int], remote_kv: bool = False) -> Seq:
+        loop = asyncio.get_running_loop()
+        uncached = 0 if remote_kv else prompt - self.cached_tokens(hashes, prompt)
+        s = Seq(uncached, out, hashes, loop.create_future(), loop.create_future(), remaining=uncached)
+        self.waiting.append(s)
+        self.wake.set()
+        return s
+
+    def _remember(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.cache[h] = None
+            self.cache.move_to_end(h)
+        while len(self.cache) > self.cache_blocks:
+            self.cache.popitem(last=False)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while self.waiting and len(self.running) < self.max_seqs:
+                self.running.append(self.waiting.popleft())
+            if not self.running:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            budget, prefill, finishing, decoders = self.chunk, 0, [], []
+            for s in self.running:
+                if s.remaining > 0:
+                    if budget <= 0:
+                        continue
+                    take = min(s.remaining, budget)
+                    budget -= take
+                    prefill += take
+                    s.remaining -= take
+                    if not s.remaining:
+                        finishing.append(s)
+                elif s.emitted == 0 and not s.uncached:
+                    finishing.append(s)  # KV came from P: its first token is this step's
+                else:
+                    decoders.append(s)
+            step = (self.step_s + self.per_seq_s * len(decoders) + prefill / self.rate) * (
+                1.0 + 0.1 * self.jitter.random()
+            )
+            if self.jitter.random() < STALL_P:  # a real engine stalls now and then (GC, a preemption, the host)
+                step += STALL_S
+            await asyncio.sleep(step)
+            now = loop.time()
+            for s in finishing:
+                self._remember(s.hashes)
+            for s in finishing + decoders:
+                s.emitted += 1
+                if s.emitted == 1:
+                    s.first.set_result(now)
+                if s.emitted >= s.out:
+                    s.done.set_result(now)
+                    self.running.remove(s)
+
+
+# -- families --------------------------------------------------------------------------------------
+
+ARRIVALS = ("poisson", "bursty", "ramp")
+MIXES = ("narrow", "bimodal", "longtail")
+PREFIXES = ("none", "hot")
+PREFILL_FACTORS = (1.0, 0.55, 0.3, 0.8)  # prefill engines' speeds relative to the family's fastest
+DECODES = ((0.008, 0.0009, 1.0), (0.012, 0.0016, 0.6), (0.010, 0.0012, 0.8))  # step s, s/seq, prefill speed
+
+
+@dataclass
+class Family:
+    name: str
+    arrival: str
+    mix: str
+    prefix: str
+    prefills: list[tuple[float, float]]  # (tokens/s, step s)
+    decodes: list[tuple[float, float, float]]  # (step s, s per sequence, prefill tokens/s)
+    ttft_s: float = 1.5
+    tpot_s: float = 0.05
+    out_range: tuple[int, int] = (32, 160)
+    systems: list[int] = field(default_factory=list)  # hot system prompts' lengths
+
+    def describe(self) -> str:
+        ps = "/".join(f"{r / 1000:.1f}k" for r, _ in self.prefills)
+        ds = "/".join(f"{a * 1000:.0f}+{b * 1000:.1f}" for a, b, _ in self.decodes)
+        return f"{self.arrival}, {self.mix}, prefix {self.prefix}; P {ps} tok/s, D {ds} ms/step"
+
+
+def make_family(i: int, seed: int) -> Family:
+    if i == 0:  # short prompts, a slow prefill pool, fast decode engines
+        return Family(
+            "f00-short-busyP",
+            "poisson",
+            "short",
+            "none",
+            [(1500.0, 0.004), (900.0, 0.004)],
+            [(0.008, 0.0009, 8000.0), (0.008, 0.0009, 8000.0)],
+            ttft_s=1.0,
+        )
+    rng = random.Random(seed * 1000 + i)
+    k = i - 1
+    arrival, mix, prefix = ARRIVALS[k % 3], MIXES[(k // 3) % 3], PREFIXES[(k // 2) % 2]
+    fast = rng.choice((5000.0, 7000.0, 9000.0))
+    n_p, n_d = 2 + k % 3, 1 + (k // 3 + rng.randrange(2)) % 3
+    factors = list(PREFILL_FACTORS[:n_p])
+    rng.shuffle(factors)
+    prefills = [(fast * f, 0.004) for f in factors]
+    decodes = [(s, q, fast * f) for s, q, f in DECODES[:n_d]]
+    fam = Family(f"f{i:02d}-{arrival}-{mix}-{prefix}", arrival, mix, prefix, prefills, decodes)
+    if prefix == "hot":
+        fam.systems = [rng.randint(1000, 2500) for _ in range(4)]
+    return fam
 
 
 @dataclass
 class Req:
-    system: int  # index of the shared system prompt, -1 for none
-    user_tokens: int
-    max_tokens: int
-    body: bytes = b""
+    at: float  # arrival, seconds from the start of the window
+    system: int  # hot system prompt, -1 none
+    user: int
+    out: int
 
-    def prompt_tokens(self, systems: list[str]) -> int:
-        return (len(systems[self.system]) // 4 if self.system >= 0 else 0) + self.user_tokens
+    def prompt(self, fam: Family) -> int:
+        return (fam.systems[self.system] if self.system >= 0 else 0) + self.user
 
 
-def make_systems(seed: int) -> list[str]:
+def _user_tokens(fam: Family, rng: random.Random) -> int:
+    if fam.mix == "short":
+        return rng.randint(40, 300)
+    if fam.mix == "narrow":
+        return rng.randint(600, 1000)
+    if fam.mix == "bimodal":
+        return rng.randint(100, 400) if rng.random() < 0.7 else rng.randint(2000, 6000)
+    return min(16000, int(120 * rng.paretovariate(1.3)))  # long-tailed
+
+
+def _arrivals(fam: Family, n: int, rate: float, rng: random.Random) -> list[float]:
+    """Arrival times whose mean rate over the window is `rate`."""
+    if fam.arrival == "poisson":
+        t, out = 0.0, []
+        for _ in range(n):
+            t += rng.expovariate(rate)
+            out.append(t)
+        return out
+    if fam.arrival == "bursty":  # on for a third of each 12 s cycle at three times the rate, off otherwise
+        t, out, cycle, on = 0.0, [], 12.0, 4.0
+        while len(out) < n:
+            t += rng.expovariate(rate * cycle / on)
+            if t % cycle >= on:
+                t = (t // cycle + 1) * cycle
+                continue
+            out.append(t)
+        return out
+    # ramp: the rate grows linearly from half to one and a half times `rate` over the window
+    window = n / rate
+    return sorted(window * (-0.5 + math.sqrt(0.25 + 2.0 * rng.random())) for _ in range(n))
+
+
+def make_requests(fam: Family, n: int, rate: float, seed: int) -> list[Req]:
     rng = random.Random(seed)
-    return [f"[system prompt {i}] " + _text(rng, rng.randint(1000, 3000) - 5) for i in range(20)]
-
-
-def make_requests(seed: int, n: int, systems: list[str], bodies: bool = True) -> list[Req]:
-    """A quarter short prompts (100-1,000 tokens, no system prompt); the rest one of the 20 system prompts
-    plus a user part of 50-5,000 tokens (log-uniform): prompts span 100-8,000 tokens."""
-    rng = random.Random(seed)
+    times = _arrivals(fam, n, rate, rng)
     reqs = []
-    for i in range(n):
-        if rng.random() < 0.25:
-            r = Req(-1, int(math.exp(rng.uniform(math.log(100), math.log(1000)))), rng.randint(16, 96))
-        else:
-            r = Req(
-                rng.randrange(len(systems)),
-                int(math.exp(rng.uniform(math.log(50), math.log(5000)))),
-                rng.randint(16, 96),
-            )
-        if bodies:
-            messages = [{"role": "system", "content": systems[r.system]}] if r.system >= 0 else []
-            messages.append({"role": "user", "content": f"request {seed}-{i}: " + _text(rng, r.user_tokens)})
-            r.body = json.dumps(
-                {"model": MODEL, "messages": messages, "max_tokens": r.max_tokens, "ignore_eos": True, "stream": True}
-            ).encode()
-        reqs.append(r)
+    for t in times:
+        system = rng.randrange(len(fam.systems)) if fam.systems and rng.random() < 0.7 else -1
+        reqs.append(Req(t, system, _user_tokens(fam, rng), rng.randint(*fam.out_range)))
     return reqs
 
 
+def capacity(fam: Family, seed: int) -> float:
+    sample = make_requests(fam, 4000, 1.0, seed + 99)
+    uncached = statistics.mean(r.user for r in sample)
+    out = statistics.mean(r.out for r in sample)
+    prefill = sum(rate / (uncached + rate * step) for rate, step in fam.prefills)
+    tokens_per_s = 0.0
+    for step, per_seq, _ in fam.decodes:
+        batch = max(1, int((fam.tpot_s - step) / per_seq))
+        tokens_per_s += batch / (step + per_seq * batch)
+    return min(prefill, tokens_per_s / out) / SLOWDOWN
+
+
+def hashes_of(fam: Family, req: Req, key: int) -> list[int]:
+    """Chained block hashes: the system prompt's blocks are shared, the user part's are this request's."""
+    sys_blocks = fam.systems[req.system] // BLOCK if req.system >= 0 else 0
+    own = (req.prompt(fam) // BLOCK) - sys_blocks
+    return [hash((0, req.system, b)) for b in range(sys_blocks)] + [hash((1, key, b)) for b in range(own)]
+
+
+# -- one run: a family, a policy, a load -----------------------------------------------------------
+
+
 @dataclass
-class Speeds:
-    """Engine speeds measured on this machine, in cluster time."""
-
-    prefill: list[tuple[float, float]]  # per prefill engine: (base s, tokens/s)
-    decode: list[tuple[float, float]]  # per decode engine: (step s, s per sequence)
-
-    def capacity(self, systems: list[str], seed: int) -> tuple[float, float, float]:
-        """(capacity, prefill capacity, decode capacity) in requests per cluster second (see the docstring)."""
-        sample = make_requests(seed, 20000, systems, bodies=False)
-        uncached = sum(r.user_tokens for r in sample) / len(sample) + 20  # the chat template's tokens
-        out = sum(r.max_tokens for r in sample) / len(sample)
-        prefill = sum(1.0 / (base + uncached / rate) for base, rate in self.prefill)
-        tokens_per_s = 0.0
-        for step, per_seq in self.decode:
-            batch = int((SLO_TPOT_MS / 1000.0 - step) // per_seq) if per_seq > 0 else 64
-            if batch >= 1:
-                tokens_per_s += batch / (step + per_seq * batch)
-        decode = tokens_per_s / out
-        return min(prefill, decode), prefill, decode
-
-
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares intercept and slope."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return max(0.0, my - slope * mx), max(slope, 1e-9)
-
-
-async def measure_speeds(cluster: Cluster, speedup: float) -> Speeds:
-    """Time the engines directly, one at a time: prefills of two sizes, decode streams at two batch sizes."""
-    import aiohttp
-
-    rng = random.Random(1)
-    async with aiohttp.ClientSession() as session:
-
-        async def prefill(url: str, tokens: int) -> float:
-            body = {"model": MODEL, "prompt": _text(rng, tokens), "max_tokens": 1}
-            started = time.perf_counter()
-            async with session.post(url + "/v1/completions", json=body) as resp:
-                await resp.read()
-            return (time.perf_counter() - started) * speedup
-
-        async def stream(url: str, tokens: int) -> float:
-            body = {"model": MODEL, "prompt": _text(rng, 8), "max_tokens": tokens, "ignore_eos": True, "stream": True}
-            first = last = 0.0
-            n = 0
-            async with session.post(url + "/v1/completions", json=body) as resp:
-                async for line in resp.content:
-                    if line.startswith(b"data: {") and b'"text":"' in line and b'"text":""' not in line:
-                        last = time.perf_counter()
-                        first = first or last
-                        n += 1
-            return (last - first) / (n - 1) * speedup
-
-        speeds = Speeds([], [])
-        for role, url in cluster.engines:  # the median of 3 tries at each point: a busy machine has hiccups
-            if role == "prefill":
-                await prefill(url, 16)  # the first request of a process is slower
-                points = [(t, statistics.median([await prefill(url, t) for _ in range(3)])) for t in (400, 3200)]
-                base, per_token = _line(points)
-                speeds.prefill.append((base, 1.0 / per_token))
-            else:
-                points = []
-                for batch in (1, 4):
-                    tries = []
-                    for _ in range(3):
-                        times = await asyncio.gather(*(stream(url, 40) for _ in range(batch)))
-                        tries.append(sum(times) / batch)
-                    points.append((batch, statistics.median(tries)))
-                speeds.decode.append(_line(points))
-    return speeds
-
-
-def serve_sim(config_json: str) -> None:
-    """Child process: one engine_sim server; prints its port."""
-    from engine_sim import SimConfig, serve
-
-    async def main():
-        srv = await serve(SimConfig(**json.loads(config_json)))
-        print(f"port {srv.port}", flush=True)
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
+class Outcome:
+    status: int  # 200, 429
+    ttft: float = 0.0
+    tpot: float = 0.0
+    alone: bool = False
 
 
 class Cluster:
-    def __init__(self, policy: str, admission: str, speedup: float):
-        self.policy, self.admission = policy, admission
-        self.sims, self.engines, instances = [], [], []
-        for i, (role, rate, step_ms, per_seq_ms) in enumerate(ENGINES, start=1):
-            cfg = {
-                "role": role,
-                "model": MODEL,
-                "speedup": speedup,
-                "prefill_tokens_per_s": rate,
-                "decode_step_ms": step_ms,
-                "decode_per_seq_ms": per_seq_ms,
-                "block_size": BLOCK,
-                "kv_hold_timeout_s": 60.0,
-            }
-            proc = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--serve-sim", json.dumps(cfg)],
-                stdout=subprocess.PIPE,
-                cwd=ROOT,
-                start_new_session=True,
-            )
-            self.sims.append(proc)
-            port = int(proc.stdout.readline().split()[1])
-            self.engines.append((role, f"http://127.0.0.1:{port}"))
-            instances.append(instance(i, role, MODEL, f"127.0.0.1:{port}"))
-        models = [{"id": MODEL, "slo_ttft": round(SLO_TTFT_MS / speedup), "slo_tpot": round(SLO_TPOT_MS / speedup)}]
-        cfg = coordinator_config(
-            instances,
-            models,
-            scheduler_config={"scheduler_type": policy, "admission": admission, "metrics_scrape_interval": 0.5},
-            exception_config={"retry_delay": 0.01, "max_retry": 1},
+    """The scheduler of one policy, as the gateway builds it, over simulated engines."""
+
+    def __init__(self, fam: Family, policy: str, admission: str, alone: bool):
+        self.shared = shared = SharedState.create()
+        self.ledger = Ledger(shared, 0, 1)
+        self.health = Health(shared)
+        pol = make_policy(
+            policy,
+            shared,
+            self.ledger,
+            self.health,
+            predictor=Predictor(shared),
+            index=PrefixIndex(shared),
+            block_tokens=BLOCK,
+            decode_alone=alone,
         )
-        self.coordinator = Coordinator(cfg, ready_timeout_s=180.0)  # a busy machine starts workers slowly
-        self.url = self.coordinator.url + "/v1/chat/completions"
+        registry = Registry(shared)
+        instances, self.engines = [], {}
+        for k, (rate, step) in enumerate(fam.prefills):
+            instances.append(Instance(k + 1, "prefill", MODEL, (Endpoint(0, f"127.0.0.1:{9001 + k}"),)))
+            self.engines[f"127.0.0.1:{9001 + k}"] = Engine(rate, step, 0.0)
+        for k, (step, per_seq, rate) in enumerate(fam.decodes):
+            instances.append(Instance(k + 101, "decode", MODEL, (Endpoint(0, f"127.0.0.1:{9101 + k}"),)))
+            self.engines[f"127.0.0.1:{9101 + k}"] = Engine(rate, step, per_seq)
+        registry.apply("set", instances)
+        queue = AdmissionQueue(shared, 256) if admission == "queue" else None
+        self.scheduler = Scheduler(registry, self.ledger, self.health, pol, admission=admission, queue=queue)
+        self.by_slot = {t.slot: self.engines[t.address] for t in registry.view().targets}
+        self.uses_prefix = pol.uses_prefix
 
-    def stop(self) -> None:
-        self.coordinator.stop()
-        for proc in self.sims:
-            proc.terminate()
-        for proc in self.sims:
-            proc.wait(10)
+    async def scrape(self) -> None:
+        while True:
+            for slot, e in self.by_slot.items():
+                self.health.set_engine_load(slot, len(e.running), len(e.waiting), 0.0)
+            await asyncio.sleep(SCRAPE_S)
+
+    async def serve(self, fam: Family, req: Req, key: int) -> Outcome:
+        hashes = hashes_of(fam, req, key)
+        prompt = req.prompt(fam)
+        job = JobInfo(
+            MODEL,
+            prompt,
+            req.out,
+            fam.ttft_s * 1000,
+            fam.tpot_s * 1000,
+            block_hashes=hashes if self.uses_prefix else [],
+        )
+        sent = clock.now()
+        try:
+            plan = self.scheduler.try_admit(job) or await self.scheduler.queued(job)
+        except (OverBudget, NoCapacity):
+            return Outcome(429)
+        d_leg = plan.leg(DECODE)
+        d = self.by_slot[d_leg.target.slot]
+        if plan.disaggregated and not plan.alone:
+            hold = d_leg.hold()
+            p_leg = plan.leg(PREFILL)
+            lease = p_leg.lease()
+            p = self.by_slot[p_leg.target.slot]
+            s = p.submit(prompt, 1, hashes)
+            await s.done
+            lease.succeed(s.uncached)
+            lease.release()
+            hold.release()
+            s = None
+            lease = d_leg.lease()
+            seq = d.submit(prompt, req.out, hashes, remote_kv=True)
+        else:  # D (or the one engine) computes the prompt itself
+            lease = d_leg.lease()
+            seq = d.submit(prompt, req.out, hashes)
+        first = await seq.first
+        lease.first_token()
+        done = await seq.done
+        lease.events = req.out + 3  # the role, finish and usage/[DONE] events frame a stream
+        lease.succeed(seq.uncached)
+        lease.release()
+        tpot = (done - first) / (req.out - 1) if req.out > 1 else 0.0
+        return Outcome(200, first - sent, tpot, plan.disaggregated and plan.alone)
 
 
-# -- client ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Result:
-    status: int
-    ttft_s: float = 0.0  # wall clock
-    tpot_s: float = 0.0
-    tokens: int = 0
-
-
-async def one(session, url: str, req: Req) -> Result:
-    import aiohttp
-
-    sent = time.perf_counter()
-    first = last = 0.0
-    n = 0
-    try:
-        async with session.post(url, data=req.body, headers={"Content-Type": "application/json"}) as resp:
-            if resp.status != 200:
-                await resp.read()
-                return Result(resp.status)
-            async for line in resp.content:
-                if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
-                    last = time.perf_counter()
-                    if not n:
-                        first = last
-                    n += 1
-    except (TimeoutError, aiohttp.ClientError):
-        return Result(599)
-    if not n:
-        return Result(598)
-    return Result(200, first - sent, (last - first) / (n - 1) if n > 1 else 0.0, n)
-
-
-async def phase(session, url: str, reqs: list[Req], rate_wall: float, rng: random.Random) -> tuple[list[Result], float]:
-    """Send `reqs` with Poisson arrivals at `rate_wall` per second; (results, arrival window in wall seconds)."""
+async def replay(cluster: Cluster, fam: Family, reqs: list[Req], key0: int) -> list[Outcome]:
     loop = asyncio.get_running_loop()
     start = loop.time()
-    at, tasks = 0.0, []
-    for req in reqs:
-        at += rng.expovariate(rate_wall)
-        delay = start + at - loop.time()
+    tasks = []
+    for k, r in enumerate(reqs):
+        delay = start + r.at - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(loop.create_task(one(session, url, req)))
-    return list(await asyncio.gather(*tasks)), at
+        tasks.append(loop.create_task(cluster.serve(fam, r, key0 + k)))
+    return list(await asyncio.gather(*tasks))
 
 
 @dataclass
 class Row:
-    policy: str
-    admission: str
+    family: str
+    run: str
     load: float
-    offered: float
     goodput: float
-    attainment: float
-    admitted_attainment: float
-    ttft_p50: float
-    ttft_p99: float
-    tpot_p50: float
-    tpot_p99: float
+    ontime: float  # among admitted
     rejected: float
-    errors: int
+    ttft_p50: float
+    alone: float
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def _p50(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
-def summarize(
-    policy: str, admission: str, load: float, offered: float, results: list[Result], window_s: float, speedup: float
-) -> Row:
-    ok = [r for r in results if r.status == 200]
-    ttft = [r.ttft_s * speedup * 1000 for r in ok]
-    tpot = [r.tpot_s * speedup * 1000 for r in ok]
-    good = sum(1 for a, b in zip(ttft, tpot) if a <= SLO_TTFT_MS and b <= SLO_TPOT_MS)
-    rejected = sum(1 for r in results if r.status == 429)
-    errors = sum(1 for r in results if r.status not in (200, 429))
-    admitted = len(results) - rejected
+def run_one(fam: Family, run: str, load: float, cap: float, n: int, warmup: int, seed: int) -> Row:
+    policy, admission, *flags = run.split(":")
+    loop = VirtualLoop()
+    clock.use(loop.time)
+    try:
+        cluster = Cluster(fam, policy, admission, "alone" in flags)
+
+        async def go():
+            engines = [loop.create_task(e.run()) for e in cluster.engines.values()]
+            engines.append(loop.create_task(cluster.scrape()))
+            # Unmeasured warm-up at half load (the model learns the engines), then a pause to drain.
+            await replay(cluster, fam, make_requests(fam, warmup, 0.5 * cap, seed + 7), 10**6)
+            await asyncio.sleep(5.0)
+            reqs = make_requests(fam, n, load * cap, seed)
+            out = await replay(cluster, fam, reqs, 0)
+            for t in engines:
+                t.cancel()
+            return out, reqs[-1].at
+
+        outcomes, window = loop.run_until_complete(go())
+    finally:
+        loop.close()
+        clock.use(time.monotonic)
+    ok = [o for o in outcomes if o.status == 200]
+    good = sum(1 for o in ok if o.ttft <= fam.ttft_s and o.tpot <= fam.tpot_s)
     return Row(
-        policy,
-        admission,
+        fam.name,
+        run,
         load,
-        offered,
-        good / (window_s * speedup),
-        good / len(results),
-        good / admitted if admitted else 0.0,
-        _pct(ttft, 0.5),
-        _pct(ttft, 0.99),
-        _pct(tpot, 0.5),
-        _pct(tpot, 0.99),
-        rejected / len(results),
-        errors,
+        good / window,
+        good / len(ok) if ok else 1.0,
+        1.0 - len(ok) / len(outcomes),
+        _p50([o.ttft * 1000 for o in ok]),
+        sum(o.alone for o in ok) / len(ok) if ok else 0.0,
     )
 
 
-async def prefill_directly(session, url: str, messages: list[dict]) -> None:
-    body = {"model": MODEL, "messages": messages, "max_tokens": 1}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        await resp.read()
-
-
-async def prewarm(session, url: str, systems: list[str]) -> None:
-    """Prefill every shared system prompt once on a prefill engine, straight to it: its prefix cache then
-    holds all of them, as it does in a steady state (the capacity figure assumes it)."""
-    for text in systems:
-        await prefill_directly(session, url, [{"role": "system", "content": text}, {"role": "user", "content": "-"}])
-
-
-async def run(args, systems: list[str], clusters: list[Cluster], loads: list[float]) -> list[Row]:
-    import aiohttp
-
-    speeds = await measure_speeds(clusters[0], args.speedup)
-    cap, prefill_cap, decode_cap = speeds.capacity(systems, args.seed)
-    print(
-        "measured (cluster time): prefill "
-        + ", ".join(f"{rate:.0f} tokens/s + {base * 1000:.0f} ms" for base, rate in speeds.prefill)
-        + "; decode step "
-        + ", ".join(f"{a * 1000:.0f} + {b * 1000:.1f}/seq ms" for a, b in speeds.decode)
-        + f"\ncapacity {cap:.2f} req/s (prefill {prefill_cap:.2f}, decode {decode_cap:.2f})"
-    )
-    rows = []
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        await asyncio.gather(
-            *(prewarm(session, url, systems) for c in clusters for role, url in c.engines if role == "prefill")
-        )
-        print(HEADER, flush=True)
-        for cluster in clusters:
-            warm = make_requests(args.seed + 1000, args.warmup, systems)
-            await phase(session, cluster.url, warm, 0.5 * cap * args.speedup, random.Random(args.seed + 1000))
-        for k, load in enumerate(loads):
-            reqs = make_requests(args.seed + k, args.requests, systems)
-            for cluster in clusters:
-                rng = random.Random(args.seed + k)
-                results, window = await phase(session, cluster.url, reqs, load * cap * args.speedup, rng)
-                rows.append(
-                    summarize(cluster.policy, cluster.admission, load, load * cap, results, window, args.speedup)
-                )
-                print(_format(rows[-1]), flush=True)
-                await asyncio.sleep(1.0)
-    return rows
-
-
-HEADER = (
-    f"{'policy':<18} {'admission':<9} {'load':>5} {'offered':>8} {'goodput':>8} {'attain':>7} {'adm.att':>7} "
-    f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'rejected':>8}"
-)
+HEADER = f"{'family':<28} {'policy:admission':<24} {'load':>5} {'goodput':>8} {'on-time':>8} {'refused':>8} {'TTFT p50':>9} {'D alone':>8}"
 
 
 def _format(r: Row) -> str:
     return (
-        f"{r.policy:<18} {r.admission:<9} {r.load:>5.0%} {r.offered:>8.2f} {r.goodput:>8.2f} {r.attainment:>7.1%} "
-        f"{r.admitted_attainment:>7.1%} {r.ttft_p50:>9.0f} {r.ttft_p99:>9.0f} {r.tpot_p50:>9.1f} {r.tpot_p99:>9.1f} "
-        f"{r.rejected:>8.1%}" + (f"  ({r.errors} errors)" if r.errors else "")
+        f"{r.family:<28} {r.run:<24} {r.load:>5.0%} {r.goodput:>8.2f} {r.ontime:>8.1%} {r.rejected:>8.1%} "
+        f"{r.ttft_p50:>9.0f} {r.alone:>8.0%}"
     )
+
+
+def figures(rows: list[Row], families: list[Family]) -> list[str]:
+    """The issue's figures, per family, and whether each holds in every family."""
+
+    def get(fam: str, run: str, load: float) -> Row | None:
+        return next((r for r in rows if r.family == fam and r.run == run and abs(r.load - load) < 1e-9), None)
+
+    admitted = [r for r in rows if r.run.startswith("slo_aware:") and r.run.split(":")[1] != "off"]
+    lines = []
+    worst = min((r.ontime for r in admitted), default=float("nan"))
+    lines.append(f"admitted on-time, worst of every family, load and admitting run: {worst:.1%} (target 95 %)")
+    vs_rr, vs_best, vs_lb = [], [], []
+    for fam in families:
+        rr, lb = get(fam.name, "round_robin:off", 1.0), get(fam.name, "load_balance:off", 1.0)
+        others = [get(fam.name, r, 1.0) for r in ("round_robin:off", "load_balance:off", "kv_cache_affinity:off")]
+        best_other = max((o.goodput for o in others if o), default=0.0)
+        ad = [r for r in admitted if r.family == fam.name and abs(r.load - 1.0) < 1e-9]
+        off = get(fam.name, "slo_aware:off", 1.0)
+        if ad and rr and best_other:
+            g = max(r.goodput for r in ad)
+            vs_rr.append(g / rr.goodput if rr.goodput else math.inf)
+            vs_best.append(g / best_other)
+        if off and lb:
+            vs_lb.append(off.goodput / lb.goodput if lb.goodput else math.inf)
+    if vs_rr:
+        lines.append(f"slo_aware with admission / round_robin at 100 %, worst family: {min(vs_rr):.2f}x (target 1.5x)")
+        lines.append(
+            f"slo_aware with admission / best other at 100 %, worst family: {min(vs_best):.2f}x (target 1.15x)"
+        )
+    if vs_lb:
+        lines.append(
+            f"slo_aware without admission / load_balance at 100 %, worst family: {min(vs_lb):.2f}x (target 1.0x)"
+        )
+    pd, alone = get(families[0].name, "slo_aware:queue", 1.0), get(families[0].name, "slo_aware:queue:alone", 1.0)
+    if pd and alone:
+        lines.append(
+            f"{families[0].name} at 100 %: TTFT p50 {alone.ttft_p50:.0f} ms with D alone vs {pd.ttft_p50:.0f} ms "
+            f"always PD ({1 - alone.ttft_p50 / pd.ttft_p50:.0%} lower; target 20 %), goodput {alone.goodput:.2f} vs "
+            f"{pd.goodput:.2f}"
+        )
+    return lines
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--speedup", type=float, default=5.0, help="simulated cluster time per wall-clock second")
-    parser.add_argument("--requests", type=int, default=120, help="requests per load level")
-    parser.add_argument("--warmup", type=int, default=30, help="unmeasured requests at 50 %% load first")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--loads", default="0.7,1.0,1.3")
-    parser.add_argument(
-        "--runs",
-        default="round_robin:off,load_balance:off,kv_cache_affinity:off,slo_aware:reject",
-        help="policy:admission pairs, comma-separated",
-    )
-    parser.add_argument("--serve-sim", help=argparse.SUPPRESS)
+    parser.add_argument("--families", type=int, default=13)
+    parser.add_argument("--requests", type=int, default=240, help="measured requests per run")
+    parser.add_argument("--warmup", type=int, default=60, help="unmeasured requests at half load first")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--loads", default="1.0,1.3")
+    parser.add_argument("--runs", default=DEFAULT_RUNS, help="policy:admission[:alone] runs, comma-separated")
+    parser.add_argument("--only", default="", help="family names containing this")
     args = parser.parse_args(argv)
-    if args.serve_sim:
-        serve_sim(args.serve_sim)
-        return 0
-    systems = make_systems(args.seed)
     loads = [float(x) for x in args.loads.split(",")]
-    print(
-        f"cluster (nominal, cluster time): prefill {ENGINES[0][1]:.0f} and {ENGINES[1][1]:.0f} tokens/s; decode step "
-        f"{ENGINES[2][2]:.0f} + {ENGINES[2][3]:.0f}/seq ms and {ENGINES[3][2]:.0f} + {ENGINES[3][3]:.0f}/seq ms; "
-        f"SLO TTFT {SLO_TTFT_MS:.0f} ms, TPOT {SLO_TPOT_MS:.0f} ms; speedup {args.speedup:g}; "
-        f"{args.requests} requests per load, seed {args.seed}",
-        flush=True,
-    )
+    families = [make_family(i, args.seed) for i in range(args.families)]
+    families = [f for f in families if args.only in f.name]
     started = time.monotonic()
-    clusters: list[Cluster] = []
-    try:
-        for spec in args.runs.split(","):
-            policy, _, admission = spec.partition(":")
-            clusters.append(Cluster(policy, admission or "off", args.speedup))
-        rows = asyncio.run(run(args, systems, clusters, loads))
-    finally:
-        for cluster in clusters:
-            cluster.stop()
-    print(f"({time.monotonic() - started:.0f} s)\n")
-    print(HEADER)
-    for r in rows:
-        print(_format(r))
-    print(verdict_line(rows))
+    rows: list[Row] = []
+    print(HEADER, flush=True)
+    for fam in families:
+        cap = capacity(fam, args.seed)
+        print(f"# {fam.name}: {fam.describe()}; capacity {cap:.2f} req/s", flush=True)
+        for load in loads:
+            for run in args.runs.split(","):
+                rows.append(run_one(fam, run, load, cap, args.requests, args.warmup, args.seed))
+                print(_format(rows[-1]), flush=True)
+    print(f"\n({time.monotonic() - started:.0f} s)")
+    for line in figures(rows, families):
+        print(line)
     return 0
-
-
-def verdict_line(rows: list[Row]) -> str:
-    def goodput(policy: str, load: float) -> float:
-        found = [r.goodput for r in rows if r.policy == policy and abs(r.load - load) < 1e-9 and r.admission != "queue"]
-        return found[0] if found else float("nan")
-
-    slo = goodput("slo_aware", 1.0)
-    others = [goodput(p, 1.0) for p in ("round_robin", "load_balance", "kv_cache_affinity")]
-    best = max((g for g in others if not math.isnan(g)), default=float("nan"))
-    rr = others[0]
-    at130 = [
-        r.admitted_attainment
-        for r in rows
-        if r.policy == "slo_aware" and r.admission == "reject" and abs(r.load - 1.3) < 1e-9
-    ]
-    return (
-        f"slo_aware_vs_round_robin={slo / rr if rr else float('inf'):.2f} "
-        f"slo_aware_vs_best_other={slo / best if best else float('inf'):.2f} "
-        f"admitted_attainment_130={at130[0] if at130 else float('nan'):.2f}"
-    )
 
 
 if __name__ == "__main__":

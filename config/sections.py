@@ -155,6 +155,11 @@ class SchedulerConfig:
     pd_dispatch: Annotated[Str, _one_of(PD_DISPATCH)] = "handoff"
     admission: Annotated[Str, _one_of(ADMISSION)] = "off"
     admission_queue_size: Count = 256
+    # slo_aware: per request, the decode instance alone computes the prompt (no prefill leg, no KV transfer)
+    # when that is predicted to give the first token sooner within the budgets.
+    conditional_disaggregation: Bool = False
+    # With no usable P/D pair, serve requests whole (union, then prefill, then decode instances); false: 503.
+    enable_pd_separation_fallback_to_hybrid: Bool = True
     metrics_scrape_interval_s: Annotated[Seconds, key("metrics_scrape_interval")] = 1.0
     health_check_interval_s: Annotated[Seconds, key("health_check_interval")] = 1.0
     health_check_timeout_failures: Count = 3
@@ -383,7 +388,14 @@ def _model_ids_unique(models: tuple[ModelConfig, ...]) -> tuple[ModelConfig, ...
     return models
 
 
+def _alone_needs_predictions(sched: SchedulerConfig) -> SchedulerConfig:
+    if sched.conditional_disaggregation and sched.scheduler_type != "slo_aware":
+        raise refused("needs scheduler_type slo_aware (it decides on predicted times)", "conditional_disaggregation")
+    return sched
+
+
 # The schemas config.load validates against: the section's dataclass and its rules across keys.
+SchedulerSection = Annotated[SchedulerConfig, AfterValidator(_alone_needs_predictions)]
 ApiSection = Annotated[ApiConfig, AfterValidator(_ports_differ)]
 ApiKeySection = Annotated[ApiKeyConfig, AfterValidator(_keys_when_enabled)]
 ExceptionSection = Annotated[ExceptionConfig, BeforeValidator(_one_reschedule_switch)]

@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import time
 from collections.abc import Callable
 
+from scheduling import clock
 from scheduling.policies import MARGIN
 from state.shared import W_QUEUED, WORKER_FIELDS, SharedState
 
@@ -111,7 +111,7 @@ class AdmissionQueue:
                     # Let the admitted request take its leases before the next one is judged.
                     await asyncio.sleep(0)
                     continue
-                left = job.slo_ttft_ms / 1000.0 - (time.monotonic() - job.arrived)
+                left = job.slo_ttft_ms / 1000.0 - (clock.now() - job.arrived)
                 if MARGIN * left < job.floor_s:
                     fut.set_exception(
                         OverBudget("the SLO budget ran out while the request waited for capacity", job.retry_after_s)

@@ -10,9 +10,9 @@ a request whose prefill is still running.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
+from scheduling import clock
 from state.shared import (
     L_DECODE_TOKENS,
     L_HELD,
@@ -94,6 +94,7 @@ class Lease:
         "ledger",
         "ok",
         "predicted",
+        "predicted_tpot",
         "prefilling",
         "prompt_tokens",
         "released",
@@ -107,8 +108,8 @@ class Lease:
         self.ledger, self.slot, self.kind = ledger, slot, kind
         self.prompt_tokens, self.decode_tokens, self.prefilling = prompt_tokens, decode_tokens, prefilling
         self.released = self.ok = False
-        self.started = time.monotonic()
-        self.first_at = self.ended = self.predicted = self.shift = 0.0
+        self.started = clock.now()
+        self.first_at = self.ended = self.predicted = self.predicted_tpot = self.shift = 0.0
         self.events = 0
         self.engine_uncached = -1  # uncached prompt tokens as the engine reported them (-1: not reported)
         self.batch = 0  # requests on the slot when this one started, itself included
@@ -124,7 +125,7 @@ class Lease:
     def prefill_done(self) -> None:
         """The first token arrived: the prompt no longer waits for prefill."""
         if not self.first_at:
-            self.first_at = time.monotonic()
+            self.first_at = clock.now()
         if self.prefilling and not self.released:
             self.prefilling = False
             arr, at = self.arr, self.at
@@ -146,7 +147,7 @@ class Lease:
     def release(self) -> None:
         if self.released:
             return
-        self.ended = time.monotonic()
+        self.ended = clock.now()
         observer = self.ledger.observer
         if self.ok and observer is not None:
             try:

@@ -17,7 +17,10 @@ so its choice costs microseconds and every worker chooses from the same picture.
   learned allowance for prediction errors. A cached prefix lowers a candidate's uncached tokens, so
   affinity is a lower prefill cost, not a rule; a faster or less busy engine is a sooner finish, so the
   pair chosen is also the one that spends the least capacity on the request. Before the model knows a
-  candidate it is tried once while idle, else load balancing decides.
+  candidate it is tried once while idle, else load balancing decides. A request late on every prefill
+  engine goes to the one that finishes last (behind work that is late already). With `decode_alone`
+  (`conditional_disaggregation`) each decode engine is also judged serving the request alone, computing
+  the prompt itself (`_pick_alone`), and is chosen when that is clearly sooner within both budgets.
 
 Every plan carries a verdict (`JobInfo.feasible`): True or False when the model can judge the chosen
 pair against the budgets, None when it cannot yet; SLO admission (scheduling/admission.py) acts on it.
@@ -25,13 +28,13 @@ pair against the budgets, None when it cannot yet; SLO admission (scheduling/adm
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
+from scheduling import clock
 from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
 from scheduling.ledger import Ledger
-from scheduling.predict import UNKNOWN, Predictor
+from scheduling.predict import BUSY_WINDOW_S, UNKNOWN, Predictor
 from scheduling.registry import Target
 from state.shared import G_RR, SharedState
 
@@ -42,6 +45,15 @@ TPOT_MARGIN = 0.85
 # Predictions within 5 % (plus 2 ms for a TTFT, 0.5 ms for a TPOT) of the best are ties; ties go to the
 # first candidate in an order that rotates with every request, so equal idle engines share the traffic.
 TIE = 0.05
+# Conditional disaggregation tries a decode engine whose prefill speed it does not know yet with prompts up
+# to this size (a few requests, until it knows): a longer one would stall the streams decoding there.
+EXPLORE_ALONE_TOKENS = 512
+# A prefill served on a decode engine may delay the streams there by at most what their predicted TPOT
+# leaves of this many tokens' budget (a stream's TPOT is its mean over its tokens).
+ALONE_STALL_TOKENS = 2
+# ... and it goes there only with a prompt at most this many times the mean of those computed there so far:
+# a speed learned from short prompts says little about a long one's.
+ALONE_EXTRAPOLATION = 4.0
 
 
 def _clearly_less(a: float, b: float, absolute: float) -> bool:
@@ -59,7 +71,7 @@ class JobInfo:
     slo_tpot_ms: float
     block_hashes: list[int] = field(default_factory=list)
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
-    arrived: float = field(default_factory=time.monotonic)
+    arrived: float = field(default_factory=lambda: clock.now())
     cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
     # The verdict of the last plan: can the chosen engines meet the budgets? (None: cannot tell.)
     feasible: bool | None = None
@@ -68,6 +80,7 @@ class JobInfo:
     tpot_model_s: float = 0.0  # the decode model's own TPOT prediction (its errors are learned)
     floor_s: float = 0.0  # expected TTFT with empty queues (no allowance): below this budget no wait can help
     hopeless: bool = False  # even that floor, or the expected TPOT, is over the budget
+    alone: bool = False  # the last plan serves a P/D pair's request on its decode engine alone (no prefill leg)
     retry_after_s: float = 1.0
 
 
@@ -84,12 +97,14 @@ class Policy:
         index: PrefixIndex | None = None,
         block_tokens: int = 16,
         overload_factor: float = 2.0,
+        decode_alone: bool = False,
     ):
         self.shared, self.ledger, self.health = shared, ledger, health
         self.predictor = predictor
         self.index = index
         self.block_tokens = block_tokens
         self.overload_factor = overload_factor
+        self.decode_alone = decode_alone  # conditional disaggregation (slo_aware; `conditional_disaggregation`)
 
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
         raise NotImplementedError
@@ -127,6 +142,9 @@ class Policy:
         """
         requests, _, decode_tokens, _ = self.ledger.load(t.slot)
         held = self.ledger.held(t.slot)
+        running, waiting, _ = self.health.engine_load(t.slot)
+        if running + waiting > requests:  # the engine serves more than we sent it (other clients, lost counts)
+            requests = int(running + waiting)
         if delay <= 0.0 or not (requests or held):
             return requests + held + 1.0
         step = self.predictor.step_s(t.slot, requests + held)
@@ -140,34 +158,52 @@ class Policy:
         decode leg starts in `delay` seconds."""
         pred = self.predictor
         tpot = pred.step_s(d.slot, self.decode_batch(d, delay))
-        return tpot, (pred.first_wait_s(d.slot) + tpot) if tpot != UNKNOWN else UNKNOWN
+        if tpot == UNKNOWN:
+            return UNKNOWN, UNKNOWN
+        busy = pred.prefill_busy(d.slot, clock.now())
+        if busy > 0.0:  # prompts computed there (requests served whole or alone) take steps from its streams
+            tpot /= 1.0 - busy if busy < 0.9 else 0.1
+        return tpot, pred.first_wait_s(d.slot) + tpot
 
     def predict_prefill(self, p: Target, job: JobInfo, now: float) -> tuple[float, float, float]:
         """(seconds until `p` would finish this prompt's prefill, the same without queueing, the engine's
         allowance for prediction errors): the first two are expected values, the allowance is what a
         judgement against a budget adds to them."""
-        pred = self.predictor
-        service = pred.prefill_s(p.slot, self.uncached(p, job))
-        # No prefill of ours in flight there: whatever the virtual queue says, nothing waits ahead.
-        wait = pred.queue_wait_s(p.slot, now) if self.ledger.load(p.slot)[3] else 0.0
-        return wait + service, service, pred.allowance_s(p.slot)
+        pred, slot = self.predictor, p.slot
+        service = pred.prefill_s(slot, self.uncached(p, job))
+        if service == UNKNOWN:
+            return UNKNOWN, UNKNOWN, 0.0
+        _, tokens, _, prefilling = self.ledger.load(slot)
+        wait = 0.0  # no prefill of ours in flight there: whatever the virtual queue says, nothing of ours waits
+        if prefilling:
+            # The virtual queue, but never more than the work of ours still in flight there (the ledger's
+            # uncached tokens of the prefills not done yet): the queue's end drifts, the ledger does not.
+            wait = min(pred.queue_wait_s(slot, now), pred.prefill_s(slot, tokens))
+        foreign = self.health.engine_load(slot)[1] - prefilling  # waiting there beyond ours (as last scraped)
+        if foreign >= 1.0:
+            wait += foreign * pred.prefill_s(slot, int(pred.mean_prefill_tokens(slot)))
+        finish = wait + service  # (its own step counted even behind others: an engine step may just have begun)
+        return finish, service, pred.allowance_s(slot, finish, now)
 
     def judge(self, p: Target | None, d: Target, job: JobInfo) -> None:
         """Set the job's verdict for this plan (p None: one engine serves the request whole)."""
         job.feasible = None
         if self.predictor is None:
             return
-        finish, service, allowance = self.predict_prefill(p or d, job, time.monotonic())
+        now = clock.now()
+        finish, service, allowance = self.predict_prefill(p or d, job, now)
         if finish == UNKNOWN:
             return
         tpot, first = self.predict_decode(d, finish if p is not None else 0.0)
         if tpot == UNKNOWN:
             return
         extra = tpot if p is None else first
-        self._verdict(job, finish + allowance + extra, tpot, service + extra, self.predictor.tpot_allowance_s(d.slot))
+        self._verdict(
+            job, finish + allowance + extra, tpot, service + extra, self.predictor.tpot_allowance_s(d.slot, tpot, now)
+        )
 
     def _verdict(self, job: JobInfo, ttft: float, tpot: float, floor: float, tpot_allowance: float = 0.0) -> None:
-        ttft_budget = job.slo_ttft_ms / 1000.0 - (time.monotonic() - job.arrived)
+        ttft_budget = job.slo_ttft_ms / 1000.0 - (clock.now() - job.arrived)
         tpot_budget = job.slo_tpot_ms / 1000.0
         job.tpot_model_s = tpot
         tpot += tpot_allowance
@@ -289,7 +325,7 @@ class SloAware(LoadBalance):
         g[G_RR] = start + 1
         return start
 
-    def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int) -> tuple | None:
+    def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int, now: float) -> tuple | None:
         """(target, TPOT, first-token wait, TPOT allowance) of the decode target with the lowest predicted TPOT
         (allowance included), preferring those within the budget."""
         budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
@@ -300,7 +336,7 @@ class SloAware(LoadBalance):
             tpot, first = self.predict_decode(d, delay)
             if tpot == UNKNOWN:
                 return None
-            allowance = self.predictor.tpot_allowance_s(d.slot)
+            allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
             over = tpot + allowance > budget
             if best is None or over < best[0] or (over == best[0] and _clearly_less(tpot + allowance, best[1], 0.0005)):
                 best = (over, tpot + allowance, d, tpot, first, allowance)
@@ -310,8 +346,10 @@ class SloAware(LoadBalance):
         self, ps: list[Target], job: JobInfo, now: float, start: int
     ) -> tuple[Target, float, float, float] | None:
         """The prefill target that finishes first, allowance included: (it, its expected finish, its allowance,
-        the least expected service time of any)."""
-        best, floor = None, UNKNOWN
+        the least expected service time of any). When even the first would finish after the TTFT budget,
+        the one that finishes last: there it delays only requests that are late already."""
+        best = latest = None
+        floor = UNKNOWN
         n = len(ps)
         for k in range(n):
             p = ps[(start + k) % n]
@@ -320,15 +358,21 @@ class SloAware(LoadBalance):
                 return None
             if best is None or _clearly_less(finish + allowance, best[1] + best[2], 0.002):
                 best = (p, finish, allowance)
+            if latest is None or finish > latest[1]:
+                latest = (p, finish, allowance)
             floor = min(floor, service)
+        if best[1] > job.slo_ttft_ms / 1000.0 - (now - job.arrived):
+            # Late wherever it goes: where it delays the fewest requests that can still be on time, behind
+            # the work that is late already (without admission it is served all the same).
+            best = latest
         return best[0], best[1], best[2], floor
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
         pred = self.predictor
         job.feasible = None
-        start = self._rotation()
-        p_pick = self._pick_prefill(ps, job, time.monotonic(), start)
-        d_pick = self._pick_decode(ds, job, p_pick[1], start) if p_pick is not None else None
+        start, now = self._rotation(), clock.now()
+        p_pick = self._pick_prefill(ps, job, now, start)
+        d_pick = self._pick_decode(ds, job, p_pick[1], start, now) if p_pick is not None else None
         if d_pick is None:
             d = self._explore(ds, pred.decode_known, start) or LoadBalance.choose(self, ds, job)
         else:
@@ -339,8 +383,70 @@ class SloAware(LoadBalance):
             return p_pick[0], d
         p, finish, allowance, floor = p_pick
         _, tpot, first, tpot_allowance = d_pick
-        self._verdict(job, finish + allowance + first, tpot, floor + first, tpot_allowance)
+        ttft = finish + allowance + first
+        if self.decode_alone:
+            alone = self._pick_alone(ds, job, now, start, ttft)
+            if alone is not None:
+                d, ttft_alone, tpot, floor, tpot_allowance = alone
+                job.alone = True
+                if ttft_alone == UNKNOWN:  # learning what D's prefill costs: no verdict on it yet
+                    return p, d
+                self._verdict(job, ttft_alone, tpot, floor, tpot_allowance)
+                return p, d
+        self._verdict(job, ttft, tpot, floor + first, tpot_allowance)
         return p, d
+
+    def _pick_alone(self, ds: list[Target], job: JobInfo, now: float, start: int, ttft_pd: float) -> tuple | None:
+        """The decode engine that would serve the request alone (computing the prompt itself) when that is
+        predicted to give a clearly sooner first token than the pair (`ttft_pd`) within both budgets: (it,
+        its TTFT with allowance, its TPOT, the TTFT floor, the TPOT allowance); None: the pair serves.
+
+        Its prefill runs in the decode engine's steps, which costs the streams decoding there twice: once at
+        once (every one of them waits for it, and for the prefills before it there: at most what their TPOT
+        leaves of ALONE_STALL_TOKENS tokens' budget), and over time (the share of the engine's time spent
+        prefilling lengthens every step it does not spend decoding). So only short or mostly cached prompts
+        go to a busy decode engine. One whose prefill speed is not known yet is tried with a short prompt
+        while it prefills nothing and its streams have room (an UNKNOWN TTFT), so that the model learns it.
+        """
+        pred, best = self.predictor, None
+        tpot_budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
+        ttft_budget = MARGIN * (job.slo_ttft_ms / 1000.0 - (now - job.arrived))
+        n = len(ds)
+        for k in range(n):
+            d = ds[(start + k) % n]
+            step = pred.step_s(d.slot, self.decode_batch(d, 0.0))
+            if step == UNKNOWN:
+                continue
+            busy = pred.prefill_busy(d.slot, now)
+            if pred.prefill_known(d.slot) and self.uncached(d, job) > ALONE_EXTRAPOLATION * pred.mean_prefill_tokens(
+                d.slot
+            ):  # its prefill speed there is known for prompts of the sizes computed there so far
+                continue
+            finish, service, allowance = self.predict_prefill(d, job, now)
+            # What its streams lose: the prompt's tokens (the fixed part of a prefill there is mostly the step
+            # it shares with them, which they take anyway).
+            stall = service - pred.base_s(d.slot)
+            if finish == UNKNOWN:
+                stall = 0.0
+            elif not _clearly_less(finish + allowance + step, ttft_pd, 0.002):
+                continue
+            busy += stall / BUSY_WINDOW_S
+            if busy >= 0.9:
+                continue
+            tpot = step / (1.0 - busy)
+            tpot_allowance = pred.tpot_allowance_s(d.slot, tpot, now)
+            slack = tpot_budget - tpot - tpot_allowance
+            prefilling = self.ledger.load(d.slot)[3]
+            if slack <= 0.0 or (prefilling + 1) * stall > ALONE_STALL_TOKENS * slack:
+                continue
+            if finish == UNKNOWN:
+                if not prefilling and job.prompt_tokens <= EXPLORE_ALONE_TOKENS and best is None:
+                    best = (d, UNKNOWN, tpot, 0.0, tpot_allowance)
+                continue
+            ttft = finish + allowance + tpot
+            if ttft <= ttft_budget and (best is None or best[1] == UNKNOWN or ttft < best[1]):
+                best = (d, ttft, tpot, service + tpot, tpot_allowance)
+        return best
 
     def choose_whole(self, cands: list[Target], job: JobInfo) -> Target:
         return self.choose(cands, job)
@@ -352,7 +458,7 @@ class SloAware(LoadBalance):
         """One engine for the whole request: the soonest first token among those within the TPOT budget."""
         pred = self.predictor
         job.feasible = None
-        now = time.monotonic()
+        now = clock.now()
         budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
         best = None
         n, start = len(cands), self._rotation()

@@ -8,23 +8,31 @@ prefill work sent so far should be done: a new prefill of `u` uncached tokens st
 max(now, queue end) and takes `base + u / rate`. When a prefill completes, the gap between its
 observed and predicted finish moves the queue end (requests behind it are late or early by the same
 amount), counting each correction once: a lease remembers the sum of corrections when it started.
-Its service time is the time from max(its start, the previous completion on that endpoint) to its
-completion; `rate` and `base` are a least-squares line through (uncached tokens, service time) pairs.
+The fit's samples are groups of completions: those within `GROUP_S` of each other finished in one engine
+step (a chunked batch), so their tokens add up; the group's service time runs from max(its first
+member's start, the previous group's last completion) to its last completion. `rate` and `base` are a
+least-squares line through (uncached tokens, service time) pairs, each group fitted when the next begins.
 When none of our prefills is in flight on the endpoint (the ledger says so), its queue is empty, whatever
 the virtual queue held (a lost or aborted request leaves phantom work there otherwise). A JSON answer
 has no first-token time, only an upper bound on it: it moves the queue end only when it arrives before
 its predicted prefill finish (`settle_prefill`), and is not fitted.
 
-Every sampled prefill's error (observed minus predicted finish, as predicted when it was sent; samples
-are below) goes into a ring of the endpoint's last `ERROR_WINDOW` errors; their 95th percentile is its
-`allowance_s`, added to predictions judged against a budget, so an engine that stalls now and then is
-given room for its stalls, and forgets a stall once `ERROR_WINDOW` newer samples have come and gone.
-Decode streams do the same with their observed seconds per token against the TPOT predicted when the
-request was planned (`tpot_allowance_s`), which also covers errors in the predicted batch.
+Error allowances. Every sampled prefill's error (observed minus predicted finish, as predicted when it was
+sent, as a share of the time from then to the predicted finish: a short prompt is not judged by a long
+one's misses) moves the endpoint's allowance, a share added to predictions judged against a budget
+(`allowance_s`): a miss widens it at once by half the excess (`WIDEN`), a prediction that held narrows it
+by `NARROW` of the room it did not use (so it settles where misses are rare and small next to the room
+the others leave); after `ALLOWANCE_QUIET_S` without any evidence it halves every
+`ALLOWANCE_HALF_LIFE_S` (so a bad moment cannot shut admission for good: the requests it lets in again
+are the evidence). Decode streams do the same with their observed seconds per token against the TPOT
+predicted when the request was planned (`tpot_allowance_s`), which also covers errors in the predicted
+batch.
 
 Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
 a least-squares line through (mean batch during a request, its observed seconds per token) pairs. The
-wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean.
+wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean. Prompts
+computed on the endpoint take steps from its streams: `prefill_busy` is the share of its time the
+prefills sent there lately take (decayed over `BUSY_WINDOW_S`), and policies divide a TPOT by 1 - that.
 
 The fits use exponentially decayed sums (the last ~`1/decay` samples dominate), updated under the
 shared lock from finished requests that are samples: at most one per slot every `LEARN_INTERVAL_S` from
@@ -45,27 +53,42 @@ from state.shared import (
     EP_DECODE_PER_SEQ_S,
     EP_DECODE_STEP_S,
     EP_ENGINE_ITL_S,
+    EP_GROUP_FIT,
+    EP_GROUP_START,
+    EP_GROUP_TOKENS,
     EP_LAST_DONE,
-    EP_LATE_N,
-    EP_LATE_S,
+    EP_LATE_SHARE,
     EP_PF_N,
     EP_PREFILL_BASE_S,
+    EP_PREFILL_BUSY,
+    EP_PREFILL_BUSY_AT,
     EP_PREFILL_TPS,
     EP_QUEUE_DELAY_S,
     EP_QUEUE_SHIFT_S,
     EP_QUEUE_UNTIL,
-    EP_TPOT_LATE_S,
-    EP_TPOT_N,
-    ERROR_WINDOW,
+    EP_TPOT_LATE_SHARE,
     SharedState,
 )
 
 UNKNOWN = float("inf")
+# Prefill errors are shares of the predicted time from planning to finish, at least this long: a prefill
+# predicted to take a millisecond is not judged by how many milliseconds it missed by in relative terms.
+MIN_SPAN_S = 0.05
+# How allowances move (see the module docstring): a miss widens by this share of the excess, a prediction
+# that held narrows by this share of the room it did not use, and after ALLOWANCE_QUIET_S without evidence
+# they halve every ALLOWANCE_HALF_LIFE_S.
+WIDEN, NARROW = 0.5, 0.03
+ALLOWANCE_QUIET_S, ALLOWANCE_HALF_LIFE_S = 5.0, 2.0
+# Prefill completions this close to the previous one finished in the same engine step (a chunked batch):
+# their tokens and the time since the step's work started make one sample of the fit.
+GROUP_S = 0.003
+# The window over which an endpoint's share of time spent prefilling is measured (an exponential decay).
+BUSY_WINDOW_S = 2.0
 
 
 class Predictor:
     def __init__(self, shared: SharedState, decay: float = 1 / 32, min_samples: int = 3):
-        self.h, self.lock, self.errors = shared.endpoints, shared.hot_lock, shared.prediction_errors
+        self.h, self.lock = shared.endpoints, shared.hot_lock
         self.keep = 1.0 - decay
         self.decay = decay
         self.min_samples = min_samples
@@ -85,10 +108,20 @@ class Predictor:
         rate = h[base + EP_PREFILL_TPS]
         return h[base + EP_PREFILL_BASE_S] + tokens / rate if rate > 0.0 else UNKNOWN
 
-    def allowance_s(self, slot: int) -> float:
-        """What to add to a predicted prefill finish so that 95 % finish by then."""
-        allowance = self.h[slot * ENDPOINT_FIELDS + EP_LATE_S]
-        return allowance if allowance > 0.0 else 0.0
+    def base_s(self, slot: int) -> float:
+        """The fixed part of a prefill's service time."""
+        return self.h[slot * ENDPOINT_FIELDS + EP_PREFILL_BASE_S]
+
+    def allowance_s(self, slot: int, span_s: float, now: float) -> float:
+        """What to add to a prefill finish predicted `span_s` from `now` so that about 95 % finish by then."""
+        share = self._allowance(slot * ENDPOINT_FIELDS + EP_LATE_SHARE, now)
+        return share * (span_s if span_s > MIN_SPAN_S else MIN_SPAN_S)
+
+    def mean_prefill_tokens(self, slot: int) -> float:
+        """The (decayed) mean uncached tokens of the prefills learned from on `slot` (0: none yet)."""
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        n = h[base + EP_PF_N]
+        return h[base + EP_PF_N + 1] / n if n > 0.0 else 0.0
 
     def decode_known(self, slot: int) -> bool:
         return (
@@ -104,10 +137,17 @@ class Predictor:
         itl = h[base + EP_ENGINE_ITL_S]
         return itl if itl > 0.0 else UNKNOWN
 
-    def tpot_allowance_s(self, slot: int) -> float:
-        """What to add to a predicted TPOT so that 95 % of streams stay within it."""
-        allowance = self.h[slot * ENDPOINT_FIELDS + EP_TPOT_LATE_S]
-        return allowance if allowance > 0.0 else 0.0
+    def tpot_allowance_s(self, slot: int, tpot_s: float, now: float) -> float:
+        """What to add to a predicted TPOT of `tpot_s` so that about 95 % of streams stay within it."""
+        return self._allowance(slot * ENDPOINT_FIELDS + EP_TPOT_LATE_SHARE, now) * tpot_s
+
+    def _allowance(self, i: int, now: float) -> float:
+        """The allowance share at h[i] (its last move's time at h[i + 1]), narrowed by the time since."""
+        share = self.h[i]
+        if share <= 0.0:
+            return 0.0
+        quiet = now - self.h[i + 1] - ALLOWANCE_QUIET_S
+        return share * 0.5 ** (quiet / ALLOWANCE_HALF_LIFE_S) if quiet > 0.0 else share
 
     def first_wait_s(self, slot: int) -> float:
         return self.h[slot * ENDPOINT_FIELDS + EP_QUEUE_DELAY_S]
@@ -122,20 +162,32 @@ class Predictor:
         h, base = self.h, slot * ENDPOINT_FIELDS
         with self.lock:
             end = h[base + EP_QUEUE_UNTIL]
-            if end < now or idle:
-                end = now
             rate = h[base + EP_PREFILL_TPS]
             if rate > 0.0:
-                end += h[base + EP_PREFILL_BASE_S] + tokens / rate
+                service = h[base + EP_PREFILL_BASE_S] + tokens / rate
+                # Behind queued work it shares their engine steps (a chunked batch): its tokens, no step of its own.
+                end = (now if end < now or idle else end) + service
+                h[base + EP_PREFILL_BUSY] = self.prefill_busy(slot, now) + service / BUSY_WINDOW_S
+                h[base + EP_PREFILL_BUSY_AT] = now
+            else:
+                end = now
             h[base + EP_QUEUE_UNTIL] = end
             return end, h[base + EP_QUEUE_SHIFT_S]
+
+    def prefill_busy(self, slot: int, now: float) -> float:
+        """The share of the endpoint's time spent on the prefills sent there lately (over ~BUSY_WINDOW_S)."""
+        h, base = self.h, slot * ENDPOINT_FIELDS
+        busy = h[base + EP_PREFILL_BUSY]
+        if busy <= 0.0:
+            return 0.0
+        return busy * math.exp((h[base + EP_PREFILL_BUSY_AT] - now) / BUSY_WINDOW_S)
 
     def learn_prefill(
         self, slot: int, started: float, done: float, tokens: int, predicted: float, shift0: float, fit: bool = True
     ) -> None:
         """A prefill queued at `started` (see start_prefill) completed at `done` after `tokens` uncached tokens.
 
-        `fit`: also a sample for the fit and the error ring; without it only the virtual queue and the last
+        `fit`: also a sample for the fit and the allowance; without it only the virtual queue and the last
         completion time move (every completion must move them, or later predictions drift).
         """
         h, base = self.h, slot * ENDPOINT_FIELDS
@@ -143,20 +195,28 @@ class Predictor:
             shift = h[base + EP_QUEUE_SHIFT_S]
             late = done - (predicted + shift - shift0)
             if fit and h[base + EP_PF_N] >= self.min_samples:  # the error of predictions made by a learned model
-                self._track(slot, 0, base + EP_LATE_S, base + EP_LATE_N, done - predicted)
+                span = predicted - started
+                error = (done - predicted) / (span if span > MIN_SPAN_S else MIN_SPAN_S)
+                self._track(base + EP_LATE_SHARE, error, done)
             h[base + EP_QUEUE_UNTIL] += late
             h[base + EP_QUEUE_SHIFT_S] = shift + late
             last = h[base + EP_LAST_DONE]
-            service = done - (started if started > last or last == 0.0 else last)
-            if done > last or last == 0.0:
-                h[base + EP_LAST_DONE] = done
-            if service <= 0.0 or not fit:
-                # (service <= 0: it finished in the same engine step as the previous one, whose sample holds its time)
+            if last and done - last <= GROUP_S:  # the same engine step as the last completion: one sample
+                h[base + EP_GROUP_TOKENS] += tokens
+                if fit:
+                    h[base + EP_GROUP_FIT] = 1.0
+                if done > last:
+                    h[base + EP_LAST_DONE] = done
                 return
-            line = self._add_and_fit(base + EP_PF_N, float(tokens), service, ratio_prior=True)
-            if line is not None:
-                h[base + EP_PREFILL_BASE_S] = line[0]
-                h[base + EP_PREFILL_TPS] = 1.0 / line[1] if line[1] > 0.0 else 1e12
+            group_tokens, group_start = h[base + EP_GROUP_TOKENS], h[base + EP_GROUP_START]
+            if h[base + EP_GROUP_FIT] and group_tokens and last > group_start:
+                line = self._add_and_fit(base + EP_PF_N, group_tokens, last - group_start, ratio_prior=True)
+                if line is not None:
+                    h[base + EP_PREFILL_BASE_S] = line[0]
+                    h[base + EP_PREFILL_TPS] = 1.0 / line[1] if line[1] > 0.0 else 1e12
+            h[base + EP_GROUP_TOKENS], h[base + EP_GROUP_FIT] = float(tokens), 1.0 if fit else 0.0
+            h[base + EP_GROUP_START] = started if started > last else last
+            h[base + EP_LAST_DONE] = done
 
     def settle_prefill(self, slot: int, done_by: float, predicted: float, shift0: float) -> None:
         """A prefill whose answer came whole (a JSON answer: no first-token time) was done by `done_by`.
@@ -185,33 +245,27 @@ class Predictor:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
-                    self._track(slot, 1, base + EP_TPOT_LATE_S, base + EP_TPOT_N, per_token - predicted)
+                    self._track(base + EP_TPOT_LATE_SHARE, per_token / predicted - 1.0, done)
                 line = self._add_and_fit(base + EP_DC_N, batch, per_token, ratio_prior=False)
                 if line is not None:
                     h[base + EP_DECODE_STEP_S], h[base + EP_DECODE_PER_SEQ_S] = line
             step = self.step_s(slot, batch)
-            if step == UNKNOWN:
+            if step == UNKNOWN or started >= first:  # (a whole stream, timed from its first token: no decode leg wait)
                 return
             wait = first - started - step
             wait = wait if wait > 0.0 else 0.0
             old = h[base + EP_QUEUE_DELAY_S]
             h[base + EP_QUEUE_DELAY_S] = wait if old == 0.0 else self.keep * old + self.decay * wait
 
-    def _track(self, slot: int, ring: int, value: int, count: int, error: float) -> None:
-        """Record one error in the slot's ring and store the 95th percentile of the ring at h[value]."""
-        h, errors = self.h, self.errors
-        n = int(h[count])
-        start = (slot * 2 + ring) * ERROR_WINDOW
-        i = start + n % ERROR_WINDOW
-        evicted = errors[i]
-        errors[i] = error
-        h[count] = n + 1
-        if n >= ERROR_WINDOW and error < h[value] and evicted < h[value]:
-            # A full window swapped two errors below its percentile: the errors above it, and so the
-            # percentile, are unchanged (most errors: no sort).
-            return
-        n = min(n + 1, ERROR_WINDOW)
-        h[value] = sorted(errors[start : start + n])[math.ceil(0.95 * n) - 1]
+    def _track(self, i: int, error: float, now: float) -> None:
+        """One prediction's error (a share) moves the allowance at h[i]; h[i + 1] is when it last moved."""
+        h = self.h
+        share = self._allowance(i, now)
+        if error > share:  # a miss: widen at once
+            share += WIDEN * (error - share)
+        else:  # it held: narrow, slowly
+            share -= NARROW * (share - (error if error > 0.0 else 0.0))
+        h[i], h[i + 1] = share, now
 
     def _add_and_fit(self, i: int, x: float, y: float, ratio_prior: bool) -> tuple[float, float] | None:
         """Decay the sums at i..i+4 (n, Sx, Sy, Sxx, Sxy) and add one (x, y) sample; then the intercept and

@@ -1,8 +1,10 @@
 """The scheduler: from a model and a request, a plan naming the engine(s) that serve it.
 
-A model with prefill and decode instances is served disaggregated (a P/D pair). When it has no usable
-decode instance the request is served whole on a prefill or union instance (fallback); with only union
-instances whole requests go to one engine. Paused instances, unhealthy ones and those whose breaker is
+A model with prefill and decode instances is served disaggregated (a P/D pair), or, with
+`conditional_disaggregation`, on the pair's decode instance alone when the policy predicts that sooner
+(`Plan.alone`). When it has no usable pair the request is served whole on a union, prefill or decode
+instance (`enable_pd_separation_fallback_to_hybrid`, PyMotor's meaning; false: NoCapacity, a 503); with
+only union instances whole requests go to one engine. Paused instances, unhealthy ones and those whose breaker is
 open are never chosen; `exclude` keeps retries off the slots that already failed, and a job that names
 an engine kind sees only engines of that kind.
 """
@@ -24,7 +26,7 @@ from scheduling.tokens import PromptMeter, make_meter
 
 log = logging.getLogger("coordinator.scheduler")
 
-# The learned model's fits and error rings take at most one request per slot in this many seconds from
+# The learned model's fits and allowances take at most one request per slot in this many seconds from
 # each worker: they cost about 20 µs a request, a twentieth of a streamed request's whole cost in a loaded
 # worker, and requests starting a millisecond apart on one engine tell the model little the others do not.
 # Which requests are samples is decided when they start, so that it does not depend on how long they take.
@@ -48,6 +50,7 @@ class Plan:
     target: Target  # the decode target of a pair, or the one engine of a whole request
     scheduler: Scheduler
     job: JobInfo
+    alone: bool = False  # a pair whose decode engine computes the prompt itself (conditional disaggregation)
 
     @property
     def disaggregated(self) -> bool:
@@ -61,6 +64,8 @@ class Plan:
         """
         if kind == PREFILL:
             return Leg(self.scheduler, self.job, PREFILL, self.prefill, REPLAN)
+        if self.alone:  # D computes the prompt: a whole request on it, retried among the decode instances
+            return Leg(self.scheduler, self.job, WHOLE, self.target, ("decode",), learn)
         return Leg(self.scheduler, self.job, kind, self.target, REPLAN if kind == WHOLE else ("decode",), learn)
 
 
@@ -151,6 +156,7 @@ class Scheduler:
         queue: AdmissionQueue | None = None,
         tokenizers: dict[str, str] | None = None,
         learn_interval_s: float = LEARN_INTERVAL_S,
+        fallback_to_hybrid: bool = True,
     ):
         self.registry, self.ledger, self.health, self.policy = registry, ledger, health, policy
         self.predictor: Predictor | None = policy.predictor
@@ -163,6 +169,7 @@ class Scheduler:
             m: make_meter(path, policy.block_tokens) for m, path in self.tokenizers.items()
         }
         self.learn_interval_s = learn_interval_s
+        self.fallback_to_hybrid = fallback_to_hybrid  # `enable_pd_separation_fallback_to_hybrid`
         self._learn_after: dict[int, float] = {}  # slot -> when this worker next learns from one of its requests
         ledger.observer = self._observe
         ledger.on_prefilled = self._prefilled
@@ -230,12 +237,14 @@ class Scheduler:
         """
         if kind == DECODE:
             lease = self.ledger.lease(t.slot, 0, job.max_tokens, prefilling=False, kind=DECODE)
-            lease.predicted = job.tpot_model_s if job.feasible is not None else 0.0  # what the plan expected
+            lease.predicted_tpot = job.tpot_model_s if job.feasible is not None else 0.0  # what the plan expected
         else:
             uncached = self.policy.uncached(t, job)
             idle = not self.ledger.load(t.slot)[3]  # no prefill in flight there: its queue is empty
             lease = self.ledger.lease(t.slot, uncached, 1 if kind == PREFILL else job.max_tokens, kind=kind)
             lease.hashes = job.block_hashes
+            if kind == WHOLE and job.feasible is not None:
+                lease.predicted_tpot = job.tpot_model_s
             if self.predictor is not None:
                 lease.predicted, lease.shift = self.predictor.start_prefill(t.slot, uncached, lease.started, idle)
         lease.batch = self.ledger.requests(t.slot)
@@ -277,8 +286,7 @@ class Scheduler:
             if fit and pred is not None and lease.kind != PREFILL and lease.first_at:
                 batch = (lease.batch + self.ledger.requests(slot)) / 2.0
                 started = lease.started if lease.kind == DECODE else lease.first_at
-                predicted = lease.predicted if lease.kind == DECODE else 0.0
-                pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch, predicted)
+                pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot)
         except Exception:  # learning must never fail a request
             log.exception("learning from a finished request failed")
         if self.queue is not None:
@@ -293,19 +301,24 @@ class Scheduler:
         ]
 
     def plan(self, job: JobInfo, exclude: frozenset[int] = frozenset(), allow_pd: bool = True) -> Plan:
-        job.feasible = None
+        job.feasible, job.alone = None, False
         view = self.registry.view()
         model = job.model
         p_pool, d_pool, u_pool = view.pool(model, "prefill"), view.pool(model, "decode"), view.pool(model, "union")
         if allow_pd and p_pool and d_pool:
             ps, ds = self._usable(p_pool, exclude, job), self._usable(d_pool, exclude, job)
             if ps and ds:
-                if len(ps) == len(ds) == 1 and self.admission == OFF:
+                if len(ps) == len(ds) == 1 and self.admission == OFF and not self.policy.decode_alone:
                     return Plan(
                         ps[0], ds[0], self, job
                     )  # nothing to choose between and no verdict wanted: no predictions
                 p, d = self.policy.choose_pair(ps, ds, job)
-                return Plan(p, d, self, job)
+                return Plan(p, d, self, job, job.alone)
+            if not self.fallback_to_hybrid:
+                raise NoCapacity(
+                    f"no usable prefill/decode pair of model {model!r} "
+                    "(enable_pd_separation_fallback_to_hybrid is false: no whole requests)"
+                )
             whole = self._usable(u_pool, exclude, job) or ps or ds
         else:
             whole = (
@@ -351,6 +364,7 @@ def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health
         index=PrefixIndex(shared),
         block_tokens=settings.kv_affinity_block_size,
         overload_factor=settings.affinity_overload_factor,
+        decode_alone=settings.conditional_disaggregation,
     )
     queue = None
     if settings.admission == "queue":
@@ -358,4 +372,13 @@ def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health
             shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers
         )
     tokenizers = {m.id: m.tokenizer_path for m in settings.models if m.tokenizer_path}
-    return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, tokenizers=tokenizers)
+    return Scheduler(
+        registry,
+        ledger,
+        health,
+        policy,
+        admission=settings.admission,
+        queue=queue,
+        tokenizers=tokenizers,
+        fallback_to_hybrid=settings.enable_pd_separation_fallback_to_hybrid,
+    )

@@ -29,7 +29,7 @@ from scheduling.tokens import (
 from serving.call import Sink, Upstream
 from serving.handoff import Handoff
 from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES, Job
-from serving.observe import Observer, RequestRecord
+from serving.observe import DECODE_ALONE, PD, WHOLE_PLACEMENT, Observer, RequestRecord
 from serving.resolve import InstanceAddresses
 from serving.responses import StoredResponses
 from serving.retries import Retries, refusal
@@ -129,12 +129,17 @@ class Dispatcher:
 
     def _flow(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         if plan.disaggregated:
-            if job.decode_computes_prompt:  # (see Job): no prefill leg, D alone
+            # D alone, no prefill leg: a request the handoff cannot serve (see Job), or one the scheduler
+            # predicts sooner there (conditional disaggregation)
+            if job.decode_computes_prompt or plan.alone:
+                rec.placement = DECODE_ALONE
                 return self.handoff.decode_alone(job, plan, sink, rec)
+            rec.placement = PD
             # Trigger mode is MindIE's metaserver protocol for chat and completions; the others use the handoff.
             if self.s.pd_dispatch == "trigger" and job.route in (CHAT, COMPLETIONS):
                 return self.trigger.serve(job, plan, sink, rec)
             return self.handoff.serve(job, plan, sink, rec)
+        rec.placement = WHOLE_PLACEMENT
         return self.retries.run(WholeCall(self.up, job, plan.leg(WHOLE, learn=job.stream), sink, rec, job.raw))
 
     async def _serve_queued(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:

@@ -28,7 +28,7 @@ from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.status import endpoint_status
 from serving.job import COUNT_TOKENS
-from serving.observe import FlushTimer, Observer, RequestRecord
+from serving.observe import PLACEMENTS, FlushTimer, Observer, RequestRecord
 from state.shared import G_DRAINING, W_INFLIGHT, W_QUEUED, WORKER_FIELDS, worker_sum
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -73,6 +73,12 @@ MISSED = Counter(
     "motor_missed_handoffs_total",
     "PD requests whose decode recomputed the prompt (P returned no kv_transfer_params, or D failed with them)",
     ["model"],
+)
+PLACEMENT = Counter(
+    "motor_placements_total",
+    "Inference requests by placement: pd (a prefill and a decode instance), decode_alone (the pair's decode "
+    "instance computed the prompt), whole (one instance: union or fallback)",
+    ["model", "placement"],
 )
 RETRIES = Counter(
     "motor_retries_total",
@@ -234,6 +240,7 @@ class _Series:
         "e2e",
         "output_tokens",
         "parts",
+        "placements",
         "prefill_leg",
         "prompt_tokens",
         "requests",
@@ -243,7 +250,8 @@ class _Series:
 
     def __init__(self, route: str, model: str, status: int):
         self.requests = _PendingCount(REQUESTS.labels(route, model, str(status)))
-        self.parts: list[_PendingCount | _PendingHistogram] = [self.requests]
+        self.placements = {p: _PendingCount(PLACEMENT.labels(model, p)) for p in PLACEMENTS}
+        self.parts: list[_PendingCount | _PendingHistogram] = [self.requests, *self.placements.values()]
         self.dirty = False
         if status >= 400:  # failed requests count, nothing more
             return
@@ -321,6 +329,8 @@ class PrometheusObserver(Observer):
 
     def _add(self, series: _Series, rec: RequestRecord) -> None:
         series.requests.amount += 1
+        if rec.placement:
+            series.placements[rec.placement].amount += 1
         if rec.disconnect_phase:
             DISCONNECTS.labels(rec.disconnect_phase).inc()
         if rec.reject_reason:

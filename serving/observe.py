@@ -57,6 +57,11 @@ def _last_int(body: bytes, keys: tuple[bytes, ...]) -> int | None:
     return None
 
 
+# How a request was placed: a P/D pair, the pair's decode instance alone (it computed the prompt: conditional
+# disaggregation, or a request the handoff cannot serve), or one instance whole (union, fallback).
+PD, DECODE_ALONE, WHOLE_PLACEMENT = PLACEMENTS = ("pd", "decode_alone", "whole")
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """Facts gathered while one request is served, for its log line and metrics."""
@@ -75,6 +80,7 @@ class RequestRecord:
     continuations: int = 0  # times its stream went on on another engine after a failure (serving/continuation.py)
     continuation_refused: str = ""  # why a broken stream was not continued
     missed_handoff: bool = False
+    placement: str = ""  # how the plan placed it: one of PLACEMENTS ("": not placed, e.g. refused)
     status: int = 200
     error: str = ""
     disconnect_phase: str = ""
@@ -190,7 +196,8 @@ class Observer:
         if self.request_log.enabled():
             self.request_log.write(
                 "request_id=%s route=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
-                "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s continuations=%d%s duration_ms=%.1f%s"
+                "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s continuations=%d%s placement=%s "
+                "duration_ms=%.1f%s"
                 % (
                     rec.request_id,
                     rec.route,
@@ -206,6 +213,7 @@ class Observer:
                     rec.missed_handoff,
                     rec.continuations,
                     f" continuation_refused={rec.continuation_refused}" if rec.continuation_refused else "",
+                    rec.placement or "-",
                     rec.duration_s * 1000,
                     f" error={rec.error!r}" if rec.error else "",
                 )

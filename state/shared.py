@@ -59,12 +59,17 @@ LEDGER_ROW = MAX_SLOTS * LEDGER_FIELDS  # one worker's ledger row: a group of co
     EP_DC_SXY,  # decayed sums: seconds per token vs batch size
     EP_ENGINE_TTFT_S,  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
     EP_ENGINE_ITL_S,  # engine's mean inter-token latency over the last scrape interval
-    EP_LATE_S,  # 95th percentile of the last ERROR_WINDOW prefill errors (observed - predicted finish)
-    EP_LATE_N,  # prefill errors recorded so far (the next one goes to ring position n % ERROR_WINDOW)
-    EP_TPOT_LATE_S,  # 95th percentile of the last ERROR_WINDOW TPOT errors (observed - predicted at planning)
-    EP_TPOT_N,  # TPOT errors recorded so far
-) = range(32)
-ENDPOINT_FIELDS = 32
+    EP_LATE_SHARE,  # prefill allowance: a high quantile of recent errors, each a share of its predicted time
+    EP_LATE_AT,  # when the prefill allowance last moved (it narrows with time since then)
+    EP_TPOT_LATE_SHARE,  # TPOT allowance: a high quantile of recent TPOT errors, each a share of its prediction
+    EP_TPOT_LATE_AT,  # when the TPOT allowance last moved
+    EP_PREFILL_BUSY,  # prefill seconds sent per second there lately (decayed): the share of its time prefilling
+    EP_PREFILL_BUSY_AT,  # when EP_PREFILL_BUSY was last updated
+    EP_GROUP_TOKENS,  # uncached tokens of the prefills completed in the current group (one engine step, about)
+    EP_GROUP_START,  # when the current group's work started
+    EP_GROUP_FIT,  # 1.0: a member of the current group is a sample for the fit
+) = range(37)
+ENDPOINT_FIELDS = 37
 
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 
@@ -101,11 +106,6 @@ RESPONSE_HOME_WAYS = 8
 RESPONSE_HOME_FIELDS = 4
 RESPONSE_HOME_WORDS = RESPONSE_HOME_SETS * RESPONSE_HOME_WAYS * RESPONSE_HOME_FIELDS
 
-# The learned model's recent prediction errors (scheduling/predict.py): per slot, a ring of prefill-finish
-# errors, then a ring of TPOT errors. The counts in the endpoint table say how many entries are valid, so
-# a reused slot (counts cleared) ignores what its previous engine left.
-ERROR_WINDOW = 40
-
 
 @dataclass
 class SharedState:
@@ -117,7 +117,6 @@ class SharedState:
     globals: Any  # RawArray int64 [GLOBAL_FIELDS]
     lock: Any  # a multiprocessing lock for the rare writes (instance refresh, rate limit bucket, learned model)
     prefix: Any = None  # RawArray uint64 [PREFIX_ENTRIES * PREFIX_FIELDS]
-    prediction_errors: Any = None  # RawArray double [MAX_SLOTS * 2 * ERROR_WINDOW]: the predictor's error rings
     workers: Any = None  # RawArray int64 [MAX_WORKERS * WORKER_FIELDS]: per-worker admission counters
     prefill_usage: Any = None  # RawArray int64 [MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS]
     response_homes: Any = None  # RawArray int64 [RESPONSE_HOME_WORDS]: where stored responses were served
@@ -132,7 +131,6 @@ class SharedState:
             globals=ctx.RawArray(ctypes.c_int64, GLOBAL_FIELDS),
             lock=ctx.Lock(),
             prefix=ctx.RawArray(ctypes.c_uint64, PREFIX_ENTRIES * PREFIX_FIELDS),
-            prediction_errors=ctx.RawArray(ctypes.c_double, MAX_SLOTS * 2 * ERROR_WINDOW),
             workers=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * WORKER_FIELDS),
             prefill_usage=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS),
             response_homes=ctx.RawArray(ctypes.c_int64, RESPONSE_HOME_WORDS),
@@ -184,18 +182,7 @@ def worker_sum(arr: Any, rows: range, field: int) -> int:
     return total
 
 
-_FIELDS = (
-    "doc",
-    "ledger",
-    "endpoints",
-    "globals",
-    "lock",
-    "prefix",
-    "prediction_errors",
-    "workers",
-    "prefill_usage",
-    "response_homes",
-)
+_FIELDS = ("doc", "ledger", "endpoints", "globals", "lock", "prefix", "workers", "prefill_usage", "response_homes")
 
 
 def worker_index(name: str | None = None) -> int:

@@ -27,6 +27,7 @@ from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.ledger import ledger, ledger_is_zero
 from harness.loopback import wait_until
+from harness.metrics import by_label
 from serving.dispatch import MAX_OUTPUT_BUDGET
 from tests.conftest import MODEL
 
@@ -702,12 +703,7 @@ def _missed_handoffs(c) -> float:
 
 
 def _disconnects(c) -> dict:
-    out = {}
-    for line in httpx.get(c.obs + "/metrics").text.splitlines():
-        if line.startswith("motor_client_disconnects_total{"):
-            phase = line.split('phase="', 1)[1].split('"', 1)[0]
-            out[phase] = float(line.rsplit(" ", 1)[1])
-    return out
+    return by_label(c, "motor_client_disconnects_total", "phase")
 
 
 def test_a_huge_max_tokens_takes_a_bounded_budget_in_the_ledger(c):
