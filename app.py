@@ -38,9 +38,9 @@ from config import (
     Endpoint,
     Instance,
     Settings,
-    TlsConfig,
     load_settings,
     resolve_config_path,
+    server_tls_context,
     with_models_for_instances,
 )
 from engines import EngineClient
@@ -60,6 +60,7 @@ from serving.door import Door
 from serving.metrics import PrometheusObserver, clear_stale_files
 from serving.usage import PrefillUsages
 from state.shared import SharedState, worker_index
+from workers.reload import Reloader
 from workers.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat
 
 log = logging.getLogger("coordinator")
@@ -68,8 +69,7 @@ APP_NAME = "motor_coordinator"
 
 def create_app(settings: Settings) -> Sanic:
     app = Sanic(APP_NAME, certloader_class=InferenceTls)
-    app.config.REQUEST_MAX_SIZE = max(settings.max_request_body_bytes, 10 * 1024 * 1024 + 1024)
-    app.config.RESPONSE_TIMEOUT = response_timeout_s(settings)
+    sanic_limits(app, settings)
     # Sanic's bound on the silence within a head; the head's and body's whole deadlines are EdgeProtocol's, which
     # Sanic's timer checks every half of its shortest timeout.
     app.config.REQUEST_TIMEOUT = settings.request_head_timeout_s
@@ -87,7 +87,7 @@ def create_app(settings: Settings) -> Sanic:
     async def tls_per_port(app: Sanic):
         # Sanic gives every server it runs the one TLS context InferenceTls loaded; the management and
         # metrics servers start after this listener (Sanic's `_start_servers`) and take theirs from here.
-        mgmt = tls_context(settings.mgmt_tls)
+        mgmt = server_tls_context(settings.mgmt_tls)
         for info in app.state.server_info:
             sock = info.settings.get("sock")  # workers serve sockets the main process bound
             port = sock.getsockname()[1] if sock is not None else info.settings.get("port")
@@ -134,7 +134,9 @@ def create_app(settings: Settings) -> Sanic:
         ctx.shared = shared
         ctx.registry = Registry(shared)
         ctx.ledger = Ledger(shared, worker, settings.num_workers)
-        ctx.health = Health(shared, settings.breaker_failure_threshold, settings.breaker_open_s)
+        ctx.health = Health(
+            shared, settings.breaker_failure_threshold, settings.breaker_open_s, settings.breaker_max_open_s
+        )
         ctx.scheduler = build_scheduler(settings, shared, ctx.registry, ctx.ledger, ctx.health)
         ctx.client = EngineClient(settings)
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
@@ -150,6 +152,10 @@ def create_app(settings: Settings) -> Sanic:
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
             ctx.background.start()
+        ctx.reloader = None
+        if settings.source_path:  # the config file is watched, and what may change live applies (workers/reload.py)
+            ctx.reloader = Reloader(settings, partial(apply_settings, app), worker)
+            ctx.reloader.start()
         # The supervisor's watchdog kills a worker whose loop stops beating; a worker of a main process (not
         # Sanic's single_process mode, whose parent is whatever started it) stops itself if that one dies.
         start_heartbeat(shared, worker, watch_parent=hasattr(app.shared_ctx, "motor_doc"))
@@ -192,6 +198,8 @@ def create_app(settings: Settings) -> Sanic:
 
     @app.after_server_stop
     async def stop_worker(app: Sanic):
+        if app.ctx.reloader is not None:
+            await app.ctx.reloader.stop()
         await app.ctx.background.stop()
         await app.ctx.client.close()
         app.ctx.observer.close()
@@ -221,6 +229,26 @@ def create_app(settings: Settings) -> Sanic:
         return error_response(err, api, rid)
 
     return app
+
+
+def apply_settings(app: Sanic, settings: Settings) -> None:
+    """A reloaded config's live settings (config.live), in this worker from its next request on."""
+    ctx = app.ctx
+    ctx.settings = settings
+    ctx.dispatcher.configure(settings)
+    ctx.door.configure(settings)
+    ctx.client.s = ctx.background.s = settings
+    health = ctx.health
+    health.failure_threshold, health.open_s = settings.breaker_failure_threshold, settings.breaker_open_s
+    health.max_open_s = settings.breaker_max_open_s
+    sanic_limits(app, settings)
+    logging.getLogger().setLevel(settings.log_level)
+
+
+def sanic_limits(app: Sanic, settings: Settings) -> None:
+    """Sanic's own bounds on a body and on a response's silences, from the settings (never below the Coordinator's)."""
+    app.config.REQUEST_MAX_SIZE = max(settings.max_request_body_bytes, 10 * 1024 * 1024 + 1024)
+    app.config.RESPONSE_TIMEOUT = response_timeout_s(settings)
 
 
 def start_simulator(settings: Settings) -> Settings:
@@ -351,27 +379,12 @@ def check_ports_free(settings: Settings) -> None:
             ) from None
 
 
-def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
-    """A port's server TLS: its certificate and key; with `ca_file`, a client certificate, when one is
-    presented, must be signed by it. None is required: kubelet probes, Prometheus and engines calling
-    /v1/metaserver present none."""
-    if not tls.enable_tls:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(tls.cert_file, tls.key_file)
-    if tls.ca_file:
-        context.load_verify_locations(tls.ca_file)
-        context.verify_mode = ssl.CERT_OPTIONAL
-    return context
-
-
 class InferenceTls(CertLoader):
     """The TLS context Sanic loads in each worker (contexts do not cross processes) and gives every server:
     the inference port's. The management and metrics ports get theirs in `tls_per_port`."""
 
     def load(self, app: Sanic) -> ssl.SSLContext | None:
-        return tls_context(app.ctx.settings.infer_tls)
+        return server_tls_context(app.ctx.settings.infer_tls)
 
 
 if __name__ == "__main__":

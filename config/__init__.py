@@ -26,6 +26,7 @@ from .load import (
     parse_models,
     refusal,
     resolve_config_path,
+    server_tls_context,
     settings_from_dict,
     validate,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "parse_models",
     "refusal",
     "resolve_config_path",
+    "server_tls_context",
     "settings_from_dict",
     "split_address",
     "validate",

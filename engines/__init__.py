@@ -24,9 +24,10 @@ from urllib.parse import urlsplit
 import httptools
 
 from config import Settings
+from config.sections import ExceptionConfig
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 
-MAX_ERROR_BODY = 64 * 1024
+MAX_ERROR_BODY = ExceptionConfig.upstream_error_body_max_bytes  # the default of what an engine's error body keeps
 # A response head past this is refused: httptools grows each header value by concatenation, so an engine
 # sending megabytes of header would cost the worker's event loop seconds of CPU.
 MAX_HEAD = 64 * 1024
@@ -443,7 +444,7 @@ class EngineClient:
         status, data = conn.status, conn.take()
         self._release(conn)
         if check and status >= 300:
-            raise EngineStatusError(status, data[:MAX_ERROR_BODY], conn.retry_after)
+            raise EngineStatusError(status, data[: self.s.upstream_error_body_max_bytes], conn.retry_after)
         return status, data
 
     # post and get are plain functions returning the exchange's coroutine: awaiting them adds no coroutine of their own.
@@ -488,7 +489,9 @@ class StreamExchange:
                 except TimeoutError:
                     pass
                 raise EngineStatusError(
-                    conn.status, conn.take()[:MAX_ERROR_BODY] if conn.complete else b"", conn.retry_after
+                    conn.status,
+                    conn.take()[: s.upstream_error_body_max_bytes] if conn.complete else b"",
+                    conn.retry_after,
                 )
             finally:
                 client._release(conn)

@@ -47,8 +47,8 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
     rec = RequestRecord(rid, route)
     sink = SanicSink(request, rid, api, rec)
     try:
-        if from_client:
-            check_api_key(request, api)
+        if from_client and (pending := check_api_key(request, api)) is not None:
+            await pending  # a hashed key's first check (handlers/auth.py)
         raw = await read_body(request, ctx.settings.max_request_body_bytes)
         job = job_from_body(route, api, raw, parse_body(raw), rid)
         job.slo_ttft_ms = slo_header(request, "x-slo-ttft-ms")

@@ -67,6 +67,10 @@ class Dispatcher:
         self.addresses = InstanceAddresses(scheduler.registry)
         self.trigger = Trigger(self.up, scheduler, self.retries, self.handoff, self.addresses)
 
+    def configure(self, settings: Settings) -> None:
+        """A reloaded config's settings (retries, timeouts, models' SLOs), read by every later request."""
+        self.s = self.up.settings = self.retries.s = self.handoff.s = self.trigger.s = settings
+
     # -- entry points ----------------------------------------------------------------------------
 
     def job_info(self, job: Job) -> JobInfo:
