@@ -378,7 +378,8 @@ def test_every_document_passes_kubernetes_schemas_strictly_offline(edge, monkeyp
         raise AssertionError("kubernetes_validate tried to use the network")
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
-    docs = all_docs(b)
+    # The PrometheusRule is a CRD, which Kubernetes' own schemas do not hold (tests/test_monitoring.py checks it).
+    docs = [d for d in all_docs(b) if not d["apiVersion"].startswith("monitoring.coreos.com/")]
     assert docs and all(isinstance(d, dict) for d in docs)
     for doc in docs:
         for version in K8S_VERSIONS:

@@ -34,7 +34,7 @@ class Reloader:
         self.name = os.path.basename(self.path)
         self.digest = self._digest()
         try:
-            self.kept = overridden(load_settings(self.path), running)
+            self.kept = overridden(self._load(quiet=True), running)
         except ConfigError:  # changed since the main process read it: the next change is read whole
             self.kept = frozenset()
         self.stop_event = asyncio.Event()
@@ -82,7 +82,7 @@ class Reloader:
             return
         self.digest = digest
         try:
-            reloaded = await loop.run_in_executor(None, self._load)
+            reloaded = await loop.run_in_executor(None, self._load, self.worker != 0)
         except ConfigError as e:
             if self.worker == 0:
                 log.error("config: %s not reloaded, nothing changed: %s", self.path, e)
@@ -96,11 +96,12 @@ class Reloader:
             self.apply(merged)
             log.info("config: %s reloaded in worker %d", self.path, self.worker)
 
-    def _load(self) -> Settings:
-        # The notes on keys that change nothing were said at start: worker 0 says them again, the others not.
-        quiet = logging.getLogger("coordinator.config")
-        quiet.disabled = self.worker != 0
+    def _load(self, quiet: bool) -> Settings:
+        """The file's settings; `quiet`: without its notes on keys that change nothing (said once: at start by the
+        main process, at a reload by worker 0)."""
+        notes = logging.getLogger("coordinator.config")
+        notes.disabled = quiet
         try:
             return load_settings(self.path)
         finally:
-            quiet.disabled = False
+            notes.disabled = False
