@@ -152,6 +152,13 @@ def create_app(settings: Settings) -> Sanic:
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
             ctx.background.start()
+        ctx.tracing = None
+        if settings.tracer.endpoint:  # OpenTelemetry (serving/tracing.py); off, its SDK is not even imported
+            from serving.tracing import Tracing
+
+            ctx.tracing = Tracing(settings.tracer)
+            ctx.dispatcher.trace(ctx.tracing)
+            ctx.client.traced = True
         ctx.reloader = None
         if settings.source_path:  # the config file is watched, and what may change live applies (workers/reload.py)
             ctx.reloader = Reloader(settings, partial(apply_settings, app), worker)
@@ -202,6 +209,8 @@ def create_app(settings: Settings) -> Sanic:
             await app.ctx.reloader.stop()
         await app.ctx.background.stop()
         await app.ctx.client.close()
+        if app.ctx.tracing is not None:
+            app.ctx.tracing.shutdown()  # the spans still batched are sent
         app.ctx.observer.close()
 
     @app.exception(Exception)

@@ -45,6 +45,7 @@ from .sections import (
     Instance,
     ModelConfig,
     TlsConfig,
+    TracerConfig,
 )
 from .settings import MAX_BACKOFF_S, Settings, with_models_for_instances
 
@@ -68,6 +69,7 @@ __all__ = [
     "ModelConfig",
     "Settings",
     "TlsConfig",
+    "TracerConfig",
     "adapter",
     "address_key",
     "check_instance_set",

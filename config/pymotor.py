@@ -13,8 +13,10 @@ same key by key.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -243,7 +245,7 @@ def finish(settings: Settings, raw: dict, whole: dict | None) -> Settings:
         )
         changes["tracer"] = validate(TracerConfig, tracer_raw, f"{ROOT_KEY}.tracer_config")
         if changes["tracer"].endpoint:
-            raise ConfigError(f"{ROOT_KEY}.tracer_config.endpoint: tracing is not supported in this build")
+            _check_exporter()
     if not settings.enable_pd_separation_fallback_to_hybrid:
         log.warning(
             "config: %s.scheduler_config.enable_pd_separation_fallback_to_hybrid false: read; a request without a "
@@ -254,6 +256,28 @@ def finish(settings: Settings, raw: dict, whole: dict | None) -> Settings:
     if model is not None:
         changes["models"] = (*settings.models, model)
     return replace(settings, **changes) if changes else settings
+
+
+def _check_exporter() -> None:
+    """The OTLP exporter tracer_config.endpoint needs is there (serving/tracing.py makes it in each worker)."""
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    module = {
+        "http/protobuf": "opentelemetry.exporter.otlp.proto.http",
+        "grpc": "opentelemetry.exporter.otlp.proto.grpc",
+    }
+    if protocol not in module:
+        raise ConfigError(
+            f"{ROOT_KEY}.tracer_config.endpoint: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r} must be "
+            "http/protobuf or grpc"
+        )
+    try:
+        found = importlib.util.find_spec(module[protocol]) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise ConfigError(
+            f"{ROOT_KEY}.tracer_config.endpoint: the {protocol} OTLP exporter ({module[protocol]}) is not installed"
+        )
 
 
 def _engine_value(engine: dict, *paths: str) -> tuple[str, Any]:

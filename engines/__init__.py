@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator, Awaitable
+from contextvars import ContextVar
 from functools import lru_cache
 from urllib.parse import urlsplit
 
@@ -27,6 +28,9 @@ from config import Settings
 from config.sections import ExceptionConfig
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 
+# The trace context (W3C `traceparent` / `tracestate` header lines) of the engine attempt this task is making,
+# set by serving/tracing.py; sent only by a client whose `traced` is set (tracer_config has an endpoint).
+TRACE_HEADERS: ContextVar[bytes] = ContextVar("motor_trace_headers", default=b"")
 MAX_ERROR_BODY = ExceptionConfig.upstream_error_body_max_bytes  # the default of what an engine's error body keeps
 # A response head past this is refused: httptools grows each header value by concatenation, so an engine
 # sending megabytes of header would cost the worker's event loop seconds of CPU.
@@ -308,6 +312,7 @@ class EngineClient:
 
     def __init__(self, settings: Settings):
         self.s = settings
+        self.traced = False  # send TRACE_HEADERS (tracing on)
         self.pool: dict[Origin, list[_Connection]] = {}
         self.is_closed = False
         self._tls: ssl.SSLContext | None = None
@@ -395,6 +400,8 @@ class EngineClient:
             head += b"X-Request-Id: %s\r\n" % request_id.encode()
         if body is not None:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        if self.traced:
+            head += TRACE_HEADERS.get()
         head += b"\r\n"
         resent = False
         while True:

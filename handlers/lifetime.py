@@ -46,6 +46,10 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
     rid = request_id(request)
     rec = RequestRecord(rid, route)
     sink = SanicSink(request, rid, api, rec)
+    tracing = ctx.tracing  # None unless tracer_config has an endpoint (serving/tracing.py)
+    traced = (
+        tracing.start_request(request.method, request.path, request.headers, rid) if tracing and from_client else None
+    )
     try:
         if from_client and (pending := check_api_key(request, api)) is not None:
             await pending  # a hashed key's first check (handlers/auth.py)
@@ -78,6 +82,8 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         return await _fail(sink, rec, CoordinatorError(f"internal error: {type(e).__name__}"), api, rid)
     finally:
         ctx.observer.request_done(rec)
+        if traced is not None:
+            tracing.end_request(*traced, rec)
 
 
 async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api: str, rid: str) -> HTTPResponse | None:
