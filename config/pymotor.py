@@ -159,14 +159,15 @@ def adopt(raw: dict, whole: dict | None) -> dict:
 
 
 # Rate-limit skip paths (prefix match) that would exempt an inference route: a limit is never dropped silently.
-_LIMITED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/metaserver")
+# (/v1/metaserver is an engine's call, part of a client request already counted.)
+_LIMITED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 
 
 def _check_rate_skip_paths(paths: Any) -> None:
     if not isinstance(paths, list):
         return  # refused as a list by its section's model
     for i, p in enumerate(paths):
-        if isinstance(p, str) and p and any(r.startswith(p) for r in _LIMITED_ROUTES if r != "/v1/metaserver"):
+        if isinstance(p, str) and p and any(r.startswith(p) for r in _LIMITED_ROUTES):
             raise ConfigError(
                 f"{ROOT_KEY}.rate_limit_config.skip_paths[{i}]: {p!r} would exempt inference routes from the rate "
                 "limit; only paths outside them may be listed (those are never limited here)"

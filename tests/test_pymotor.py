@@ -94,9 +94,11 @@ def test_defaults_dump_starts_and_serves_as_pymotor_would():
 # -- 2. aigw, limits and hashed keys -----------------------------------------------------------------------------
 
 
-def test_aigw_limits_and_hashed_keys(sims):
+def test_aigw_limits_and_hashed_keys(sims, tmp_path):
     u = sims("union", model="glm-4.6")
     hashed = hashed_by_cli("sk-hashed-7")
+    key_file = tmp_path / "mgmt.key"
+    key_file.write_text(hash_key("op-key-1", iterations=1000) + "\n")
     assert hashed_entry(hashed).iterations == 20000
     cfg = {
         "api_config": api_config(),
@@ -110,6 +112,7 @@ def test_aigw_limits_and_hashed_keys(sims):
             "upstream_error_body_max_bytes": 1024,
         },
         "api_key_config": {"enable_api_key": True, "valid_keys": [hashed, "sk-plain-3"], "skip_paths": ["/v1/models"]},
+        "mgmt_api_key_config": {"enable_api_key": True, "api_key_file": str(key_file)},
         "rate_limit_config": {
             "enable_rate_limit": True,
             "max_requests": 6,
@@ -132,6 +135,11 @@ def test_aigw_limits_and_hashed_keys(sims):
             40,
         )
         assert httpx.get(coord.url + "/v1/models/glm-4.6").status_code == 401
+        # mgmt_api_key_config.api_key_file: its one (hashed) key guards /instances; the probes stay open.
+        assert httpx.get(coord.mgmt + "/instances").status_code == 401
+        assert httpx.get(coord.mgmt + "/instances", headers={"X-Motor-Management-Key": "op-key-2"}).status_code == 401
+        assert httpx.get(coord.mgmt + "/instances", headers={"X-Motor-Management-Key": "op-key-1"}).status_code == 200
+        assert httpx.get(coord.mgmt + "/readiness").status_code == 200
         # Keys: the hashed entry and the plain one admit; a wrong key and none are 401 (the README says so).
         msg = [{"role": "user", "content": "hi"}]
         for key in ("sk-hashed-7", "sk-hashed-7", "sk-plain-3"):
