@@ -60,7 +60,7 @@ from serving.door import Door
 from serving.metrics import PrometheusObserver, clear_stale_files
 from serving.usage import PrefillUsages
 from state.shared import SharedState, worker_index
-from workers.reload import Reloader
+from workers.reload import ConfigWatch, Reloader
 from workers.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat
 
 log = logging.getLogger("coordinator")
@@ -102,6 +102,7 @@ def create_app(settings: Settings) -> Sanic:
         for key, value in shared.as_shared_ctx().items():
             setattr(app.shared_ctx, key, value)
         app.ctx.main_shared = shared
+        app.ctx.config_watch = watch_config(settings, shared)
 
     @app.main_process_ready
     async def supervise_workers(app: Sanic):
@@ -116,6 +117,8 @@ def create_app(settings: Settings) -> Sanic:
 
     @app.main_process_stop
     async def remove_metrics_dir(app: Sanic):
+        if getattr(app.ctx, "config_watch", None) is not None:
+            app.ctx.config_watch.stop()
         if os.environ.get("MOTOR_OWNS_PROM_DIR"):
             shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
@@ -127,6 +130,7 @@ def create_app(settings: Settings) -> Sanic:
         else:  # Sanic's single_process mode runs no main_process_* listener: this process's memory will do
             shared = SharedState.create()
             Registry(shared).apply("set", list(settings.instances))
+            app.ctx.config_watch = watch_config(settings, shared)
         worker = worker_index()
         shared.clear_worker(worker)  # a restarted worker starts from zero (the supervisor zeroed it too)
         ctx = app.ctx
@@ -161,7 +165,7 @@ def create_app(settings: Settings) -> Sanic:
             ctx.client.traced = True
         ctx.reloader = None
         if settings.source_path:  # the config file is watched, and what may change live applies (workers/reload.py)
-            ctx.reloader = Reloader(settings, partial(apply_settings, app), worker)
+            ctx.reloader = Reloader(settings, shared, partial(apply_settings, app), worker)
             ctx.reloader.start()
         # The supervisor's watchdog kills a worker whose loop stops beating; a worker of a main process (not
         # Sanic's single_process mode, whose parent is whatever started it) stops itself if that one dies.
@@ -238,6 +242,15 @@ def create_app(settings: Settings) -> Sanic:
         return error_response(err, api, rid)
 
     return app
+
+
+def watch_config(settings: Settings, shared: SharedState) -> ConfigWatch | None:
+    """The config file's watcher (workers/reload.py), one for the whole Coordinator."""
+    if not settings.source_path:
+        return None
+    watch = ConfigWatch(settings.source_path, shared)
+    watch.start()
+    return watch
 
 
 def apply_settings(app: Sanic, settings: Settings) -> None:

@@ -1,13 +1,16 @@
-"""Live reload: every worker watches the config file and applies what a change to it may change live.
+"""Live reload: the config file watched once, in the main process; every worker applies what may change live.
 
-Each worker runs one `Reloader`, a task on its own event loop: watchfiles (inotify, through its Rust notify
-thread) watches the file's directory, not the file, so Kubernetes' ConfigMap and Secret mounts work: the kubelet
-writes a new timestamped directory and swaps the `..data` symlink, and the file itself is never written. An
-event naming the file or a `..` entry makes the worker read the file; when its bytes changed, it is validated
+`ConfigWatch`, a daemon thread of the main process, runs watchfiles (inotify) on the file's directory, not the
+file, so Kubernetes' ConfigMap and Secret mounts work: the kubelet writes a new timestamped directory and swaps
+the `..data` symlink, and the file itself is never written. An event naming the file or a `..` entry bumps a
+counter in shared memory (G_CONFIG_GEN). One watcher for all workers, outside them: a worker's only cost is a
+look at that counter every `POLL_S` (a watcher in each worker woke its event loop's process every step).
+
+Each worker's `Reloader` sees the counter move and reads the file; when its bytes changed, it is validated
 again exactly as at start (config.load). A file that fails changes nothing, and worker 0 says why in one line.
-Otherwise the live keys (config.live) apply to this worker from its next request on, requests in flight
-finishing on the settings they started with; worker 0 names each changed key that needs a restart. Every
-worker applies it on its own, within the watcher's debounce (`DEBOUNCE_MS`) of the change.
+Otherwise the live keys (config.live) apply in this worker from its next request on, requests in flight
+finishing on the settings they started with; worker 0 names each changed key that needs a restart. From the
+change to every worker: the watcher's debounce plus one poll, under half a second.
 """
 
 from __future__ import annotations
@@ -16,35 +19,81 @@ import asyncio
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 import watchfiles
 
 from config import ConfigError, Settings, load_settings
 from config.live import merge, overridden
+from state.shared import G_CONFIG_GEN, SharedState
 
 log = logging.getLogger("coordinator.reload")
-DEBOUNCE_MS = 200  # changes this close together are read once (the kubelet's swap is a few renames)
+DEBOUNCE_MS = 200  # changes this close together are one (the kubelet's swap is a few renames)
+POLL_S = 0.2  # how often a worker looks at the counter
+
+
+def names_the_file(path: str) -> Callable[[watchfiles.Change, str], bool]:
+    """The watch filter: the file itself, or a `..` entry (`..data`, `..data_tmp`, `..<timestamp>`)."""
+    name = os.path.basename(path)
+
+    def wanted(_change: watchfiles.Change, changed: str) -> bool:
+        base = os.path.basename(changed)
+        return base == name or base.startswith("..")
+
+    return wanted
+
+
+class ConfigWatch:
+    """The main process's watcher of the config file: bumps G_CONFIG_GEN at each change."""
+
+    def __init__(self, path: str, shared: SharedState):
+        self.path, self.shared = path, shared
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="config-watch", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=2)
+
+    def _run(self) -> None:
+        try:
+            for _ in watchfiles.watch(
+                os.path.dirname(self.path) or ".",
+                watch_filter=names_the_file(self.path),
+                debounce=DEBOUNCE_MS,
+                step=50,
+                recursive=False,
+                stop_event=self.stop_event,
+                ignore_permission_denied=True,
+                raise_interrupt=False,
+            ):
+                self.shared.globals[G_CONFIG_GEN] += 1  # this thread is its only writer
+        except Exception:  # the directory went away: the Coordinator runs on, without live reload
+            log.exception("config: watching %s stopped; changes to it need a restart", self.path)
 
 
 class Reloader:
-    def __init__(self, running: Settings, apply: Callable[[Settings], None], worker: int):
-        self.running, self.apply, self.worker = running, apply, worker
+    """One worker's side: when the counter moves, the file read, validated and its live keys applied."""
+
+    def __init__(self, running: Settings, shared: SharedState, apply: Callable[[Settings], None], worker: int):
+        self.running, self.shared, self.apply, self.worker = running, shared, apply, worker
         self.path = running.source_path
-        self.name = os.path.basename(self.path)
+        self.gen = shared.globals[G_CONFIG_GEN]
         self.digest = self._digest()
         try:
             self.kept = overridden(self._load(quiet=True), running)
         except ConfigError:  # changed since the main process read it: the next change is read whole
             self.kept = frozenset()
-        self.stop_event = asyncio.Event()
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._watch())
+        self.task = asyncio.get_running_loop().create_task(self._poll())
 
     async def stop(self) -> None:
-        self.stop_event.set()
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
@@ -56,24 +105,16 @@ class Reloader:
         except OSError:  # mid-swap, or gone: nothing to read yet
             return None
 
-    def _names_the_file(self, _change: watchfiles.Change, path: str) -> bool:
-        base = os.path.basename(path)
-        return base == self.name or base.startswith("..")
-
-    async def _watch(self) -> None:
-        async for _ in watchfiles.awatch(
-            os.path.dirname(self.path) or ".",
-            watch_filter=self._names_the_file,
-            debounce=DEBOUNCE_MS,
-            step=50,
-            recursive=False,
-            stop_event=self.stop_event,
-            ignore_permission_denied=True,
-        ):
-            try:
-                await self.reload()
-            except Exception:  # a reload must never stop the watcher
-                log.exception("config: reloading %s failed", self.path)
+    async def _poll(self) -> None:
+        g = self.shared.globals
+        while True:
+            await asyncio.sleep(POLL_S)
+            if g[G_CONFIG_GEN] != self.gen:
+                self.gen = g[G_CONFIG_GEN]
+                try:
+                    await self.reload()
+                except Exception:  # a reload must never stop the polling
+                    log.exception("config: reloading %s failed", self.path)
 
     async def reload(self) -> None:
         loop = asyncio.get_running_loop()
