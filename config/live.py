@@ -90,11 +90,10 @@ def overridden(from_file: Settings, running: Settings) -> frozenset[str]:
 def merge(running: Settings, reloaded: Settings, kept: frozenset[str] = frozenset()) -> tuple[Settings, list[str]]:
     """(the settings to run on, the config keys whose change needs a restart, kept as they run). `kept`: the
     attributes `overridden` found."""
+    changes = {a: getattr(reloaded, a) for a in LIVE - {"models"} if getattr(reloaded, a) != getattr(running, a)}
+    # The models served: the file's, and those the running instances name (with default SLOs), as at start.
     served = with_models_for_instances(replace(reloaded, instances=running.instances)).models
-    changes = {a: getattr(reloaded, a) for a in LIVE if getattr(reloaded, a) != getattr(running, a)}
-    if served == running.models:
-        changes.pop("models", None)
-    elif "models" in changes:
+    if served != running.models:
         changes["models"] = served
     restart = [
         key_name(f.name)

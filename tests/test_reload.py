@@ -160,3 +160,30 @@ def test_a_file_edited_in_place_that_fails_changes_nothing(sims, broken):
             json.dump(config([KEPT], 900, 16 << 20, u), f)
         os.replace(tmp, coord.config_path)
         assert wait_until(lambda: slo_ttft(coord) == 900, timeout_s=10)
+
+
+def test_merge_takes_live_keys_and_names_the_rest():
+    from dataclasses import replace
+
+    from config import ModelConfig, settings_from_dict
+    from config.live import merge, overridden
+
+    running = settings_from_dict({"models": [{"id": "a"}]})
+    started = replace(running, num_workers=4)  # --workers 4: the start's, not the file's
+    kept = overridden(running, started)
+    reloaded = settings_from_dict(
+        {
+            "models": [{"id": "a", "slo_ttft": 700}],
+            "api_config": {"coordinator_api_infer_port": 2025},
+            "scheduler_config": {"pd_dispatch": "trigger", "breaker_open_time": 9},
+            "exception_config": {"max_retry": 1},
+        }
+    )
+    merged, restart = merge(started, reloaded, kept)
+    assert merged.models == (ModelConfig(id="a", slo_ttft_ms=700),) and merged.max_retry == 1
+    assert merged.breaker_open_s == 9.0 and merged.num_workers == 4 and merged.infer_port == 1025
+    assert sorted(restart) == [
+        "motor_coordinator_config.api_config.coordinator_api_infer_port",
+        "motor_coordinator_config.scheduler_config.pd_dispatch",
+    ]
+    assert merge(started, running, kept) == (started, [])  # the file as it was: nothing changes
