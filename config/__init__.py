@@ -11,6 +11,9 @@
   said in one line naming its key path (`motor_coordinator_config.exception_config.infer_timeout: must be
   a number`), unknown keys warned about and ignored.
 - config.addresses: engine addresses, read as the engine client reads them.
+- config.pymotor: MindIE-PyMotor's keys read with their meaning (noted, refused, or moved onto the Coordinator's).
+- config.keys: API keys in PyMotor's hashed form (`python -m config.keys hash`).
+- config.live: which settings a reloaded file changes in a running Coordinator.
 """
 
 from __future__ import annotations
