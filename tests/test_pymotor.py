@@ -351,3 +351,34 @@ def test_circuit_open_time_doubles_per_trip_up_to_its_cap():
     for _ in range(10):
         off.record_failure(1)
     assert off.breaker(1) == "closed"
+
+
+def test_tls_passwd_file_unlocks_an_encrypted_key_and_is_needed_for_one(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+
+    from config import ConfigError
+    from tests.certs import make_certs
+
+    certs = make_certs(tmp_path)
+    with open(certs.key, "rb") as f:
+        key = serialization.load_pem_private_key(f.read(), password=None)
+    locked = tmp_path / "locked.key"
+    locked.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"s3cret"),
+        )
+    )
+    (tmp_path / "pw").write_text("s3cret\n")
+    (tmp_path / "bad").write_text("nope\n")
+    tls = {"enable_tls": True, "cert_file": str(certs.cert), "key_file": str(locked)}
+    ok = settings_from_dict({"infer_tls_config": {**tls, "passwd_file": str(tmp_path / "pw")}})
+    assert ok.infer_tls.passwd_file.endswith("pw")
+    for extra, said in (
+        ({}, "infer_tls_config.cert_file: cannot load"),
+        ({"passwd_file": str(tmp_path / "bad")}, "infer_tls_config.cert_file: cannot load"),
+        ({"passwd_file": str(tmp_path / "pw"), "crl_file": str(certs.ca)}, "infer_tls_config.crl_file: needs ca_file"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            settings_from_dict({"infer_tls_config": {**tls, **extra}})
