@@ -38,9 +38,9 @@ from config import (
     Endpoint,
     Instance,
     Settings,
-    TlsConfig,
     load_settings,
     resolve_config_path,
+    server_tls_context,
     with_models_for_instances,
 )
 from engines import EngineClient
@@ -61,6 +61,7 @@ from serving.metrics import PrometheusObserver, clear_stale_files
 from serving.usage import PrefillUsages
 from state.response_homes import SharedResponseHomes
 from state.shared import SharedState, worker_index
+from workers.reload import ConfigWatch, Reloader
 from workers.supervisor import SANIC_SHUTDOWN_S, STOP_GRACE_S, Supervisor, start_heartbeat
 
 log = logging.getLogger("coordinator")
@@ -69,8 +70,7 @@ APP_NAME = "motor_coordinator"
 
 def create_app(settings: Settings) -> Sanic:
     app = Sanic(APP_NAME, certloader_class=InferenceTls)
-    app.config.REQUEST_MAX_SIZE = max(settings.max_request_body_bytes, 10 * 1024 * 1024 + 1024)
-    app.config.RESPONSE_TIMEOUT = response_timeout_s(settings)
+    sanic_limits(app, settings)
     # Sanic's bound on the silence within a head; the head's and body's whole deadlines are EdgeProtocol's, which
     # Sanic's timer checks every half of its shortest timeout.
     app.config.REQUEST_TIMEOUT = settings.request_head_timeout_s
@@ -88,7 +88,7 @@ def create_app(settings: Settings) -> Sanic:
     async def tls_per_port(app: Sanic):
         # Sanic gives every server it runs the one TLS context InferenceTls loaded; the management and
         # metrics servers start after this listener (Sanic's `_start_servers`) and take theirs from here.
-        mgmt = tls_context(settings.mgmt_tls)
+        mgmt = server_tls_context(settings.mgmt_tls)
         for info in app.state.server_info:
             sock = info.settings.get("sock")  # workers serve sockets the main process bound
             port = sock.getsockname()[1] if sock is not None else info.settings.get("port")
@@ -103,6 +103,7 @@ def create_app(settings: Settings) -> Sanic:
         for key, value in shared.as_shared_ctx().items():
             setattr(app.shared_ctx, key, value)
         app.ctx.main_shared = shared
+        app.ctx.config_watch = watch_config(settings, shared)
 
     @app.main_process_ready
     async def supervise_workers(app: Sanic):
@@ -117,6 +118,8 @@ def create_app(settings: Settings) -> Sanic:
 
     @app.main_process_stop
     async def remove_metrics_dir(app: Sanic):
+        if getattr(app.ctx, "config_watch", None) is not None:
+            app.ctx.config_watch.stop()
         if os.environ.get("MOTOR_OWNS_PROM_DIR"):
             shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
@@ -128,6 +131,7 @@ def create_app(settings: Settings) -> Sanic:
         else:  # Sanic's single_process mode runs no main_process_* listener: this process's memory will do
             shared = SharedState.create()
             Registry(shared).apply("set", list(settings.instances))
+            app.ctx.config_watch = watch_config(settings, shared)
         worker = worker_index()
         shared.clear_worker(worker)  # a restarted worker starts from zero (the supervisor zeroed it too)
         ctx = app.ctx
@@ -135,7 +139,9 @@ def create_app(settings: Settings) -> Sanic:
         ctx.shared = shared
         ctx.registry = Registry(shared)
         ctx.ledger = Ledger(shared, worker, settings.num_workers)
-        ctx.health = Health(shared, settings.breaker_failure_threshold, settings.breaker_open_s)
+        ctx.health = Health(
+            shared, settings.breaker_failure_threshold, settings.breaker_open_s, settings.breaker_max_open_s
+        )
         ctx.scheduler = build_scheduler(settings, shared, ctx.registry, ctx.ledger, ctx.health)
         ctx.client = EngineClient(settings)
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
@@ -152,6 +158,17 @@ def create_app(settings: Settings) -> Sanic:
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
             ctx.background.start()
+        ctx.tracing = None
+        if settings.tracer.endpoint:  # OpenTelemetry (serving/tracing.py); off, its SDK is not even imported
+            from serving.tracing import Tracing
+
+            ctx.tracing = Tracing(settings.tracer)
+            ctx.dispatcher.trace(ctx.tracing)
+            ctx.client.traced = True
+        ctx.reloader = None
+        if settings.source_path:  # the config file is watched, and what may change live applies (workers/reload.py)
+            ctx.reloader = Reloader(settings, shared, partial(apply_settings, app), worker)
+            ctx.reloader.start()
         # The supervisor's watchdog kills a worker whose loop stops beating; a worker of a main process (not
         # Sanic's single_process mode, whose parent is whatever started it) stops itself if that one dies.
         start_heartbeat(shared, worker, watch_parent=hasattr(app.shared_ctx, "motor_doc"))
@@ -194,8 +211,12 @@ def create_app(settings: Settings) -> Sanic:
 
     @app.after_server_stop
     async def stop_worker(app: Sanic):
+        if app.ctx.reloader is not None:
+            await app.ctx.reloader.stop()
         await app.ctx.background.stop()
         await app.ctx.client.close()
+        if app.ctx.tracing is not None:
+            app.ctx.tracing.shutdown()  # the spans still batched are sent
         app.ctx.observer.close()
 
     @app.exception(Exception)
@@ -223,6 +244,35 @@ def create_app(settings: Settings) -> Sanic:
         return error_response(err, api, rid)
 
     return app
+
+
+def watch_config(settings: Settings, shared: SharedState) -> ConfigWatch | None:
+    """The config file's watcher (workers/reload.py), one for the whole Coordinator."""
+    if not settings.source_path:
+        return None
+    watch = ConfigWatch(settings.source_path, shared)
+    watch.start()
+    return watch
+
+
+def apply_settings(app: Sanic, settings: Settings) -> None:
+    """A reloaded config's live settings (config.live), in this worker from its next request on."""
+    ctx = app.ctx
+    ctx.settings = settings
+    ctx.dispatcher.configure(settings)
+    ctx.door.configure(settings)
+    ctx.client.s = ctx.background.s = settings
+    health = ctx.health
+    health.failure_threshold, health.open_s = settings.breaker_failure_threshold, settings.breaker_open_s
+    health.max_open_s = settings.breaker_max_open_s
+    sanic_limits(app, settings)
+    logging.getLogger().setLevel(settings.log_level)
+
+
+def sanic_limits(app: Sanic, settings: Settings) -> None:
+    """Sanic's own bounds on a body and on a response's silences, from the settings (never below the Coordinator's)."""
+    app.config.REQUEST_MAX_SIZE = max(settings.max_request_body_bytes, 10 * 1024 * 1024 + 1024)
+    app.config.RESPONSE_TIMEOUT = response_timeout_s(settings)
 
 
 def start_simulator(settings: Settings) -> Settings:
@@ -353,27 +403,12 @@ def check_ports_free(settings: Settings) -> None:
             ) from None
 
 
-def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
-    """A port's server TLS: its certificate and key; with `ca_file`, a client certificate, when one is
-    presented, must be signed by it. None is required: kubelet probes, Prometheus and engines calling
-    /v1/metaserver present none."""
-    if not tls.enable_tls:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(tls.cert_file, tls.key_file)
-    if tls.ca_file:
-        context.load_verify_locations(tls.ca_file)
-        context.verify_mode = ssl.CERT_OPTIONAL
-    return context
-
-
 class InferenceTls(CertLoader):
     """The TLS context Sanic loads in each worker (contexts do not cross processes) and gives every server:
     the inference port's. The management and metrics ports get theirs in `tls_per_port`."""
 
     def load(self, app: Sanic) -> ssl.SSLContext | None:
-        return tls_context(app.ctx.settings.infer_tls)
+        return server_tls_context(app.ctx.settings.infer_tls)
 
 
 if __name__ == "__main__":

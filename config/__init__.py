@@ -11,6 +11,9 @@
   said in one line naming its key path (`motor_coordinator_config.exception_config.infer_timeout: must be
   a number`), unknown keys warned about and ignored.
 - config.addresses: engine addresses, read as the engine client reads them.
+- config.pymotor: MindIE-PyMotor's keys read with their meaning (noted, refused, or moved onto the Coordinator's).
+- config.keys: API keys in PyMotor's hashed form (`python -m config.keys hash`).
+- config.live: which settings a reloaded file changes in a running Coordinator.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .load import (
     parse_models,
     refusal,
     resolve_config_path,
+    server_tls_context,
     settings_from_dict,
     validate,
 )
@@ -44,6 +48,7 @@ from .sections import (
     Instance,
     ModelConfig,
     TlsConfig,
+    TracerConfig,
 )
 from .settings import MAX_BACKOFF_S, Settings, with_models_for_instances
 
@@ -67,6 +72,7 @@ __all__ = [
     "ModelConfig",
     "Settings",
     "TlsConfig",
+    "TracerConfig",
     "adapter",
     "address_key",
     "check_instance_set",
@@ -76,6 +82,7 @@ __all__ = [
     "parse_models",
     "refusal",
     "resolve_config_path",
+    "server_tls_context",
     "settings_from_dict",
     "split_address",
     "validate",

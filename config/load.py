@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import ssl
+from dataclasses import replace
 from functools import cache
 from typing import Annotated, Any, get_args, get_origin
 
@@ -24,6 +25,7 @@ from .addresses import address_key
 from .sections import (
     ROOT_KEY,
     ApiConfig,
+    ApiKeyConfig,
     ApiKeySection,
     ApiSection,
     ExceptionSection,
@@ -168,31 +170,75 @@ def _check_host(section: str, api: ApiConfig) -> None:
         ) from None
 
 
+def _with_key_file(section: str, cfg: ApiKeyConfig) -> ApiKeyConfig:
+    """The key in api_key_file (its one line) added to valid_keys, as MindIE-PyMotor's management key is given."""
+    path = f"{ROOT_KEY}.{section}.api_key_file"
+    try:
+        with open(cfg.api_key_file, encoding="utf-8") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"{path}: cannot read {cfg.api_key_file!r} ({getattr(e, 'strerror', None) or e})") from None
+    if not key or "\n" in key:
+        raise ConfigError(f"{path}: {cfg.api_key_file!r} must hold one key on one line")
+    return replace(cfg, valid_keys=(*cfg.valid_keys, key))
+
+
 def _check_tls_files(section: str, tls: TlsConfig) -> None:
     """With TLS on, the certificate and key must load now, not fail in every worker at start-up."""
     if not tls.enable_tls:
         return
     path = f"{ROOT_KEY}.{section}"
-    for key in ("cert_file", "key_file", "ca_file"):
+    for key in ("cert_file", "key_file", "ca_file", "passwd_file", "crl_file"):
         name = getattr(tls, key)
         if name and not (os.path.isfile(name) and os.access(name, os.R_OK)):
             raise ConfigError(f"{path}.{key}: {name!r} is not a readable file")
+    if tls.crl_file and not tls.ca_file:
+        raise ConfigError(f"{path}.crl_file: needs ca_file (it revokes certificates that ca_file signed)")
+    try:
+        server_tls_context(tls)
+    except TlsFileError as e:
+        raise ConfigError(f"{path}.{e.key}: {e}") from None
 
-    def no_password() -> bytes:
-        raise ValueError("the key is encrypted")
+
+class TlsFileError(ValueError):
+    """A TLS file that does not load; `key` names its key."""
+
+    def __init__(self, key: str, why: str):
+        super().__init__(why)
+        self.key = key
+
+
+def server_tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
+    """A port's server TLS: its certificate and key (the key's password in passwd_file); with `ca_file`, a client
+    certificate, when one is presented, must be signed by it (and not be in crl_file). None is required:
+    kubelet probes, Prometheus and engines calling /v1/metaserver present none."""
+    if not tls.enable_tls:
+        return None
+
+    def password() -> bytes:
+        if not tls.passwd_file:
+            raise ValueError("the key is encrypted and no passwd_file is given")
+        with open(tls.passwd_file, "rb") as f:
+            return f.read().strip()
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
-        context.load_cert_chain(tls.cert_file, tls.key_file, password=no_password)
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=password)
     except (ssl.SSLError, ValueError) as e:
-        raise ConfigError(
-            f"{path}.cert_file: cannot load {tls.cert_file!r} with key_file {tls.key_file!r}: {e}"
-        ) from None
+        raise TlsFileError("cert_file", f"cannot load {tls.cert_file!r} with key_file {tls.key_file!r}: {e}") from None
+    for key in ("ca_file", "crl_file") if tls.ca_file else ():
+        name = getattr(tls, key)
+        if name:
+            try:
+                context.load_verify_locations(name)
+            except ssl.SSLError as e:
+                raise TlsFileError(key, f"cannot load {name!r}: {e}") from None
     if tls.ca_file:
-        try:
-            context.load_verify_locations(tls.ca_file)
-        except ssl.SSLError as e:
-            raise ConfigError(f"{path}.ca_file: cannot load {tls.ca_file!r}: {e}") from None
+        if tls.crl_file:
+            context.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+        context.verify_mode = ssl.CERT_OPTIONAL
+    return context
 
 
 # The sections of motor_coordinator_config in the order they are read: (key, schema, the Settings attribute
@@ -220,10 +266,14 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     `on_this_host` False: the file is checked for another machine (the deployer renders it for a pod), so
     what only that machine can answer is not checked: that the host resolves, that the TLS files load.
     """
-    if isinstance(raw, dict) and ROOT_KEY in raw:
+    from .pymotor import TOP_LEVEL, adopt, finish  # it reads sections with this module's validate
+
+    whole = raw if isinstance(raw, dict) and ROOT_KEY in raw else None
+    if whole is not None:
         raw = raw[ROOT_KEY]
     if not isinstance(raw, dict):
         raise ConfigError(f"{ROOT_KEY}: must be a JSON object")
+    given, raw = raw, adopt(raw, whole)
     own: dict[str, Any] = {}  # Settings' fields, from the sections whose fields they are
     held: dict[str, Any] = {}  # the sections Settings holds as one object
     for key, schema, attr in SECTIONS:
@@ -231,6 +281,8 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
         section = validate(schema, data, f"{ROOT_KEY}.{key}")
         if on_this_host and key in _ON_THIS_HOST:
             _ON_THIS_HOST[key](key, section)
+        if on_this_host and getattr(section, "api_key_file", ""):
+            section = _with_key_file(key, section)
         warn_unknown(f"{key}.", data, _dataclass_of(schema))
         if attr is None:
             own.update(vars(section))
@@ -239,10 +291,11 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     models = parse_models("models", raw.get("models", []))
     instances = validate(tuple[InstanceEntry, ...], raw.get("instances", []), f"{ROOT_KEY}.instances")
     check_instance_set(list(instances), "instances")
-    known = {key for key, _, _ in SECTIONS} | {"models", "instances"}
+    known = {key for key, _, _ in SECTIONS} | {"models", "instances"} | TOP_LEVEL
     for key in sorted(set(raw) - known):
         log.warning("config: unknown key %s.%s ignored", ROOT_KEY, key)
-    return Settings(**own, **held, models=models, instances=instances, source_path=source_path)
+    settings = Settings(**own, **held, models=models, instances=instances, source_path=source_path)
+    return finish(settings, given, whole)
 
 
 def resolve_config_path(cli_path: str | None) -> str:

@@ -26,6 +26,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from .addresses import engine_url, split_address
+from .keys import looks_hashed
 
 log = logging.getLogger("coordinator.config")
 ROOT_KEY = "motor_coordinator_config"
@@ -115,6 +116,18 @@ def _valid_address(address: str) -> str:
     return address
 
 
+MAX_BODY_DEFAULT = 16 * 1024 * 1024
+MB = 1024 * 1024
+
+
+def _body_size_bytes(value: Any) -> Any:
+    """max_request_body_size in bytes; under 1024 it is MindIE-PyMotor's unit, megabytes, and its 0 ("no
+    limit") keeps the default bound: a body limit is never dropped."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1024:
+        return value * MB if value else MAX_BODY_DEFAULT
+    return value
+
+
 def key(name: str) -> Any:
     """The config key of an attribute, where MindIE-PyMotor's name differs from it."""
     return Field(alias=name)
@@ -165,6 +178,9 @@ class SchedulerConfig:
     health_check_timeout_failures: Count = 3
     breaker_failure_threshold: Count = 3
     breaker_open_s: Annotated[Seconds, key("breaker_open_time")] = 5.0
+    # An open breaker that trips again stays open twice as long each time, up to this (0: never longer than
+    # breaker_open_time). MindIE-PyMotor's circuit_config.max_timeout_s.
+    breaker_max_open_s: Annotated[NonNegative, key("breaker_max_open_time")] = 0.0
     kv_affinity_block_size: Count = 16
     affinity_overload_factor: Annotated[Num, Field(ge=1.0)] = 2.0
 
@@ -218,15 +234,33 @@ class ExceptionConfig:
     reschedule: Annotated[RescheduleConfig, key("reschedule_config")] = RescheduleConfig()
     # Read into reschedule_config.enable (ExceptionSection); a field only so that it is a known key.
     recompute_enabled: Annotated[Bool | None, key("recompute_enabled")] = None
+    # MindIE-PyMotor's: retries of the forward to an engine; when set, the retries made (max_retry otherwise).
+    transport_max_retry: Annotated[
+        Int | None, _after(lambda v: None if v is None or 0 <= v <= 100 else "must be 0..100")
+    ] = None
+    # The most of an engine's error body kept and passed on to the client.
+    upstream_error_body_max_bytes: Annotated[Int, Field(ge=256)] = 64 * 1024
 
 
 @dataclass(frozen=True)
 class RateLimitConfig:
     """rate_limit_config: request size, concurrency and rate."""
 
-    max_request_body_bytes: Annotated[Int, Field(ge=1024), key("max_request_body_size")] = 16 * 1024 * 1024
+    max_request_body_bytes: Annotated[
+        Int, BeforeValidator(_body_size_bytes), Field(ge=1024), key("max_request_body_size")
+    ] = MAX_BODY_DEFAULT
     max_inflight_requests: Annotated[Int, Field(ge=0)] = 0
     requests_per_second: NonNegative = 0.0
+    # MindIE-PyMotor's token bucket: `max_requests` at once, refilled over `window_size` seconds. Here one bucket
+    # holds for all workers (PyMotor's is per worker process).
+    enable_rate_limit: Bool = False
+    max_requests: Count = 1000
+    window_size_s: Annotated[Seconds, key("window_size")] = 60.0
+    provider: Annotated[Str, _one_of(("simple",))] = "simple"  # PyMotor's `olc` adapter is not here
+    scope: Annotated[Str, _one_of(("global",))] = "global"
+    skip_paths: Annotated[tuple[str, ...], BeforeValidator(_key_list)] = ()
+    error_message: NonEmptyStr = "too many requests, please try again later"
+    error_status_code: Annotated[Int, _between(400, 599)] = 429
 
 
 @dataclass(frozen=True)
@@ -252,9 +286,19 @@ class ApiKeyConfig:
     """api_key_config: the clients' keys on the inference port."""
 
     enable_api_key: Bool = False
-    valid_keys: Annotated[tuple[str, ...], BeforeValidator(_key_list)] = ()
+    # Plain keys, or MindIE-PyMotor's hashed `salt:iterations:hexhash` (config.keys; `python -m config.keys hash`).
+    valid_keys: Annotated[
+        tuple[str, ...],
+        BeforeValidator(_key_list),
+        _after(lambda keys: next(filter(None, map(looks_hashed, keys)), None)),
+    ] = ()
     header_name: HeaderName = "Authorization"
     key_prefix: Str = "Bearer "
+    # Paths (exact) where no key is asked for, as MindIE-PyMotor's api_key_config.skip_paths.
+    skip_paths: Annotated[tuple[str, ...], BeforeValidator(_key_list)] = ()
+    encryption_algorithm: Annotated[Str, _one_of(("PBKDF2_SHA256",))] = "PBKDF2_SHA256"  # of hashed valid_keys
+    # A file holding one more key (MindIE-PyMotor's mgmt_api_key_config.api_key_file), read at start and reload.
+    api_key_file: Str = ""
 
 
 @dataclass(frozen=True)
@@ -266,7 +310,7 @@ class MgmtApiKeyConfig(ApiKeyConfig):
 
 
 def _keys_when_enabled(cfg: ApiKeyConfig) -> ApiKeyConfig:
-    if cfg.enable_api_key and not cfg.valid_keys:
+    if cfg.enable_api_key and not (cfg.valid_keys or cfg.api_key_file):
         raise refused("must list at least one key when enable_api_key is true", "valid_keys")
     return cfg
 
@@ -279,6 +323,8 @@ class TlsConfig:
     cert_file: Str = ""
     key_file: Str = ""
     ca_file: Str = ""
+    passwd_file: Str = ""  # a file holding key_file's password (an encrypted key)
+    crl_file: Str = ""  # revoked client certificates (with ca_file)
 
 
 def _one_tls_switch(data: Any) -> Any:
@@ -308,6 +354,48 @@ def _ports_differ(api: ApiConfig) -> ApiConfig:
             )
         taken[port] = name
     return api
+
+
+# -- MindIE-PyMotor's sections, read into the Coordinator's own keys (config.pymotor) -----------------------
+
+
+@dataclass(frozen=True)
+class CircuitConfig:
+    """circuit_config: MindIE-PyMotor's breaker, scheduler_config's breaker_* keys under its names (and its
+    defaults, when the section is given)."""
+
+    enable: Bool = True
+    failure_threshold: Count = 3
+    base_timeout_s: Seconds = 30.0
+    max_timeout_s: NonNegative = 300.0
+
+
+Ratio = Annotated[Num, Field(ge=0.0), _after(lambda v: None if v <= 1.0 else "must be 0..1")]
+
+
+@dataclass(frozen=True)
+class TracerConfig:
+    """tracer_config: OpenTelemetry export of one span tree per request (empty endpoint: off)."""
+
+    endpoint: Str = ""
+    root_sampling_rate: Ratio = 1.0
+    remote_parent_sampled: Ratio = 1.0
+    remote_parent_not_sampled: Ratio = 1.0
+    local_parent_sampled: Ratio = 1.0
+    local_parent_not_sampled: Ratio = 1.0
+
+
+@dataclass(frozen=True)
+class Aigw:
+    """aigw: MindIE-PyMotor's one `/v1/models` entry; what it leaves out comes from the engine sections."""
+
+    id: Str = ""
+    object: Annotated[Str, _one_of(("model",))] = "model"
+    owned_by: Str = "motor"
+    p_max_seqlen: Annotated[Int | None, _after(lambda v: None if v is None or v >= 1 else "must be >= 1")] = None
+    d_max_seqlen: Annotated[Int | None, _after(lambda v: None if v is None or v >= 1 else "must be >= 1")] = None
+    slo_ttft_ms: Annotated[Count, key("slo_ttft")] = 1000
+    slo_tpot_ms: Annotated[Count, key("slo_tpot")] = 50
 
 
 # -- models and instances ---------------------------------------------------------------------------------

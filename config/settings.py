@@ -23,6 +23,7 @@ from .sections import (
     SchedulerConfig,
     ShutdownConfig,
     TlsConfig,
+    TracerConfig,
     WorkersConfig,
 )
 
@@ -38,7 +39,15 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
     mgmt_tls: TlsConfig = field(default_factory=TlsConfig)
     models: tuple[ModelConfig, ...] = ()
     instances: tuple[Instance, ...] = ()
+    tracer: TracerConfig = field(default_factory=TracerConfig)
     source_path: str = ""
+
+    def rate_limit(self) -> tuple[float, float]:
+        """(requests a second, the bucket's size): MindIE-PyMotor's bucket when enable_rate_limit, else
+        requests_per_second with a bucket of one second's worth (at least one); (0, 0): no rate limit."""
+        if self.enable_rate_limit:
+            return self.max_requests / self.window_size_s, float(self.max_requests)
+        return self.requests_per_second, max(1.0, self.requests_per_second)
 
     def backoff_s(self, attempt: int) -> float:
         """The wait after failed attempt `attempt` (0 = the first): retry_delay doubled each time, capped."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import jinja2
 
+from .monitoring import dashboard
 from .sections import CONFIG_PATH_IN_CONTAINER, CONFIG_SECRET_NAME, EngineConfig, Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,13 @@ MGMT_SERVICE = "motor-coordinator-mgmt"
 METRICS_SERVICE = "motor-coordinator-metrics"
 ENGINE_NAME = {"prefill": "motor-engine-prefill", "decode": "motor-engine-decode"}
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
-OUTPUT_FILES = ("coordinator_init.yaml", "engine_prefill.yaml", "engine_decode.yaml", "user_config.json")
+OUTPUT_FILES = (
+    "coordinator_init.yaml",
+    "engine_prefill.yaml",
+    "engine_decode.yaml",
+    "monitoring.yaml",
+    "user_config.json",
+)
 
 
 # A JSON surrogate pair (an escaped character above U+FFFF) after an even run of backslashes, so
@@ -215,6 +222,9 @@ def render(settings: Settings) -> dict[str, str]:
     }
     out = {
         "coordinator_init.yaml": env.get_template("coordinator_init.yaml.j2").render(ctx),
+        "monitoring.yaml": env.get_template("monitoring.yaml.j2").render(
+            ctx, dashboard_json=json.dumps(dashboard(), indent=2, ensure_ascii=True)
+        ),
         "user_config.json": config_text,
     }
     for role in ("prefill", "decode"):

@@ -18,15 +18,20 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator, Awaitable
+from contextvars import ContextVar
 from functools import lru_cache
 from urllib.parse import urlsplit
 
 import httptools
 
 from config import Settings
+from config.sections import ExceptionConfig
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 
-MAX_ERROR_BODY = 64 * 1024
+# The trace context (W3C `traceparent` / `tracestate` header lines) of the engine attempt this task is making,
+# set by serving/tracing.py; sent only by a client whose `traced` is set (tracer_config has an endpoint).
+TRACE_HEADERS: ContextVar[bytes] = ContextVar("motor_trace_headers", default=b"")
+MAX_ERROR_BODY = ExceptionConfig.upstream_error_body_max_bytes  # the default of what an engine's error body keeps
 # A response head past this is refused: httptools grows each header value by concatenation, so an engine
 # sending megabytes of header would cost the worker's event loop seconds of CPU.
 MAX_HEAD = 64 * 1024
@@ -307,6 +312,7 @@ class EngineClient:
 
     def __init__(self, settings: Settings):
         self.s = settings
+        self.traced = False  # send TRACE_HEADERS (tracing on)
         self.pool: dict[Origin, list[_Connection]] = {}
         self.is_closed = False
         self._tls: ssl.SSLContext | None = None
@@ -394,6 +400,8 @@ class EngineClient:
             head += b"X-Request-Id: %s\r\n" % request_id.encode()
         if body is not None:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        if self.traced:
+            head += TRACE_HEADERS.get()
         head += b"\r\n"
         resent = False
         while True:
@@ -443,7 +451,7 @@ class EngineClient:
         status, data = conn.status, conn.take()
         self._release(conn)
         if check and status >= 300:
-            raise EngineStatusError(status, data[:MAX_ERROR_BODY], conn.retry_after)
+            raise EngineStatusError(status, data[: self.s.upstream_error_body_max_bytes], conn.retry_after)
         return status, data
 
     # post and get are plain functions returning the exchange's coroutine: awaiting them adds no coroutine of their own.
@@ -493,7 +501,9 @@ class StreamExchange:
                 except TimeoutError:
                     pass
                 raise EngineStatusError(
-                    conn.status, conn.take()[:MAX_ERROR_BODY] if conn.complete else b"", conn.retry_after
+                    conn.status,
+                    conn.take()[: s.upstream_error_body_max_bytes] if conn.complete else b"",
+                    conn.retry_after,
                 )
             finally:
                 client._release(conn)

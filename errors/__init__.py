@@ -163,6 +163,13 @@ class RateLimited(CoordinatorError):
         super().__init__(message, headers=_retry_after_header(retry_after_s))
         self.reason = reason
 
+    @classmethod
+    def by_rate(cls, message: str, status: int, retry_after_s: float) -> RateLimited:
+        """The rate limit's refusal, in rate_limit_config's words and status (429 unless set otherwise)."""
+        err = cls(message, retry_after_s=retry_after_s, reason="rate_limit")
+        err.status = status
+        return err
+
 
 class ServiceUnavailable(CoordinatorError):
     """No engine instance can take the request, or the Coordinator is draining."""

@@ -1,13 +1,30 @@
-"""API keys: the key a request presents, checked against the configured ones in constant time."""
+"""API keys: the key a request presents, checked against the configured ones in constant time.
+
+`valid_keys` may hold plain keys and MindIE-PyMotor's hashed entries (PBKDF2-SHA256 `salt:iterations:hexhash`,
+config.keys). A presented key is compared with every plain key first; only when none matches and hashed entries
+exist does PBKDF2 run, in a thread (hashlib lets the event loop run meanwhile) and at most `HASH_CHECKS_AT_ONCE`
+at a time per worker. A key found valid is remembered per worker (its SHA-256, at most `VERIFIED_KEYS` of them,
+the least recently used forgotten first), so the hot path runs PBKDF2 once per key and worker, not per request.
+Keys never reach a log line.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
+from collections import OrderedDict
+from collections.abc import Awaitable
+from functools import lru_cache
 
 from sanic import Request
 
 from config import ApiKeyConfig
+from config.keys import HashedKey, hashed_entry
 from errors import ANTHROPIC, Unauthorized
+
+VERIFIED_KEYS = 1024  # per worker and key configuration
+HASH_CHECKS_AT_ONCE = 2  # per worker: threads a flood of wrong keys can keep busy with PBKDF2
 
 
 def presented_key(request: Request, cfg: ApiKeyConfig) -> str | None:
@@ -20,22 +37,101 @@ def presented_key(request: Request, cfg: ApiKeyConfig) -> str | None:
     return value[n:] if value.startswith(cfg.key_prefix) or value[:n].lower() == cfg.key_prefix.lower() else None
 
 
-def valid_key(cfg: ApiKeyConfig, key: str) -> bool:
-    # Compare against every valid key so timing reveals neither the key nor which one matched.
+class KeyCheck:
+    """One key configuration's check, per worker: its plain keys, its hashed ones, the keys found valid."""
+
+    def __init__(self, valid_keys: tuple[str, ...]):
+        hashed = [(k, hashed_entry(k)) for k in valid_keys]
+        # A hashed entry is also compared as written, as MindIE-PyMotor does (the raw key first).
+        self.plain = [k.encode() for k in valid_keys]
+        self.hashed: list[HashedKey] = [h for _, h in hashed if h is not None]
+        self.verified: OrderedDict[bytes, None] = OrderedDict()
+        self.gate: asyncio.Semaphore | None = None
+
+    def plain_match(self, presented: bytes) -> bool:
+        # Compare against every valid key so timing reveals neither the key nor which one matched.
+        return any([hmac.compare_digest(presented, valid) for valid in self.plain])  # noqa: C419 (all compared)
+
+    def remembered(self, presented: bytes) -> bytes | None:
+        """The key's SHA-256 when it needs PBKDF2 (None: it was found valid before)."""
+        tag = hashlib.sha256(presented).digest()
+        if tag in self.verified:
+            self.verified.move_to_end(tag)
+            return None
+        return tag
+
+    async def hashed_match(self, presented: bytes, tag: bytes) -> bool:
+        if self.gate is None:
+            self.gate = asyncio.Semaphore(HASH_CHECKS_AT_ONCE)
+        async with self.gate:
+            loop = asyncio.get_running_loop()
+            ok = await loop.run_in_executor(None, lambda: any([h.matches(presented) for h in self.hashed]))  # noqa: C419
+        if ok:
+            self.verified[tag] = None
+            if len(self.verified) > VERIFIED_KEYS:
+                self.verified.popitem(last=False)
+        return ok
+
+
+@lru_cache(maxsize=8)  # one per configuration: a reloaded config gets a new one, its keys verified anew
+def key_check(valid_keys: tuple[str, ...]) -> KeyCheck:
+    return KeyCheck(valid_keys)
+
+
+def _encoded(key: str) -> bytes:
     # Sanic decodes header bytes with surrogateescape: encoding back the same way gives the bytes sent
     # (a key that is not UTF-8 is simply wrong, not an error).
-    presented = key.encode("utf-8", "surrogateescape")
-    return any([hmac.compare_digest(presented, valid.encode()) for valid in cfg.valid_keys])  # noqa: C419 (all compared)
+    return key.encode("utf-8", "surrogateescape")
 
 
-def check_api_key(request: Request, api: str) -> None:
+def valid_key(cfg: ApiKeyConfig, keys: list[str]) -> bool | Awaitable[bool]:
+    """Is one of `keys` valid: True or False at once, or an awaitable when a hashed entry must be checked."""
+    check = key_check(cfg.valid_keys)
+    presented = [_encoded(k) for k in keys]
+    if any([check.plain_match(p) for p in presented]):  # noqa: C419 (all compared)
+        return True
+    if not check.hashed or not presented:
+        return False
+    pending = []
+    for p in presented:
+        tag = check.remembered(p)
+        if tag is None:
+            return True
+        pending.append((p, tag))
+    return _any_hashed(check, pending)
+
+
+async def _any_hashed(check: KeyCheck, pending: list[tuple[bytes, bytes]]) -> bool:
+    for presented, tag in pending:
+        if await check.hashed_match(presented, tag):
+            return True
+    return False
+
+
+def check_api_key(request: Request, api: str) -> Awaitable[None] | None:
+    """None when the request may go on (or raises Unauthorized); an awaitable to await when a hashed key is
+    being verified. A path in skip_paths needs no key."""
     cfg = request.app.ctx.settings.api_key
-    if not cfg.enable_api_key:
-        return
+    if not cfg.enable_api_key or request.path in cfg.skip_paths:
+        return None
     key = presented_key(request, cfg)
     presented = [] if key is None else [key]
     if api == ANTHROPIC and request.headers.get("x-api-key") is not None:
         presented.append(request.headers["x-api-key"])
-    if any(valid_key(cfg, key) for key in presented):
-        return
-    raise Unauthorized("Missing or invalid API key." if presented else "Missing API key.")
+    verdict = valid_key(cfg, presented)
+    if verdict is True:
+        return None
+    if verdict is False:
+        raise _refusal(presented)
+    return _settle(verdict, presented)
+
+
+async def _settle(verdict: Awaitable[bool], presented: list[str]) -> None:
+    if not await verdict:
+        raise _refusal(presented)
+
+
+def _refusal(presented: list[str]) -> Unauthorized:
+    # Missing and wrong keys are both 401 (OpenAI's answer; the SDKs raise AuthenticationError); MindIE-PyMotor
+    # answers a wrong key 403.
+    return Unauthorized("Missing or invalid API key." if presented else "Missing API key.")

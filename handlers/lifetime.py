@@ -46,9 +46,13 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
     rid = request_id(request)
     rec = RequestRecord(rid, route)
     sink = SanicSink(request, rid, api, rec)
+    tracing = ctx.tracing  # None unless tracer_config has an endpoint (serving/tracing.py)
+    traced = (
+        tracing.start_request(request.method, request.path, request.headers, rid) if tracing and from_client else None
+    )
     try:
-        if from_client:
-            check_api_key(request, api)
+        if from_client and (pending := check_api_key(request, api)) is not None:
+            await pending  # a hashed key's first check (handlers/auth.py)
         raw = await read_body(request, ctx.settings.max_request_body_bytes)
         job = job_from_body(route, api, raw, parse_body(raw), rid)
         job.slo_ttft_ms = slo_header(request, "x-slo-ttft-ms")
@@ -78,6 +82,8 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         return await _fail(sink, rec, CoordinatorError(f"internal error: {type(e).__name__}"), api, rid)
     finally:
         ctx.observer.request_done(rec)
+        if traced is not None:
+            tracing.end_request(*traced, rec)
 
 
 async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api: str, rid: str) -> HTTPResponse | None:

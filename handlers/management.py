@@ -70,18 +70,19 @@ def _refused(status: int, message: str, event: str | None = None, headers: dict 
     )
 
 
-def _authorized(request: Request) -> bool:
+async def _authorized(request: Request) -> bool:
     """The management key (`mgmt_api_key_config`), when enabled, guards /instances*; never the probes."""
     cfg = request.app.ctx.settings.mgmt_api_key
     if not cfg.enable_api_key:
         return True
     key = presented_key(request, cfg)
-    return key is not None and valid_key(cfg, key)
+    verdict = key is not None and valid_key(cfg, [key])
+    return verdict if isinstance(verdict, bool) else await verdict
 
 
 @bp.get("/instances", ctx_plane=MGMT)
 async def instances(request: Request):
-    if not _authorized(request):
+    if not await _authorized(request):
         return json(
             {"status": "failed", "message": "missing or invalid management key"},
             status=401,
@@ -94,7 +95,7 @@ async def instances(request: Request):
 
 @bp.post("/instances/refresh", ctx_plane=MGMT)
 async def refresh(request: Request):
-    if not _authorized(request):
+    if not await _authorized(request):
         return _refused(401, "missing or invalid management key", headers=Unauthorized.CHALLENGE)
     try:
         check_json_type(request)  # with the management key off, no web page may post here

@@ -64,7 +64,8 @@ def _headers(api: str, rid: str) -> dict[str, str]:
 async def list_models(request: Request):
     api, rid = _api(request), request_id(request)
     try:
-        check_api_key(request, api)
+        if (pending := check_api_key(request, api)) is not None:
+            await pending
     except CoordinatorError as e:
         return error_response(e, api, rid)
     data = list(_entries(request.app.ctx, api).values())
@@ -83,7 +84,8 @@ async def retrieve_model(request: Request, model: str):
     if not model:  # /v1/models/ : the list, as before this route existed
         return await list_models(request)
     try:
-        check_api_key(request, api)
+        if (pending := check_api_key(request, api)) is not None:
+            await pending
         entry = _entries(request.app.ctx, api).get(model)
         if entry is None:
             raise NotFound(f"The model `{model}` does not exist.", param="model")

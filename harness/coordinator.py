@@ -31,11 +31,13 @@ class Coordinator:
         verify: str | bool = True,
         root: str = ROOT,
         ready_timeout_s: float = 90.0,
+        config_path: str | None = None,
     ):
         """`config` is a motor_coordinator_config object, written wrapped in a whole user_config.json unless
         `wrap` is false (then it is written as given: a bare section, or a whole file). `verify`: the CA that
         a management port with TLS is checked against while waiting for readiness. `root`: the tree whose
-        app.py runs, in that directory. `ready_timeout_s`: how long its workers may take to start."""
+        app.py runs, in that directory. `ready_timeout_s`: how long its workers may take to start. `config_path`:
+        where to write the config (a path through a symlink, as Kubernetes mounts one), not a temporary file."""
         self.config = config.get("motor_coordinator_config", config)
         self.verify = verify
         self.ready_timeout_s = ready_timeout_s
@@ -44,8 +46,12 @@ class Coordinator:
         self.infer_port = api["coordinator_api_infer_port"]
         self.mgmt_port = api["coordinator_api_mgmt_port"]
         self.obs_port = api["coordinator_obs_port"]
-        fd, self.config_path = tempfile.mkstemp(suffix=".json", prefix="motor-test-")
-        with os.fdopen(fd, "w") as f:
+        if config_path is None:
+            fd, self.config_path = tempfile.mkstemp(suffix=".json", prefix="motor-test-")
+            os.close(fd)
+        else:
+            self.config_path = config_path
+        with open(self.config_path, "w") as f:
             json.dump({"motor_coordinator_config": config} if wrap else config, f)
         self.log_path = self.config_path + ".log"
         args = [sys.executable, os.path.join(root, "app.py"), "--config", self.config_path]

@@ -32,8 +32,8 @@ class Background:
 
     def start(self) -> None:
         self.tasks = [
-            asyncio.create_task(self._every(self.s.health_check_interval_s, self._check)),
-            asyncio.create_task(self._every(self.s.metrics_scrape_interval_s, self._scrape)),
+            asyncio.create_task(self._every("health_check_interval_s", self._check)),
+            asyncio.create_task(self._every("metrics_scrape_interval_s", self._scrape)),
         ]
 
     async def stop(self) -> None:
@@ -41,11 +41,12 @@ class Background:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    async def _every(self, interval_s: float, job) -> None:
+    async def _every(self, interval: str, job) -> None:
+        """`job` on every target, then the wait the setting `interval` says (read each time: a reload may change it)."""
         while True:
             targets = self.registry.view().targets
             await asyncio.gather(*(job(t) for t in targets), return_exceptions=True)
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(getattr(self.s, interval))
 
     async def _check(self, t: Target) -> None:
         key, why = (t.slot, t.url), ""

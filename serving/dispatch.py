@@ -12,6 +12,7 @@ coroutine layer costs a loaded worker on each resumption and teardown.
 from __future__ import annotations
 
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 from config import ModelConfig, Settings
 from engines import EngineClient
@@ -37,6 +38,9 @@ from serving.trigger import Trigger
 from serving.usage import PrefillUsages
 from serving.whole import CountTokensCall, WholeCall
 from state.response_homes import ResponseHomes
+
+if TYPE_CHECKING:  # imported only when tracing is on (it loads the OpenTelemetry SDK)
+    from serving.tracing import Tracing
 
 _DEFAULT_MODEL = ModelConfig("")  # a model served without a `models` entry has the default limits
 MAX_OUTPUT_BUDGET = 1 << 31  # output tokens a request counts for in the ledger (beyond any model's context)
@@ -71,6 +75,15 @@ class Dispatcher:
         self.addresses = InstanceAddresses(scheduler.registry)
         self.trigger = Trigger(self.up, scheduler, self.retries, self.handoff, self.addresses)
         self.responses = StoredResponses(response_homes, scheduler, self.up, self.retries)
+        self.tracing: Tracing | None = None
+
+    def trace(self, tracing: Tracing) -> None:
+        """Tracing on (tracer_config): the admission queue's waits and every engine attempt become spans."""
+        self.tracing = self.retries.tracing = tracing
+
+    def configure(self, settings: Settings) -> None:
+        """A reloaded config's settings (retries, timeouts, models' SLOs), read by every later request."""
+        self.s = self.up.settings = self.retries.s = self.handoff.s = self.trigger.s = settings
 
     # -- entry points ----------------------------------------------------------------------------
 
@@ -145,7 +158,8 @@ class Dispatcher:
     async def _serve_queued(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
         """The first plan after a wait in the admission queue (`scheduler_config.admission: queue`)."""
         try:
-            plan = await self.scheduler.queued(info)
+            wait = self.scheduler.queued(info)
+            plan = await (wait if self.tracing is None else self.tracing.queued(wait))
         except (NoCapacity, OverBudget) as e:
             raise refusal(e, self.s) from None
         await self._serve_plan(job, plan, sink, rec)

@@ -71,10 +71,8 @@ class Door:
         worker: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.s, self.shared, self.lock = settings, shared, shared.hot_lock
-        self.cap = settings.max_inflight_requests
-        self.rate = settings.requests_per_second
-        self.burst_milli = int(max(1.0, self.rate) * 1000)
+        self.shared, self.lock = shared, shared.hot_lock
+        self.configure(settings)
         self.clock = clock
         self.loop: asyncio.AbstractEventLoop | None = None  # the worker's, known from its first request
         self.warr = shared.workers
@@ -84,6 +82,13 @@ class Door:
         self.local: set[asyncio.Task] = set()  # this worker's admitted requests
         self.cut: set[asyncio.Task] = set()  # those the drain window ended
         self._drain: asyncio.Task | None = None
+
+    def configure(self, settings: Settings) -> None:
+        """The caps and the rate limit a reloaded config says, from the next request on (the bucket's tokens stay)."""
+        self.s = settings
+        self.cap = settings.max_inflight_requests
+        self.rate, burst = settings.rate_limit()
+        self.burst_milli = int(burst * 1000)
 
     @property
     def draining(self) -> bool:
@@ -136,7 +141,7 @@ class Door:
         if self.rate > 0:
             wait_s = self._take_rate_token()
             if wait_s > 0:
-                raise RateLimited("rate limit exceeded", retry_after_s=wait_s, reason="rate_limit")
+                raise RateLimited.by_rate(self.s.error_message, self.s.error_status_code, wait_s)
         w = self.warr
         if self.cap:
             with self.lock:

@@ -10,6 +10,8 @@ that fails too, the error becomes one SSE error event (handlers/lifetime.py).
 from __future__ import annotations
 
 import asyncio
+from functools import partial
+from typing import TYPE_CHECKING
 
 from config import Settings
 from errors import EngineStatusError, RateLimited, ServiceUnavailable, UpstreamError
@@ -19,6 +21,9 @@ from scheduling.registry import Target
 from scheduling.scheduler import NoCapacity
 from serving.call import Call, T
 from serving.observe import Observer
+
+if TYPE_CHECKING:  # imported only when tracing is on (it loads the OpenTelemetry SDK)
+    from serving.tracing import Tracing
 
 
 def refusal(e: NoCapacity | OverBudget, settings: Settings) -> ServiceUnavailable | RateLimited:
@@ -35,6 +40,7 @@ def refusal(e: NoCapacity | OverBudget, settings: Settings) -> ServiceUnavailabl
 class Retries:
     def __init__(self, settings: Settings, health: Health, observer: Observer):
         self.s, self.health, self.obs = settings, health, observer
+        self.tracing: Tracing | None = None  # each attempt a span (serving/tracing.py), when tracing is on
 
     def record(self, target: Target, err: Exception | None) -> None:
         """Feed the breaker: transport errors and 5xx count, 4xx (a prompt too long among them) and 501 do not."""
@@ -57,7 +63,10 @@ class Retries:
             rid = job.request_id if attempt == 0 else f"{job.request_id}-{attempt}"
             self.health.attempt(target.slot)
             try:
-                result = await call.attempt(rid)
+                if self.tracing is None:
+                    result = await call.attempt(rid)
+                else:
+                    result = await self.tracing.attempt(leg.kind, target, attempt, rid, partial(call.attempt, rid))
             except UpstreamError as e:
                 call.failed(e)
                 if target.slot not in exclude:  # one request retried on one engine is one failure to its breaker

@@ -78,6 +78,7 @@ BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 # global in-flight count) and 15 (once a global admission-queue count) are unused: those counts are per
 # worker now (W_INFLIGHT, W_QUEUED), so that a dead worker's share can be given back.
 G_DOC_VERSION, G_DOC_LEN, G_RR, G_RATE_TOKENS_MILLI, G_RATE_STAMP_US, G_DRAINING = range(6)
+G_CONFIG_GEN = 7  # bumped by the main process's config-file watcher at each change (workers/reload.py)
 GLOBAL_FIELDS = 16
 
 # Per-worker rows, one per Sanic worker index: admission counters and the heartbeat. Each worker writes only

@@ -1,0 +1,106 @@
+"""Which settings a reloaded config file changes in a running Coordinator, and which wait for a restart.
+
+`merge(running, reloaded)` gives the settings to run on: the running ones with every live key taken from the
+reloaded file, and the config keys whose new value needs a restart (kept as they run). Live: API keys, the
+limits (body size, in-flight cap, rate limit), the models' SLOs and limits, retries and timeouts, the log
+level, and the scheduler's health, scrape and breaker knobs. Everything else (ports, workers, TLS, instances:
+those change through POST /instances/refresh; the policy, PD dispatch, admission, drain) needs a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+
+from .sections import (
+    ROOT_KEY,
+    ApiConfig,
+    ExceptionConfig,
+    LogConfig,
+    RateLimitConfig,
+    SchedulerConfig,
+    ShutdownConfig,
+    WorkersConfig,
+    config_key,
+)
+from .settings import Settings, with_models_for_instances
+
+_NOT_LIVE_EXCEPTIONS = {"kv_release_path"}  # the built-in simulator sets it at start
+
+
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+LIVE = (
+    {"api_key", "mgmt_api_key", "models", "log_level"}
+    | _fields(RateLimitConfig)
+    | (_fields(ExceptionConfig) - _NOT_LIVE_EXCEPTIONS)
+    | {
+        "health_check_interval_s",
+        "health_check_timeout_failures",
+        "metrics_scrape_interval_s",
+        "breaker_failure_threshold",
+        "breaker_open_s",
+        "breaker_max_open_s",
+        "enable_pd_separation_fallback_to_hybrid",
+    }
+)
+# Settings' own attributes by section, to name a key that needs a restart as the file writes it.
+_SECTION_OF = {
+    name: (section, cls)
+    for section, cls in (
+        ("api_config", ApiConfig),
+        ("inference_workers_config", WorkersConfig),
+        ("scheduler_config", SchedulerConfig),
+        ("exception_config", ExceptionConfig),
+        ("rate_limit_config", RateLimitConfig),
+        ("shutdown_config", ShutdownConfig),
+        ("log_config", LogConfig),
+    )
+    for name in _fields(cls)
+}
+_HELD = {
+    "infer_tls": "infer_tls_config",
+    "mgmt_tls": "mgmt_tls_config",
+    "instances": "instances",
+    "tracer": "tracer_config",
+}
+_NOT_COMPARED = {"source_path", "models"}
+
+
+def key_name(attr: str) -> str:
+    """The config key path of a Settings attribute."""
+    if attr in _SECTION_OF:
+        section, cls = _SECTION_OF[attr]
+        return f"{ROOT_KEY}.{section}.{config_key(cls, attr)}"
+    return f"{ROOT_KEY}.{_HELD.get(attr, attr)}"
+
+
+def overridden(from_file: Settings, running: Settings) -> frozenset[str]:
+    """The attributes the start set otherwise than the file says (--workers, the built-in simulator's instances
+    and release path): never taken from a reloaded file, nor said to need a restart."""
+    return frozenset(
+        f.name
+        for f in dataclasses.fields(Settings)
+        if f.name not in LIVE and getattr(from_file, f.name) != getattr(running, f.name)
+    )
+
+
+def merge(running: Settings, reloaded: Settings, kept: frozenset[str] = frozenset()) -> tuple[Settings, list[str]]:
+    """(the settings to run on, the config keys whose change needs a restart, kept as they run). `kept`: the
+    attributes `overridden` found."""
+    changes = {a: getattr(reloaded, a) for a in LIVE - {"models"} if getattr(reloaded, a) != getattr(running, a)}
+    # The models served: the file's, and those the running instances name (with default SLOs), as at start.
+    served = with_models_for_instances(replace(reloaded, instances=running.instances)).models
+    if served != running.models:
+        changes["models"] = served
+    restart = [
+        key_name(f.name)
+        for f in dataclasses.fields(Settings)
+        if f.name not in LIVE
+        and f.name not in _NOT_COMPARED
+        and f.name not in kept
+        and getattr(reloaded, f.name) != getattr(running, f.name)
+    ]
+    return (replace(running, **changes) if changes else running), restart
