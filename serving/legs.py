@@ -74,9 +74,8 @@ def prefill_body(job: Job, ticket: dict | None = None) -> dict:
 def prefill_leg(job: Job) -> bytes:
     """The client's bytes with the prefill leg's changes appended: the prompt is copied once, never re-encoded."""
     raw = job.raw
-    end = raw.rindex(b"}")
-    changes = b",".join(b"%s:%s" % (dumps(key), dumps(value)) for key, value in prefill_changes(job).items())
-    return b"".join((memoryview(raw)[:end], b",", changes, b"}"))
+    changes = dumps(prefill_changes(job))  # b'{"stream":false,...}': one encoding for every change
+    return b"".join((memoryview(raw)[: raw.rindex(b"}")], b",", memoryview(changes)[1:]))
 
 
 def decode_leg(job: Job, ticket: dict | None) -> bytes:
