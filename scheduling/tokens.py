@@ -211,10 +211,14 @@ class PromptMeter:
     def _chat(self, messages: list, tools: object, system: object, hashes: bool) -> tuple[int, list[int]]:
         return self._text(render_chatml(messages, tools, system), hashes, special=False)
 
+    def _block_hashes(self, data: bytes, hashes: bool) -> list[int]:
+        """The prefix hashes of a prompt's text (its ChatML rendering, a completion's text); [] unless `hashes`."""
+        return chained_hashes(data, self.block_tokens * BYTES_PER_TOKEN) if hashes else []
+
     def _text(self, text: str, hashes: bool, special: bool) -> tuple[int, list[int]]:
         data = text.encode("utf-8", "ignore")
         tokens = (len(data) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
-        return tokens, chained_hashes(data, self.block_tokens * BYTES_PER_TOKEN) if hashes else []
+        return tokens, self._block_hashes(data, hashes)
 
 
 class TokenizerMeter(PromptMeter):
@@ -271,11 +275,11 @@ class TokenizerMeter(PromptMeter):
         """An exact count, which teaches the estimate of longer prompts their tokens per byte."""
         if len(data) >= LEARN_MIN_BYTES:
             self.tokens_per_byte += LEARN_WEIGHT * (len(ids) / len(data) - self.tokens_per_byte)
-        return len(ids), chained_hashes(data, self.block_tokens * BYTES_PER_TOKEN) if hashes else []
+        return len(ids), self._block_hashes(data, hashes)
 
     def _estimated(self, data: bytes, hashes: bool) -> tuple[int, list[int]]:
         tokens = math.ceil(len(data) * self.tokens_per_byte)
-        return tokens, chained_hashes(data, self.block_tokens * BYTES_PER_TOKEN) if hashes else []
+        return tokens, self._block_hashes(data, hashes)
 
 
 def _read_json(path: str) -> dict:
