@@ -23,6 +23,7 @@ FAULT_KNOBS = (
     "mid_stream_fault",
     "mid_stream_fault_after_tokens",
     "held_text_token",
+    "linger_after_end_s",
 )
 # What mid_stream_fault does once mid_stream_fault_after_tokens tokens of a stream are out: the engine dies (every
 # open stream dropped, every later connection too, until the faults are cleared), the connection is reset, an

@@ -65,6 +65,13 @@ class Faults:
             await asyncio.sleep(float(slow))
         return int(self.knobs.get("health_status") or 200)
 
+    async def linger(self) -> None:
+        """linger_after_end_s: a stream's connection stays open this long after its last event (a proxy or
+        server that is slow to end a chunked body): its client has the whole answer before the engine's EOF."""
+        s = self.knobs.get("linger_after_end_s")
+        if s:
+            await asyncio.sleep(float(s))
+
     async def before_first_byte(self) -> None:
         """Fail (fail_status, fail_first_n), hang or wait, as the knobs say, before a request is served."""
         f = self.knobs

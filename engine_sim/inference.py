@@ -151,5 +151,6 @@ async def _stream(
         sim.faults.streams.pop(id(request), None)
     sim.engine.stats["completed"] += 1
     sim.engine.success[g.finish[0]] += 1
+    await sim.faults.linger()
     await resp.write_eof()
     return resp

@@ -280,6 +280,16 @@ class EngineStream:
         """The engine's answer is complete and every byte of it was yielded: the last chunk is out."""
         return self.conn.complete and not self.conn.chunks and self.conn.error is None
 
+    async def rest(self, grace_s: float) -> None:
+        """After the answer's last event: up to `grace_s` for the end of the body, so that the connection goes back
+        to the pool (an engine that ends it later has its connection closed); what else comes is dropped."""
+        conn = self.conn
+        try:
+            await conn.wait(_COMPLETE, conn.loop.time() + grace_s)
+        except TimeoutError:
+            pass
+        conn.take()
+
     async def chunks(self, keepalive_s: float = 0.0) -> AsyncIterator[bytes]:
         """The body as it arrives. While the engine is silent an empty chunk is yielded every `keepalive_s`
         (0: never), so the caller can keep the client's connection busy; the deadlines keep running."""

@@ -69,6 +69,8 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
     except CoordinatorError as e:
         return await _fail(sink, rec, e, api, rid)
     except asyncio.CancelledError:
+        if sink.whole:  # the client had the whole answer: closing then (an SDK does after [DONE]) is no abort
+            raise
         task = asyncio.current_task()
         if not ctx.door.was_cut(task):  # the client went away: nothing to answer
             rec.status = 499

@@ -59,13 +59,26 @@ class SanicSink:
     for a silent engine. A client past either bound, or a stream older than `stream_total_timeout`, is cut.
     """
 
-    __slots__ = ("api", "deadline", "ended", "headers", "rec", "request", "response", "rid", "started", "writable")
+    __slots__ = (
+        "api",
+        "deadline",
+        "ended",
+        "headers",
+        "rec",
+        "request",
+        "response",
+        "rid",
+        "started",
+        "whole",
+        "writable",
+    )
 
     def __init__(self, request: Request, rid: str, api: str, rec: RequestRecord):
         self.request, self.rid, self.api, self.rec = request, rid, api, rec
         # The headers of its one answer, JSON or stream.
         self.headers = {REQUEST_ID: rid, ANTHROPIC_REQUEST_ID: rid} if api == ANTHROPIC else {REQUEST_ID: rid}
-        self.started = self.ended = False
+        # ended: nothing more goes out; whole: the stream's end was written (the client may close at once after it)
+        self.started = self.ended = self.whole = False
         self.response = None
 
     def json(self, status: int, body: bytes) -> None:
@@ -87,10 +100,12 @@ class SanicSink:
             return
         self.ended = last
         if not self.writable.is_set() or time.monotonic() > self.deadline:
-            return await self._send_to_a_slow_client(data, last)
-        # Straight to the connection's writer (Sanic's Http.send), past the response's own send, which only
-        # normalises its arguments: one coroutine fewer per relayed chunk.
-        await self.response.stream.send(data, last)
+            await self._send_to_a_slow_client(data, last)
+        else:
+            # Straight to the connection's writer (Sanic's Http.send), past the response's own send, which only
+            # normalises its arguments: one coroutine fewer per relayed chunk.
+            await self.response.stream.send(data, last)
+        self.whole = last  # (a cut raises instead)
 
     async def _send_to_a_slow_client(self, data: bytes, last: bool) -> None:
         s, transport = self.request.app.ctx.settings, self.request.transport

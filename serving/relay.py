@@ -19,10 +19,20 @@ from errors import UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from serving.call import Call
 from serving.continuation import Continuation
+from serving.job import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from serving.observe import FINAL_USAGE_EVENT, RequestRecord
 from serving.usage import EventSplitter, UsageFix
 
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the engine is silent, and proxies and clients must not time out
+# The first line of the event that ends a stream, by route. The client's stream ends with it, not with the engine's
+# EOF, which may come later: a client that closes once it has the end (the SDKs do) has had its whole answer.
+LAST_EVENT = {
+    CHAT: b"data: [DONE]",
+    COMPLETIONS: b"data: [DONE]",
+    MESSAGES: b"event: message_stop",
+    RESPONSES: b"event: response.completed",
+}
+END_GRACE_S = 1.0  # how long the end of an engine's body may follow its last event (it usually takes microseconds)
 
 
 async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continuation | None) -> None:
@@ -30,6 +40,7 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
     the stream's token ids and shape, kept for a continuation (serving/continuation.py), or None."""
     sink, rec, job, target, up = call.sink, call.rec, call.job, call.leg.target, call.up
     final_usage = FINAL_USAGE_EVENT.get(job.route)  # a Messages or Responses stream's output count is in it
+    last_event = LAST_EVENT.get(job.route, b"\n")  # (no event starts with a blank line)
     fix_block = fix.events if fix is not None else None
     route, body = (job.route, call.body) if cont is None else cont.request(job.route, call.body)
     lease = call.leg.lease()
@@ -61,10 +72,15 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
                     if final_usage is not None and final_usage in block:
                         rec.message_delta(block)
                     # (a continuation's end may come before its engine's last bytes: the client has it all then)
-                    last = (es.finished or (cont is not None and cont.complete)) and not splitter.tail
+                    last = (
+                        es.finished or (cont is not None and cont.complete) or _ends_with(block, last_event)
+                    ) and not splitter.tail
                     if last:
                         _engine_done(lease, rec)
                     await sink.send(block, last)
+                    if last:
+                        break
+            await es.rest(END_GRACE_S)
         if not sink.started:
             raise UpstreamProtocolError(f"{call.engine} ended the stream without sending anything", detail=target.url)
         _engine_done(lease, rec)
@@ -81,6 +97,12 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
         if not lease.released:
             _decode_time(lease, rec)
             lease.release()
+
+
+def _ends_with(block: bytes, first_line: bytes) -> bool:
+    """Whether the last event of a block of whole events starts with `first_line`."""
+    i = block.rfind(b"\n\n", 0, len(block) - 2)
+    return block.startswith(first_line, i + 2 if i >= 0 else 0)
 
 
 def _engine_done(lease: Lease, rec: RequestRecord) -> None:

@@ -696,6 +696,27 @@ def test_disconnects_are_counted_by_phase(c):
     assert wait_until(lambda: _disconnects(c).get("streaming", 0) == before.get("streaming", 0) + 1)
 
 
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+@pytest.mark.parametrize("model", [UNION, PD])
+def test_a_client_that_leaves_at_its_streams_end_was_answered(c, model, api):
+    """The client's stream ends with the engine's last event ([DONE], message_stop), not with the end of the
+    engine's body, which may come later (here 5 s later). A client that closes once it has the end (the SDKs
+    do) had its whole answer: status 200, no disconnect counted, and the engine's share given back at once."""
+    for s in c.sims["union" if model == UNION else "decode"]:
+        s.set_faults(linger_after_end_s=5)
+    before = _disconnects(c)
+    client = RawClient(c, *body_for(api, model, True, 4, "leave at the end"))
+    client.read_until(b"data: [DONE]\n\n" if api == "openai" else b"event: message_stop\n")
+    client.read_until(b"\r\n0\r\n\r\n")  # the chunked body's end, while the engine's is still open
+    assert wait_until(lambda: ledger_is_zero(c), timeout_s=2.5), ledger(c)
+    client.close()
+    assert wait_until(lambda: f"request_id={client.rid} " in c.output())
+    line = next(ln for ln in c.output().splitlines() if f"request_id={client.rid} " in ln and "status=" in ln)
+    assert " status=200 " in line and "error=" not in line, line
+    assert _disconnects(c) == before
+    assert_recovered(c, model, True)
+
+
 def _missed_handoffs(c) -> float:
     prefix = f'motor_missed_handoffs_total{{model="{PD}"}} '
     lines = [line for line in httpx.get(c.obs + "/metrics").text.splitlines() if line.startswith(prefix)]

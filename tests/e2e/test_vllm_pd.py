@@ -205,7 +205,9 @@ def test_usage_matches_the_engines_numbers(pd):
 
 def test_client_disconnect_during_decode_aborts_the_engine_request(pd):
     """vLLM does not count a client abort in request_success_total; the proof is that D stops: its running gauge
-    falls back to 0 and the request never finishes (no new `length` finish, far fewer tokens than max_tokens)."""
+    falls back to 0 and the request never finishes (no new `length` finish, fewer tokens than max_tokens, and at
+    least the ones the client saw). The stream is closed at once after its third chunk: a fast engine finishes 480
+    tokens in about a second, so a metrics poll in between could outlast the request."""
     d = pd.engines["decode"]
     tokens0 = d.metric("vllm:generation_tokens_total")
     finished0 = d.metric("vllm:request_success_total", finished_reason="length")
@@ -215,11 +217,10 @@ def test_client_disconnect_during_decode_aborts_the_engine_request(pd):
     for seen, _ in enumerate(stream, 1):
         if seen == 3:
             break
-    assert wait_until(lambda: d.metric("vllm:num_requests_running") == 1, timeout_s=10)
     stream.close()
     assert wait_until(lambda: d.metric("vllm:num_requests_running") == 0, timeout_s=30)
     assert d.metric("vllm:request_success_total", finished_reason="length") == finished0
-    assert d.metric("vllm:generation_tokens_total") - tokens0 < 480
+    assert 3 <= d.metric("vllm:generation_tokens_total") - tokens0 < 480
 
 
 def p_instances(cluster) -> int:
