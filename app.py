@@ -55,6 +55,7 @@ from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.scheduler import build_scheduler
 from serving.background import Background
+from serving.cluster import Cluster, ClusterResponseHomes, replica_id, shared_events
 from serving.dispatch import Dispatcher
 from serving.door import Door
 from serving.metrics import PrometheusObserver, clear_stale_files
@@ -98,6 +99,8 @@ def create_app(settings: Settings) -> Sanic:
     @app.main_process_start
     async def make_shared_state(app: Sanic):
         clear_stale_files()
+        if settings.cluster.redis_url:  # one name for this replica, in every worker (spawned: they inherit it)
+            os.environ["MOTOR_REPLICA_ID"] = replica_id()
         shared = SharedState.create()
         Registry(shared).apply("set", list(settings.instances))
         for key, value in shared.as_shared_ctx().items():
@@ -138,7 +141,8 @@ def create_app(settings: Settings) -> Sanic:
         ctx.started_at = int(time.time())
         ctx.shared = shared
         ctx.registry = Registry(shared)
-        ctx.ledger = Ledger(shared, worker, settings.num_workers)
+        clustered = bool(settings.cluster.redis_url)
+        ctx.ledger = Ledger(shared, worker, settings.num_workers, remote=clustered)
         ctx.health = Health(
             shared, settings.breaker_failure_threshold, settings.breaker_open_s, settings.breaker_max_open_s
         )
@@ -146,15 +150,15 @@ def create_app(settings: Settings) -> Sanic:
         ctx.client = EngineClient(settings)
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
         ctx.door = Door(settings, shared, worker)
-        ctx.dispatcher = Dispatcher(
-            settings,
-            ctx.scheduler,
-            ctx.health,
-            ctx.client,
-            ctx.observer,
-            PrefillUsages(shared, worker, settings.num_workers),
-            SharedResponseHomes(shared),
-        )
+        usages, homes = PrefillUsages(shared, worker, settings.num_workers), SharedResponseHomes(shared)
+        ctx.cluster = None
+        if clustered:  # replicas act as one (serving/cluster.py)
+            replica = os.environ.setdefault("MOTOR_REPLICA_ID", replica_id())
+            ctx.cluster = ctx.door.cluster = Cluster(settings, shared, worker, replica, ctx.registry)
+            homes = ClusterResponseHomes(homes, ctx.cluster)
+            shared_events(ctx.cluster, usages, homes)
+            ctx.cluster.start()
+        ctx.dispatcher = Dispatcher(settings, ctx.scheduler, ctx.health, ctx.client, ctx.observer, usages, homes)
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
             ctx.background.start()
@@ -214,6 +218,8 @@ def create_app(settings: Settings) -> Sanic:
         if app.ctx.reloader is not None:
             await app.ctx.reloader.stop()
         await app.ctx.background.stop()
+        if app.ctx.cluster is not None:
+            await app.ctx.cluster.stop()
         await app.ctx.client.close()
         if app.ctx.tracing is not None:
             app.ctx.tracing.shutdown()  # the spans still batched are sent

@@ -65,6 +65,7 @@ _HELD = {
     "mgmt_tls": "mgmt_tls_config",
     "instances": "instances",
     "tracer": "tracer_config",
+    "cluster": "cluster_config",
 }
 _NOT_COMPARED = {"source_path", "models"}
 

@@ -28,6 +28,7 @@ from .sections import (
     ApiKeyConfig,
     ApiKeySection,
     ApiSection,
+    ClusterConfig,
     ExceptionSection,
     Instance,
     InstanceEntry,
@@ -255,6 +256,7 @@ SECTIONS = (
     ("rate_limit_config", RateLimitConfig, None),
     ("shutdown_config", ShutdownConfig, None),
     ("log_config", LogConfig, None),
+    ("cluster_config", ClusterConfig, "cluster"),
 )
 # What only the machine that runs the Coordinator can answer, checked after the section is read.
 _ON_THIS_HOST = {"api_config": _check_host, "infer_tls_config": _check_tls_files, "mgmt_tls_config": _check_tls_files}

@@ -385,6 +385,29 @@ class TracerConfig:
     local_parent_not_sampled: Ratio = 1.0
 
 
+def _redis_url(url: str) -> str | None:
+    if url and not url.startswith(("redis://", "rediss://")):
+        return "must be a redis:// or rediss:// URL (or empty: one pod alone)"
+    return None
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """cluster_config: replicas that act as one Coordinator, sharing their state through Redis (state/cluster.py).
+
+    Empty `redis_url`: one pod alone, its workers sharing memory, no Redis needed.
+    """
+
+    redis_url: Annotated[Str, _after(_redis_url)] = ""  # redis:// or rediss:// (TLS); a password may be in it
+    redis_password_file: Str = ""  # a file holding the password (a mounted Secret), read at start
+    key_prefix: NonEmptyStr = "motor:"  # every key starts with it: Coordinators sharing one Redis keep apart
+    sync_interval_ms: Annotated[Int, _between(10, 1000)] = 50  # load, breakers and the instance set, both ways
+    replica_ttl_s: Annotated[Seconds, Field(ge=0.5)] = 3.0  # a replica silent this long counts no more
+    redis_timeout_ms: Annotated[Int, _between(10, 10000)] = 250  # a round trip longer than this: the store is down
+    # Trigger mode: where decode engines call back (the Coordinator Service: any replica answers); empty: this pod.
+    metaserver_url: Str = ""
+
+
 @dataclass(frozen=True)
 class Aigw:
     """aigw: MindIE-PyMotor's one `/v1/models` entry; what it leaves out comes from the engine sections."""

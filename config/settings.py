@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from .sections import (
     ApiConfig,
     ApiKeyConfig,
+    ClusterConfig,
     ExceptionConfig,
     Instance,
     LogConfig,
@@ -40,6 +41,7 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
     models: tuple[ModelConfig, ...] = ()
     instances: tuple[Instance, ...] = ()
     tracer: TracerConfig = field(default_factory=TracerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     source_path: str = ""
 
     def rate_limit(self) -> tuple[float, float]:

@@ -60,7 +60,9 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         rec.model, rec.stream = clip(job.model), job.stream  # the log line's: a name can be megabytes
         if job.stream and api == OPENAI and job.include_usage:
             rec.usage_event = True
-        with ctx.door.admit() if from_client else ctx.door.attend():
+        with ctx.door.admit() if from_client else ctx.door.attend() as place:
+            if place.pending is not None:  # cluster mode's cluster-wide cap and rate: one round trip to the store
+                await place.pending
             await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()

@@ -90,7 +90,10 @@ async def instances(request: Request):
         )
     ctx = request.app.ctx
     view = ctx.registry.view()
-    return json({"version": view.version, "instances": instances_json(view, ctx.ledger, ctx.health)})
+    body = {"version": view.version, "instances": instances_json(view, ctx.ledger, ctx.health)}
+    if ctx.cluster is not None:  # which replica answered, and whether it shares the cluster's state now
+        body["cluster"] = ctx.cluster.status()
+    return json(body)
 
 
 @bp.post("/instances/refresh", ctx_plane=MGMT)
@@ -111,7 +114,10 @@ async def refresh(request: Request):
     event = body.get("event") if isinstance(body, dict) else None
     try:
         event, items = parse_refresh_body(body)
-        result = request.app.ctx.registry.apply(event, items)
+        cluster = request.app.ctx.cluster
+        result = (
+            await cluster.refresh(event, items) if cluster is not None else request.app.ctx.registry.apply(event, items)
+        )
     except RefreshError as e:
         return _refused(e.status, str(e), event)
     log.info("instances refresh %s: %s", event, result.message)

@@ -18,6 +18,7 @@ from state.shared import (
     BREAKER_HALF_OPEN,
     BREAKER_OPEN,
     ENDPOINT_FIELDS,
+    EP_AVOID_UNTIL,
     EP_BREAKER,
     EP_FAILURES,
     EP_HEALTHY,
@@ -51,6 +52,9 @@ class Health:
         """May a new request go to this slot now? An open breaker admits a probe once its open time is over."""
         h, base = self.h, slot * ENDPOINT_FIELDS
         if h[base + EP_HEALTHY] < 0.5:
+            return False
+        avoid = h[base + EP_AVOID_UNTIL]  # another replica found it broken (cluster mode)
+        if avoid and time.time() < avoid:
             return False
         return h[base + EP_BREAKER] == BREAKER_CLOSED or time.time() >= h[base + EP_OPEN_UNTIL]
 

@@ -21,6 +21,7 @@ from state.shared import (
     L_REQUESTS,
     LEDGER_FIELDS,
     LEDGER_ROW as ROW,
+    REMOTE_ROW,
     SharedState,
 )
 
@@ -29,11 +30,13 @@ PREFILL, DECODE, WHOLE = "prefill", "decode", "whole"
 
 
 class Ledger:
-    def __init__(self, shared: SharedState, worker: int, num_workers: int):
+    def __init__(self, shared: SharedState, worker: int, num_workers: int, remote: bool = False):
+        """`remote`: the other replicas' load (cluster mode) counts too, as one more row."""
         self.arr = shared.ledger
         self.worker = worker
         self.base = worker * ROW
-        self.rows = range(0, max(num_workers, worker + 1) * ROW, ROW)
+        rows = range(0, max(num_workers, worker + 1) * ROW, ROW)
+        self.rows = (*rows, REMOTE_ROW * ROW) if remote else rows
         self.observer: Callable[[Lease], None] | None = None
         self.on_prefilled: Callable[[Lease], None] | None = None  # a lease's prompt is in its engine's cache now
 

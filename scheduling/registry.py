@@ -144,8 +144,10 @@ class Registry:
         doc = ujson.loads(bytes(self.shared.doc[:n]))
         return doc["instances"], doc["free"]
 
-    def apply(self, event: str, items: list[Instance | int]) -> RefreshResult:
-        """Apply one refresh event atomically: it is applied whole or, on a RefreshError, not at all."""
+    def apply(self, event: str, items: list[Instance | int], paused: frozenset[int] | None = None) -> RefreshResult:
+        """Apply one refresh event atomically: it is applied whole or, on a RefreshError, not at all.
+
+        `paused` (a `set` only): the ids paused afterwards, the others resumed (another replica's set, adopted)."""
         with self.shared.lock:
             entries, free = self._read()
             by_id = {e["id"]: e for e in entries}
@@ -192,6 +194,9 @@ class Registry:
                 message = f"{len(ids)} {'paused: they take no new requests and finish what they hold' if event == 'pause' else 'resumed'}"
             else:
                 raise RefreshError(f"unknown event {event!r}: use set, add, del, pause or resume")
+            if paused is not None and event == "set":
+                for e in entries:
+                    e["paused"] = e["id"] in paused
             if event in ("set", "add"):
                 _check_addresses(entries)
             raw = ujson.dumps({"instances": entries, "free": free}).encode()
@@ -206,6 +211,16 @@ class Registry:
             self.shared.globals[G_DOC_VERSION] += 1
             return RefreshResult(event, len(items), message)
 
+    def export(self) -> list[dict]:
+        """The registered instances as a refresh would list them, each with its pause state (no slots: those are
+        this replica's own)."""
+        return [{k: v for k, v in e.items() if k != "slots"} for e in self.view().entries]
+
+    def adopt(self, entries: list[dict]) -> RefreshResult:
+        """Make the registered set `export()`'s output of another replica."""
+        items = [parse_instance("instances", {k: v for k, v in e.items() if k != "paused"}) for e in entries]
+        return self.apply("set", items, paused=frozenset(e["id"] for e in entries if e.get("paused")))
+
     def _take(self, free: list[int], fresh: list[Instance]) -> dict[int, list[int]]:
         """Slots for the endpoints of `fresh`, taken out of `free` (least recently freed first), by instance id.
 
@@ -217,7 +232,7 @@ class Registry:
             return {}
         if needed > len(free):
             raise RefreshError(f"too many endpoints (at most {MAX_SLOTS})", 413)
-        ledger = Ledger(self.shared, 0, MAX_WORKERS)
+        ledger = Ledger(self.shared, 0, MAX_WORKERS, remote=True)
         idle = [slot for slot in free if not ledger.requests(slot) and not ledger.held(slot)]
         if needed > len(idle):
             raise RefreshError(

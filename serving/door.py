@@ -36,21 +36,26 @@ from state.shared import (
 class Admitted:
     """An admitted request's place: counted in flight, and known to this worker's drain, until released."""
 
-    __slots__ = ("door", "task")
+    __slots__ = ("clustered", "door", "pending", "task")
 
     def __init__(self, door: Door):
-        self.door, self.task = door, None
+        # pending: the cluster-wide check still to await inside the block (cluster mode), which raises if refused
+        # or sets `clustered`: the place is counted in the store too
+        self.door, self.pending, self.task, self.clustered = door, None, None, False
 
     # A plain (not async) context manager: entering and leaving never wait, so they need no coroutines.
-    def __enter__(self) -> None:
+    def __enter__(self) -> Admitted:
         door = self.door
         if door.loop is None:
             door.loop = asyncio.get_running_loop()
         self.task = asyncio.current_task(door.loop)  # (3.11 finds the running loop with a getpid syscall)
         door.local.add(self.task)
+        return self
 
     def __exit__(self, *exc) -> None:
         self.door._leave(self.task)
+        if self.clustered:
+            self.door.cluster.left()
 
 
 class Attended(Admitted):
@@ -78,6 +83,7 @@ class Door:
         self.warr = shared.workers
         self.at = worker * WORKER_FIELDS + W_INFLIGHT  # this worker's in-flight counter in `warr`
         self.rows = range(W_INFLIGHT, max(settings.num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)
+        self.cluster = None  # cluster mode's serving/cluster.py Cluster: the cap and the rate hold for all replicas
         self.stopping = False  # this worker drains (its own stop signal, or the whole Coordinator's)
         self.local: set[asyncio.Task] = set()  # this worker's admitted requests
         self.cut: set[asyncio.Task] = set()  # those the drain window ended
@@ -103,7 +109,7 @@ class Door:
         """Requests in flight, all workers."""
         return worker_sum(self.warr, self.rows, 0)
 
-    def _take_rate_token(self) -> float:
+    def _take_rate_token(self, rate: float, burst_milli: int) -> float:
         """0 when admitted, else seconds until a token is available."""
         g = self.shared.globals
         # The monotonic clock is one clock for every process on the host, and never steps back: with the
@@ -112,44 +118,54 @@ class Door:
         with self.lock:
             stamp = g[G_RATE_STAMP_US]
             if not stamp:
-                tokens, stamp = self.burst_milli, now_us
+                tokens, stamp = burst_milli, now_us
             else:
                 tokens = g[G_RATE_TOKENS_MILLI]
                 if now_us < stamp:  # a stamp ahead of this clock: start counting from now, no debt
                     stamp = now_us
-                gained = int((now_us - stamp) * self.rate / 1000)  # whole milli-tokens
-                if tokens + gained >= self.burst_milli:
-                    tokens, stamp = self.burst_milli, now_us  # a full bucket: the time beyond it is lost
+                gained = int((now_us - stamp) * rate / 1000)  # whole milli-tokens
+                if tokens + gained >= burst_milli:
+                    tokens, stamp = burst_milli, now_us  # a full bucket: the time beyond it is lost
                 elif gained:
                     # The stamp moves only by the time turned into tokens: the fraction of a milli-token
                     # left over counts towards the next one (moving it to now lost the refill of callers
                     # coming more often than one milli-token's time, i.e. almost all of it under load).
                     tokens += gained
-                    stamp += int(gained * 1000 / self.rate)
+                    stamp += int(gained * 1000 / rate)
             g[G_RATE_STAMP_US] = stamp
             if tokens >= 1000:
                 g[G_RATE_TOKENS_MILLI] = tokens - 1000
                 return 0.0
             g[G_RATE_TOKENS_MILLI] = tokens
-            return (1000 - tokens) / (1000 * self.rate)
+            return (1000 - tokens) / (1000 * rate)
 
     def admit(self) -> Admitted:
         """Let one request in, or raise why not: `with door.admit():` holds its place until the block ends."""
         g = self.shared.globals
         if self.stopping or g[G_DRAINING]:
             raise ServiceUnavailable.draining()
-        if self.rate > 0:
-            wait_s = self._take_rate_token()
+        cap, rate, burst_milli, cluster = self.cap, self.rate, self.burst_milli, self.cluster
+        if cluster is not None and (cap or rate):
+            if cluster.connected:  # one round trip, awaited in the block: `pending`
+                self.warr[self.at] += 1
+                place = Admitted(self)
+                place.pending = cluster.admit(place, cap, rate, burst_milli)
+                return place
+            # The store is away: this replica's share of the limits.
+            cap = cluster.share(cap) if cap else 0
+            rate, burst_milli = rate / cluster.replicas, max(1000, burst_milli // cluster.replicas)
+        if rate > 0:
+            wait_s = self._take_rate_token(rate, burst_milli)
             if wait_s > 0:
                 raise RateLimited.by_rate(self.s.error_message, self.s.error_status_code, wait_s)
         w = self.warr
-        if self.cap:
+        if cap:
             with self.lock:
                 n = 0
                 for i in self.rows:
                     n += w[i]
-                if n >= self.cap:
-                    raise RateLimited(f"too many requests in flight (limit {self.cap})", reason="inflight_cap")
+                if n >= cap:
+                    raise RateLimited(f"too many requests in flight (limit {cap})", reason="inflight_cap")
                 w[self.at] += 1
         else:
             w[self.at] += 1  # only this worker writes its row: no lock without a cap to check

@@ -145,7 +145,10 @@ def shown(value: object) -> str:
 
 
 def metaserver_url(s: Settings) -> str:
-    """Where decode engines call back in trigger mode: an address of this host that they can reach."""
+    """Where decode engines call back in trigger mode: cluster_config.metaserver_url, else an address of this host
+    that they can reach."""
+    if s.cluster.metaserver_url:
+        return s.cluster.metaserver_url
     host = s.host
     if host in ("0.0.0.0", "::"):
         # Listening on every interface (as in Kubernetes, where the deployer binds 0.0.0.0): the pod's own

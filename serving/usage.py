@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 
 import ujson
 
@@ -47,6 +48,8 @@ class PrefillUsages:
         self.row = PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
         self.mine = worker * self.row
         self.rows = range(0, max(num_workers, worker + 1) * self.row, self.row)
+        # Cluster mode: (ticket id, prompt, cached) to the other replicas, whose decode leg may be the reader.
+        self.share: Callable[[str, int, int | None], None] | None = None
 
     @staticmethod
     def _place(request_id: str) -> tuple[int, int]:
@@ -66,11 +69,18 @@ class PrefillUsages:
             return
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        cached = cached if isinstance(cached, int) and 0 <= cached <= prompt else None
+        self.put_counts(request_id, prompt, cached)
+        if self.share is not None:
+            self.share(request_id, prompt, cached)
+
+    def put_counts(self, request_id: str, prompt: int, cached: int | None) -> None:
+        """Keep P's prompt and cached counts for ticket id `request_id` (None: its answer had no cached count)."""
         key, slot = self._place(request_id)
         at, arr = self.mine + slot, self.arr
         arr[at] = 0
         arr[at + 1] = prompt
-        arr[at + 2] = cached + 1 if isinstance(cached, int) and 0 <= cached <= prompt else 0
+        arr[at + 2] = 0 if cached is None else cached + 1
         arr[at + 3] = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process of the machine
         arr[at] = key
 

@@ -26,6 +26,8 @@ DOC_BYTES = 1 << 20
 L_REQUESTS, L_PROMPT_TOKENS, L_DECODE_TOKENS, L_PREFILLING, L_HELD = range(5)
 LEDGER_FIELDS = 5
 LEDGER_ROW = MAX_SLOTS * LEDGER_FIELDS  # one worker's ledger row: a group of counters per slot
+# In cluster mode, the row after the workers' holds the other replicas' load (serving/cluster.py writes it).
+REMOTE_ROW = MAX_WORKERS
 
 # Endpoint table fields, one row per slot: health and breaker state, the engine's scraped load, and the
 # predictor's learned model of that endpoint.
@@ -68,8 +70,9 @@ LEDGER_ROW = MAX_SLOTS * LEDGER_FIELDS  # one worker's ledger row: a group of co
     EP_GROUP_TOKENS,  # uncached tokens of the prefills completed in the current group (one engine step, about)
     EP_GROUP_START,  # when the current group's work started
     EP_GROUP_FIT,  # 1.0: a member of the current group is a sample for the fit
-) = range(37)
-ENDPOINT_FIELDS = 37
+    EP_AVOID_UNTIL,  # cluster mode: wall-clock time until which another replica finds it broken (0: none)
+) = range(38)
+ENDPOINT_FIELDS = 38
 
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 
@@ -79,6 +82,9 @@ BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 # worker now (W_INFLIGHT, W_QUEUED), so that a dead worker's share can be given back.
 G_DOC_VERSION, G_DOC_LEN, G_RR, G_RATE_TOKENS_MILLI, G_RATE_STAMP_US, G_DRAINING = range(6)
 G_CONFIG_GEN = 7  # bumped by the main process's config-file watcher at each change (workers/reload.py)
+# Cluster mode (serving/cluster.py): the stored instance set's version this replica applied, and whether the
+# store answered the sync owner's last round trip (1), or not (0), or was never asked (-1 stays 0 with no store).
+G_CLUSTER_VERSION, G_STORE_UP, G_REPLICAS = 8, 9, 10
 GLOBAL_FIELDS = 16
 
 # Per-worker rows, one per Sanic worker index: admission counters and the heartbeat. Each worker writes only
@@ -113,7 +119,7 @@ class SharedState:
     """The raw shared arrays; picklable into spawned workers."""
 
     doc: Any  # RawArray of bytes: the JSON instance document
-    ledger: Any  # RawArray int64 [MAX_WORKERS * MAX_SLOTS * LEDGER_FIELDS]
+    ledger: Any  # RawArray int64 [(MAX_WORKERS + 1) * LEDGER_ROW]: the workers' rows, then REMOTE_ROW
     endpoints: Any  # RawArray double [MAX_SLOTS * ENDPOINT_FIELDS]: health, scraped load, learned model
     globals: Any  # RawArray int64 [GLOBAL_FIELDS]
     lock: Any  # a multiprocessing lock for the rare writes (instance refresh, rate limit bucket, learned model)
@@ -127,7 +133,7 @@ class SharedState:
         ctx = multiprocessing.get_context("spawn")
         return cls(
             doc=ctx.RawArray(ctypes.c_char, DOC_BYTES),
-            ledger=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * MAX_SLOTS * LEDGER_FIELDS),
+            ledger=ctx.RawArray(ctypes.c_int64, (MAX_WORKERS + 1) * LEDGER_ROW),
             endpoints=ctx.RawArray(ctypes.c_double, MAX_SLOTS * ENDPOINT_FIELDS),
             globals=ctx.RawArray(ctypes.c_int64, GLOBAL_FIELDS),
             lock=ctx.Lock(),

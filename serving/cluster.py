@@ -1,0 +1,421 @@
+"""Cluster mode: this replica's side of what the replicas share through the store (state/cluster.py).
+
+Nothing here is on a request's path except the one round trip a request makes when a cluster-wide limit
+(`max_inflight_requests`, the rate limit) is configured: `admit`. The rest runs on a timer every
+`sync_interval_ms`:
+
+- every worker writes its requests in flight (an absolute count) when it changed, and at least every third
+  of `replica_ttl_s` so that the key lives;
+- the sync owner (worker 0) publishes this replica's report (load per endpoint address; the endpoints its
+  breakers or health checks found broken) and reads the others' in the same round trip: their load becomes the
+  ledger's remote row, their broken endpoints are avoided here until they say otherwise, and a newer stored
+  instance set is adopted;
+- the sync owner also listens on the events channel: trigger-mode prefill usage and stored responses' homes
+  that another replica saw, written here as if a local worker had.
+
+When the store fails or is slow, every worker carries on: limits fall back to this replica's share of the
+global value (`replicas` as last seen), the instance set stays as it was, and each timer tick tries again; the
+sync owner logs each transition once and sets the gauge. A refresh needs the store (it must reach every
+replica): without it, it is refused (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+
+import ujson
+
+from config import Settings, address_key
+from errors import RateLimited
+from scheduling.registry import RefreshError, RefreshResult, Registry
+from state.cluster import ClusterStore, StoreDown
+from state.shared import (
+    BREAKER_OPEN,
+    ENDPOINT_FIELDS,
+    EP_AVOID_UNTIL,
+    EP_BREAKER,
+    EP_HEALTHY,
+    EP_OPEN_UNTIL,
+    G_CLUSTER_VERSION,
+    G_REPLICAS,
+    G_STORE_UP,
+    LEDGER_FIELDS,
+    LEDGER_ROW,
+    REMOTE_ROW,
+    W_INFLIGHT,
+    WORKER_FIELDS,
+    SharedState,
+)
+
+log = logging.getLogger("coordinator.cluster")
+REFRESH_TRIES = 5  # a refresh that keeps losing the race to other replicas' refreshes is refused (409)
+
+
+def replica_id() -> str:
+    """This replica's name in the store: the pod's host name, made unique per start (a restarted pod is a new
+    replica; the old one's entries expire)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def read_password(path: str) -> str | None:
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()
+
+
+class Cluster:
+    """One worker's part in cluster mode (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        shared: SharedState,
+        worker: int,
+        replica: str,
+        registry: Registry,
+        on_event=None,
+    ):
+        c = settings.cluster
+        self.s, self.shared, self.worker, self.replica, self.registry = settings, shared, worker, replica, registry
+        self.on_event = on_event  # (kind, payload dict): an event another replica published
+        self.store = ClusterStore(
+            c.redis_url,
+            read_password(c.redis_password_file),
+            c.key_prefix,
+            c.redis_timeout_ms / 1000,
+            replica,
+            worker,
+        )
+        self.interval_s = c.sync_interval_ms / 1000
+        self.ttl_ms = int(c.replica_ttl_s * 1000)
+        self.connected = True  # until a round trip says otherwise
+        self.owner = worker == 0
+        self.synced_at = 0.0  # when the sync owner last heard the other replicas (time.monotonic)
+        self.tasks: list[asyncio.Task] = []
+        # This worker's requests the store counted: in flight, ended and not yet taken off there, and the admit
+        # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
+        self.admitted = self.ended = self.calls = 0
+        self.recount = False
+        self._told_at = 0.0
+        self._publishing: set[asyncio.Task] = set()
+
+    @property
+    def replicas(self) -> int:
+        """Live replicas, this one included, as the last sync saw them."""
+        return max(1, int(self.shared.globals[G_REPLICAS]))
+
+    # -- the request path -------------------------------------------------------------------------------
+
+    async def admit(self, place, cap: int, rate: float, burst_milli: int) -> None:
+        """The cluster-wide cap and rate for one request (its door `place`); RateLimited if refused. Without the
+        store: this replica's share of the cap."""
+        ended, self.ended = self.ended, 0
+        self.calls += 1
+        try:
+            verdict, wait_s = await self.store.admit(ended, cap, self.ttl_ms, rate, burst_milli)
+        except StoreDown as e:
+            self.ended += ended
+            self._down(e)
+            return self.share_check(cap)
+        finally:
+            self.calls -= 1
+        self._up()
+        self._told_at = time.monotonic()
+        if verdict == 0:
+            self.admitted += 1
+            place.clustered = True
+        elif verdict == 1:
+            raise RateLimited(f"too many requests in flight (limit {cap} across the cluster)", reason="inflight_cap")
+        else:
+            raise RateLimited.by_rate(self.s.error_message, self.s.error_status_code, wait_s)
+
+    def left(self) -> None:
+        """A request the store counted ended: taken off at the next call or tick."""
+        self.admitted -= 1
+        self.ended += 1
+
+    def share(self, cap: int) -> int:
+        """This replica's share of a cluster-wide cap while the store is away (at least one)."""
+        return max(1, math.ceil(cap / self.replicas))
+
+    def share_check(self, cap: int) -> None:
+        if not cap:
+            return
+        w = self.shared.workers
+        n = sum(
+            w[i] for i in range(W_INFLIGHT, max(self.s.num_workers, self.worker + 1) * WORKER_FIELDS, WORKER_FIELDS)
+        )
+        if n > self.share(cap):
+            raise RateLimited(
+                f"too many requests in flight (this replica's share {self.share(cap)} of {cap}: the cluster store is"
+                " unreachable)",
+                reason="inflight_cap",
+            )
+
+    # -- the management plane ---------------------------------------------------------------------------
+
+    async def refresh(self, event: str, items: list) -> RefreshResult:
+        """A refresh for every replica: applied here on top of the stored set, then stored if nobody stored
+        another meanwhile (else again); the other replicas adopt it at their next sync."""
+        for _ in range(REFRESH_TRIES):
+            try:
+                version, doc = await self.store.instances()
+            except StoreDown as e:
+                self._down(e)
+                raise RefreshError(
+                    "the cluster store is unreachable: a refresh now would reach this replica only; retry when"
+                    " GET /instances says the store is connected",
+                    503,
+                ) from None
+            if doc is not None and version != self.shared.globals[G_CLUSTER_VERSION]:
+                self._adopt(version, doc)
+            result = self.registry.apply(event, items)
+            try:
+                stored = await self.store.store_instances(version, ujson.dumps(self.registry.export()).encode())
+            except StoreDown as e:
+                self._down(e)
+                raise RefreshError("the cluster store failed while storing the refresh: retry", 503) from None
+            if stored >= 0:
+                self.shared.globals[G_CLUSTER_VERSION] = stored
+                return result
+        raise RefreshError("other replicas' refreshes kept coming first: retry", 409)
+
+    def status(self) -> dict:
+        return {
+            "replica": self.replica,
+            "store": "connected" if self.shared.globals[G_STORE_UP] == 1 else "disconnected",
+            "replicas": self.replicas,
+            "instances_version": int(self.shared.globals[G_CLUSTER_VERSION]),
+        }
+
+    # -- the timer ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.tasks.append(asyncio.create_task(self._every_tick()))
+        if self.owner:
+            self.tasks.append(asyncio.create_task(self._listen()))
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.store.leave()
+        await self.store.close()
+
+    async def _every_tick(self) -> None:
+        if self.owner:
+            await self._first_sync()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._publish_count()
+                if self.owner:
+                    await self._sync()
+                self._up()
+            except StoreDown as e:
+                self._down(e)
+            except Exception:  # a bug here must not stop the timer
+                log.exception("cluster sync failed")
+
+    async def _publish_count(self) -> None:
+        now = time.monotonic()
+        if self.recount:
+            if not self.calls:  # (an admit under way would be counted twice)
+                self.ended = 0
+                await self.store.set_count(self.admitted, self.ttl_ms)
+                self.recount, self._told_at = False, now
+        elif self.ended or now - self._told_at > self.ttl_ms / 3000:
+            ended, self.ended = self.ended, 0
+            try:
+                await self.store.ended(ended, self.ttl_ms)
+            except StoreDown:
+                self.ended += ended
+                raise
+            self._told_at = now
+
+    async def _first_sync(self) -> None:
+        """At start: the stored instance set if there is one (it wins over the static config), else this one's."""
+        try:
+            version, doc = await self.store.instances()
+            if doc is not None:
+                self._adopt(version, doc)
+            else:
+                stored = await self.store.store_instances("seed", ujson.dumps(self.registry.export()).encode())
+                if stored >= 0:
+                    self.shared.globals[G_CLUSTER_VERSION] = stored
+            self._up()
+        except StoreDown as e:
+            self._down(e)
+
+    async def _sync(self) -> None:
+        version, reports = await self.store.sync(self._report(), self.ttl_ms)
+        self.synced_at = time.monotonic()
+        self.shared.globals[G_REPLICAS] = len(reports) + 1
+        self._apply_reports(reports)
+        if version > self.shared.globals[G_CLUSTER_VERSION]:
+            stored, doc = await self.store.instances()
+            if doc is not None:
+                self._adopt(stored, doc)
+        elif version == 0:  # nothing stored (the store was emptied, or unreachable at start)
+            await self._first_sync()
+
+    def _adopt(self, version: int, doc: bytes) -> None:
+        try:
+            result = self.registry.adopt(ujson.loads(doc))
+        except (ValueError, RefreshError) as e:
+            log.error("the stored instance set (version %d) cannot be applied here: %s", version, e)
+            return
+        self.shared.globals[G_CLUSTER_VERSION] = version
+        log.info("instances from the cluster store (version %d): %s", version, result.message)
+
+    def _report(self) -> bytes:
+        """This replica's load per endpoint address (its workers' rows), and the endpoints it finds broken."""
+        arr, h, now = self.shared.ledger, self.shared.endpoints, time.time()
+        rows = range(0, self.s.num_workers * LEDGER_ROW, LEDGER_ROW)
+        load, avoid = {}, {}
+        for t in self.registry.view().targets:
+            off = t.slot * LEDGER_FIELDS
+            counts = [sum(arr[row + off + f] for row in rows) for f in range(LEDGER_FIELDS)]
+            if any(counts):
+                load[address_key(t.address)] = counts
+            base = t.slot * ENDPOINT_FIELDS
+            if h[base + EP_HEALTHY] < 0.5:
+                avoid[address_key(t.address)] = now + self.ttl_ms / 1000
+            elif h[base + EP_BREAKER] == BREAKER_OPEN and h[base + EP_OPEN_UNTIL] > now:
+                avoid[address_key(t.address)] = h[base + EP_OPEN_UNTIL]
+        return ujson.dumps({"load": load, "avoid": avoid}).encode()
+
+    def _apply_reports(self, reports: dict[str, bytes]) -> None:
+        """The other replicas' load into the remote row, and their broken endpoints into EP_AVOID_UNTIL."""
+        load: dict[str, list[int]] = {}
+        avoid: dict[str, float] = {}
+        for raw in reports.values():
+            try:
+                report = ujson.loads(raw)
+                for addr, counts in report.get("load", {}).items():
+                    total = load.setdefault(addr, [0] * LEDGER_FIELDS)
+                    for f, v in enumerate(counts[:LEDGER_FIELDS]):
+                        total[f] += int(v)
+                for addr, until in report.get("avoid", {}).items():
+                    avoid[addr] = max(avoid.get(addr, 0.0), float(until))
+            except (ValueError, TypeError, AttributeError):
+                continue  # a report this version cannot read
+        arr, h = self.shared.ledger, self.shared.endpoints
+        remote = REMOTE_ROW * LEDGER_ROW
+        for t in self.registry.view().targets:
+            addr, at = address_key(t.address), remote + t.slot * LEDGER_FIELDS
+            counts = load.get(addr)
+            for f in range(LEDGER_FIELDS):
+                arr[at + f] = counts[f] if counts else 0
+            h[t.slot * ENDPOINT_FIELDS + EP_AVOID_UNTIL] = avoid.get(addr, 0.0)
+
+    # -- events between replicas ------------------------------------------------------------------------
+
+    def publish(self, kind: str, payload: dict) -> None:
+        """Tell the other replicas (fire and forget: a lost event costs what a local miss costs)."""
+        event = ujson.dumps({"kind": kind, "from": self.replica, **payload}).encode()
+        task = asyncio.get_running_loop().create_task(self._publish(event))
+        self._publishing.add(task)  # (a task nobody holds may be collected before it runs)
+        task.add_done_callback(self._publishing.discard)
+
+    async def _publish(self, event: bytes) -> None:
+        try:
+            await self.store.publish_event(event)
+        except StoreDown as e:
+            self._down(e)
+
+    async def _listen(self) -> None:
+        while True:
+            pubsub = self.store.pubsub()
+            try:
+                await pubsub.subscribe(self.store.k_events)
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    try:
+                        event = ujson.loads(message["data"])
+                    except ValueError:
+                        continue
+                    if event.get("from") != self.replica and self.on_event is not None:
+                        self.on_event(event.get("kind"), event)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the store went away: listen again once it is back
+                await asyncio.sleep(self.interval_s * 4)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:
+                    pass
+
+    # -- the store's state -------------------------------------------------------------------------------
+
+    def _down(self, why: StoreDown) -> None:
+        self.recount = True
+        if self.connected:
+            self.connected = False
+            if self.owner:
+                self.shared.globals[G_STORE_UP] = 0
+                log.warning(
+                    "cluster store unreachable (%s): serving on the last instance set, limits at this replica's"
+                    " share (1/%d)",
+                    why,
+                    self.replicas,
+                )
+
+    def _up(self) -> None:
+        if not self.connected or (self.owner and self.shared.globals[G_STORE_UP] != 1):
+            was = self.connected
+            self.connected = True
+            if self.owner:
+                self.shared.globals[G_STORE_UP] = 1
+                if not was:
+                    log.warning("cluster store reachable again: cluster-wide state and limits resume")
+
+
+class ClusterResponseHomes:
+    """ResponseHomes for replicas: this replica's table (`local`), told of every other replica's stored responses
+    through the events channel (see `on_event`), so a follow-up turn may come to any replica."""
+
+    def __init__(self, local, cluster: Cluster):
+        self.local, self.cluster = local, cluster
+
+    def remember(self, response_id: str, instance_id: int, endpoint_id: int) -> None:
+        self.local.remember(response_id, instance_id, endpoint_id)
+        self.cluster.publish("home", {"id": response_id, "instance": instance_id, "endpoint": endpoint_id})
+
+    def home(self, response_id: str) -> tuple[int, int] | None:
+        return self.local.home(response_id)
+
+    def forget(self, response_id: str) -> None:
+        self.local.forget(response_id)
+        self.cluster.publish("forget", {"id": response_id})
+
+
+def shared_events(cluster: Cluster, usages, homes) -> None:
+    """Wire trigger mode's prefill usage (serving/usage.py) and the stored responses' homes to the other replicas:
+    what this replica writes is published, what another publishes is written here."""
+    usages.share = lambda ticket, prompt, cached: cluster.publish(
+        "usage", {"id": ticket, "prompt": prompt, "cached": cached}
+    )
+
+    def on_event(kind: str, event: dict) -> None:
+        rid = event.get("id")
+        if not isinstance(rid, str):
+            return
+        if kind == "usage" and isinstance(event.get("prompt"), int):
+            cached = event.get("cached")
+            usages.put_counts(rid, event["prompt"], cached if isinstance(cached, int) else None)
+        elif kind == "home" and isinstance(event.get("instance"), int) and isinstance(event.get("endpoint"), int):
+            homes.local.remember(rid, event["instance"], event["endpoint"])
+        elif kind == "forget":
+            homes.local.forget(rid)
+
+    cluster.on_event = on_event

@@ -1,0 +1,221 @@
+"""The cluster store: what Coordinator replicas share through Redis, as keys, scripts and round trips.
+
+Each worker process of each replica has one `ClusterStore` (one Redis connection). Every key starts with
+`key_prefix`:
+
+  replicas                  the ids of the replicas that published lately (the sync script prunes the silent)
+  replica:<id>              that replica's report (JSON: its load per endpoint, endpoints it avoids, what it
+                            learned), expiring after `replica_ttl_s`: a replica that dies stops counting
+  inflight                  the set of the per-worker in-flight keys
+  inflight:<id>:<worker>    that worker's requests in flight (admitted by the script, taken off as they end),
+                            expiring as above
+  rate                      the cluster's token bucket (milli-tokens, its stamp in µs of Redis's clock)
+  instances, instances:v    the instance set (JSON) and its version
+  events                    a channel: trigger-mode prefill usage and stored responses' homes, for every replica
+
+A call that fails or outlasts `redis_timeout_ms` raises `StoreDown`; the caller falls back (serving/cluster.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+# KEYS: the inflight set, this worker's key, the rate bucket. ARGV: this worker's requests ended since its last
+# call (taken off its count first), the cap (0: none), the key's expiry (ms), the rate (requests/s, 0: none), the
+# bucket's size (milli-tokens). Returns {0}: admitted (counted), {1}: over the cap, {2, µs}: no rate token for
+# that long.
+ADMIT = """
+local ended = tonumber(ARGV[1])
+if ended > 0 then redis.call('DECRBY', KEYS[2], ended) end
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+local cap = tonumber(ARGV[2])
+if cap > 0 then
+  local total = 0
+  for _, k in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    local v = redis.call('GET', k)
+    if v then total = total + tonumber(v) else redis.call('SREM', KEYS[1], k) end
+  end
+  if total >= cap then return {1, 0} end
+end
+local rate = tonumber(ARGV[4])
+if rate > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local burst = tonumber(ARGV[5])
+  local b = redis.call('HMGET', KEYS[3], 'tokens', 'stamp')
+  local tokens, stamp = tonumber(b[1]), tonumber(b[2])
+  if not stamp or not tokens then tokens, stamp = burst, now end
+  if now < stamp then stamp = now end
+  local gained = math.floor((now - stamp) * rate / 1000)
+  if tokens + gained >= burst then
+    tokens, stamp = burst, now
+  elseif gained > 0 then
+    tokens = tokens + gained
+    stamp = stamp + math.floor(gained * 1000 / rate)
+  end
+  if tokens < 1000 then
+    redis.call('HSET', KEYS[3], 'tokens', tokens, 'stamp', stamp)
+    return {2, math.ceil((1000 - tokens) * 1000 / rate)}
+  end
+  redis.call('HSET', KEYS[3], 'tokens', tokens - 1000, 'stamp', stamp)
+end
+redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('SADD', KEYS[1], KEYS[2])
+return {0, 0}
+"""
+
+# KEYS: the replicas set, this replica's key, the instance set's version. ARGV: this replica's id, its report,
+# the report's expiry (ms), the key prefix. Returns {the instance set's version, {id, report, id, report, ...}}.
+SYNC = """
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.call('SADD', KEYS[1], ARGV[1])
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if id ~= ARGV[1] then
+    local v = redis.call('GET', ARGV[4] .. 'replica:' .. id)
+    if v then
+      table.insert(out, id)
+      table.insert(out, v)
+    else
+      redis.call('SREM', KEYS[1], id)
+    end
+  end
+end
+return {tonumber(redis.call('GET', KEYS[3]) or '0'), out}
+"""
+
+# KEYS: the instance set, its version. ARGV: the version the writer read, the new set (or '' to write only if
+# none is stored yet). Returns the new version, or -1 when another writer came first.
+STORE_INSTANCES = """
+local v = tonumber(redis.call('GET', KEYS[2]) or '0')
+if ARGV[2] == '' then return v end
+if ARGV[1] == 'seed' then
+  if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+elseif tonumber(ARGV[1]) ~= v then
+  return -1
+end
+redis.call('SET', KEYS[1], ARGV[2])
+return redis.call('INCR', KEYS[2])
+"""
+
+
+class StoreDown(Exception):
+    """The store did not answer (unreachable, failing or slower than `redis_timeout_ms`)."""
+
+
+def redis_client(url: str, password: str | None, timeout_s: float) -> aioredis.Redis:
+    """One connection to `url`; no retries of our own making (a caller falls back at once instead)."""
+    return aioredis.Redis.from_url(
+        url,
+        password=password or None,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        single_connection_client=True,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+    )
+
+
+class ClusterStore:
+    """One worker's connection to the cluster store, and the store's counters (round trips, errors)."""
+
+    def __init__(self, url: str, password: str | None, prefix: str, timeout_s: float, replica: str, worker: int):
+        self.prefix, self.replica, self.worker = prefix, replica, worker
+        self.r = redis_client(url, password, timeout_s)
+        self.round_trips = self.errors = 0
+        self.k_inflight, self.k_rate = prefix + "inflight", prefix + "rate"
+        self.k_mine = f"{prefix}inflight:{replica}:{worker}:{os.getpid()}"  # a restarted worker's is another
+        self.k_replicas, self.k_replica = prefix + "replicas", f"{prefix}replica:{replica}"
+        self.k_instances, self.k_version = prefix + "instances", prefix + "instances:v"
+        self.k_events = prefix + "events"
+        self._admit = self.r.register_script(ADMIT)
+        self._sync = self.r.register_script(SYNC)
+        self._store_instances = self.r.register_script(STORE_INSTANCES)
+
+    async def _call(self, coro):
+        self.round_trips += 1
+        try:
+            return await coro
+        except (RedisError, OSError) as e:
+            self.errors += 1
+            raise StoreDown(f"{type(e).__name__}: {e}") from None
+
+    async def admit(self, ended: int, cap: int, ttl_ms: int, rate: float, burst_milli: int) -> tuple[int, float]:
+        """(0, 0): admitted (this worker's count is one more, less `ended`); (1, 0): over the cap; (2, s): no
+        rate token for s seconds."""
+        verdict, wait_us = await self._call(
+            self._admit(keys=(self.k_inflight, self.k_mine, self.k_rate), args=(ended, cap, ttl_ms, rate, burst_milli))
+        )
+        return int(verdict), int(wait_us) / 1e6
+
+    async def ended(self, ended: int, ttl_ms: int) -> None:
+        """`ended` of this worker's requests ended (and it lives: its key's expiry moves)."""
+        pipe = self.r.pipeline(transaction=False)
+        if ended:
+            pipe.decrby(self.k_mine, ended)
+        pipe.pexpire(self.k_mine, ttl_ms)
+        await self._call(pipe.execute())
+
+    async def set_count(self, count: int, ttl_ms: int) -> None:
+        """This worker's count as it is (after the store lost it)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.k_mine, count, px=ttl_ms)
+        pipe.sadd(self.k_inflight, self.k_mine)
+        await self._call(pipe.execute())
+
+    async def sync(self, report: bytes, ttl_ms: int) -> tuple[int, dict[str, bytes]]:
+        """Publish this replica's report; (the instance set's version, the other live replicas' reports)."""
+        version, flat = await self._call(
+            self._sync(
+                keys=(self.k_replicas, self.k_replica, self.k_version), args=(self.replica, report, ttl_ms, self.prefix)
+            )
+        )
+        return int(version), {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+
+    async def instances(self) -> tuple[int, bytes | None]:
+        """(version, the stored instance set or None)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.get(self.k_version)
+        pipe.get(self.k_instances)
+        version, doc = await self._call(pipe.execute())
+        return int(version or 0), doc
+
+    async def store_instances(self, read_version: int | str, doc: bytes) -> int:
+        """Write the instance set if it is still at `read_version` ('seed': only if none is stored); the new
+        version, or -1 when another replica wrote first."""
+        return int(
+            await self._call(self._store_instances(keys=(self.k_instances, self.k_version), args=(read_version, doc)))
+        )
+
+    async def publish_event(self, event: bytes) -> None:
+        await self._call(self.r.publish(self.k_events, event))
+
+    def pubsub(self):
+        return self.r.pubsub()
+
+    async def leave(self) -> None:
+        """A clean stop: this worker's count goes at once (a killed one's expires)."""
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.delete(self.k_mine)
+            pipe.srem(self.k_inflight, self.k_mine)
+            await self._call(pipe.execute())
+        except StoreDown:
+            pass
+
+    async def close(self) -> None:
+        try:
+            await self.r.aclose()
+        except (RedisError, OSError):
+            pass
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

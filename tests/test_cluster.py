@@ -1,0 +1,261 @@
+"""Cluster mode: three Coordinator replicas (two workers each) sharing their state through a real redis-server.
+
+Each test gets its own key prefix in the module's Redis, so its replicas share only with each other. Clients
+talk to every replica; the engines are simulators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from harness.configs import coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import wait_until
+from harness.redis import RedisServer
+from tests.conftest import MODEL
+
+REPLICAS = 3
+
+
+@pytest.fixture(scope="module")
+def redis():
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+class Replicas(list):
+    """Coordinator replicas of one cluster (one key prefix), started together, stopped at teardown."""
+
+    def __init__(self, redis: RedisServer, instances: list[dict], n: int = REPLICAS, **sections):
+        super().__init__()
+        self.redis, self.instances, self.sections = redis, instances, sections
+        self.prefix = f"motor:test-{uuid.uuid4().hex[:8]}:"
+        self.start(n)
+
+    def config(self, **extra) -> dict:
+        sections = {**self.sections, **extra}
+        cluster = {"redis_url": self.redis.url, "key_prefix": self.prefix, **sections.pop("cluster_config", {})}
+        return coordinator_config(
+            self.instances,
+            inference_workers_config={"num_workers": 2},
+            cluster_config=cluster,
+            **sections,
+        )
+
+    def start(self, n: int, **extra) -> list[Coordinator]:
+        with ThreadPoolExecutor(n) as pool:
+            started = list(pool.map(lambda _: Coordinator(self.config(**extra)), range(n)))
+        self.extend(started)
+        return started
+
+    def stop_all(self) -> None:
+        for coord in self:
+            coord.stop()
+        self.clear()
+
+
+@pytest.fixture
+def cluster(redis):
+    made: list[Replicas] = []
+
+    def make(instances: list[dict], n: int = REPLICAS, **sections) -> Replicas:
+        replicas = Replicas(redis, instances, n, **sections)
+        made.append(replicas)
+        return replicas
+
+    yield make
+    for replicas in made:
+        replicas.stop_all()
+
+
+def listed(coord: Coordinator) -> dict:
+    return httpx.get(coord.mgmt + "/instances", timeout=5).json()
+
+
+def ids(coord: Coordinator) -> list[int]:
+    return sorted(i["id"] for i in listed(coord)["instances"])
+
+
+def paused(coord: Coordinator) -> list[int]:
+    return sorted(i["id"] for i in listed(coord)["instances"] if i.get("paused"))
+
+
+def chat(coord: Coordinator, max_tokens: int = 4, content: str = "hello", **extra) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+    return httpx.post(coord.url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def test_a_refresh_on_one_replica_routes_every_replica_and_outlives_them_all(cluster, sims):
+    a, b, c = (sims("union") for _ in range(3))
+    replicas = cluster([instance(1, "union", MODEL, a.address)])
+    assert all(listed(r)["cluster"]["store"] == "connected" for r in replicas)
+    assert len({listed(r)["cluster"]["replica"] for r in replicas}) == REPLICAS
+    new_set = [instance(2, "union", MODEL, b.address), instance(3, "union", MODEL, c.address)]
+    assert replicas[0].refresh("set", new_set).status_code == 200
+    # The sync runs every 50 ms: every replica routes by the new set within the bound the issue sets (1 s).
+    assert wait_until(lambda: all(ids(r) == [2, 3] for r in replicas), timeout_s=1.0)
+    assert replicas[1].refresh("pause", [3]).status_code == 200
+    assert wait_until(lambda: all(paused(r) == [3] for r in replicas), timeout_s=1.0)
+    for r in replicas:
+        assert chat(r).status_code == 200
+    assert b.stats()["completed"] == REPLICAS and c.stats()["completed"] == 0  # paused everywhere
+
+    # Every replica stops; new ones (their static config still lists instance 1 only) serve the stored set.
+    replicas.stop_all()
+    replicas.start(2)
+    assert all(ids(r) == [2, 3] and paused(r) == [3] for r in replicas)
+    assert chat(replicas[0]).status_code == 200 and a.stats()["completed"] == 0
+
+
+def test_a_cluster_wide_in_flight_cap_holds_under_200_concurrent_requests(cluster, sims):
+    engines = [sims("union", speedup=0.2) for _ in range(2)]  # 10 ms a token: 60 tokens hold a request 0.6 s
+    replicas = cluster(
+        [instance(i + 1, "union", MODEL, e.address) for i, e in enumerate(engines)],
+        rate_limit_config={"max_inflight_requests": 8},
+    )
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], sum(e.stats()["running"] + e.stats()["waiting"] for e in engines))
+            time.sleep(0.005)
+
+    async def load() -> list[int]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=300)) as client:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "slow"}], "max_tokens": 60}
+
+            async def one(i: int) -> int:
+                r = await client.post(replicas[i % REPLICAS].url + "/v1/chat/completions", json=body)
+                return r.status_code
+
+            return await asyncio.gather(*(one(i) for i in range(200)))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        statuses = asyncio.run(load())
+    finally:
+        done.set()
+        watcher.join()
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) >= 8 and statuses.count(429) > 0
+    assert 1 <= peak[0] <= 8, peak[0]
+
+
+def test_a_cluster_wide_rate_limit_holds_to_its_bucket(cluster, sims):
+    u = sims("union")
+    replicas = cluster([instance(1, "union", MODEL, u.address)], rate_limit_config={"requests_per_second": 1.0})
+    # A bucket of one second's worth (1 request) refilled at 1/s: 12 requests spread over the replicas in about
+    # 0.3 s get at most 1 + 0.3 + 1 (a token that refilled meanwhile, rounding) through; alone, each replica
+    # would let its own bucket's request through (3).
+    with ThreadPoolExecutor(12) as pool:
+        statuses = list(pool.map(lambda i: chat(replicas[i % REPLICAS]).status_code, range(12)))
+    assert set(statuses) <= {200, 429}
+    assert 1 <= statuses.count(200) <= 2, statuses
+
+
+def test_load_through_two_replicas_steers_the_third(cluster, sims):
+    busy, idle = sims("union", speedup=0.2), sims("union", speedup=0.2)  # 10 ms a decode step
+    replicas = cluster(
+        [instance(1, "union", MODEL, busy.address), instance(2, "union", MODEL, idle.address)],
+        scheduler_config={"scheduler_type": "load_balance"},
+    )
+    a, b, c = replicas
+    assert a.refresh("pause", [2]).status_code == 200  # the long requests all go to engine 1
+    assert wait_until(lambda: all(paused(r) == [2] for r in replicas), timeout_s=1.0)
+    with ThreadPoolExecutor(6) as pool:
+        long = [pool.submit(chat, r, 500) for r in (a, b, a, b, a, b)]  # 5 s each on engine 1
+        assert wait_until(lambda: busy.stats()["running"] == 6, timeout_s=5)
+        assert a.refresh("resume", [2]).status_code == 200
+        assert wait_until(lambda: all(paused(r) == [] for r in replicas), timeout_s=1.0)
+        time.sleep(0.2)  # a few sync periods: C has heard A's and B's load
+        before = idle.stats()["completed"]
+        for _ in range(6):  # C alone holds nothing: only the other replicas' load tells engine 1 is busy
+            assert chat(c).status_code == 200
+        assert idle.stats()["completed"] - before == 6
+        assert all(f.result().status_code == 200 for f in long)
+
+
+def test_trigger_mode_bills_the_prompt_when_the_metaserver_call_reaches_another_replica(cluster, sims):
+    p, d = sims("prefill"), sims("decode")
+    instances = [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)]
+    replicas = cluster(instances, 2, scheduler_config={"pd_dispatch": "trigger"})
+    other = replicas[1]
+    # Replica A tells D to call back replica B (as a Service in front of the replicas would send it anywhere).
+    first = Coordinator(replicas.config(cluster_config={"metaserver_url": other.url + "/v1/metaserver"}))
+    replicas.append(first)
+    content = "bill me " * 50
+    r = chat(first, max_tokens=3, content=content)
+    assert r.status_code == 200, r.text
+    direct = httpx.post(
+        f"http://{p.address}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1},
+        timeout=10,
+    ).json()
+    assert r.json()["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    assert wait_until(lambda: "/v1/metaserver" in other.output())
+
+
+def test_redis_down_fails_no_request_and_state_converges_when_it_returns(cluster, sims, redis):
+    a, b = sims("union"), sims("union")
+    replicas = cluster([instance(1, "union", MODEL, a.address)], rate_limit_config={"max_inflight_requests": 60})
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def clients(i: int) -> int:
+        n = 0
+        while not stop.is_set():
+            r = chat(replicas[i % REPLICAS], stream=(n % 2 == 0))
+            if r.status_code != 200:
+                failures.append(f"{r.status_code} {r.text[:200]}")
+            n += 1
+        return n
+
+    with ThreadPoolExecutor(6) as pool:
+        work = [pool.submit(clients, i) for i in range(6)]
+        time.sleep(0.5)
+        redis.kill()
+        assert wait_until(lambda: all(listed(r)["cluster"]["store"] == "disconnected" for r in replicas), 5)
+        time.sleep(1.0)
+        redis.start()  # empty: every replica must put its state back
+        assert wait_until(lambda: all(listed(r)["cluster"]["store"] == "connected" for r in replicas), 5)
+        stop.set()
+        served = sum(f.result() for f in work)
+    assert not failures, failures[:5]
+    assert served > 20
+    assert replicas[0].refresh("add", [instance(2, "union", MODEL, b.address)]).status_code == 200
+    assert wait_until(lambda: all(ids(r) == [1, 2] for r in replicas), timeout_s=5.0)
+    for r in replicas:
+        assert "cluster store unreachable" in r.output() and "reachable again" in r.output()
+
+
+def test_a_killed_replicas_share_of_the_cap_comes_back_within_its_ttl(cluster, sims):
+    u = sims("union", speedup=0.2)
+    replicas = cluster(
+        [instance(1, "union", MODEL, u.address)],
+        n=2,
+        rate_limit_config={"max_inflight_requests": 4},
+        cluster_config={"replica_ttl_s": 1.0},
+    )
+    doomed, survivor = replicas
+    pool = ThreadPoolExecutor(4)
+    held = [pool.submit(chat, doomed, 1000) for _ in range(4)]  # 10 s each: the whole cap, on the doomed replica
+    assert wait_until(lambda: u.stats()["running"] == 4, timeout_s=5)
+    assert chat(survivor).status_code == 429
+    os.killpg(doomed.proc.pid, signal.SIGKILL)
+    # Its in-flight keys expire after replica_ttl_s (1 s here); the engine sees the dropped connections too.
+    assert wait_until(lambda: chat(survivor).status_code == 200, timeout_s=5)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for f in held:
+        f.cancel()
