@@ -171,6 +171,19 @@ def _check_host(section: str, api: ApiConfig) -> None:
         ) from None
 
 
+def _check_cluster(section: str, cluster: ClusterConfig) -> None:
+    """The store's password file is read by every worker at its start: it must be readable now."""
+    path = cluster.redis_password_file
+    if path and cluster.redis_url:
+        try:
+            with open(path, encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise ConfigError(
+                f"{ROOT_KEY}.{section}.redis_password_file: cannot read {path!r} ({e.strerror})"
+            ) from None
+
+
 def _with_key_file(section: str, cfg: ApiKeyConfig) -> ApiKeyConfig:
     """The key in api_key_file (its one line) added to valid_keys, as MindIE-PyMotor's management key is given."""
     path = f"{ROOT_KEY}.{section}.api_key_file"
@@ -259,7 +272,12 @@ SECTIONS = (
     ("cluster_config", ClusterConfig, "cluster"),
 )
 # What only the machine that runs the Coordinator can answer, checked after the section is read.
-_ON_THIS_HOST = {"api_config": _check_host, "infer_tls_config": _check_tls_files, "mgmt_tls_config": _check_tls_files}
+_ON_THIS_HOST = {
+    "api_config": _check_host,
+    "infer_tls_config": _check_tls_files,
+    "mgmt_tls_config": _check_tls_files,
+    "cluster_config": _check_cluster,
+}
 
 
 def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = True) -> Settings:

@@ -45,9 +45,9 @@ NOTED = {
     "logging_config.log_max_line_length": "request lines quote client values at most 256 characters",
     "logging_config.log_format": "one format: time, level, logger[pid], message",
     "logging_config.log_rotation": "logs go to stdout, for the container runtime to keep",
-    "etcd_config": "no etcd: each replica keeps its state in its own shared memory",
+    "etcd_config": "no etcd: replicas share their state through Redis (cluster_config.redis_url)",
     "etcd_tls_config": "no etcd client",
-    "standby_config": "no master/standby pair: every replica serves",
+    "standby_config": "no master/standby pair: every replica serves, sharing its state through cluster_config",
     "precision_detection_config": "no logprob precision probes",
     "token_sampling_config": "no logprob precision probes",
     "health_check_config": "a key of the engine sections: the Coordinator checks /health itself "
@@ -63,12 +63,11 @@ def _refuse_true(why: str):
 
 # Key paths whose value stops the start when it asks for what is not here: (check -> why or None).
 REFUSED = {
-    "standby_config.enable_master_standby": _refuse_true(
-        "master/standby election through etcd is not supported; every replica serves"
-    ),
     "precision_detection_config.enable": _refuse_true("logprob precision probes are not supported"),
     "token_sampling_config.enable": _refuse_true("logprob precision probes are not supported"),
-    "etcd_config.enable_etcd_persistence": _refuse_true("no etcd persistence: instances come from the config"),
+    "etcd_config.enable_etcd_persistence": _refuse_true(
+        "no etcd persistence: in cluster mode the instance set persists in Redis (cluster_config.redis_url)"
+    ),
     "context_budget_mode": lambda v: (
         None
         if v == "off"
@@ -83,6 +82,25 @@ TOP_LEVEL = frozenset(
     {"aigw", "circuit_config", "tracer_config", "prometheus_metrics_config", "logging_config"}
     | {path.split(".")[0] for path in (*NOTED, *REFUSED)}
 )
+
+
+STANDBY = "standby_config.enable_master_standby"
+
+
+def _standby(spelled: Spelled) -> None:
+    """PyMotor's master/standby pair asks for replicas that act as one: here every replica serves, and they act as
+    one through cluster_config; without it, N pods would be N unshared Coordinators (N times every limit)."""
+    if not spelled.get("cluster_config.redis_url")[1]:
+        raise ConfigError(
+            f"{ROOT_KEY}.{STANDBY}: no master/standby election here; replicas are active-active and act as one"
+            " through Redis: set cluster_config.redis_url (or standby off for a single pod)"
+        )
+    log.warning(
+        "config: %s.%s: no master/standby election here; every replica serves (active-active), sharing its state"
+        " through cluster_config.redis_url",
+        ROOT_KEY,
+        STANDBY,
+    )
 
 
 class Spelled:
@@ -125,6 +143,9 @@ def adopt(raw: dict, whole: dict | None) -> dict:
         if why:
             raise ConfigError(f"{ROOT_KEY}.{path}: {why}")
     data = dict(raw)
+    if spelled.get("standby_config.enable_master_standby")[1] is True:
+        _standby(spelled)
+        data.pop("standby_config")
     for path, why in NOTED.items():
         found, _ = _pop(data, path)
         if found:

@@ -7,6 +7,7 @@ talk to every replica; the engines are simulators.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -259,3 +260,18 @@ def test_a_killed_replicas_share_of_the_cap_comes_back_within_its_ttl(cluster, s
     pool.shutdown(wait=False, cancel_futures=True)
     for f in held:
         f.cancel()
+
+
+def test_pymotor_standby_starts_active_active_with_one_line_saying_so(redis, sims):
+    u = sims("union")
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, u.address)],
+        standby_config={"enable_master_standby": True, "master_lock_ttl": 10},
+        cluster_config={"redis_url": redis.url, "key_prefix": f"motor:test-{uuid.uuid4().hex[:8]}:"},
+    )
+    with Coordinator(cfg) as coord:
+        lines = [ln for ln in coord.output().splitlines() if "standby_config" in ln]
+        assert len(lines) == 1 and "every replica serves (active-active)" in lines[0], lines
+        assert listed(coord)["cluster"]["store"] == "connected"
+        assert chat(coord).status_code == 200
+        assert redis.url not in coord.output() and "redis://" not in json.dumps(listed(coord))

@@ -326,3 +326,41 @@ def test_reschedule_config_and_its_deprecated_alias(section, enable):
 def test_a_reschedule_config_the_coordinator_cannot_honour_names_its_key(section, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         settings_from_dict({"exception_config": section})
+
+
+@pytest.mark.parametrize(
+    ("cluster", "why"),
+    [
+        ({"redis_url": "http://127.0.0.1:6379"}, "redis_url: must be a redis:// or rediss:// URL"),
+        (
+            {"redis_url": "redis://127.0.0.1:6379", "redis_password_file": "/nonexistent/pw"},
+            "redis_password_file: cannot read",
+        ),
+        ({"sync_interval_ms": 5}, "sync_interval_ms: must be 10..1000"),
+        ({"replica_ttl_s": 0.1}, "replica_ttl_s: must be >= 0.5"),
+        ({"key_prefix": ""}, "key_prefix:"),
+    ],
+)
+def test_a_cluster_config_that_cannot_work_is_refused_naming_its_key(cluster, why):
+    assert refused(coordinator_config([union(1, "127.0.0.1:8000")], cluster_config=cluster)).startswith(
+        f"motor_coordinator_config.cluster_config.{why}"
+    )
+
+
+def test_cluster_mode_is_off_by_default_and_its_defaults_have_units():
+    s = settings_from_dict(coordinator_config([union(1, "127.0.0.1:8000")]))
+    c = s.cluster
+    assert (c.redis_url, c.key_prefix, c.sync_interval_ms, c.replica_ttl_s, c.redis_timeout_ms) == (
+        "",
+        "motor:",
+        50,
+        3.0,
+        250,
+    )
+
+
+def test_pymotor_standby_without_a_shared_store_is_refused_with_what_to_set():
+    cfg = coordinator_config([union(1, "127.0.0.1:8000")], standby_config={"enable_master_standby": True})
+    why = refused(cfg)
+    assert why.startswith("motor_coordinator_config.standby_config.enable_master_standby: ")
+    assert "set cluster_config.redis_url" in why
