@@ -34,6 +34,7 @@ import ujson
 from config import Settings, address_key
 from errors import RateLimited
 from scheduling.registry import RefreshError, RefreshResult, Registry
+from serving.metrics import store_calls
 from state.cluster import ClusterStore, StoreDown
 from state.shared import (
     BREAKER_OPEN,
@@ -45,6 +46,7 @@ from state.shared import (
     G_CLUSTER_VERSION,
     G_REPLICAS,
     G_STORE_UP,
+    G_SYNCED_AT_MS,
     LEDGER_FIELDS,
     LEDGER_ROW,
     REMOTE_ROW,
@@ -97,7 +99,6 @@ class Cluster:
         self.ttl_ms = int(c.replica_ttl_s * 1000)
         self.connected = True  # until a round trip says otherwise
         self.owner = worker == 0
-        self.synced_at = 0.0  # when the sync owner last heard the other replicas (time.monotonic)
         self.tasks: list[asyncio.Task] = []
         # This worker's requests the store counted: in flight, ended and not yet taken off there, and the admit
         # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
@@ -223,6 +224,7 @@ class Cluster:
                 self._down(e)
             except Exception:  # a bug here must not stop the timer
                 log.exception("cluster sync failed")
+            store_calls(self.store)
 
     async def _publish_count(self) -> None:
         now = time.monotonic()
@@ -256,7 +258,7 @@ class Cluster:
 
     async def _sync(self) -> None:
         version, reports = await self.store.sync(self._report(), self.ttl_ms)
-        self.synced_at = time.monotonic()
+        self.shared.globals[G_SYNCED_AT_MS] = int(time.time() * 1000)
         self.shared.globals[G_REPLICAS] = len(reports) + 1
         self._apply_reports(reports)
         if version > self.shared.globals[G_CLUSTER_VERSION]:

@@ -109,8 +109,11 @@ class Door:
         """Requests in flight, all workers."""
         return worker_sum(self.warr, self.rows, 0)
 
-    def _take_rate_token(self, rate: float, burst_milli: int) -> float:
-        """0 when admitted, else seconds until a token is available."""
+    def _take_rate_token(self, rate: float | None = None, burst_milli: int | None = None) -> float:
+        """0 when admitted, else seconds until a token is available (at `rate` with a bucket of `burst_milli`:
+        this replica's share while the cluster store is away; the configured ones by default)."""
+        rate = self.rate if rate is None else rate
+        burst_milli = self.burst_milli if burst_milli is None else burst_milli
         g = self.shared.globals
         # The monotonic clock is one clock for every process on the host, and never steps back: with the
         # wall clock, an NTP correction of a minute refused every request for a minute.

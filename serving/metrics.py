@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from bisect import bisect_left
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
@@ -29,7 +30,16 @@ from scheduling.registry import Registry
 from scheduling.status import endpoint_status
 from serving.job import COUNT_TOKENS
 from serving.observe import PLACEMENTS, FlushTimer, Observer, RequestRecord
-from state.shared import G_DRAINING, W_INFLIGHT, W_QUEUED, WORKER_FIELDS, worker_sum
+from state.shared import (
+    G_DRAINING,
+    G_REPLICAS,
+    G_STORE_UP,
+    G_SYNCED_AT_MS,
+    W_INFLIGHT,
+    W_QUEUED,
+    WORKER_FIELDS,
+    worker_sum,
+)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -97,6 +107,16 @@ CONTINUATION_REFUSALS = Counter(
 )
 REJECTIONS = Counter("motor_rejections_total", "Requests refused before reaching an engine, by reason", ["reason"])
 DISCONNECTS = Counter("motor_client_disconnects_total", "Clients that went away, by phase", ["phase"])
+STORE_CALLS = Counter("motor_cluster_store_round_trips_total", "Round trips to the cluster store (cluster mode)")
+STORE_ERRORS = Counter("motor_cluster_store_errors_total", "Cluster store round trips that failed or timed out")
+
+
+def store_calls(store) -> None:
+    """A cluster store's round trips and errors since the last call, onto the counters."""
+    STORE_CALLS.inc(store.round_trips)
+    STORE_ERRORS.inc(store.errors)
+    store.round_trips = store.errors = 0
+
 
 BREAKER_CODES = {"closed": 0, "open": 1, "half_open": 2}
 
@@ -131,6 +151,18 @@ class SharedStateCollector:
         yield GaugeMetricFamily(
             "motor_draining", "1 while the Coordinator is shutting down", value=1 if g[G_DRAINING] else 0
         )
+        if g[G_SYNCED_AT_MS] or g[G_STORE_UP]:  # cluster mode
+            yield GaugeMetricFamily(
+                "motor_cluster_store_connected", "1 while the cluster store answers this replica", value=g[G_STORE_UP]
+            )
+            yield GaugeMetricFamily(
+                "motor_cluster_replicas", "Live Coordinator replicas, this one included", value=max(1, g[G_REPLICAS])
+            )
+            yield GaugeMetricFamily(
+                "motor_cluster_state_age_seconds",
+                "Seconds since this replica last heard the others' load and breakers (staleness)",
+                value=max(0.0, time.time() - g[G_SYNCED_AT_MS] / 1000) if g[G_SYNCED_AT_MS] else 0.0,
+            )
 
         view = self.registry.view()
         labels = ["instance", "endpoint", "role", "model"]

@@ -82,9 +82,9 @@ BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 # worker now (W_INFLIGHT, W_QUEUED), so that a dead worker's share can be given back.
 G_DOC_VERSION, G_DOC_LEN, G_RR, G_RATE_TOKENS_MILLI, G_RATE_STAMP_US, G_DRAINING = range(6)
 G_CONFIG_GEN = 7  # bumped by the main process's config-file watcher at each change (workers/reload.py)
-# Cluster mode (serving/cluster.py): the stored instance set's version this replica applied, and whether the
-# store answered the sync owner's last round trip (1), or not (0), or was never asked (-1 stays 0 with no store).
-G_CLUSTER_VERSION, G_STORE_UP, G_REPLICAS = 8, 9, 10
+# Cluster mode (serving/cluster.py): the stored instance set's version this replica applied, whether the store
+# answered the sync owner's last round trip (1) or not (0), the live replicas it saw, and when (wall-clock ms).
+G_CLUSTER_VERSION, G_STORE_UP, G_REPLICAS, G_SYNCED_AT_MS = 8, 9, 10, 11
 GLOBAL_FIELDS = 16
 
 # Per-worker rows, one per Sanic worker index: admission counters and the heartbeat. Each worker writes only

@@ -91,6 +91,13 @@ def paused(coord: Coordinator) -> list[int]:
     return sorted(i["id"] for i in listed(coord)["instances"] if i.get("paused"))
 
 
+def metric(coord: Coordinator, name: str) -> float:
+    for line in httpx.get(coord.obs + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
 def chat(coord: Coordinator, max_tokens: int = 4, content: str = "hello", **extra) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
     return httpx.post(coord.url + "/v1/chat/completions", json=body, timeout=30)
@@ -228,6 +235,7 @@ def test_redis_down_fails_no_request_and_state_converges_when_it_returns(cluster
         time.sleep(0.5)
         redis.kill()
         assert wait_until(lambda: all(listed(r)["cluster"]["store"] == "disconnected" for r in replicas), 5)
+        assert metric(replicas[0], "motor_cluster_store_connected") == 0
         time.sleep(1.0)
         redis.start()  # empty: every replica must put its state back
         assert wait_until(lambda: all(listed(r)["cluster"]["store"] == "connected" for r in replicas), 5)
@@ -235,6 +243,12 @@ def test_redis_down_fails_no_request_and_state_converges_when_it_returns(cluster
         served = sum(f.result() for f in work)
     assert not failures, failures[:5]
     assert served > 20
+    assert metric(replicas[0], "motor_cluster_store_connected") == 1
+    assert metric(replicas[0], "motor_cluster_store_errors_total") > 0
+    assert metric(replicas[0], "motor_cluster_store_round_trips_total") > metric(
+        replicas[0], "motor_cluster_store_errors_total"
+    )
+    assert metric(replicas[0], "motor_cluster_replicas") == REPLICAS
     assert replicas[0].refresh("add", [instance(2, "union", MODEL, b.address)]).status_code == 200
     assert wait_until(lambda: all(ids(r) == [1, 2] for r in replicas), timeout_s=5.0)
     for r in replicas:
