@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,6 +56,7 @@ from harness.bodies import chat_body  # noqa: E402
 from harness.configs import api_config, instance  # noqa: E402
 from harness.loopback import free_port, free_ports  # noqa: E402
 from harness.processes import tree  # noqa: E402
+from harness.redis import RedisServer  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -363,9 +364,11 @@ class Coordinator(Gateway):
         start_timeout_s: float = 60,
         python: str = sys.executable,
         python_label: str = "",
+        sections: dict | None = None,
     ):
         """`root`: the source tree whose app.py runs; `launcher`: a command that runs it (bench/instructions.py's
-        valgrind); `python`: the interpreter that runs it, named in the label when `python_label` is given."""
+        valgrind); `python`: the interpreter that runs it, named in the label when `python_label` is given;
+        `sections`: more config sections (cluster mode's), named in the label by `python_label` too."""
         self.workers, self.log_level = workers, log_level
         self.logs_requests = log_level in ("DEBUG", "INFO")
         self.label = f"Coordinator, {workers} worker{'s' if workers > 1 else ''}, log {log_level}"
@@ -385,6 +388,7 @@ class Coordinator(Gateway):
                     instance(2, "prefill", "bench-pd", f"127.0.0.1:{engines.prefill}"),
                     instance(3, "decode", "bench-pd", f"127.0.0.1:{engines.decode}"),
                 ],
+                **(sections or {}),
             }
         }
         tag = "".join(ch if ch.isalnum() else "-" for ch in python_label)
@@ -930,6 +934,18 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
 
 
 @contextmanager
+def redis_server(cores: str | None):
+    """Debian's redis-server on a free loopback port, pinned to `cores` (the load core, beside the fakes)."""
+    server = RedisServer()
+    if cores:
+        subprocess.run(["taskset", "-pc", cores, str(server.proc.pid)], check=True, capture_output=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
 def fakes(exe: str, cores: str, workdir: str):
     procs = []
     try:
@@ -993,6 +1009,13 @@ def main(argv: list[str] | None = None) -> int:
         "previous commit), measured side by side: a change's cost in one run; may be given more than once",
     )
     ap.add_argument(
+        "--cluster",
+        action="store_true",
+        help="two more Coordinators (1 worker, log INFO) side by side, in cluster mode against a redis-server on the "
+        "load core: one without limits (the background sync only), one with max_inflight_requests, which costs a "
+        "round trip to Redis per request",
+    )
+    ap.add_argument(
         "--litellm",
         metavar="EXE",
         help="LiteLLM's `litellm` command (from an environment with litellm[proxy]==1.82.6): measured "
@@ -1038,7 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="motor-bench-")
     try:
         exe = build_fake(workdir)
-        with fakes(exe, load_cores, workdir) as engines:
+        with fakes(exe, load_cores, workdir) as engines, ExitStack() as stack:
             if opts.profile:
                 profile(engines, opts, load_cores, gw_core_sets[1], workdir)
                 return 0
@@ -1064,6 +1087,16 @@ def main(argv: list[str] | None = None) -> int:
                             engines, 1, "INFO", gw_core_sets[1], workdir, root=root, python=python, python_label=label
                         )
                     )
+                if opts.cluster:
+                    redis = stack.enter_context(redis_server(load_cores))
+                    cluster = {"cluster_config": {"redis_url": redis.url}}
+                    cap = {"rate_limit_config": {"max_inflight_requests": 100_000}}
+                    for label, sections in (("cluster", cluster), ("cluster + cap", {**cluster, **cap})):
+                        pair.append(
+                            Coordinator(
+                                engines, 1, "INFO", gw_core_sets[1], workdir, python_label=label, sections=sections
+                            )
+                        )
                 if not opts.no_floor:
                     pair.append(SanicFloor(engines, gw_core_sets[1], workdir, python=opts.python))
                 if not opts.no_router and shutil.which("vllm-router"):
