@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import kubernetes_validate
@@ -776,6 +777,46 @@ def test_redis_on_an_emptydir_has_no_claim():
     assert sts["spec"]["template"]["spec"]["volumes"] == [{"name": "data", "emptyDir": {}}]
     [c] = sts["spec"]["template"]["spec"]["containers"]
     assert "--requirepass" not in c["args"] and "env" not in c
+
+
+def test_the_rendered_redis_command_and_probes_work_on_a_real_redis_server(tmp_path):
+    """The StatefulSet's own command line and probe, run against Debian's redis-server on loopback: the port
+    and directory are the test's, and a redis-cli on PATH adds -p (the probe names no port: 6379 in the pod)."""
+    [c] = find(bundle(EDGE_CONFIGS["cluster_rendered_redis"]), "StatefulSet", R.REDIS_NAME)["spec"]["template"]["spec"][
+        "containers"
+    ]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [a.replace("$(REDIS_PASSWORD)", "pw-0123") for a in c["args"]]
+    args[args.index("--port") + 1] = str(port)
+    args[args.index("--dir") + 1] = str(tmp_path)
+    wrapper = tmp_path / "bin" / "redis-cli"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec /usr/bin/redis-cli -h 127.0.0.1 -p {port} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {"PATH": f"{wrapper.parent}:/usr/bin:/bin", "REDISCLI_AUTH": "pw-0123"}
+    server = subprocess.Popen([c["command"][0], *args, "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
+    try:
+        probe = c["readinessProbe"]["exec"]["command"]
+        for _ in range(200):  # until it listens; a server that never does fails the assertion below
+            if subprocess.run(probe, env=env).returncode == 0 or server.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert subprocess.run(probe, env=env).returncode == 0
+        for other in ("livenessProbe", "startupProbe"):
+            assert subprocess.run(c[other]["exec"]["command"], env=env).returncode == 0
+        # Without the password the probe fails: the server requires it.
+        assert subprocess.run(probe, env=dict(env, REDISCLI_AUTH="wrong"), stderr=subprocess.DEVNULL).returncode
+        cli = [str(wrapper), "--no-auth-warning"]
+        got = subprocess.run([*cli, "config", "get", "appendonly"], env=env, capture_output=True, text=True)
+        assert got.stdout.split() == ["appendonly", "yes"]
+        got = subprocess.run([*cli, "config", "get", "save"], env=env, capture_output=True, text=True)
+        assert got.stdout.splitlines() == ["save", ""]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert (tmp_path / "appendonlydir").is_dir()
 
 
 # --------------------------------------------------------------------------- engines
