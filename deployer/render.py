@@ -21,7 +21,14 @@ from typing import Any
 import jinja2
 
 from .monitoring import dashboard
-from .sections import CONFIG_PATH_IN_CONTAINER, CONFIG_SECRET_NAME, EngineConfig, Settings
+from .sections import (
+    CONFIG_PATH_IN_CONTAINER,
+    CONFIG_SECRET_NAME,
+    REDIS_AUTH_DIR,
+    REDIS_PASSWORD_KEY,
+    EngineConfig,
+    Settings,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE_DIR = REPO_ROOT / "templates"
@@ -32,6 +39,10 @@ COORDINATOR_NAME = "motor-coordinator"
 INFER_SERVICE = "motor-coordinator-infer"
 MGMT_SERVICE = "motor-coordinator-mgmt"
 METRICS_SERVICE = "motor-coordinator-metrics"
+# The rendered Redis (motor_deploy_config.redis_enabled): its StatefulSet, Service and PodDisruptionBudget.
+REDIS_NAME = "motor-coordinator-redis"
+REDIS_PORT = 6379
+REDIS_UID = 999  # the redis user of the official images
 ENGINE_NAME = {"prefill": "motor-engine-prefill", "decode": "motor-engine-decode"}
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 OUTPUT_FILES = (
@@ -128,7 +139,8 @@ def models(settings: Settings) -> list[dict[str, Any]]:
 
 def cluster_user_config(settings: Settings) -> dict[str, Any]:
     """The user_config.json the Coordinator pods read: the input with every default filled in,
-    the Coordinator bound to 0.0.0.0 and the engine pods listed as instances."""
+    the Coordinator bound to 0.0.0.0, the engine pods listed as instances and, with a Redis (the rendered
+    one or the input's redis_url), cluster_config's URL, password file and a key prefix of the job's own."""
     cfg = copy.deepcopy(settings.raw)
     cfg["motor_deploy_config"] = dataclasses.asdict(settings.deploy)
     cfg["motor_engine_prefill_config"] = dataclasses.asdict(settings.prefill)
@@ -137,6 +149,16 @@ def cluster_user_config(settings: Settings) -> dict[str, Any]:
     coord.setdefault("api_config", {})["coordinator_api_host"] = "0.0.0.0"
     coord["models"] = models(settings)
     coord["instances"] = instances(settings)
+    cluster = coord.get("cluster_config", {})
+    d = settings.deploy
+    if d.redis_enabled:
+        cluster["redis_url"] = f"redis://{REDIS_NAME}.{settings.namespace}.svc.{d.cluster_domain}:{REDIS_PORT}/0"
+    if cluster.get("redis_url"):
+        # Two jobs may share one Redis: each keeps its own keys.
+        cluster.setdefault("key_prefix", f"motor:{settings.namespace}:")
+        if d.redis_password_secret:
+            cluster["redis_password_file"] = f"{REDIS_AUTH_DIR}/{REDIS_PASSWORD_KEY}"
+        coord["cluster_config"] = cluster
     return cfg
 
 
@@ -219,6 +241,13 @@ def render(settings: Settings) -> dict[str, str]:
         "mgmt_scheme": "HTTPS" if c.mgmt_tls else "HTTP",
         "termination_grace": settings.termination_grace_seconds,
         "coordinator_resources": {k: v for k, v in dataclasses.asdict(d.coordinator_resources).items() if v},
+        "redis_name": REDIS_NAME,
+        "redis_port": REDIS_PORT,
+        "redis_uid": REDIS_UID,
+        "redis_labels": labels(settings, "redis"),
+        "redis_resources": {k: v for k, v in dataclasses.asdict(d.redis_resources).items() if v},
+        "redis_auth_dir": REDIS_AUTH_DIR,
+        "redis_password_key": REDIS_PASSWORD_KEY,
     }
     out = {
         "coordinator_init.yaml": env.get_template("coordinator_init.yaml.j2").render(ctx),

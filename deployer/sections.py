@@ -1,7 +1,8 @@
 """Every deployment key, its default and its validation, in one place.
 
 Sections:
-- ``motor_deploy_config``: cluster-side settings (namespace, images, counts, ports, TLS secret).
+- ``motor_deploy_config``: cluster-side settings (namespace, images, counts, ports, TLS secret, the Redis that
+  several Coordinator pods share state through).
 - ``motor_engine_prefill_config`` / ``motor_engine_decode_config``: the vLLM engines.
 - ``motor_coordinator_config``: owned by the Coordinator, whose section models (config.sections) read it;
   `CoordinatorView` holds the sections the deployer renders from (ports, TLS, drain timeout).
@@ -24,7 +25,7 @@ from typing import Annotated, Any, get_type_hints
 from pydantic import ConfigDict, Strict, ValidationError, WrapValidator, with_config
 from pydantic_core import ErrorDetails
 
-from config import ConfigError as CoordinatorConfigError, adapter, refusal, split_address
+from config import ROOT_KEY as COORDINATOR_ROOT, ConfigError as CoordinatorConfigError, adapter, refusal, split_address
 from config.sections import ApiConfig, Bool, Int, SchedulerConfig, ShutdownConfig, Str, TlsConfig
 
 # A number as given (NaN and Infinity too: the bounds refuse them, quoting them); an integer stays one, as the
@@ -38,6 +39,9 @@ CONFIG_SECRET_NAME = "motor-coordinator-config"
 # Directories the templates mount besides the TLS Secret and the weights: two volumes on one path,
 # or one inside the other, are refused by Kubernetes or hide the other's files.
 COORDINATOR_MOUNTS = (posixpath.dirname(CONFIG_PATH_IN_CONTAINER), "/tmp")
+# Where the Coordinator pods mount redis_password_secret, when set, and the key of it they read.
+REDIS_AUTH_DIR = "/etc/motor-redis"
+REDIS_PASSWORD_KEY = "password"
 ENGINE_MOUNTS = ("/dev/shm",)
 # The Coordinator image's working directory, holding app.py and the packages it imports (the Dockerfile's WORKDIR).
 COORDINATOR_CODE_DIR = "/opt/motor"
@@ -201,6 +205,38 @@ class DeployConfig:
         ),
     )
     dshm_size: Str = field(default="8Gi", metadata=_doc("size of the memory-backed /dev/shm of engine pods"))
+    redis_enabled: Bool = field(
+        default=False,
+        metadata=_doc(
+            "render a Redis (StatefulSet, Service, PodDisruptionBudget) the Coordinator pods share state "
+            "through: cluster_config.redis_url is set to it; required for coordinator_replicas > 1 unless "
+            "cluster_config.redis_url names one"
+        ),
+    )
+    redis_image: Str = field(
+        default="redis:7.2.5-alpine",
+        metadata=_doc("image of the rendered Redis (must provide redis-server, redis-cli and sh)"),
+    )
+    redis_resources: ResourceSpec = field(
+        default_factory=lambda: ResourceSpec(
+            requests={"cpu": "100m", "memory": "256Mi"}, limits={"cpu": "1", "memory": "1Gi"}
+        ),
+        metadata=_doc("Redis container requests/limits"),
+    )
+    redis_storage_size: Str = field(
+        default="1Gi",
+        metadata=_doc("size of the Redis volume claim (append-only file); empty: an emptyDir, lost when the pod moves"),
+    )
+    redis_storage_class: Str = field(
+        default="", metadata=_doc("storageClassName of that claim; empty: the cluster's default class")
+    )
+    redis_password_secret: Str = field(
+        default="",
+        metadata=_doc(
+            f"Secret whose `{REDIS_PASSWORD_KEY}` key is the Redis password, mounted in the Coordinator pods "
+            f"(cluster_config.redis_password_file) and required by the rendered Redis; empty: no password"
+        ),
+    )
 
 
 @with_config(ConfigDict(extra="forbid"))  # an unknown key is a typo
@@ -577,7 +613,7 @@ def check_deploy(d: DeployConfig, errors: list[str]) -> None:
         )
     if not _is_dns_subdomain(d.cluster_domain):
         errors.append(f"{p}.cluster_domain: must be {DNS_SUBDOMAIN_RULE} (got {d.cluster_domain!r})")
-    for key in ("image_name", "engine_image_name"):
+    for key in ("image_name", "engine_image_name", "redis_image"):
         val = getattr(d, key)
         if not val or any(c.isspace() for c in val):
             errors.append(f"{p}.{key}: must be a non-empty image reference (got {val!r})")
@@ -609,10 +645,26 @@ def check_deploy(d: DeployConfig, errors: list[str]) -> None:
             f"{p}.tls_secret_name: {d.tls_secret_name!r} is the Secret the deployer renders for the "
             f"Coordinator's user_config.json"
         )
+    _check_resources(d.redis_resources, f"{p}.redis_resources", errors)
+    if d.redis_storage_size and parse_quantity(d.redis_storage_size) is None:
+        errors.append(f"{p}.redis_storage_size: empty or a Kubernetes quantity (got {d.redis_storage_size!r})")
+    if d.redis_storage_class and not _is_dns_subdomain(d.redis_storage_class):
+        errors.append(
+            f"{p}.redis_storage_class: not a StorageClass name, {DNS_SUBDOMAIN_RULE} (got {d.redis_storage_class!r})"
+        )
+    if d.redis_password_secret and not _is_dns_subdomain(d.redis_password_secret):
+        errors.append(
+            f"{p}.redis_password_secret: not a Secret name, {DNS_SUBDOMAIN_RULE} (got {d.redis_password_secret!r})"
+        )
+    elif d.redis_password_secret == CONFIG_SECRET_NAME:
+        errors.append(
+            f"{p}.redis_password_secret: {CONFIG_SECRET_NAME!r} is the Secret the deployer renders for the "
+            f"Coordinator's user_config.json"
+        )
     _check_mount_path(
         d.tls_mount_path,
         f"{p}.tls_mount_path",
-        COORDINATOR_MOUNTS,
+        COORDINATOR_MOUNTS + ((REDIS_AUTH_DIR,) if d.redis_password_secret else ()),
         "the Coordinator pod",
         SYSTEM_TREES + (COORDINATOR_CODE_DIR,),
         errors,
@@ -623,6 +675,35 @@ def check_deploy(d: DeployConfig, errors: list[str]) -> None:
         )
     if parse_quantity(d.dshm_size) is None:
         errors.append(f"{p}.dshm_size: not a Kubernetes quantity (got {d.dshm_size!r})")
+
+
+def check_cluster(d: DeployConfig, coordinator: Any, errors: list[str]) -> None:
+    """Several Coordinator pods act as one only through Redis: the input's cluster_config.redis_url, or the
+    Redis the deployer renders (redis_enabled), not both. The URL is never quoted: it may hold a password."""
+    p = "motor_deploy_config"
+    at = f"{COORDINATOR_ROOT}.cluster_config"
+    cluster = coordinator.get("cluster_config", {}) if isinstance(coordinator, dict) else {}
+    if not isinstance(cluster, dict):
+        errors.append(f"{at}: must be an object")
+        return
+    url = cluster.get("redis_url", "")
+    if not isinstance(url, str):
+        errors.append(f"{at}.redis_url: must be a string")
+        return
+    if d.redis_enabled and url:
+        errors.append(
+            f"{p}.redis_enabled: the deployer renders the Redis and points {at}.redis_url at it; "
+            f"leave redis_url empty or redis_enabled false"
+        )
+    elif d.coordinator_replicas > 1 and not d.redis_enabled and not url:
+        errors.append(
+            f"{p}.coordinator_replicas: {d.coordinator_replicas} Coordinator pods share their state only through "
+            f"Redis: set {at}.redis_url or {p}.redis_enabled"
+        )
+    if d.redis_password_secret and cluster.get("redis_password_file"):
+        errors.append(
+            f"{at}.redis_password_file: the deployer sets it to the mounted {p}.redis_password_secret; leave it empty"
+        )
 
 
 def _managed_flag(arg: str) -> str | None:

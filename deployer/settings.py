@@ -45,6 +45,7 @@ from .sections import (
     DeployConfig,
     EngineConfig,
     Settings,
+    check_cluster,
     check_deploy,
     check_engine,
     defaults_as_dict,
@@ -187,6 +188,7 @@ def load(raw: Any) -> Settings:
             if engine.accelerator_num == 0 and "kv_buffer_device" not in raw.get(section, {}):
                 engine.kv_buffer_device = CPU_KV_BUFFER
         check_deploy(deploy, errors)
+        check_cluster(deploy, raw.get("motor_coordinator_config"), errors)
         check_engine(prefill, "motor_engine_prefill_config", deploy, errors)
         check_engine(decode, "motor_engine_decode_config", deploy, errors)
         if prefill.served_model_name != decode.served_model_name:

@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import kubernetes_validate
@@ -15,6 +16,7 @@ import yaml
 
 import config
 from deployer import render as R
+from deployer.sections import REDIS_AUTH_DIR
 from deployer.settings import COORDINATOR_MOUNTS, ENGINE_MOUNTS, ConfigError, DeployConfig, EngineConfig, key_docs, load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,6 +133,25 @@ EDGE_CONFIGS = {
                 {"key": "pool", "operator": "Equal", "value": "a" * 63, "effect": "PreferNoSchedule"},
             ],
         },
+    ),
+    # Three Coordinator pods sharing the Redis the deployer renders, with a password and a storage class.
+    "cluster_rendered_redis": with_changes(
+        motor_deploy_config={
+            "coordinator_replicas": 3,
+            "redis_enabled": True,
+            "redis_password_secret": "motor-redis-auth",
+            "redis_storage_class": "fast-ssd",
+            "coordinator_node_selector": {"pool": "cpu"},
+        }
+    ),
+    # The rendered Redis on an emptyDir, no password.
+    "cluster_redis_emptydir": with_changes(
+        motor_deploy_config={"coordinator_replicas": 2, "redis_enabled": True, "redis_storage_size": ""}
+    ),
+    # Two Coordinator pods sharing a Redis of the operator's.
+    "cluster_own_redis": with_changes(
+        motor_deploy_config={"coordinator_replicas": 2},
+        motor_coordinator_config={"cluster_config": {"redis_url": "rediss://redis.infra.svc.cluster.local:6380/2"}},
     ),
     "cpu_engines_no_weights": with_changes(
         motor_deploy_config={"weight_mount_path": ""},
@@ -416,6 +437,10 @@ def test_bundle_kinds(edge):
     ]
     if s.deploy.create_namespace:
         expected.append(("Namespace", s.namespace))
+    if s.deploy.coordinator_replicas > 1:
+        expected.append(("PodDisruptionBudget", R.COORDINATOR_NAME))
+    if s.deploy.redis_enabled:
+        expected += [("StatefulSet", R.REDIS_NAME), ("Service", R.REDIS_NAME), ("PodDisruptionBudget", R.REDIS_NAME)]
     assert kinds == sorted(expected)
     for role in ("prefill", "decode"):
         kinds = sorted((d["kind"], d["metadata"]["name"]) for d in b["docs"][f"engine_{role}.yaml"])
@@ -466,8 +491,8 @@ def test_coordinator_ports_probes_and_service_ports_follow_the_config(edge):
     assert infer["spec"]["ports"][0]["nodePort"] == s.deploy.coordinator_node_port
     assert infer["spec"]["ports"][0]["port"] == api["coordinator_api_infer_port"]
     mgmt = find(b, "Service", R.MGMT_SERVICE)["spec"]
-    # Headless: a refresh sent through a load-balanced address would update one pod of several.
-    assert (mgmt["type"], mgmt["clusterIP"]) == ("ClusterIP", "None")
+    # Not headless: the pods share their instance set through Redis, so any one of them takes a refresh.
+    assert mgmt["type"] == "ClusterIP" and "clusterIP" not in mgmt
     metrics = find(b, "Service", R.METRICS_SERVICE)
     assert metrics["spec"]["ports"][0]["port"] == api["coordinator_obs_port"]
     assert metrics["metadata"]["annotations"]["prometheus.io/port"] == str(api["coordinator_obs_port"])
@@ -555,7 +580,8 @@ def test_tls_mounts_secret_and_switches_probe_scheme(edge):
     infer_tls, mgmt_tls = coord["infer_tls_config"]["enable_tls"], coord["mgmt_tls_config"]["enable_tls"]
     pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    secrets = [v for v in pod["volumes"] if "secret" in v and v["secret"]["secretName"] != R.CONFIG_SECRET_NAME]
+    others = (R.CONFIG_SECRET_NAME, s.deploy.redis_password_secret)
+    secrets = [v for v in pod["volumes"] if "secret" in v and v["secret"]["secretName"] not in others]
     if infer_tls or mgmt_tls:
         assert [v["secret"]["secretName"] for v in secrets] == [s.deploy.tls_secret_name]
         mount = [m for m in c["volumeMounts"] if m["name"] == secrets[0]["name"]][0]
@@ -587,7 +613,11 @@ def test_no_two_volumes_share_a_mount_path(edge):
             for m in find(b, kind, name)["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
         }
         assert len(set(mounts.values())) == len(mounts)
-        configurable = {"tls": s.deploy.tls_mount_path, "weights": s.deploy.weight_mount_path}
+        configurable = {
+            "tls": s.deploy.tls_mount_path,
+            "weights": s.deploy.weight_mount_path,
+            "redis-auth": REDIS_AUTH_DIR,
+        }
         assert sorted(p for n, p in mounts.items() if n not in configurable) == sorted(fixed)
 
 
@@ -618,6 +648,175 @@ def test_tls_on_renders_https_probes():
     pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
     assert pod["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
     assert any(v.get("secret", {}).get("secretName") == "motor-coordinator-tls" for v in pod["volumes"])
+
+
+# --------------------------------------------------------------------------- several Coordinator pods
+
+
+def _matches(selector: dict, pod_labels: dict) -> bool:
+    return bool(selector) and selector.items() <= pod_labels.items()
+
+
+def test_three_replicas_with_redis_enabled_render_redis_pdbs_and_anti_affinity():
+    cfg = with_changes(motor_deploy_config={"coordinator_replicas": 3, "redis_enabled": True})
+    b = bundle(cfg)
+    dep = find(b, "Deployment", R.COORDINATOR_NAME)
+    assert dep["spec"]["replicas"] == 3
+    coordinator_pods = _pod_labels(dep)
+    spread = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    [term] = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+
+    sts = find(b, "StatefulSet", R.REDIS_NAME)
+    redis_pods = _pod_labels(sts)
+    assert sts["spec"]["replicas"] == 1 and not _matches(redis_pods, coordinator_pods)
+    [c] = sts["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "redis:7.2.5-alpine"
+    assert c["command"] == ["redis-server"] and c["args"][c["args"].index("--appendonly") + 1] == "yes"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert "redis-cli ping" in " ".join(c[probe]["exec"]["command"])
+    [claim] = sts["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi" and "storageClassName" not in claim["spec"]
+    assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]} == {claim["metadata"]["name"]: "/data"}
+
+    pdbs = {d["metadata"]["name"]: d["spec"] for d in all_docs(b) if d["kind"] == "PodDisruptionBudget"}
+    assert set(pdbs) == {R.COORDINATOR_NAME, R.REDIS_NAME}
+    assert _matches(pdbs[R.COORDINATOR_NAME]["selector"]["matchLabels"], coordinator_pods)
+    assert _matches(pdbs[R.REDIS_NAME]["selector"]["matchLabels"], redis_pods)
+    assert pdbs[R.COORDINATOR_NAME]["maxUnavailable"] == 1
+
+    # The Coordinator pods' redis_url names the Service in front of that StatefulSet.
+    svc = find(b, "Service", R.REDIS_NAME)
+    assert _matches(svc["spec"]["selector"], redis_pods)
+    [port] = svc["spec"]["ports"]
+    cluster = b["config"]["motor_coordinator_config"]["cluster_config"]
+    assert cluster == {
+        "redis_url": f"redis://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local:"
+        f"{port['port']}/0",
+        "key_prefix": "motor:mindie-motor:",
+    }
+    assert json.loads(find(b, "Secret", R.CONFIG_SECRET_NAME)["stringData"]["user_config.json"]) == b["config"]
+
+
+def test_several_replicas_without_redis_are_refused_naming_the_keys(tmp_path):
+    cfg = with_changes(motor_deploy_config={"coordinator_replicas": 2})
+    assert errors_of(cfg) == [
+        "motor_deploy_config.coordinator_replicas: 2 Coordinator pods share their state only through Redis: "
+        "set motor_coordinator_config.cluster_config.redis_url or motor_deploy_config.redis_enabled"
+    ]
+    cfg["motor_coordinator_config"]["cluster_config"] = {"redis_url": ""}  # empty: no Redis
+    assert len(errors_of(cfg)) == 1
+    proc = _cli_render(tmp_path, json.dumps(cfg))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "  motor_deploy_config.coordinator_replicas: 2 Coordinator pods share" in proc.stderr.splitlines()[1]
+    assert not (tmp_path / "o").exists()
+
+
+def test_one_replica_renders_no_redis_no_pdb_and_no_cluster_config_by_default():
+    b = bundle(base())
+    assert not [d for d in all_docs(b) if d["kind"] == "PodDisruptionBudget" or "redis" in d["metadata"]["name"]]
+    dep = find(b, "Deployment", R.COORDINATOR_NAME)
+    assert dep["spec"]["replicas"] == 1 and "affinity" not in dep["spec"]["template"]["spec"]
+    assert "cluster_config" not in b["config"]["motor_coordinator_config"]
+    # One pod may still keep its state in the rendered Redis, across restarts.
+    b = bundle(with_changes(motor_deploy_config={"redis_enabled": True}))
+    find(b, "StatefulSet", R.REDIS_NAME)
+    assert b["config"]["motor_coordinator_config"]["cluster_config"]["redis_url"].startswith("redis://")
+    assert not [d for d in all_docs(b) if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] != R.REDIS_NAME]
+
+
+def test_an_operator_s_redis_url_is_kept_and_given_the_job_s_key_prefix():
+    url = "rediss://:s3cret@redis.infra.svc.cluster.local:6380/2"
+    cfg = with_changes(motor_deploy_config={"coordinator_replicas": 2})
+    cfg["motor_coordinator_config"]["cluster_config"] = {"redis_url": url, "sync_interval_ms": 50}
+    b = bundle(cfg)
+    assert b["config"]["motor_coordinator_config"]["cluster_config"] == {
+        "redis_url": url,
+        "sync_interval_ms": 50,
+        "key_prefix": "motor:mindie-motor:",
+    }
+    assert not [d for d in all_docs(b) if R.REDIS_NAME in d["metadata"]["name"]]
+    find(b, "PodDisruptionBudget", R.COORDINATOR_NAME)
+    cfg["motor_coordinator_config"]["cluster_config"]["key_prefix"] = "team-a:"
+    assert bundle(cfg)["config"]["motor_coordinator_config"]["cluster_config"]["key_prefix"] == "team-a:"
+    # Both a URL and the rendered Redis: refused, and the URL, which may hold a password, is not repeated.
+    cfg["motor_deploy_config"]["redis_enabled"] = True
+    errs = errors_of(cfg)
+    assert [e.partition(":")[0] for e in errs] == ["motor_deploy_config.redis_enabled"]
+    assert "s3cret" not in errs[0] and "cluster_config.redis_url" in errs[0]
+
+
+def test_redis_password_secret_reaches_redis_and_the_coordinator_pods():
+    b = bundle(EDGE_CONFIGS["cluster_rendered_redis"])
+    [c] = find(b, "StatefulSet", R.REDIS_NAME)["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
+    assert env == {n: {"name": "motor-redis-auth", "key": "password"} for n in ("REDIS_PASSWORD", "REDISCLI_AUTH")}
+    assert c["args"][c["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    claim = find(b, "StatefulSet", R.REDIS_NAME)["spec"]["volumeClaimTemplates"][0]
+    assert claim["spec"]["storageClassName"] == "fast-ssd"
+    pod = find(b, "Deployment", R.COORDINATOR_NAME)["spec"]["template"]["spec"]
+    [vol] = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "motor-redis-auth"]
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == vol["name"]]
+    [item] = vol["secret"]["items"]
+    cluster = b["config"]["motor_coordinator_config"]["cluster_config"]
+    assert cluster["redis_password_file"] == f"{mount['mountPath']}/{item['path']}" and mount["readOnly"] is True
+    assert "s3cret" not in json.dumps(cluster) and "@" not in cluster["redis_url"]
+    # Redis runs where the Coordinator pods may.
+    assert find(b, "StatefulSet", R.REDIS_NAME)["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+    cfg = copy.deepcopy(EDGE_CONFIGS["cluster_rendered_redis"])
+    cfg["motor_coordinator_config"]["cluster_config"] = {"redis_password_file": "/elsewhere/pw"}
+    assert [e.partition(":")[0] for e in errors_of(cfg)] == [
+        "motor_coordinator_config.cluster_config.redis_password_file"
+    ]
+
+
+def test_redis_on_an_emptydir_has_no_claim():
+    sts = find(bundle(EDGE_CONFIGS["cluster_redis_emptydir"]), "StatefulSet", R.REDIS_NAME)
+    assert "volumeClaimTemplates" not in sts["spec"]
+    assert sts["spec"]["template"]["spec"]["volumes"] == [{"name": "data", "emptyDir": {}}]
+    [c] = sts["spec"]["template"]["spec"]["containers"]
+    assert "--requirepass" not in c["args"] and "env" not in c
+
+
+def test_the_rendered_redis_command_and_probes_work_on_a_real_redis_server(tmp_path):
+    """The StatefulSet's own command line and probe, run against Debian's redis-server on loopback: the port
+    and directory are the test's, and a redis-cli on PATH adds -p (the probe names no port: 6379 in the pod)."""
+    [c] = find(bundle(EDGE_CONFIGS["cluster_rendered_redis"]), "StatefulSet", R.REDIS_NAME)["spec"]["template"]["spec"][
+        "containers"
+    ]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [a.replace("$(REDIS_PASSWORD)", "pw-0123") for a in c["args"]]
+    args[args.index("--port") + 1] = str(port)
+    args[args.index("--dir") + 1] = str(tmp_path)
+    wrapper = tmp_path / "bin" / "redis-cli"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec /usr/bin/redis-cli -h 127.0.0.1 -p {port} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {"PATH": f"{wrapper.parent}:/usr/bin:/bin", "REDISCLI_AUTH": "pw-0123"}
+    server = subprocess.Popen([c["command"][0], *args, "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
+    try:
+        probe = c["readinessProbe"]["exec"]["command"]
+        for _ in range(200):  # until it listens; a server that never does fails the assertion below
+            if subprocess.run(probe, env=env).returncode == 0 or server.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert subprocess.run(probe, env=env).returncode == 0
+        for other in ("livenessProbe", "startupProbe"):
+            assert subprocess.run(c[other]["exec"]["command"], env=env).returncode == 0
+        # Without the password the probe fails: the server requires it.
+        assert subprocess.run(probe, env=dict(env, REDISCLI_AUTH="wrong"), stderr=subprocess.DEVNULL).returncode
+        cli = [str(wrapper), "--no-auth-warning"]
+        got = subprocess.run([*cli, "config", "get", "appendonly"], env=env, capture_output=True, text=True)
+        assert got.stdout.split() == ["appendonly", "yes"]
+        got = subprocess.run([*cli, "config", "get", "save"], env=env, capture_output=True, text=True)
+        assert got.stdout.splitlines() == ["save", ""]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert (tmp_path / "appendonlydir").is_dir()
 
 
 # --------------------------------------------------------------------------- engines
@@ -687,7 +886,7 @@ def test_rendered_user_config_lists_every_engine_pod_by_dns_name(edge):
     assert (model["p_max_seqlen"], model["d_max_seqlen"]) == (s.prefill.max_model_len, s.decode.max_model_len)
     # Everything else of the Coordinator's section passes through untouched.
     for key, val in cfg["motor_coordinator_config"].items():
-        if key not in ("api_config", "models", "instances"):
+        if key not in ("api_config", "models", "instances", "cluster_config"):
             assert coord[key] == val
 
 
@@ -816,6 +1015,31 @@ def test_characters_above_the_bmp_render_as_yaml_escapes():
         (
             {"motor_deploy_config": {"coordinator_replicas": 0}},
             "motor_deploy_config.coordinator_replicas: must be 1..16",
+        ),
+        ({"motor_deploy_config": {"redis_image": ""}}, "motor_deploy_config.redis_image: must be a non-empty image"),
+        (
+            {"motor_deploy_config": {"redis_storage_size": "lots"}},
+            "motor_deploy_config.redis_storage_size: empty or a Kubernetes quantity",
+        ),
+        (
+            {"motor_deploy_config": {"redis_storage_class": "Fast_SSD"}},
+            "motor_deploy_config.redis_storage_class: not a StorageClass name",
+        ),
+        (
+            {"motor_deploy_config": {"redis_password_secret": "motor-coordinator-config"}},
+            "motor_deploy_config.redis_password_secret: 'motor-coordinator-config' is the Secret",
+        ),
+        (
+            {"motor_deploy_config": {"redis_resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}}},
+            "motor_deploy_config.redis_resources.requests.memory: 2Gi exceeds limits.memory 1Gi",
+        ),
+        (
+            {"motor_deploy_config": {"redis_password_secret": "pw", "tls_mount_path": "/etc/motor-redis"}},
+            "motor_deploy_config.tls_mount_path: '/etc/motor-redis' overlaps /etc/motor-redis",
+        ),
+        (
+            {"motor_coordinator_config": {"cluster_config": "redis://x:6379"}},
+            "motor_coordinator_config.cluster_config: must be an object",
         ),
         ({"motor_deploy_config": {"p_instances_num": "2"}}, "motor_deploy_config.p_instances_num: must be an integer"),
         ({"motor_deploy_config": {"p_instances_num": True}}, "motor_deploy_config.p_instances_num: must be an integer"),
