@@ -156,7 +156,7 @@ def create_app(settings: Settings) -> Sanic:
             replica = os.environ.setdefault("MOTOR_REPLICA_ID", replica_id())
             ctx.cluster = ctx.door.cluster = Cluster(settings, shared, worker, replica, ctx.registry)
             homes = ClusterResponseHomes(homes, ctx.cluster)
-            shared_events(ctx.cluster, usages, homes)
+            shared_events(ctx.cluster, usages, homes, ctx.scheduler.index)
             ctx.cluster.start()
         ctx.dispatcher = Dispatcher(settings, ctx.scheduler, ctx.health, ctx.client, ctx.observer, usages, homes)
         ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)

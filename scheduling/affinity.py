@@ -18,6 +18,8 @@ recomputes the prefix, after which that engine holds it again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from scheduling.tokens import blocks_covered, hashes_covering
 from state.shared import PREFIX_ENTRIES, PREFIX_FIELDS, SharedState
 
@@ -28,6 +30,8 @@ _MASK = PREFIX_ENTRIES - 1
 class PrefixIndex:
     def __init__(self, shared: SharedState):
         self.a = shared.prefix
+        # Cluster mode: what this worker records, to the other replicas too (serving/cluster.py batches it).
+        self.share: Callable[[list[int], int], None] | None = None
 
     def _find(self, key: int) -> int:
         """The entry index holding `key`, or -1."""
@@ -44,6 +48,12 @@ class PrefixIndex:
 
     def record(self, hashes: list[int], slot: int) -> None:
         """`slot` has just prefilled a prompt with these block hashes."""
+        self.write(hashes, slot)
+        if self.share is not None:
+            self.share(hashes, slot)
+
+    def write(self, hashes: list[int], slot: int) -> None:
+        """The hashes into the table (what `record` does here, and what another replica recorded)."""
         a, bit = self.a, 1 << (slot % 64)
         for key in hashes:
             key = key or 1  # 0 marks an empty entry

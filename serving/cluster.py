@@ -105,6 +105,7 @@ class Cluster:
         self.admitted = self.ended = self.calls = 0
         self.recount = False
         self._told_at = 0.0
+        self.prefixes: list[tuple[str, list[int]]] = []  # (engine address, block hashes) prefilled, to publish
         self._publishing: set[asyncio.Task] = set()
 
     @property
@@ -217,6 +218,11 @@ class Cluster:
             await asyncio.sleep(self.interval_s)
             try:
                 await self._publish_count()
+                if self.prefixes:
+                    entries, self.prefixes = self.prefixes, []
+                    await self.store.publish_event(
+                        ujson.dumps({"kind": "prefix", "from": self.replica, "entries": entries}).encode()
+                    )
                 if self.owner:
                     await self._sync()
                 self._up()
@@ -401,14 +407,38 @@ class ClusterResponseHomes:
         self.cluster.publish("forget", {"id": response_id})
 
 
-def shared_events(cluster: Cluster, usages, homes) -> None:
-    """Wire trigger mode's prefill usage (serving/usage.py) and the stored responses' homes to the other replicas:
-    what this replica writes is published, what another publishes is written here."""
+def shared_events(cluster: Cluster, usages, homes, index) -> None:
+    """Wire trigger mode's prefill usage (serving/usage.py), the stored responses' homes and the prefix index
+    (`index`, None without kv_cache_affinity) to the other replicas: what this replica writes is published (the
+    prefixes in one batch a tick), what another publishes is written here."""
     usages.share = lambda ticket, prompt, cached: cluster.publish(
         "usage", {"id": ticket, "prompt": prompt, "cached": cached}
     )
+    if index is not None:
+        registry = cluster.registry
+
+        def share_prefix(hashes: list[int], slot: int) -> None:
+            if not hashes:
+                return
+            for t in registry.view().targets:
+                if t.slot == slot:
+                    cluster.prefixes.append((t.address, hashes))
+                    return
+
+        index.share = share_prefix
 
     def on_event(kind: str, event: dict) -> None:
+        if kind == "prefix" and index is not None:
+            slots = {address_key(t.address): t.slot for t in cluster.registry.view().targets}
+            for entry in event.get("entries") or ():
+                try:
+                    address, hashes = entry
+                    slot = slots.get(address_key(address))
+                    if slot is not None:
+                        index.write([int(h) for h in hashes], slot)
+                except (TypeError, ValueError):
+                    continue
+            return
         rid = event.get("id")
         if not isinstance(rid, str):
             return

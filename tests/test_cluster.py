@@ -289,3 +289,25 @@ def test_pymotor_standby_starts_active_active_with_one_line_saying_so(redis, sim
         assert listed(coord)["cluster"]["store"] == "connected"
         assert chat(coord).status_code == 200
         assert redis.url not in coord.output() and "redis://" not in json.dumps(listed(coord))
+
+
+def test_replicas_agree_where_a_prefix_is_cached(cluster, sims):
+    engines = [sims("union") for _ in range(2)]
+    replicas = cluster(
+        [instance(i + 1, "union", MODEL, e.address) for i, e in enumerate(engines)],
+        scheduler_config={"scheduler_type": "kv_cache_affinity"},
+    )
+
+    def served() -> list[int]:
+        return [e.stats()["completed"] for e in engines]
+
+    for n in range(4):
+        prompt = f"{n} {uuid.uuid4().hex} " + "a long shared system prompt " * 200
+        before = served()
+        assert chat(replicas[0], content=prompt).status_code == 200
+        first = [a - b for a, b in zip(served(), before)]
+        time.sleep(0.3)  # a few sync periods: the other replicas have heard where it was prefilled
+        for r in replicas[1:]:
+            assert chat(r, content=prompt).status_code == 200
+        # Both follow-ups went where the first was served (alone, each replica would pick by load: a coin toss).
+        assert [a - b for a, b in zip(served(), before)] == [3 * f for f in first]
