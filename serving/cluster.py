@@ -179,6 +179,9 @@ class Cluster:
             if doc is not None and version != self.shared.globals[G_CLUSTER_VERSION]:
                 self._adopt(version, doc)
             result = self.registry.apply(event, items)
+            # Until stored, this replica's set is not the cluster's: the next sync adopts the stored one, whatever
+            # its version, unless the store below takes this one.
+            self.shared.globals[G_CLUSTER_VERSION] = -1
             try:
                 stored = await self.store.store_instances(version, ujson.dumps(self.registry.export()).encode())
             except StoreDown as e:

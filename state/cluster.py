@@ -19,12 +19,13 @@ A call that fails or outlasts `redis_timeout_ms` raises `StoreDown`; the caller 
 from __future__ import annotations
 
 import os
-import time
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+
+from state.resp import Resp, RespError, encode
 
 # KEYS: the inflight set, this worker's key, the rate bucket. ARGV: this worker's requests ended since its last
 # call (taken off its count first), the cap (0: none), the key's expiry (ms), the rate (requests/s, 0: none), the
@@ -110,12 +111,13 @@ class StoreDown(Exception):
     """The store did not answer (unreachable, failing or slower than `redis_timeout_ms`)."""
 
 
-def redis_client(url: str, password: str | None, timeout_s: float) -> aioredis.Redis:
-    """One connection to `url`; no retries of our own making (a caller falls back at once instead)."""
+def redis_client(url: str, password: str | None, timeout_s: float, read_timeout_s: float | None) -> aioredis.Redis:
+    """One connection to `url`; no retries of our own making (a caller falls back at once instead). A subscriber's
+    reads wait for the next message as long as it takes (`read_timeout_s` None)."""
     return aioredis.Redis.from_url(
         url,
         password=password or None,
-        socket_timeout=timeout_s,
+        socket_timeout=read_timeout_s,
         socket_connect_timeout=timeout_s,
         single_connection_client=True,
         retry=Retry(NoBackoff(), 0),
@@ -128,7 +130,9 @@ class ClusterStore:
 
     def __init__(self, url: str, password: str | None, prefix: str, timeout_s: float, replica: str, worker: int):
         self.prefix, self.replica, self.worker = prefix, replica, worker
-        self.r = redis_client(url, password, timeout_s)
+        self.r = redis_client(url, password, timeout_s, timeout_s)
+        self.subscriber = redis_client(url, password, timeout_s, None)
+        self.resp = Resp(url, password, timeout_s)
         self.round_trips = self.errors = 0
         self.k_inflight, self.k_rate = prefix + "inflight", prefix + "rate"
         self.k_mine = f"{prefix}inflight:{replica}:{worker}:{os.getpid()}"  # a restarted worker's is another
@@ -147,28 +151,42 @@ class ClusterStore:
             self.errors += 1
             raise StoreDown(f"{type(e).__name__}: {e}") from None
 
+    async def _counted(self, *commands: bytes) -> list:
+        """This worker's count's commands, on its own connection (state/resp.py), in the order they are sent."""
+        self.round_trips += 1
+        try:
+            replies = await self.resp.call(*commands)
+        except RespError as e:
+            self.errors += 1
+            raise StoreDown(str(e)) from None
+        for reply in replies:
+            if isinstance(reply, RespError) and not str(reply).startswith("NOSCRIPT"):
+                self.errors += 1
+                raise StoreDown(str(reply))
+        return replies
+
     async def admit(self, ended: int, cap: int, ttl_ms: int, rate: float, burst_milli: int) -> tuple[int, float]:
         """(0, 0): admitted (this worker's count is one more, less `ended`); (1, 0): over the cap; (2, s): no
         rate token for s seconds."""
-        verdict, wait_us = await self._call(
-            self._admit(keys=(self.k_inflight, self.k_mine, self.k_rate), args=(ended, cap, ttl_ms, rate, burst_milli))
-        )
+        args = (self.k_inflight, self.k_mine, self.k_rate, ended, cap, ttl_ms, rate, burst_milli)
+        (reply,) = await self._counted(encode("EVALSHA", self._admit.sha, 3, *args))
+        if isinstance(reply, RespError):  # NOSCRIPT: a Redis that restarted has forgotten it
+            (reply,) = await self._counted(encode("EVAL", ADMIT, 3, *args))
+        verdict, wait_us = reply
         return int(verdict), int(wait_us) / 1e6
 
     async def ended(self, ended: int, ttl_ms: int) -> None:
         """`ended` of this worker's requests ended (and it lives: its key's expiry moves)."""
-        pipe = self.r.pipeline(transaction=False)
         if ended:
-            pipe.decrby(self.k_mine, ended)
-        pipe.pexpire(self.k_mine, ttl_ms)
-        await self._call(pipe.execute())
+            await self._counted(encode("DECRBY", self.k_mine, ended), encode("PEXPIRE", self.k_mine, ttl_ms))
+        else:
+            await self._counted(encode("PEXPIRE", self.k_mine, ttl_ms))
 
     async def set_count(self, count: int, ttl_ms: int) -> None:
         """This worker's count as it is (after the store lost it)."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.k_mine, count, px=ttl_ms)
-        pipe.sadd(self.k_inflight, self.k_mine)
-        await self._call(pipe.execute())
+        await self._counted(
+            encode("SET", self.k_mine, count, "PX", ttl_ms), encode("SADD", self.k_inflight, self.k_mine)
+        )
 
     async def sync(self, report: bytes, ttl_ms: int) -> tuple[int, dict[str, bytes]]:
         """Publish this replica's report; (the instance set's version, the other live replicas' reports)."""
@@ -198,24 +216,19 @@ class ClusterStore:
         await self._call(self.r.publish(self.k_events, event))
 
     def pubsub(self):
-        return self.r.pubsub()
+        return self.subscriber.pubsub()
 
     async def leave(self) -> None:
         """A clean stop: this worker's count goes at once (a killed one's expires)."""
         try:
-            pipe = self.r.pipeline(transaction=False)
-            pipe.delete(self.k_mine)
-            pipe.srem(self.k_inflight, self.k_mine)
-            await self._call(pipe.execute())
+            await self._counted(encode("DEL", self.k_mine), encode("SREM", self.k_inflight, self.k_mine))
         except StoreDown:
             pass
 
     async def close(self) -> None:
+        self.resp.close()
         try:
+            await self.subscriber.aclose()
             await self.r.aclose()
         except (RedisError, OSError):
             pass
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

@@ -16,6 +16,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from harness.configs import coordinator_config, instance
@@ -196,23 +197,24 @@ def test_load_through_two_replicas_steers_the_third(cluster, sims):
 
 
 def test_trigger_mode_bills_the_prompt_when_the_metaserver_call_reaches_another_replica(cluster, sims):
+    """D counts the transferred KV as cached; P's own counts are billed (test_pd.py), also when D's metaserver call
+    reaches another replica than the client's: that replica publishes them."""
     p, d = sims("prefill"), sims("decode")
     instances = [instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)]
-    replicas = cluster(instances, 2, scheduler_config={"pd_dispatch": "trigger"})
-    other = replicas[1]
+    replicas = cluster(instances, 1, scheduler_config={"pd_dispatch": "trigger"})
+    other = replicas[0]
     # Replica A tells D to call back replica B (as a Service in front of the replicas would send it anywhere).
     first = Coordinator(replicas.config(cluster_config={"metaserver_url": other.url + "/v1/metaserver"}))
     replicas.append(first)
-    content = "bill me " * 50
-    r = chat(first, max_tokens=3, content=content)
-    assert r.status_code == 200, r.text
-    direct = httpx.post(
-        f"http://{p.address}/v1/chat/completions",
-        json={"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1},
-        timeout=10,
-    ).json()
-    assert r.json()["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
-    assert wait_until(lambda: "/v1/metaserver" in other.output())
+    for i in range(3):
+        content = f"bill me {i} " * 40
+        r = chat(first, max_tokens=3, content=content)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing cached on P yet
+        again = chat(first, max_tokens=3, content=content).json()["usage"]
+        assert 0 < again["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens"], again  # P's hits
+    assert d.stats()["metaserver_calls"] == 6
+    assert wait_until(lambda: other.output().count("route=/v1/metaserver") == 6), other.output()[-2000:]
 
 
 def test_redis_down_fails_no_request_and_state_converges_when_it_returns(cluster, sims, redis):
@@ -311,3 +313,16 @@ def test_replicas_agree_where_a_prefix_is_cached(cluster, sims):
             assert chat(r, content=prompt).status_code == 200
         # Both follow-ups went where the first was served (alone, each replica would pick by load: a coin toss).
         assert [a - b for a, b in zip(served(), before)] == [3 * f for f in first]
+
+
+def test_a_stored_response_is_found_through_any_replica(cluster, sims):
+    engines = [sims("union") for _ in range(2)]
+    replicas = cluster([instance(i + 1, "union", MODEL, e.address) for i, e in enumerate(engines)], 2)
+    a, b = (openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0) for r in replicas)
+    first = a.responses.create(model=MODEL, input="Remember this.", max_output_tokens=4)
+    holder = next(e for e in engines if any(q["path"] == "/v1/responses" for q in e.requests()))
+    time.sleep(0.3)  # the home travels to the other replica on the events channel
+    assert b.responses.retrieve(first.id).id == first.id
+    follow = b.responses.create(model=MODEL, input="And now?", previous_response_id=first.id, max_output_tokens=4)
+    assert follow.id != first.id and follow.status in ("completed", "incomplete")
+    assert sum(q["path"] == "/v1/responses" for q in holder.requests()) == 2  # the follow-up went where it lives
