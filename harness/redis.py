@@ -17,11 +17,12 @@ from harness.processes import Proc
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, password: str | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RuntimeError("redis-server not found: install Debian's redis-server package (.ci/run does)")
         self.port = port or free_port()
+        self.password = password
         self.dir = tempfile.mkdtemp(prefix="motor-redis-")
         self.proc: Proc | None = None
         self.start()
@@ -29,6 +30,10 @@ class RedisServer:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def auth(self) -> tuple[bytes, ...]:
+        return (b"AUTH", self.password.encode()) if self.password else ()
 
     def start(self) -> None:
         args = [
@@ -43,6 +48,7 @@ class RedisServer:
             "no",
             "--dir",
             self.dir,
+            *(("--requirepass", self.password) if self.password else ()),
         ]
         self.proc = Proc(args, os.path.join(self.dir, "redis.log"))
         deadline = time.monotonic() + 10
@@ -55,16 +61,19 @@ class RedisServer:
         raise RuntimeError(f"redis-server not answering on {self.port}:\n{self.proc.output()}")
 
     def ping(self) -> bool:
-        return self.command(b"PING") == b"+PONG"
+        return self.command(b"PING") in (b"+PONG", b"-NOAUTH Authentication required.")
 
     def command(self, *parts: bytes) -> bytes:
-        """One command in RESP; the first line of the answer (b"" if no answer)."""
-        msg = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%b\r\n" % (len(p), p) for p in parts)
+        """One command in RESP (after AUTH when the server has a password); the first line of its answer (b""
+        if none)."""
+        msgs = [self.auth, parts] if self.auth and parts[0] != b"PING" else [parts]
+        data = b"".join(b"*%d\r\n" % len(m) + b"".join(b"$%d\r\n%b\r\n" % (len(p), p) for p in m) for m in msgs)
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(msg)
-                return s.recv(65536).split(b"\r\n", 1)[0]
-        except OSError:
+                s.sendall(data)
+                time.sleep(0.01)
+                return s.recv(65536).split(b"\r\n")[len(msgs) - 1]
+        except (OSError, IndexError):
             return b""
 
     def kill(self) -> None:

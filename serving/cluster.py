@@ -7,9 +7,9 @@ Nothing here is on a request's path except the one round trip a request makes wh
 - every worker writes its requests in flight (an absolute count) when it changed, and at least every third
   of `replica_ttl_s` so that the key lives;
 - the sync owner (worker 0) publishes this replica's report (load per endpoint address; the endpoints its
-  breakers or health checks found broken) and reads the others' in the same round trip: their load becomes the
-  ledger's remote row, their broken endpoints are avoided here until they say otherwise, and a newer stored
-  instance set is adopted;
+  breakers or health checks found broken; what slo_aware learned) and reads the others' in the same round trip:
+  their load becomes the ledger's remote row, their broken endpoints are avoided here until they say otherwise,
+  a model learned from more samples than this replica's replaces it, and a newer stored instance set is adopted;
 - the sync owner also listens on the events channel: trigger-mode prefill usage and stored responses' homes
   that another replica saw, written here as if a local worker had.
 
@@ -41,8 +41,19 @@ from state.shared import (
     ENDPOINT_FIELDS,
     EP_AVOID_UNTIL,
     EP_BREAKER,
+    EP_DC_N,
+    EP_DC_SXY,
+    EP_DECODE_PER_SEQ_S,
+    EP_DECODE_STEP_S,
     EP_HEALTHY,
+    EP_LATE_SHARE,
     EP_OPEN_UNTIL,
+    EP_PF_N,
+    EP_PF_SXY,
+    EP_PREFILL_BASE_S,
+    EP_PREFILL_TPS,
+    EP_QUEUE_DELAY_S,
+    EP_TPOT_LATE_SHARE,
     G_CLUSTER_VERSION,
     G_REPLICAS,
     G_STORE_UP,
@@ -57,6 +68,19 @@ from state.shared import (
 
 log = logging.getLogger("coordinator.cluster")
 REFRESH_TRIES = 5  # a refresh that keeps losing the race to other replicas' refreshes is refused (409)
+# What slo_aware learned about an endpoint (scheduling/predict.py): a replica that has learned less of an endpoint
+# (fewer prefill plus decode samples) than another takes the other's whole model of it.
+LEARNED = (
+    EP_PREFILL_TPS,
+    EP_DECODE_STEP_S,
+    EP_DECODE_PER_SEQ_S,
+    EP_QUEUE_DELAY_S,
+    EP_PREFILL_BASE_S,
+    *range(EP_PF_N, EP_PF_SXY + 1),
+    *range(EP_DC_N, EP_DC_SXY + 1),
+    EP_LATE_SHARE,
+    EP_TPOT_LATE_SHARE,
+)
 
 
 def replica_id() -> str:
@@ -219,6 +243,7 @@ class Cluster:
             await self._first_sync()
         while True:
             await asyncio.sleep(self.interval_s)
+            self.store.check()
             try:
                 await self._publish_count()
                 if self.prefixes:
@@ -290,7 +315,7 @@ class Cluster:
         """This replica's load per endpoint address (its workers' rows), and the endpoints it finds broken."""
         arr, h, now = self.shared.ledger, self.shared.endpoints, time.time()
         rows = range(0, self.s.num_workers * LEDGER_ROW, LEDGER_ROW)
-        load, avoid = {}, {}
+        load, avoid, learned = {}, {}, {}
         for t in self.registry.view().targets:
             off = t.slot * LEDGER_FIELDS
             counts = [sum(arr[row + off + f] for row in rows) for f in range(LEDGER_FIELDS)]
@@ -301,15 +326,24 @@ class Cluster:
                 avoid[address_key(t.address)] = now + self.ttl_ms / 1000
             elif h[base + EP_BREAKER] == BREAKER_OPEN and h[base + EP_OPEN_UNTIL] > now:
                 avoid[address_key(t.address)] = h[base + EP_OPEN_UNTIL]
-        return ujson.dumps({"load": load, "avoid": avoid}).encode()
+            if h[base + EP_PF_N] or h[base + EP_DC_N]:
+                learned[address_key(t.address)] = [h[base + f] for f in LEARNED]
+        return ujson.dumps({"load": load, "avoid": avoid, "learned": learned}).encode()
 
     def _apply_reports(self, reports: dict[str, bytes]) -> None:
         """The other replicas' load into the remote row, and their broken endpoints into EP_AVOID_UNTIL."""
         load: dict[str, list[int]] = {}
         avoid: dict[str, float] = {}
+        learned: dict[str, list[float]] = {}  # the most samples another replica has of each endpoint
+        n_pf, n_dc = LEARNED.index(EP_PF_N), LEARNED.index(EP_DC_N)
         for raw in reports.values():
             try:
                 report = ujson.loads(raw)
+                for addr, model in report.get("learned", {}).items():
+                    if len(model) == len(LEARNED) and (
+                        addr not in learned or model[n_pf] + model[n_dc] > learned[addr][n_pf] + learned[addr][n_dc]
+                    ):
+                        learned[addr] = [float(v) for v in model]
                 for addr, counts in report.get("load", {}).items():
                     total = load.setdefault(addr, [0] * LEDGER_FIELDS)
                     for f, v in enumerate(counts[:LEDGER_FIELDS]):
@@ -325,7 +359,13 @@ class Cluster:
             counts = load.get(addr)
             for f in range(LEDGER_FIELDS):
                 arr[at + f] = counts[f] if counts else 0
-            h[t.slot * ENDPOINT_FIELDS + EP_AVOID_UNTIL] = avoid.get(addr, 0.0)
+            base = t.slot * ENDPOINT_FIELDS
+            h[base + EP_AVOID_UNTIL] = avoid.get(addr, 0.0)
+            model = learned.get(addr)
+            if model is not None and model[n_pf] + model[n_dc] > h[base + EP_PF_N] + h[base + EP_DC_N] + 1:
+                with self.shared.lock:  # the predictor's multi-field updates take it too
+                    for f, v in zip(LEARNED, model):
+                        h[base + f] = v
 
     # -- events between replicas ------------------------------------------------------------------------
 

@@ -169,7 +169,15 @@ class ClusterStore:
         """(0, 0): admitted (this worker's count is one more, less `ended`); (1, 0): over the cap; (2, s): no
         rate token for s seconds."""
         args = (self.k_inflight, self.k_mine, self.k_rate, ended, cap, ttl_ms, rate, burst_milli)
-        (reply,) = await self._counted(encode("EVALSHA", self._admit.sha, 3, *args))
+        self.round_trips += 1
+        try:
+            if not self.resp.connected:  # (the first call, or the connection dropped since the last)
+                await self.resp.connect()
+            (fut,) = self.resp.send(encode("EVALSHA", self._admit.sha, 3, *args))  # no coroutine, no timer: `check`
+            reply = await fut
+        except RespError as e:
+            self.errors += 1
+            raise StoreDown(str(e)) from None
         if isinstance(reply, RespError):  # NOSCRIPT: a Redis that restarted has forgotten it
             (reply,) = await self._counted(encode("EVAL", ADMIT, 3, *args))
         verdict, wait_us = reply
@@ -224,6 +232,10 @@ class ClusterStore:
             await self._counted(encode("DEL", self.k_mine), encode("SREM", self.k_inflight, self.k_mine))
         except StoreDown:
             pass
+
+    def check(self) -> None:
+        """Give up on replies overdue by the timeout (the owner's timer calls it)."""
+        self.resp.check()
 
     async def close(self) -> None:
         self.resp.close()

@@ -68,9 +68,11 @@ class _Protocol(asyncio.Protocol):
         self.waiters: deque[asyncio.Future] = deque()
         self.buf = b""
         self.lost = False
+        self.oldest = 0.0  # when the oldest reply still due was asked for (loop time), while one is
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
@@ -84,6 +86,7 @@ class _Protocol(asyncio.Protocol):
                 fut = self.waiters.popleft()
                 if not fut.done():
                     fut.set_result(reply)
+                self.oldest = self.loop.time() if self.waiters else 0.0  # progress: the next is due from now
         except (RespError, ValueError) as e:
             self._fail(RespError(str(e)))
             self.transport.close()
@@ -103,7 +106,12 @@ class _Protocol(asyncio.Protocol):
 
 class Resp:
     """One pipelined connection to the Redis of `url` (redis:// or rediss://, password and db from the URL unless
-    `password` is given), made on first use and again after a failure."""
+    `password` is given), made on first use and again after a failure.
+
+    `send` is what a request uses: it writes and returns the replies' futures, with no coroutine and no timer of
+    its own; a reply overdue by `timeout_s` is found by `check` (the owner's timer), which closes the connection
+    and so fails every reply still due. `call` is the awaitable form, for everything else.
+    """
 
     def __init__(self, url: str, password: str | None, timeout_s: float):
         u = urlsplit(url)
@@ -114,53 +122,77 @@ class Resp:
         self.tls = ssl.create_default_context() if u.scheme == "rediss" else None
         self.timeout_s = timeout_s
         self.proto: _Protocol | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Task | None = None
 
+    @property
+    def connected(self) -> bool:
+        return self.proto is not None and not self.proto.lost
+
     async def _connect(self) -> _Protocol:
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.timeout_s):
             _, proto = await loop.create_connection(
                 _Protocol, self.host, self.port, ssl=self.tls, server_hostname=self.host if self.tls else None
             )
-        hello = []
-        if self.password:
-            hello.append(encode("AUTH", *((self.user,) if self.user else ()), self.password))
-        if self.db:
-            hello.append(encode("SELECT", self.db))
-        if hello:
-            for reply in await self._send(proto, hello):
+            hello = []
+            if self.password:
+                hello.append(encode("AUTH", *((self.user,) if self.user else ()), self.password))
+            if self.db:
+                hello.append(encode("SELECT", self.db))
+            for reply in [await f for f in self._write(proto, hello)]:
                 if isinstance(reply, RespError):
                     proto.transport.close()
                     raise reply
         return proto
 
-    async def _send(self, proto: _Protocol, commands: list[bytes]) -> list:
-        loop = asyncio.get_running_loop()
+    def _write(self, proto: _Protocol, commands: list[bytes]) -> list[asyncio.Future]:
+        loop = self.loop
         futs = [loop.create_future() for _ in commands]
+        if not proto.waiters:
+            proto.oldest = loop.time()
         proto.waiters.extend(futs)
         proto.transport.write(b"".join(commands))
+        return futs
+
+    def send(self, *commands: bytes) -> list[asyncio.Future]:
+        """The futures of the replies to `commands` (each `encode`d), sent at once; RespError when not connected."""
+        proto = self.proto
+        if proto is None or proto.lost:
+            raise RespError("not connected")
+        return self._write(proto, list(commands))
+
+    async def connect(self) -> None:
+        """Connect now if not connected (one attempt at a time)."""
+        if self.connected:
+            return
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+        connecting = self._connecting
+        try:
+            self.proto = await asyncio.shield(connecting)
+        except (OSError, TimeoutError) as e:
+            raise RespError(f"cannot connect to the store at {self.host}:{self.port} ({e or 'timed out'})") from None
+        finally:
+            if self._connecting is connecting and connecting.done():
+                self._connecting = None
+
+    async def call(self, *commands: bytes) -> list:
+        """The replies to `commands`, sent together; an error reply is returned, not raised."""
+        await self.connect()
+        futs = self.send(*commands)
         try:
             async with asyncio.timeout(self.timeout_s):
                 return [await f for f in futs]
         except TimeoutError:
-            proto.transport.close()  # replies still due would answer the next commands
+            self.close()  # replies still due would answer the next commands
             raise RespError(f"no reply within {self.timeout_s:g} s") from None
 
-    async def call(self, *commands: bytes) -> list:
-        """The replies to `commands` (each `encode`d), sent together; an error reply is returned, not raised."""
+    def check(self) -> None:
+        """Close the connection when its oldest reply still due is overdue (each failing with RespError)."""
         proto = self.proto
-        if proto is None or proto.lost:
-            if self._connecting is None:
-                self._connecting = asyncio.ensure_future(self._connect())
-            connecting = self._connecting
-            try:
-                proto = self.proto = await asyncio.shield(connecting)
-            except (OSError, TimeoutError) as e:
-                raise RespError(f"cannot connect to the store at {self.host}:{self.port} ({e})") from None
-            finally:
-                if self._connecting is connecting and connecting.done():
-                    self._connecting = None
-        return await self._send(proto, list(commands))
+        if proto is not None and proto.waiters and self.loop.time() - proto.oldest > self.timeout_s:
+            self.close()
 
     def close(self) -> None:
         if self.proto is not None and self.proto.transport is not None:
