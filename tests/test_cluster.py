@@ -326,3 +326,24 @@ def test_a_stored_response_is_found_through_any_replica(cluster, sims):
     follow = b.responses.create(model=MODEL, input="And now?", previous_response_id=first.id, max_output_tokens=4)
     assert follow.id != first.id and follow.status in ("completed", "incomplete")
     assert sum(q["path"] == "/v1/responses" for q in holder.requests()) == 2  # the follow-up went where it lives
+
+
+def test_an_endpoint_one_replica_found_broken_is_avoided_by_all(cluster, sims):
+    broken, good = sims("union"), sims("union")
+    replicas = cluster(
+        [instance(1, "union", MODEL, broken.address), instance(2, "union", MODEL, good.address)],
+        2,
+        scheduler_config={"scheduler_type": "round_robin", "breaker_open_time": 30},
+    )
+    a, b = replicas
+    broken.set_faults(fail_status=500)
+    for _ in range(8):  # A's retries go to the good engine; A's breaker opens after 3 failures in a row
+        assert chat(a).status_code == 200
+    assert [i["endpoints"][0]["breaker"] for i in listed(a)["instances"] if i["id"] == 1] == ["open"]
+    # B's own breaker stays closed, and B schedules nothing there (as /instances and readiness count it)
+    assert wait_until(lambda: [i["schedulable"] for i in listed(b)["instances"]] == [False, True], timeout_s=1.0)
+    assert [i["endpoints"][0]["breaker"] for i in listed(b)["instances"] if i["id"] == 1] == ["closed"]
+    tried = broken.stats()["received"]
+    for _ in range(6):  # B never saw a failure: round robin alone would send every other request to engine 1
+        assert chat(b).status_code == 200
+    assert broken.stats()["received"] == tried
