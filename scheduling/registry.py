@@ -83,6 +83,7 @@ class Topology:
         self.instances: dict[int, Instance] = {}
         self.paused: set[int] = set()
         self.targets: list[Target] = []
+        self.by_slot: dict[int, Target] = {}
         self.pools: dict[tuple[str, str], list[Target]] = {}
         for e in entries:
             inst = parse_instance("instance", e)
@@ -102,6 +103,7 @@ class Topology:
                     bool(e.get("paused")),
                 )
                 self.targets.append(t)
+                self.by_slot[slot] = t
                 self.pools.setdefault((inst.model_name, inst.role), []).append(t)
         self.model_names = frozenset(model for model, _ in self.pools)
 

@@ -64,6 +64,7 @@ from state.shared import (
     W_INFLIGHT,
     WORKER_FIELDS,
     SharedState,
+    worker_sum,
 )
 
 log = logging.getLogger("coordinator.cluster")
@@ -123,6 +124,7 @@ class Cluster:
         self.ttl_ms = int(c.replica_ttl_s * 1000)
         self.connected = True  # until a round trip says otherwise
         self.owner = worker == 0
+        self.rows = range(0, max(settings.num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)  # as the door's
         self.tasks: list[asyncio.Task] = []
         # This worker's requests the store counted: in flight, ended and not yet taken off there, and the admit
         # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
@@ -174,11 +176,7 @@ class Cluster:
     def share_check(self, cap: int) -> None:
         if not cap:
             return
-        w = self.shared.workers
-        n = sum(
-            w[i] for i in range(W_INFLIGHT, max(self.s.num_workers, self.worker + 1) * WORKER_FIELDS, WORKER_FIELDS)
-        )
-        if n > self.share(cap):
+        if worker_sum(self.shared.workers, self.rows, W_INFLIGHT) > self.share(cap):
             raise RateLimited(
                 f"too many requests in flight (this replica's share {self.share(cap)} of {cap}: the cluster store is"
                 " unreachable)",
@@ -461,12 +459,9 @@ def shared_events(cluster: Cluster, usages, homes, index) -> None:
         registry = cluster.registry
 
         def share_prefix(hashes: list[int], slot: int) -> None:
-            if not hashes:
-                return
-            for t in registry.view().targets:
-                if t.slot == slot:
-                    cluster.prefixes.append((t.address, hashes))
-                    return
+            t = registry.view().by_slot.get(slot)
+            if hashes and t is not None:
+                cluster.prefixes.append((t.address, hashes))
 
         index.share = share_prefix
 
