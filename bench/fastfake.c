@@ -8,6 +8,14 @@
                                  engine emits tokens); a body with "do_remote_decode":true is a PD
                                  prefill leg: one token, finish_reason "length" and a kv_transfer_params
                                  ticket; "do_remote_prefill":true (a decode leg) reports the prompt as cached
+     POST /v1/messages           the same 16 tokens as vLLM 0.32's Anthropic route answers them: a Message
+                                 (one text block, stop_reason "max_tokens", usage with the cache counts of
+                                 --enable-prompt-tokens-details); "stream":true gives named SSE events
+                                 (message_start, content_block_start, 16 content_block_delta,
+                                 content_block_stop, message_delta with usage, message_stop; no ping, no
+                                 [DONE]), chunked and interleaved as chat's; the PD flags as chat's (the
+                                 Coordinator's Messages prefill leg is a /v1/messages request: its answer
+                                 is a one-token Message with the kv_transfer_params ticket)
      GET /health                 200
      GET /metrics                vllm:num_requests_running / waiting / kv_cache_usage_perc gauges, and
                                  fastfake_requests_total / fastfake_connections_total (accepted)
@@ -46,7 +54,7 @@ typedef struct conn {
     int fd;
     buf_t in, out;
     int stream_left; /* SSE events still to send for the current streamed answer (0: none) */
-    int stream_kind; /* bit 0: include usage, bit 1: decode leg (cached prompt) */
+    int stream_kind; /* bit 0: include usage, bit 1: decode leg (cached prompt), bit 2: /v1/messages */
     int close_after;
     int want_out;    /* EPOLLOUT registered */
     struct conn *next_streaming, *prev_streaming;
@@ -84,6 +92,12 @@ static char chat_json[4096], prefill_json[4096], decode_json[4096];
 static char role_event[1024], token_events[TOKENS][1024], usage_event[1024], usage_cached_event[1024];
 static const char done_event[] = "data: [DONE]\n\n";
 static char metrics_body[2048], models_body[1024];
+/* /v1/messages: a Message for a whole request, a prefill leg and a decode leg; the stream's events */
+#define MSG_EVENTS (2 + TOKENS + 3) /* message_start, block start, deltas, block stop, message_delta, stop */
+static char msg_json[4096], msg_prefill_json[4096], msg_decode_json[4096];
+static char msg_start_event[1024], msg_block_start_event[256], msg_delta_events[TOKENS][512];
+static char msg_block_stop_event[256], msg_usage_event[512], msg_usage_cached_event[512];
+static const char msg_stop_event[] = "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
 static const char *words[TOKENS] = {"The", " quick", " brown", " fox", " jumps", " over", " the", " lazy",
                                     " dog", " and", " runs", " far", " into", " the", " green", " hills"};
 
@@ -130,6 +144,42 @@ static void build_bodies(void) {
     snprintf(usage_event, sizeof usage_event, "%s%s\",\"choices\":[],\"usage\":%s}\n\n", head, model, usage);
     snprintf(usage_cached_event, sizeof usage_cached_event, "%s%s\",\"choices\":[],\"usage\":%s}\n\n", head,
              model, usage_cached);
+
+    /* vLLM's _build_anthropic_usage with prompt token details: input_tokens is the prompt less the cache
+       reads and writes; a decode leg counts the pulled KV as read from the cache. */
+    const char *musage_fmt = "{\"input_tokens\":%d,\"output_tokens\":%d,\"cache_creation_input_tokens\":0,"
+                             "\"cache_read_input_tokens\":%d}";
+    char musage[256], musage1[256], musage_cached[256];
+    snprintf(musage, sizeof musage, musage_fmt, PROMPT_TOKENS, TOKENS, 0);
+    snprintf(musage1, sizeof musage1, musage_fmt, PROMPT_TOKENS, 1, 0);
+    snprintf(musage_cached, sizeof musage_cached, musage_fmt, 0, TOKENS, PROMPT_TOKENS);
+    const char *msg_fmt = "{\"id\":\"msg_fastfake\",\"type\":\"message\",\"role\":\"assistant\","
+                          "\"content\":[{\"type\":\"text\",\"text\":\"%s\"}],\"model\":\"%s\","
+                          "\"stop_reason\":\"max_tokens\",\"usage\":%s%s%s}";
+    snprintf(msg_json, sizeof msg_json, msg_fmt, text, model, musage, "", "");
+    snprintf(msg_prefill_json, sizeof msg_prefill_json, msg_fmt, words[0], model, musage1,
+             ",\"kv_transfer_params\":", ticket);
+    snprintf(msg_decode_json, sizeof msg_decode_json, msg_fmt, text, model, musage_cached, "", "");
+    /* message_start is built from the engine's first output, which has no cache details: the whole prompt */
+    snprintf(msg_start_event, sizeof msg_start_event,
+             "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_fastfake\","
+             "\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"model\":\"%s\",\"stop_reason\":null,"
+             "\"stop_sequence\":null,\"usage\":{\"input_tokens\":%d,\"output_tokens\":0}}}\n\n",
+             model, PROMPT_TOKENS);
+    snprintf(msg_block_start_event, sizeof msg_block_start_event,
+             "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,"
+             "\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n");
+    for (int i = 0; i < TOKENS; i++)
+        snprintf(msg_delta_events[i], sizeof msg_delta_events[i],
+                 "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,"
+                 "\"delta\":{\"type\":\"text_delta\",\"text\":\"%s\"}}\n\n", words[i]);
+    snprintf(msg_block_stop_event, sizeof msg_block_stop_event,
+             "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n");
+    const char *mdelta_fmt = "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":"
+                             "\"max_tokens\",\"stop_sequence\":null},\"usage\":%s}\n\n";
+    snprintf(msg_usage_event, sizeof msg_usage_event, mdelta_fmt, musage);
+    snprintf(msg_usage_cached_event, sizeof msg_usage_cached_event, mdelta_fmt, musage_cached);
+
     snprintf(metrics_body, sizeof metrics_body,
              "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
              "# TYPE vllm:num_requests_running gauge\n"
@@ -217,6 +267,20 @@ static void add_chunk(conn_t *c, const char *data) {
 
 /* The next SSE event of a streamed answer: index counts down from the total. */
 static void stream_step(conn_t *c) {
+    if (c->stream_kind & 4) {
+        int i = MSG_EVENTS - c->stream_left;
+        if (i == 0) add_chunk(c, msg_start_event);
+        else if (i == 1) add_chunk(c, msg_block_start_event);
+        else if (i <= 1 + TOKENS) add_chunk(c, msg_delta_events[i - 2]);
+        else if (i == 2 + TOKENS) add_chunk(c, msg_block_stop_event);
+        else if (i == 3 + TOKENS) add_chunk(c, (c->stream_kind & 2) ? msg_usage_cached_event : msg_usage_event);
+        else {
+            add_chunk(c, msg_stop_event);
+            buf_add(&c->out, "0\r\n\r\n", 5);
+        }
+        c->stream_left--;
+        return;
+    }
     int total = 1 + TOKENS + ((c->stream_kind & 1) ? 1 : 0) + 1;
     int i = total - c->stream_left;
     if (i == 0) add_chunk(c, role_event);
@@ -235,22 +299,29 @@ static int has(const char *body, size_t len, const char *a, const char *b) {
 
 static void handle(conn_t *c, const char *method, const char *path, const char *body, size_t blen) {
     served++;
-    if (strcmp(method, "POST") == 0 && strcmp(path, "/v1/chat/completions") == 0) {
+    int chat = strcmp(path, "/v1/chat/completions") == 0, messages = strcmp(path, "/v1/messages") == 0;
+    if (strcmp(method, "POST") == 0 && (chat || messages)) {
         int prefill = has(body, blen, "\"do_remote_decode\":true", "\"do_remote_decode\": true");
         int decode = has(body, blen, "\"do_remote_prefill\":true", "\"do_remote_prefill\": true");
         int stream = !prefill && has(body, blen, "\"stream\":true", "\"stream\": true");
         if (!stream) {
-            const char *j = prefill ? prefill_json : decode ? decode_json : chat_json;
+            const char *j = messages ? (prefill ? msg_prefill_json : decode ? msg_decode_json : msg_json)
+                                     : (prefill ? prefill_json : decode ? decode_json : chat_json);
             respond(c, 200, "application/json", j, strlen(j));
             return;
         }
         const char *head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                            "cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n";
         buf_add(&c->out, head, strlen(head));
-        c->stream_kind = (has(body, blen, "\"include_usage\":true", "\"include_usage\": true") ? 1 : 0) |
-                         (decode ? 2 : 0);
-        c->stream_left = 1 + TOKENS + (c->stream_kind & 1) + 1;
-        stream_step(c); /* the role chunk goes with the headers; the rest one per loop turn */
+        if (messages) {
+            c->stream_kind = 4 | (decode ? 2 : 0);
+            c->stream_left = MSG_EVENTS;
+        } else {
+            c->stream_kind = (has(body, blen, "\"include_usage\":true", "\"include_usage\": true") ? 1 : 0) |
+                             (decode ? 2 : 0);
+            c->stream_left = 1 + TOKENS + (c->stream_kind & 1) + 1;
+        }
+        stream_step(c); /* the first event goes with the headers; the rest one per loop turn */
         stream_list_add(c);
         return;
     }
