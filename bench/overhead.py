@@ -16,6 +16,16 @@ fakes share core 0; the gateway gets core 1 alone (with N workers and enough cor
     pd_chat           PD: a prefill leg (one token + kv_transfer_params ticket), then the decode leg
     pd_chat_stream    PD with a streamed decode leg
 
+and, when asked for (`--cells`; bench/prompts.py does), the Anthropic Messages cells, an agent's request: a
+system prompt, four tools with input schemas and a user message (`--prompt-kib` pads the system prompt by a
+quarter and the user message by three quarters), sent with `anthropic-version` and `x-api-key`:
+
+    messages            non-streaming /v1/messages, 16 output tokens
+    pd_messages_stream  PD /v1/messages streamed, as an agent on a PD cluster sends it: the prefill leg is a
+                        /v1/messages request too; message_start, 16 content_block_delta, message_delta,
+                        message_stop
+vllm-router 0.1.17 has no /v1/messages route and the floor relays chat only: both skip these cells.
+
 The Coordinator (1 worker, log INFO), the floor and vllm-router run side by side and are measured cell by
 cell in turn, so each ratio compares cells measured seconds apart; the other Coordinator runs follow.
 Each cell runs at `-c 32` (throughput, CPU per request) and at concurrency 1 (added latency = gateway p50 minus
@@ -64,9 +74,12 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 TOKEN_TEXT = "The quick brown fox jumps over the lazy dog and runs far into the green hills"
 MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]
-CELLS = ("chat", "chat_stream", "pd_chat", "pd_chat_stream")
-STREAMED = {"chat_stream", "pd_chat_stream"}
-PD = {"pd_chat", "pd_chat_stream"}
+CELLS = ("chat", "chat_stream", "pd_chat", "pd_chat_stream")  # the default run's
+MESSAGES_CELLS = ("messages", "pd_messages_stream")  # Anthropic /v1/messages: only when --cells names them
+ALL_CELLS = CELLS + MESSAGES_CELLS
+STREAMED = {"chat_stream", "pd_chat_stream", "pd_messages_stream"}
+PD = {"pd_chat", "pd_chat_stream", "pd_messages_stream"}
+ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01", "x-api-key": "bench"}  # as the anthropic SDK sends them
 
 # The issue's reference figures (one run on a 2-core machine, not this run): gateway CPU per request, µs.
 REFERENCE_US = {
@@ -90,7 +103,96 @@ def body(model: str, stream: bool, **extra) -> str:
     return json.dumps(b, separators=(",", ":"))
 
 
+# An agent's system prompt and tools (Claude Code-like): with `--prompt-kib`, the system prompt takes a quarter
+# of the padding and the user message the rest, so the body is about the size plus these 3 KiB.
+SYSTEM = (
+    "You are a coding agent working in the user's repository. Read the code before changing it, make the "
+    "smallest change that solves the task, run the tests, and report what you did and what you left alone. "
+    "Use the tools to read, search and edit files and to run commands; never guess a file's contents. "
+    "Keep answers short; quote file paths and line numbers. Do not commit unless asked.\n"
+)
+TOOLS = [
+    {
+        "name": "read_file",
+        "description": "Read a file of the repository, or the lines offset..offset+limit of it.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "description": "the file's path, relative to the repository root"},
+                "offset": {"type": "integer", "minimum": 0},
+                "limit": {"type": "integer", "minimum": 1},
+            },
+            "required": ["path"],
+        },
+    },
+    {
+        "name": "grep",
+        "description": "Search the repository's files for a regular expression; returns matching lines.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "pattern": {"type": "string"},
+                "path": {"type": "string", "description": "a folder or file to search (default: everywhere)"},
+                "case_insensitive": {"type": "boolean"},
+            },
+            "required": ["pattern"],
+        },
+    },
+    {
+        "name": "edit_file",
+        "description": "Replace one exact, unique occurrence of old_text in a file with new_text.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string"},
+                "old_text": {"type": "string"},
+                "new_text": {"type": "string"},
+            },
+            "required": ["path", "old_text", "new_text"],
+        },
+    },
+    {
+        "name": "bash",
+        "description": "Run a shell command in the repository root and return its output and exit status.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "command": {"type": "string"},
+                "timeout_s": {"type": "number", "minimum": 1, "maximum": 600},
+            },
+            "required": ["command"],
+        },
+    },
+]
+
+
+def messages_body(model: str, stream: bool, **extra) -> str:
+    """An Anthropic Messages body: the system prompt (one text block, cached as agents mark it), the tools and
+    one user message, the padding split between the system prompt (a quarter) and the user message."""
+    pad = PAD["text"]
+    cut = pad.rfind("\n", 0, len(pad) // 4) + 1  # on a line boundary
+    b = {
+        "model": model,
+        "max_tokens": 16,
+        "system": [{"type": "text", "text": SYSTEM + pad[:cut], "cache_control": {"type": "ephemeral"}}],
+        "tools": TOOLS,
+        "messages": [{"role": "user", "content": MESSAGES[0]["content"] + pad[cut:]}],
+        **({"stream": True} if stream else {}),
+        **extra,
+    }
+    return json.dumps(b, separators=(",", ":"))
+
+
+def cell_path(cell: str) -> str:
+    return "/v1/messages" if cell in MESSAGES_CELLS else "/v1/chat/completions"
+
+
+def cell_headers(cell: str) -> dict[str, str]:
+    return ANTHROPIC_HEADERS if cell in MESSAGES_CELLS else {}
+
+
 PREFILL_LEG = {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}, "ignore_eos": True}
+MESSAGES_PREFILL_LEG = {"kv_transfer_params": PREFILL_LEG["kv_transfer_params"], "max_tokens": 1}
 DECODE_LEG = {
     "kv_transfer_params": {
         "do_remote_prefill": True,
@@ -203,10 +305,12 @@ def build_fake(workdir: str) -> str:
 # -- HTTP checks (correctness of each cell before it is timed) ------------------------------------
 
 
-def request(port: int, method: str, path: str, data: str | None, timeout_s: float = 10) -> tuple[int, dict, bytes]:
+def request(
+    port: int, method: str, path: str, data: str | None, timeout_s: float = 10, headers: dict | None = None
+) -> tuple[int, dict, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers = {**({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
         conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
         return resp.status, dict(resp.getheaders()), resp.read()
@@ -240,6 +344,58 @@ def check_answer(port: int, data: str, stream: bool) -> str:
     return ""
 
 
+MESSAGES_EVENTS = (
+    ["message_start", "content_block_start"]
+    + ["content_block_delta"] * 16
+    + ["content_block_stop", "message_delta", "message_stop"]
+)
+
+
+def check_messages(port: int, data: str, stream: bool) -> str:
+    """'' when /v1/messages answered a complete, faithful relay of the fake's Message (or its events); else
+    what is wrong. The client's usage is the whole prompt's, none of it read from a cache (PD: P's counts)."""
+    status, _, raw = request(port, "POST", "/v1/messages", data, headers=ANTHROPIC_HEADERS)
+    if status != 200:
+        return f"HTTP {status}: {raw[:200]!r}"
+    if b"kv_transfer_params" in raw:
+        return "the answer carries kv_transfer_params"
+    try:
+        if not stream:
+            obj = json.loads(raw)
+            if (obj["type"], obj["role"], obj["stop_reason"]) != ("message", "assistant", "max_tokens"):
+                return f"not a finished assistant message: {raw[:200]!r}"
+            text = "".join(b["text"] for b in obj["content"] if b["type"] == "text")
+            usage, prompt = obj["usage"], obj["usage"]["input_tokens"]
+        else:
+            names, objs = [], []
+            for frame in raw.decode().split("\n\n"):
+                if not frame.strip():
+                    continue
+                lines = frame.split("\n")
+                if not (lines[0].startswith("event: ") and lines[1].startswith("data: ")):
+                    return f"not an Anthropic SSE event: {frame[:200]!r}"
+                names.append(lines[0][7:])
+                objs.append(json.loads(lines[1][6:]))
+            if names != MESSAGES_EVENTS or any(o["type"] != n for o, n in zip(objs, names)):
+                return f"events {names} are not the Message's"
+            text = "".join(o["delta"]["text"] for o in objs if o["type"] == "content_block_delta")
+            prompt, usage = objs[0]["message"]["usage"]["input_tokens"], objs[-2]["usage"]
+            if objs[-2]["delta"]["stop_reason"] != "max_tokens":
+                return f"message_delta {objs[-2]} does not stop on max_tokens"
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        return f"unparsable answer ({type(e).__name__}: {e}): {raw[:200]!r}"
+    if text != TOKEN_TEXT:
+        return f"content {text!r} is not the engine's"
+    if prompt != 12 or usage.get("output_tokens") != 16 or usage.get("cache_read_input_tokens", 0):
+        return f"usage {usage} (input {prompt}) is not 12 input tokens, none cached, and 16 output tokens"
+    return ""
+
+
+def check_cell(port: int, cell: str, data: str) -> str:
+    check = check_messages if cell in MESSAGES_CELLS else check_answer
+    return check(port, data, cell in STREAMED)
+
+
 # -- wrk ------------------------------------------------------------------------------------------
 
 WRK_DONE = r"""
@@ -252,9 +408,10 @@ end
 """
 
 
-def wrk_script(bodies: list[str]) -> str:
+def wrk_script(bodies: list[str], headers: dict[str, str] | None = None) -> str:
     """One body for every request, or bodies taken in turn (the direct PD cells' prefill/decode legs)."""
     head = 'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+    head += "".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in (headers or {}).items())
     if len(bodies) == 1:
         return head + f"wrk.body = [==[{bodies[0]}]==]\n" + WRK_DONE
     items = ", ".join(f"[==[{b}]==]" for b in bodies)
@@ -270,11 +427,19 @@ def wrk_script(bodies: list[str]) -> str:
 
 
 def run_wrk(
-    port: int, bodies: list[str], seconds: float, connections: int, threads: int, cores: str, workdir: str
+    port: int,
+    bodies: list[str],
+    seconds: float,
+    connections: int,
+    threads: int,
+    cores: str,
+    workdir: str,
+    url_path: str = "/v1/chat/completions",
+    headers: dict[str, str] | None = None,
 ) -> dict:
-    path = os.path.join(workdir, f"wrk-{abs(hash(tuple(bodies)))}.lua")
+    path = os.path.join(workdir, f"wrk-{abs(hash((*bodies, url_path)))}.lua")
     with open(path, "w") as f:
-        f.write(wrk_script(bodies))
+        f.write(wrk_script(bodies, headers))
     args = pinned(
         cores,
         [
@@ -286,7 +451,7 @@ def run_wrk(
             "10s",
             "-s",
             path,
-            f"http://127.0.0.1:{port}/v1/chat/completions",
+            f"http://127.0.0.1:{port}{url_path}",
         ],
     )
     out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
@@ -351,6 +516,7 @@ class Gateway:
 
 class Coordinator(Gateway):
     name = "coordinator"
+    cells = ALL_CELLS
 
     def __init__(
         self,
@@ -415,7 +581,8 @@ class Coordinator(Gateway):
         return self.infer_port
 
     def body(self, cell: str) -> str:
-        return body("bench-pd" if cell in PD else "bench", cell in STREAMED)
+        make = messages_body if cell in MESSAGES_CELLS else body
+        return make("bench-pd" if cell in PD else "bench", cell in STREAMED)
 
     def worker_pids(self) -> list[int]:
         """Sanic's server workers (started with SANIC_WORKER_NAME=Sanic-Server-*), not its other helpers."""
@@ -637,26 +804,50 @@ def settled_statuses(gw: Gateway, connections: int) -> tuple[dict[str, int], int
 
 
 def direct_bodies(cell: str) -> list[str]:
+    if cell in MESSAGES_CELLS:
+        if cell in PD:
+            return [messages_body("bench", False, **MESSAGES_PREFILL_LEG), messages_body("bench", True, **DECODE_LEG)]
+        return [messages_body("bench", cell in STREAMED)]
     if cell in PD:
         return [body("bench", False, **PREFILL_LEG), body("bench", cell in STREAMED, **DECODE_LEG)]
     return [body("bench", cell in STREAMED)]
 
 
-def measure_direct(engines: Engines, opts, load_cores: str, workdir: str) -> dict[str, Cell]:
+def measure_direct(
+    engines: Engines, opts, load_cores: str, workdir: str, cells: tuple[str, ...] = CELLS
+) -> dict[str, Cell]:
     out = {}
+    # Concurrency 1: each leg alone (a PD cell's figure is its prefill leg's plus its decode leg's), every
+    # distinct leg of the cells measured once, before the throughput cells.
     legs_c1: dict[str, dict] = {}
     if opts.latency > 0:
-        for name, data in (
-            ("chat", body("bench", False)),
-            ("chat_stream", body("bench", True)),
-            ("prefill", body("bench", False, **PREFILL_LEG)),
-            ("decode", body("bench", False, **DECODE_LEG)),
-            ("decode_stream", body("bench", True, **DECODE_LEG)),
-        ):
-            legs_c1[name] = run_wrk(engines.union, [data], opts.latency, 1, 1, load_cores, workdir)
-    for cell in CELLS:
+        for cell in cells:
+            for data in direct_bodies(cell):
+                if data not in legs_c1:
+                    legs_c1[data] = run_wrk(
+                        engines.union,
+                        [data],
+                        opts.latency,
+                        1,
+                        1,
+                        load_cores,
+                        workdir,
+                        cell_path(cell),
+                        cell_headers(cell),
+                    )
+    for cell in cells:
         bodies = direct_bodies(cell)
-        res = run_wrk(engines.union, bodies, opts.duration, opts.connections, opts.threads, load_cores, workdir)
+        res = run_wrk(
+            engines.union,
+            bodies,
+            opts.duration,
+            opts.connections,
+            opts.threads,
+            load_cores,
+            workdir,
+            cell_path(cell),
+            cell_headers(cell),
+        )
         legs = len(bodies)
         c = Cell("direct", cell)
         c.requests = res["requests"] // legs
@@ -666,14 +857,8 @@ def measure_direct(engines: Engines, opts, load_cores: str, workdir: str) -> dic
         if legs > 1:
             c.note = "2 legs per request: req/s counts pairs, loaded latency is per leg"
         if legs_c1:
-            if cell == "chat":
-                c.c1_p50_us, c.c1_p99_us = legs_c1["chat"]["p50_us"], legs_c1["chat"]["p99_us"]
-            elif cell == "chat_stream":
-                c.c1_p50_us, c.c1_p99_us = legs_c1["chat_stream"]["p50_us"], legs_c1["chat_stream"]["p99_us"]
-            else:
-                d = legs_c1["decode_stream" if cell in STREAMED else "decode"]
-                c.c1_p50_us = legs_c1["prefill"]["p50_us"] + d["p50_us"]
-                c.c1_p99_us = legs_c1["prefill"]["p99_us"] + d["p99_us"]
+            c.c1_p50_us = sum(legs_c1[b]["p50_us"] for b in bodies)
+            c.c1_p99_us = sum(legs_c1[b]["p99_us"] for b in bodies)
         out[cell] = c
         print(f"  direct {cell:15s} {c.rps:9.0f} req/s  p50 {c.p50_us / 1000:.2f} ms  errors {c.errors}", flush=True)
     return out
@@ -696,19 +881,20 @@ def measure_gateway(
         c = Cell(gw.label, cell)
         port = gw.port(cell)
         data = gw.body(cell)
-        problem = check_answer(port, data, cell in STREAMED)
+        wrk_to = (cell_path(cell), cell_headers(cell))
+        problem = check_cell(port, cell, data)
         if problem:
             c.note = f"wrong answer: {problem}"
             c.add_errors({"wrong answer": 1})
             print(f"  {gw.name} {cell}: {c.note}", flush=True)
             out[cell] = c
             continue
-        run_wrk(port, [data], opts.warmup, opts.connections, opts.threads, load_cores, workdir)
+        run_wrk(port, [data], opts.warmup, opts.connections, opts.threads, load_cores, workdir, *wrk_to)
         settled_statuses(gw, opts.connections)
         root = gw.root_pid(cell)
         up0 = engines.counters()
         cpu0, t0 = cpu_seconds(root), time.monotonic()
-        res = run_wrk(port, [data], opts.duration, opts.connections, opts.threads, load_cores, workdir)
+        res = run_wrk(port, [data], opts.duration, opts.connections, opts.threads, load_cores, workdir, *wrk_to)
         cpu1, t1 = cpu_seconds(root), time.monotonic()
         up1 = engines.counters()
         c.requests = res["requests"]
@@ -730,7 +916,7 @@ def measure_gateway(
         if d and d.rps:
             c.ratio_to_direct = c.rps / d.rps
         if latency and opts.latency > 0:
-            res1 = run_wrk(port, [data], opts.latency, 1, 1, load_cores, workdir)
+            res1 = run_wrk(port, [data], opts.latency, 1, 1, load_cores, workdir, *wrk_to)
             c.c1_p50_us, c.c1_p99_us = res1["p50_us"], res1["p99_us"]
             if d and d.c1_p50_us is not None:
                 c.added_p50_us = c.c1_p50_us - d.c1_p50_us
@@ -824,6 +1010,8 @@ def verdicts(results: list[list[Cell]]) -> str:
                 f"{cell}: CPU/req {c.cpu_us_per_req:.0f} µs = {ratio:.2f}x vllm-router's "
                 f"{r.cpu_us_per_req:.0f} µs (limit {limit:g}x, same run)",
             )
+        elif cell in MESSAGES_CELLS:
+            check(None, f"{cell}: vllm-router 0.1.17 has no /v1/messages")
         else:
             check(None, f"{cell}: vllm-router not measured in this run")
         for ref, cells in REFERENCE_US.items():
@@ -889,7 +1077,8 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
         worker = gw.worker_pids()[0]
         for cell in opts.profile_cells.split(","):
             data = gw.body(cell)
-            run_wrk(gw.infer_port, [data], opts.warmup, opts.connections, opts.threads, load_cores, workdir)
+            wrk_to = (cell_path(cell), cell_headers(cell))
+            run_wrk(gw.infer_port, [data], opts.warmup, opts.connections, opts.threads, load_cores, workdir, *wrk_to)
             raw = os.path.join(OUT, f"profile-{cell}.txt")
             if os.path.exists(raw):
                 os.unlink(raw)
@@ -917,7 +1106,9 @@ def profile(engines: Engines, opts, load_cores: str, gw_cores: str, workdir: str
             )
             time.sleep(0.5)
             cpu0 = cpu_seconds(gw.proc.pid)
-            res = run_wrk(gw.infer_port, [data], opts.duration, opts.connections, opts.threads, load_cores, workdir)
+            res = run_wrk(
+                gw.infer_port, [data], opts.duration, opts.connections, opts.threads, load_cores, workdir, *wrk_to
+            )
             cpu1 = cpu_seconds(gw.proc.pid)
             _, err = spy_proc.communicate(timeout=60)
             print(
@@ -980,6 +1171,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-floor", action="store_true", help="skip the Sanic floor (bench/sanic_floor.py)")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--prompt-kib", type=int, default=0, help="pad every cell's user message to this many KiB")
+    ap.add_argument(
+        "--cells",
+        default=",".join(CELLS),
+        help=f"the cells measured, comma-separated, of {', '.join(ALL_CELLS)} (default {','.join(CELLS)})",
+    )
     ap.add_argument("--profile", action="store_true", help="profile the Coordinator's worker with py-spy instead")
     ap.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
     ap.add_argument("--rate", type=int, default=100, help="with --profile: py-spy samples per second (default 100)")
@@ -1036,6 +1232,13 @@ def main(argv: list[str] | None = None) -> int:
     opts.latency = opts.latency if opts.latency is not None else (1.0 if opts.quick else 3.0)
     opts.warmup = opts.warmup if opts.warmup is not None else 1.0
     workers = [int(w) for w in opts.workers.split(",") if w]
+    cells = tuple(c for c in opts.cells.split(",") if c)
+    unknown = [c for c in cells if c not in ALL_CELLS]
+    if unknown or not cells:
+        print(
+            f"--cells: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(ALL_CELLS)}", file=sys.stderr
+        )
+        return 2
 
     missing = [t for t in ("wrk", "gcc") if not shutil.which(t)]
     if missing:
@@ -1067,7 +1270,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             t_start = time.monotonic()
             print(f"# {layout}; wrk -t{opts.threads} -c{opts.connections}, {opts.duration:g} s per cell", flush=True)
-            direct = measure_direct(engines, opts, load_cores, workdir)
+            direct = measure_direct(engines, opts, load_cores, workdir, cells)
             results = [list(direct.values())]
             # The gateways the verdicts compare run side by side, measured cell by cell in turn: on a shared
             # machine whose speed drifts over minutes, each ratio then compares neighbours in time.
@@ -1101,13 +1304,15 @@ def main(argv: list[str] | None = None) -> int:
                     pair.append(SanicFloor(engines, gw_core_sets[1], workdir, python=opts.python))
                 if not opts.no_router and shutil.which("vllm-router"):
                     pair.append(VllmRouter(engines, gw_core_sets[1], workdir))
+                    if any(c in MESSAGES_CELLS for c in cells):
+                        print("  vllm-router 0.1.17 has no /v1/messages route: its Messages cells skipped", flush=True)
                 elif not opts.no_router:
                     print("  vllm-router not installed (pip install vllm-router==0.1.17): not compared", flush=True)
                 if opts.litellm:
                     pair.append(LiteLLM(engines, gw_core_sets[1], workdir, opts.litellm))
                 rounds: dict[int, dict[str, list[Cell]]] = {id(gw): {} for gw in pair}
                 for r in range(opts.rounds):
-                    for cell in CELLS:
+                    for cell in cells:
                         for gw in pair:
                             if cell in gw.cells:
                                 # Concurrency-1 latency is measured in the first round only.
@@ -1129,7 +1334,15 @@ def main(argv: list[str] | None = None) -> int:
                     n_cores = len(cores.split(",")) if cores else ncpu
                     by_label[gw.label] = list(
                         measure_gateway(
-                            gw, engines, opts, direct, load_cores, n_cores, workdir, latency and w == 1
+                            gw,
+                            engines,
+                            opts,
+                            direct,
+                            load_cores,
+                            n_cores,
+                            workdir,
+                            latency and w == 1,
+                            tuple(c for c in cells if c in gw.cells),
                         ).values()
                     )
                 finally:
