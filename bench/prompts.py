@@ -1,6 +1,7 @@
 """Long prompts: what a prompt's size costs the Coordinator, next to vllm-router, in one run.
 
-    python bench/prompts.py                     # sizes 0,32,256,1024 KiB; chat, PD chat, PD chat streamed
+    python bench/prompts.py                     # sizes 0,32,256,1024 KiB; chat, PD chat, PD chat streamed,
+                                                #   Messages, PD Messages streamed
     python bench/prompts.py --sizes 0,256 --duration 4 --tree-also /tmp/base
 
 Each size is one bench/overhead.py run (1 worker on 1 core, log INFO, the same fake engines) with every
@@ -9,6 +10,13 @@ of prompt: (µs at the size - µs at size 0) / KiB, for the Coordinator and vllm
 `pip install vllm-router==0.1.17`), and their ratio; the latency a request adds over direct access at
 concurrency 1 (p50); and the worker's peak RSS, which at 1024 KiB includes 32 requests of 1 MiB in flight
 (`--connections 32`). Arguments it does not know go to bench/overhead.py.
+
+The Messages cells (`messages`, `pd_messages_stream`: an agent's /v1/messages request with a system prompt
+and tools, the padding a quarter in the system prompt and three quarters in the user message) run on the
+Coordinator only: vllm-router 0.1.17 has no /v1/messages. Their ratio column compares with vllm-router's
+chat cell of the same kind (`messages` with `chat`, `pd_messages_stream` with `pd_chat_stream`) and says so
+("1.40x (router chat)"): the same prompt bytes through the router's only route. overhead.py's
+`chat_stream` cell, which this table never showed, is not run.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from bench import overhead  # noqa: E402
 
-CELLS = ("chat", "pd_chat", "pd_chat_stream")
+CELLS = ("chat", "pd_chat", "pd_chat_stream", "messages", "pd_messages_stream")
+# vllm-router's cell a Messages cell's ratio is taken against (it has no /v1/messages).
+ROUTER_CELL = {"messages": "chat", "pd_messages_stream": "pd_chat_stream"}
 
 
 def run(sizes: list[int], passthrough: list[str]) -> dict[int, dict[tuple[str, str], dict]]:
@@ -33,6 +43,7 @@ def run(sizes: list[int], passthrough: list[str]) -> dict[int, dict[tuple[str, s
     for kib in sizes:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             argv = ["--prompt-kib", str(kib), "--json", f.name, "--workers", "1", "--no-warning", "--no-floor"]
+            argv += ["--cells", ",".join(CELLS)]
             if overhead.main([*argv, *passthrough]) != 0:
                 raise SystemExit(f"bench/overhead.py failed at {kib} KiB")
             cells = json.load(f)["cells"]
@@ -63,9 +74,10 @@ def table(results: dict[int, dict[tuple[str, str], dict]]) -> str:
                 us = c["cpu_us_per_req"]
                 per = (us - base) / kib if kib and base is not None else None
                 ratio = ""
-                r0, r = cpu(sizes[0], router, cell), cpu(kib, router, cell)
+                ref = ROUTER_CELL.get(cell, cell)
+                r0, r = cpu(sizes[0], router, ref), cpu(kib, router, ref)
                 if per is not None and router and gw != router and r0 is not None and r is not None and r > r0:
-                    ratio = f"{per / ((r - r0) / kib):.2f}x"
+                    ratio = f"{per / ((r - r0) / kib):.2f}x" + (f" (router {ref})" if ref != cell else "")
                 added = c.get("added_p50_us")
                 rss = max(c.get("rss_mb") or [0])
                 lines.append(
