@@ -1,5 +1,5 @@
-"""Smoke test of bench/overhead.py: the C fake engine builds and speaks vLLM's shapes, the Coordinator relays
-it faithfully in every benchmark cell (and so does the Sanic floor in its two), and one short wrk cell runs
+"""Smoke test of bench/overhead.py: the C fake engine builds and speaks vLLM's shapes (chat, and /v1/messages
+through the anthropic SDK), the Coordinator relays it faithfully in every benchmark cell (the Messages cells too) (and so does the Sanic floor in its two), and one short wrk cell runs
 and its output and CPU figures parse.
 And of bench/pick.py: a quick run times every policy on every cluster; and of bench/instructions.py: one cell counted
 under callgrind."""
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 
+import anthropic
 import openai
 import pytest
 
@@ -55,6 +56,36 @@ def test_fake_engine_speaks_vllm_pd(bench_cluster):
     assert status == 200 and b"vllm:num_requests_waiting{" in metrics
 
 
+def test_fake_engine_speaks_vllm_messages(bench_cluster):
+    """fastfake's /v1/messages through the anthropic SDK: a Message, its stream's events, and a prefill leg's ticket."""
+    engines, _, _ = bench_cluster
+    client = anthropic.Anthropic(
+        base_url=f"http://127.0.0.1:{engines.union}", api_key="unused", max_retries=0, timeout=30
+    )
+    request = {"model": "bench", "max_tokens": 16, "system": overhead.SYSTEM, "tools": overhead.TOOLS}
+    request["messages"] = overhead.MESSAGES
+    reply = client.messages.create(**request)
+    assert (reply.type, reply.role, reply.stop_reason) == ("message", "assistant", "max_tokens")
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == overhead.TOKEN_TEXT
+    assert (reply.usage.input_tokens, reply.usage.output_tokens, reply.usage.cache_read_input_tokens) == (12, 16, 0)
+    with client.messages.stream(**request) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert events[:3] == ["message_start", "content_block_start", "content_block_delta"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert final.content[0].text == overhead.TOKEN_TEXT and final.stop_reason == "max_tokens"
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (12, 16)
+    # A Messages prefill leg (the Coordinator's is a /v1/messages request): one token and the ticket.
+    leg = client.messages.create(**request, extra_body=overhead.MESSAGES_PREFILL_LEG)
+    assert leg.usage.output_tokens == 1 and leg.stop_reason == "max_tokens"
+    assert leg.model_extra["kv_transfer_params"]["remote_port"] == engines.union
+    # A decode leg counts the pulled prompt as read from the cache, as vLLM does.
+    decode = client.messages.create(**request, extra_body=overhead.DECODE_LEG)
+    assert (decode.usage.input_tokens, decode.usage.cache_read_input_tokens) == (0, 12)
+    for stream in (False, True):
+        assert overhead.check_messages(engines.union, overhead.messages_body("bench", stream), stream) == ""
+
+
 def test_the_sanic_floor_relays_its_cells(bench_cluster):
     engines, _, workdir = bench_cluster
     floor = overhead.SanicFloor(engines, None, workdir)
@@ -69,6 +100,8 @@ def test_every_cell_relays_faithfully(bench_cluster):
     _, gw, _ = bench_cluster
     for cell in overhead.CELLS:
         assert overhead.check_answer(gw.infer_port, gw.body(cell), cell in overhead.STREAMED) == "", cell
+    for cell in overhead.ALL_CELLS:
+        assert overhead.check_cell(gw.infer_port, cell, gw.body(cell)) == "", cell
     # The SDK's view of a PD stream: usage billed once, with P's prompt count.
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.infer_port}/v1", api_key="unused", max_retries=0, timeout=30)
     chunks = list(
@@ -84,6 +117,16 @@ def test_every_cell_relays_faithfully(bench_cluster):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (12, 16)
     assert sum(1 for c in chunks if c.usage) == 1
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0  # P's (D reports the pulled KV as cached)
+    # And of the PD Messages stream (the pd_messages_stream cell's request, system prompt and tools).
+    client = anthropic.Anthropic(
+        base_url=f"http://127.0.0.1:{gw.infer_port}", api_key="unused", max_retries=0, timeout=30
+    )
+    request = {"model": "bench-pd", "max_tokens": 16, "system": overhead.SYSTEM, "tools": overhead.TOOLS}
+    with client.messages.stream(**request, messages=overhead.MESSAGES) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == overhead.TOKEN_TEXT and final.stop_reason == "max_tokens"
+    assert (final.usage.input_tokens, final.usage.output_tokens, final.usage.cache_read_input_tokens) == (12, 16, 0)
 
 
 def test_fake_counts_engine_requests_and_connections(bench_cluster):
