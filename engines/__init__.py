@@ -47,6 +47,21 @@ IDLE_KEEPALIVE_S = 4.0
 _HEADERS, _DATA, _COMPLETE = 0, 1, 2  # what a waiting exchange waits for
 
 Origin = tuple[str, int, bool]  # host, port, TLS
+# A request body: its bytes, or its parts in order (a leg's is the client's prompt bytes beside its changes),
+# written one after another so that a prompt of megabytes is not copied to join it.
+Body = bytes | tuple[bytes | memoryview, ...]
+
+
+def joined(body: Body) -> bytes:
+    """A body's bytes in one piece."""
+    return body if isinstance(body, bytes) else b"".join(body)
+
+
+def holds(body: Body, needle: bytes) -> bool:
+    """Whether the body's bytes hold `needle` within one part. A view is searched in the bytes it views: the
+    legs' views leave out only a brace and whitespace, where no key can be."""
+    parts = (body,) if isinstance(body, bytes) else body
+    return any(needle in (p.obj if isinstance(p, memoryview) else p) for p in parts)
 
 
 @lru_cache(maxsize=4096)
@@ -394,7 +409,7 @@ class EngineClient:
         self,
         method: bytes,
         url: str,
-        body: bytes | None,
+        body: Body | None,
         request_id: str | None,
         until: int,
         deadline: float,
@@ -408,8 +423,10 @@ class EngineClient:
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method, target, host)
         if request_id is not None:
             head += b"X-Request-Id: %s\r\n" % request_id.encode()
+        parts = () if body is None else (body,) if isinstance(body, bytes) else body
+        size = sum(map(len, parts))  # a memoryview's len is its bytes: the legs' views are of bytes
         if body is not None:
-            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % size
         if self.traced:
             head += TRACE_HEADERS.get()
         head += b"\r\n"
@@ -422,12 +439,14 @@ class EngineClient:
                 conn = await self._connect(origin, url, deadline)
             conn.begin(streaming=until == _HEADERS)  # a stream is handed over once its headers are in
             sent_at = self.loop.time()
-            if body is None:
-                conn.transport.write(head)
-            elif len(body) < 65536:
-                conn.transport.write(head + body)
+            if size < 65536:
+                conn.transport.write(b"".join((head, *parts)))
             else:
-                conn.transport.writelines((head, body))
+                # One write per part: the socket takes what it can of each without a join (writelines joins
+                # on 3.11), and the transport keeps only the rest.
+                conn.transport.write(head)
+                for part in parts:
+                    conn.transport.write(part)
             try:
                 await conn.wait(until, deadline)
             except TimeoutError:
@@ -450,7 +469,7 @@ class EngineClient:
         self,
         method: bytes,
         url: str,
-        body: bytes | None,
+        body: Body | None,
         request_id: str | None,
         timeout_s: float,
         phase: str,
@@ -466,7 +485,7 @@ class EngineClient:
 
     # post and get are plain functions returning the exchange's coroutine: awaiting them adds no coroutine of their own.
 
-    def post(self, url: str, body: bytes, request_id: str, *, timeout_s: float) -> Awaitable[tuple[int, bytes]]:
+    def post(self, url: str, body: Body, request_id: str, *, timeout_s: float) -> Awaitable[tuple[int, bytes]]:
         """A non-streaming exchange; raises EngineStatusError on a non-2xx answer."""
         return self._read_all(b"POST", url, body, request_id, timeout_s, "response", True)
 
@@ -478,7 +497,7 @@ class EngineClient:
         body = b"" if method == b"POST" else None
         return self._read_all(method, url, body, request_id, timeout_s, "response", False)
 
-    def stream(self, url: str, body: bytes, request_id: str) -> StreamExchange:
+    def stream(self, url: str, body: Body, request_id: str) -> StreamExchange:
         """Open a streaming exchange: `async with client.stream(...) as es`, then `es.chunks()` inside the block."""
         return StreamExchange(self, url, body, request_id)
 
@@ -488,7 +507,7 @@ class StreamExchange:
 
     __slots__ = ("body", "client", "conn", "request_id", "url")
 
-    def __init__(self, client: EngineClient, url: str, body: bytes, request_id: str):
+    def __init__(self, client: EngineClient, url: str, body: Body, request_id: str):
         self.client, self.url, self.body, self.request_id = client, url, body, request_id
         self.conn: _Connection | None = None
 

@@ -16,7 +16,7 @@ from typing import Generic, Protocol, TypeVar
 import ujson
 
 from config import Settings
-from engines import EngineClient
+from engines import Body, EngineClient
 from errors import UpstreamError, UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from scheduling.scheduler import Leg
@@ -59,7 +59,7 @@ class Call(Generic[T]):
     __slots__ = ("body", "cont", "job", "leg", "rec", "sink", "up")
     engine = "engine"  # how its errors name the engine ("prefill engine", "decode engine")
 
-    def __init__(self, up: Upstream, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: bytes):
+    def __init__(self, up: Upstream, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: Body):
         self.up, self.job, self.leg, self.sink, self.rec, self.body = up, job, leg, sink, rec, body
         self.cont: Continuation | None = None  # the running stream's, which `Retries` resumes after a failure
 

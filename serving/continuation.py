@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import ujson
 
+from engines import Body, holds, joined
 from errors import ANTHROPIC, EngineStatusError, UpstreamError, dumps
 from serving.job import CHAT, COMPLETIONS, MESSAGES, Job
 from serving.usage import fix_anthropic_usage, fix_openai_usage
@@ -158,15 +159,17 @@ class Continuation:
 
     # -- while the first engine streams ------------------------------------------------------------------
 
-    def request(self, route: str, body: bytes) -> tuple[str, bytes]:
+    def request(self, route: str, body: Body) -> tuple[str, Body]:
         """What a try sends: the first engine the client's body asking for ids, a continuation its own."""
         if self.resuming:
             return COMPLETIONS, self._continuation_body()
         if not self.injected:
             return route, body
-        if b'"return_token_ids"' in body:  # the client's own key (false or null): set in the parsed body
-            return route, dumps({**ujson.loads(body), "return_token_ids": True})
-        return route, b'{"return_token_ids":true,' + body[body.index(b"{") + 1 :]
+        if holds(body, b'"return_token_ids"'):  # the client's own key (false or null): set in the parsed body
+            return route, dumps({**ujson.loads(joined(body)), "return_token_ids": True})
+        # A streamed body's first part is bytes: the client's body, or the decode leg's ticket.
+        head, *rest = (body,) if isinstance(body, bytes) else body
+        return route, (b'{"return_token_ids":true,', memoryview(head)[head.index(b"{") + 1 :], *rest)
 
     def relay(self, block: bytes) -> bytes:
         """Whole SSE events from the engine, as the client gets them (ids kept, and stripped where not asked

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable
 
+from engines import Body
 from errors import ANTHROPIC, EngineStatusError, UpstreamError, UpstreamProtocolError, dumps
 from scheduling.ledger import DECODE, PREFILL, Lease
 from scheduling.registry import Target
@@ -63,7 +64,7 @@ class DecodeCall(Call[None]):
     engine = "decode engine"
 
     def __init__(
-        self, up: Upstream, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: bytes, fix: UsageFix, ticket: bool
+        self, up: Upstream, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: Body, fix: UsageFix, ticket: bool
     ):
         Call.__init__(self, up, job, leg, sink, rec, body)
         self.fix, self.ticket = fix, ticket
@@ -108,7 +109,7 @@ class Handoff:
         self._detached: set[asyncio.Task] = set()  # fire-and-forget KV releases, referenced until done
 
     def decode(
-        self, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: bytes, fix: UsageFix, ticket: bool = True
+        self, job: Job, leg: Leg, sink: Sink, rec: RequestRecord, body: Body, fix: UsageFix, ticket: bool = True
     ) -> Awaitable[None]:
         """The decode leg, with retries on other decode instances (see DecodeCall)."""
         return self.retries.run(DecodeCall(self.up, job, leg, sink, rec, body, fix, ticket))

@@ -13,6 +13,7 @@ own body plus P's ticket, unchanged.
 
 from __future__ import annotations
 
+from engines import Body
 from errors import dumps
 from serving.job import MESSAGES, RESPONSES, Job
 
@@ -71,21 +72,23 @@ def prefill_body(job: Job, ticket: dict | None = None) -> dict:
     return body
 
 
-def prefill_leg(job: Job) -> bytes:
-    """The client's bytes with the prefill leg's changes appended: the prompt is copied once, never re-encoded."""
+def prefill_leg(job: Job) -> Body:
+    """The client's bytes with the prefill leg's changes appended, as parts: the prompt is neither re-encoded nor
+    copied."""
     raw = job.raw
     changes = dumps(prefill_changes(job))  # b'{"stream":false,...}': one encoding for every change
-    return b"".join((memoryview(raw)[: raw.rindex(b"}")], b",", memoryview(changes)[1:]))
+    return memoryview(raw)[: raw.rindex(b"}")], b",", memoryview(changes)[1:]
 
 
-def decode_leg(job: Job, ticket: dict | None) -> bytes:
+def decode_leg(job: Job, ticket: dict | None) -> Body:
     if "kv_transfer_params" not in job.body:
         # The client's own bytes with the ticket put in front: no copy and re-serialisation of a body
         # that may hold a long conversation. (The key is absent from the parsed body, so whatever the
         # client wrote cannot add a second one.)
         if ticket is None:
             return job.raw
-        return b'{"kv_transfer_params":' + dumps(ticket) + b"," + job.raw[job.raw.index(b"{") + 1 :]
+        raw = job.raw
+        return b'{"kv_transfer_params":' + dumps(ticket) + b",", memoryview(raw)[raw.index(b"{") + 1 :]
     body = dict(job.body)
     if ticket is None:
         body.pop("kv_transfer_params", None)
