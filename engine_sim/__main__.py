@@ -20,6 +20,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="sim-model")
     p.add_argument("--engine-id", default=None)
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--bytes-per-token", type=int, default=4, help="the tokenizer: UTF-8 bytes per prompt token")
     p.add_argument("--prefill-tokens-per-s", type=float, default=8000.0)
     p.add_argument("--decode-step-ms", type=float, default=10.0)
     p.add_argument("--decode-per-seq-ms", type=float, default=0.5)
@@ -64,6 +65,7 @@ def main(argv=None):
         port=a.port,
         engine_id=a.engine_id,
         max_model_len=a.max_model_len,
+        bytes_per_token=a.bytes_per_token,
         prefill_tokens_per_s=a.prefill_tokens_per_s,
         decode_step_ms=a.decode_step_ms,
         decode_per_seq_ms=a.decode_per_seq_ms,

@@ -167,7 +167,7 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
 def count_tokens(sim: SimServer, body: dict, headers: dict) -> web.Response:
     r = validated("count_tokens", body)
     check_served_model(r.model, sim.cfg)
-    n = T.count_text_tokens(anthropic_prompt_text(r.messages, r.tools, r.system))
+    n = T.count_text_tokens(anthropic_prompt_text(r.messages, r.tools, r.system), sim.cfg.bytes_per_token)
     return web.Response(
         text=dumps({"input_tokens": n, "context_management": {"original_input_tokens": n}}),
         content_type="application/json",

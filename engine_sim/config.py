@@ -39,6 +39,11 @@ class SimConfig:
     port: int = 0  # 0 = pick a free port
     engine_id: str | None = None  # default: a fresh uuid4
     max_model_len: int = 8192
+    # The tokenizer: a prompt's text counts ceil(UTF-8 bytes / bytes_per_token) tokens wherever the engine counts
+    # it (usage, the context check, count_tokens, prefill time), its ids are chunks that long and its prefix-cache
+    # blocks block_size such tokens. 4 is the Coordinator's uncalibrated estimate; real tokenizers differ by model
+    # and text (about 3 bytes a token for code, 4 to 5 for English).
+    bytes_per_token: int = 4
     prefill_tokens_per_s: float = 8000.0
     decode_step_ms: float = 10.0
     decode_per_seq_ms: float = 0.5
@@ -71,6 +76,8 @@ class SimConfig:
             self.engine_id = str(uuid.uuid4())
         if self.speedup <= 0:
             raise ValueError("speedup must be > 0")
+        if self.bytes_per_token < 1:
+            raise ValueError("bytes_per_token must be >= 1")
         unknown = set(self.faults) - set(FAULT_KNOBS)
         if unknown:
             raise ValueError(f"unknown fault knobs: {sorted(unknown)}")

@@ -101,7 +101,7 @@ async def _run(sim: SimServer, request: web.Request, req: SimRequest, headers: d
     eng, cfg = sim.engine, sim.cfg
     g = eos_at_once(req) if is_prefill_leg(sim, req) and sim.faults.eos_on_prefill else generate(req)
     remote_hit = await pull_remote_prefill(sim, req) if is_decode_leg(sim, req) else 0
-    hashes = T.block_hashes(req.prompt_text, cfg.block_size)
+    hashes = T.block_hashes(req.prompt_text, cfg.block_size, cfg.bytes_per_token)
     prefix_hit = 0
     if not remote_hit:
         prefix_hit = eng.prefix_match(hashes) * cfg.block_size

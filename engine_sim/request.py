@@ -43,6 +43,7 @@ class SimRequest:
     thinking: bool = False
     return_token_ids: bool = False  # prompt_token_ids and each chunk's token_ids in the answer
     prompt_ids: list[int] | None = None  # a completions prompt given as token ids
+    bytes_per_token: int = T.BYTES_PER_TOKEN  # the server's tokenizer (SimConfig.bytes_per_token)
     answered: int = 0  # how many words of an answer the prompt already ends with (tokens.split_answer)
     prompt_key: int = 0
     # set when it is served
@@ -52,7 +53,9 @@ class SimRequest:
     responses: Any = None  # /v1/responses: what its answer echoes and stores (responses_serving)
 
     def prompt_token_ids(self) -> list[int]:
-        return self.prompt_ids if self.prompt_ids is not None else T.text_token_ids(self.prompt_text)
+        return (
+            self.prompt_ids if self.prompt_ids is not None else T.text_token_ids(self.prompt_text, self.bytes_per_token)
+        )
 
 
 def validated(kind: str, body: dict) -> BaseModel:
@@ -89,12 +92,13 @@ def anthropic_prompt_text(messages: list, tools: Any, system: Any) -> str:
 def parse_request(kind: str, body: dict, cfg: SimConfig) -> SimRequest:
     r = validated(kind, body)
     check_served_model(r.model, cfg)
+    bpt = cfg.bytes_per_token
     if kind == "chat":
-        req = _chat_request(r, body)
+        req = _chat_request(r, body, bpt)
     elif kind == "completions":
-        req = _completion_request(r, body)
+        req = _completion_request(r, body, bpt)
     else:
-        req = _messages_request(r, body)
+        req = _messages_request(r, body, bpt)
         req.return_token_ids = cfg.messages_token_ids and bool(body.get("return_token_ids"))
     _apply_limits(req, r, cfg)
     if req.prompt_ids is not None:
@@ -105,15 +109,18 @@ def parse_request(kind: str, body: dict, cfg: SimConfig) -> SimRequest:
     return req
 
 
-def _new_request(r, body: dict, kind: str, prompt_text: str, prompt_tokens: int | None = None) -> SimRequest:
-    """The request with the fields every generating route reads; prompt_tokens defaults to the text's estimate."""
+def _new_request(
+    r, body: dict, kind: str, prompt_text: str, prompt_tokens: int | None = None, bpt: int = T.BYTES_PER_TOKEN
+) -> SimRequest:
+    """The request with the fields every generating route reads; prompt_tokens defaults to the text's count at
+    `bpt` bytes per token (SimConfig.bytes_per_token)."""
     kvp = r.kv_transfer_params
     return SimRequest(
         kind=kind,
         body=body,
         stream=bool(r.stream),
         prompt_text=prompt_text,
-        prompt_tokens=T.count_text_tokens(prompt_text) if prompt_tokens is None else prompt_tokens,
+        prompt_tokens=T.count_text_tokens(prompt_text, bpt) if prompt_tokens is None else prompt_tokens,
         max_tokens=0,
         n=1,
         stop=(),
@@ -122,6 +129,7 @@ def _new_request(r, body: dict, kind: str, prompt_text: str, prompt_tokens: int 
         ignore_eos=bool(r.ignore_eos),
         min_tokens=r.min_tokens,
         kv_transfer_params=kvp if isinstance(kvp, dict) else None,
+        bytes_per_token=bpt,
     )
 
 
@@ -133,8 +141,8 @@ def _openai_fields(req: SimRequest, r) -> None:
     req.return_token_ids = bool(r.return_token_ids)
 
 
-def _chat_request(r: ChatCompletionRequest, body: dict) -> SimRequest:
-    req = _new_request(r, body, "chat", T.render_chat_prompt(r.messages, tools=r.tools))
+def _chat_request(r: ChatCompletionRequest, body: dict, bpt: int) -> SimRequest:
+    req = _new_request(r, body, "chat", T.render_chat_prompt(r.messages, tools=r.tools), bpt=bpt)
     _openai_fields(req, r)
     req.logprobs = bool(r.logprobs)
     top = r.top_logprobs or 0
@@ -142,7 +150,7 @@ def _chat_request(r: ChatCompletionRequest, body: dict) -> SimRequest:
     return req
 
 
-def _completion_request(r: CompletionRequest, body: dict) -> SimRequest:
+def _completion_request(r: CompletionRequest, body: dict, bpt: int) -> SimRequest:
     prompt = r.prompt
     if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(x, int) for x in prompt):
         raise ApiError(
@@ -150,7 +158,8 @@ def _completion_request(r: CompletionRequest, body: dict) -> SimRequest:
         )
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
-    req = _new_request(r, body, "completions", T.completion_prompt_text(prompt), T.completion_prompt_tokens(prompt))
+    text, tokens = T.completion_prompt_text(prompt), T.completion_prompt_tokens(prompt, bpt)
+    req = _new_request(r, body, "completions", text, tokens, bpt)
     if isinstance(prompt, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
         req.prompt_ids = prompt
     _openai_fields(req, r)
@@ -160,8 +169,8 @@ def _completion_request(r: CompletionRequest, body: dict) -> SimRequest:
     return req
 
 
-def _messages_request(r: AnthropicMessagesRequest, body: dict) -> SimRequest:
-    req = _new_request(r, body, "messages", anthropic_prompt_text(r.messages, r.tools, r.system))
+def _messages_request(r: AnthropicMessagesRequest, body: dict, bpt: int) -> SimRequest:
+    req = _new_request(r, body, "messages", anthropic_prompt_text(r.messages, r.tools, r.system), bpt=bpt)
     req.stop = r.stop_sequences
     req.tool_choice = r.tool_choice
     req.tools = [t for t in (r.tools or []) if isinstance(t, dict)]

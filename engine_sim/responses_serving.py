@@ -87,7 +87,8 @@ def parse(sim: SimServer, body: dict) -> SimRequest:
             raise not_found(r.previous_response_id)
         messages = list(prev.messages)
     messages += input_messages(r.input)
-    req = _new_request(r, body, "responses", T.render_chat_prompt(messages, tools=r.tools, system=r.instructions))
+    text = T.render_chat_prompt(messages, tools=r.tools, system=r.instructions)
+    req = _new_request(r, body, "responses", text, bpt=sim.cfg.bytes_per_token)
     req.stop = r.stop
     req.include_usage = False
     P, L = req.prompt_tokens, sim.cfg.max_model_len

@@ -2,8 +2,9 @@
 
 Pure functions, no I/O, no dependencies beyond the standard library:
 
-* ``count_text_tokens(text)``: the token estimate used everywhere in the sim:
-  ``ceil(len(text.encode("utf-8")) / 4)``, and 0 for the empty string.
+* ``count_text_tokens(text, bytes_per_token=4)``: the token count used everywhere in the sim:
+  ``ceil(len(text.encode("utf-8")) / bytes_per_token)``, and 0 for the empty string. ``bytes_per_token`` is the
+  server's tokenizer (SimConfig.bytes_per_token); prompt ids and prefix-cache blocks follow it.
 * ``render_chat_prompt(messages, tools=None, system=None)``: a ChatML-like template
   (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, ``<|im_start|>assistant\\n`` last).
   ``content`` may be a string or a list of parts (OpenAI ``text``/``image_url`` parts, Anthropic
@@ -125,12 +126,12 @@ WORDS = [
 _NWORDS = len(WORDS)
 
 
-def count_text_tokens(text: str) -> int:
-    """ceil(utf-8 bytes / 4); at least 1 for a non-empty string, 0 for ''."""
+def count_text_tokens(text: str, bytes_per_token: int = BYTES_PER_TOKEN) -> int:
+    """ceil(utf-8 bytes / bytes_per_token); at least 1 for a non-empty string, 0 for ''."""
     if not text:
         return 0
     n = len(text.encode("utf-8"))
-    return (n + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
+    return (n + bytes_per_token - 1) // bytes_per_token
 
 
 def _part_text(part: Any) -> str:
@@ -211,11 +212,11 @@ WORD_TOKEN_BASE = 100  # word ids are 100..100+len(WORDS)-1; prompt chunk ids ar
 _WORD_INDEX = {w: i for i, w in enumerate(WORDS)}
 
 
-def text_token_ids(text: str) -> list[int]:
-    """A text's ids: one per 4-byte chunk of its UTF-8 (so len(ids) == count_text_tokens(text))."""
+def text_token_ids(text: str, bytes_per_token: int = BYTES_PER_TOKEN) -> list[int]:
+    """A text's ids: one per chunk of bytes_per_token bytes of its UTF-8 (so len(ids) == count_text_tokens(text))."""
     data = text.encode("utf-8", "surrogatepass")
     return [
-        int.from_bytes(b"\x01" + data[i : i + BYTES_PER_TOKEN], "big") for i in range(0, len(data), BYTES_PER_TOKEN)
+        int.from_bytes(b"\x01" + data[i : i + bytes_per_token], "big") for i in range(0, len(data), bytes_per_token)
     ]
 
 
@@ -246,14 +247,14 @@ def split_answer(ids: Sequence[int]) -> tuple[Sequence[int], int]:
     return ids[:n], len(ids) - n
 
 
-def completion_prompt_tokens(prompt: Any) -> int:
+def completion_prompt_tokens(prompt: Any, bytes_per_token: int = BYTES_PER_TOKEN) -> int:
     if isinstance(prompt, str):
-        return count_text_tokens(prompt)
+        return count_text_tokens(prompt, bytes_per_token)
     if isinstance(prompt, list):
         if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
             return len(prompt)
-        return sum(completion_prompt_tokens(x) for x in prompt)
-    return count_text_tokens(str(prompt))
+        return sum(completion_prompt_tokens(x, bytes_per_token) for x in prompt)
+    return count_text_tokens(str(prompt), bytes_per_token)
 
 
 # --------------------------------------------------------------------------- generation
@@ -342,10 +343,10 @@ def generate(
     return tuple(pieces), acc, finish, stop_reason, tuple(ids)
 
 
-def block_hashes(text: str, block_tokens: int = 16) -> list:
-    """Chained hashes of full blocks of the prompt (block = block_tokens * 4 utf-8 bytes)."""
+def block_hashes(text: str, block_tokens: int = 16, bytes_per_token: int = BYTES_PER_TOKEN) -> list:
+    """Chained hashes of full blocks of the prompt (block = block_tokens * bytes_per_token utf-8 bytes)."""
     data = text.encode("utf-8")
-    step = block_tokens * BYTES_PER_TOKEN
+    step = block_tokens * bytes_per_token
     out, prev = [], b""
     for off in range(0, len(data) - step + 1, step):
         prev = hashlib.blake2b(prev + data[off : off + step], digest_size=12).digest()
