@@ -70,6 +70,7 @@ class JobInfo:
     slo_ttft_ms: float
     slo_tpot_ms: float
     block_hashes: list[int] = field(default_factory=list)
+    prompt_bytes: int = 0  # its rendering's length, when an engine's count of it may calibrate the meter (else 0)
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
     arrived: float = field(default_factory=lambda: clock.now())
     cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)

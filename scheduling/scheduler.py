@@ -101,6 +101,10 @@ class Leg:
     def lease(self) -> Lease:
         return self.scheduler.lease(self.target, self.job, self.kind, self.learn)
 
+    def calibrate(self, prompt_tokens: int) -> None:
+        """The engine counted the request's prompt (`engine_prompt`; -1: it did not say): the model's meter learns."""
+        self.scheduler.calibrate(self.job.model, self.job.prompt_bytes, prompt_tokens)
+
     def hold(self) -> Hold:
         return self.scheduler.hold(self.target)
 
@@ -185,7 +189,16 @@ class Scheduler:
     def prepare(self, job: JobInfo, kind: str, body: dict) -> None:
         """Count the prompt (exactly where a tokenizer is configured) and hash its blocks (the policy uses them)."""
         hashes = self.policy.uses_prefix and self.index is not None
-        job.prompt_tokens, job.block_hashes = self.meter(job.model).measure(kind, body, hashes)
+        job.prompt_tokens, job.block_hashes, job.prompt_bytes = self.meter(job.model).count(kind, body, hashes)
+
+    def calibrate(self, model: str, prompt_bytes: int, prompt_tokens: int) -> None:
+        """An engine counted `prompt_tokens` for a prompt of `model` that `prepare` measured at `prompt_bytes`
+        (JobInfo.prompt_bytes; 0: it cannot teach): the model's meter learns its tokens per byte from it.
+        Per worker: each worker's (and each replica's) meters learn from the requests it serves."""
+        if prompt_bytes and prompt_tokens > 0:
+            meter = self.meters.get(model)
+            if meter is not None:
+                meter.calibrate(prompt_bytes, prompt_tokens)
 
     # -- admission -------------------------------------------------------------------------------
 

@@ -7,12 +7,35 @@ Two ways to count, chosen per model:
   template (`chat_template` of the `tokenizer_config.json` beside it, or `chat_template.jinja`), through
   jinja2 with the helpers transformers gives templates, with the generation prompt added, and encoded
   without added special tokens, which is what vLLM does for chat. Completions prompts are encoded with
-  special tokens, as vLLM does. A prompt over EXACT_MAX_BYTES (4 KiB) is estimated at the tokens per byte
-  the exact counts found: encoding holds the event loop about 1 ms per KiB.
+  special tokens, as vLLM does. A prompt over EXACT_MAX_BYTES (4 KiB) is estimated at the model's
+  calibrated tokens per byte (below): encoding holds the event loop about 1 ms per KiB.
 * **estimate** (no tokenizer, or it cannot be loaded): the prompt is rendered with a ChatML template
   (tools as a leading system block, the system prompt, every message, the opened assistant turn: the
-  layout of Qwen-style templates and of engine_sim) and counted as one token per 4 UTF-8 bytes, which
-  tracks BPE tokenizers on English text within about 25 %. An image counts 64 tokens.
+  layout of Qwen-style templates and of engine_sim) and counted at the model's calibrated tokens per byte
+  of that rendering, one token per 4 UTF-8 bytes until calibrated. An image counts 64 tokens.
+
+**Calibration.** An estimate is one multiply: the rendering's bytes times the meter's `tokens_per_byte`.
+Each meter learns that ratio from the engines' own counts: when an engine's usage arrives with the
+prompt's tokens (P's answer in a PD handoff, a whole request's or a decode-alone request's JSON answer;
+`engine_prompt` reads OpenAI, Responses and Anthropic usage), the scheduler's `calibrate` hands the meter
+the bytes it measured for that prompt and the engine's count, a few arithmetic operations off the
+per-KiB path. A TokenizerMeter also learns from its own exact counts of prompts up to EXACT_MAX_BYTES.
+Each count moves the ratio LEARN_WEIGHT of the way to the count's own ratio, clamped to
+[MIN_TOKENS_PER_BYTE, MAX_TOKENS_PER_BYTE] so that one odd engine cannot poison it; a count within a
+token of the estimate teaches nothing (it is right, to rounding). From 1/4 to a tokenizer's 1/3, the
+estimate is within 5 % after 16 counts (tests/test_scheduling.py). Only text prompts of at least
+LEARN_MIN_BYTES teach: not token-id prompts, not prompts with images or other media (their placeholder is a
+guess), not those the engine truncates or renders with the request's own template (`count`'s third value
+is 0 for them), and not a Responses request that continues a stored one (the engine's prompt holds the
+stored conversation). Streams served whole teach nothing: their usage is relayed unparsed. Each worker,
+and each replica, learns on its own, from the requests it serves.
+
+Accuracy against exact counts (docs/performance.md, "Long prompts"; measured once): chat prompts of 8 KiB to
+1 MiB cut from this repository's Python and docs, the e2e model's 4,096-token BPE. The fixed 1/4 was 30-45 %
+low; calibrated on 40 other prompts of that kind it is within 4 % at 128 KiB and up (-0.0 to +3.6 %), on
+mixed code and English traffic within 7 % (-2.3 to +6.8 %). A shorter prompt's own text can be denser than
+the model's mean: at 8 and 32 KiB an English cut (a table-heavy passage) was 15 and 6.6 % low, code 5.0 and
+2.7 %.
 
 Every request of a prompt route is counted once, by its model's meter, before it is planned; the
 count is what the request line and metrics report when the engine's answer carries no usage.
@@ -35,17 +58,21 @@ import os
 import zlib
 from array import array
 from bisect import bisect_right
+from itertools import repeat
 
 log = logging.getLogger("coordinator.tokens")
 
 BYTES_PER_TOKEN = 4
 # tokenizers' encode holds the GIL, so it runs on the event loop whatever thread calls it: about 1 ms per KiB
 # for the e2e model's byte-level BPE on these CPUs (a 1 MiB prompt held the loop a second). A prompt longer than
-# this is estimated instead, at the tokens per byte that the meter's exact counts of shorter prompts found
-# (weighted LEARN_WEIGHT each, from prompts of LEARN_MIN_BYTES up), so the loop is held about 4 ms at most.
+# this is estimated instead, at the calibrated tokens per byte, so the loop is held about 4 ms at most.
 EXACT_MAX_BYTES = 4096
+# Calibration: counts (exact ones, the engines') of prompts of LEARN_MIN_BYTES up move the tokens per byte
+# LEARN_WEIGHT of the way to theirs, each count's ratio clamped to this range (byte-level BPE gives at most a
+# token per byte; 16 bytes a token is beyond what vocabularies merge, outside runs of one character).
 LEARN_MIN_BYTES = 256
 LEARN_WEIGHT = 0.1
+MIN_TOKENS_PER_BYTE, MAX_TOKENS_PER_BYTE = 1 / 16, 1.0
 IMAGE_TOKENS = 64
 IMAGE_PLACEHOLDER = "<|image|>" + "#" * (IMAGE_TOKENS * BYTES_PER_TOKEN - len("<|image|>"))
 
@@ -190,40 +217,69 @@ def _ids_bytes(ids: list[int]) -> bytes:
 
 
 class PromptMeter:
-    """Counts a request's prompt tokens and hashes its prefix blocks the way one model's engine sees them."""
+    """Counts a request's prompt tokens and hashes its prefix blocks the way one model's engine sees them.
+
+    `tokens_per_byte` is calibrated from the engines' counts (`calibrate`), in each worker on its own."""
 
     exact = False
 
     def __init__(self, block_tokens: int = 16):
         self.block_tokens = block_tokens
+        self.tokens_per_byte = 1 / BYTES_PER_TOKEN  # until counts say otherwise
 
     def measure(self, kind: str, body: dict, hashes: bool = True) -> tuple[int, list[int]]:
         """(prompt tokens, chained block hashes; empty unless `hashes`)."""
+        tokens, block_hashes, _ = self.count(kind, body, hashes)
+        return tokens, block_hashes
+
+    def count(self, kind: str, body: dict, hashes: bool = True) -> tuple[int, list[int], int]:
+        """(prompt tokens, chained block hashes, learnable bytes): the last is the byte length of the prompt's
+        rendering when an engine's count of this prompt may teach the meter (`calibrate`), else 0."""
         if kind == COMPLETION:
             prompt = body.get("prompt")
             ids = _token_list(prompt)
             if ids is not None:
-                return len(ids), chained_hashes(_ids_bytes(ids), self.block_tokens * 4) if hashes else []
-            return self._text(completion_text(prompt), hashes, special=True)
+                return len(ids), chained_hashes(_ids_bytes(ids), self.block_tokens * 4) if hashes else [], 0
+            learnable = isinstance(prompt, str) and body.get("truncate_prompt_tokens") is None
+            return self._text(completion_text(prompt), hashes, True, learnable)
         messages, tools, system = _chat_parts(kind, body)
-        return self._chat(messages, tools, system, hashes)
+        return self._chat(messages, tools, system, hashes, _template_as_ours(body))
 
-    def _chat(self, messages: list, tools: object, system: object, hashes: bool) -> tuple[int, list[int]]:
-        return self._text(render_chatml(messages, tools, system), hashes, special=False)
+    def calibrate(self, prompt_bytes: int, prompt_tokens: int) -> None:
+        """An engine counted `prompt_tokens` for a prompt whose rendering measured `prompt_bytes` (`count`'s
+        learnable bytes; 0: it cannot teach). A few arithmetic operations: it runs when usage arrives."""
+        if prompt_bytes >= LEARN_MIN_BYTES and prompt_tokens > 0:
+            self._learn(prompt_bytes, prompt_tokens)
+
+    def _learn(self, prompt_bytes: int, prompt_tokens: int) -> None:
+        tpb = self.tokens_per_byte
+        if abs(prompt_tokens - prompt_bytes * tpb) <= 1.0:  # right to rounding: an engine that rounds up stays put
+            return
+        ratio = min(max(prompt_tokens / prompt_bytes, MIN_TOKENS_PER_BYTE), MAX_TOKENS_PER_BYTE)
+        self.tokens_per_byte = tpb + LEARN_WEIGHT * (ratio - tpb)
+
+    def _chat(
+        self, messages: list, tools: object, system: object, hashes: bool, learnable: bool
+    ) -> tuple[int, list[int], int]:
+        data = render_chatml(messages, tools, system).encode("utf-8", "ignore")
+        return self._estimated(data, hashes, _learn_bytes(len(data), learnable, messages, system))
 
     def _block_hashes(self, data: bytes, hashes: bool) -> list[int]:
         """The prefix hashes of a prompt's text (its ChatML rendering, a completion's text); [] unless `hashes`."""
         return chained_hashes(data, self.block_tokens * BYTES_PER_TOKEN) if hashes else []
 
-    def _text(self, text: str, hashes: bool, special: bool) -> tuple[int, list[int]]:
+    def _text(self, text: str, hashes: bool, special: bool, learnable: bool) -> tuple[int, list[int], int]:
         data = text.encode("utf-8", "ignore")
-        tokens = (len(data) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
-        return tokens, self._block_hashes(data, hashes)
+        return self._estimated(data, hashes, len(data) if learnable and len(data) >= LEARN_MIN_BYTES else 0)
+
+    def _estimated(self, data: bytes, hashes: bool, learn: int) -> tuple[int, list[int], int]:
+        """The estimate: one multiply (ceil(n / 4) exactly while uncalibrated)."""
+        return math.ceil(len(data) * self.tokens_per_byte), self._block_hashes(data, hashes), learn
 
 
 class TokenizerMeter(PromptMeter):
     """Exact counts from a local tokenizer.json and the model's chat template, up to EXACT_MAX_BYTES of prompt;
-    longer prompts at the tokens per byte the exact counts found (`tokens_per_byte`)."""
+    longer prompts at the calibrated tokens per byte, which its exact counts teach too."""
 
     exact = True
 
@@ -246,13 +302,15 @@ class TokenizerMeter(PromptMeter):
                 source = f.read()
         self.template = _compile_template(source) if isinstance(source, str) and source else None
         self.specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        self.tokens_per_byte = 1 / BYTES_PER_TOKEN  # until exact counts say otherwise
 
-    def _chat(self, messages: list, tools: object, system: object, hashes: bool) -> tuple[int, list[int]]:
+    def _chat(
+        self, messages: list, tools: object, system: object, hashes: bool, learnable: bool
+    ) -> tuple[int, list[int], int]:
         chatml = render_chatml(messages, tools, system)
         data = chatml.encode("utf-8", "ignore")
+        learn = _learn_bytes(len(data), learnable, messages, system)
         if len(data) > EXACT_MAX_BYTES:
-            return self._estimated(data, hashes)
+            return self._estimated(data, hashes, learn)
         text = chatml
         if self.template is not None:
             msgs = [{"role": "system", "content": content_text(system)}] if system else []
@@ -263,23 +321,60 @@ class TokenizerMeter(PromptMeter):
                 text = self.template.render(messages=msgs, tools=tools, add_generation_prompt=True, **self.specials)
             except Exception as e:  # a template that rejects this conversation: count it the generic way
                 log.debug("chat template failed (%s); counting the ChatML rendering", e)
-        return self._counted(data, self.tokenizer.encode(text, add_special_tokens=False).ids, hashes)
+        return self._counted(data, self.tokenizer.encode(text, add_special_tokens=False).ids, hashes, learn)
 
-    def _text(self, text: str, hashes: bool, special: bool) -> tuple[int, list[int]]:
+    def _text(self, text: str, hashes: bool, special: bool, learnable: bool) -> tuple[int, list[int], int]:
         data = text.encode("utf-8", "ignore")
+        learn = len(data) if learnable and len(data) >= LEARN_MIN_BYTES else 0
         if len(data) > EXACT_MAX_BYTES:
-            return self._estimated(data, hashes)
-        return self._counted(data, self.tokenizer.encode(text, add_special_tokens=special).ids, hashes)
+            return self._estimated(data, hashes, learn)
+        return self._counted(data, self.tokenizer.encode(text, add_special_tokens=special).ids, hashes, learn)
 
-    def _counted(self, data: bytes, ids: list[int], hashes: bool) -> tuple[int, list[int]]:
-        """An exact count, which teaches the estimate of longer prompts their tokens per byte."""
-        if len(data) >= LEARN_MIN_BYTES:
-            self.tokens_per_byte += LEARN_WEIGHT * (len(ids) / len(data) - self.tokens_per_byte)
-        return len(ids), self._block_hashes(data, hashes)
+    def _counted(self, data: bytes, ids: list[int], hashes: bool, learn: int) -> tuple[int, list[int], int]:
+        """An exact count, which calibrates the estimate of longer prompts."""
+        if learn:
+            self._learn(learn, len(ids))
+        return len(ids), self._block_hashes(data, hashes), learn
 
-    def _estimated(self, data: bytes, hashes: bool) -> tuple[int, list[int]]:
-        tokens = math.ceil(len(data) * self.tokens_per_byte)
-        return tokens, self._block_hashes(data, hashes)
+
+# Parts whose rendering is the text the engine reads; any other (an image, audio, a file) stands in a guess.
+_TEXT_PARTS = frozenset(("text", "input_text", "output_text", "thinking", "redacted_thinking", "tool_use"))
+
+
+def _text_only(content: object) -> bool:
+    """Is this message content text alone (no image, audio or file part, at any depth of tool results)?"""
+    if content is None or isinstance(content, str):
+        return True
+    for part in content if isinstance(content, list) else (content,):
+        if isinstance(part, dict):
+            kind = part.get("type")
+            if kind == "tool_result":
+                if not _text_only(part.get("content")):
+                    return False
+            elif kind not in _TEXT_PARTS:
+                return False
+    return True
+
+
+_PLAIN_CONTENT = frozenset((str, type(None)))
+
+
+def _learn_bytes(length: int, learnable: bool, messages: list, system: object) -> int:
+    """A chat prompt's rendered length when its engine count may calibrate the meter, else 0 (too short, the
+    request's own template, a part that is not text). Looks at the parts only of prompts long enough to teach."""
+    if length < LEARN_MIN_BYTES or not learnable or not _text_only(system):
+        return 0
+    # Most long prompts' messages are strings: one pass in C says so (30 µs for 588 messages, a third of a loop's).
+    if not set(map(type, map(dict.get, messages, repeat("content")))) <= _PLAIN_CONTENT and not all(
+        _text_only(m.get("content")) for m in messages
+    ):
+        return 0
+    return length
+
+
+def _template_as_ours(body: dict) -> bool:
+    """The engine renders this chat with the model's template (no `chat_template` of the request's own)."""
+    return body.get("chat_template") is None
 
 
 def _read_json(path: str) -> dict:
@@ -330,6 +425,27 @@ def make_meter(tokenizer_path: str, block_tokens: int = 16) -> PromptMeter:
         except Exception as e:
             log.warning("tokenizer %s could not be loaded (%s): estimating token counts", tokenizer_path, e)
     return PromptMeter(block_tokens)
+
+
+def engine_prompt(usage: object) -> int:
+    """The prompt's tokens as an engine counted them, cached ones included, from its OpenAI (`prompt_tokens`),
+    Responses (`input_tokens` with its details) or Anthropic usage (`input_tokens` plus the cache reads and
+    writes it leaves out); -1 when absent. What `calibrate` is told."""
+    if not isinstance(usage, dict):
+        return -1
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int):
+        return prompt
+    prompt = usage.get("input_tokens")
+    if not isinstance(prompt, int):
+        return -1
+    if isinstance(usage.get("input_tokens_details"), dict):  # a Responses usage: input_tokens is the whole prompt
+        return prompt
+    for key in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+        extra = usage.get(key)
+        if isinstance(extra, int) and extra > 0:
+            prompt += extra
+    return prompt
 
 
 def engine_uncached(usage: object) -> int:
