@@ -19,7 +19,7 @@ from errors import ANTHROPIC, EngineStatusError, UpstreamError, UpstreamProtocol
 from scheduling.ledger import DECODE, PREFILL, Lease
 from scheduling.registry import Target
 from scheduling.scheduler import Leg, Plan
-from scheduling.tokens import engine_uncached
+from scheduling.tokens import engine_prompt, engine_uncached
 from serving.call import Call, Sink, Upstream
 from serving.job import Job
 from serving.legs import decode_leg, prefill_leg
@@ -50,7 +50,9 @@ class PrefillCall(Call[dict]):
             resp = self.parsed(data)
             if not isinstance(resp, dict):
                 raise UpstreamProtocolError("prefill engine answered a non-object", detail=t.url)
-            lease.succeed(engine_uncached(resp.get("usage")))
+            usage = resp.get("usage")
+            lease.succeed(engine_uncached(usage))
+            self.leg.calibrate(engine_prompt(usage))  # P counted the whole prompt: the model's estimate learns
         finally:
             lease.release()
         return resp
@@ -83,6 +85,9 @@ class DecodeCall(Call[None]):
     def answer(self, data: bytes, lease: Lease) -> None:
         resp = self.parsed(data)
         lease.succeed()
+        fix = self.fix
+        if fix.p_usage is None and fix.usages is None and isinstance(resp, dict):  # D computed the prompt itself
+            self.leg.calibrate(engine_prompt(resp.get("usage")))
         self.sink.json(200, dumps(self.fix.response(resp)) if isinstance(resp, dict) else data)
 
     def failed(self, err: UpstreamError) -> None:

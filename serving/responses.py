@@ -56,6 +56,7 @@ class StoredResponses:
     def continue_on(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """A follow-up turn: the whole request on the engine that holds the previous response."""
         target = self.home(job.request.previous_response_id, "previous_response_id")
+        info.prompt_bytes = 0  # the engine's prompt holds the stored conversation too: its count teaches nothing
         call = WholeCall(self.up, job, self.scheduler.pin(target, info, learn=job.stream), sink, rec, job.raw)
         return self.recorded(job, target, self.retries.run(call), rec)
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
+from errors import ANTHROPIC
 from scheduling.ledger import Lease
 from serving.call import Call
 from serving.relay import relay
+from serving.usage import answer_prompt_tokens
 
 
 class WholeCall(Call[None]):
@@ -22,6 +24,7 @@ class WholeCall(Call[None]):
 
     def answer(self, data: bytes, lease: Lease) -> None:
         lease.succeed()  # the prefix is cached there now, and the prefill was done by now
+        self.leg.calibrate(answer_prompt_tokens(data, self.job.api == ANTHROPIC))  # the model's estimate learns
         self.sink.json(200, data)
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from serving.usage import EventSplitter, fix_event, fix_events
+from serving.usage import EventSplitter, answer_prompt_tokens, fix_event, fix_events
 
 P_USAGE = {
     "prompt_tokens": 40,
@@ -88,3 +88,23 @@ def test_splitter_keeps_partial_events_for_the_next_chunk():
     assert b"".join(blocks) == stream.replace(b"\r\n", b"\n")
     lf = stream.replace(b"\r\n", b"\n")
     assert splitter.complete(lf) is lf  # whole LF-framed events: passed on as they are
+
+
+def test_answer_prompt_tokens_reads_a_json_answers_usage_from_its_bytes():
+    """The prompt count calibration takes from a whole request's answer, found from the end without parsing:
+    a key inside the text (its quotes escaped) is not the usage's."""
+    chat = (
+        b'{"choices":[{"message":{"content":"say \\"prompt_tokens\\": 7"}}],'
+        b'"usage":{"prompt_tokens":40,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":16}}}'
+    )
+    assert json.loads(chat)["usage"]["prompt_tokens"] == 40
+    assert answer_prompt_tokens(chat, anthropic=False) == 40
+    responses = (
+        b'{"output":[],"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":16},"output_tokens":3}}'
+    )
+    assert answer_prompt_tokens(responses, anthropic=False) == 40
+    messages = b'{"content":[],"usage":{"input_tokens":4,"cache_read_input_tokens":32,"cache_creation_input_tokens":4}}'
+    assert answer_prompt_tokens(messages, anthropic=True) == 40
+    assert answer_prompt_tokens(b'{"usage":{"input_tokens":40,"output_tokens":3}}', anthropic=True) == 40
+    assert answer_prompt_tokens(b'{"choices":[]}', anthropic=False) == -1
+    assert answer_prompt_tokens(b'{"content":[]}', anthropic=True) == -1
