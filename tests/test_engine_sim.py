@@ -843,3 +843,27 @@ def _unreachable(url: str) -> bool:
     except httpx.HTTPError:
         return True
     return False
+
+
+def test_bytes_per_token_is_the_engines_tokenizer_everywhere(fresh):
+    """Another tokenizer (3 bytes a token): usage, count_tokens, the context check, the prompt's ids and the
+    prefix cache's blocks all count the prompt at its ratio."""
+    h = fresh(bytes_per_token=3, max_model_len=400, anthropic_cache_usage=True)
+    text = "abcdef" * 100  # 600 bytes: 200 tokens
+    r = httpx.post(
+        h.url + "/v1/completions", json={"model": "m", "prompt": text, "max_tokens": 2, "return_token_ids": True}
+    ).json()
+    assert r["usage"]["prompt_tokens"] == count_text_tokens(text, 3) == 200
+    assert (
+        len(r["choices"][0]["prompt_token_ids"]) == 200
+        and decode_token_ids(r["choices"][0]["prompt_token_ids"]) == text
+    )
+    again = httpx.post(h.url + "/v1/completions", json={"model": "m", "prompt": text, "max_tokens": 2}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 192  # 12 blocks of 16 tokens (48 bytes)
+    messages = [{"role": "user", "content": text}]
+    counted = anthropic.Anthropic(base_url=h.url, api_key="x").messages.count_tokens(model="m", messages=messages)
+    assert counted.input_tokens == count_text_tokens(render_chat_prompt(messages), 3)
+    r = httpx.post(
+        h.url + "/v1/completions", json={"model": "m", "prompt": "abc" * 401}
+    )  # 401 tokens (at 4 bytes a token 301: it would fit)
+    assert r.status_code == 400 and "maximum context length is 400 tokens" in r.json()["error"]["message"]
