@@ -16,6 +16,7 @@ a request whose client went away), so an exchange that ends early never returns 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ssl
 from collections.abc import AsyncIterator, Awaitable
 from contextvars import ContextVar
@@ -244,7 +245,8 @@ class _Connection(asyncio.Protocol):
     def _arm(self, at: float) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        self.timer, self.timer_at = self.loop.call_at(at, self._on_timer, at), at
+        # An empty context, not the request's: the timer stays armed in the pool (see _connect).
+        self.timer, self.timer_at = self.loop.call_at(at, self._on_timer, at, context=contextvars.Context()), at
 
     def _disarm(self) -> None:
         if self.timer is not None:
@@ -384,10 +386,12 @@ class EngineClient:
         if tls and self._tls is None:
             self._tls = ssl.create_default_context()
         try:
+            # Made in an empty context: a transport keeps the context it was made in (uvloop's runs its protocol's
+            # callbacks in it), and the request's holds Sanic's current request, whose body may be a prompt of
+            # megabytes, for as long as the connection is pooled.
+            made = loop.create_connection(lambda: _Connection(self, origin), host, port, ssl=self._tls if tls else None)
             async with asyncio.timeout_at(min(deadline, now + self.s.connect_timeout_s)):
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(self, origin), host, port, ssl=self._tls if tls else None
-                )
+                _, conn = await loop.create_task(made, context=contextvars.Context())
         except TimeoutError:
             raise UpstreamTimeout("engine timed out (connect)", detail=url) from None
         except OSError as e:

@@ -45,7 +45,10 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes") from None
     except SanicBadRequest as e:
         raise InvalidRequest(f"unreadable request body: {e}") from None
-    return request.body or b""
+    # The caller's reference is the only one: Sanic keeps a connection's last request until the next one's head,
+    # and a prompt of megabytes would stay with it on every idle keep-alive connection.
+    raw, request.body = request.body or b"", b""
+    return raw
 
 
 def slo_header(request: Request, name: str) -> float:

@@ -10,14 +10,18 @@ The https ones serve a certificate for 127.0.0.1 that a throwaway CA, made per m
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
+import gc
 import hashlib
 import random
 import socket
 import ssl
+import weakref
 from collections.abc import Awaitable, Callable
 
 import pytest
+import uvloop
 
 from config import Settings
 from engines import MAX_ERROR_BODY, MAX_HEAD, STREAM_BUFFER, EngineClient
@@ -658,6 +662,51 @@ def test_request_line_headers_and_body(size):
             assert got == body
 
     run(scenario)
+
+
+@pytest.mark.parametrize("size", [len(BODY), 100_000], ids=["small", "large"])
+def test_a_body_in_parts_is_sent_as_their_bytes_in_turn(size):
+    """A leg's body is the client's bytes (a view of them) beside its changes: one body, one Content-Length."""
+    whole = (BODY * (size // len(BODY) + 1))[:size]
+    parts = (whole[:10], memoryview(whole)[10 : size - 1], whole[size - 1 :])
+
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY))) as (srv, client):
+            assert await client.post(srv.url, parts, RID, timeout_s=2.0) == (200, OK_BODY)
+            [(head, got)] = srv.requests
+            assert parse_head(head)[1]["content-length"] == str(size) and got == whole
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_pooled_connection_keeps_nothing_of_the_request_that_used_it(loop):
+    """Sanic's current request (and its body, a prompt of megabytes) is in the context of every task of its
+    handler: a connection's timer, which stays armed in the pool, must not hold that context."""
+    request = contextvars.ContextVar("request")
+
+    class Prompt:
+        pass
+
+    async def scenario():
+        async with Engine(serve_each(response(OK_BODY))) as (srv, client):
+
+            async def handler() -> weakref.ref:
+                prompt = Prompt()
+                request.set(prompt)
+                assert await post(client, srv.url) == (200, OK_BODY)
+                return weakref.ref(prompt)
+
+            held = await asyncio.get_running_loop().create_task(handler(), context=contextvars.Context())
+            assert pooled(client, srv) == 1  # its timer armed for a later wait
+            await asyncio.sleep(0)  # (the loop lets go of the handle that woke this task)
+            gc.collect()
+            assert held() is None
+
+    if loop == "uvloop":  # the workers' loop: its transports keep the context they were made in
+        uvloop.run(asyncio.wait_for(scenario(), SCENARIO_LIMIT_S))
+    else:
+        run(scenario)
 
 
 def test_get_sends_no_body_and_returns_any_status():
