@@ -154,6 +154,27 @@ def test_one_short_wrk_cell(bench_cluster):
     assert overhead.peak_rss_mb(gw.worker_pids())[0] > 10
 
 
+@pytest.mark.skipif(
+    not all(shutil.which(t) for t in ("wrk", "gcc")), reason="needs wrk and gcc (apt-get install -y wrk gcc)"
+)
+def test_the_memory_bench_reports_a_workers_growth_over_its_bytes_in_flight():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "memory.py"), "--kib", "64", "--connections", "4"]
+        + ["--duration", "1", "--cells", "pd_chat,messages", "--no-router"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| coordinator |")]
+    assert [r[1].strip() for r in rows] == ["pd_chat", "messages"], proc.stdout
+    for _, _, idle, peak, growth, requests, errors in rows:
+        assert 10 < float(idle) <= float(peak), rows
+        assert math.isfinite(float(growth.strip().rstrip("x"))), rows
+        assert int(requests) > 0 and int(errors) == 0, rows
+
+
 def test_pick_bench_times_every_policy_on_every_cluster(tmp_path):
     out = tmp_path / "pick.json"
     proc = subprocess.run(
