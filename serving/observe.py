@@ -57,6 +57,21 @@ def _last_int(body: bytes, keys: tuple[bytes, ...]) -> int | None:
     return None
 
 
+_CACHE_KEYS = (b'"cache_read_input_tokens":', b'"cache_creation_input_tokens":')
+
+
+def answer_prompt_tokens(body: bytes, anthropic: bool) -> int:
+    """The prompt tokens, cached ones included, that an engine's JSON answer reports (scheduling.tokens'
+    `engine_prompt`, read from the bytes); -1 when absent. OpenAI's `prompt_tokens`, else a Responses answer's
+    `input_tokens`; Anthropic's `input_tokens` with the cache reads and writes it leaves out."""
+    prompt = _last_int(body, _INPUT_KEYS[1:] if anthropic else _INPUT_KEYS)
+    if prompt is None:
+        return -1
+    if anthropic:
+        prompt += sum(_last_int(body, (key,)) or 0 for key in _CACHE_KEYS)
+    return prompt
+
+
 # How a request was placed: a P/D pair, the pair's decode instance alone (it computed the prompt: conditional
 # disaggregation, or a request the handoff cannot serve), or one instance whole (union, fallback).
 PD, DECODE_ALONE, WHOLE_PLACEMENT = PLACEMENTS = ("pd", "decode_alone", "whole")

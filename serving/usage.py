@@ -11,7 +11,6 @@ every other byte is relayed as it came.
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from collections.abc import Callable
 
@@ -24,33 +23,6 @@ from state.shared import PREFILL_USAGE_FIELDS, PREFILL_USAGE_SLOTS, SharedState
 def prefill_usage(p_response: dict) -> dict | None:
     usage = p_response.get("usage")
     return usage if isinstance(usage, dict) else None
-
-
-_PROMPT_KEY, _INPUT_KEY = b'"prompt_tokens":', b'"input_tokens":'
-_CACHE_KEYS = (b'"cache_read_input_tokens":', b'"cache_creation_input_tokens":')
-_INT = re.compile(rb"\s*(\d+)")
-
-
-def _last_int(body: bytes, key: bytes) -> int:
-    i = body.rfind(key)  # a key inside a string has its quotes escaped: only the usage object's matches
-    m = _INT.match(body, i + len(key)) if i >= 0 else None
-    return int(m.group(1)) if m else -1
-
-
-def answer_prompt_tokens(body: bytes, anthropic: bool) -> int:
-    """The prompt tokens, cached ones included, that an engine's JSON answer reports (scheduling.tokens'
-    `engine_prompt`, read from the bytes without parsing them: usage comes last); -1 when absent. OpenAI's
-    `prompt_tokens`, else a Responses answer's `input_tokens`; Anthropic's `input_tokens` with the cache reads
-    and writes it leaves out."""
-    if not anthropic:
-        prompt = _last_int(body, _PROMPT_KEY)
-        return prompt if prompt >= 0 else _last_int(body, _INPUT_KEY)
-    prompt = _last_int(body, _INPUT_KEY)
-    if prompt < 0:
-        return -1
-    for key in _CACHE_KEYS:
-        prompt += max(_last_int(body, key), 0)
-    return prompt
 
 
 # What a trigger-mode decode reports when P's usage is not found: D's prompt count, and none of it cached

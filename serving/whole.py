@@ -7,8 +7,8 @@ from collections.abc import Awaitable
 from errors import ANTHROPIC
 from scheduling.ledger import Lease
 from serving.call import Call
+from serving.observe import answer_prompt_tokens
 from serving.relay import relay
-from serving.usage import answer_prompt_tokens
 
 
 class WholeCall(Call[None]):

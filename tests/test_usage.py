@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from serving.usage import EventSplitter, answer_prompt_tokens, fix_event, fix_events
+from serving.observe import answer_prompt_tokens
+from serving.usage import EventSplitter, fix_event, fix_events
 
 P_USAGE = {
     "prompt_tokens": 40,
