@@ -2,6 +2,7 @@
 
     python bench/memory.py                      # 1024 KiB, 32 connections, chat / PD chat / PD chat streamed
     python bench/memory.py --kib 256 --connections 64 --cells chat,messages --duration 8
+    python bench/memory.py --tree-also /tmp/prev --no-router   # beside an earlier commit's worktree
 
 For each gateway (the Coordinator with 1 worker, and vllm-router 0.1.17 when installed) and each cell, a fresh
 gateway process (peak RSS is a process's high-water mark) is warmed with tiny requests, its idle RSS read, then
@@ -65,11 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=5, help="seconds of load per cell (default 5)")
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--no-router", action="store_true", help="skip vllm-router even when installed")
+    ap.add_argument(
+        "--tree-also", metavar="DIR", help="one more Coordinator from this source tree (a `git worktree` of a commit)"
+    )
     opts = ap.parse_args(argv)
     cells = [c for c in opts.cells.split(",") if c]
     workdir = tempfile.mkdtemp(prefix="motor-memory-")
     exe = overhead.build_fake(workdir)
     gateways = [("coordinator", lambda e: overhead.Coordinator(e, 1, "INFO", GW_CORES, workdir))]
+    if opts.tree_also:
+        label = f"coordinator {overhead.tree_label(opts.tree_also)}"
+        tree = opts.tree_also
+        gateways.append((label, lambda e: overhead.Coordinator(e, 1, "INFO", GW_CORES, workdir, root=tree)))
     if not opts.no_router and shutil.which("vllm-router"):
         gateways.append(("vllm-router", lambda e: overhead.VllmRouter(e, GW_CORES, workdir)))
     print(f"{opts.connections} requests of {opts.kib} KiB in flight, {opts.duration:.0f} s per cell\n")
