@@ -85,8 +85,7 @@ class DecodeCall(Call[None]):
     def answer(self, data: bytes, lease: Lease) -> None:
         resp = self.parsed(data)
         lease.succeed()
-        fix = self.fix
-        if fix.p_usage is None and fix.usages is None and isinstance(resp, dict):  # D computed the prompt itself
+        if self.fix.own_counts and isinstance(resp, dict):  # D computed the prompt itself
             self.leg.calibrate(engine_prompt(resp.get("usage")))
         self.sink.json(200, dumps(self.fix.response(resp)) if isinstance(resp, dict) else data)
 

@@ -3,7 +3,9 @@
 It is the coroutine of one try itself (`Call.attempt` returns it), not a layer under one: every coroutine
 layer costs a loaded worker on each chunk's resumption. Only whole events go out: a keep-alive comment
 or an error event must never land inside one that the network cut in two. A decode leg's events pass
-through its `UsageFix` (P's counts in D's usage, P's ticket taken out); other streams pass as they came.
+through its `UsageFix` (P's counts in D's usage, P's ticket taken out); other streams pass as they came, and
+the first prompt count in their usage (a Messages stream's message_start, an OpenAI stream's usage chunk
+when the client asked for one, a Responses stream's response.completed) calibrates the model's estimate.
 The lease is released as soon as the engine's answer is whole, before the client has read the end of it
 (a slow reader holds its connection, not the engine: the sink bounds what waits for it), and otherwise in
 `finally`, so cancellation (a client disconnect: Sanic cancels the handler) and errors both give the
@@ -15,12 +17,12 @@ from __future__ import annotations
 
 import time
 
-from errors import UpstreamProtocolError
+from errors import ANTHROPIC, UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from serving.call import Call
 from serving.continuation import Continuation
 from serving.job import CHAT, COMPLETIONS, MESSAGES, RESPONSES
-from serving.observe import FINAL_USAGE_EVENT, RequestRecord
+from serving.observe import FINAL_USAGE_EVENT, RequestRecord, answer_prompt_tokens
 from serving.usage import EventSplitter, UsageFix
 
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the engine is silent, and proxies and clients must not time out
@@ -43,6 +45,14 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
     last_event = LAST_EVENT.get(job.route, b"\n")  # (no event starts with a blank line)
     fix_block = fix.events if fix is not None else None
     route, body = (job.route, call.body) if cont is None else cont.request(job.route, call.body)
+    # The engine computed this prompt and will say its count (a decode leg's is P's, unless D computed it; a
+    # continuation's prompt is token ids): the blocks are searched for it until it is found.
+    learn = (
+        (fix is None or fix.own_counts)
+        and call.leg.job.prompt_bytes > 0
+        and (cont is None or not cont.resuming)
+        and (job.route in (MESSAGES, RESPONSES) or job.include_usage)
+    )
     lease = call.leg.lease()
     try:
         splitter = EventSplitter()
@@ -71,6 +81,9 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
                         block = fix_block(block)
                     if final_usage is not None and final_usage in block:
                         rec.message_delta(block)
+                    if learn and (prompt := answer_prompt_tokens(block, job.api == ANTHROPIC)) > 0:
+                        call.leg.calibrate(prompt)
+                        learn = False
                     # (a continuation's end may come before its engine's last bytes: the client has it all then)
                     last = (
                         es.finished or (cont is not None and cont.complete) or _ends_with(block, last_event)

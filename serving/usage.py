@@ -126,6 +126,11 @@ class UsageFix:
         fix.usages, fix.request_id, fix.since_ns = usages, request_id, time.monotonic_ns()
         return fix
 
+    @property
+    def own_counts(self) -> bool:
+        """D's usage is its own count of the prompt (it computed it: no P counts to put in)."""
+        return self.p_usage is None and self.usages is None
+
     def own_prompt(self) -> None:
         """D computes the prompt itself now (its body leaves P's ticket out): no trigger-mode lookup."""
         self.usages = None

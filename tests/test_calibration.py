@@ -21,7 +21,7 @@ from harness.coordinator import Coordinator
 from harness.loopback import wait_until
 from harness.tokenizer import tiny_tokenizer
 
-CAL, CAL_WHOLE, EXACT = "cal", "cal-whole", "exact"
+CAL, CAL_WHOLE, CAL_STREAMS, EXACT = "cal", "cal-whole", "cal-streams", "exact"
 LINE = "    total = compute(values[i], weights[i])  # one line of code\n"
 LONG = LINE * 800  # 50 KB: past the exact counts' 4 KiB, under the engines' context at 3 bytes a token
 TEACHING = 20  # requests whose engine counts calibrate the estimate before it is looked at again
@@ -37,12 +37,14 @@ def coord(module_sims, tmp_path_factory):
     p, d, u = (
         module_sims(role, model=m, **other) for role, m in (("prefill", CAL), ("decode", CAL), ("union", CAL_WHOLE))
     )
+    s = module_sims("union", model=CAL_STREAMS, **other)
     ep, ed = module_sims("prefill", model=EXACT), module_sims("decode", model=EXACT)  # max_model_len 8192
     cfg = coordinator_config(
         [
             instance(1, "prefill", CAL, p.address),
             instance(2, "decode", CAL, d.address),
             instance(3, "union", CAL_WHOLE, u.address),
+            instance(6, "union", CAL_STREAMS, s.address),
             instance(4, "prefill", EXACT, ep.address),
             instance(5, "decode", EXACT, ed.address),
         ],
@@ -87,6 +89,45 @@ def test_the_estimate_learns_the_engines_tokens_per_byte(coord, model):
     after = streamed(f"{model}-after")
     engine = client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage.prompt_tokens
     assert abs(before - engine) >= 0.2 * engine  # 1 token per 4 bytes where the engine counts 1 per 3
+    assert abs(after - engine) <= 0.05 * engine, (before, after, engine)
+
+
+def test_streams_served_whole_teach_the_estimate_their_usage(coord):
+    """A stream relayed as it came teaches by the first prompt count in its usage: an OpenAI stream's usage
+    chunk (when the client asked for one) and a Messages stream's message_start."""
+    client, claude = openai_client(coord), anthropic_client(coord)
+    messages = [{"role": "user", "content": LONG}]
+
+    def unreported(rid: str) -> int:  # no usage asked for: the log line has the Coordinator's own count
+        stream = client.chat.completions.create(
+            model=CAL_STREAMS, messages=messages, max_tokens=4, stream=True, extra_headers={"X-Request-Id": rid}
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        return logged_prompt_tokens(coord, rid)
+
+    before = unreported("streams-before")
+    for _ in range(3):  # streams without usage teach nothing
+        unreported("streams-silent")
+    assert unreported("streams-still") == before
+    for i in range(TEACHING):
+        content = f"question {i}: why does this fail?\n" + LINE * (5 + 7 * i)
+        if i % 2:
+            with claude.messages.stream(
+                model=CAL_STREAMS, max_tokens=2, messages=[{"role": "user", "content": content}]
+            ) as stream:
+                assert stream.get_final_message().usage.input_tokens > 0
+        else:
+            chunks = client.chat.completions.create(
+                model=CAL_STREAMS,
+                messages=[{"role": "user", "content": content}],
+                max_tokens=2,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            assert [c.usage.prompt_tokens for c in chunks if c.usage][-1] > 0
+    after = unreported("streams-after")
+    engine = client.chat.completions.create(model=CAL_STREAMS, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert abs(before - engine) >= 0.2 * engine
     assert abs(after - engine) <= 0.05 * engine, (before, after, engine)
 
 
