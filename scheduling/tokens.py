@@ -16,8 +16,8 @@ Two ways to count, chosen per model:
 
 **Calibration.** An estimate is one multiply: the rendering's bytes times the meter's `tokens_per_byte`.
 Each meter learns that ratio from the engines' own counts: when an engine's usage arrives with the
-prompt's tokens (P's answer in a PD handoff, a whole request's or a decode-alone request's JSON answer;
-`engine_prompt` reads OpenAI, Responses and Anthropic usage), the scheduler's `calibrate` hands the meter
+prompt's tokens (P's answer in a PD handoff, a whole request's or a decode-alone request's answer, a
+stream's first usage that counts the prompt; `engine_prompt` reads OpenAI, Responses and Anthropic usage), the scheduler's `calibrate` hands the meter
 the bytes it measured for that prompt and the engine's count, a few arithmetic operations off the
 per-KiB path. A TokenizerMeter also learns from its own exact counts of prompts up to EXACT_MAX_BYTES.
 Each count moves the ratio LEARN_WEIGHT of the way to the count's own ratio, clamped to
@@ -27,7 +27,7 @@ estimate is within 5 % after 16 counts (tests/test_scheduling.py). Only text pro
 LEARN_MIN_BYTES teach: not token-id prompts, not prompts with images or other media (their placeholder is a
 guess), not those the engine truncates or renders with the request's own template (`count`'s third value
 is 0 for them), and not a Responses request that continues a stored one (the engine's prompt holds the
-stored conversation). Streams served whole teach nothing: their usage is relayed unparsed. Each worker,
+stored conversation). An OpenAI stream teaches only when its client asked for usage. Each worker,
 and each replica, learns on its own, from the requests it serves.
 
 Accuracy against exact counts (docs/performance.md, "Long prompts"; measured once): chat prompts of 8 KiB to
