@@ -53,6 +53,11 @@ Origin = tuple[str, int, bool]  # host, port, TLS
 Body = bytes | tuple[bytes | memoryview, ...]
 
 
+def parts_of(body: Body) -> tuple[bytes | memoryview, ...]:
+    """A body's parts in order (bytes are one part)."""
+    return (body,) if isinstance(body, bytes) else body
+
+
 def joined(body: Body) -> bytes:
     """A body's bytes in one piece."""
     return body if isinstance(body, bytes) else b"".join(body)
@@ -61,8 +66,7 @@ def joined(body: Body) -> bytes:
 def holds(body: Body, needle: bytes) -> bool:
     """Whether the body's bytes hold `needle` within one part. A view is searched in the bytes it views: the
     legs' views leave out only a brace and whitespace, where no key can be."""
-    parts = (body,) if isinstance(body, bytes) else body
-    return any(needle in (p.obj if isinstance(p, memoryview) else p) for p in parts)
+    return any(needle in (p.obj if isinstance(p, memoryview) else p) for p in parts_of(body))
 
 
 @lru_cache(maxsize=4096)
@@ -427,7 +431,7 @@ class EngineClient:
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method, target, host)
         if request_id is not None:
             head += b"X-Request-Id: %s\r\n" % request_id.encode()
-        parts = () if body is None else (body,) if isinstance(body, bytes) else body
+        parts = () if body is None else parts_of(body)
         size = sum(map(len, parts))  # a memoryview's len is its bytes: the legs' views are of bytes
         if body is not None:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % size

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import ujson
 
-from engines import Body, holds, joined
+from engines import Body, holds, joined, parts_of
 from errors import ANTHROPIC, EngineStatusError, UpstreamError, dumps
 from serving.job import CHAT, COMPLETIONS, MESSAGES, Job
 from serving.usage import fix_anthropic_usage, fix_openai_usage
@@ -168,7 +168,7 @@ class Continuation:
         if holds(body, b'"return_token_ids"'):  # the client's own key (false or null): set in the parsed body
             return route, dumps({**ujson.loads(joined(body)), "return_token_ids": True})
         # A streamed body's first part is bytes: the client's body, or the decode leg's ticket.
-        head, *rest = (body,) if isinstance(body, bytes) else body
+        head, *rest = parts_of(body)
         return route, (b'{"return_token_ids":true,', memoryview(head)[head.index(b"{") + 1 :], *rest)
 
     def relay(self, block: bytes) -> bytes:
