@@ -140,7 +140,7 @@ def warm(sched: Scheduler) -> None:
             teach_decode(sched.predictor, t.slot, DECODE_STEP_S[k % 4], DECODE_PER_SEQ_S)
     holder = (view.pool(MODEL.id, "prefill") or view.pool(MODEL.id, "union"))[-1]
     for body in PROMPTS.values():
-        sched.index.record(sched.meter(MODEL.id).measure(CHAT, body)[1], holder.slot)
+        sched.index.record(sched.meter(MODEL.id).count(CHAT, body)[1], holder.slot)
     for role in ("prefill", "decode", "union"):
         pool = view.pool(MODEL.id, role)
         for k, t in enumerate(pool[: (len(pool) + 1) // 2]):

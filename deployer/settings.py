@@ -1,11 +1,11 @@
 """Load a whole user_config.json into the deployer's `Settings`, or raise `ConfigError`
 listing each bad value as ``<key path>: <what is wrong>``.
 
-The deployer-owned sections are read by deployer.sections; ``motor_coordinator_config`` by the
-Coordinator's own section models (config.sections), for the keys the deployer renders from (ports, TLS,
-drain timeout, pd_dispatch) and for the models and static instances, on the input's index. The rest is
-passed through untouched, and `load` ends by reading the rendered user_config.json with the Coordinator's
-own loader: what it refuses, the Coordinator pods would crash-loop on.
+The deployer-owned sections are read by deployer.sections and checked by deployer.checks;
+``motor_coordinator_config`` by the Coordinator's own section models (config.sections), for the keys the
+deployer renders from (ports, TLS, drain timeout, pd_dispatch) and for the models and static instances, on
+the input's index. The rest is passed through untouched, and `load` ends by reading the rendered
+user_config.json with the Coordinator's own loader: what it refuses, the Coordinator pods would crash-loop on.
 
 Unknown keys in the deployer-owned sections are errors (they are almost always typos), and so is a
 top-level key that is a near miss of a known one (a misspelled section would leave its defaults in force);
@@ -31,6 +31,7 @@ from config import (
 )
 from config.sections import ApiSection, SchedulerConfig, ShutdownConfig, TlsSwitch
 
+from .checks import check_cluster, check_deploy, check_engine, is_loopback
 from .render import cluster_user_config, instances
 from .sections import (
     COORDINATOR_CODE_DIR,
@@ -45,11 +46,7 @@ from .sections import (
     DeployConfig,
     EngineConfig,
     Settings,
-    check_cluster,
-    check_deploy,
-    check_engine,
     defaults_as_dict,
-    is_loopback,
     key_docs,
     load_section,
     near_miss,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -17,9 +16,7 @@ from .json_text import dumps
 from .kv_transfer import prefill_leg_ticket
 from .request import SimRequest, anthropic_prompt_text, check_served_model, validated
 from .sse import SseWriter
-
-if TYPE_CHECKING:
-    from .server import SimServer
+from .state import SimState
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -31,7 +28,7 @@ def stop_reason(g: Generation) -> tuple[str, str | None]:
     return _STOP_REASONS.get(g.finish[0], "end_turn"), None
 
 
-def usage(sim: SimServer, req: SimRequest, completion: int) -> dict:
+def usage(sim: SimState, req: SimRequest, completion: int) -> dict:
     """vLLM's _build_anthropic_usage: with cache details, `input_tokens` is the prompt less the cache
     reads and writes (Anthropic's total input is their sum). The sim reports no cache writes.
     (message_start is built from the stream's first chunk, which has no details: the whole prompt.)"""
@@ -49,7 +46,7 @@ def _joined(g: Generation, kind: str) -> str:
     return "".join(p for p, k in zip(g.pieces[0], g.kinds or []) if k == kind)
 
 
-def final_body(sim: SimServer, req: SimRequest, g: Generation) -> dict:
+def final_body(sim: SimState, req: SimRequest, g: Generation) -> dict:
     """The message, dumped with exclude_none as vLLM does."""
     kvt = prefill_leg_ticket(sim, req, g)
     tc = req.tool_choice
@@ -110,7 +107,7 @@ async def _close_block(w: SseWriter, idx: int, kind: str, signature: str | None)
     await w.event("content_block_stop", {"type": "content_block_stop", "index": idx})
 
 
-async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, seq: Seq) -> None:
+async def stream(sim: SimState, w: SseWriter, req: SimRequest, g: Generation, seq: Seq) -> None:
     """message_start, content blocks (start, deltas, stop), message_delta, message_stop: no ping, no [DONE]."""
     message = {
         "id": req.id,
@@ -164,7 +161,7 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
     await w.event("message_stop", {"type": "message_stop"})
 
 
-def count_tokens(sim: SimServer, body: dict, headers: dict) -> web.Response:
+def count_tokens(sim: SimState, body: dict, headers: dict) -> web.Response:
     r = validated("count_tokens", body)
     check_served_model(r.model, sim.cfg)
     n = T.count_text_tokens(anthropic_prompt_text(r.messages, r.tools, r.system), sim.cfg.bytes_per_token)

@@ -7,7 +7,6 @@ import asyncio
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -20,9 +19,7 @@ from .json_text import dumps
 from .kv_transfer import is_decode_leg, is_prefill_leg, pull_remote_prefill
 from .request import SimRequest, parse_request
 from .sse import SSE_HEADERS, SseWriter
-
-if TYPE_CHECKING:
-    from .server import SimServer
+from .state import SimState
 
 SERVING = {
     "chat": openai_serving,
@@ -33,7 +30,7 @@ SERVING = {
 ANTHROPIC_ROUTES = ("messages", "count_tokens")
 
 
-async def serve(sim: SimServer, request: web.Request, kind: str) -> web.StreamResponse:
+async def serve(sim: SimState, request: web.Request, kind: str) -> web.StreamResponse:
     """Answer one request of a route: kind is chat, completions, messages or count_tokens."""
     if sim.faults.dead:  # a dead engine: the connection goes with no answer
         drop(request)
@@ -66,7 +63,7 @@ async def serve(sim: SimServer, request: web.Request, kind: str) -> web.StreamRe
         return _failed(sim, kind, e, headers, counted)
 
 
-def _failed(sim: SimServer, kind: str, e: ApiError, headers: dict, counted: bool) -> web.Response:
+def _failed(sim: SimState, kind: str, e: ApiError, headers: dict, counted: bool) -> web.Response:
     if counted:
         sim.engine.stats["failed"] += 1
     resp = error_response(e, kind in ANTHROPIC_ROUTES)
@@ -74,7 +71,7 @@ def _failed(sim: SimServer, kind: str, e: ApiError, headers: dict, counted: bool
     return resp
 
 
-async def _read_body(sim: SimServer, request: web.Request) -> tuple[dict, ApiError | None]:
+async def _read_body(sim: SimState, request: web.Request) -> tuple[dict, ApiError | None]:
     """The JSON object sent, or the 400 it is answered with; recorded for /sim/requests (an invalid one raw)."""
     raw = await request.read()
     record = {"path": request.path, "headers": dict(request.headers.items()), "body": None}
@@ -97,7 +94,7 @@ async def _read_body(sim: SimServer, request: web.Request) -> tuple[dict, ApiErr
     return body, None
 
 
-async def _run(sim: SimServer, request: web.Request, req: SimRequest, headers: dict) -> web.StreamResponse:
+async def _run(sim: SimState, request: web.Request, req: SimRequest, headers: dict) -> web.StreamResponse:
     eng, cfg = sim.engine, sim.cfg
     g = eos_at_once(req) if is_prefill_leg(sim, req) and sim.faults.eos_on_prefill else generate(req)
     remote_hit = await pull_remote_prefill(sim, req) if is_decode_leg(sim, req) else 0
@@ -137,7 +134,7 @@ async def _run(sim: SimServer, request: web.Request, req: SimRequest, headers: d
 
 
 async def _stream(
-    sim: SimServer, request: web.Request, req: SimRequest, g: Generation, seq: Seq, headers: dict
+    sim: SimState, request: web.Request, req: SimRequest, g: Generation, seq: Seq, headers: dict
 ) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
     await resp.prepare(request)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -14,22 +13,20 @@ from aiohttp import web
 from .errors import ApiError
 from .generation import Generation
 from .request import SimRequest
-
-if TYPE_CHECKING:
-    from .server import SimServer
+from .state import SimState
 
 
-def is_prefill_leg(sim: SimServer, req: SimRequest) -> bool:
+def is_prefill_leg(sim: SimState, req: SimRequest) -> bool:
     kvp = req.kv_transfer_params
     return sim.cfg.role == "prefill" and bool(kvp and kvp.get("do_remote_decode"))
 
 
-def is_decode_leg(sim: SimServer, req: SimRequest) -> bool:
+def is_decode_leg(sim: SimState, req: SimRequest) -> bool:
     kvp = req.kv_transfer_params
     return sim.cfg.role == "decode" and bool(kvp and kvp.get("do_remote_prefill"))
 
 
-def prefill_leg_ticket(sim: SimServer, req: SimRequest, g: Generation) -> dict | None:
+def prefill_leg_ticket(sim: SimState, req: SimRequest, g: Generation) -> dict | None:
     """The kv_transfer_params a prefill leg answers: a held ticket when it ended on the length cap, else None."""
     if not is_prefill_leg(sim, req):
         return None
@@ -56,7 +53,7 @@ def prefill_leg_ticket(sim: SimServer, req: SimRequest, g: Generation) -> dict |
     }
 
 
-async def pull_remote_prefill(sim: SimServer, req: SimRequest) -> int:
+async def pull_remote_prefill(sim: SimState, req: SimRequest) -> int:
     """A decode leg's KV pull from P: the number of prompt tokens obtained (0 = recompute them)."""
     kvp = req.kv_transfer_params
     eng = sim.engine
@@ -93,7 +90,7 @@ async def pull_remote_prefill(sim: SimServer, req: SimRequest) -> int:
     return n
 
 
-async def _trigger_prefill(sim: SimServer, req: SimRequest, kvp: dict) -> dict:
+async def _trigger_prefill(sim: SimState, req: SimRequest, kvp: dict) -> dict:
     """Trigger mode: ask the gateway's metaserver for the prefill; returns P's ticket ({} = none)."""
     body = {k: v for k, v in req.body.items() if k in ("model", "messages", "prompt")}
     body["stream"] = False
@@ -128,7 +125,7 @@ async def _json_object(request: web.Request) -> dict:
         return {}
 
 
-def add_side_channel_routes(router: web.UrlDispatcher, sim: SimServer) -> None:
+def add_side_channel_routes(router: web.UrlDispatcher, sim: SimState) -> None:
     """P's KV side channel: D pulls a held ticket, a gateway releases one, tests list them."""
 
     async def pull(request: web.Request) -> web.Response:

@@ -4,7 +4,6 @@ JSON bodies, SSE chunks, usage and logprobs."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from . import tokens as T
 from .engine import Seq
@@ -13,9 +12,7 @@ from .json_text import dumps
 from .kv_transfer import prefill_leg_ticket
 from .request import SimRequest
 from .sse import SseWriter
-
-if TYPE_CHECKING:
-    from .server import SimServer
+from .state import SimState
 
 
 def usage(req: SimRequest, completion: int, stream: bool = False) -> dict:
@@ -122,7 +119,7 @@ def _completion_choices(req: SimRequest, g: Generation) -> list[dict]:
     ]
 
 
-def final_body(sim: SimServer, req: SimRequest, g: Generation) -> dict:
+def final_body(sim: SimState, req: SimRequest, g: Generation) -> dict:
     kvt = prefill_leg_ticket(sim, req, g)
     chat = req.kind == "chat"
     body = {
@@ -142,7 +139,7 @@ def final_body(sim: SimServer, req: SimRequest, g: Generation) -> dict:
     return body
 
 
-async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, seq: Seq) -> None:
+async def stream(sim: SimState, w: SseWriter, req: SimRequest, g: Generation, seq: Seq) -> None:
     chat = req.kind == "chat"
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = f'{{"id":{dumps(req.id)},"object":"{obj}","created":{int(time.time())},"model":{dumps(sim.cfg.model)},'

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -28,21 +28,9 @@ from .kv_transfer import prefill_leg_ticket
 from .protocol import ResponsesRequest
 from .request import SimRequest, _new_request, check_served_model, validated
 from .sse import SseWriter
-
-if TYPE_CHECKING:
-    from .server import SimServer
+from .state import SimState, Stored
 
 INVALID = "invalid_request_error"
-
-
-class Stored:
-    """One stored response: its object (as last answered) and the conversation a follow-up continues."""
-
-    __slots__ = ("messages", "response", "task")
-
-    def __init__(self, response: dict, messages: list[dict]):
-        self.response, self.messages = response, messages
-        self.task: asyncio.Task | None = None  # a background response still generating
 
 
 def not_found(response_id: str) -> ApiError:
@@ -66,7 +54,7 @@ def input_messages(value: Any) -> list[dict]:
     return out
 
 
-def parse(sim: SimServer, body: dict) -> SimRequest:
+def parse(sim: SimState, body: dict) -> SimRequest:
     """The request; its prompt renders the conversation (a stored previous one first, then `input`)."""
     r: ResponsesRequest = validated("responses", body)
     check_served_model(r.model, sim.cfg)
@@ -158,7 +146,7 @@ def _message(item_id: str, text: str, status: str) -> dict:
 
 
 def response_object(
-    sim: SimServer, req: SimRequest, status: str, output: list, use: dict | None, kvt: dict | None = None
+    sim: SimState, req: SimRequest, status: str, output: list, use: dict | None, kvt: dict | None = None
 ) -> dict:
     r = req.responses.request
     return {
@@ -201,7 +189,7 @@ def _status(g: Generation) -> str:
     return "incomplete" if g.finish[0] == "length" else "completed"
 
 
-def _remember(sim: SimServer, req: SimRequest, response: dict, text: str) -> None:
+def _remember(sim: SimState, req: SimRequest, response: dict, text: str) -> None:
     if not req.responses.store:
         return
     stored = sim.responses.get(req.id)
@@ -214,7 +202,7 @@ def _remember(sim: SimServer, req: SimRequest, response: dict, text: str) -> Non
         stored.response, stored.messages = response, messages
 
 
-def final_body(sim: SimServer, req: SimRequest, g: Generation) -> dict:
+def final_body(sim: SimState, req: SimRequest, g: Generation) -> dict:
     kvt = prefill_leg_ticket(sim, req, g)
     output = [_message("msg_" + uuid.uuid4().hex, g.texts[0], "completed")]
     body = response_object(sim, req, _status(g), output, usage(req, g.completion_tokens), kvt)
@@ -222,7 +210,7 @@ def final_body(sim: SimServer, req: SimRequest, g: Generation) -> dict:
     return body
 
 
-def queued(sim: SimServer, req: SimRequest, g: Generation, seq: Seq) -> dict:
+def queued(sim: SimState, req: SimRequest, g: Generation, seq: Seq) -> dict:
     """A background request's answer: stored as queued, generated on in a task that stores the final object."""
     body = response_object(sim, req, "queued", [], None)
     sim.responses[req.id] = stored = Stored(body, req.responses.messages)
@@ -241,7 +229,7 @@ def queued(sim: SimServer, req: SimRequest, g: Generation, seq: Seq) -> dict:
     return body
 
 
-async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, seq: Seq) -> None:
+async def stream(sim: SimState, w: SseWriter, req: SimRequest, g: Generation, seq: Seq) -> None:
     """response.created, response.in_progress, the message's item and part events with one delta per token,
     their done events, response.completed: each `event: <type>` with a sequence number, no [DONE]."""
     number = 0
@@ -287,7 +275,7 @@ async def stream(sim: SimServer, w: SseWriter, req: SimRequest, g: Generation, s
     await send({"response": final, "type": "response.completed"})
 
 
-def add_routes(router: web.UrlDispatcher, sim: SimServer) -> None:
+def add_routes(router: web.UrlDispatcher, sim: SimState) -> None:
     """GET and cancel of a stored response; DELETE as vLLM 0.32 (no such route) answers it."""
 
     def answer(e: ApiError | None, obj: dict | None = None) -> web.Response:

@@ -1,13 +1,12 @@
 """The simulated vLLM server: its aiohttp application, routes, lifecycle and test-control endpoints.
 
 Inference routes are served by `inference` (shapes in `openai_serving` and `anthropic_serving`), the KV
-side channel by `kv_transfer`, the fault knobs by `faults`; `/metrics` is rendered by `metrics`.
+side channel by `kv_transfer`, the fault knobs by `faults`; `/metrics` is rendered by `metrics`. What the routes
+read and change, the server's state, is `state.SimState`, which SimServer extends.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
 import uuid
 
 import aiohttp
@@ -15,27 +14,17 @@ from aiohttp import web
 
 from . import inference, responses_serving
 from .config import SimConfig
-from .engine import Engine
-from .faults import Faults
 from .json_text import dumps
 from .kv_transfer import add_side_channel_routes
 from .metrics import render
+from .state import SimState
 
 
-class SimServer:
+class SimServer(SimState):
     def __init__(self, cfg: SimConfig):
-        self.cfg = cfg
-        self.engine = Engine(cfg)
-        self.faults = Faults(cfg.faults)
-        self.records: list[dict] = []
-        self.port = cfg.port
-        self.created = int(time.time())
-        # vLLM's `system_fingerprint`: the version and a hash of the engine's configuration
-        self.fingerprint = "vllm-0.32.0-" + hashlib.sha256(cfg.engine_id.encode()).hexdigest()[:8]
-        self.session: aiohttp.ClientSession | None = None  # D's pulls from P, trigger mode's metaserver calls
+        super().__init__(cfg)
         self.runner: web.AppRunner | None = None
         self._models_body: str | None = None
-        self.responses: dict[str, responses_serving.Stored] = {}  # /v1/responses' store, by response id
 
     # ------------------------------------------------------------------ lifecycle
     def build_app(self) -> web.Application:

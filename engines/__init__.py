@@ -26,13 +26,11 @@ from urllib.parse import urlsplit
 import httptools
 
 from config import Settings
-from config.sections import ExceptionConfig
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 
 # The trace context (W3C `traceparent` / `tracestate` header lines) of the engine attempt this task is making,
 # set by serving/tracing.py; sent only by a client whose `traced` is set (tracer_config has an endpoint).
 TRACE_HEADERS: ContextVar[bytes] = ContextVar("motor_trace_headers", default=b"")
-MAX_ERROR_BODY = ExceptionConfig.upstream_error_body_max_bytes  # the default of what an engine's error body keeps
 # A response head past this is refused: httptools grows each header value by concatenation, so an engine
 # sending megabytes of header would cost the worker's event loop seconds of CPU.
 MAX_HEAD = 64 * 1024

@@ -75,10 +75,6 @@ class Ledger:
         arr, i = self.arr, slot * LEDGER_FIELDS + L_HELD
         return sum(arr[row + i] for row in self.rows)
 
-    def is_zero(self) -> bool:
-        """True when no worker holds anything on any slot (used by tests and soak checks)."""
-        return not any(self.arr[i] for row in self.rows for i in range(row, row + ROW))
-
 
 class Lease:
     """What one request holds on one slot; `release()` is idempotent."""

@@ -227,11 +227,6 @@ class PromptMeter:
         self.block_tokens = block_tokens
         self.tokens_per_byte = 1 / BYTES_PER_TOKEN  # until counts say otherwise
 
-    def measure(self, kind: str, body: dict, hashes: bool = True) -> tuple[int, list[int]]:
-        """(prompt tokens, chained block hashes; empty unless `hashes`)."""
-        tokens, block_hashes, _ = self.count(kind, body, hashes)
-        return tokens, block_hashes
-
     def count(self, kind: str, body: dict, hashes: bool = True) -> tuple[int, list[int], int]:
         """(prompt tokens, chained block hashes, learnable bytes): the last is the byte length of the prompt's
         rendering when an engine's count of this prompt may teach the meter (`calibrate`), else 0."""

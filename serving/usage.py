@@ -146,9 +146,16 @@ class UsageFix:
         return fix_response(obj, self.counts(), self.anthropic)
 
     def event(self, event: bytes) -> bytes:
+        """One complete SSE event (without its blank-line terminator); untouched unless it carries usage or a
+        ticket."""
         return _fix_event(event, self.counts(), self.anthropic) if needs_fix(event) else event
 
     def events(self, block: bytes) -> bytes:
+        """Complete SSE events, each ended by a blank line, with the usage-bearing ones fixed up.
+
+        Only the events holding a marker are cut out and parsed; the bytes between them pass as they are
+        (a fast engine's whole stream can arrive as one block with its usage event last).
+        """
         marker = _next_marker(block, 0)
         return block if marker < 0 else _fix_events_from(block, marker, self.counts(), self.anthropic)
 
@@ -210,11 +217,6 @@ def fix_response(obj: dict, p_usage: dict | None, anthropic: bool) -> dict:
     return obj
 
 
-def fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
-    """One complete SSE event (without its blank-line terminator); untouched unless it carries usage or a ticket."""
-    return _fix_event(event, p_usage, anthropic) if needs_fix(event) else event
-
-
 def _fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
     lines = event.split(b"\n")
     for i, line in enumerate(lines):
@@ -256,18 +258,8 @@ def _next_marker(data: bytes, start: int) -> int:
     return found
 
 
-def fix_events(block: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
-    """Complete SSE events, each ended by a blank line, with the usage-bearing ones fixed up.
-
-    Only the events holding a marker are cut out and parsed; the bytes between them pass as they are
-    (a fast engine's whole stream can arrive as one block with its usage event last).
-    """
-    marker = _next_marker(block, 0)
-    return block if marker < 0 else _fix_events_from(block, marker, p_usage, anthropic)
-
-
 def _fix_events_from(block: bytes, marker: int, p_usage: dict | None, anthropic: bool) -> bytes:
-    """`fix_events` from the first marker on (found by the caller)."""
+    """`UsageFix.events` from the first marker on (found by the caller)."""
     out, pos = [], 0
     while marker >= 0:
         start = block.rfind(b"\n\n", pos, marker)

@@ -24,7 +24,7 @@ import pytest
 import uvloop
 
 from config import Settings
-from engines import MAX_ERROR_BODY, MAX_HEAD, STREAM_BUFFER, EngineClient
+from engines import MAX_HEAD, STREAM_BUFFER, EngineClient
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from tests.certs import Certs, make_certs
 
@@ -859,7 +859,7 @@ def test_a_streams_long_error_body_is_read_whole_at_once():
             with pytest.raises(EngineStatusError) as e:
                 await collect(client, srv.url, [])
             assert asyncio.get_running_loop().time() - started < 1.5
-            assert e.value.status == 400 and e.value.body == error[:MAX_ERROR_BODY]
+            assert e.value.status == 400 and e.value.body == error[: Settings().upstream_error_body_max_bytes]
 
     run(scenario)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from serving.observe import answer_prompt_tokens
-from serving.usage import EventSplitter, fix_event, fix_events
+from serving.usage import EventSplitter, UsageFix
 
 P_USAGE = {
     "prompt_tokens": 40,
@@ -43,10 +43,11 @@ ANTHROPIC_START = (
         ([ANTHROPIC_START, b'event: ping\ndata: {"type":"ping"}'], True),
     ],
 )
-def test_fix_events_is_fix_event_on_each_event(events, anthropic):
+def test_a_blocks_fix_is_each_events_fix(events, anthropic):
+    fix = UsageFix(P_USAGE, anthropic)
     block = b"".join(e + b"\n\n" for e in events)
-    want = b"".join(fix_event(e, P_USAGE, anthropic) + b"\n\n" for e in events)
-    got = fix_events(block, P_USAGE, anthropic)
+    want = b"".join(fix.event(e) + b"\n\n" for e in events)
+    got = fix.events(block)
     assert got == want
     if block == want:
         assert got is block  # untouched blocks are not copied
@@ -54,7 +55,7 @@ def test_fix_events_is_fix_event_on_each_event(events, anthropic):
 
 def test_usage_event_takes_the_prompt_side_from_prefill():
     p_usage = {**P_USAGE, "prompt_tokens": 30}  # P's count differs from D's 40: the client is billed P's
-    fixed = fix_events(b"".join(e + b"\n\n" for e in (chunk(0), USAGE_EVENT)), p_usage, False)
+    fixed = UsageFix(p_usage, False).events(b"".join(e + b"\n\n" for e in (chunk(0), USAGE_EVENT)))
     usage = json.loads(fixed.split(b"\n\n")[1][len(b"data: ") :])["usage"]
     assert usage["prompt_tokens"] == 30 and usage["total_tokens"] == 46
     assert usage["prompt_tokens_details"] == {"cached_tokens": 8}
@@ -65,7 +66,7 @@ def test_usage_with_blanks_is_fixed_and_null_usage_or_the_key_in_text_is_relayed
     spaced = (
         b'data: {"id":"c","choices":[],"usage" :  {"prompt_tokens":40,"completion_tokens":2,"total_tokens":42}}\n\n'
     )
-    fixed = fix_events(spaced, {"prompt_tokens": 30}, False)
+    fixed = UsageFix({"prompt_tokens": 30}, False).events(spaced)
     assert json.loads(fixed.strip()[len(b"data: ") :])["usage"] == {
         "prompt_tokens": 30,
         "completion_tokens": 2,
@@ -74,7 +75,7 @@ def test_usage_with_blanks_is_fixed_and_null_usage_or_the_key_in_text_is_relayed
     untouched = (
         b'data: {"id":"c","choices":[{"delta":{"content":"\\"usage\\": {"}}],"usage":null}\n\n' + chunk(3) + b"\n\n"
     )
-    assert fix_events(untouched, P_USAGE, False) is untouched
+    assert UsageFix(P_USAGE, False).events(untouched) is untouched
 
 
 def test_splitter_keeps_partial_events_for_the_next_chunk():
