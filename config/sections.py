@@ -74,6 +74,8 @@ Str = Annotated[str, Strict()]
 NonEmptyStr = Annotated[Str, Field(min_length=1)]
 Port = Annotated[Int, _between(1, 65535)]
 Count = Annotated[Int, Field(ge=1)]
+MAX_ID = 2**63 - 1  # instance and endpoint ids are kept in 64-bit signed slots of the shared tables
+Id = Annotated[Int, _between(0, MAX_ID)]
 Seconds = Annotated[Num, Field(gt=0)]
 NonNegative = Annotated[Num, Field(ge=0.0)]
 HeaderName = Annotated[
@@ -441,7 +443,7 @@ class ModelConfig:
 class Endpoint:
     """One engine process of an instance."""
 
-    id: Annotated[Int, Field(ge=0)]
+    id: Id
     address: Annotated[NonEmptyStr, AfterValidator(_valid_address)]  # "host:port"
 
     @property
@@ -460,7 +462,7 @@ def _numbered_endpoints(value: Any) -> Any:
 class Instance:
     """One entry of `instances` (or of a POST /instances/refresh body): an engine instance and its endpoints."""
 
-    id: Annotated[Int, Field(ge=0)]
+    id: Id
     role: Annotated[Str, _one_of(ROLES)]
     model_name: NonEmptyStr
     endpoints: Annotated[tuple[Endpoint, ...], BeforeValidator(_numbered_endpoints)]

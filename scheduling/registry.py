@@ -22,7 +22,7 @@ from functools import cached_property
 
 import ujson
 
-from config import Endpoint, Instance, address_key, parse_instance
+from config import MAX_ID, Endpoint, Instance, address_key, parse_instance
 from scheduling.ledger import Ledger
 from state.shared import (
     BREAKER_CLOSED,
@@ -305,8 +305,8 @@ def parse_refresh_body(body: object) -> tuple[str, list]:
     for i, item in enumerate(raw):
         if event in ("del", "pause", "resume") and not (isinstance(item, dict) and "endpoints" in item):
             iid = item.get("id") if isinstance(item, dict) else item
-            if isinstance(iid, bool) or not isinstance(iid, int):
-                raise RefreshError(f"instances[{i}]: must be an instance id or an object with an integer id")
+            if isinstance(iid, bool) or not isinstance(iid, int) or not 0 <= iid <= MAX_ID:
+                raise RefreshError(f"instances[{i}]: must be an instance id (0..{MAX_ID}) or an object with one")
             items.append(iid)
         else:
             try:

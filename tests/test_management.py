@@ -20,6 +20,7 @@ import pytest
 
 from harness import ROOT
 from harness.bodies import chat_body, sse_events
+from harness.clients import openai_client
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator, logged_request_pids as worker_pids
 from harness.loopback import wait_until
@@ -368,6 +369,36 @@ REFUSED = [
     ),
     pytest.param("address-taken", 409, "registered twice", id="address-of-another-instance"),
     pytest.param({"event": "pause", "instances": [42]}, 404, "42", id="pause-unknown"),
+    # Ids are kept in 64-bit slots: 2^64 + 50 would be instance 50 there.
+    pytest.param(
+        {"event": "set", "instances": [instance(2**64 + 50, "union", MODEL, "127.0.0.1:9")]},
+        400,
+        f"instances[0].id: must be 0..{2**63 - 1}",
+        id="id-over-2^63",
+    ),
+    pytest.param(
+        {"event": "add", "instances": [instance(-1, "union", MODEL, "127.0.0.1:9")]},
+        400,
+        "instances[0].id: must be 0..",
+        id="negative-id",
+    ),
+    pytest.param(
+        {
+            "event": "add",
+            "instances": [
+                {"id": 9, "role": "union", "model_name": MODEL, "endpoints": [{"id": 2**63, "address": "127.0.0.1:9"}]}
+            ],
+        },
+        400,
+        "instances[0].endpoints[0].id: must be 0..",
+        id="endpoint-id-over-2^63",
+    ),
+    pytest.param(
+        {"event": "pause", "instances": [1, 2**64 + 1]},
+        400,
+        "instances[1]: must be an instance id",
+        id="pause-id-over-2^63",
+    ),
 ]
 
 
@@ -392,6 +423,18 @@ def test_refresh_refusals_change_nothing(cluster, body, status, words):
     assert reply["request_id"] == "refresh_request" and reply["status"] == "failed"
     assert words in reply["message"]
     assert version(cluster) == before and set(instances(cluster)) == set(BASELINE)
+
+
+def test_the_largest_ids_serve_and_a_stored_response_is_found_on_its_instance(cluster):
+    """Instance and endpoint id 2^63-1 fit the shared tables: GET /v1/responses/{id} goes back to it."""
+    big = 2**63 - 1
+    inst = {**cluster.definitions[3], "id": big, "endpoints": [{**cluster.definitions[3]["endpoints"][0], "id": big}]}
+    assert cluster.refresh("set", [inst]).status_code == 200
+    (shown,) = instances(cluster).values()
+    assert shown["id"] == big and shown["endpoints"][0]["id"] == big
+    sdk = openai_client(cluster)
+    r = sdk.responses.create(model=MODEL, input="keep this", max_output_tokens=2)
+    assert sdk.responses.retrieve(r.id).output_text == r.output_text  # the one engine holding it was asked
 
 
 def test_refresh_body_over_10_mib_is_413(cluster):
