@@ -110,6 +110,21 @@ def test_the_largest_ids_are_accepted():
     assert read.id == read.endpoints[0].id == 2**63 - 1
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("engine_type", ["sglang", "mindie"])
+def test_a_prefill_or_decode_instance_must_speak_vllms_pd_protocol(role, engine_type):
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, "127.0.0.1:9"), instance(2, role, MODEL, "127.0.0.1:8", engine_type=engine_type)]
+    )
+    assert refused(cfg).startswith(
+        f"motor_coordinator_config.instances[1].engine_type: a {role} instance must be vllm: the PD protocol of "
+        f"{engine_type} is not implemented"
+    )
+    # A union instance of that type serves whole requests: no PD protocol is spoken to it.
+    cfg["instances"][1]["role"] = "union"
+    assert settings_from_dict(cfg).instances[1].engine_type == engine_type
+
+
 @pytest.mark.parametrize(
     "ports, key, other, port",
     [
@@ -188,6 +203,7 @@ def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
         },
         "bad-host": {**base, "api_config": {**base["api_config"], "coordinator_api_host": "not-a-host.invalid"}},
         "id-over-2^63": {**base, "instances": [union(2**64 + 50, "127.0.0.1:9")]},
+        "sglang-prefill": {**base, "instances": [instance(1, "prefill", MODEL, "127.0.0.1:9", engine_type="sglang")]},
         "port-in-use": {
             **base,
             "api_config": {**base["api_config"], "coordinator_api_mgmt_port": taken.getsockname()[1]},
@@ -195,6 +211,7 @@ def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
     }
     named = {  # the key each line names
         "id-over-2^63": "instances[0].id: must be 0..",
+        "sglang-prefill": "instances[0].engine_type: a prefill instance must be vllm",
     }
     for name, cfg in cases.items():
         path = tmp_path / f"{name}.json"

@@ -399,6 +399,18 @@ REFUSED = [
         "instances[1]: must be an instance id",
         id="pause-id-over-2^63",
     ),
+    pytest.param(
+        {"event": "set", "instances": [instance(9, "prefill", MODEL, "127.0.0.1:9", engine_type="sglang")]},
+        400,
+        "instances[0].engine_type: a prefill instance must be vllm",
+        id="sglang-prefill",
+    ),
+    pytest.param(
+        {"event": "add", "instances": [instance(9, "decode", MODEL, "127.0.0.1:9", engine_type="mindie")]},
+        400,
+        "instances[0].engine_type: a decode instance must be vllm",
+        id="mindie-decode",
+    ),
 ]
 
 
@@ -435,6 +447,17 @@ def test_the_largest_ids_serve_and_a_stored_response_is_found_on_its_instance(cl
     sdk = openai_client(cluster)
     r = sdk.responses.create(model=MODEL, input="keep this", max_output_tokens=2)
     assert sdk.responses.retrieve(r.id).output_text == r.output_text  # the one engine holding it was asked
+
+
+def test_a_union_instance_of_another_engine_type_serves_whole_requests(cluster):
+    """sglang's and MindIE's PD protocols are not spoken here, but a union instance of them takes whole requests."""
+    assert cluster.refresh("set", [{**cluster.definitions[3], "engine_type": "sglang"}]).status_code == 200
+    reply = openai_client(cluster).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert reply.choices[0].message.content
+    (served,) = [q for q in cluster.engines[3].requests() if q["path"] == "/v1/chat/completions"]
+    assert "kv_transfer_params" not in served["body"]
 
 
 def test_refresh_body_over_10_mib_is_413(cluster):
