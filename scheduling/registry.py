@@ -220,7 +220,10 @@ class Registry:
 
     def adopt(self, entries: list[dict]) -> RefreshResult:
         """Make the registered set `export()`'s output of another replica."""
-        items = [parse_instance("instances", {k: v for k, v in e.items() if k != "paused"}) for e in entries]
+        items = [
+            parse_instance(f"instances[{i}]", {k: v for k, v in e.items() if k != "paused"})
+            for i, e in enumerate(entries)
+        ]
         return self.apply("set", items, paused=frozenset(e["id"] for e in entries if e.get("paused")))
 
     def _take(self, free: list[int], fresh: list[Instance]) -> dict[int, list[int]]:
