@@ -32,6 +32,7 @@ log = logging.getLogger("coordinator.config")
 ROOT_KEY = "motor_coordinator_config"
 ROLES = ("prefill", "decode", "union")
 ENGINE_TYPES = ("vllm", "sglang", "mindie")
+PD_ENGINE_TYPES = ("vllm",)  # the engines whose prefill/decode protocol (kv_transfer_params) is spoken here
 SCHEDULER_TYPES = ("round_robin", "load_balance", "kv_cache_affinity", "slo_aware")
 PD_DISPATCH = ("handoff", "trigger")
 ADMISSION = ("off", "queue", "reject")
@@ -74,6 +75,8 @@ Str = Annotated[str, Strict()]
 NonEmptyStr = Annotated[Str, Field(min_length=1)]
 Port = Annotated[Int, _between(1, 65535)]
 Count = Annotated[Int, Field(ge=1)]
+MAX_ID = 2**63 - 1  # instance and endpoint ids are kept in 64-bit signed slots of the shared tables
+Id = Annotated[Int, _between(0, MAX_ID)]
 Seconds = Annotated[Num, Field(gt=0)]
 NonNegative = Annotated[Num, Field(ge=0.0)]
 HeaderName = Annotated[
@@ -441,7 +444,7 @@ class ModelConfig:
 class Endpoint:
     """One engine process of an instance."""
 
-    id: Annotated[Int, Field(ge=0)]
+    id: Id
     address: Annotated[NonEmptyStr, AfterValidator(_valid_address)]  # "host:port"
 
     @property
@@ -460,7 +463,7 @@ def _numbered_endpoints(value: Any) -> Any:
 class Instance:
     """One entry of `instances` (or of a POST /instances/refresh body): an engine instance and its endpoints."""
 
-    id: Annotated[Int, Field(ge=0)]
+    id: Id
     role: Annotated[Str, _one_of(ROLES)]
     model_name: NonEmptyStr
     endpoints: Annotated[tuple[Endpoint, ...], BeforeValidator(_numbered_endpoints)]
@@ -493,6 +496,17 @@ def _endpoint_ids_unique(inst: Instance) -> Instance:
     return inst
 
 
+def _pd_protocol_spoken(inst: Instance) -> Instance:
+    # A prefill or decode leg carries vLLM's kv_transfer_params; other engines' PD handshakes are not spoken here.
+    if inst.role != "union" and inst.engine_type not in PD_ENGINE_TYPES:
+        raise refused(
+            f"a {inst.role} instance must be {' or '.join(PD_ENGINE_TYPES)}: the PD protocol of {inst.engine_type} "
+            "is not implemented (a union instance of it serves whole requests)",
+            "engine_type",
+        )
+    return inst
+
+
 def _model_ids_unique(models: tuple[ModelConfig, ...]) -> tuple[ModelConfig, ...]:
     if len({m.id for m in models}) != len(models):
         raise refused("model ids must be unique")
@@ -513,7 +527,12 @@ ExceptionSection = Annotated[ExceptionConfig, BeforeValidator(_one_reschedule_sw
 MgmtApiKeySection = Annotated[MgmtApiKeyConfig, AfterValidator(_keys_when_enabled)]
 TlsSwitch = Annotated[TlsConfig, BeforeValidator(_one_tls_switch)]  # the types and the switch, not the files
 TlsSection = Annotated[TlsSwitch, AfterValidator(_cert_and_key_when_enabled)]
-InstanceEntry = Annotated[Instance, BeforeValidator(_absent_as_null), AfterValidator(_endpoint_ids_unique)]
+InstanceEntry = Annotated[
+    Instance,
+    BeforeValidator(_absent_as_null),
+    AfterValidator(_endpoint_ids_unique),
+    AfterValidator(_pd_protocol_spoken),
+]
 ModelList = Annotated[tuple[ModelConfig, ...], AfterValidator(_model_ids_unique)]
 
 

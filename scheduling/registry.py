@@ -22,7 +22,7 @@ from functools import cached_property
 
 import ujson
 
-from config import Endpoint, Instance, address_key, parse_instance
+from config import MAX_ID, Endpoint, Instance, address_key, parse_instance
 from scheduling.ledger import Ledger
 from state.shared import (
     BREAKER_CLOSED,
@@ -220,7 +220,10 @@ class Registry:
 
     def adopt(self, entries: list[dict]) -> RefreshResult:
         """Make the registered set `export()`'s output of another replica."""
-        items = [parse_instance("instances", {k: v for k, v in e.items() if k != "paused"}) for e in entries]
+        items = [
+            parse_instance(f"instances[{i}]", {k: v for k, v in e.items() if k != "paused"})
+            for i, e in enumerate(entries)
+        ]
         return self.apply("set", items, paused=frozenset(e["id"] for e in entries if e.get("paused")))
 
     def _take(self, free: list[int], fresh: list[Instance]) -> dict[int, list[int]]:
@@ -305,8 +308,8 @@ def parse_refresh_body(body: object) -> tuple[str, list]:
     for i, item in enumerate(raw):
         if event in ("del", "pause", "resume") and not (isinstance(item, dict) and "endpoints" in item):
             iid = item.get("id") if isinstance(item, dict) else item
-            if isinstance(iid, bool) or not isinstance(iid, int):
-                raise RefreshError(f"instances[{i}]: must be an instance id or an object with an integer id")
+            if isinstance(iid, bool) or not isinstance(iid, int) or not 0 <= iid <= MAX_ID:
+                raise RefreshError(f"instances[{i}]: must be an instance id (0..{MAX_ID}) or an object with one")
             items.append(iid)
         else:
             try:

@@ -126,6 +126,26 @@ def test_a_refresh_on_one_replica_routes_every_replica_and_outlives_them_all(clu
     assert chat(replicas[0]).status_code == 200 and a.stats()["completed"] == 0
 
 
+def test_an_instance_set_outside_the_bounds_reaches_no_replica(cluster, sims, redis):
+    """Ids beyond 2^63-1 and a prefill that is not vLLM: refused by the refresh, and not adopted from the store
+    (where a replica of another version could have written them)."""
+    a = sims("union")
+    replicas = cluster([instance(1, "union", MODEL, a.address)], n=2)
+    for bad in (
+        instance(2**64 + 50, "union", MODEL, a.address),
+        instance(2, "prefill", MODEL, "127.0.0.1:9", engine_type="sglang"),
+    ):
+        r = replicas[0].refresh("set", [bad])
+        assert r.status_code == 400 and r.json()["status"] == "failed", r.text
+    stored = [{**instance(2**64 + 50, "union", MODEL, a.address, engine_type="vllm"), "paused": False}]
+    redis.command(b"SET", replicas.prefix.encode() + b"instances", json.dumps(stored).encode())
+    redis.command(b"INCR", replicas.prefix.encode() + b"instances:v")
+    assert wait_until(lambda: all("cannot be applied here" in r.output() for r in replicas), timeout_s=5)
+    for r in replicas:
+        assert ids(r) == [1] and chat(r).status_code == 200
+        assert "instances[0].id: must be 0..9223372036854775807" in r.output()
+
+
 def test_a_cluster_wide_in_flight_cap_holds_under_200_concurrent_requests(cluster, sims):
     engines = [sims("union", speedup=0.2) for _ in range(2)]  # 10 ms a token: 60 tokens hold a request 0.6 s
     replicas = cluster(

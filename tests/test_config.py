@@ -93,6 +93,38 @@ def test_duplicate_endpoint_ids_in_one_instance_are_refused():
     assert settings_from_dict(coordinator_config([union(1, "127.0.0.1:9"), union(2, "127.0.0.1:8")]))
 
 
+@pytest.mark.parametrize("iid", [2**64 + 50, 2**63, -1])
+@pytest.mark.parametrize("where", ["instance", "endpoint"])
+def test_instance_and_endpoint_ids_outside_0_to_2_63_minus_1_are_refused(where, iid):
+    """Ids are kept in 64-bit slots: 2^64 + 50 was cut down to 50 and a stored response went to instance 50."""
+    inst = union(1, "127.0.0.1:9")
+    key = "id" if where == "instance" else "endpoints[0].id"
+    (inst if where == "instance" else inst["endpoints"][0])["id"] = iid
+    assert refused(coordinator_config([inst])) == f"motor_coordinator_config.instances[0].{key}: must be 0..{2**63 - 1}"
+
+
+def test_the_largest_ids_are_accepted():
+    inst = union(2**63 - 1, "127.0.0.1:9")
+    inst["endpoints"][0]["id"] = 2**63 - 1
+    (read,) = settings_from_dict(coordinator_config([inst])).instances
+    assert read.id == read.endpoints[0].id == 2**63 - 1
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("engine_type", ["sglang", "mindie"])
+def test_a_prefill_or_decode_instance_must_speak_vllms_pd_protocol(role, engine_type):
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, "127.0.0.1:9"), instance(2, role, MODEL, "127.0.0.1:8", engine_type=engine_type)]
+    )
+    assert refused(cfg).startswith(
+        f"motor_coordinator_config.instances[1].engine_type: a {role} instance must be vllm: the PD protocol of "
+        f"{engine_type} is not implemented"
+    )
+    # A union instance of that type serves whole requests: no PD protocol is spoken to it.
+    cfg["instances"][1]["role"] = "union"
+    assert settings_from_dict(cfg).instances[1].engine_type == engine_type
+
+
 @pytest.mark.parametrize(
     "ports, key, other, port",
     [
@@ -170,10 +202,16 @@ def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
             "infer_tls_config": {"enable_tls": True, "cert_file": "/nonexistent.pem", "key_file": "/nonexistent.key"},
         },
         "bad-host": {**base, "api_config": {**base["api_config"], "coordinator_api_host": "not-a-host.invalid"}},
+        "id-over-2^63": {**base, "instances": [union(2**64 + 50, "127.0.0.1:9")]},
+        "sglang-prefill": {**base, "instances": [instance(1, "prefill", MODEL, "127.0.0.1:9", engine_type="sglang")]},
         "port-in-use": {
             **base,
             "api_config": {**base["api_config"], "coordinator_api_mgmt_port": taken.getsockname()[1]},
         },
+    }
+    named = {  # the key each line names
+        "id-over-2^63": "instances[0].id: must be 0..",
+        "sglang-prefill": "instances[0].engine_type: a prefill instance must be vllm",
     }
     for name, cfg in cases.items():
         path = tmp_path / f"{name}.json"
@@ -188,6 +226,7 @@ def test_the_coordinator_exits_with_one_line_not_a_traceback(tmp_path):
             proc.stderr[-2000:],
         )
         assert "Traceback" not in proc.stdout + proc.stderr
+        assert lines[0].startswith(f"config error: motor_coordinator_config.{named.get(name, '')}"), lines[0]
     assert (
         "api_config.coordinator_api_mgmt_port: cannot listen on 127.0.0.1:%d (Address already in use)"
         % taken.getsockname()[1]

@@ -20,6 +20,7 @@ import pytest
 
 from harness import ROOT
 from harness.bodies import chat_body, sse_events
+from harness.clients import openai_client
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator, logged_request_pids as worker_pids
 from harness.loopback import wait_until
@@ -368,6 +369,48 @@ REFUSED = [
     ),
     pytest.param("address-taken", 409, "registered twice", id="address-of-another-instance"),
     pytest.param({"event": "pause", "instances": [42]}, 404, "42", id="pause-unknown"),
+    # Ids are kept in 64-bit slots: 2^64 + 50 would be instance 50 there.
+    pytest.param(
+        {"event": "set", "instances": [instance(2**64 + 50, "union", MODEL, "127.0.0.1:9")]},
+        400,
+        f"instances[0].id: must be 0..{2**63 - 1}",
+        id="id-over-2^63",
+    ),
+    pytest.param(
+        {"event": "add", "instances": [instance(-1, "union", MODEL, "127.0.0.1:9")]},
+        400,
+        "instances[0].id: must be 0..",
+        id="negative-id",
+    ),
+    pytest.param(
+        {
+            "event": "add",
+            "instances": [
+                {"id": 9, "role": "union", "model_name": MODEL, "endpoints": [{"id": 2**63, "address": "127.0.0.1:9"}]}
+            ],
+        },
+        400,
+        "instances[0].endpoints[0].id: must be 0..",
+        id="endpoint-id-over-2^63",
+    ),
+    pytest.param(
+        {"event": "pause", "instances": [1, 2**64 + 1]},
+        400,
+        "instances[1]: must be an instance id",
+        id="pause-id-over-2^63",
+    ),
+    pytest.param(
+        {"event": "set", "instances": [instance(9, "prefill", MODEL, "127.0.0.1:9", engine_type="sglang")]},
+        400,
+        "instances[0].engine_type: a prefill instance must be vllm",
+        id="sglang-prefill",
+    ),
+    pytest.param(
+        {"event": "add", "instances": [instance(9, "decode", MODEL, "127.0.0.1:9", engine_type="mindie")]},
+        400,
+        "instances[0].engine_type: a decode instance must be vllm",
+        id="mindie-decode",
+    ),
 ]
 
 
@@ -392,6 +435,29 @@ def test_refresh_refusals_change_nothing(cluster, body, status, words):
     assert reply["request_id"] == "refresh_request" and reply["status"] == "failed"
     assert words in reply["message"]
     assert version(cluster) == before and set(instances(cluster)) == set(BASELINE)
+
+
+def test_the_largest_ids_serve_and_a_stored_response_is_found_on_its_instance(cluster):
+    """Instance and endpoint id 2^63-1 fit the shared tables: GET /v1/responses/{id} goes back to it."""
+    big = 2**63 - 1
+    inst = {**cluster.definitions[3], "id": big, "endpoints": [{**cluster.definitions[3]["endpoints"][0], "id": big}]}
+    assert cluster.refresh("set", [inst]).status_code == 200
+    (shown,) = instances(cluster).values()
+    assert shown["id"] == big and shown["endpoints"][0]["id"] == big
+    sdk = openai_client(cluster)
+    r = sdk.responses.create(model=MODEL, input="keep this", max_output_tokens=2)
+    assert sdk.responses.retrieve(r.id).output_text == r.output_text  # the one engine holding it was asked
+
+
+def test_a_union_instance_of_another_engine_type_serves_whole_requests(cluster):
+    """sglang's and MindIE's PD protocols are not spoken here, but a union instance of them takes whole requests."""
+    assert cluster.refresh("set", [{**cluster.definitions[3], "engine_type": "sglang"}]).status_code == 200
+    reply = openai_client(cluster).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert reply.choices[0].message.content
+    (served,) = [q for q in cluster.engines[3].requests() if q["path"] == "/v1/chat/completions"]
+    assert "kv_transfer_params" not in served["body"]
 
 
 def test_refresh_body_over_10_mib_is_413(cluster):
