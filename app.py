@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import replace
 from functools import partial
+from multiprocessing import resource_tracker
 
 # prometheus-client picks its multiprocess mode at import time: set the directory before any import.
 if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
@@ -98,6 +99,7 @@ def create_app(settings: Settings) -> Sanic:
 
     @app.main_process_start
     async def make_shared_state(app: Sanic):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # Sanic's state manager has started (main())
         clear_stale_files()
         if settings.cluster.redis_url:  # one name for this replica, in every worker (spawned: they inherit it)
             os.environ["MOTOR_REPLICA_ID"] = replica_id()
@@ -389,6 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         settings.obs_port,
         settings.num_workers,
     )
+    # The first process Sanic starts is its state manager, which the main process needs until its workers have
+    # stopped. It keeps the signal mask it starts with: with SIGTERM blocked, a stop signal to the whole process
+    # group (`kill -TERM -- -PGID`: docker stop, most supervisors) cannot end it under the main process (a
+    # BrokenPipeError traceback, exit 1). Sanic ends it at exit. The main process unblocks SIGTERM in
+    # `make_shared_state`, right after; one that came meanwhile is delivered then. CPython's resource tracker is
+    # started first: its launch unblocks SIGTERM in the process that launches it.
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     Sanic.serve(primary=app, app_loader=loader)
     return 0
 

@@ -5,19 +5,22 @@ Sanic's REQUEST_TIMEOUT bounds the silence between two bytes of a head, never th
 RESPONSE_TIMEOUT (hours) bounds a body's: a client sending a byte a second holds its connection forever.
 `EdgeProtocol` (Sanic's HttpProtocol) gives the head `request_head_timeout` from the segment that brought its first
 byte, and the body `request_body_timeout` from the head's end. Sanic's own timer per connection checks them; what
-a request pays is a coroutine frame, two attribute copies and one regular expression search over its head. A reader waiting past
-its deadline gets a 408 in its route's API shape (the body's reader is the route, which answers it) and the
-connection closes.
+a request pays is a coroutine frame, two attribute copies, and four scans and a regular expression search over its
+head (`head_fault`). A reader waiting past its deadline gets a 408 in its route's API shape (the body's reader is
+the route, which answers it) and the connection closes.
 
 `max_connections_per_worker` caps the connections each port of a worker keeps open (Sanic's set per server): one
 more gets a 503 and is closed, without a task or a parser made for it. Each port counts its own, so a flood on the
 inference port leaves the management port's probes answered.
 
-A head is refused with 400, and its connection closed (RFC 9112 sections 5.1, 5.2 and 11.2), when a header name
-is not a token right before its colon: whitespace before the colon (`Transfer-Encoding : chunked`, which Sanic
+A head is refused with 400, and its connection closed (RFC 9112 sections 2.2, 5.1, 5.2 and 11.2), when a header
+name is not a token right before its colon: whitespace before the colon (`Transfer-Encoding : chunked`, which Sanic
 would not read as framing, so that a body could pass for the next request), a line folded onto the one before
-(obs-fold), an empty name. A head that cannot be HTTP/1.1 is refused as soon as its first bytes are in, not after
-the deadline: a TLS ClientHello on a plain port, a request line ending in a bare LF.
+(obs-fold), an empty name; and when it holds a CR or LF that is not a CRLF line end, or a NUL. Sanic splits a head
+at CRLF only, so `X-Foo: a<LF>Content-Length: 61` is one header to it and two to a proxy that splits at LF: the
+two would frame the bytes after the head differently (request smuggling). A head that cannot be HTTP/1.1 is
+refused as soon as its first bytes are in, not after the deadline: a TLS ClientHello on a plain port, a request
+line ending in a bare LF.
 """
 
 from __future__ import annotations
@@ -52,10 +55,21 @@ class StrictHttp(Http):
         protocol = self.protocol
         protocol.head_since = protocol._time  # the arrival of the segment with this head's first byte
         await super().http1_request_header()
-        if _BAD_FIELD_LINE(self.request.head):
+        if why := head_fault(self.request.head):
             self.request_body = None  # its framing is unknown: nothing more is read from this connection
-            raise InvalidRequest("malformed header field: a header name must be a token followed at once by a colon")
+            raise InvalidRequest(why)
         protocol.body_since = protocol._time
+
+
+def head_fault(head: bytes) -> str:
+    """Why a complete request head (Sanic's: without its final CRLF) is refused, or "" when it is not."""
+    # Every CR and every LF is one of the CRLFs (scans at C speed: a regular expression for it costs ten times more).
+    crlfs = head.count(b"\r\n")
+    if head.count(b"\n") != crlfs or head.count(b"\r") != crlfs or b"\0" in head:
+        return "malformed request head: a CR or LF may only be part of a CRLF line end, and a NUL may not appear"
+    if _BAD_FIELD_LINE(head):
+        return "malformed header field: a header name must be a token followed at once by a colon"
+    return ""
 
 
 def check_head_start(buf: bytearray) -> None:

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from scheduling.registry import Target
 from serving.job import CHAT, COMPLETIONS, MESSAGES, RESPONSES
-from serving.protocol import VISIBLE
 
 log = logging.getLogger("coordinator.request")
 
@@ -40,11 +39,15 @@ _INPUT_KEYS = (b'"prompt_tokens":', b'"input_tokens":')
 _INT = re.compile(rb"\s*(\d+)")
 
 
+# A value logfmt reads as it is: printable ASCII but the space, `"`, `=` and `\`.
+_PLAIN = re.compile(r"[!#-<>-\[\]-~]+")
+
+
 def log_value(value: str) -> str:
-    """A client-given value (a model name) for a `key=value` log field: as it is when it cannot forge a field
-    or a line, else quoted with JSON's escapes (spaces, `=`-looking text, newlines and non-ASCII kept visible
-    but inert)."""
-    return value if VISIBLE.fullmatch(value) else json.dumps(value)
+    """A value a client chose (its request id, a model name, an error that quotes one) for a `key=value` field, as
+    logfmt readers read it: as it is when plain, else quoted with JSON's escapes (a quote, a backslash, control
+    characters and anything not ASCII), which are logfmt's, so that no reader finds a field or a line in it."""
+    return value if _PLAIN.fullmatch(value) else json.dumps(value)
 
 
 def _last_int(body: bytes, keys: tuple[bytes, ...]) -> int | None:
@@ -214,7 +217,7 @@ class Observer:
                 "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s continuations=%d%s placement=%s "
                 "duration_ms=%.1f%s"
                 % (
-                    rec.request_id,
+                    log_value(rec.request_id),
                     rec.route,
                     log_value(rec.model) if rec.model else "-",
                     rec.stream,
@@ -230,7 +233,7 @@ class Observer:
                     f" continuation_refused={rec.continuation_refused}" if rec.continuation_refused else "",
                     rec.placement or "-",
                     rec.duration_s * 1000,
-                    f" error={rec.error!r}" if rec.error else "",
+                    f" error={log_value(rec.error)}" if rec.error else "",
                 )
             )
 

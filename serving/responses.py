@@ -20,7 +20,7 @@ stored responses).
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote
 
 from errors import InvalidRequest, NotFound, clip, dumps
 from scheduling.policies import JobInfo
@@ -34,6 +34,19 @@ from serving.whole import WholeCall
 from state.response_homes import ResponseHomes
 
 NO_DELETE_ROUTE = 405  # vLLM 0.32's answer to DELETE /v1/responses/{id}
+# The values of a query's `stream` that say no: pydantic's false spellings (vLLM's FastAPI reads the parameter as a
+# bool), and a blank one.
+_NOT_STREAMED = frozenset(("", "0", "f", "false", "n", "no", "off"))
+
+
+def asks_for_stream(query: str) -> bool:
+    """Whether a query has a `stream` parameter that is not a plain no, read as engines read a query (percent- and
+    plus-decoded). Its name is matched in any case: vLLM matches `stream` exactly, but a refusal of `STREAM=true`
+    costs a client nothing it could have had, and depends on no engine's parser."""
+    return any(
+        k.strip().lower() == "stream" and v.strip().lower() not in _NOT_STREAMED
+        for k, v in parse_qsl(query, keep_blank_values=True)
+    )
 
 
 class StoredResponses:
@@ -80,7 +93,7 @@ class StoredResponses:
         self, method: str, response_id: str, query: str, request_id: str, rec: RequestRecord
     ) -> tuple[int, bytes]:
         """GET, DELETE or cancel (POST) of a stored response, on its engine: (status, body) as it answered."""
-        if method == "GET" and "stream=true" in query.lower():
+        if method == "GET" and asks_for_stream(query):
             raise InvalidRequest(
                 "streaming a stored response (GET ?stream=true) is not served through the Coordinator", param="stream"
             )

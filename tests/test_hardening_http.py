@@ -207,6 +207,50 @@ def test_a_malformed_header_field_is_a_400_that_closes_the_connection(edge, fiel
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["type"] == "invalid_request_error"
 
 
+CHAT = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "smuggled"}]}).encode()
+SMUGGLED_CHAT = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer %s\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (KEY.encode(), len(CHAT), CHAT)
+)
+# A field that hides another, and fields with a lone CR or a NUL. A proxy in front that splits lines at LF reads
+# `Content-Length` in the first, so to it the request after the head is that request's body.
+FAULTS = {
+    "bare-lf": b"X-Foo: a\nContent-Length: %d\r\n" % len(SMUGGLED_CHAT),
+    "bare-cr": b"X-Foo: a\rContent-Length: %d\r\n" % len(SMUGGLED_CHAT),
+    "nul-in-value": b"X-Foo: a\0b\r\n",
+    "nul-in-name": b"X-F\0oo: a\r\n",
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize(
+    "port,path", [("infer_port", b"/v1/models"), ("mgmt_port", b"/liveness"), ("obs_port", b"/metrics")]
+)
+def test_a_bare_cr_lf_or_nul_in_a_head_is_a_400_and_what_follows_is_not_served(edge, module_sims, port, path, fault):
+    """`X-Foo: a<LF>Content-Length: 61` was one header to Sanic: it answered the GET and then served the bytes
+    after it as a second request, which reached the engine."""
+    (engine,) = module_sims.handles
+    received = engine.stats()["received"]
+    head = b"GET %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n%s\r\n" % (path, KEY.encode(), FAULTS[fault])
+    answer, closed, _ = exchange(getattr(edge, port), head + SMUGGLED_CHAT)
+    assert statuses(answer) == [b"400"], answer  # one answer: the smuggled request is never read
+    assert closed and b"connection: close" in answer.lower()
+    err = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert err["type"] == "invalid_request_error" and "CR or LF" in err["message"], err
+    assert engine.stats()["received"] == received
+
+
+def test_a_bare_lf_on_an_anthropic_route_is_refused_in_its_envelope(edge):
+    head = (
+        b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: %s\r\nContent-Type: application/json\r\n"
+        b"X-Foo: a\nContent-Length: %d\r\n\r\n" % (KEY.encode(), len(SMUGGLED_CHAT))
+    )
+    answer, closed, _ = exchange(edge.infer_port, head + SMUGGLED_CHAT)
+    assert statuses(answer) == [b"400"] and closed, answer
+    body = json.loads(answer.partition(b"\r\n\r\n")[2])
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+
+
 def test_a_well_formed_pipeline_is_still_answered_in_order(edge):
     answer, _, _ = exchange(
         edge.infer_port, HIDDEN + HIDDEN.replace(b"/v1/models", b"/v1/models/" + MODEL.encode()), 1.0

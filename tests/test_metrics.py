@@ -24,6 +24,7 @@ from harness.bodies import sse_events
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator, logged_request_pids as worker_pids
 from harness.loopback import wait_until
+from tests import logfmt
 from tests.conftest import MODEL
 
 PD_MODEL, SLOW_MODEL = "pd-model", "slow-model"
@@ -380,11 +381,44 @@ def test_client_values_cannot_forge_request_line_fields_or_lines(c):
     assert wait_until(lambda: c.output().count(" INFO coordinator.request[", mark) >= 2)
     lines = [line for line in c.output()[mark:].splitlines() if "coordinator.request[" in line]
     assert not any(line.startswith("2099-") or "request_id=FORGED" in line.split(" model=")[0] for line in lines), lines
-    # Quoted values are inert: the model (JSON's quoting) and the error (Python's, always the last field).
+    # Quoted values are inert: the model and the error (always the last field), both in JSON's quoting.
     unquoted = [re.sub(r' model="(?:[^"\\]|\\.)*"', " model=Q", line).split(" error=")[0] for line in lines]
     assert all(line.count(" status=") == 1 and line.count(" route=") == 1 for line in unquoted), unquoted
     [forge] = [line for line in lines if "request_id=forge-1 " in line]
     assert ' model="qwen3\\n2099-01-01' in forge
+
+
+# What a client chooses, in the request line, as a strict logfmt reader must read it back.
+FORGERIES = [  # (X-Request-Id, model)
+    ('"', "nomodel status=200 route=/forged"),  # the id's quote opened a value that the model's closed
+    ('x"', MODEL),
+    ("a=b", 'a"b'),
+    ("\\", 'it\'s "quoted" status=200 route=/forged'),  # an error quoting both quotes: Python's repr used '...'
+    ("t-5", "tab\there\x7fdel \u00e9\u2028"),
+]
+
+
+def test_a_strict_logfmt_reader_finds_only_the_coordinators_fields(c):
+    mark = len(c.output())
+    for rid, model in FORGERIES:
+        r = post(c, CHAT, chat_body(model=model), headers={"X-Request-Id": rid})
+        assert r.headers["x-request-id"] == rid and r.status_code == (200 if model == MODEL else 404), r.text
+
+    def read() -> dict[str, dict[str, str]]:
+        """The request lines written since `mark`, by request id. No key twice: a forged status= would be one."""
+        lines = [line for line in c.output()[mark:].splitlines() if " INFO coordinator.request[" in line]
+        return {(got := logfmt.fields(line.partition("]: ")[2]))["request_id"]: got for line in lines}
+
+    assert wait_until(lambda: {rid for rid, _ in FORGERIES} <= read().keys())
+    by_id = read()
+    for rid, model in FORGERIES:
+        got = by_id[rid]
+        assert got["model"] == model and got["route"] == CHAT, got
+        assert got["status"] == ("200" if model == MODEL else "404"), got
+        assert {"stream", "prefill", "decode", "ttft_ms", "prompt_tokens", "duration_ms"} <= got.keys(), got
+        assert ("error" in got) == (model != MODEL), got
+        if model != MODEL:
+            assert got["error"] == f"The model `{model}` does not exist.", got
 
 
 def test_every_response_carries_a_request_id(c):

@@ -237,10 +237,26 @@ def test_an_unknown_id_is_a_404_in_openais_shape_everywhere(c):
     assert sum(s.stats()["received"] for s in [*c.u, c.p, *c.d]) == received  # no engine was asked
 
 
-def test_replaying_a_stored_stream_is_refused_clearly(c):
-    r = client(c).responses.create(model=MODEL, input="replay", max_output_tokens=2)
-    got = httpx.get(f"{c.url}/v1/responses/{r.id}?stream=true", timeout=10)
-    assert got.status_code == 400 and got.json()["error"]["param"] == "stream"
+@pytest.fixture(scope="module")
+def stored(c) -> str:
+    return client(c).responses.create(model=MODEL, input="replay", max_output_tokens=2).id
+
+
+# `?stream=1` and `?STREAM=%74rue` passed a substring check for `stream=true` and reached the engine.
+@pytest.mark.parametrize(
+    "query", ["stream=true", "stream=1", "STREAM=%74rue", "stream=false&stream=on", "Stream=+yes", "%73tream=T"]
+)
+def test_replaying_a_stored_stream_is_refused_clearly(c, stored, query):
+    got = httpx.get(f"{c.url}/v1/responses/{stored}?{query}", timeout=10)
+    assert got.status_code == 400, got.text
+    err = got.json()["error"]
+    assert err["param"] == "stream" and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("query", ["stream=false", "stream=0", "STREAM=off", "stream=", "streams=true"])
+def test_a_stored_response_asked_for_without_a_stream_is_the_engines(c, stored, query):
+    got = httpx.get(f"{c.url}/v1/responses/{stored}?{query}", timeout=10)
+    assert got.status_code == 200 and got.json()["id"] == stored, got.text
 
 
 def test_an_unstored_response_is_not_remembered(c):

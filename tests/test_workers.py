@@ -265,6 +265,28 @@ def test_sigterm_to_one_worker_drains_only_that_worker(sims):
         assert code == 0, coord.output()[-4000:]
 
 
+def test_sigterm_to_the_whole_process_group_stops_cleanly(sims):
+    """`kill -TERM -- -PGID` (docker stop, most supervisors) reaches Sanic's state manager process too, which the
+    main process still needs to stop its workers: when that one went first, the main process failed with
+    `Experienced exception while trying to serve`, a BrokenPipeError traceback and exit 1. The kernel signals a
+    group's processes in no set order; here the state manager's signal comes first, which made that certain."""
+    a = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, a.address)], inference_workers_config={"num_workers": 2})
+    with Coordinator(cfg) as coord:
+        servers = set(coord.server_workers().values())
+        [state_manager] = [pid for pid in coord.worker_pids() if pid not in servers]
+        time.sleep(1.0)  # Sanic's monitor loop acknowledges the workers' start (a stop before that exits at once)
+        os.kill(state_manager, signal.SIGTERM)
+        # The main process's monitor loop reads the state manager's table every 0.1 s: time to find it gone.
+        wait_until(lambda: coord.proc.poll() is not None, timeout_s=3)
+        os.killpg(coord.proc.pid, signal.SIGTERM)
+        code = coord.proc.wait(30)
+        output = coord.output()
+        assert code == 0, output[-4000:]
+        assert "Traceback" not in output and "Experienced exception" not in output, output[-4000:]
+        assert wait_until(lambda: not any(running(pid) for pid in (*servers, state_manager)), timeout_s=10)
+
+
 def test_sigterm_before_the_workers_are_ready_exits_promptly(sims):
     """Sanic's start-up wait puts a stop message back on its pipe for ever while a worker has not acknowledged
     its start (sanic #2997): the main process spun, holding the ports. It now kills the workers and exits."""
