@@ -22,7 +22,7 @@ from handlers.ids import request_id
 from handlers.planes import INFER, check_plane
 from handlers.sink import SanicSink, error_response
 from serving.job import job_from_body, parse_body
-from serving.observe import RequestRecord
+from serving.observe import RequestRecord, log_value
 
 log = logging.getLogger("coordinator.handlers")
 # The 4xx statuses the OpenAI and Anthropic SDKs retry by default (besides every 5xx).
@@ -82,7 +82,7 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         task.uncancel()  # the drain window ended it: the client is still there and hears why
         return await _fail(sink, rec, ServiceUnavailable.draining(), api, rid)
     except Exception as e:  # never a traceback to the client
-        log.exception("request_id=%s failed", rid)
+        log.exception("request_id=%s failed", log_value(rid))
         return await _fail(sink, rec, CoordinatorError(f"internal error: {type(e).__name__}"), api, rid)
     finally:
         ctx.observer.request_done(rec)

@@ -12,7 +12,7 @@ from sanic.helpers import has_message_body
 
 from errors import ANTHROPIC, OPENAI, CoordinatorError, render
 from handlers.ids import ANTHROPIC_REQUEST_ID, REQUEST_ID
-from serving.observe import RequestRecord
+from serving.observe import RequestRecord, log_value
 
 log = logging.getLogger("coordinator.handlers")
 
@@ -133,7 +133,7 @@ class SanicSink:
         """Drop the client's connection, which Sanic answers by cancelling the request: it ends as a disconnect,
         and its engine request and capacity are given back (otherwise they were held until the client left)."""
         self.ended = True
-        log.warning("request_id=%s: the client's stream is cut: %s", self.rid, why)
+        log.warning("request_id=%s: the client's stream is cut: %s", log_value(self.rid), why)
         self.request.transport.abort()
         await asyncio.sleep(1.0)  # Sanic cancels this task once the connection is lost
         raise asyncio.CancelledError from None

@@ -23,7 +23,7 @@ from scheduling.tokens import engine_prompt, engine_uncached
 from serving.call import Call, Sink, Upstream
 from serving.job import Job
 from serving.legs import decode_leg, prefill_leg
-from serving.observe import RequestRecord
+from serving.observe import RequestRecord, log_value
 from serving.relay import relay
 from serving.retries import Retries
 from serving.usage import UsageFix, prefill_usage
@@ -167,8 +167,8 @@ class Handoff:
             await self.up.client.post(
                 url, dumps({"remote_request_id": remote_request_id}), request_id, timeout_s=self.s.connect_timeout_s
             )
-            log.info("request_id=%s released prefill KV %r at %s", request_id, remote_request_id, url)
+            log.info("request_id=%s released prefill KV %s at %s", log_value(request_id), remote_request_id, url)
         except UpstreamError as e:  # already pulled or expired (404), or P is gone: nothing left to free
-            log.info("request_id=%s prefill KV release at %s: %r", request_id, url, str(e))
+            log.info("request_id=%s prefill KV release at %s: %s", log_value(request_id), url, log_value(str(e)))
         except RuntimeError as e:  # the worker is stopping and its engine client is closed
-            log.info("request_id=%s prefill KV release at %s skipped: %s", request_id, url, e)
+            log.info("request_id=%s prefill KV release at %s skipped: %s", log_value(request_id), url, e)

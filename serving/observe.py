@@ -242,20 +242,31 @@ class Observer:
         self.request_log.flush()
 
     def retry(self, job, target: Target, err: Exception) -> None:
-        log.warning("request_id=%s retrying after %r on %s", job.request_id, str(err), _name(target))
+        log.warning(
+            "request_id=%s retrying after=%s on %s", log_value(job.request_id), log_value(str(err)), _name(target)
+        )
 
     def continuation(self, job, target: Target, err: Exception) -> None:
-        log.warning("request_id=%s stream continued on %s after %r", job.request_id, _name(target), str(err))
+        log.warning(
+            "request_id=%s stream continued on %s after=%s",
+            log_value(job.request_id),
+            _name(target),
+            log_value(str(err)),
+        )
 
     def continuation_refused(self, job, target: Target, reason: str, err: Exception) -> None:
         log.warning(
-            "request_id=%s stream not continued (%s) after %r on %s", job.request_id, reason, str(err), _name(target)
+            "request_id=%s stream not continued (%s) after=%s on %s",
+            log_value(job.request_id),
+            reason,
+            log_value(str(err)),
+            _name(target),
         )
 
     def missed_handoff(self, job, rec: RequestRecord, why: str) -> None:
         log.warning(
             "request_id=%s missed handoff (prefill %s): %s; decode recomputes the prompt",
-            job.request_id,
+            log_value(job.request_id),
             _name(rec.prefill),
             why,
         )
