@@ -74,6 +74,7 @@ class JobInfo:
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
     arrived: float = field(default_factory=lambda: clock.now())
     cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
+    failed: set[int] = field(default_factory=set)  # slots whose engine failed it: a continuation goes to none of them
     # The verdict of the last plan: can the chosen engines meet the budgets? (None: cannot tell.)
     feasible: bool | None = None
     ttft_s: float = 0.0  # predicted for the chosen engines, with their allowances for errors

@@ -71,6 +71,10 @@ class Plan:
 
 # Where a leg's retry goes besides its roles (`Leg.retry_roles`): planned again, or the same engine.
 REPLAN, PINNED = (), None
+# Where a broken stream goes on (`Leg.continue_elsewhere`), in order of preference: any engine that serves the model
+# whole, as MindIE-PyMotor's hybrid fallback does. A decode instance is sized for decoding; a prefill instance
+# (a NixlConnector producer) serves a request without a ticket whole, at the cost of its new prompts' TTFT.
+CONTINUATION_ROLES = ("decode", "union", "prefill")
 
 
 class Leg:
@@ -80,7 +84,8 @@ class Leg:
     `target` is the engine it goes to now; `lease()` takes that engine's load in the ledger for one try
     (the caller releases the lease), `hold()` promises a decode engine's place while the prefill runs, and
     `move()` re-picks an engine for a retry, the way the leg was chosen (`retry_roles`): planned again
-    (REPLAN), picked among those roles, or kept on the same engine (PINNED: a metaserver call names it).
+    (REPLAN), picked among those roles, or kept on the same engine (PINNED: a metaserver call names it);
+    `continue_elsewhere()` picks the engine a broken stream goes on on.
     """
 
     __slots__ = ("job", "kind", "learn", "retry_roles", "scheduler", "target")
@@ -126,6 +131,22 @@ class Leg:
                 self.target = self._pick(frozenset())
             except NoCapacity:
                 return False
+        return True
+
+    def continue_elsewhere(self) -> bool:
+        """Re-pick `target` for a stream's continuation (serving/continuation.py): an engine of CONTINUATION_ROLES
+        that has not failed the request (`JobInfo.failed`), never one that has; False when none is left.
+
+        The leg becomes a whole request there: the engine computes the prompt and the generated tokens itself,
+        so the ledger counts its prefill; its timings are no sample for the learned model's fits (its prompt is
+        longer than the one the request was counted with)."""
+        try:
+            self.target = self.scheduler.pick_one(
+                self.job.model, self.job, CONTINUATION_ROLES, frozenset(self.job.failed)
+            )
+        except NoCapacity:
+            return False
+        self.kind, self.learn = WHOLE, False
         return True
 
     def _pick(self, exclude: frozenset[int]) -> Target:

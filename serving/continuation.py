@@ -5,13 +5,14 @@ While the first engine streams, it is asked for token ids (vLLM's `return_token_
 names the prompt's ids, each later one its tokens' ids. They are kept here and taken out of what the client
 gets unless it asked for them itself (set to null: what vLLM writes when they were not asked for). When
 that engine dies, resets the connection, ends the stream with an in-band 5xx error event, or stalls past
-`stream_idle_timeout`, `Retries` hands the request to `resume`: another healthy instance of the leg's
-roles (a decode instance in PD, which computes the prompt itself: see docs/reliability.md) gets a
-/v1/completions request whose prompt is the prompt's ids followed by the generated ones, with the
-remaining `max_tokens`, `min_tokens` less what was generated, and the client's sampling parameters and
-seed. Its chunks are written in the client's route shape: chat chunks, completions chunks or Anthropic
-events (the open text block's index, or the next one), with the first answer's id, created time and model,
-and usage that counts the prompt once (P's counts in PD) and every completion token once.
+`stream_idle_timeout`, `Retries` hands the request to `resume`: another healthy instance that can serve
+the model whole and has not failed the request (a second decode instance, a union one, or a prefill one,
+in that order; it computes the prompt itself: see docs/reliability.md) gets a /v1/completions request
+whose prompt is the prompt's ids followed by the generated ones, with the remaining `max_tokens`,
+`min_tokens` less what was generated, and the client's sampling parameters and seed. Its chunks are
+written in the client's route shape: chat chunks, completions chunks or Anthropic events (the open text
+block's index, or the next one), with the first answer's id, created time and model, and usage that
+counts the prompt once (P's counts in PD) and every completion token once.
 
 What cannot be continued exactly is refused up front and fails as before (one SSE error event): see
 `refusal`. Every continuation and every refusal is counted (serving/observe.py).
@@ -291,9 +292,10 @@ class Continuation:
             return "no_token_ids"  # the engine returned none (vLLM's /v1/messages has no return_token_ids)
         return None
 
-    async def resume(self, retries: Retries, call: Call, err: UpstreamError, failed: set[int]) -> None:
-        """Continue the answer on other engines, up to `max_continuations` tries; `err` is raised when no
-        continuation happens (the client then gets its one SSE error event, as without continuation)."""
+    async def resume(self, retries: Retries, call: Call, err: UpstreamError) -> None:
+        """Continue the answer on other engines, up to `max_continuations` tries, never on one that failed the
+        request (`Leg.continue_elsewhere`); `err` is raised when no continuation happens (the client then gets
+        its one SSE error event, as without continuation)."""
         obs, rec, leg, s = call.up.obs, call.rec, call.leg, call.up.settings
         reason = self.why_not(err)
         if reason is not None:
@@ -301,9 +303,9 @@ class Continuation:
             obs.continuation_refused(self.job, leg.target, reason, err)
             raise err
         self.resuming, self.fix = True, getattr(call, "fix", None)
-        exclude, reason = set(failed), "limit"
+        reason = "limit"
         for n in range(1, s.reschedule.max_continuations + 1):
-            if not leg.move(exclude):
+            if not leg.continue_elsewhere():
                 reason = "no_instance"
                 break
             target = leg.target
@@ -320,7 +322,7 @@ class Continuation:
                 if isinstance(e, EngineStatusError) and e.relayed:
                     raise  # the continuation's own 4xx: the client's error, as it came
                 err = e
-                exclude.add(target.slot)
+                leg.job.failed.add(target.slot)
                 if self.done:
                     break
                 continue

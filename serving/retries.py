@@ -69,10 +69,11 @@ class Retries:
                     result = await self.tracing.attempt(leg.kind, target, attempt, rid, partial(call.attempt, rid))
             except UpstreamError as e:
                 call.failed(e)
+                leg.job.failed.add(target.slot)  # a continuation goes to none of them
                 if target.slot not in exclude:  # one request retried on one engine is one failure to its breaker
                     self.record(target, e)
                 if sink.started and call.cont is not None:  # the client has output: its stream goes on elsewhere
-                    return await call.cont.resume(self, call, e, exclude | {target.slot})
+                    return await call.cont.resume(self, call, e)
                 if not e.retryable or sink.started or attempt >= self.s.max_retry:
                     raise
                 exclude.add(target.slot)

@@ -45,6 +45,14 @@ def cluster(module_sims):
     instances += [instance(11, "prefill", PD, p[0].address)]
     instances += [instance(i + 21, "decode", PD, s.address) for i, s in enumerate(d)]
     instances += [instance(i + 31, "union", PLAIN, s.address) for i, s in enumerate(plain)]
+    sims = {"union": u, "prefill": p, "decode": d, "plain": plain}
+    timeouts = {"first_token_timeout": 2.0, "stream_idle_timeout": 0.5, "stream_keepalive_interval": 0.15}
+    with continuing(instances, sims, **timeouts) as coord:
+        yield coord
+
+
+def continuing(instances: list, sims: dict, **exception_config) -> Coordinator:
+    """A Coordinator that continues broken streams, in front of `instances`; `sims`: their engines, by group."""
     cfg = coordinator_config(
         instances,
         exception_config={
@@ -52,15 +60,13 @@ def cluster(module_sims):
             "max_retry": 2,
             "retry_delay": 0.01,
             "kv_release_path": "/sim/kv/release",
-            "first_token_timeout": 2.0,
-            "stream_idle_timeout": 0.5,
-            "stream_keepalive_interval": 0.15,
+            **exception_config,
         },
         scheduler_config={"breaker_failure_threshold": 1000, "health_check_interval": 0.2},
     )
-    with Coordinator(cfg) as coord:
-        coord.sims = {"union": u, "prefill": p, "decode": d, "plain": plain}
-        yield coord
+    coord = Coordinator(cfg)
+    coord.sims = sims
+    return coord
 
 
 def all_healthy(c) -> bool:
@@ -68,14 +74,19 @@ def all_healthy(c) -> bool:
     return all(ep["healthy"] for inst in doc["instances"] for ep in inst["endpoints"])
 
 
-@pytest.fixture
-def c(cluster):
-    every = [s for group in cluster.sims.values() for s in group]
+def fresh(coord):
+    """`coord` with its engines' faults cleared, their records emptied, and all of them healthy again."""
+    every = [s for group in coord.sims.values() for s in group]
     for s in every:  # (clearing the faults brings a dead engine back to life)
         s.clear_faults()
         s.reset()
-    assert wait_until(lambda: all_healthy(cluster), 10)  # a dead engine of the last test is back
-    return cluster
+    assert wait_until(lambda: all_healthy(coord), 10)  # a dead engine of the last test is back
+    return coord
+
+
+@pytest.fixture
+def c(cluster):
+    return fresh(cluster)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -92,16 +103,16 @@ class Answer:
     token_ids: list = field(default_factory=list)  # the ids the client asked for, as it got them
 
 
-def ask(c, api: str, model: str, **extra) -> Answer:
+def ask(c, api: str, model: str, max_tokens: int = N, temperature: float = TEMPERATURE, **extra) -> Answer:
     """One streamed request through the real SDK, read to its end."""
     a = Answer()
     if api == "messages":
         stream = anthropic_client(c).messages.create(
             model=model,
-            max_tokens=N,
+            max_tokens=max_tokens,
             messages=MESSAGES,
             stream=True,
-            extra_body={"temperature": TEMPERATURE, "ignore_eos": True, **extra},
+            extra_body={"temperature": temperature, "ignore_eos": True, **extra},
         )
         for ev in stream:
             a.leaked |= "token_ids" in json.dumps(ev.model_dump())
@@ -119,9 +130,9 @@ def ask(c, api: str, model: str, **extra) -> Answer:
     oa = openai_client(c)
     common = {
         "model": model,
-        "max_tokens": N,
+        "max_tokens": max_tokens,
         "seed": SEED,
-        "temperature": TEMPERATURE,
+        "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
         "extra_body": {"ignore_eos": True, **extra},
@@ -250,21 +261,46 @@ def test_a_token_whose_text_the_client_has_not_seen_is_generated_again(c, api):
     assert len(sent[0]["prompt"]) == ref.usage[0] + K - 1
 
 
-def test_continuations_are_bounded_per_request_and_then_fail_as_before(c):
-    """Every engine breaks after 3 tokens: the first engine and MAX_CONTINUATIONS continuations each add 3, then
-    the client gets its one error event, and the refusal is counted as the limit."""
-    for s in c.sims["union"]:
-        s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=3)
-    before = counter(c, "motor_stream_continuation_refusals_total", reason="limit")
-    body = {"model": UNION, "messages": MESSAGES, "max_tokens": N, "ignore_eos": True, "stream": True}
+def broken_chat(c, model: str) -> tuple[str, dict]:
+    """A streamed chat request that ends with an error event: its text, and that last event."""
+    body = {"model": model, "messages": MESSAGES, "max_tokens": N, "ignore_eos": True, "stream": True}
     r = httpx.post(c.url + "/v1/chat/completions", json=body, timeout=30)
     events = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
-    text = "".join(ch["delta"].get("content") or "" for e in events for ch in e.get("choices") or ())
+    return "".join(ch["delta"].get("content") or "" for e in events for ch in e.get("choices") or ()), events[-1]
+
+
+def test_continuations_are_bounded_per_request_and_then_fail_as_before(c):
+    """The PD model's three engines (two decode, one prefill: each serves a continuation) break after 3 tokens
+    of every stream: the first engine and MAX_CONTINUATIONS continuations each add 3, then the client gets its
+    one error event, and the refusal is counted as the limit."""
+    for s in c.sims["decode"] + c.sims["prefill"]:
+        s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=3)
+    before = counter(c, "motor_stream_continuation_refusals_total", reason="limit")
+    text, last = broken_chat(c, PD)
     assert len(re.findall(r" \w+", text)) == 3 * (1 + MAX_CONTINUATIONS)
-    assert "error" in events[-1]
+    assert "error" in last
+    assert [len(continuations_sent([s])) for s in c.sims["decode"] + c.sims["prefill"]].count(1) == MAX_CONTINUATIONS
     assert wait_until(lambda: counter(c, "motor_stream_continuation_refusals_total", reason="limit") == before + 1, 5)
     assert wait_until(lambda: settled(c), 5), ledger(c)
     assert f" continuations={MAX_CONTINUATIONS} continuation_refused=limit " in log_line(c, "continuation_refused")
+
+
+def test_a_continuation_never_goes_back_to_an_engine_that_failed_the_request(c):
+    """Both union engines break after 3 tokens: the first one's stream goes on on the other, and when that
+    breaks too there is no engine left that has not failed the request: the client gets its one error event
+    after 6 tokens, and neither engine was asked twice."""
+    for s in c.sims["union"]:
+        s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=3)
+    before = counter(c, "motor_stream_continuation_refusals_total", reason="no_instance")
+    text, last = broken_chat(c, UNION)
+    assert len(re.findall(r" \w+", text)) == 3 * 2
+    assert "error" in last
+    assert [len(s.requests()) for s in c.sims["union"]] == [1, 1]  # the first try on one, the continuation on the other
+    assert len(continuations_sent(c.sims["union"])) == 1
+    assert wait_until(
+        lambda: counter(c, "motor_stream_continuation_refusals_total", reason="no_instance") == before + 1, 5
+    )
+    assert wait_until(lambda: settled(c), 5), ledger(c)
 
 
 # -- what is not continued, and fails as before -----------------------------------------------------
@@ -366,3 +402,108 @@ def test_trigger_mode_streams_are_continued_on_another_decode_engine(sims):
         sent = continuations_sent(d)
         assert len(sent) == 1 and "kv_transfer_params" not in sent[0]
         assert wait_until(lambda: ledger_is_zero(coord), 5), ledger(coord)
+
+
+# -- where a continuation goes when there is no second decode instance ----------------------------------
+
+HYBRID, SINGLE = "failover-hybrid", "failover-single"  # P + D + union; P + D alone
+LONG, KILL_AT = 120, 8  # a 120-token greedy answer whose decode engine fails after its 8th token
+
+
+@pytest.fixture(scope="module")
+def one_decode(module_sims):
+    """One Coordinator, two PD models with a single decode instance each: HYBRID has a union engine besides its
+    pair, SINGLE has nothing besides it (MindIE-PyMotor's hybrid fallback: P serves a request without a ticket)."""
+    sim = {"speedup": 5}
+    sims = {
+        "p": [module_sims("prefill", model=HYBRID, **sim)],
+        "d": [module_sims("decode", model=HYBRID, **sim)],
+        "u": [module_sims("union", model=HYBRID, **sim)],
+        "p1": [module_sims("prefill", model=SINGLE, **sim)],
+        "d1": [module_sims("decode", model=SINGLE, **sim)],
+    }
+    instances = [
+        instance(1, "prefill", HYBRID, sims["p"][0].address),
+        instance(2, "decode", HYBRID, sims["d"][0].address),
+        instance(3, "union", HYBRID, sims["u"][0].address),
+        instance(4, "prefill", SINGLE, sims["p1"][0].address),
+        instance(5, "decode", SINGLE, sims["d1"][0].address),
+    ]
+    with continuing(instances, sims) as coord:
+        yield coord
+
+
+@pytest.fixture
+def od(one_decode):
+    return fresh(one_decode)
+
+
+def greedy(c, model: str) -> Answer:
+    return ask(c, "chat", model, max_tokens=LONG, temperature=0.0)
+
+
+def test_the_single_decode_engine_killed_mid_stream_goes_on_on_the_union_engine(od):
+    s = od.sims
+    ref = greedy(od, HYBRID)
+    assert ref.usage[1] == LONG and ref.finish == "length"
+    s["d"][0].set_faults(mid_stream_fault="die", mid_stream_fault_after_tokens=KILL_AT)
+
+    got = greedy(od, HYBRID)
+
+    assert (got.text, got.finish, got.usage) == (ref.text, ref.finish, ref.usage)
+    assert len(got.ids) == 1 and not got.leaked
+    sent = continuations_sent(s["u"])  # what the union engine was asked
+    assert len(sent) == 1 and sent[0]["max_tokens"] == LONG - KILL_AT and "kv_transfer_params" not in sent[0]
+    assert len(sent[0]["prompt"]) == ref.usage[0] + KILL_AT
+    assert continuations_sent(s["p"]) == []
+    assert wait_until(lambda: settled(od), 5), ledger(od)
+    assert f"model={HYBRID} " in log_line(od, " continuations=1 ")
+
+
+def test_with_no_other_engine_the_stream_goes_on_on_the_prefill_engine(od):
+    s = od.sims
+    ref = greedy(od, SINGLE)
+    s["d1"][0].set_faults(mid_stream_fault="die", mid_stream_fault_after_tokens=KILL_AT)
+
+    got = greedy(od, SINGLE)
+
+    assert (got.text, got.finish, got.usage) == (ref.text, ref.finish, ref.usage)
+    assert len(got.ids) == 1 and got.finish == "length"
+    sent = continuations_sent(s["p1"])  # P served it whole: no ticket, the prompt's and the generated ids
+    assert len(sent) == 1 and "kv_transfer_params" not in sent[0] and sent[0]["max_tokens"] == LONG - KILL_AT
+    assert wait_until(lambda: settled(od), 5), ledger(od)
+
+
+def test_each_continuation_goes_to_an_engine_that_has_not_failed_the_request(od):
+    """D breaks after 8 tokens, the union engine 8 tokens into the continuation: the second continuation goes
+    to P, not back to D (alive, so it would have been asked), and the client still gets the unbroken text."""
+    s = od.sims
+    ref = greedy(od, HYBRID)
+    for engine in s["d"] + s["u"]:
+        engine.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=KILL_AT)
+
+    got = greedy(od, HYBRID)
+
+    assert (got.text, got.finish, got.usage) == (ref.text, ref.finish, ref.usage)
+    assert len(got.ids) == 1
+    assert continuations_sent(s["d"]) == []
+    assert [len(continuations_sent(s[k])) for k in ("u", "p")] == [1, 1]
+    assert continuations_sent(s["p"])[0]["max_tokens"] == LONG - 2 * KILL_AT
+    assert wait_until(lambda: settled(od), 5), ledger(od)
+
+
+def test_an_engine_that_failed_the_request_before_its_first_token_gets_no_continuation(od):
+    """P fails the prefill once (the retry lands on it again, the only P, and succeeds), then D dies: P failed
+    this request, so no engine is left for a continuation and the client gets its one error event."""
+    s = od.sims
+    s["p1"][0].set_faults(fail_first_n=1)
+    s["d1"][0].set_faults(mid_stream_fault="die", mid_stream_fault_after_tokens=3)
+    before = counter(od, "motor_stream_continuation_refusals_total", reason="no_instance")
+    text, last = broken_chat(od, SINGLE)
+    assert len(re.findall(r" \w+", text)) == 3 and "error" in last
+    assert len(s["p1"][0].requests()) == 2  # the prefill twice, no continuation
+    assert continuations_sent(s["p1"]) == []
+    assert wait_until(
+        lambda: counter(od, "motor_stream_continuation_refusals_total", reason="no_instance") == before + 1, 5
+    )
+    assert wait_until(lambda: settled(od), 5), ledger(od)

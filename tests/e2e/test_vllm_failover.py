@@ -1,16 +1,21 @@
 """Mid-stream continuation against real vLLM: the decode engine is SIGKILLed a few tokens into a long greedy
 answer, and the client's stream still ends normally with exactly the text an unbroken run produces.
 
-The run's engines serve as a PD model with two decode instances: the real NixlConnector decode engine, and
-the union engine registered as a second decode instance (the continuation's target computes the prompt
-itself, with no ticket: what any vLLM engine does with a completions prompt of token ids; vllm_up.sh starts
-no fourth engine for it). The union instance is paused while the request is placed, so that the first decode
-leg goes to the NixlConnector engine, and resumed before that engine is killed. The reference is an unbroken
-greedy stream of the same body on the union engine directly (greedy logprobs through the pair equal the
-union engine's: test_vllm_pd.py). The decode engine is restarted at the end for the suites after this one.
+Two shapes of the run's three engines (vllm_up.sh starts no fourth one):
+- a PD model with two decode instances: the real NixlConnector decode engine, and the union engine registered
+  as a second decode instance (the continuation's target computes the prompt itself, with no ticket: what any
+  vLLM engine does with a completions prompt of token ids). The union instance is paused while the request is
+  placed, so that the first decode leg goes to the NixlConnector engine, and resumed before that engine is killed.
+- P + D + a union engine, no second decode instance: the continuation must go to the union engine, never back
+  to the dead decode engine.
+The reference is an unbroken greedy stream of the same body on the union engine directly (greedy logprobs
+through the pair equal the union engine's: test_vllm_pd.py). The decode engine is restarted after each kill
+for the tests and suites after it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import httpx
 import openai
@@ -25,22 +30,27 @@ pytestmark = pytest.mark.vllm
 PROMPT = [{"role": "user", "content": "Tell me a long story about the weather in Paris in spring."}]
 ANSWER_TOKENS = 440  # a long answer (the context is 512): about 2 s of decoding, the kill lands well inside it
 KILL_AFTER = 5  # content chunks read before the decode engine is killed
-P, D, U = 1, 2, 3  # instance ids: prefill, the NixlConnector decode, the union engine as a second decode
+P, D, U = 1, 2, 3  # instance ids: prefill, the NixlConnector decode, the union engine
 
 
-@pytest.fixture(scope="module")
-def failover(engines, model):
+def coordinator(engines, model: str, union_role: str) -> Coordinator:
+    """A Coordinator with continuation on, in front of the three engines; the union engine's role is `union_role`."""
     cfg = coordinator_config(
         [
             instance(P, "prefill", model, engines["prefill"].address),
             instance(D, "decode", model, engines["decode"].address),
-            instance(U, "decode", model, engines["union"].address),
+            instance(U, union_role, model, engines["union"].address),
         ],
         models=[{"id": model, "p_max_seqlen": 512, "d_max_seqlen": 512}],
         exception_config={"reschedule_config": {"enable": True}, "stream_idle_timeout": 60},
         scheduler_config={"health_check_interval": 0.5, "metrics_scrape_interval": 1.0},
     )
-    with Coordinator(cfg, ready_timeout_s=180.0) as coord:
+    return Coordinator(cfg, ready_timeout_s=180.0)
+
+
+@pytest.fixture(scope="module")
+def failover(engines, model):
+    with coordinator(engines, model, "decode") as coord:  # the union engine as a second decode instance
         yield coord
 
 
@@ -68,42 +78,92 @@ def unbroken(engine, model: str) -> tuple[str, tuple]:
     return text, (usage.prompt_tokens, usage.completion_tokens)
 
 
+@dataclass
+class Streamed:
+    text: str = ""
+    usage: object = None
+    ids: set = field(default_factory=set)
+    finish: str | None = None
+    killed: bool = False
+
+
+def stream_killing_decode(coord, engines, model: str, before_kill=None) -> Streamed:
+    """The body streamed through `coord` with the SDK; the decode engine is SIGKILLed once KILL_AFTER content
+    chunks are in (`before_kill`, which must return True, runs just before)."""
+    client = openai.OpenAI(base_url=coord.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    req = body(model)
+    extra = {"ignore_eos": req.pop("ignore_eos")}
+    got, seen = Streamed(), 0
+    for chunk in client.chat.completions.create(**req, extra_body=extra):
+        got.ids.add(chunk.id)
+        for ch in chunk.choices:
+            got.text += ch.delta.content or ""
+            got.finish = ch.finish_reason or got.finish
+            assert (ch.model_extra or {}).get("token_ids") is None  # ids the client did not ask for
+            seen += bool(ch.delta.content)
+        got.usage = chunk.usage or got.usage
+        if seen >= KILL_AFTER and not got.killed:
+            if before_kill is not None:
+                assert before_kill()
+            engines["decode"].kill()  # SIGKILL of its process group, mid-answer
+            got.killed = True
+    return got
+
+
+def back_up(coord, engines) -> None:
+    """The killed decode engine restarted, and seen healthy by `coord`."""
+    engines["decode"].restart()
+    assert wait_until(engines["decode"].healthy, timeout_s=60)
+    assert wait_until(lambda: _decode_healthy(coord), timeout_s=30)
+
+
 def test_decode_engine_killed_mid_answer_the_stream_goes_on_with_the_unbroken_text(failover, engines, model):
     reference, ref_usage = unbroken(engines["union"], model)
     assert ref_usage[1] == ANSWER_TOKENS
 
     assert failover.refresh("pause", [U]).status_code == 200
-    client = openai.OpenAI(base_url=failover.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    req = body(model)
-    extra = {"ignore_eos": req.pop("ignore_eos")}
-    text, usage, ids, finish, seen = "", None, set(), None, 0
-    killed = False
+    got = Streamed()
     try:
-        for chunk in client.chat.completions.create(**req, extra_body=extra):
-            ids.add(chunk.id)
-            for ch in chunk.choices:
-                text += ch.delta.content or ""
-                finish = ch.finish_reason or finish
-                assert (ch.model_extra or {}).get("token_ids") is None  # ids the client did not ask for
-                seen += bool(ch.delta.content)
-            usage = chunk.usage or usage
-            if seen >= KILL_AFTER and not killed:
-                assert failover.refresh("resume", [U]).status_code == 200
-                engines["decode"].kill()  # SIGKILL of its process group, mid-answer
-                killed = True
-        assert killed
-        assert text == reference  # token for token: nothing repeated, nothing missing
-        assert finish == "length" and len(ids) == 1
-        assert (usage.prompt_tokens, usage.completion_tokens) == ref_usage
+        got = stream_killing_decode(
+            failover, engines, model, lambda: failover.refresh("resume", [U]).status_code == 200
+        )
+        assert got.killed
+        assert got.text == reference  # token for token: nothing repeated, nothing missing
+        assert got.finish == "length" and len(got.ids) == 1
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == ref_usage
         assert wait_until(lambda: _request_line(failover), timeout_s=10)
         line = _request_line(failover)
         assert " continuations=1 " in line and "status=200" in line, line
     finally:
         failover.refresh("resume", [U])
-        if killed:
-            engines["decode"].restart()
-            assert wait_until(engines["decode"].healthy, timeout_s=60)
-            assert wait_until(lambda: _decode_healthy(failover), timeout_s=30)
+        if got.killed:
+            back_up(failover, engines)
+
+
+def test_the_only_decode_engine_killed_mid_answer_the_stream_goes_on_on_the_union_engine(engines, model):
+    """P + D + union, no second decode instance: the continuation goes to the union engine (its own count of
+    finished requests says so), never back to the dead decode engine, and the client gets the unbroken text."""
+    reference, ref_usage = unbroken(engines["union"], model)
+    union = engines["union"]
+    with coordinator(engines, model, "union") as coord:
+        finished0 = union.metric("vllm:request_success_total", finished_reason="length")
+        got = Streamed()
+        try:
+            got = stream_killing_decode(coord, engines, model)
+            assert got.killed
+            assert got.text == reference
+            assert got.finish == "length" and len(got.ids) == 1
+            assert (got.usage.prompt_tokens, got.usage.completion_tokens) == ref_usage
+            assert wait_until(
+                lambda: union.metric("vllm:request_success_total", finished_reason="length") == finished0 + 1,
+                timeout_s=10,
+            )
+            assert wait_until(lambda: _request_line(coord), timeout_s=10)
+            line = _request_line(coord)
+            assert " continuations=1 " in line and f" decode={U}/" in line and "status=200" in line, line
+        finally:
+            if got.killed:
+                back_up(coord, engines)
 
 
 def _request_line(coord) -> str:
