@@ -1,9 +1,9 @@
 """API keys: the key a request presents, checked against the configured ones in constant time.
 
 `valid_keys` may hold plain keys and MindIE-PyMotor's hashed entries (PBKDF2-SHA256 `salt:iterations:hexhash`,
-config.keys). A presented key is compared with every plain key first; only when none matches and hashed entries
-exist does PBKDF2 run, in a thread (hashlib lets the event loop run meanwhile) and at most `HASH_CHECKS_AT_ONCE`
-at a time per worker. A key found valid is remembered per worker (its SHA-256, at most `VERIFIED_KEYS` of them,
+config.keys), whose own text is never a key. A presented key is compared with every plain key first; only when
+none matches and hashed entries exist does PBKDF2 run, in a thread (hashlib lets the event loop run meanwhile)
+and at most `HASH_CHECKS_AT_ONCE` at a time per worker. A key found valid is remembered per worker (its SHA-256, at most `VERIFIED_KEYS` of them,
 the least recently used forgotten first), so the hot path runs PBKDF2 once per key and worker, not per request.
 Keys never reach a log line.
 """
@@ -41,10 +41,10 @@ class KeyCheck:
     """One key configuration's check, per worker: its plain keys, its hashed ones, the keys found valid."""
 
     def __init__(self, valid_keys: tuple[str, ...]):
-        hashed = [(k, hashed_entry(k)) for k in valid_keys]
-        # A hashed entry is also compared as written, as MindIE-PyMotor does (the raw key first).
-        self.plain = [k.encode() for k in valid_keys]
-        self.hashed: list[HashedKey] = [h for _, h in hashed if h is not None]
+        entries = [(k, hashed_entry(k)) for k in valid_keys]
+        # A hashed entry is compared through PBKDF2 only: its text is no key (a leaked config leaks none).
+        self.plain = [k.encode() for k, h in entries if h is None]
+        self.hashed: list[HashedKey] = [h for _, h in entries if h is not None]
         self.verified: OrderedDict[bytes, None] = OrderedDict()
         self.gate: asyncio.Semaphore | None = None
 
