@@ -50,7 +50,7 @@ from handlers import register
 from handlers.connection import EdgeProtocol
 from handlers.ids import request_id
 from handlers.planes import INFER, MGMT, OBS
-from handlers.sink import api_of_path, error_response
+from handlers.sink import api_of, error_response
 from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
@@ -229,7 +229,7 @@ def create_app(settings: Settings) -> Sanic:
 
     @app.exception(Exception)
     async def render_error(request: Request, exc: Exception):
-        api = api_of_path(request.path)
+        api = api_of(request)
         rid = request_id(request)
         if isinstance(exc, CoordinatorError):
             return error_response(exc, api, rid)

@@ -4,25 +4,42 @@ Each route is tagged with the plane (port) that serves it: inference, management
 A request for a route of another plane gets 404, so management routes never answer on the inference
 port and the reverse.
 
+The guard checks a route's plane and then its key: the inference port's routes take
+`api_key_config`'s keys, the management and observability ports' `mgmt_api_key_config`'s, except a route
+tagged `ctx_keyless` (the probes, /health, /metrics, the docs). No handler checks a key itself, so none
+can forget to, nor forget to await a hashed key's check.
+
 Sanic runs no middleware at all for a route that has none, which saves the inference routes 3-4 %
-of their cost. So the plane guard and the request-id stamp are named middleware of every route except
+of their cost. So the guard and the request-id stamp are named middleware of every route except
 those tagged `ctx_self_guarded` (the inference routes), whose handler does both itself (serve_inference).
 A route that has neither at start-up stops the worker from starting (fail closed). The inference
 handlers are plain functions returning serve_inference's coroutine, which Sanic awaits: a coroutine
 layer fewer per request.
 """
 
+from collections.abc import Awaitable
+
 from sanic import Request, Sanic
 
 from handlers import anthropic, docs, management, metaserver, models, observability, openai, responses
+from handlers.auth import check_key
 from handlers.ids import REQUEST_ID, request_id
-from handlers.planes import check_plane
+from handlers.planes import INFER, check_plane
+from handlers.sink import api_of
 
 
-# Plain functions, not coroutines: Sanic calls them without a coroutine to create and await.
-def plane_guard(request: Request) -> None:
-    if request.route is not None:
-        check_plane(request, getattr(request.route.ctx, "plane", None))
+# Plain functions, not coroutines: Sanic calls them without a coroutine to create and await, and awaits what
+# they return when that is awaitable (a hashed key's check).
+def guard(request: Request) -> Awaitable[None] | None:
+    route = request.route
+    if route is None:
+        return None
+    plane = getattr(route.ctx, "plane", None)
+    check_plane(request, plane)
+    if getattr(route.ctx, "keyless", False):
+        return None
+    settings = request.app.ctx.settings
+    return check_key(request, settings.api_key if plane == INFER else settings.mgmt_api_key, api_of(request))
 
 
 def stamp_request_id(request: Request, response) -> None:
@@ -36,7 +53,7 @@ def register(app: Sanic) -> None:
         app.blueprint(module.bp)
     docs.mount(app)
     guarded = [r.name for r in app.router.routes if not getattr(r.ctx, "self_guarded", False)]
-    app.register_named_middleware(plane_guard, guarded, "request", priority=100)
+    app.register_named_middleware(guard, guarded, "request", priority=100)
     app.register_named_middleware(stamp_request_id, guarded, "response", priority=100)
     app.before_server_start(check_guarded)
 
@@ -46,7 +63,7 @@ def check_guarded(app: Sanic) -> None:
     for route in app.router.routes:
         if getattr(route.ctx, "self_guarded", False):
             continue
-        if plane_guard not in [m.func for m in route.extra.request_middleware]:
+        if guard not in [m.func for m in route.extra.request_middleware]:
             raise RuntimeError(f"route {route.name} ({route.path}) has no plane guard")
         if stamp_request_id not in [m.func for m in route.extra.response_middleware]:
             raise RuntimeError(f"route {route.name} ({route.path}) has no request-id stamp")

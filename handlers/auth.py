@@ -1,11 +1,11 @@
 """API keys: the key a request presents, checked against the configured ones in constant time.
 
 `valid_keys` may hold plain keys and MindIE-PyMotor's hashed entries (PBKDF2-SHA256 `salt:iterations:hexhash`,
-config.keys). A presented key is compared with every plain key first; only when none matches and hashed entries
-exist does PBKDF2 run, in a thread (hashlib lets the event loop run meanwhile) and at most `HASH_CHECKS_AT_ONCE`
-at a time per worker. A key found valid is remembered per worker (its SHA-256, at most `VERIFIED_KEYS` of them,
-the least recently used forgotten first), so the hot path runs PBKDF2 once per key and worker, not per request.
-Keys never reach a log line.
+config.keys), whose own text is never a key. A presented key is compared with every plain key first; only when
+none matches and hashed entries exist does PBKDF2 run, in a thread (hashlib lets the event loop run meanwhile)
+and at most `HASH_CHECKS_AT_ONCE` at a time per worker. A key found valid is remembered per worker (its SHA-256,
+at most `VERIFIED_KEYS` of them, the least recently used forgotten first), so the hot path runs PBKDF2 once per
+key and worker, not per request. Keys never reach a log line.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ class KeyCheck:
     """One key configuration's check, per worker: its plain keys, its hashed ones, the keys found valid."""
 
     def __init__(self, valid_keys: tuple[str, ...]):
-        hashed = [(k, hashed_entry(k)) for k in valid_keys]
-        # A hashed entry is also compared as written, as MindIE-PyMotor does (the raw key first).
-        self.plain = [k.encode() for k in valid_keys]
-        self.hashed: list[HashedKey] = [h for _, h in hashed if h is not None]
+        entries = [(k, hashed_entry(k)) for k in valid_keys]
+        # A hashed entry is compared through PBKDF2 only: its text is no key (a leaked config leaks none).
+        self.plain = [k.encode() for k, h in entries if h is None]
+        self.hashed: list[HashedKey] = [h for _, h in entries if h is not None]
         self.verified: OrderedDict[bytes, None] = OrderedDict()
         self.gate: asyncio.Semaphore | None = None
 
@@ -84,51 +84,38 @@ def _encoded(key: str) -> bytes:
     return key.encode("utf-8", "surrogateescape")
 
 
-def valid_key(cfg: ApiKeyConfig, keys: list[str]) -> bool | Awaitable[bool]:
-    """Is one of `keys` valid: True or False at once, or an awaitable when a hashed entry must be checked."""
-    check = key_check(cfg.valid_keys)
-    presented = [_encoded(k) for k in keys]
-    if any([check.plain_match(p) for p in presented]):  # noqa: C419 (all compared)
-        return True
-    if not check.hashed or not presented:
-        return False
-    pending = []
-    for p in presented:
-        tag = check.remembered(p)
-        if tag is None:
-            return True
-        pending.append((p, tag))
-    return _any_hashed(check, pending)
+def check_key(request: Request, cfg: ApiKeyConfig, api: str) -> Awaitable[None] | None:
+    """None when the request may go on (or raises Unauthorized); an awaitable to await when a hashed entry is
+    being checked. A path in `cfg.skip_paths` needs no key; an Anthropic client may present it in x-api-key.
 
-
-async def _any_hashed(check: KeyCheck, pending: list[tuple[bytes, bytes]]) -> bool:
-    for presented, tag in pending:
-        if await check.hashed_match(presented, tag):
-            return True
-    return False
-
-
-def check_api_key(request: Request, api: str) -> Awaitable[None] | None:
-    """None when the request may go on (or raises Unauthorized); an awaitable to await when a hashed key is
-    being verified. A path in skip_paths needs no key."""
-    cfg = request.app.ctx.settings.api_key
+    Two callers only, both of which every route passes through: handlers/__init__.py's guard (Sanic awaits what
+    a middleware returns) and serve_inference, the guard of the inference routes. No handler calls it."""
     if not cfg.enable_api_key or request.path in cfg.skip_paths:
         return None
     key = presented_key(request, cfg)
     presented = [] if key is None else [key]
     if api == ANTHROPIC and request.headers.get("x-api-key") is not None:
         presented.append(request.headers["x-api-key"])
-    verdict = valid_key(cfg, presented)
-    if verdict is True:
+    check = key_check(cfg.valid_keys)
+    encoded = [_encoded(k) for k in presented]
+    if any([check.plain_match(p) for p in encoded]):  # noqa: C419 (all compared)
         return None
-    if verdict is False:
+    if not check.hashed or not encoded:
         raise _refusal(presented)
-    return _settle(verdict, presented)
+    pending = []
+    for p in encoded:
+        tag = check.remembered(p)
+        if tag is None:
+            return None
+        pending.append((p, tag))
+    return _hashed(check, pending, presented)
 
 
-async def _settle(verdict: Awaitable[bool], presented: list[str]) -> None:
-    if not await verdict:
-        raise _refusal(presented)
+async def _hashed(check: KeyCheck, pending: list[tuple[bytes, bytes]], presented: list[str]) -> None:
+    for key, tag in pending:
+        if await check.hashed_match(key, tag):
+            return
+    raise _refusal(presented)
 
 
 def _refusal(presented: list[str]) -> Unauthorized:

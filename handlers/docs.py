@@ -9,8 +9,8 @@ kind carries is required, null where an engine or the Coordinator writes null, a
 handlers/auth.py reads keys, and only when api_key_config.enable_api_key is on. Of sanic-ext only
 the OpenAPI extension is loaded: injection, CORS and the automatic HEAD/OPTIONS routes would add work
 to every request. The docs routes belong to the inference plane, so the plane guard serves them there
-and nowhere else. The ReDoc page loads its script from a CDN in the reader's browser; the Coordinator
-itself fetches nothing (the Swagger UI, whose OAuth2 page the server would fetch, is off).
+and nowhere else, and take no key. The ReDoc page loads its script from a CDN in the reader's browser; the
+Coordinator itself fetches nothing (the Swagger UI, whose OAuth2 page the server would fetch, is off).
 """
 
 from __future__ import annotations
@@ -477,7 +477,7 @@ def mount(app: Sanic) -> None:
     )
     for route in app.router.routes:
         if route.name.startswith(f"{app.name}.openapi."):
-            route.ctx.plane = INFER
+            route.ctx.plane, route.ctx.keyless = INFER, True  # the API's description is public
     for bp in (management.bp, observability.bp):  # other ports: documented in docs/operations.md
         openapi.exclude(bp=bp)
 

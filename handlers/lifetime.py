@@ -16,7 +16,7 @@ from errors import (
     clip,
     sse_error_event,
 )
-from handlers.auth import check_api_key
+from handlers.auth import check_key
 from handlers.body import read_body, slo_header
 from handlers.ids import request_id
 from handlers.planes import INFER, check_plane
@@ -51,7 +51,7 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         tracing.start_request(request.method, request.path, request.headers, rid) if tracing and from_client else None
     )
     try:
-        if from_client and (pending := check_api_key(request, api)) is not None:
+        if from_client and (pending := check_key(request, ctx.settings.api_key, api)) is not None:
             await pending  # a hashed key's first check (handlers/auth.py)
         raw = await read_body(request, ctx.settings.max_request_body_bytes)
         job = job_from_body(route, api, raw, parse_body(raw), rid)

@@ -4,8 +4,8 @@ do).
 
 The path is the same for OpenAI and Anthropic clients; an `anthropic-version` header (which the Anthropic
 SDK always sends) selects Anthropic's shape (`type`, `display_name`, `created_at`, and the list's paging
-fields), its authentication header (`x-api-key` too) and its error envelope. The Coordinator's own fields
-are in both.
+fields), its authentication header (`x-api-key` too, checked by the guard) and its error envelope
+(handlers/sink.py's api_of). The Coordinator's own fields are in both.
 """
 
 import time
@@ -13,17 +13,12 @@ from urllib.parse import unquote
 
 from sanic import Blueprint, Request, json
 
-from errors import ANTHROPIC, OPENAI, CoordinatorError, NotFound
-from handlers.auth import check_api_key
+from errors import ANTHROPIC, NotFound
 from handlers.ids import ANTHROPIC_REQUEST_ID, REQUEST_ID, request_id
 from handlers.planes import INFER
-from handlers.sink import error_response
+from handlers.sink import api_of
 
 bp = Blueprint("models")
-
-
-def _api(request: Request) -> str:
-    return ANTHROPIC if "anthropic-version" in request.headers else OPENAI
 
 
 def _entries(ctx, api: str) -> dict[str, dict]:
@@ -62,12 +57,7 @@ def _headers(api: str, rid: str) -> dict[str, str]:
 
 @bp.get("/v1/models", ctx_plane=INFER)
 async def list_models(request: Request):
-    api, rid = _api(request), request_id(request)
-    try:
-        if (pending := check_api_key(request, api)) is not None:
-            await pending
-    except CoordinatorError as e:
-        return error_response(e, api, rid)
+    api, rid = api_of(request), request_id(request)
     data = list(_entries(request.app.ctx, api).values())
     if api == ANTHROPIC:  # one page holds them all
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
@@ -79,16 +69,11 @@ async def list_models(request: Request):
 
 @bp.get("/v1/models/<model:path>", ctx_plane=INFER)
 async def retrieve_model(request: Request, model: str):
-    api, rid = _api(request), request_id(request)
+    api, rid = api_of(request), request_id(request)
     model = unquote(model).strip("/")  # the SDKs send `org/name` as `org%2Fname`, which Sanic leaves encoded
     if not model:  # /v1/models/ : the list, as before this route existed
         return await list_models(request)
-    try:
-        if (pending := check_api_key(request, api)) is not None:
-            await pending
-        entry = _entries(request.app.ctx, api).get(model)
-        if entry is None:
-            raise NotFound(f"The model `{model}` does not exist.", param="model")
-    except CoordinatorError as e:
-        return error_response(e, api, rid)
+    entry = _entries(request.app.ctx, api).get(model)
+    if entry is None:  # rendered by the app's error handler, in the same envelope
+        raise NotFound(f"The model `{model}` does not exist.", param="model")
     return json(entry, headers=_headers(api, rid))

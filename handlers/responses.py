@@ -4,7 +4,6 @@ POST .../cancel of a stored response, relayed to the engine that holds it (servi
 from sanic import Blueprint, HTTPResponse, Request
 
 from errors import OPENAI, CoordinatorError, client_status
-from handlers.auth import check_api_key
 from handlers.ids import REQUEST_ID, request_id
 from handlers.lifetime import serve_inference
 from handlers.planes import INFER
@@ -38,11 +37,11 @@ def cancel_response(request: Request, response_id: str):
 
 
 async def _stored(request: Request, method: str, response_id: str, route: str) -> HTTPResponse:
-    """A call about a stored response: the API key, the door (drain, caps), the engine's answer as it gave it."""
+    """A call about a stored response (its key checked by the guard): the door (drain, caps), the engine's answer
+    as it gave it."""
     ctx, rid = request.app.ctx, request_id(request)
     rec = RequestRecord(rid, route)
     try:
-        check_api_key(request, OPENAI)
         with ctx.door.admit():
             status, body = await ctx.dispatcher.responses.relay(method, response_id, request.query_string, rid, rec)
         rec.status = status

@@ -139,5 +139,10 @@ class SanicSink:
         raise asyncio.CancelledError from None
 
 
-def api_of_path(path: str) -> str:
-    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
+def api_of(request: Request) -> str:
+    """The API a request speaks, for its key headers and its error envelope: Anthropic's on /v1/messages*, and on
+    /v1/models* for a client that sends `anthropic-version` (the Anthropic SDK always does)."""
+    path = request.path
+    if path.startswith("/v1/messages") or (path.startswith("/v1/models") and "anthropic-version" in request.headers):
+        return ANTHROPIC
+    return OPENAI

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -17,6 +18,15 @@ import httpx
 
 from harness import ROOT
 from harness.processes import Proc, children, cmdline, sanic_server_name
+
+ROUTE_TABLE = """
+import json, sys
+import app
+from config import load_settings
+
+routes = app.create_app(load_settings(sys.argv[1])).router.routes
+print(json.dumps([(m, "/" + r.path, getattr(r.ctx, "plane", None)) for r in routes for m in sorted(r.methods)]))
+"""
 
 
 class Coordinator:
@@ -40,6 +50,7 @@ class Coordinator:
         where to write the config (a path through a symlink, as Kubernetes mounts one), not a temporary file."""
         self.config = config.get("motor_coordinator_config", config)
         self.verify = verify
+        self.root = root
         self.ready_timeout_s = ready_timeout_s
         api = self.config["api_config"]
         self.host = api["coordinator_api_host"]
@@ -120,6 +131,22 @@ class Coordinator:
         """The Sanic server workers among `worker_pids()` (not Sanic's state manager process): name -> pid,
         by the SANIC_WORKER_NAME each was started with (Sanic-Server-<index>-0)."""
         return {name: pid for pid in self.worker_pids() if (name := sanic_server_name(pid))}
+
+    def routes(self) -> list[tuple[str, str, str | None]]:
+        """The route table of the app this config makes, as (method, path, plane), one per method of each route.
+
+        Read from `create_app` in a process of its own (importing app.py sets the process's metrics directory)."""
+        with tempfile.TemporaryDirectory(prefix="motor-routes-") as prom:
+            out = subprocess.run(
+                [sys.executable, "-c", ROUTE_TABLE, self.config_path],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=self.root,
+                env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": prom},
+                check=True,
+            )
+        return [tuple(row) for row in json.loads(out.stdout.strip().splitlines()[-1])]
 
     def refresh(self, event: str, instances: list) -> httpx.Response:
         return httpx.post(self.mgmt + "/instances/refresh", json={"event": event, "instances": instances}, timeout=5)
