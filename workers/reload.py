@@ -66,7 +66,9 @@ class ConfigWatch:
         self.kept: frozenset[str] = frozenset()
         self.files, self.digest = [self.path], b""
         try:
-            data, self.raw = self._read()
+            data = read_config(self.path)
+            self.raw = parse_config(data, self.path)
+            self.files = [self.path, *key_files(self.raw)]
             self.kept = overridden(self._load(self.raw, quiet=True), running)
             self.digest = self._digest(data)
         except ConfigError:  # changed since the start read it: the next change is read whole
@@ -123,12 +125,6 @@ class ConfigWatch:
         if merged is not self.running:
             self.running = merged
             publish(self.shared, merged)
-
-    def _read(self) -> tuple[bytes, Any]:
-        data = read_config(self.path)
-        raw = parse_config(data, self.path)
-        self.files = [self.path, *key_files(raw)]
-        return data, raw
 
     def _digest(self, data: bytes) -> bytes:
         """Of the config's bytes and its key files' (or their absence)."""
