@@ -173,7 +173,7 @@ def create_app(settings: Settings) -> Sanic:
             ctx.client.traced = True
         ctx.reloader = None
         if settings.source_path:  # the config file is watched, and what may change live applies (workers/reload.py)
-            ctx.reloader = Reloader(settings, shared, partial(apply_settings, app), worker)
+            ctx.reloader = Reloader(shared, partial(apply_settings, app), worker)
             ctx.reloader.start()
         # The supervisor's watchdog kills a worker whose loop stops beating; a worker of a main process (not
         # Sanic's single_process mode, whose parent is whatever started it) stops itself if that one dies.
@@ -258,7 +258,7 @@ def watch_config(settings: Settings, shared: SharedState) -> ConfigWatch | None:
     """The config file's watcher (workers/reload.py), one for the whole Coordinator."""
     if not settings.source_path:
         return None
-    watch = ConfigWatch(settings.source_path, shared)
+    watch = ConfigWatch(settings, shared)
     watch.start()
     return watch
 

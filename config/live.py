@@ -5,23 +5,33 @@ reloaded file, and the config keys whose new value needs a restart (kept as they
 limits (body size, in-flight cap, rate limit), the models' SLOs and limits, retries and timeouts, the log
 level, and the scheduler's health, scrape and breaker knobs. Everything else (ports, workers, TLS, instances:
 those change through POST /instances/refresh; the policy, PD dispatch, admission, drain) needs a restart.
+
+`check_nothing_left_out(running_raw, reloaded_raw)` refuses a file that leaves out a security or limit key
+(of api_key_config, mgmt_api_key_config, rate_limit_config) or a whole such section the running file writes:
+its default is the loosest value (no key asked for, no rate limit), so an omission, a truncated file or `{}`
+would open what was closed. A new value takes effect only when written (`"enable_api_key": false` turns keys off).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import replace
+from typing import Any
 
+from .load import ConfigError
 from .sections import (
     ROOT_KEY,
     ApiConfig,
+    ApiKeyConfig,
     ExceptionConfig,
     LogConfig,
+    MgmtApiKeyConfig,
     RateLimitConfig,
     SchedulerConfig,
     ShutdownConfig,
     WorkersConfig,
     config_key,
+    config_keys,
 )
 from .settings import Settings, with_models_for_instances
 
@@ -105,3 +115,33 @@ def merge(running: Settings, reloaded: Settings, kept: frozenset[str] = frozense
         and getattr(reloaded, f.name) != getattr(running, f.name)
     ]
     return (replace(running, **changes) if changes else running), restart
+
+
+# The sections whose every key guards something: never loosened by leaving a key out.
+GUARDED = (
+    ("api_key_config", ApiKeyConfig),
+    ("mgmt_api_key_config", MgmtApiKeyConfig),
+    ("rate_limit_config", RateLimitConfig),
+)
+
+
+def section_of(raw: Any, name: str) -> dict | None:
+    """A section of a config file's JSON (a whole user_config.json or its motor_coordinator_config alone)."""
+    root = raw.get(ROOT_KEY) if isinstance(raw, dict) and ROOT_KEY in raw else raw
+    section = root.get(name) if isinstance(root, dict) else None
+    return section if isinstance(section, dict) else None
+
+
+def check_nothing_left_out(running_raw: Any, reloaded_raw: Any) -> None:
+    """ConfigError naming the first guarded key, or whole section, that the running file writes and the
+    reloaded file leaves out."""
+    for name, cls in GUARDED:
+        before, after = section_of(running_raw, name), section_of(reloaded_raw, name)
+        known = {k for names in config_keys(cls).values() for k in names}
+        gone = [f".{k}" for k in before or () if k in known and k not in (after or ())]
+        if gone:
+            where = f"{ROOT_KEY}.{name}" + ("" if after is None else gone[0])
+            raise ConfigError(
+                f"{where}: set in the running config and left out of this one; a security or limit setting is "
+                "never dropped by omission (write the value wanted)"
+            )

@@ -322,14 +322,24 @@ def resolve_config_path(cli_path: str | None) -> str:
     return cli_path or os.environ.get("USER_CONFIG_PATH") or DEFAULT_CONFIG_PATH
 
 
-def load_settings(path: str) -> Settings:
+def read_config(path: str) -> bytes:
+    """The config file's bytes, or ConfigError saying in one line why they cannot be read."""
     try:
         with open(path, "rb") as f:
-            raw = json.load(f)
+            return f.read()
     except OSError as e:  # missing, a directory, no permission: said in one line like any other config error
         raise ConfigError(f"{path}: {e.strerror or e}") from None
+
+
+def parse_config(data: bytes, path: str) -> Any:
+    """A config file's JSON, or ConfigError naming the file."""
+    try:
+        return json.loads(data)
     except ValueError as e:  # json's decode errors, UnicodeDecodeError, an integer over Python's digit limit
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     except RecursionError:  # json's decoder recurses once per level of [ or {
         raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
-    return settings_from_dict(raw, source_path=os.path.abspath(path))
+
+
+def load_settings(path: str) -> Settings:
+    return settings_from_dict(parse_config(read_config(path), path), source_path=os.path.abspath(path))

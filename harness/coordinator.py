@@ -64,7 +64,8 @@ class Coordinator:
             self.config_path = config_path
         with open(self.config_path, "w") as f:
             json.dump({"motor_coordinator_config": config} if wrap else config, f)
-        self.log_path = self.config_path + ".log"
+        fd, self.log_path = tempfile.mkstemp(suffix=".log", prefix="motor-test-")  # apart: the config's may move
+        os.close(fd)
         args = [sys.executable, os.path.join(root, "app.py"), "--config", self.config_path]
         if workers is not None:
             args += ["--workers", str(workers)]

@@ -20,6 +20,7 @@ from typing import Any
 MAX_WORKERS = 64
 MAX_SLOTS = 256
 DOC_BYTES = 1 << 20
+CONFIG_BYTES = 1 << 20
 
 # Ledger counters, one group per (worker, slot). L_HELD counts decode slots promised to requests whose
 # prefill is still running (their decode leg will join that engine's batch soon).
@@ -77,11 +78,12 @@ ENDPOINT_FIELDS = 38
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 
 # Global counters.
-# G_DRAINING: the whole Coordinator is shutting down (set by the main process, app.py). Index 6 (once a
-# global in-flight count) and 15 (once a global admission-queue count) are unused: those counts are per
-# worker now (W_INFLIGHT, W_QUEUED), so that a dead worker's share can be given back.
+# G_DRAINING: the whole Coordinator is shutting down (set by the main process, app.py). Index 15 (once a
+# global admission-queue count) is unused: that count is per worker now (W_QUEUED), so that a dead worker's
+# share can be given back.
 G_DOC_VERSION, G_DOC_LEN, G_RR, G_RATE_TOKENS_MILLI, G_RATE_STAMP_US, G_DRAINING = range(6)
-G_CONFIG_GEN = 7  # bumped by the main process's config-file watcher at each change (workers/reload.py)
+# A reload the main process accepted (workers/reload.py): its count, and the length of its pickled Settings.
+G_CONFIG_GEN, G_CONFIG_LEN = 7, 6
 # Cluster mode (serving/cluster.py): the stored instance set's version this replica applied, whether the store
 # answered the sync owner's last round trip (1) or not (0), the live replicas it saw, and when (wall-clock ms).
 G_CLUSTER_VERSION, G_STORE_UP, G_REPLICAS, G_SYNCED_AT_MS = 8, 9, 10, 11
@@ -127,6 +129,7 @@ class SharedState:
     workers: Any = None  # RawArray int64 [MAX_WORKERS * WORKER_FIELDS]: per-worker admission counters
     prefill_usage: Any = None  # RawArray int64 [MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS]
     response_homes: Any = None  # RawArray int64 [RESPONSE_HOME_WORDS]: where stored responses were served
+    config: Any = None  # RawArray of bytes: the Settings a reload accepted, pickled (G_CONFIG_LEN of them)
 
     @classmethod
     def create(cls) -> SharedState:
@@ -141,6 +144,7 @@ class SharedState:
             workers=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * WORKER_FIELDS),
             prefill_usage=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS),
             response_homes=ctx.RawArray(ctypes.c_int64, RESPONSE_HOME_WORDS),
+            config=ctx.RawArray(ctypes.c_char, CONFIG_BYTES),
         )
 
     @property
@@ -189,7 +193,18 @@ def worker_sum(arr: Any, rows: range, field: int) -> int:
     return total
 
 
-_FIELDS = ("doc", "ledger", "endpoints", "globals", "lock", "prefix", "workers", "prefill_usage", "response_homes")
+_FIELDS = (
+    "doc",
+    "ledger",
+    "endpoints",
+    "globals",
+    "lock",
+    "prefix",
+    "workers",
+    "prefill_usage",
+    "response_homes",
+    "config",
+)
 
 
 def worker_index(name: str | None = None) -> int:

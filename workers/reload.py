@@ -1,16 +1,23 @@
-"""Live reload: the config file watched once, in the main process; every worker applies what may change live.
+"""Live reload: the config file and the key files it names, watched and judged once, in the main process; every
+worker applies what it accepted.
 
-`ConfigWatch`, a daemon thread of the main process, runs watchfiles (inotify) on the file's directory, not the
-file, so Kubernetes' ConfigMap and Secret mounts work: the kubelet writes a new timestamped directory and swaps
-the `..data` symlink, and the file itself is never written. An event naming the file or a `..` entry bumps a
-counter in shared memory (G_CONFIG_GEN). One watcher for all workers, outside them: a worker's only cost is a
-look at that counter every `POLL_S` (a watcher in each worker woke its event loop's process every step).
+`ConfigWatch`, a daemon thread of the main process, looks every `POLL_S` at what the config file's path and each
+`api_key_file` resolve to now: every symlink hop followed (realpath), and the file reached by its device, inode,
+size, mtime and ctime. No directory entry's name is watched, so each way a file is replaced is seen: an edit in
+place, an editor's rename, Kubernetes' ConfigMap or Secret mount (the kubelet swaps the `..data` symlink),
+`ln -sfn` of a directory symlink anywhere on the path, `mv` of a directory, a key file rewritten or deleted.
+A file changed within the last second is read again at each look whatever its identity says: timestamps move
+by the kernel's tick, and two writes of one size within a tick look alike.
 
-Each worker's `Reloader` sees the counter move and reads the file; when its bytes changed, it is validated
-again exactly as at start (config.load). A file that fails changes nothing, and worker 0 says why in one line.
-Otherwise the live keys (config.live) apply in this worker from its next request on, requests in flight
-finishing on the settings they started with; worker 0 names each changed key that needs a restart. From the
-change to every worker: the watcher's debounce plus one poll, under half a second.
+When the files' bytes changed, the config is validated again exactly as at start (config.load) and must not
+leave out a security or limit key the running file writes (config.live.check_nothing_left_out). A file that
+fails changes nothing, said in one ERROR line. Otherwise its live keys, merged into the running settings
+(config.live), are published pickled in shared memory and G_CONFIG_GEN bumped; each changed key that needs a
+restart is named in one WARNING line. One judge for all workers: they never disagree, whichever files they saw.
+
+Each worker's `Reloader` looks at the counter every `POLL_S` and applies the published settings from its next
+request on (requests in flight finish on the settings they started with); a worker restarted after a reload
+starts on them. From a change to every worker: two looks, half a second at most.
 """
 
 from __future__ import annotations
@@ -19,36 +26,54 @@ import asyncio
 import hashlib
 import logging
 import os
+import pickle
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
-import watchfiles
-
-from config import ConfigError, Settings, load_settings
-from config.live import merge, overridden
-from state.shared import G_CONFIG_GEN, SharedState
+from config import ConfigError, Settings, parse_config, read_config, settings_from_dict
+from config.live import GUARDED, check_nothing_left_out, merge, overridden, section_of
+from state.shared import G_CONFIG_GEN, G_CONFIG_LEN, SharedState
 
 log = logging.getLogger("coordinator.reload")
-DEBOUNCE_MS = 200  # changes this close together are one (the kubelet's swap is a few renames)
-POLL_S = 0.2  # how often a worker looks at the counter
+POLL_S = 0.25  # how often the main process looks at the files, and a worker at the counter
+FRESH_NS = 1_000_000_000  # a file changed this recently is read again at each look
 
 
-def names_the_file(path: str) -> Callable[[watchfiles.Change, str], bool]:
-    """The watch filter: the file itself, or a `..` entry (`..data`, `..data_tmp`, `..<timestamp>`)."""
-    name = os.path.basename(path)
+def identity(path: str) -> tuple:
+    """What `path` is now: the file its symlinks lead to, and that file's device, inode, size and times."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:  # gone, or mid-swap
+        return (real,)
+    return (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
-    def wanted(_change: watchfiles.Change, changed: str) -> bool:
-        base = os.path.basename(changed)
-        return base == name or base.startswith("..")
 
-    return wanted
+def key_files(raw: Any) -> list[str]:
+    """The api_key_file paths a config file's JSON names."""
+    names = ((section_of(raw, name) or {}).get("api_key_file") for name, _ in GUARDED)
+    return [n for n in names if isinstance(n, str) and n]
 
 
 class ConfigWatch:
-    """The main process's watcher of the config file: bumps G_CONFIG_GEN at each change."""
+    """The main process's judge of the config file: publishes the settings of each change it accepts."""
 
-    def __init__(self, path: str, shared: SharedState):
-        self.path, self.shared = path, shared
+    def __init__(self, running: Settings, shared: SharedState):
+        self.running, self.shared, self.path = running, shared, running.source_path
+        self.raw: Any = None  # the JSON of the file the running settings came from
+        self.kept: frozenset[str] = frozenset()
+        self.files, self.digest = [self.path], b""
+        try:
+            data = read_config(self.path)
+            self.raw = parse_config(data, self.path)
+            self.files = [self.path, *key_files(self.raw)]
+            self.kept = overridden(self._load(self.raw, quiet=True), running)
+            self.digest = self._digest(data)
+        except ConfigError:  # changed since the start read it: the next change is read whole
+            pass
+        self.seen = [identity(p) for p in self.files]
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="config-watch", daemon=True)
 
@@ -60,37 +85,93 @@ class ConfigWatch:
         self.thread.join(timeout=2)
 
     def _run(self) -> None:
+        while not self.stop_event.wait(POLL_S):
+            try:
+                self.look()
+            except Exception:  # a reload must never stop the watch
+                log.exception("config: reloading %s failed", self.path)
+
+    def look(self) -> None:
+        seen = [identity(p) for p in self.files]
+        fresh = time.time_ns() - FRESH_NS
+        if seen == self.seen and not any(len(i) > 1 and i[-1] > fresh for i in seen):
+            return
+        self.seen = seen
         try:
-            for _ in watchfiles.watch(
-                os.path.dirname(self.path) or ".",
-                watch_filter=names_the_file(self.path),
-                debounce=DEBOUNCE_MS,
-                step=50,
-                recursive=False,
-                stop_event=self.stop_event,
-                ignore_permission_denied=True,
-                raise_interrupt=False,
-            ):
-                self.shared.globals[G_CONFIG_GEN] += 1  # this thread is its only writer
-        except Exception:  # the directory went away: the Coordinator runs on, without live reload
-            log.exception("config: watching %s stopped; changes to it need a restart", self.path)
+            data = read_config(self.path)
+        except ConfigError:  # mid-swap, or gone: nothing to read yet
+            return
+        try:
+            raw = parse_config(data, self.path)
+        except ConfigError as e:  # said below, if these bytes are new
+            raw = e
+        self.files = [self.path, *key_files(raw)]
+        digest = self._digest(data)
+        if digest == self.digest:
+            return
+        self.digest = digest
+        try:
+            if isinstance(raw, ConfigError):
+                raise raw
+            check_nothing_left_out(self.raw, raw)
+            reloaded = self._load(raw, quiet=False)
+        except ConfigError as e:
+            log.error("config: %s not reloaded, nothing changed: %s", self.path, e)
+            return
+        self.raw = raw
+        merged, restart = merge(self.running, reloaded, self.kept)
+        for key in restart:
+            log.warning("config: %s changed in %s: needs a restart, runs on as before", key, self.path)
+        if merged is not self.running:
+            self.running = merged
+            publish(self.shared, merged)
+
+    def _digest(self, data: bytes) -> bytes:
+        """Of the config's bytes and its key files' (or their absence)."""
+        h = hashlib.sha256(data)
+        for path in self.files[1:]:
+            try:
+                with open(path, "rb") as f:
+                    h.update(b"\0" + hashlib.sha256(f.read()).digest())
+            except OSError:
+                h.update(b"\1")
+        return h.digest()
+
+    def _load(self, raw: Any, quiet: bool) -> Settings:
+        """The file's settings; `quiet`: without its notes on keys that change nothing (said at start)."""
+        notes = logging.getLogger("coordinator.config")
+        notes.disabled = quiet
+        try:
+            return settings_from_dict(raw, source_path=os.path.abspath(self.path))
+        finally:
+            notes.disabled = False
+
+
+def publish(shared: SharedState, settings: Settings) -> None:
+    data = pickle.dumps(settings)
+    g = shared.globals
+    with shared.lock:
+        shared.config[: len(data)] = data
+        g[G_CONFIG_LEN] = len(data)
+        g[G_CONFIG_GEN] += 1
+
+
+def published(shared: SharedState) -> Settings:
+    with shared.lock:
+        data = shared.config[: shared.globals[G_CONFIG_LEN]]
+    return pickle.loads(data)  # written by this Coordinator's main process, into memory only it shares
 
 
 class Reloader:
-    """One worker's side: when the counter moves, the file read, validated and its live keys applied."""
+    """One worker's side: the settings the main process published, applied when its counter moves."""
 
-    def __init__(self, running: Settings, shared: SharedState, apply: Callable[[Settings], None], worker: int):
-        self.running, self.shared, self.apply, self.worker = running, shared, apply, worker
-        self.path = running.source_path
-        self.gen = shared.globals[G_CONFIG_GEN]
-        self.digest = self._digest()
-        try:
-            self.kept = overridden(self._load(quiet=True), running)
-        except ConfigError:  # changed since the main process read it: the next change is read whole
-            self.kept = frozenset()
+    def __init__(self, shared: SharedState, apply: Callable[[Settings], None], worker: int):
+        self.shared, self.apply, self.worker = shared, apply, worker
+        self.gen = 0
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:
+        self.catch_up()  # restarted after a reload: on the reloaded settings from its first request
         self.task = asyncio.get_running_loop().create_task(self._poll())
 
     async def stop(self) -> None:
@@ -98,51 +179,18 @@ class Reloader:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
 
-    def _digest(self) -> bytes | None:
-        try:
-            with open(self.path, "rb") as f:
-                return hashlib.sha256(f.read()).digest()
-        except OSError:  # mid-swap, or gone: nothing to read yet
-            return None
-
     async def _poll(self) -> None:
-        g = self.shared.globals
         while True:
             await asyncio.sleep(POLL_S)
-            if g[G_CONFIG_GEN] != self.gen:
-                self.gen = g[G_CONFIG_GEN]
-                try:
-                    await self.reload()
-                except Exception:  # a reload must never stop the polling
-                    log.exception("config: reloading %s failed", self.path)
+            try:
+                self.catch_up()
+            except Exception:  # a reload must never stop the polling
+                log.exception("config: applying a reload in worker %d failed", self.worker)
 
-    async def reload(self) -> None:
-        loop = asyncio.get_running_loop()
-        digest = await loop.run_in_executor(None, self._digest)
-        if digest is None or digest == self.digest:
-            return
-        self.digest = digest
-        try:
-            reloaded = await loop.run_in_executor(None, self._load, self.worker != 0)
-        except ConfigError as e:
-            if self.worker == 0:
-                log.error("config: %s not reloaded, nothing changed: %s", self.path, e)
-            return
-        merged, restart = merge(self.running, reloaded, self.kept)
-        if self.worker == 0:
-            for key in restart:
-                log.warning("config: %s changed in %s: needs a restart, runs on as before", key, self.path)
-        if merged is not self.running:
-            self.running = merged
-            self.apply(merged)
-            log.info("config: %s reloaded in worker %d", self.path, self.worker)
-
-    def _load(self, quiet: bool) -> Settings:
-        """The file's settings; `quiet`: without its notes on keys that change nothing (said once: at start by the
-        main process, at a reload by worker 0)."""
-        notes = logging.getLogger("coordinator.config")
-        notes.disabled = quiet
-        try:
-            return load_settings(self.path)
-        finally:
-            notes.disabled = False
+    def catch_up(self) -> None:
+        gen = self.shared.globals[G_CONFIG_GEN]
+        if gen != self.gen:
+            self.gen = gen
+            settings = published(self.shared)
+            self.apply(settings)
+            log.info("config: %s reloaded in worker %d", settings.source_path, self.worker)
