@@ -23,7 +23,7 @@ import os
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 
 from state.resp import Resp, RespError, encode
 
@@ -112,15 +112,17 @@ class StoreDown(Exception):
 
 
 def redis_client(url: str, password: str | None, timeout_s: float, read_timeout_s: float | None) -> aioredis.Redis:
-    """One connection to `url`; no retries of our own making (a caller falls back at once instead). A subscriber's
-    reads wait for the next message as long as it takes (`read_timeout_s` None)."""
+    """One connection to `url`. A command is tried again, at once and once, only when its connection was found
+    closed (the store restarted: the connection it closed fails the next command, and only that one), never after
+    a timeout (a caller falls back at once instead). A subscriber's reads wait for the next message as long as it
+    takes (`read_timeout_s` None)."""
     return aioredis.Redis.from_url(
         url,
         password=password or None,
         socket_timeout=read_timeout_s,
         socket_connect_timeout=timeout_s,
         single_connection_client=True,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         health_check_interval=0,
     )
 
