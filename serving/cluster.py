@@ -10,6 +10,8 @@ Nothing here is on a request's path except the one round trip a request makes wh
   breakers or health checks found broken; what slo_aware learned) and reads the others' in the same round trip:
   their load becomes the ledger's remote row, their broken endpoints are avoided here until they say otherwise,
   a model learned from more samples than this replica's replaces it, and a newer stored instance set is adopted;
+  when the store's epoch changed (it lost its data), every worker writes its count again and the stored set is
+  adopted whatever its version (or, none stored, this one's seeds it);
 - the sync owner also listens on the events channel: trigger-mode prefill usage and stored responses' homes
   that another replica saw, written here as if a local worker had.
 
@@ -56,6 +58,7 @@ from state.shared import (
     EP_TPOT_LATE_SHARE,
     G_CLUSTER_VERSION,
     G_REPLICAS,
+    G_STORE_LOSSES,
     G_STORE_UP,
     G_SYNCED_AT_MS,
     LEDGER_FIELDS,
@@ -131,6 +134,8 @@ class Cluster:
         self.admitted = self.ended = self.calls = 0
         self.recount = False
         self._told_at = 0.0
+        self.losses_seen = self.shared.globals[G_STORE_LOSSES]
+        self.epoch: bytes | None = None  # the sync owner's: the store's epoch as its last sync saw it
         self.prefixes: list[tuple[str, list[int]]] = []  # (engine address, block hashes) prefilled, to publish
         self._publishing: set[asyncio.Task] = set()
 
@@ -260,6 +265,8 @@ class Cluster:
 
     async def _publish_count(self) -> None:
         now = time.monotonic()
+        if self.losses_seen != self.shared.globals[G_STORE_LOSSES]:  # (a connection may reconnect without an error)
+            self.losses_seen, self.recount = self.shared.globals[G_STORE_LOSSES], True
         if self.recount:
             if not self.calls:  # (an admit under way would be counted twice)
                 self.ended = 0
@@ -289,16 +296,30 @@ class Cluster:
             self._down(e)
 
     async def _sync(self) -> None:
-        version, reports = await self.store.sync(self._report(), self.ttl_ms)
+        version, reports, epoch = await self.store.sync(self._report(), self.ttl_ms)
         self.shared.globals[G_SYNCED_AT_MS] = int(time.time() * 1000)
         self.shared.globals[G_REPLICAS] = len(reports) + 1
         self._apply_reports(reports)
-        if version > self.shared.globals[G_CLUSTER_VERSION]:
+        if epoch != self.epoch:
+            if self.epoch is not None:
+                self._lost()
+            self.epoch = epoch
+        if version == 0:  # nothing stored (the store was emptied, or unreachable at start)
+            await self._first_sync()
+        elif version > self.shared.globals[G_CLUSTER_VERSION]:
             stored, doc = await self.store.instances()
             if doc is not None:
                 self._adopt(stored, doc)
-        elif version == 0:  # nothing stored (the store was emptied, or unreachable at start)
-            await self._first_sync()
+
+    def _lost(self) -> None:
+        """The store lost its data: every worker re-publishes its count, and the stored instance set (which
+        another replica may have re-seeded, at a version below this one's) is adopted whatever its version."""
+        log.warning(
+            "the cluster store lost its data (restarted empty, failed over or flushed): counts and the instance set"
+            " go back"
+        )
+        self.shared.globals[G_STORE_LOSSES] += 1
+        self.shared.globals[G_CLUSTER_VERSION] = -1
 
     def _adopt(self, version: int, doc: bytes) -> None:
         try:

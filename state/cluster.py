@@ -12,6 +12,10 @@ Each worker process of each replica has one `ClusterStore` (one Redis connection
   rate                      the cluster's token bucket (milli-tokens, its stamp in µs of Redis's clock)
   instances, instances:v    the instance set (JSON) and its version
   events                    a channel: trigger-mode prefill usage and stored responses' homes, for every replica
+  epoch                     a random token, written by the first sync to find none: a store that lost its data
+                            (restarted empty, failed over to an empty replica, FLUSHALL) has another, and every
+                            replica puts its part back. A key, not INFO's run_id: it goes exactly when the data goes
+                            (FLUSHALL keeps the run_id; a failover to a replica that kept the data changes it)
 
 A call that fails or outlasts `redis_timeout_ms` raises `StoreDown`; the caller falls back (serving/cluster.py).
 """
@@ -23,7 +27,7 @@ import os
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 
 from state.resp import Resp, RespError, encode
 
@@ -72,9 +76,11 @@ redis.call('SADD', KEYS[1], KEYS[2])
 return {0, 0}
 """
 
-# KEYS: the replicas set, this replica's key, the instance set's version. ARGV: this replica's id, its report,
-# the report's expiry (ms), the key prefix. Returns {the instance set's version, {id, report, id, report, ...}}.
+# KEYS: the replicas set, this replica's key, the instance set's version, the epoch. ARGV: this replica's id, its
+# report, the report's expiry (ms), the key prefix, a new epoch (written if none is). Returns {the instance set's
+# version, {id, report, id, report, ...}, the epoch}.
 SYNC = """
+redis.call('SET', KEYS[4], ARGV[5], 'NX')
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[1], ARGV[1])
 local out = {}
@@ -89,7 +95,7 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     end
   end
 end
-return {tonumber(redis.call('GET', KEYS[3]) or '0'), out}
+return {tonumber(redis.call('GET', KEYS[3]) or '0'), out, redis.call('GET', KEYS[4])}
 """
 
 # KEYS: the instance set, its version. ARGV: the version the writer read, the new set (or '' to write only if
@@ -112,15 +118,17 @@ class StoreDown(Exception):
 
 
 def redis_client(url: str, password: str | None, timeout_s: float, read_timeout_s: float | None) -> aioredis.Redis:
-    """One connection to `url`; no retries of our own making (a caller falls back at once instead). A subscriber's
-    reads wait for the next message as long as it takes (`read_timeout_s` None)."""
+    """One connection to `url`. A command is tried again, at once and once, only when its connection was found
+    closed (the store restarted: the connection it closed fails the next command, and only that one), never after
+    a timeout (a caller falls back at once instead). A subscriber's reads wait for the next message as long as it
+    takes (`read_timeout_s` None)."""
     return aioredis.Redis.from_url(
         url,
         password=password or None,
         socket_timeout=read_timeout_s,
         socket_connect_timeout=timeout_s,
         single_connection_client=True,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         health_check_interval=0,
     )
 
@@ -138,7 +146,7 @@ class ClusterStore:
         self.k_mine = f"{prefix}inflight:{replica}:{worker}:{os.getpid()}"  # a restarted worker's is another
         self.k_replicas, self.k_replica = prefix + "replicas", f"{prefix}replica:{replica}"
         self.k_instances, self.k_version = prefix + "instances", prefix + "instances:v"
-        self.k_events = prefix + "events"
+        self.k_events, self.k_epoch = prefix + "events", prefix + "epoch"
         self._admit = self.r.register_script(ADMIT)
         self._sync = self.r.register_script(SYNC)
         self._store_instances = self.r.register_script(STORE_INSTANCES)
@@ -196,14 +204,16 @@ class ClusterStore:
             encode("SET", self.k_mine, count, "PX", ttl_ms), encode("SADD", self.k_inflight, self.k_mine)
         )
 
-    async def sync(self, report: bytes, ttl_ms: int) -> tuple[int, dict[str, bytes]]:
-        """Publish this replica's report; (the instance set's version, the other live replicas' reports)."""
-        version, flat = await self._call(
+    async def sync(self, report: bytes, ttl_ms: int) -> tuple[int, dict[str, bytes], bytes]:
+        """Publish this replica's report; (the instance set's version, the other live replicas' reports, the
+        store's epoch)."""
+        version, flat, epoch = await self._call(
             self._sync(
-                keys=(self.k_replicas, self.k_replica, self.k_version), args=(self.replica, report, ttl_ms, self.prefix)
+                keys=(self.k_replicas, self.k_replica, self.k_version, self.k_epoch),
+                args=(self.replica, report, ttl_ms, self.prefix, os.urandom(8).hex()),
             )
         )
-        return int(version), {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+        return int(version), {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}, epoch
 
     async def instances(self) -> tuple[int, bytes | None]:
         """(version, the stored instance set or None)."""

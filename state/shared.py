@@ -87,6 +87,7 @@ G_CONFIG_GEN, G_CONFIG_LEN = 7, 6
 # Cluster mode (serving/cluster.py): the stored instance set's version this replica applied, whether the store
 # answered the sync owner's last round trip (1) or not (0), the live replicas it saw, and when (wall-clock ms).
 G_CLUSTER_VERSION, G_STORE_UP, G_REPLICAS, G_SYNCED_AT_MS = 8, 9, 10, 11
+G_STORE_LOSSES = 12  # the times the sync owner found the store had lost its data: each worker re-publishes its count
 GLOBAL_FIELDS = 16
 
 # Per-worker rows, one per Sanic worker index: admission counters and the heartbeat. Each worker writes only

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from redis import Redis as RedisClient
 
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator
@@ -275,6 +276,61 @@ def test_redis_down_fails_no_request_and_state_converges_when_it_returns(cluster
     assert wait_until(lambda: all(ids(r) == [1, 2] for r in replicas), timeout_s=5.0)
     for r in replicas:
         assert "cluster store unreachable" in r.output() and "reachable again" in r.output()
+
+
+def in_flight(server: RedisServer, prefix: str) -> int:
+    """The cluster's requests in flight as the store counts them (every worker's key)."""
+    with RedisClient.from_url(server.url) as r:
+        return sum(int(r.get(k) or 0) for k in r.smembers(prefix + "inflight"))
+
+
+def test_a_store_that_lost_its_data_under_load_is_put_back_by_every_replica(cluster, sims, redis):
+    """Redis comes back empty (restarted without persistence, then FLUSHALL) while streams are in flight: every
+    replica re-publishes its counts and re-seeds or adopts the instance set, so the cap is exact again and a
+    refresh reaches every replica, though the store's version restarts below the replicas' own (3)."""
+    engines = [sims("union", speedup=0.2) for _ in range(4)]  # 10 ms a token
+    replicas = cluster(
+        [instance(i, "union", MODEL, engines[i - 1].address) for i in (1, 2)],
+        n=2,
+        rate_limit_config={"max_inflight_requests": 8},
+    )
+    a, b = replicas
+    assert a.refresh("pause", [2]).status_code == 200 and a.refresh("resume", [2]).status_code == 200
+    assert wait_until(lambda: listed(b)["cluster"]["instances_version"] == 3, timeout_s=1.0)
+
+    def counted() -> int:
+        return in_flight(redis, replicas.prefix)
+
+    def restart() -> None:
+        redis.kill()
+        redis.start()
+
+    def flush() -> None:
+        assert redis.command(b"FLUSHALL") == b"+OK"
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hold"}], "max_tokens": 300}  # 3 s
+            replies = await asyncio.gather(
+                *(client.post(replicas[i % 2].url + "/v1/chat/completions", json=body) for i in range(18))
+            )
+            return sorted(r.status_code for r in replies)
+
+    for lose, pause, add in ((restart, 1, 3), (flush, 2, 4)):
+        assert wait_until(lambda: counted() == 0, timeout_s=5)
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(chat, replicas[i % 2], 300, stream=True) for i in range(8)]  # 3 s each
+            assert wait_until(lambda: sum(e.stats()["running"] for e in engines) == 8, timeout_s=5)
+            lose()
+            assert wait_until(lambda: counted() == 8, timeout_s=5), counted()  # every worker's count is back
+            assert b.refresh("pause", [pause]).status_code == 200
+            assert wait_until(lambda n=pause: n in paused(a), timeout_s=5), listed(a)
+            assert a.refresh("add", [instance(add, "union", MODEL, engines[add - 1].address)]).status_code == 200
+            assert wait_until(lambda n=add: n in ids(b), timeout_s=5), listed(b)
+            assert all(s.result().status_code == 200 for s in streams)
+        assert wait_until(lambda: counted() == 0, timeout_s=5), counted()
+        statuses = asyncio.run(burst())
+        assert statuses == [200] * 8 + [429] * 10, f"{lose.__name__}: {statuses.count(200)} of 18 admitted"
 
 
 def test_a_killed_replicas_share_of_the_cap_comes_back_within_its_ttl(cluster, sims):
