@@ -134,6 +134,7 @@ class Cluster:
         self.admitted = self.ended = self.calls = 0
         self.recount = False
         self._told_at = 0.0
+        self._refused_version: int | None = None  # the stored set this replica cannot apply: said once, not each tick
         self.losses_seen = self.shared.globals[G_STORE_LOSSES]
         self.epoch: bytes | None = None  # the sync owner's: the store's epoch as its last sync saw it
         self.prefixes: list[tuple[str, list[int]]] = []  # (engine address, block hashes) prefilled, to publish
@@ -320,12 +321,15 @@ class Cluster:
         )
         self.shared.globals[G_STORE_LOSSES] += 1
         self.shared.globals[G_CLUSTER_VERSION] = -1
+        self._refused_version = None
 
     def _adopt(self, version: int, doc: bytes) -> None:
         try:
             result = self.registry.adopt(ujson.loads(doc))
         except (ValueError, RefreshError) as e:
-            log.error("the stored instance set (version %d) cannot be applied here: %s", version, e)
+            if version != self._refused_version:
+                log.error("the stored instance set (version %d) cannot be applied here: %s", version, e)
+                self._refused_version = version
             return
         self.shared.globals[G_CLUSTER_VERSION] = version
         log.info("instances from the cluster store (version %d): %s", version, result.message)
