@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -103,11 +104,15 @@ class Answer:
     token_ids: list = field(default_factory=list)  # the ids the client asked for, as it got them
 
 
-def ask(c, api: str, model: str, max_tokens: int = N, temperature: float = TEMPERATURE, **extra) -> Answer:
-    """One streamed request through the real SDK, read to its end."""
+def ask(
+    c, api: str, model: str, max_tokens: int = N, temperature: float = TEMPERATURE, rid: str | None = None, **extra
+) -> Answer:
+    """One streamed request through the real SDK, read to its end (`rid`: its X-Request-Id)."""
     a = Answer()
+    headers = {"X-Request-Id": rid} if rid else {}
     if api == "messages":
         stream = anthropic_client(c).messages.create(
+            extra_headers=headers,
             model=model,
             max_tokens=max_tokens,
             messages=MESSAGES,
@@ -136,6 +141,7 @@ def ask(c, api: str, model: str, max_tokens: int = N, temperature: float = TEMPE
         "stream": True,
         "stream_options": {"include_usage": True},
         "extra_body": {"ignore_eos": True, **extra},
+        "extra_headers": headers,
     }
     if api == "chat":
         stream = oa.chat.completions.create(messages=MESSAGES, **common)
@@ -215,7 +221,8 @@ def test_a_stream_broken_after_k_tokens_goes_on_as_the_unbroken_run(c, fault, ap
     for s in sims:
         s.set_faults(mid_stream_fault=fault, mid_stream_fault_after_tokens=K)
 
-    got = ask(c, api, model)
+    rid = uuid.uuid4().hex
+    got = ask(c, api, model, rid=rid)
 
     assert got.text == ref.text
     assert (got.finish, got.usage) == (ref.finish, ref.usage)
@@ -232,7 +239,7 @@ def test_a_stream_broken_after_k_tokens_goes_on_as_the_unbroken_run(c, fault, ap
     assert "kv_transfer_params" not in sent[0]  # in PD the other decode engine computes the prompt itself
     assert wait_until(lambda: counter(c, "motor_stream_continuations_total") == before + 1, 5)
     assert wait_until(lambda: settled(c), 5), ledger(c)
-    line = log_line(c, f"route=/v1/{'chat/completions' if api == 'chat' else api}")
+    line = log_line(c, f"request_id={rid} ")
     assert " continuations=1 " in line and "status=200" in line, line
     if fault == "die":  # the failed engine is reported to health as any dead engine is
         assert wait_until(lambda: not all_healthy(c), 5)
@@ -364,10 +371,11 @@ def test_non_streamed_requests_keep_their_retries_and_are_not_continued(c):
     for s in c.sims["union"]:
         s.set_faults(fail_first_n=1)
     body = {"model": UNION, "messages": MESSAGES, "max_tokens": N, "ignore_eos": True}
-    r = httpx.post(c.url + "/v1/chat/completions", json=body, timeout=30)
+    rid = uuid.uuid4().hex
+    r = httpx.post(c.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": rid}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == N
     assert "return_token_ids" not in json.dumps([rec["body"] for s in c.sims["union"] for rec in s.requests()])
-    line = log_line(c, "stream=False")
+    line = log_line(c, f"request_id={rid} ")
     assert " retries=2 missed_handoff=False continuations=0 " in line, (
         line
     )  # each engine failed once, then one answered
