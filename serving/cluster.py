@@ -35,6 +35,8 @@ import ujson
 
 from config import Settings, address_key
 from errors import RateLimited
+from scheduling.affinity import PrefixIndex
+from scheduling.policies import PrefixSource
 from scheduling.registry import RefreshError, RefreshResult, Registry
 from serving.metrics import store_calls
 from state.cluster import ClusterStore, StoreDown
@@ -473,13 +475,15 @@ class ClusterResponseHomes:
         self.cluster.publish("forget", {"id": response_id})
 
 
-def shared_events(cluster: Cluster, usages, homes, index) -> None:
-    """Wire trigger mode's prefill usage (serving/usage.py), the stored responses' homes and the prefix index
-    (`index`, None without kv_cache_affinity) to the other replicas: what this replica writes is published (the
-    prefixes in one batch a tick), what another publishes is written here."""
+def shared_events(cluster: Cluster, usages, homes, prefixes: PrefixSource | None) -> None:
+    """Wire trigger mode's prefill usage (serving/usage.py), the stored responses' homes and the scheduler's
+    cached prefixes (`prefixes`, when they are the Coordinator's own estimate: engines that report their cache
+    report it to every replica) to the other replicas: what this replica writes is published (the prefixes in
+    one batch a tick), what another publishes is written here."""
     usages.share = lambda ticket, prompt, cached: cluster.publish(
         "usage", {"id": ticket, "prompt": prompt, "cached": cached}
     )
+    index = prefixes if isinstance(prefixes, PrefixIndex) else None
     if index is not None:
         registry = cluster.registry
 
