@@ -116,6 +116,7 @@ class Cluster:
     ):
         c = settings.cluster
         self.s, self.shared, self.worker, self.replica, self.registry = settings, shared, worker, replica, registry
+        registry.store = self  # a change of the instance set reaches every replica (`refresh`)
         self.on_event = on_event  # (kind, payload dict): an event another replica published
         self.store = ClusterStore(
             c.redis_url,
