@@ -337,7 +337,7 @@ class Cluster:
             self.ledger,
             self.health,
             predictor=Predictor(shared),
-            index=PrefixIndex(shared),
+            index=PrefixIndex(shared, BLOCK),
             block_tokens=BLOCK,
             decode_alone=alone,
         )

@@ -7,9 +7,10 @@
   whose keys are its own attributes (`settings.first_token_timeout_s` is ExceptionConfig's, default included)
   and holds the others as one object each (`settings.infer_tls`, `settings.models`). It stays a plain frozen
   dataclass, so the request path reads attributes and never touches pydantic.
-- config.load: `load_settings`, `settings_from_dict`: each section validated in turn, pydantic's first error
-  said in one line naming its key path (`motor_coordinator_config.exception_config.infer_timeout: must be
-  a number`), unknown keys warned about and ignored.
+- config.validation: a value validated against a section's schema, pydantic's first error said in one line
+  naming its key path (`motor_coordinator_config.exception_config.infer_timeout: must be a number`).
+- config.load: `load_settings`, `settings_from_dict`: each section validated in turn, unknown keys warned
+  about and ignored.
 - config.addresses: engine addresses, read as the engine client reads them.
 - config.pymotor: MindIE-PyMotor's keys read with their meaning (noted, refused, or moved onto the Coordinator's).
 - config.keys: API keys in PyMotor's hashed form (`python -m config.keys hash`).
@@ -21,19 +22,15 @@ from __future__ import annotations
 from .addresses import ADDRESS_FORMS, address_key, engine_url, split_address
 from .load import (
     DEFAULT_CONFIG_PATH,
-    ConfigError,
-    adapter,
     check_instance_set,
     load_settings,
     parse_config,
     parse_instance,
     parse_models,
     read_config,
-    refusal,
     resolve_config_path,
     server_tls_context,
     settings_from_dict,
-    validate,
 )
 from .sections import (
     ADMISSION,
@@ -55,6 +52,7 @@ from .sections import (
     TracerConfig,
 )
 from .settings import MAX_BACKOFF_S, Settings, with_models_for_instances
+from .validation import ConfigError, adapter, refusal, validate
 
 __all__ = [
     "ADDRESS_FORMS",

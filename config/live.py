@@ -18,7 +18,6 @@ import dataclasses
 from dataclasses import replace
 from typing import Any
 
-from .load import ConfigError
 from .sections import (
     ROOT_KEY,
     ApiConfig,
@@ -34,6 +33,7 @@ from .sections import (
     config_keys,
 )
 from .settings import Settings, with_models_for_instances
+from .validation import ConfigError
 
 _NOT_LIVE_EXCEPTIONS = {"kv_release_path"}  # the built-in simulator sets it at start
 

@@ -13,15 +13,12 @@ import os
 import socket
 import ssl
 from dataclasses import replace
-from functools import cache
 from typing import Annotated, Any, get_args, get_origin
-
-from pydantic import TypeAdapter, ValidationError
-from pydantic_core import ErrorDetails
 
 from state.shared import MAX_SLOTS
 
 from .addresses import address_key
+from .pymotor import TOP_LEVEL, adopt, finish
 from .sections import (
     ROOT_KEY,
     ApiConfig,
@@ -46,72 +43,13 @@ from .sections import (
     config_keys,
 )
 from .settings import Settings
+from .validation import ConfigError, validate
 
 log = logging.getLogger("coordinator.config")
 
 DEFAULT_CONFIG_PATH = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deployer", "user_config.json"
 )
-
-# What pydantic's own error types say, in the Coordinator's words. Bounds come with their value (ctx).
-_WHY = {
-    "int_type": "must be an integer",
-    "float_type": "must be a number",
-    "finite_number": "must be a number",
-    "bool_type": "must be true or false",
-    "string_type": "must be a string",
-    "string_too_short": "must not be empty",
-    "dataclass_type": "must be an object",
-    "tuple_type": "must be a list",
-    "list_type": "must be a list",
-    "dict_type": "must be an object",
-    "missing": "is required",
-}
-_CONTAINERS = ("missing", "dataclass_type", "tuple_type", "list_type", "dict_type")  # errors of the object around
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value; the message starts with the key path. `value` holds the value refused,
-    where one key's value is (the deployer quotes it)."""
-
-    def __init__(self, message: str, *value: Any):
-        super().__init__(message)
-        self.value = value  # () or (the value,)
-
-
-def refusal(error: ErrorDetails, path: str) -> ConfigError:
-    """One line for pydantic's error in the value at key path `path`: `<path>.<key path>: <why>`."""
-    for part in error["loc"]:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    ctx = error.get("ctx") or {}
-    kind = error["type"]
-    if kind == "refused":  # a check of config.sections, in its own words
-        why = ctx["why"]
-        if ctx["key"]:  # a rule of the whole object: its input is no one key's value
-            return ConfigError(f"{path}.{ctx['key']}: {why}")
-    elif kind == "greater_than_equal":
-        why = f"must be >= {ctx['ge']}"
-    elif kind == "greater_than":
-        why = f"must be > {ctx['gt']:g}"
-    else:
-        why = _WHY.get(kind, error["msg"])
-    if kind in _CONTAINERS:  # no one key's value
-        return ConfigError(f"{path}: {why}")
-    return ConfigError(f"{path}: {why}", error["input"])
-
-
-@cache
-def adapter(schema: Any) -> TypeAdapter:
-    return TypeAdapter(schema)  # built on first use: the workers, which read no config file, never build one
-
-
-def validate(schema: Any, value: Any, path: str) -> Any:
-    """`value` validated against a schema of config.sections, or ConfigError naming the first invalid key under
-    `path`, the key path of `value` (motor_coordinator_config.api_config)."""
-    try:
-        return adapter(schema).validate_python(value)
-    except ValidationError as e:
-        raise refusal(e.errors(include_url=False)[0], path) from None
 
 
 def _dataclass_of(schema: Any) -> type:
@@ -286,8 +224,6 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     `on_this_host` False: the file is checked for another machine (the deployer renders it for a pod), so
     what only that machine can answer is not checked: that the host resolves, that the TLS files load.
     """
-    from .pymotor import TOP_LEVEL, adopt, finish  # it reads sections with this module's validate
-
     whole = raw if isinstance(raw, dict) and ROOT_KEY in raw else None
     if whole is not None:
         raw = raw[ROOT_KEY]

@@ -20,9 +20,9 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from .load import ConfigError, validate
 from .sections import LOG_LEVELS, ROOT_KEY, Aigw, CircuitConfig, ModelConfig, TracerConfig
 from .settings import Settings
+from .validation import ConfigError, validate
 
 log = logging.getLogger("coordinator.config")
 

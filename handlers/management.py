@@ -105,10 +105,7 @@ async def refresh(request: Request):
     event = body.get("event") if isinstance(body, dict) else None
     try:
         event, items = parse_refresh_body(body)
-        cluster = request.app.ctx.cluster
-        result = (
-            await cluster.refresh(event, items) if cluster is not None else request.app.ctx.registry.apply(event, items)
-        )
+        result = await request.app.ctx.registry.change(event, items)
     except RefreshError as e:
         return _refused(e.status, str(e), event)
     log.info("instances refresh %s: %s", event, result.message)

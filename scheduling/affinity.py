@@ -6,6 +6,9 @@ hashes carrying the slot's bit: since each hash covers the prompt up to its pref
 hashes of one slot form a prefix-closed set and a binary search finds the run's end in about
 log2(hashes) probes.
 
+It is the policies' `PrefixSource` (scheduling/policies.py) today: `cached_tokens` and `last_holder` answer
+in prompt tokens (blocks of `block_tokens`), `record` learns from each prefill.
+
 The table lives in shared memory (made in the main process with the other shared arrays), so every
 worker routes by the prefills of every worker. It is an open-addressed hash table of fixed size
 (`PREFIX_ENTRIES`) with a few probes per key; when a key's probes are all taken, the entry of the
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from scheduling.policies import JobInfo
+from scheduling.registry import Target
 from scheduling.tokens import blocks_covered, hashes_covering
 from state.shared import PREFIX_ENTRIES, PREFIX_FIELDS, SharedState
 
@@ -28,8 +33,11 @@ _MASK = PREFIX_ENTRIES - 1
 
 
 class PrefixIndex:
-    def __init__(self, shared: SharedState):
+    needs_hashes = True  # it knows prompts by their block hashes (scheduling/tokens.py)
+
+    def __init__(self, shared: SharedState, block_tokens: int = 16):
         self.a = shared.prefix
+        self.block_tokens = block_tokens  # the tokens of one block (kv_affinity_block_size)
         # Cluster mode: what this worker records, to the other replicas too (serving/cluster.py batches it).
         self.share: Callable[[list[int], int], None] | None = None
 
@@ -100,3 +108,11 @@ class PrefixIndex:
             return -1
         base = self._find(hashes[hashes_covering(blocks) - 1] or 1)
         return int(self.a[base + 2]) if base >= 0 else -1
+
+    # -- as the policies' PrefixSource ------------------------------------------------------------
+
+    def cached_tokens(self, job: JobInfo, target: Target) -> int:
+        return self.cached_blocks(job.block_hashes, target.slot) * self.block_tokens
+
+    def last_holder(self, job: JobInfo, tokens: int) -> int:
+        return self.last_owner(job.block_hashes, tokens // self.block_tokens)

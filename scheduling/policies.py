@@ -2,14 +2,15 @@
 
 A policy gets the usable candidates of one role and the request's `JobInfo` and returns one target;
 `choose_pair` picks a prefill and a decode target together. Every policy reads only shared counters
-(the ledger, the health table with the engines' scraped gauges, the learned model, the prefix index),
-so its choice costs microseconds and every worker chooses from the same picture.
+(the ledger, the health table with the engines' scraped gauges, the learned model, the cached prefixes of a
+`PrefixSource`), so its choice costs microseconds and every worker chooses from the same picture.
 
 * `round_robin`: one rotating counter shared by all workers (a pair takes one step of it).
 * `load_balance`: least load: our in-flight requests and tokens plus the engine's own queue and KV use.
-* `kv_cache_affinity`: the prefill goes to the instance that most recently prefilled the prompt's longest
-  cached prefix (chained block hashes over the whole rendered prompt), unless that instance's load
-  exceeds `affinity_overload_factor` times the least loaded one's plus one request like this one; decode by load.
+* `kv_cache_affinity`: the prefill goes to the instance that most recently came to hold the prompt's longest
+  cached prefix (as its `PrefixSource` says: today the Coordinator's estimate, by chained block hashes over
+  the whole rendered prompt), unless that instance's load exceeds `affinity_overload_factor` times the least
+  loaded one's plus one request like this one; decode by load.
 * `slo_aware`: predicts each candidate's TTFT (queue wait + uncached prefill + the decode engine's first
   step) and TPOT (the decode engine's step time with the batch it will have when this request joins)
   from the learned model (scheduling/predict.py), and takes the decode engine with the lowest predicted
@@ -29,9 +30,9 @@ pair against the budgets, None when it cannot yet; SLO admission (scheduling/adm
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from scheduling import clock
-from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.predict import BUSY_WINDOW_S, UNKNOWN, Predictor
@@ -86,9 +87,27 @@ class JobInfo:
     retry_after_s: float = 1.0
 
 
+class PrefixSource(Protocol):
+    """Where the policies learn which engine holds how much of a prompt in its prefix cache. Today's source is
+    the Coordinator's own estimate (scheduling/affinity.py: the prompts it had each engine compute); another
+    (the engines' own KV cache events, say) takes its place through these calls alone."""
+
+    needs_hashes: bool  # it reads the prompt's block hashes (JobInfo.block_hashes: Scheduler.prepare makes them)
+
+    def cached_tokens(self, job: JobInfo, target: Target) -> int:
+        """The leading prompt tokens of `job` that `target` is believed to hold (0: none)."""
+
+    def last_holder(self, job: JobInfo, tokens: int) -> int:
+        """The slot that most recently came to hold the first `tokens` prompt tokens of `job` (-1: unknown)."""
+
+    def record(self, hashes: list[int], slot: int) -> None:
+        """The engine at `slot` has just computed a prompt with these block hashes (what an estimate learns
+        from; a source the engines tell may ignore it)."""
+
+
 class Policy:
     name = "base"
-    uses_prefix = False  # needs the rendered prompt's block hashes
+    uses_prefix = False  # reads the prompt's cached prefixes
 
     def __init__(
         self,
@@ -96,14 +115,14 @@ class Policy:
         ledger: Ledger,
         health: Health,
         predictor: Predictor | None = None,
-        index: PrefixIndex | None = None,
+        index: PrefixSource | None = None,
         block_tokens: int = 16,
         overload_factor: float = 2.0,
         decode_alone: bool = False,
     ):
         self.shared, self.ledger, self.health = shared, ledger, health
         self.predictor = predictor
-        self.index = index
+        self.index = index  # where cached prefixes come from (None: none is ever cached)
         self.block_tokens = block_tokens
         self.overload_factor = overload_factor
         self.decode_alone = decode_alone  # conditional disaggregation (slo_aware; `conditional_disaggregation`)
@@ -126,10 +145,8 @@ class Policy:
         """The prompt tokens `t` must compute: those of its longest cached prefix are free."""
         memo = job.cached.get(t.slot)
         if memo is None:
-            blocks = (
-                self.index.cached_blocks(job.block_hashes, t.slot) if self.index is not None and job.block_hashes else 0
-            )
-            memo = job.cached[t.slot] = min(blocks * self.block_tokens, job.prompt_tokens - 1) if blocks else 0
+            cached = self.index.cached_tokens(job, t) if self.index is not None else 0
+            memo = job.cached[t.slot] = min(cached, job.prompt_tokens - 1) if cached else 0
         return job.prompt_tokens - memo
 
     # -- predictions ---------------------------------------------------------------------------
@@ -277,20 +294,20 @@ class KvCacheAffinity(LoadBalance):
     uses_prefix = True
 
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
-        if len(cands) == 1 or self.index is None or not job.block_hashes:
+        if len(cands) == 1 or self.index is None:
             return super().choose(cands, job)
-        best_blocks, holders = 0, []
+        best, holders = 0, []
         for t in cands:
-            blocks = self.index.cached_blocks(job.block_hashes, t.slot)
-            if blocks > best_blocks:
-                best_blocks, holders = blocks, [t]
-            elif blocks == best_blocks and blocks:
+            tokens = self.index.cached_tokens(job, t)
+            if tokens > best:
+                best, holders = tokens, [t]
+            elif tokens == best and tokens:
                 holders.append(t)
         if not holders:
             return super().choose(cands, job)
         target = holders[0]
         if len(holders) > 1:
-            last = self.index.last_owner(job.block_hashes, best_blocks)
+            last = self.index.last_holder(job, best)
             target = next((t for t in holders if t.slot == last), holders[0])
         least = min(self.score(t) for t in cands)
         # "Plus one request" is one like this one, tokens and all: a holder serving a single request of the

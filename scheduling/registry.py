@@ -13,12 +13,18 @@ empty (no request, no held decode slot): a removed endpoint's requests still in 
 load, and report their failures to the breaker, on a slot that nobody else holds. When the only free
 slots still carry such requests, the refresh is refused (409) rather than mixing two engines' load.
 A slot's health row is reset only when a refresh that hands it out is applied.
+
+Where the set comes from: the static config at start, a change from outside (POST /instances/refresh; a
+discovery of engines would be one more caller of `change`), and, in cluster mode, the set another replica
+stored (`adopt`, on the cluster's sync). Every one of them ends in `apply`, the one write; `change` is the way
+in for a new writer: in cluster mode it goes through the store (`SetStore`) so that every replica applies it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import ujson
 
@@ -114,12 +120,27 @@ class Topology:
         return self.pools.get((model, role), [])
 
 
+class SetStore(Protocol):
+    """Where a change of the instance set goes to reach every replica (cluster mode: serving/cluster.py), which
+    applies it here too (`Registry.apply`)."""
+
+    async def refresh(self, event: str, items: list) -> RefreshResult: ...
+
+
 class Registry:
     """Reads and writes the shared instance document."""
 
     def __init__(self, shared: SharedState):
         self.shared = shared
         self._view: Topology | None = None
+        self.store: SetStore | None = None  # cluster mode: a change goes through it to every replica
+
+    async def change(self, event: str, items: list[Instance | int]) -> RefreshResult:
+        """A change of the set from outside (see the module docstring): on every replica in cluster mode, else
+        here. Raises RefreshError as `apply` does."""
+        if self.store is not None:
+            return await self.store.refresh(event, items)
+        return self.apply(event, items)
 
     # -- reading (hot path) ------------------------------------------------------------------
 
@@ -322,4 +343,13 @@ def parse_refresh_body(body: object) -> tuple[str, list]:
     return event, items
 
 
-__all__ = ["Endpoint", "RefreshError", "RefreshResult", "Registry", "Target", "Topology", "parse_refresh_body"]
+__all__ = [
+    "Endpoint",
+    "RefreshError",
+    "RefreshResult",
+    "Registry",
+    "SetStore",
+    "Target",
+    "Topology",
+    "parse_refresh_body",
+]

@@ -19,7 +19,7 @@ from scheduling.admission import OFF, REJECT, AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Hold, Lease, Ledger
-from scheduling.policies import JobInfo, Policy, make_policy
+from scheduling.policies import JobInfo, Policy, PrefixSource, make_policy
 from scheduling.predict import Predictor
 from scheduling.registry import Registry, Target
 from scheduling.tokens import PromptMeter, make_meter
@@ -166,8 +166,8 @@ class Leg:
 class Scheduler:
     """Plans requests with one policy, admits them by SLO, and keeps the learned model up to date.
 
-    `predictor` and `index` are the shared learned model and prefix index the policy also holds (None:
-    nothing is learned). `tokenizers` maps model ids to `tokenizer_path`s for exact token counts.
+    `predictor` and `index` are the shared learned model and the source of cached prefixes the policy also
+    holds (None: nothing is learned). `tokenizers` maps model ids to `tokenizer_path`s for exact token counts.
     """
 
     def __init__(
@@ -185,7 +185,7 @@ class Scheduler:
     ):
         self.registry, self.ledger, self.health, self.policy = registry, ledger, health, policy
         self.predictor: Predictor | None = policy.predictor
-        self.index: PrefixIndex | None = policy.index
+        self.index: PrefixSource | None = policy.index
         self.admission = admission
         self.queue = queue
         self.tokenizers = tokenizers or {}
@@ -209,7 +209,7 @@ class Scheduler:
 
     def prepare(self, job: JobInfo, kind: str, body: dict) -> None:
         """Count the prompt (exactly where a tokenizer is configured) and hash its blocks (the policy uses them)."""
-        hashes = self.policy.uses_prefix and self.index is not None
+        hashes = self.policy.uses_prefix and self.index is not None and self.index.needs_hashes
         job.prompt_tokens, job.block_hashes, job.prompt_bytes = self.meter(job.model).count(kind, body, hashes)
 
     def calibrate(self, model: str, prompt_bytes: int, prompt_tokens: int) -> None:
@@ -395,7 +395,7 @@ def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health
         ledger,
         health,
         predictor=Predictor(shared),
-        index=PrefixIndex(shared),
+        index=PrefixIndex(shared, settings.kv_affinity_block_size),
         block_tokens=settings.kv_affinity_block_size,
         overload_factor=settings.affinity_overload_factor,
         decode_alone=settings.conditional_disaggregation,

@@ -1,5 +1,8 @@
 """Background work done by one worker for all: active health checks and engine /metrics scraping.
 
+Each is a named periodic loop (`Loop`) registered with `Background.register`: its pass, then the wait its
+interval setting says, read before every wait (a reload may change it). `start` starts every registered loop.
+
 Results land in the shared health table, so every worker routes by them. A refused connection or an
 answer other than 200 marks the endpoint unhealthy at once; a check that times out (no connection or no
 answer within max(1 s, health_check_interval)) only does after `health_check_timeout_failures` in a row,
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from config import Settings
 from engines import EngineClient
@@ -23,30 +28,49 @@ from scheduling.scrape import EngineScrapes, parse_engine_metrics
 log = logging.getLogger("coordinator.background")
 
 
+@dataclass(frozen=True)
+class Loop:
+    """A periodic loop: `run` (one pass), then a wait of the setting named `interval` (seconds)."""
+
+    name: str
+    interval: str  # a Settings attribute, read before each wait
+    run: Callable[[], Awaitable[None]]
+
+
 class Background:
     def __init__(self, settings: Settings, registry: Registry, health: Health, client: EngineClient):
         self.s, self.registry, self.health, self.client = settings, registry, health, client
         self.scrapes = EngineScrapes(health)
         self.timeouts: dict[tuple[int, str], int] = {}  # late answers since the last pass, per (slot, url)
+        self.loops: list[Loop] = []
         self.tasks: list[asyncio.Task] = []
+        self.register("health_check", "health_check_interval_s", self._every_target(self._check))
+        self.register("metrics_scrape", "metrics_scrape_interval_s", self._every_target(self._scrape))
+
+    def register(self, name: str, interval: str, run: Callable[[], Awaitable[None]]) -> None:
+        """One more periodic loop, started with the others."""
+        self.loops.append(Loop(name, interval, run))
 
     def start(self) -> None:
-        self.tasks = [
-            asyncio.create_task(self._every("health_check_interval_s", self._check)),
-            asyncio.create_task(self._every("metrics_scrape_interval_s", self._scrape)),
-        ]
+        self.tasks = [asyncio.create_task(self._every(loop), name=f"background {loop.name}") for loop in self.loops]
 
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    async def _every(self, interval: str, job) -> None:
-        """`job` on every target, then the wait the setting `interval` says (read each time: a reload may change it)."""
+    async def _every(self, loop: Loop) -> None:
         while True:
-            targets = self.registry.view().targets
-            await asyncio.gather(*(job(t) for t in targets), return_exceptions=True)
-            await asyncio.sleep(getattr(self.s, interval))
+            await loop.run()
+            await asyncio.sleep(getattr(self.s, loop.interval))
+
+    def _every_target(self, job: Callable[[Target], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        """A pass of `job` over the registered engines, as the instance set is at the pass's start."""
+
+        def run() -> Awaitable[None]:
+            return asyncio.gather(*(job(t) for t in self.registry.view().targets), return_exceptions=True)
+
+        return run
 
     async def _check(self, t: Target) -> None:
         key, why = (t.slot, t.url), ""

@@ -20,7 +20,7 @@ from engines import Body, EngineClient
 from errors import UpstreamError, UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from scheduling.scheduler import Leg
-from serving.continuation import Continuation, continuation_of
+from serving.continuation import Continuation
 from serving.job import Job
 from serving.observe import Observer, RequestRecord
 from serving.usage import PrefillUsages
@@ -64,8 +64,11 @@ class Call(Generic[T]):
         self.cont: Continuation | None = None  # the running stream's, which `Retries` resumes after a failure
 
     def continuation(self) -> Continuation | None:
-        """A fresh continuation state for a try of a client's stream (None when reschedule is off)."""
-        self.cont = continuation_of(self)
+        """A fresh continuation state for a try of a client's stream (None when reschedule is off, and for a
+        metaserver call)."""
+        job = self.job
+        on = self.up.settings.reschedule.enable and job.stream and job.metaserver is None
+        self.cont = Continuation(job, self.leg.target.engine_type) if on else None
         return self.cont
 
     def attempt(self, rid: str) -> Awaitable[T]:

@@ -35,6 +35,8 @@ import ujson
 
 from config import Settings, address_key
 from errors import RateLimited
+from scheduling.affinity import PrefixIndex
+from scheduling.policies import PrefixSource
 from scheduling.registry import RefreshError, RefreshResult, Registry
 from serving.metrics import store_calls
 from state.cluster import ClusterStore, StoreDown
@@ -114,6 +116,7 @@ class Cluster:
     ):
         c = settings.cluster
         self.s, self.shared, self.worker, self.replica, self.registry = settings, shared, worker, replica, registry
+        registry.store = self  # a change of the instance set reaches every replica (`refresh`)
         self.on_event = on_event  # (kind, payload dict): an event another replica published
         self.store = ClusterStore(
             c.redis_url,
@@ -473,13 +476,15 @@ class ClusterResponseHomes:
         self.cluster.publish("forget", {"id": response_id})
 
 
-def shared_events(cluster: Cluster, usages, homes, index) -> None:
-    """Wire trigger mode's prefill usage (serving/usage.py), the stored responses' homes and the prefix index
-    (`index`, None without kv_cache_affinity) to the other replicas: what this replica writes is published (the
-    prefixes in one batch a tick), what another publishes is written here."""
+def shared_events(cluster: Cluster, usages, homes, prefixes: PrefixSource | None) -> None:
+    """Wire trigger mode's prefill usage (serving/usage.py), the stored responses' homes and the scheduler's
+    cached prefixes (`prefixes`, when they are the Coordinator's own estimate: engines that report their cache
+    report it to every replica) to the other replicas: what this replica writes is published (the prefixes in
+    one batch a tick), what another publishes is written here."""
     usages.share = lambda ticket, prompt, cached: cluster.publish(
         "usage", {"id": ticket, "prompt": prompt, "cached": cached}
     )
+    index = prefixes if isinstance(prefixes, PrefixIndex) else None
     if index is not None:
         registry = cluster.registry
 

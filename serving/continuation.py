@@ -5,9 +5,9 @@ While the first engine streams, it is asked for token ids (vLLM's `return_token_
 names the prompt's ids, each later one its tokens' ids. They are kept here and taken out of what the client
 gets unless it asked for them itself (set to null: what vLLM writes when they were not asked for). When
 that engine dies, resets the connection, ends the stream with an in-band 5xx error event, or stalls past
-`stream_idle_timeout`, `Retries` hands the request to `resume`: another healthy instance that can serve
-the model whole and has not failed the request (a second decode instance, a union one, or a prefill one,
-in that order; it computes the prompt itself: see docs/reliability.md) gets a /v1/completions request
+`stream_idle_timeout`, `Retries.resume` (serving/retries.py) takes the request: another healthy instance
+that can serve the model whole and has not failed the request (a second decode instance, a union one, or a
+prefill one, in that order; it computes the prompt itself: see docs/reliability.md) gets a /v1/completions request
 whose prompt is the prompt's ids followed by the generated ones, with the remaining `max_tokens`,
 `min_tokens` less what was generated, and the client's sampling parameters and seed. Its chunks are
 written in the client's route shape: chat chunks, completions chunks or Anthropic events (the open text
@@ -20,20 +20,12 @@ What cannot be continued exactly is refused up front and fails as before (one SS
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING
-
 import ujson
 
 from engines import Body, holds, joined, parts_of
 from errors import ANTHROPIC, EngineStatusError, UpstreamError, dumps
 from serving.job import CHAT, COMPLETIONS, MESSAGES, Job
-from serving.usage import fix_anthropic_usage, fix_openai_usage
-
-if TYPE_CHECKING:
-    from serving.call import Call
-    from serving.retries import Retries
-    from serving.usage import UsageFix
+from serving.usage import UsageFix, fix_anthropic_usage, fix_openai_usage
 
 # The client's sampling fields a continuation keeps (vLLM reads them the same way on both routes). Presence
 # and frequency penalties count only a request's own output tokens (the generated ones become the prompt):
@@ -105,7 +97,7 @@ def _one_prompt(prompt: object) -> bool:
 
 class Continuation:
     """One streamed request's token ids and stream shape, kept while its engine streams (`relay`), and the
-    continuation of its answer on another engine when that one fails (`resume`)."""
+    continuation of its answer on another engine when that one fails (`Retries.resume` drives its tries)."""
 
     __slots__ = (
         "anthropic",
@@ -292,50 +284,14 @@ class Continuation:
             return "no_token_ids"  # the engine returned none (vLLM's /v1/messages has no return_token_ids)
         return None
 
-    async def resume(self, retries: Retries, call: Call, err: UpstreamError) -> None:
-        """Continue the answer on other engines, up to `max_continuations` tries, never on one that failed the
-        request (`Leg.continue_elsewhere`); `err` is raised when no continuation happens (the client then gets
-        its one SSE error event, as without continuation)."""
-        obs, rec, leg, s = call.up.obs, call.rec, call.leg, call.up.settings
-        reason = self.why_not(err)
-        if reason is not None:
-            rec.continuation_refused = reason
-            obs.continuation_refused(self.job, leg.target, reason, err)
-            raise err
-        self.resuming, self.fix = True, getattr(call, "fix", None)
-        reason = "limit"
-        for n in range(1, s.reschedule.max_continuations + 1):
-            if not leg.continue_elsewhere():
-                reason = "no_instance"
-                break
-            target = leg.target
-            rec.continuations += 1
-            rec.target = target
-            obs.continuation(self.job, target, err)
-            retries.health.attempt(target.slot)
-            del self.out_ids[self.shown :]  # the ids whose text the client has not seen are generated again
-            self.broken, self.before = None, len(self.out_ids)
-            try:
-                await self._try(call, f"{self.job.request_id}-c{n}")
-            except UpstreamError as e:
-                retries.record(target, e)
-                if isinstance(e, EngineStatusError) and e.relayed:
-                    raise  # the continuation's own 4xx: the client's error, as it came
-                err = e
-                leg.job.failed.add(target.slot)
-                if self.done:
-                    break
-                continue
-            retries.record(target, None)
-            return
-        rec.continuation_refused = "after_finish" if self.done else reason
-        obs.continuation_refused(self.job, leg.target, rec.continuation_refused, err)
-        raise err
+    def begin(self, fix: UsageFix | None) -> None:
+        """The stream goes on on other engines from now on (`Retries.resume`); `fix`: P's counts, in PD."""
+        self.resuming, self.fix = True, fix
 
-    def _try(self, call: Call, rid: str) -> Awaitable[None]:
-        from serving.relay import relay  # (relay imports this module: its hooks)
-
-        return relay(call, rid, None, self)
+    def next_try(self) -> None:
+        """A continuation try starts: the ids whose text the client has not seen are generated again."""
+        del self.out_ids[self.shown :]
+        self.broken, self.before = None, len(self.out_ids)
 
     def _continuation_body(self) -> bytes:
         b, generated = self.job.body, len(self.out_ids)
@@ -485,11 +441,3 @@ def _event_with(event: bytes, obj: dict) -> bytes:
 
 def _named(name: str, obj: dict) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + dumps(obj)
-
-
-def continuation_of(call: Call) -> Continuation | None:
-    """A fresh continuation state for a client stream's first engine, when reschedule is on."""
-    job = call.job
-    if not call.up.settings.reschedule.enable or not job.stream or job.metaserver is not None:
-        return None
-    return Continuation(job, call.leg.target.engine_type)

@@ -3,8 +3,8 @@
 A leg is retried only before the first byte reaches the client: connect errors, timeouts before the first
 byte, and engine 408/429/5xx, each try with a fresh engine request id and on another instance when one
 exists (`Leg.move`), backing off from `retry_delay`. After the first byte a stream is continued on another
-instance when `exception_config.reschedule_config` allows it (serving/continuation.py); otherwise, or when
-that fails too, the error becomes one SSE error event (handlers/lifetime.py).
+instance when `exception_config.reschedule_config` allows it: `resume` tries it, serving/continuation.py keeps
+what it needs; otherwise, or when that fails too, the error becomes one SSE error event (handlers/lifetime.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from scheduling.registry import Target
 from scheduling.scheduler import NoCapacity
 from serving.call import Call, T
 from serving.observe import Observer
+from serving.relay import relay
 
 if TYPE_CHECKING:  # imported only when tracing is on (it loads the OpenTelemetry SDK)
     from serving.tracing import Tracing
@@ -73,7 +74,7 @@ class Retries:
                 if target.slot not in exclude:  # one request retried on one engine is one failure to its breaker
                     self.record(target, e)
                 if sink.started and call.cont is not None:  # the client has output: its stream goes on elsewhere
-                    return await call.cont.resume(self, call, e)
+                    return await self.resume(call, e)
                 if not e.retryable or sink.started or attempt >= self.s.max_retry:
                     raise
                 exclude.add(target.slot)
@@ -88,3 +89,42 @@ class Retries:
                 continue
             self.record(target, None)
             return result
+
+    async def resume(self, call: Call[None], err: UpstreamError) -> None:
+        """Continue a client's broken stream on other engines (serving/continuation.py), up to `max_continuations`
+        tries, never on one that failed the request (`Leg.continue_elsewhere`); `err` is raised when no
+        continuation happens (the client then gets its one SSE error event, as without continuation)."""
+        cont, obs, rec, leg, s = call.cont, call.up.obs, call.rec, call.leg, call.up.settings
+        reason = cont.why_not(err)
+        if reason is not None:
+            rec.continuation_refused = reason
+            obs.continuation_refused(call.job, leg.target, reason, err)
+            raise err
+        cont.begin(getattr(call, "fix", None))
+        reason = "limit"
+        for n in range(1, s.reschedule.max_continuations + 1):
+            if not leg.continue_elsewhere():
+                reason = "no_instance"
+                break
+            target = leg.target
+            rec.continuations += 1
+            rec.target = target
+            obs.continuation(call.job, target, err)
+            self.health.attempt(target.slot)
+            cont.next_try()
+            try:
+                await relay(call, f"{call.job.request_id}-c{n}", None, cont)
+            except UpstreamError as e:
+                self.record(target, e)
+                if isinstance(e, EngineStatusError) and e.relayed:
+                    raise  # the continuation's own 4xx: the client's error, as it came
+                err = e
+                leg.job.failed.add(target.slot)
+                if cont.done:
+                    break
+                continue
+            self.record(target, None)
+            return
+        rec.continuation_refused = "after_finish" if cont.done else reason
+        obs.continuation_refused(call.job, leg.target, rec.continuation_refused, err)
+        raise err

@@ -75,7 +75,7 @@ class World:
         self.ledger = Ledger(self.shared, worker, 2)
         self.health = Health(self.shared)
         self.predictor = Predictor(self.shared)
-        self.index = PrefixIndex(self.shared)
+        self.index = PrefixIndex(self.shared, BLOCK)
         self.policy = make_policy(
             policy,
             self.shared,
@@ -579,6 +579,61 @@ def test_slo_aware_counts_a_cached_prefix_as_cheaper_prefill():
     info = job(3200, hashes=hashes)
     p, _ = w.policy.choose_pair(ps, ds, info)
     assert p.slot == 1 and w.policy.uncached(p, info) == 128
+
+
+class ReportedPrefixes:
+    """A second PrefixSource: what the engines said they hold (slot -> cached prompt tokens), as a source fed by
+    their KV cache events would know it; it reads no block hashes."""
+
+    needs_hashes = False
+
+    def __init__(self, held: dict[int, int], last: int = -1):
+        self.held, self.last, self.recorded = held, last, []
+
+    def cached_tokens(self, job: JobInfo, target: Target) -> int:
+        return self.held.get(target.slot, 0)
+
+    def last_holder(self, job: JobInfo, tokens: int) -> int:
+        return self.last
+
+    def record(self, hashes: list[int], slot: int) -> None:
+        self.recorded.append((hashes, slot))
+
+
+def test_a_second_prefix_source_takes_the_estimates_place():
+    """The policies and the scheduler know cached prefixes only through the PrefixSource calls."""
+    reported = ReportedPrefixes({1: 480, 2: 480}, last=2)
+    w = World()
+    affinity = make_policy("kv_cache_affinity", w.shared, w.ledger, w.health, index=reported, block_tokens=BLOCK)
+    ps = [target(0, "prefill"), target(1, "prefill"), target(2, "prefill")]
+    assert affinity.choose(ps, job(700)).slot == 2  # two hold the most: the last to come to hold it
+    reported.last = 1
+    assert affinity.choose(ps, job(700)).slot == 1
+    reported.held = {0: 96}
+    assert affinity.choose(ps, job(700)).slot == 0
+
+    s, fast_slow, ds = slo_world()
+    slo = make_policy("slo_aware", s.shared, s.ledger, s.health, predictor=s.predictor, index=reported)
+    reported.held = {1: 3072}  # the slow engine holds most of the prompt: it finishes first
+    info = job(3200)
+    assert slo.choose_pair(fast_slow, ds, info)[0].slot == 1 and slo.uncached(fast_slow[1], info) == 128
+    reported.held = {0: 5000}  # more than the prompt: one token is still computed
+    assert slo.uncached(fast_slow[0], job(3200)) == 1
+
+    body = {"messages": [{"role": "user", "content": "hello " * 400}]}
+    e = World("kv_cache_affinity")
+    info = job()
+    Scheduler(Registry(e.shared), e.ledger, e.health, e.policy).prepare(info, CHAT, body)
+    assert info.block_hashes  # the estimate reads the prompt's block hashes
+    sched = Scheduler(Registry(w.shared), w.ledger, w.health, affinity)
+    info = job()
+    sched.prepare(info, CHAT, body)
+    assert info.prompt_tokens > 100 and info.block_hashes == []  # none made for a source that reads none
+    info.block_hashes = [7, 8]
+    lease = sched.lease(target(1, "union"), info, WHOLE)
+    lease.first_token()  # the prompt is cached there now: the source is told
+    assert reported.recorded == [([7, 8], 1)]
+    lease.release()
 
 
 def test_slo_aware_keeps_each_decode_engine_within_the_tpot_budget():

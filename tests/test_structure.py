@@ -22,14 +22,7 @@ LONG_MODULES: set[str] = set()
 # Import cycles between the modules of one package today, each as the set of modules that import one another
 # round (a strongly connected component of the package's import graph; imports inside functions and under
 # TYPE_CHECKING count: they hide a cycle, they do not remove it).
-KNOWN_CYCLES = {
-    # A call and its relay hold the stream's continuation, which makes its own calls through Retries and
-    # relays them (relay imported inside a function).
-    frozenset({"serving.call", "serving.continuation", "serving.relay", "serving.retries"}),
-    # config.load hands MindIE-PyMotor's keys to config.pymotor (imported inside a function), which validates
-    # them with config.load's validate.
-    frozenset({"config.load", "config.pymotor"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()  # None: add none.
 
 
 def _modules() -> list[Path]:
