@@ -15,6 +15,7 @@ for the tests and suites after it.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -85,6 +86,7 @@ class Streamed:
     ids: set = field(default_factory=set)
     finish: str | None = None
     killed: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)  # its X-Request-Id: its own log line, not another's
 
 
 def stream_killing_decode(coord, engines, model: str, before_kill=None) -> Streamed:
@@ -94,7 +96,7 @@ def stream_killing_decode(coord, engines, model: str, before_kill=None) -> Strea
     req = body(model)
     extra = {"ignore_eos": req.pop("ignore_eos")}
     got, seen = Streamed(), 0
-    for chunk in client.chat.completions.create(**req, extra_body=extra):
+    for chunk in client.chat.completions.create(**req, extra_body=extra, extra_headers={"X-Request-Id": got.rid}):
         got.ids.add(chunk.id)
         for ch in chunk.choices:
             got.text += ch.delta.content or ""
@@ -131,8 +133,8 @@ def test_decode_engine_killed_mid_answer_the_stream_goes_on_with_the_unbroken_te
         assert got.text == reference  # token for token: nothing repeated, nothing missing
         assert got.finish == "length" and len(got.ids) == 1
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == ref_usage
-        assert wait_until(lambda: _request_line(failover), timeout_s=10)
-        line = _request_line(failover)
+        assert wait_until(lambda: _request_line(failover, got.rid), timeout_s=10)
+        line = _request_line(failover, got.rid)
         assert " continuations=1 " in line and "status=200" in line, line
     finally:
         failover.refresh("resume", [U])
@@ -158,16 +160,17 @@ def test_the_only_decode_engine_killed_mid_answer_the_stream_goes_on_on_the_unio
                 lambda: union.metric("vllm:request_success_total", finished_reason="length") == finished0 + 1,
                 timeout_s=10,
             )
-            assert wait_until(lambda: _request_line(coord), timeout_s=10)
-            line = _request_line(coord)
+            assert wait_until(lambda: _request_line(coord, got.rid), timeout_s=10)
+            line = _request_line(coord, got.rid)
             assert " continuations=1 " in line and f" decode={U}/" in line and "status=200" in line, line
         finally:
             if got.killed:
                 back_up(coord, engines)
 
 
-def _request_line(coord) -> str:
-    lines = [ln for ln in coord.output().splitlines() if "route=/v1/chat/completions" in ln and "status=" in ln]
+def _request_line(coord, rid: str) -> str:
+    """The request log line of request `rid` ("" until its batch is written)."""
+    lines = [ln for ln in coord.output().splitlines() if f"request_id={rid} " in ln and "status=" in ln]
     return lines[-1] if lines else ""
 
 
