@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from scheduling import clock
 from scheduling.policies import MARGIN
-from state.shared import W_QUEUED, WORKER_FIELDS, SharedState
+from state.shared import SharedState, worker_rows
 
 OFF, QUEUE, REJECT = "off", "queue", "reject"
 
@@ -49,9 +49,9 @@ class AdmissionQueue:
         worker: int = 0,
         num_workers: int = 1,
     ):
-        self.w, self.lock = shared.workers, shared.lock
-        self.at = worker * WORKER_FIELDS + W_QUEUED  # this worker's count in `w`
-        self.rows = range(W_QUEUED, max(num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)
+        self.lock = shared.lock
+        self.mine = shared.workers[worker]  # this worker's row: its queued count
+        self.rows = worker_rows(shared, worker, num_workers)
         self.size = size
         self.tick_s = tick_s
         self.tries = tries_per_tick
@@ -65,11 +65,11 @@ class AdmissionQueue:
 
     async def wait(self, job, plan: Callable[[], object]):
         """Park `job` until `plan()` returns a plan whose verdict is not False; returns that plan."""
-        w = self.w
+        mine = self.mine
         with self.lock:
-            if sum(w[i] for i in self.rows) >= self.size:
+            if sum(row.queued for row in self.rows) >= self.size:
                 raise OverBudget(f"the SLO admission queue is full ({self.size} requests)", job.retry_after_s)
-            w[self.at] += 1
+            mine.queued += 1
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         heapq.heappush(self.heap, [job.arrived + job.slo_ttft_ms / 1000.0, next(self.seq), fut, job, plan])
@@ -80,7 +80,7 @@ class AdmissionQueue:
         finally:
             if not fut.done():
                 fut.cancel()
-            w[self.at] -= 1  # only this worker writes its row
+            mine.queued -= 1  # only this worker writes its row
 
     def poke(self) -> None:
         """Capacity was freed: try the waiting requests now rather than at the next tick."""

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
 from scheduling.tokens import blocks_covered, hashes_covering
-from state.shared import PREFIX_ENTRIES, PREFIX_FIELDS, SharedState
+from state.shared import PREFIX_ENTRIES, SharedState
 
 PROBES = 4
 _MASK = PREFIX_ENTRIES - 1
@@ -36,19 +36,19 @@ class PrefixIndex:
     needs_hashes = True  # it knows prompts by their block hashes (scheduling/tokens.py)
 
     def __init__(self, shared: SharedState, block_tokens: int = 16):
-        self.a = shared.prefix
+        # The table's columns (views made once): an entry's key, its bit mask of slots, and its last slot.
+        self.key, self.slots, self.last = shared.prefix.key, shared.prefix.slots, shared.prefix.last
         self.block_tokens = block_tokens  # the tokens of one block (kv_affinity_block_size)
         # Cluster mode: what this worker records, to the other replicas too (serving/cluster.py batches it).
         self.share: Callable[[list[int], int], None] | None = None
 
     def _find(self, key: int) -> int:
         """The entry index holding `key`, or -1."""
-        a, i = self.a, key & _MASK
+        keys, i = self.key, key & _MASK
         for _ in range(PROBES):
-            base = i * PREFIX_FIELDS
-            k = a[base]
+            k = keys[i]
             if k == key:
-                return base
+                return i
             if k == 0:
                 return -1
             i = (i + 1) & _MASK
@@ -62,29 +62,28 @@ class PrefixIndex:
 
     def write(self, hashes: list[int], slot: int) -> None:
         """The hashes into the table (what `record` does here, and what another replica recorded)."""
-        a, bit = self.a, 1 << (slot % 64)
+        keys, slots, last, bit = self.key, self.slots, self.last, 1 << (slot % 64)
         for key in hashes:
             key = key or 1  # 0 marks an empty entry
             i, victim = key & _MASK, -1
             for p in range(PROBES):
-                base = i * PREFIX_FIELDS
-                k = a[base]
+                k = keys[i]
                 if k == key:
-                    a[base + 1] |= bit
-                    a[base + 2] = slot
+                    slots[i] |= bit
+                    last[i] = slot
                     break
                 if k == 0:
-                    a[base], a[base + 1], a[base + 2] = key, bit, slot
+                    keys[i], slots[i], last[i] = key, bit, slot
                     break
                 if p == (key >> 60) % PROBES:
-                    victim = base
+                    victim = i
                 i = (i + 1) & _MASK
             else:
-                a[victim], a[victim + 1], a[victim + 2] = key, bit, slot
+                keys[victim], slots[victim], last[victim] = key, bit, slot
 
     def _has(self, key: int, bit: int) -> bool:
-        base = self._find(key or 1)
-        return base >= 0 and bool(self.a[base + 1] & bit)
+        i = self._find(key or 1)
+        return i >= 0 and bool(self.slots[i] & bit)
 
     def cached_blocks(self, hashes: list[int], slot: int) -> int:
         """How many leading blocks of the prompt `slot` is believed to hold."""
@@ -106,8 +105,8 @@ class PrefixIndex:
         """The slot that most recently prefilled the first `blocks` blocks (-1 when unknown)."""
         if blocks <= 0:
             return -1
-        base = self._find(hashes[hashes_covering(blocks) - 1] or 1)
-        return int(self.a[base + 2]) if base >= 0 else -1
+        i = self._find(hashes[hashes_covering(blocks) - 1] or 1)
+        return int(self.last[i]) if i >= 0 else -1
 
     # -- as the policies' PrefixSource ------------------------------------------------------------
 

@@ -13,29 +13,14 @@ from __future__ import annotations
 
 import time
 
-from state.shared import (
-    BREAKER_CLOSED,
-    BREAKER_HALF_OPEN,
-    BREAKER_OPEN,
-    ENDPOINT_FIELDS,
-    EP_AVOID_UNTIL,
-    EP_BREAKER,
-    EP_FAILURES,
-    EP_HEALTHY,
-    EP_KV_USAGE,
-    EP_OPEN_UNTIL,
-    EP_RUNNING,
-    EP_SCRAPED_AT,
-    EP_WAITING,
-    SharedState,
-)
+from state.shared import BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, SharedState, endpoint_rows
 
 BREAKER_NAMES = {BREAKER_CLOSED: "closed", BREAKER_OPEN: "open", BREAKER_HALF_OPEN: "half_open"}
 
 
 class Health:
     def __init__(self, shared: SharedState, failure_threshold: int = 3, open_s: float = 5.0, max_open_s: float = 0.0):
-        self.h = shared.endpoints
+        self.rows = endpoint_rows(shared)
         self.failure_threshold = failure_threshold
         self.open_s = open_s
         self.max_open_s = max_open_s
@@ -50,62 +35,63 @@ class Health:
 
     def usable(self, slot: int) -> bool:
         """May a new request go to this slot now? An open breaker admits a probe once its open time is over."""
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        if h[base + EP_HEALTHY] < 0.5:
+        e = self.rows[slot]
+        if e.healthy < 0.5:
             return False
-        avoid = h[base + EP_AVOID_UNTIL]  # another replica found it broken (cluster mode)
+        avoid = e.avoid_until  # another replica found it broken (cluster mode)
         if avoid and time.time() < avoid:
             return False
-        return h[base + EP_BREAKER] == BREAKER_CLOSED or time.time() >= h[base + EP_OPEN_UNTIL]
+        return e.breaker == BREAKER_CLOSED or time.time() >= e.open_until
 
     def attempt(self, slot: int) -> None:
         """A request is being sent to this slot: past an open breaker's open time, it is the half-open probe.
 
         Until the probe answers (or `open_s` passes without an answer) no other request is let through.
         """
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        if h[base + EP_BREAKER] != BREAKER_CLOSED:
+        e = self.rows[slot]
+        if e.breaker != BREAKER_CLOSED:
             now = time.time()
-            if now >= h[base + EP_OPEN_UNTIL]:
-                h[base + EP_BREAKER] = BREAKER_HALF_OPEN
-                h[base + EP_OPEN_UNTIL] = now + self.open_s
+            if now >= e.open_until:
+                e.breaker = BREAKER_HALF_OPEN
+                e.open_until = now + self.open_s
 
     def record_success(self, slot: int) -> None:
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        if h[base + EP_FAILURES] or h[base + EP_BREAKER] != BREAKER_CLOSED:
-            h[base + EP_FAILURES] = 0
-            h[base + EP_BREAKER] = BREAKER_CLOSED
+        e = self.rows[slot]
+        if e.failures or e.breaker != BREAKER_CLOSED:
+            e.failures = 0
+            e.breaker = BREAKER_CLOSED
 
     def record_failure(self, slot: int) -> None:
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        failures = h[base + EP_FAILURES] + 1
-        h[base + EP_FAILURES] = failures
-        if h[base + EP_BREAKER] == BREAKER_HALF_OPEN or 0 < self.failure_threshold <= failures:
-            h[base + EP_OPEN_UNTIL] = time.time() + self._open_for(failures)
-            h[base + EP_BREAKER] = BREAKER_OPEN
+        e = self.rows[slot]
+        failures = e.failures + 1
+        e.failures = failures
+        if e.breaker == BREAKER_HALF_OPEN or 0 < self.failure_threshold <= failures:
+            e.open_until = time.time() + self._open_for(failures)
+            e.breaker = BREAKER_OPEN
 
     def set_healthy(self, slot: int, healthy: bool) -> None:
-        self.h[slot * ENDPOINT_FIELDS + EP_HEALTHY] = 1.0 if healthy else 0.0
+        self.rows[slot].healthy = 1.0 if healthy else 0.0
 
     def is_healthy(self, slot: int) -> bool:
-        return self.h[slot * ENDPOINT_FIELDS + EP_HEALTHY] >= 0.5
+        return self.rows[slot].healthy >= 0.5
 
     def breaker(self, slot: int) -> str:
-        return BREAKER_NAMES.get(int(self.h[slot * ENDPOINT_FIELDS + EP_BREAKER]), "closed")
+        return BREAKER_NAMES.get(int(self.rows[slot].breaker), "closed")
 
     def set_engine_load(self, slot: int, running: float, waiting: float, kv_usage: float) -> None:
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        h[base + EP_RUNNING] = running
-        h[base + EP_WAITING] = waiting
-        h[base + EP_KV_USAGE] = kv_usage
-        h[base + EP_SCRAPED_AT] = time.time()
+        e = self.rows[slot]
+        e.running = running
+        e.waiting = waiting
+        e.kv_usage = kv_usage
+        e.scraped_at = time.time()
 
     def engine_load(self, slot: int) -> tuple[float, float, float]:
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        return h[base + EP_RUNNING], h[base + EP_WAITING], h[base + EP_KV_USAGE]
+        e = self.rows[slot]
+        return e.running, e.waiting, e.kv_usage
 
-    def get(self, slot: int, field: int) -> float:
-        return self.h[slot * ENDPOINT_FIELDS + field]
+    def get(self, slot: int, field: str) -> float:
+        """Field `field` (an EndpointRow field name) of `slot`'s row."""
+        return getattr(self.rows[slot], field)
 
-    def put(self, slot: int, field: int, value: float) -> None:
-        self.h[slot * ENDPOINT_FIELDS + field] = value
+    def put(self, slot: int, field: str, value: float) -> None:
+        setattr(self.rows[slot], field, value)

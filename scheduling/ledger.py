@@ -13,17 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduling import clock
-from state.shared import (
-    L_DECODE_TOKENS,
-    L_HELD,
-    L_PREFILLING,
-    L_PROMPT_TOKENS,
-    L_REQUESTS,
-    LEDGER_FIELDS,
-    LEDGER_ROW as ROW,
-    REMOTE_ROW,
-    SharedState,
-)
+from state.shared import MAX_SLOTS, REMOTE_ROW, LedgerCounts, SharedState
 
 # What a lease is for (the learned model reads each kind differently).
 PREFILL, DECODE, WHOLE = "prefill", "decode", "whole"
@@ -32,11 +22,16 @@ PREFILL, DECODE, WHOLE = "prefill", "decode", "whole"
 class Ledger:
     def __init__(self, shared: SharedState, worker: int, num_workers: int, remote: bool = False):
         """`remote`: the other replicas' load (cluster mode) counts too, as one more row."""
-        self.arr = shared.ledger
         self.worker = worker
-        self.base = worker * ROW
-        rows = range(0, max(num_workers, worker + 1) * ROW, ROW)
-        self.rows = (*rows, REMOTE_ROW * ROW) if remote else rows
+        rows = range(max(num_workers, worker + 1))
+        self.rows = (*rows, REMOTE_ROW) if remote else rows
+        # Views of the shared rows, made once (making one costs more than reading a field of it): this worker's
+        # counters of each slot, and each slot's counters in every row summed.
+        ledger = shared.ledger
+        self.mine: list[LedgerCounts] = [ledger[worker].slots[slot] for slot in range(MAX_SLOTS)]
+        self.columns: list[tuple[LedgerCounts, ...]] = [
+            tuple(ledger[row].slots[slot] for row in self.rows) for slot in range(MAX_SLOTS)
+        ]
         self.observer: Callable[[Lease], None] | None = None
         self.on_prefilled: Callable[[Lease], None] | None = None  # a lease's prompt is in its engine's cache now
 
@@ -49,40 +44,30 @@ class Ledger:
     def hold(self, slot: int) -> Hold:
         return Hold(self, slot)
 
-    def at(self, slot: int) -> int:
-        """Where this worker's counters of `slot` start in `arr` (leases and holds add to `arr[at + field]`:
-        a method call per counter cost a PD request 1.4 µs)."""
-        return self.base + slot * LEDGER_FIELDS
-
     def load(self, slot: int) -> tuple[int, int, int, int]:
         """(requests, prompt tokens waiting for prefill, decode tokens, requests prefilling) over all workers."""
-        arr, off = self.arr, slot * LEDGER_FIELDS
         r = p = d = f = 0
-        for row in self.rows:
-            i = row + off
-            r += arr[i + L_REQUESTS]
-            p += arr[i + L_PROMPT_TOKENS]
-            d += arr[i + L_DECODE_TOKENS]
-            f += arr[i + L_PREFILLING]
+        for c in self.columns[slot]:
+            r += c.requests
+            p += c.prompt_tokens
+            d += c.decode_tokens
+            f += c.prefilling
         return r, p, d, f
 
     def requests(self, slot: int) -> int:
-        arr, i = self.arr, slot * LEDGER_FIELDS + L_REQUESTS
-        return sum(arr[row + i] for row in self.rows)
+        return sum(c.requests for c in self.columns[slot])
 
     def held(self, slot: int) -> int:
         """Decode slots promised to requests still in prefill, over all workers."""
-        arr, i = self.arr, slot * LEDGER_FIELDS + L_HELD
-        return sum(arr[row + i] for row in self.rows)
+        return sum(c.held for c in self.columns[slot])
 
 
 class Lease:
     """What one request holds on one slot; `release()` is idempotent."""
 
     __slots__ = (
-        "arr",
-        "at",
         "batch",
+        "counts",
         "decode_tokens",
         "ended",
         "engine_uncached",
@@ -114,12 +99,12 @@ class Lease:
         self.batch = 0  # requests on the slot when this one started, itself included
         self.hashes: list[int] = []
         self.sample = False  # the learned model's fits take this request's timings (the scheduler decides)
-        self.arr, self.at = arr, at = ledger.arr, ledger.at(slot)
-        arr[at + L_REQUESTS] += 1
-        arr[at + L_DECODE_TOKENS] += decode_tokens
+        self.counts = c = ledger.mine[slot]
+        c.requests += 1
+        c.decode_tokens += decode_tokens
         if prefilling:
-            arr[at + L_PROMPT_TOKENS] += prompt_tokens
-            arr[at + L_PREFILLING] += 1
+            c.prompt_tokens += prompt_tokens
+            c.prefilling += 1
 
     def prefill_done(self) -> None:
         """The first token arrived: the prompt no longer waits for prefill."""
@@ -127,9 +112,9 @@ class Lease:
             self.first_at = clock.now()
         if self.prefilling and not self.released:
             self.prefilling = False
-            arr, at = self.arr, self.at
-            arr[at + L_PROMPT_TOKENS] -= self.prompt_tokens
-            arr[at + L_PREFILLING] -= 1
+            c = self.counts
+            c.prompt_tokens -= self.prompt_tokens
+            c.prefilling -= 1
 
     def first_token(self) -> None:
         """A stream's first token arrived: its prompt is in the engine's prefix cache from now on (a client may
@@ -159,21 +144,21 @@ class Lease:
     def _give_back(self) -> None:
         self.prefill_done()
         self.released = True
-        arr, at = self.arr, self.at
-        arr[at + L_REQUESTS] -= 1
-        arr[at + L_DECODE_TOKENS] -= self.decode_tokens
+        c = self.counts
+        c.requests -= 1
+        c.decode_tokens -= self.decode_tokens
 
 
 class Hold:
     """A decode slot promised while the request's prefill runs; `release()` is idempotent."""
 
-    __slots__ = ("arr", "i", "released")
+    __slots__ = ("counts", "released")
 
     def __init__(self, ledger: Ledger, slot: int):
-        self.arr, self.i, self.released = ledger.arr, ledger.at(slot) + L_HELD, False
-        self.arr[self.i] += 1
+        self.counts, self.released = ledger.mine[slot], False
+        self.counts.held += 1
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.arr[self.i] -= 1
+            self.counts.held -= 1

@@ -37,7 +37,7 @@ from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.predict import BUSY_WINDOW_S, UNKNOWN, Predictor
 from scheduling.registry import Target
-from state.shared import G_RR, SharedState
+from state.shared import SharedState
 
 # A plan meets its budget when its predicted TTFT and TPOT, allowances included, are within these shares
 # of it: room for what the allowances miss (the Coordinator's own delays, sudden load).
@@ -240,8 +240,8 @@ class RoundRobin(Policy):
 
     def _next(self) -> int:
         g = self.shared.globals
-        n = g[G_RR]
-        g[G_RR] = n + 1
+        n = g.rr
+        g.rr = n + 1
         return n
 
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
@@ -275,8 +275,8 @@ class LoadBalance(Policy):
         if len(cands) == 1:
             return cands[0]
         g = self.shared.globals
-        start = g[G_RR]
-        g[G_RR] = start + 1
+        start = g.rr
+        g.rr = start + 1
         n = len(cands)
         best, best_score = None, float("inf")
         for k in range(n):  # start at a rotating offset so ties spread evenly
@@ -340,8 +340,8 @@ class SloAware(LoadBalance):
 
     def _rotation(self) -> int:
         g = self.shared.globals
-        start = g[G_RR]
-        g[G_RR] = start + 1
+        start = g.rr
+        g.rr = start + 1
         return start
 
     def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int, now: float) -> tuple | None:

@@ -3,7 +3,7 @@
 Nothing here knows how fast an engine is: every figure comes from timings the dispatcher observes.
 
 Prefill (P and union endpoints). Each endpoint is modelled as one FIFO server (vLLM schedules prefill
-first come, first served, chunking long prompts). Its *virtual queue* `EP_QUEUE_UNTIL` is when the
+first come, first served, chunking long prompts). Its *virtual queue* `queue_until` is when the
 prefill work sent so far should be done: a new prefill of `u` uncached tokens starts at
 max(now, queue end) and takes `base + u / rate`. When a prefill completes, the gap between its
 observed and predicted finish moves the queue end (requests behind it are late or early by the same
@@ -47,28 +47,7 @@ from __future__ import annotations
 
 import math
 
-from state.shared import (
-    ENDPOINT_FIELDS,
-    EP_DC_N,
-    EP_DECODE_PER_SEQ_S,
-    EP_DECODE_STEP_S,
-    EP_ENGINE_ITL_S,
-    EP_GROUP_FIT,
-    EP_GROUP_START,
-    EP_GROUP_TOKENS,
-    EP_LAST_DONE,
-    EP_LATE_SHARE,
-    EP_PF_N,
-    EP_PREFILL_BASE_S,
-    EP_PREFILL_BUSY,
-    EP_PREFILL_BUSY_AT,
-    EP_PREFILL_TPS,
-    EP_QUEUE_DELAY_S,
-    EP_QUEUE_SHIFT_S,
-    EP_QUEUE_UNTIL,
-    EP_TPOT_LATE_SHARE,
-    SharedState,
-)
+from state.shared import SharedState, endpoint_rows
 
 UNKNOWN = float("inf")
 # Prefill errors are shares of the predicted time from planning to finish, at least this long: a prefill
@@ -88,7 +67,7 @@ BUSY_WINDOW_S = 2.0
 
 class Predictor:
     def __init__(self, shared: SharedState, decay: float = 1 / 32, min_samples: int = 3):
-        self.h, self.lock = shared.endpoints, shared.hot_lock
+        self.rows, self.lock = endpoint_rows(shared), shared.hot_lock
         self.keep = 1.0 - decay
         self.decay = decay
         self.min_samples = min_samples
@@ -96,61 +75,60 @@ class Predictor:
     # -- reading (hot path: a few float loads) -------------------------------------------------
 
     def prefill_known(self, slot: int) -> bool:
-        return self.h[slot * ENDPOINT_FIELDS + EP_PREFILL_TPS] > 0.0
+        return self.rows[slot].prefill_tps > 0.0
 
     def queue_wait_s(self, slot: int, now: float) -> float:
-        wait = self.h[slot * ENDPOINT_FIELDS + EP_QUEUE_UNTIL] - now
+        wait = self.rows[slot].queue_until - now
         return wait if wait > 0.0 else 0.0
 
     def prefill_s(self, slot: int, tokens: int) -> float:
         """Service time of a prefill of `tokens` uncached tokens, without queueing (inf when unknown)."""
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        rate = h[base + EP_PREFILL_TPS]
-        return h[base + EP_PREFILL_BASE_S] + tokens / rate if rate > 0.0 else UNKNOWN
+        e = self.rows[slot]
+        rate = e.prefill_tps
+        return e.prefill_base_s + tokens / rate if rate > 0.0 else UNKNOWN
 
     def base_s(self, slot: int) -> float:
         """The fixed part of a prefill's service time."""
-        return self.h[slot * ENDPOINT_FIELDS + EP_PREFILL_BASE_S]
+        return self.rows[slot].prefill_base_s
 
     def allowance_s(self, slot: int, span_s: float, now: float) -> float:
         """What to add to a prefill finish predicted `span_s` from `now` so that about 95 % finish by then."""
-        share = self._allowance(slot * ENDPOINT_FIELDS + EP_LATE_SHARE, now)
+        e = self.rows[slot]
+        share = self._allowance(e.late_share, e.late_at, now)
         return share * (span_s if span_s > MIN_SPAN_S else MIN_SPAN_S)
 
     def mean_prefill_tokens(self, slot: int) -> float:
         """The (decayed) mean uncached tokens of the prefills learned from on `slot` (0: none yet)."""
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        n = h[base + EP_PF_N]
-        return h[base + EP_PF_N + 1] / n if n > 0.0 else 0.0
+        e = self.rows[slot]
+        n = e.pf_n
+        return e.pf_sx / n if n > 0.0 else 0.0
 
     def decode_known(self, slot: int) -> bool:
-        return (
-            self.h[slot * ENDPOINT_FIELDS + EP_DC_N] >= self.min_samples
-            or self.h[slot * ENDPOINT_FIELDS + EP_ENGINE_ITL_S] > 0.0
-        )
+        return self.rows[slot].dc_n >= self.min_samples or self.rows[slot].engine_itl_s > 0.0
 
     def step_s(self, slot: int, batch: float) -> float:
         """Seconds per output token with `batch` sequences running (inf when unknown)."""
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        if h[base + EP_DC_N] >= self.min_samples:
-            return h[base + EP_DECODE_STEP_S] + h[base + EP_DECODE_PER_SEQ_S] * batch
-        itl = h[base + EP_ENGINE_ITL_S]
+        e = self.rows[slot]
+        if e.dc_n >= self.min_samples:
+            return e.decode_step_s + e.decode_per_seq_s * batch
+        itl = e.engine_itl_s
         return itl if itl > 0.0 else UNKNOWN
 
     def tpot_allowance_s(self, slot: int, tpot_s: float, now: float) -> float:
         """What to add to a predicted TPOT of `tpot_s` so that about 95 % of streams stay within it."""
-        return self._allowance(slot * ENDPOINT_FIELDS + EP_TPOT_LATE_SHARE, now) * tpot_s
+        e = self.rows[slot]
+        return self._allowance(e.tpot_late_share, e.tpot_late_at, now) * tpot_s
 
-    def _allowance(self, i: int, now: float) -> float:
-        """The allowance share at h[i] (its last move's time at h[i + 1]), narrowed by the time since."""
-        share = self.h[i]
+    @staticmethod
+    def _allowance(share: float, moved_at: float, now: float) -> float:
+        """An allowance `share` that last moved at `moved_at`, narrowed by the time since."""
         if share <= 0.0:
             return 0.0
-        quiet = now - self.h[i + 1] - ALLOWANCE_QUIET_S
+        quiet = now - moved_at - ALLOWANCE_QUIET_S
         return share * 0.5 ** (quiet / ALLOWANCE_HALF_LIFE_S) if quiet > 0.0 else share
 
     def first_wait_s(self, slot: int) -> float:
-        return self.h[slot * ENDPOINT_FIELDS + EP_QUEUE_DELAY_S]
+        return self.rows[slot].queue_delay_s
 
     # -- writing (once per request, under the shared lock) -------------------------------------
 
@@ -159,28 +137,28 @@ class Predictor:
 
         `idle`: nothing else is prefilling there (the ledger says so), whatever the virtual queue holds.
         """
-        h, base = self.h, slot * ENDPOINT_FIELDS
+        e = self.rows[slot]
         with self.lock:
-            end = h[base + EP_QUEUE_UNTIL]
-            rate = h[base + EP_PREFILL_TPS]
+            end = e.queue_until
+            rate = e.prefill_tps
             if rate > 0.0:
-                service = h[base + EP_PREFILL_BASE_S] + tokens / rate
+                service = e.prefill_base_s + tokens / rate
                 # Behind queued work it shares their engine steps (a chunked batch): its tokens, no step of its own.
                 end = (now if end < now or idle else end) + service
-                h[base + EP_PREFILL_BUSY] = self.prefill_busy(slot, now) + service / BUSY_WINDOW_S
-                h[base + EP_PREFILL_BUSY_AT] = now
+                e.prefill_busy = self.prefill_busy(slot, now) + service / BUSY_WINDOW_S
+                e.prefill_busy_at = now
             else:
                 end = now
-            h[base + EP_QUEUE_UNTIL] = end
-            return end, h[base + EP_QUEUE_SHIFT_S]
+            e.queue_until = end
+            return end, e.queue_shift_s
 
     def prefill_busy(self, slot: int, now: float) -> float:
         """The share of the endpoint's time spent on the prefills sent there lately (over ~BUSY_WINDOW_S)."""
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        busy = h[base + EP_PREFILL_BUSY]
+        e = self.rows[slot]
+        busy = e.prefill_busy
         if busy <= 0.0:
             return 0.0
-        return busy * math.exp((h[base + EP_PREFILL_BUSY_AT] - now) / BUSY_WINDOW_S)
+        return busy * math.exp((e.prefill_busy_at - now) / BUSY_WINDOW_S)
 
     def learn_prefill(
         self, slot: int, started: float, done: float, tokens: int, predicted: float, shift0: float, fit: bool = True
@@ -190,33 +168,36 @@ class Predictor:
         `fit`: also a sample for the fit and the allowance; without it only the virtual queue and the last
         completion time move (every completion must move them, or later predictions drift).
         """
-        h, base = self.h, slot * ENDPOINT_FIELDS
+        e = self.rows[slot]
         with self.lock:
-            shift = h[base + EP_QUEUE_SHIFT_S]
+            shift = e.queue_shift_s
             late = done - (predicted + shift - shift0)
-            if fit and h[base + EP_PF_N] >= self.min_samples:  # the error of predictions made by a learned model
+            if fit and e.pf_n >= self.min_samples:  # the error of predictions made by a learned model
                 span = predicted - started
                 error = (done - predicted) / (span if span > MIN_SPAN_S else MIN_SPAN_S)
-                self._track(base + EP_LATE_SHARE, error, done)
-            h[base + EP_QUEUE_UNTIL] += late
-            h[base + EP_QUEUE_SHIFT_S] = shift + late
-            last = h[base + EP_LAST_DONE]
+                e.late_share, e.late_at = self._track(e.late_share, e.late_at, error, done), done
+            e.queue_until += late
+            e.queue_shift_s = shift + late
+            last = e.last_done
             if last and done - last <= GROUP_S:  # the same engine step as the last completion: one sample
-                h[base + EP_GROUP_TOKENS] += tokens
+                e.group_tokens += tokens
                 if fit:
-                    h[base + EP_GROUP_FIT] = 1.0
+                    e.group_fit = 1.0
                 if done > last:
-                    h[base + EP_LAST_DONE] = done
+                    e.last_done = done
                 return
-            group_tokens, group_start = h[base + EP_GROUP_TOKENS], h[base + EP_GROUP_START]
-            if h[base + EP_GROUP_FIT] and group_tokens and last > group_start:
-                line = self._add_and_fit(base + EP_PF_N, group_tokens, last - group_start, ratio_prior=True)
+            group_tokens, group_start = e.group_tokens, e.group_start
+            if e.group_fit and group_tokens and last > group_start:
+                sums, line = self._add_and_fit(
+                    (e.pf_n, e.pf_sx, e.pf_sy, e.pf_sxx, e.pf_sxy), group_tokens, last - group_start, ratio_prior=True
+                )
+                e.pf_n, e.pf_sx, e.pf_sy, e.pf_sxx, e.pf_sxy = sums
                 if line is not None:
-                    h[base + EP_PREFILL_BASE_S] = line[0]
-                    h[base + EP_PREFILL_TPS] = 1.0 / line[1] if line[1] > 0.0 else 1e12
-            h[base + EP_GROUP_TOKENS], h[base + EP_GROUP_FIT] = float(tokens), 1.0 if fit else 0.0
-            h[base + EP_GROUP_START] = started if started > last else last
-            h[base + EP_LAST_DONE] = done
+                    e.prefill_base_s = line[0]
+                    e.prefill_tps = 1.0 / line[1] if line[1] > 0.0 else 1e12
+            e.group_tokens, e.group_fit = float(tokens), 1.0 if fit else 0.0
+            e.group_start = started if started > last else last
+            e.last_done = done
 
     def settle_prefill(self, slot: int, done_by: float, predicted: float, shift0: float) -> None:
         """A prefill whose answer came whole (a JSON answer: no first-token time) was done by `done_by`.
@@ -225,65 +206,69 @@ class Predictor:
         it: the queue end moves up by as much. An answer after the predicted finish says nothing (the
         decode took that time), so nothing is fitted and the last completion time stays.
         """
-        h, base = self.h, slot * ENDPOINT_FIELDS
-        if predicted + h[base + EP_QUEUE_SHIFT_S] - shift0 <= done_by:  # the usual case, told without the lock
+        e = self.rows[slot]
+        if predicted + e.queue_shift_s - shift0 <= done_by:  # the usual case, told without the lock
             return
         with self.lock:
-            shift = h[base + EP_QUEUE_SHIFT_S]
+            shift = e.queue_shift_s
             early = predicted + shift - shift0 - done_by
             if early > 0.0:
-                h[base + EP_QUEUE_UNTIL] -= early
-                h[base + EP_QUEUE_SHIFT_S] = shift - early
+                e.queue_until -= early
+                e.queue_shift_s = shift - early
 
     def learn_decode(
         self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0
     ) -> None:
         """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, and
         the seconds per token predicted when it was planned (0: none)."""
-        h, base = self.h, slot * ENDPOINT_FIELDS
+        e = self.rows[slot]
         with self.lock:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
-                    self._track(base + EP_TPOT_LATE_SHARE, per_token / predicted - 1.0, done)
-                line = self._add_and_fit(base + EP_DC_N, batch, per_token, ratio_prior=False)
+                    error = per_token / predicted - 1.0
+                    e.tpot_late_share, e.tpot_late_at = (
+                        self._track(e.tpot_late_share, e.tpot_late_at, error, done),
+                        done,
+                    )
+                sums, line = self._add_and_fit(
+                    (e.dc_n, e.dc_sx, e.dc_sy, e.dc_sxx, e.dc_sxy), batch, per_token, ratio_prior=False
+                )
+                e.dc_n, e.dc_sx, e.dc_sy, e.dc_sxx, e.dc_sxy = sums
                 if line is not None:
-                    h[base + EP_DECODE_STEP_S], h[base + EP_DECODE_PER_SEQ_S] = line
+                    e.decode_step_s, e.decode_per_seq_s = line
             step = self.step_s(slot, batch)
             if step == UNKNOWN or started >= first:  # (a whole stream, timed from its first token: no decode leg wait)
                 return
             wait = first - started - step
             wait = wait if wait > 0.0 else 0.0
-            old = h[base + EP_QUEUE_DELAY_S]
-            h[base + EP_QUEUE_DELAY_S] = wait if old == 0.0 else self.keep * old + self.decay * wait
+            old = e.queue_delay_s
+            e.queue_delay_s = wait if old == 0.0 else self.keep * old + self.decay * wait
 
-    def _track(self, i: int, error: float, now: float) -> None:
-        """One prediction's error (a share) moves the allowance at h[i]; h[i + 1] is when it last moved."""
-        h = self.h
-        share = self._allowance(i, now)
+    def _track(self, share: float, moved_at: float, error: float, now: float) -> float:
+        """The allowance `share` (last moved at `moved_at`) after one prediction's error (a share) at `now`."""
+        share = self._allowance(share, moved_at, now)
         if error > share:  # a miss: widen at once
             share += WIDEN * (error - share)
         else:  # it held: narrow, slowly
             share -= NARROW * (share - (error if error > 0.0 else 0.0))
-        h[i], h[i + 1] = share, now
+        return share
 
-    def _add_and_fit(self, i: int, x: float, y: float, ratio_prior: bool) -> tuple[float, float] | None:
-        """Decay the sums at i..i+4 (n, Sx, Sy, Sxx, Sxy) and add one (x, y) sample; then the intercept and
-        slope of y on x, the slope shrunk toward a prior (None until `min_samples` samples).
+    def _add_and_fit(
+        self, sums: tuple[float, float, float, float, float], x: float, y: float, ratio_prior: bool
+    ) -> tuple[tuple[float, float, float, float, float], tuple[float, float] | None]:
+        """The sums (n, Sx, Sy, Sxx, Sxy) decayed, with one (x, y) sample added; and the intercept and slope of y
+        on x, the slope shrunk toward a prior (None until `min_samples` samples).
 
-        The sums are read once and written once: each access to the shared array costs more than the arithmetic.
+        The caller reads the sums once and writes them once: each access to shared memory costs more than the
+        arithmetic.
         """
-        h, k = self.h, self.keep
-        n, sx, sy, sxx, sxy = (
-            k * h[i] + 1.0,
-            k * h[i + 1] + x,
-            k * h[i + 2] + y,
-            k * h[i + 3] + x * x,
-            k * h[i + 4] + x * y,
-        )
-        h[i], h[i + 1], h[i + 2], h[i + 3], h[i + 4] = n, sx, sy, sxx, sxy
+        k = self.keep
+        n, sx, sy, sxx, sxy = sums
+        n, sx, sy, sxx, sxy = k * n + 1.0, k * sx + x, k * sy + y, k * sxx + x * x, k * sxy + x * y
+        sums = n, sx, sy, sxx, sxy
         if n < self.min_samples:
-            return None
+            return sums, None
         mx, my = sx / n, sy / n
         vx = max(0.0, sxx / n - mx * mx)
         cxy = sxy / n - mx * my
@@ -299,4 +284,4 @@ class Predictor:
         a = my - b * mx
         if a < 0.0:
             a, b = 0.0, (my / mx if mx > 0 else 0.0)
-        return a, b
+        return sums, (a, b)

@@ -33,14 +33,9 @@ from scheduling.ledger import Ledger
 from state.shared import (
     BREAKER_CLOSED,
     DOC_BYTES,
-    ENDPOINT_FIELDS,
-    EP_BREAKER,
-    EP_FAILURES,
-    EP_HEALTHY,
-    G_DOC_LEN,
-    G_DOC_VERSION,
     MAX_SLOTS,
     MAX_WORKERS,
+    EndpointRow,
     SharedState,
 )
 
@@ -145,7 +140,7 @@ class Registry:
     # -- reading (hot path) ------------------------------------------------------------------
 
     def view(self) -> Topology:
-        version = self.shared.globals[G_DOC_VERSION]
+        version = self.shared.globals.doc_version
         view = self._view
         if view is None or view.version != version:
             view = self._view = self._load()
@@ -153,7 +148,7 @@ class Registry:
 
     def _load(self) -> Topology:
         with self.shared.lock:
-            version = self.shared.globals[G_DOC_VERSION]
+            version = self.shared.globals.doc_version
             entries, _ = self._read()
         return Topology(version, entries)
 
@@ -161,7 +156,7 @@ class Registry:
 
     def _read(self) -> tuple[list[dict], list[int]]:
         """(instance entries, free slots least recently freed first); call with the lock held."""
-        n = self.shared.globals[G_DOC_LEN]
+        n = self.shared.globals.doc_len
         if not n:
             return [], list(range(MAX_SLOTS))
         doc = ujson.loads(bytes(self.shared.doc[:n]))
@@ -230,8 +225,8 @@ class Registry:
                 for slot in new_slots[inst.id]:
                     self._reset_slot(slot)
             self.shared.doc[: len(raw)] = raw
-            self.shared.globals[G_DOC_LEN] = len(raw)
-            self.shared.globals[G_DOC_VERSION] += 1
+            self.shared.globals.doc_len = len(raw)
+            self.shared.globals.doc_version += 1
             return RefreshResult(event, len(items), message)
 
     def export(self) -> list[dict]:
@@ -276,13 +271,7 @@ class Registry:
         return out
 
     def _reset_slot(self, slot: int) -> None:
-        h = self.shared.endpoints
-        base = slot * ENDPOINT_FIELDS
-        for k in range(ENDPOINT_FIELDS):
-            h[base + k] = 0.0
-        h[base + EP_HEALTHY] = 1.0
-        h[base + EP_BREAKER] = BREAKER_CLOSED
-        h[base + EP_FAILURES] = 0
+        self.shared.endpoints[slot] = EndpointRow(healthy=1.0, breaker=BREAKER_CLOSED)
 
 
 def _entry(inst: Instance, slots: list[int]) -> dict:

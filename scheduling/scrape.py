@@ -8,7 +8,6 @@ mean TTFT and inter-token latency of the requests that finished during the last 
 from __future__ import annotations
 
 from scheduling.health import Health
-from state.shared import EP_ENGINE_ITL_S, EP_ENGINE_TTFT_S
 
 WANTED = {
     "vllm:num_requests_running": "running",
@@ -59,7 +58,7 @@ class EngineScrapes:
         self.last[slot] = m
         if prev is None:
             return
-        for name, field in (("ttft", EP_ENGINE_TTFT_S), ("itl", EP_ENGINE_ITL_S)):
+        for name, field in (("ttft", "engine_ttft_s"), ("itl", "engine_itl_s")):
             count = m.get(f"{name}_count", 0.0) - prev.get(f"{name}_count", 0.0)
             total = m.get(f"{name}_sum", 0.0) - prev.get(f"{name}_sum", 0.0)
             if count > 0 and total >= 0:  # a counter reset (engine restart) gives a negative delta: skip it

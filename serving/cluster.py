@@ -40,53 +40,24 @@ from scheduling.policies import PrefixSource
 from scheduling.registry import RefreshError, RefreshResult, Registry
 from serving.metrics import store_calls
 from state.cluster import ClusterStore, StoreDown
-from state.shared import (
-    BREAKER_OPEN,
-    ENDPOINT_FIELDS,
-    EP_AVOID_UNTIL,
-    EP_BREAKER,
-    EP_DC_N,
-    EP_DC_SXY,
-    EP_DECODE_PER_SEQ_S,
-    EP_DECODE_STEP_S,
-    EP_HEALTHY,
-    EP_LATE_SHARE,
-    EP_OPEN_UNTIL,
-    EP_PF_N,
-    EP_PF_SXY,
-    EP_PREFILL_BASE_S,
-    EP_PREFILL_TPS,
-    EP_QUEUE_DELAY_S,
-    EP_TPOT_LATE_SHARE,
-    G_CLUSTER_VERSION,
-    G_REPLICAS,
-    G_STORE_LOSSES,
-    G_STORE_UP,
-    G_SYNCED_AT_MS,
-    LEDGER_FIELDS,
-    LEDGER_ROW,
-    REMOTE_ROW,
-    W_INFLIGHT,
-    WORKER_FIELDS,
-    SharedState,
-    worker_sum,
-)
+from state.shared import BREAKER_OPEN, REMOTE_ROW, LedgerCounts, SharedState, worker_rows
 
 log = logging.getLogger("coordinator.cluster")
 REFRESH_TRIES = 5  # a refresh that keeps losing the race to other replicas' refreshes is refused (409)
 # What slo_aware learned about an endpoint (scheduling/predict.py): a replica that has learned less of an endpoint
 # (fewer prefill plus decode samples) than another takes the other's whole model of it.
 LEARNED = (
-    EP_PREFILL_TPS,
-    EP_DECODE_STEP_S,
-    EP_DECODE_PER_SEQ_S,
-    EP_QUEUE_DELAY_S,
-    EP_PREFILL_BASE_S,
-    *range(EP_PF_N, EP_PF_SXY + 1),
-    *range(EP_DC_N, EP_DC_SXY + 1),
-    EP_LATE_SHARE,
-    EP_TPOT_LATE_SHARE,
+    "prefill_tps",
+    "decode_step_s",
+    "decode_per_seq_s",
+    "queue_delay_s",
+    "prefill_base_s",
+    *("pf_n", "pf_sx", "pf_sy", "pf_sxx", "pf_sxy"),
+    *("dc_n", "dc_sx", "dc_sy", "dc_sxx", "dc_sxy"),
+    "late_share",
+    "tpot_late_share",
 )
+COUNTS = LedgerCounts.names()  # a replica's load of an endpoint, in this order in its report
 
 
 def replica_id() -> str:
@@ -130,7 +101,7 @@ class Cluster:
         self.ttl_ms = int(c.replica_ttl_s * 1000)
         self.connected = True  # until a round trip says otherwise
         self.owner = worker == 0
-        self.rows = range(0, max(settings.num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)  # as the door's
+        self.rows = worker_rows(self.shared, worker, settings.num_workers)  # as the door's
         self.tasks: list[asyncio.Task] = []
         # This worker's requests the store counted: in flight, ended and not yet taken off there, and the admit
         # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
@@ -138,7 +109,7 @@ class Cluster:
         self.recount = False
         self._told_at = 0.0
         self._refused_version: int | None = None  # the stored set this replica cannot apply: said once, not each tick
-        self.losses_seen = self.shared.globals[G_STORE_LOSSES]
+        self.losses_seen = self.shared.globals.store_losses
         self.epoch: bytes | None = None  # the sync owner's: the store's epoch as its last sync saw it
         self.prefixes: list[tuple[str, list[int]]] = []  # (engine address, block hashes) prefilled, to publish
         self._publishing: set[asyncio.Task] = set()
@@ -146,7 +117,7 @@ class Cluster:
     @property
     def replicas(self) -> int:
         """Live replicas, this one included, as the last sync saw them."""
-        return max(1, int(self.shared.globals[G_REPLICAS]))
+        return max(1, int(self.shared.globals.replicas))
 
     # -- the request path -------------------------------------------------------------------------------
 
@@ -185,7 +156,7 @@ class Cluster:
     def share_check(self, cap: int) -> None:
         if not cap:
             return
-        if worker_sum(self.shared.workers, self.rows, W_INFLIGHT) > self.share(cap):
+        if sum(row.inflight for row in self.rows) > self.share(cap):
             raise RateLimited(
                 f"too many requests in flight (this replica's share {self.share(cap)} of {cap}: the cluster store is"
                 " unreachable)",
@@ -207,28 +178,28 @@ class Cluster:
                     " GET /instances says the store is connected",
                     503,
                 ) from None
-            if doc is not None and version != self.shared.globals[G_CLUSTER_VERSION]:
+            if doc is not None and version != self.shared.globals.cluster_version:
                 self._adopt(version, doc)
             result = self.registry.apply(event, items)
             # Until stored, this replica's set is not the cluster's: the next sync adopts the stored one, whatever
             # its version, unless the store below takes this one.
-            self.shared.globals[G_CLUSTER_VERSION] = -1
+            self.shared.globals.cluster_version = -1
             try:
                 stored = await self.store.store_instances(version, ujson.dumps(self.registry.export()).encode())
             except StoreDown as e:
                 self._down(e)
                 raise RefreshError("the cluster store failed while storing the refresh: retry", 503) from None
             if stored >= 0:
-                self.shared.globals[G_CLUSTER_VERSION] = stored
+                self.shared.globals.cluster_version = stored
                 return result
         raise RefreshError("other replicas' refreshes kept coming first: retry", 409)
 
     def status(self) -> dict:
         return {
             "replica": self.replica,
-            "store": "connected" if self.shared.globals[G_STORE_UP] == 1 else "disconnected",
+            "store": "connected" if self.shared.globals.store_up == 1 else "disconnected",
             "replicas": self.replicas,
-            "instances_version": int(self.shared.globals[G_CLUSTER_VERSION]),
+            "instances_version": int(self.shared.globals.cluster_version),
         }
 
     # -- the timer ---------------------------------------------------------------------------------------
@@ -269,8 +240,8 @@ class Cluster:
 
     async def _publish_count(self) -> None:
         now = time.monotonic()
-        if self.losses_seen != self.shared.globals[G_STORE_LOSSES]:  # (a connection may reconnect without an error)
-            self.losses_seen, self.recount = self.shared.globals[G_STORE_LOSSES], True
+        if self.losses_seen != self.shared.globals.store_losses:  # (a connection may reconnect without an error)
+            self.losses_seen, self.recount = self.shared.globals.store_losses, True
         if self.recount:
             if not self.calls:  # (an admit under way would be counted twice)
                 self.ended = 0
@@ -294,15 +265,15 @@ class Cluster:
             else:
                 stored = await self.store.store_instances("seed", ujson.dumps(self.registry.export()).encode())
                 if stored >= 0:
-                    self.shared.globals[G_CLUSTER_VERSION] = stored
+                    self.shared.globals.cluster_version = stored
             self._up()
         except StoreDown as e:
             self._down(e)
 
     async def _sync(self) -> None:
         version, reports, epoch = await self.store.sync(self._report(), self.ttl_ms)
-        self.shared.globals[G_SYNCED_AT_MS] = int(time.time() * 1000)
-        self.shared.globals[G_REPLICAS] = len(reports) + 1
+        self.shared.globals.synced_at_ms = int(time.time() * 1000)
+        self.shared.globals.replicas = len(reports) + 1
         self._apply_reports(reports)
         if epoch != self.epoch:
             if self.epoch is not None:
@@ -310,7 +281,7 @@ class Cluster:
             self.epoch = epoch
         if version == 0:  # nothing stored (the store was emptied, or unreachable at start)
             await self._first_sync()
-        elif version > self.shared.globals[G_CLUSTER_VERSION]:
+        elif version > self.shared.globals.cluster_version:
             stored, doc = await self.store.instances()
             if doc is not None:
                 self._adopt(stored, doc)
@@ -322,8 +293,8 @@ class Cluster:
             "the cluster store lost its data (restarted empty, failed over or flushed): counts and the instance set"
             " go back"
         )
-        self.shared.globals[G_STORE_LOSSES] += 1
-        self.shared.globals[G_CLUSTER_VERSION] = -1
+        self.shared.globals.store_losses += 1
+        self.shared.globals.cluster_version = -1
         self._refused_version = None
 
     def _adopt(self, version: int, doc: bytes) -> None:
@@ -334,34 +305,34 @@ class Cluster:
                 log.error("the stored instance set (version %d) cannot be applied here: %s", version, e)
                 self._refused_version = version
             return
-        self.shared.globals[G_CLUSTER_VERSION] = version
+        self.shared.globals.cluster_version = version
         log.info("instances from the cluster store (version %d): %s", version, result.message)
 
     def _report(self) -> bytes:
         """This replica's load per endpoint address (its workers' rows), and the endpoints it finds broken."""
-        arr, h, now = self.shared.ledger, self.shared.endpoints, time.time()
-        rows = range(0, self.s.num_workers * LEDGER_ROW, LEDGER_ROW)
+        ledger, now = self.shared.ledger, time.time()
+        rows = [ledger[row].slots for row in range(self.s.num_workers)]
         load, avoid, learned = {}, {}, {}
         for t in self.registry.view().targets:
-            off = t.slot * LEDGER_FIELDS
-            counts = [sum(arr[row + off + f] for row in rows) for f in range(LEDGER_FIELDS)]
+            mine = [row[t.slot] for row in rows]
+            counts = [sum(getattr(c, f) for c in mine) for f in COUNTS]
             if any(counts):
                 load[address_key(t.address)] = counts
-            base = t.slot * ENDPOINT_FIELDS
-            if h[base + EP_HEALTHY] < 0.5:
+            e = self.shared.endpoints[t.slot]
+            if e.healthy < 0.5:
                 avoid[address_key(t.address)] = now + self.ttl_ms / 1000
-            elif h[base + EP_BREAKER] == BREAKER_OPEN and h[base + EP_OPEN_UNTIL] > now:
-                avoid[address_key(t.address)] = h[base + EP_OPEN_UNTIL]
-            if h[base + EP_PF_N] or h[base + EP_DC_N]:
-                learned[address_key(t.address)] = [h[base + f] for f in LEARNED]
+            elif e.breaker == BREAKER_OPEN and e.open_until > now:
+                avoid[address_key(t.address)] = e.open_until
+            if e.pf_n or e.dc_n:
+                learned[address_key(t.address)] = [getattr(e, f) for f in LEARNED]
         return ujson.dumps({"load": load, "avoid": avoid, "learned": learned}).encode()
 
     def _apply_reports(self, reports: dict[str, bytes]) -> None:
-        """The other replicas' load into the remote row, and their broken endpoints into EP_AVOID_UNTIL."""
+        """The other replicas' load into the remote row, and their broken endpoints into `avoid_until`."""
         load: dict[str, list[int]] = {}
         avoid: dict[str, float] = {}
         learned: dict[str, list[float]] = {}  # the most samples another replica has of each endpoint
-        n_pf, n_dc = LEARNED.index(EP_PF_N), LEARNED.index(EP_DC_N)
+        n_pf, n_dc = LEARNED.index("pf_n"), LEARNED.index("dc_n")
         for raw in reports.values():
             try:
                 report = ujson.loads(raw)
@@ -371,27 +342,26 @@ class Cluster:
                     ):
                         learned[addr] = [float(v) for v in model]
                 for addr, counts in report.get("load", {}).items():
-                    total = load.setdefault(addr, [0] * LEDGER_FIELDS)
-                    for f, v in enumerate(counts[:LEDGER_FIELDS]):
+                    total = load.setdefault(addr, [0] * len(COUNTS))
+                    for f, v in enumerate(counts[: len(COUNTS)]):
                         total[f] += int(v)
                 for addr, until in report.get("avoid", {}).items():
                     avoid[addr] = max(avoid.get(addr, 0.0), float(until))
             except (ValueError, TypeError, AttributeError):
                 continue  # a report this version cannot read
-        arr, h = self.shared.ledger, self.shared.endpoints
-        remote = REMOTE_ROW * LEDGER_ROW
+        remote = self.shared.ledger[REMOTE_ROW].slots
         for t in self.registry.view().targets:
-            addr, at = address_key(t.address), remote + t.slot * LEDGER_FIELDS
+            addr, theirs = address_key(t.address), remote[t.slot]
             counts = load.get(addr)
-            for f in range(LEDGER_FIELDS):
-                arr[at + f] = counts[f] if counts else 0
-            base = t.slot * ENDPOINT_FIELDS
-            h[base + EP_AVOID_UNTIL] = avoid.get(addr, 0.0)
+            for f, name in enumerate(COUNTS):
+                setattr(theirs, name, counts[f] if counts else 0)
+            e = self.shared.endpoints[t.slot]
+            e.avoid_until = avoid.get(addr, 0.0)
             model = learned.get(addr)
-            if model is not None and model[n_pf] + model[n_dc] > h[base + EP_PF_N] + h[base + EP_DC_N] + 1:
+            if model is not None and model[n_pf] + model[n_dc] > e.pf_n + e.dc_n + 1:
                 with self.shared.lock:  # the predictor's multi-field updates take it too
-                    for f, v in zip(LEARNED, model):
-                        h[base + f] = v
+                    for name, v in zip(LEARNED, model):
+                        setattr(e, name, v)
 
     # -- events between replicas ------------------------------------------------------------------------
 
@@ -439,7 +409,7 @@ class Cluster:
         if self.connected:
             self.connected = False
             if self.owner:
-                self.shared.globals[G_STORE_UP] = 0
+                self.shared.globals.store_up = 0
                 log.warning(
                     "cluster store unreachable (%s): serving on the last instance set, limits at this replica's"
                     " share (1/%d)",
@@ -448,11 +418,11 @@ class Cluster:
                 )
 
     def _up(self) -> None:
-        if not self.connected or (self.owner and self.shared.globals[G_STORE_UP] != 1):
+        if not self.connected or (self.owner and self.shared.globals.store_up != 1):
             was = self.connected
             self.connected = True
             if self.owner:
-                self.shared.globals[G_STORE_UP] = 1
+                self.shared.globals.store_up = 1
                 if not was:
                     log.warning("cluster store reachable again: cluster-wide state and limits resume")
 

@@ -22,15 +22,7 @@ from collections.abc import Callable
 
 from config import Settings
 from errors import RateLimited, ServiceUnavailable
-from state.shared import (
-    G_DRAINING,
-    G_RATE_STAMP_US,
-    G_RATE_TOKENS_MILLI,
-    W_INFLIGHT,
-    WORKER_FIELDS,
-    SharedState,
-    worker_sum,
-)
+from state.shared import SharedState, worker_rows
 
 
 class Admitted:
@@ -80,9 +72,9 @@ class Door:
         self.configure(settings)
         self.clock = clock
         self.loop: asyncio.AbstractEventLoop | None = None  # the worker's, known from its first request
-        self.warr = shared.workers
-        self.at = worker * WORKER_FIELDS + W_INFLIGHT  # this worker's in-flight counter in `warr`
-        self.rows = range(W_INFLIGHT, max(settings.num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)
+        self.g = shared.globals
+        self.mine = shared.workers[worker]  # this worker's row: its in-flight counter
+        self.rows = worker_rows(shared, worker, settings.num_workers)
         self.cluster = None  # cluster mode's serving/cluster.py Cluster: the cap and the rate hold for all replicas
         self.stopping = False  # this worker drains (its own stop signal, or the whole Coordinator's)
         self.local: set[asyncio.Task] = set()  # this worker's admitted requests
@@ -99,7 +91,7 @@ class Door:
     @property
     def draining(self) -> bool:
         """This worker refuses new requests: the Coordinator is shutting down, or this worker is."""
-        return self.stopping or bool(self.shared.globals[G_DRAINING])
+        return self.stopping or bool(self.g.draining)
 
     def set_draining(self) -> None:
         """This worker drains. The whole Coordinator's flag is the main process's to set (app.py)."""
@@ -107,23 +99,23 @@ class Door:
 
     def inflight(self) -> int:
         """Requests in flight, all workers."""
-        return worker_sum(self.warr, self.rows, 0)
+        return sum(row.inflight for row in self.rows)
 
     def _take_rate_token(self, rate: float | None = None, burst_milli: int | None = None) -> float:
         """0 when admitted, else seconds until a token is available (at `rate` with a bucket of `burst_milli`:
         this replica's share while the cluster store is away; the configured ones by default)."""
         rate = self.rate if rate is None else rate
         burst_milli = self.burst_milli if burst_milli is None else burst_milli
-        g = self.shared.globals
+        g = self.g
         # The monotonic clock is one clock for every process on the host, and never steps back: with the
         # wall clock, an NTP correction of a minute refused every request for a minute.
         now_us = int(self.clock() * 1e6)
         with self.lock:
-            stamp = g[G_RATE_STAMP_US]
+            stamp = g.rate_stamp_us
             if not stamp:
                 tokens, stamp = burst_milli, now_us
             else:
-                tokens = g[G_RATE_TOKENS_MILLI]
+                tokens = g.rate_tokens_milli
                 if now_us < stamp:  # a stamp ahead of this clock: start counting from now, no debt
                     stamp = now_us
                 gained = int((now_us - stamp) * rate / 1000)  # whole milli-tokens
@@ -135,22 +127,21 @@ class Door:
                     # coming more often than one milli-token's time, i.e. almost all of it under load).
                     tokens += gained
                     stamp += int(gained * 1000 / rate)
-            g[G_RATE_STAMP_US] = stamp
+            g.rate_stamp_us = stamp
             if tokens >= 1000:
-                g[G_RATE_TOKENS_MILLI] = tokens - 1000
+                g.rate_tokens_milli = tokens - 1000
                 return 0.0
-            g[G_RATE_TOKENS_MILLI] = tokens
+            g.rate_tokens_milli = tokens
             return (1000 - tokens) / (1000 * rate)
 
     def admit(self) -> Admitted:
         """Let one request in, or raise why not: `with door.admit():` holds its place until the block ends."""
-        g = self.shared.globals
-        if self.stopping or g[G_DRAINING]:
+        if self.stopping or self.g.draining:
             raise ServiceUnavailable.draining()
         cap, rate, burst_milli, cluster = self.cap, self.rate, self.burst_milli, self.cluster
         if cluster is not None and (cap or rate):
             if cluster.connected:  # one round trip, awaited in the block: `pending`
-                self.warr[self.at] += 1
+                self.mine.inflight += 1
                 place = Admitted(self)
                 place.pending = cluster.admit(place, cap, rate, burst_milli)
                 return place
@@ -161,17 +152,16 @@ class Door:
             wait_s = self._take_rate_token(rate, burst_milli)
             if wait_s > 0:
                 raise RateLimited.by_rate(self.s.error_message, self.s.error_status_code, wait_s)
-        w = self.warr
         if cap:
             with self.lock:
                 n = 0
-                for i in self.rows:
-                    n += w[i]
+                for row in self.rows:
+                    n += row.inflight
                 if n >= cap:
                     raise RateLimited(f"too many requests in flight (limit {cap})", reason="inflight_cap")
-                w[self.at] += 1
+                self.mine.inflight += 1
         else:
-            w[self.at] += 1  # only this worker writes its row: no lock without a cap to check
+            self.mine.inflight += 1  # only this worker writes its row: no lock without a cap to check
         return Admitted(self)
 
     def attend(self) -> Attended:
@@ -182,7 +172,7 @@ class Door:
     def _leave(self, task: asyncio.Task | None) -> None:
         self.local.discard(task)
         # Only this worker writes its row, and a stale read elsewhere can only over-count: no lock.
-        self.warr[self.at] -= 1
+        self.mine.inflight -= 1
 
     async def drain(self, timeout_s: float) -> None:
         """Shutdown: refuse new requests, give this worker's in-flight ones `timeout_s`, then cancel the rest.

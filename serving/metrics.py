@@ -30,16 +30,6 @@ from scheduling.registry import Registry
 from scheduling.status import endpoint_status
 from serving.job import COUNT_TOKENS
 from serving.observe import PLACEMENTS, FlushTimer, Observer, RequestRecord
-from state.shared import (
-    G_DRAINING,
-    G_REPLICAS,
-    G_STORE_UP,
-    G_SYNCED_AT_MS,
-    W_INFLIGHT,
-    W_QUEUED,
-    WORKER_FIELDS,
-    worker_sum,
-)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -137,31 +127,31 @@ class SharedStateCollector:
 
     def collect(self):
         g, w = self.registry.shared.globals, self.registry.shared.workers
-        rows = range(0, len(self.ledger.rows) * WORKER_FIELDS, WORKER_FIELDS)
+        rows = [w[i] for i in range(len(self.ledger.rows))]
         yield GaugeMetricFamily(
             "motor_inflight_requests",
             "Requests admitted and being served, all workers",
-            value=worker_sum(w, rows, W_INFLIGHT),
+            value=sum(row.inflight for row in rows),
         )
         yield GaugeMetricFamily(
             "motor_queued_requests",
             "Requests waiting in SLO admission queues, all workers",
-            value=worker_sum(w, rows, W_QUEUED),
+            value=sum(row.queued for row in rows),
         )
         yield GaugeMetricFamily(
-            "motor_draining", "1 while the Coordinator is shutting down", value=1 if g[G_DRAINING] else 0
+            "motor_draining", "1 while the Coordinator is shutting down", value=1 if g.draining else 0
         )
-        if g[G_SYNCED_AT_MS] or g[G_STORE_UP]:  # cluster mode
+        if g.synced_at_ms or g.store_up:  # cluster mode
             yield GaugeMetricFamily(
-                "motor_cluster_store_connected", "1 while the cluster store answers this replica", value=g[G_STORE_UP]
+                "motor_cluster_store_connected", "1 while the cluster store answers this replica", value=g.store_up
             )
             yield GaugeMetricFamily(
-                "motor_cluster_replicas", "Live Coordinator replicas, this one included", value=max(1, g[G_REPLICAS])
+                "motor_cluster_replicas", "Live Coordinator replicas, this one included", value=max(1, g.replicas)
             )
             yield GaugeMetricFamily(
                 "motor_cluster_state_age_seconds",
                 "Seconds since this replica last heard the others' load and breakers (staleness)",
-                value=max(0.0, time.time() - g[G_SYNCED_AT_MS] / 1000) if g[G_SYNCED_AT_MS] else 0.0,
+                value=max(0.0, time.time() - g.synced_at_ms / 1000) if g.synced_at_ms else 0.0,
             )
 
         view = self.registry.view()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import ujson
 
 from errors import dumps
-from state.shared import PREFILL_USAGE_FIELDS, PREFILL_USAGE_SLOTS, SharedState
+from state.shared import PREFILL_USAGE_SLOTS, SharedState
 
 
 def prefill_usage(p_response: dict) -> dict | None:
@@ -44,19 +44,18 @@ class PrefillUsages:
     """
 
     def __init__(self, shared: SharedState, worker: int, num_workers: int):
-        self.arr = shared.prefill_usage
-        self.row = PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
-        self.mine = worker * self.row
-        self.rows = range(0, max(num_workers, worker + 1) * self.row, self.row)
+        table = shared.prefill_usage
+        self.mine = table[worker].slots  # this worker's row
+        self.rows = [table[row].slots for row in range(max(num_workers, worker + 1))]
         # Cluster mode: (ticket id, prompt, cached) to the other replicas, whose decode leg may be the reader.
         self.share: Callable[[str, int, int | None], None] | None = None
 
     @staticmethod
     def _place(request_id: str) -> tuple[int, int]:
-        """(key, slot offset): stable across processes (str hashes are salted per process); the key is never 0
+        """(key, slot): stable across processes (str hashes are salted per process); the key is never 0
         (an empty slot) and fits int64, the slot comes from other bits of the hash than the key's low ones."""
         h = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
-        return h >> 2 | 1, h % PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS
+        return h >> 2 | 1, h % PREFILL_USAGE_SLOTS
 
     def put(self, request_id: str, answer: bytes) -> None:
         """P answered the metaserver's prefill for ticket id `request_id`: keep its prompt and cached counts."""
@@ -77,23 +76,23 @@ class PrefillUsages:
     def put_counts(self, request_id: str, prompt: int, cached: int | None) -> None:
         """Keep P's prompt and cached counts for ticket id `request_id` (None: its answer had no cached count)."""
         key, slot = self._place(request_id)
-        at, arr = self.mine + slot, self.arr
-        arr[at] = 0
-        arr[at + 1] = prompt
-        arr[at + 2] = 0 if cached is None else cached + 1
-        arr[at + 3] = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process of the machine
-        arr[at] = key
+        e = self.mine[slot]
+        e.key = 0
+        e.prompt_tokens = prompt
+        e.cached_plus_one = 0 if cached is None else cached + 1
+        e.written_ns = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process of the machine
+        e.key = key
 
     def get(self, request_id: str, since_ns: int) -> dict | None:
         """P's usage for `request_id` as its answer had it (prompt and cached counts), if a worker kept it at
         `since_ns` (time.monotonic_ns()) or later."""
         key, slot = self._place(request_id)
-        arr, newest, found = self.arr, since_ns - 1, None
+        newest, found = since_ns - 1, None
         for row in self.rows:
-            at = row + slot
-            if arr[at] == key:
-                prompt, cached, stamp = arr[at + 1], arr[at + 2], arr[at + 3]
-                if arr[at] == key and stamp > newest:
+            e = row[slot]
+            if e.key == key:
+                prompt, cached, stamp = e.prompt_tokens, e.cached_plus_one, e.written_ns
+                if e.key == key and stamp > newest:
                     newest, found = stamp, (prompt, cached)
         if found is None:
             return None

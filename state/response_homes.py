@@ -19,10 +19,7 @@ import hashlib
 import time
 from typing import Protocol
 
-from state.shared import RESPONSE_HOME_FIELDS, RESPONSE_HOME_SETS, RESPONSE_HOME_WAYS, SharedState
-
-_KEY, _INSTANCE, _ENDPOINT, _STAMP = range(RESPONSE_HOME_FIELDS)
-_SET_WORDS = RESPONSE_HOME_WAYS * RESPONSE_HOME_FIELDS
+from state.shared import RESPONSE_HOME_SETS, ResponseHome, SharedState
 
 
 class ResponseHomes(Protocol):
@@ -40,42 +37,39 @@ class SharedResponseHomes:
     """ResponseHomes in the shared-memory table `SharedState.response_homes` (see the module docstring)."""
 
     def __init__(self, shared: SharedState):
-        self.arr, self.lock = shared.response_homes, shared.hot_lock
+        self.sets, self.lock = shared.response_homes, shared.hot_lock
 
     @staticmethod
     def _place(response_id: str) -> tuple[int, int]:
-        """(key, offset of its set): a hash stable across processes; the key is never 0 (a free way)."""
+        """(key, its set): a hash stable across processes; the key is never 0 (a free way)."""
         h = int.from_bytes(hashlib.blake2b(response_id.encode(), digest_size=8).digest(), "little")
-        return h >> 2 | 1, h % RESPONSE_HOME_SETS * _SET_WORDS
+        return h >> 2 | 1, h % RESPONSE_HOME_SETS
 
     def remember(self, response_id: str, instance_id: int, endpoint_id: int) -> None:
-        key, base = self._place(response_id)
-        arr = self.arr
+        key, at = self._place(response_id)
+        ways: list[ResponseHome] = list(self.sets[at].ways)
         with self.lock:
-            ways = range(base, base + _SET_WORDS, RESPONSE_HOME_FIELDS)
-            at = next((w for w in ways if arr[w + _KEY] == key), None)
-            if at is None:
-                at = min(ways, key=lambda w: (arr[w + _KEY] != 0, arr[w + _STAMP]))  # free, else the oldest
-            arr[at + _KEY] = 0
-            arr[at + _INSTANCE] = instance_id
-            arr[at + _ENDPOINT] = endpoint_id
-            arr[at + _STAMP] = time.monotonic_ns()
-            arr[at + _KEY] = key
+            way = next((w for w in ways if w.key == key), None)
+            if way is None:
+                way = min(ways, key=lambda w: (w.key != 0, w.written_ns))  # free, else the oldest
+            way.key = 0
+            way.instance_id = instance_id
+            way.endpoint_id = endpoint_id
+            way.written_ns = time.monotonic_ns()
+            way.key = key
 
     def home(self, response_id: str) -> tuple[int, int] | None:
-        key, base = self._place(response_id)
-        arr = self.arr
-        for at in range(base, base + _SET_WORDS, RESPONSE_HOME_FIELDS):
-            if arr[at + _KEY] == key:
-                found = arr[at + _INSTANCE], arr[at + _ENDPOINT]
-                if arr[at + _KEY] == key:
+        key, at = self._place(response_id)
+        for way in self.sets[at].ways:
+            if way.key == key:
+                found = way.instance_id, way.endpoint_id
+                if way.key == key:
                     return found
         return None
 
     def forget(self, response_id: str) -> None:
-        key, base = self._place(response_id)
-        arr = self.arr
+        key, at = self._place(response_id)
         with self.lock:
-            for at in range(base, base + _SET_WORDS, RESPONSE_HOME_FIELDS):
-                if arr[at + _KEY] == key:
-                    arr[at + _KEY] = 0
+            for way in self.sets[at].ways:
+                if way.key == key:
+                    way.key = 0

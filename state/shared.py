@@ -3,7 +3,9 @@ smaller tables of single features (the prefix index, trigger mode's prefill usag
 
 Everything here is made once, in the main process (Sanic's `main_process_start`), and handed to every
 worker through `app.shared_ctx`; in a single process the same raw arrays work on ordinary memory.
-Every schedulable endpoint of every instance owns a *slot*: a column in the ledger and a row in the
+Each table's row is a ctypes Structure (`Table`) that names its fields once, in layout order; code reads
+and writes the shared memory through views of it (`row.field`: no offsets, as fast as an indexed read).
+Every schedulable endpoint of every instance owns a *slot*: counters in each ledger row and a row in the
 endpoint table. Writers that need no lock: a worker writes only its own ledger row; endpoint rows are
 written by the health checker, breaker updates, the metrics scraper and the predictor (single float stores,
 torn reads impossible; the predictor's multi-field updates take `lock`).
@@ -22,129 +24,202 @@ MAX_SLOTS = 256
 DOC_BYTES = 1 << 20
 CONFIG_BYTES = 1 << 20
 
-# Ledger counters, one group per (worker, slot). L_HELD counts decode slots promised to requests whose
-# prefill is still running (their decode leg will join that engine's batch soon).
-L_REQUESTS, L_PROMPT_TOKENS, L_DECODE_TOKENS, L_PREFILLING, L_HELD = range(5)
-LEDGER_FIELDS = 5
-LEDGER_ROW = MAX_SLOTS * LEDGER_FIELDS  # one worker's ledger row: a group of counters per slot
-# In cluster mode, the row after the workers' holds the other replicas' load (serving/cluster.py writes it).
+
+class Table(ctypes.Structure):
+    """A table's row: its fields, named once in `_fields_`, whose order is the memory layout."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(name for name, _type in cls._fields_)
+
+
+class LedgerCounts(Table):
+    """One worker's counters of one slot. `held` counts decode slots promised to requests whose prefill is
+    still running (their decode leg will join that engine's batch soon)."""
+
+    _fields_ = [
+        ("requests", ctypes.c_int64),
+        ("prompt_tokens", ctypes.c_int64),
+        ("decode_tokens", ctypes.c_int64),
+        ("prefilling", ctypes.c_int64),
+        ("held", ctypes.c_int64),
+    ]
+
+
+class LedgerRow(Table):
+    _fields_ = [("slots", LedgerCounts * MAX_SLOTS)]
+
+
+# The ledger has a LedgerRow per worker; in cluster mode the row after the workers'
+# holds the other replicas' load (serving/cluster.py writes it).
 REMOTE_ROW = MAX_WORKERS
 
-# Endpoint table fields, one row per slot: health and breaker state, the engine's scraped load, and the
-# predictor's learned model of that endpoint.
-(
-    EP_HEALTHY,  # 1.0 healthy, 0.0 unhealthy (active check or breaker decided)
-    EP_BREAKER,  # 0 closed, 1 open, 2 half-open (one probe allowed)
-    EP_OPEN_UNTIL,  # wall-clock time until which an open breaker rejects
-    EP_FAILURES,  # consecutive failures
-    EP_RUNNING,  # engine's vllm:num_requests_running
-    EP_WAITING,  # engine's vllm:num_requests_waiting
-    EP_KV_USAGE,  # engine's vllm:kv_cache_usage_perc (0..1)
-    EP_SCRAPED_AT,  # when the metrics above were read
-    # The learned model of this endpoint (scheduling/predict.py); 0 = not learned yet. Slot reuse clears it.
-    EP_PREFILL_TPS,  # uncached prompt tokens prefilled per second
-    EP_DECODE_STEP_S,  # seconds per decode step with an empty batch (intercept)
-    EP_DECODE_PER_SEQ_S,  # extra seconds per decode step per running sequence (slope)
-    EP_QUEUE_DELAY_S,  # decode leg: wait from its start to its first step (KV pull, engine admission)
-    EP_PREFILL_BASE_S,  # fixed seconds per prefill (HTTP, one step), on top of tokens / EP_PREFILL_TPS
-    EP_QUEUE_UNTIL,  # virtual time (time.monotonic) when the prefill work sent so far should be done
-    EP_QUEUE_SHIFT_S,  # sum of corrections applied to EP_QUEUE_UNTIL from observed completions
-    EP_LAST_DONE,  # time (monotonic) of the last observed prefill completion
-    EP_PF_N,
-    EP_PF_SX,
-    EP_PF_SY,
-    EP_PF_SXX,
-    EP_PF_SXY,  # decayed sums: prefill seconds vs uncached tokens
-    EP_DC_N,
-    EP_DC_SX,
-    EP_DC_SY,
-    EP_DC_SXX,
-    EP_DC_SXY,  # decayed sums: seconds per token vs batch size
-    EP_ENGINE_TTFT_S,  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
-    EP_ENGINE_ITL_S,  # engine's mean inter-token latency over the last scrape interval
-    EP_LATE_SHARE,  # prefill allowance: a high quantile of recent errors, each a share of its predicted time
-    EP_LATE_AT,  # when the prefill allowance last moved (it narrows with time since then)
-    EP_TPOT_LATE_SHARE,  # TPOT allowance: a high quantile of recent TPOT errors, each a share of its prediction
-    EP_TPOT_LATE_AT,  # when the TPOT allowance last moved
-    EP_PREFILL_BUSY,  # prefill seconds sent per second there lately (decayed): the share of its time prefilling
-    EP_PREFILL_BUSY_AT,  # when EP_PREFILL_BUSY was last updated
-    EP_GROUP_TOKENS,  # uncached tokens of the prefills completed in the current group (one engine step, about)
-    EP_GROUP_START,  # when the current group's work started
-    EP_GROUP_FIT,  # 1.0: a member of the current group is a sample for the fit
-    EP_AVOID_UNTIL,  # cluster mode: wall-clock time until which another replica finds it broken (0: none)
-) = range(38)
-ENDPOINT_FIELDS = 38
+
+def _doubles(*names: str) -> list[tuple[str, type]]:
+    return [(name, ctypes.c_double) for name in names]
+
+
+class EndpointRow(Table):
+    """One slot's row of the endpoint table: health and breaker state, the engine's scraped load, and the
+    predictor's learned model of that endpoint (scheduling/predict.py; 0 = not learned yet; slot reuse
+    clears it)."""
+
+    _fields_ = _doubles(
+        "healthy",  # 1.0 healthy, 0.0 unhealthy (active check or breaker decided)
+        "breaker",  # 0 closed, 1 open, 2 half-open (one probe allowed)
+        "open_until",  # wall-clock time until which an open breaker rejects
+        "failures",  # consecutive failures
+        "running",  # engine's vllm:num_requests_running
+        "waiting",  # engine's vllm:num_requests_waiting
+        "kv_usage",  # engine's vllm:kv_cache_usage_perc (0..1)
+        "scraped_at",  # when the metrics above were read
+        "prefill_tps",  # uncached prompt tokens prefilled per second
+        "decode_step_s",  # seconds per decode step with an empty batch (intercept)
+        "decode_per_seq_s",  # extra seconds per decode step per running sequence (slope)
+        "queue_delay_s",  # decode leg: wait from its start to its first step (KV pull, engine admission)
+        "prefill_base_s",  # fixed seconds per prefill (HTTP, one step), on top of tokens / prefill_tps
+        "queue_until",  # virtual time (time.monotonic) when the prefill work sent so far should be done
+        "queue_shift_s",  # sum of corrections applied to queue_until from observed completions
+        "last_done",  # time (monotonic) of the last observed prefill completion
+        # decayed sums: prefill seconds vs uncached tokens
+        *("pf_n", "pf_sx", "pf_sy", "pf_sxx", "pf_sxy"),
+        # decayed sums: seconds per token vs batch size
+        *("dc_n", "dc_sx", "dc_sy", "dc_sxx", "dc_sxy"),
+        "engine_ttft_s",  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
+        "engine_itl_s",  # engine's mean inter-token latency over the last scrape interval
+        "late_share",  # prefill allowance: a high quantile of recent errors, each a share of its predicted time
+        "late_at",  # when the prefill allowance last moved (it narrows with time since then)
+        "tpot_late_share",  # TPOT allowance: a high quantile of recent TPOT errors, each a share of its prediction
+        "tpot_late_at",  # when the TPOT allowance last moved
+        "prefill_busy",  # prefill seconds sent per second there lately (decayed): the share of its time prefilling
+        "prefill_busy_at",  # when prefill_busy was last updated
+        "group_tokens",  # uncached tokens of the prefills completed in the current group (one engine step, about)
+        "group_start",  # when the current group's work started
+        "group_fit",  # 1.0: a member of the current group is a sample for the fit
+        "avoid_until",  # cluster mode: wall-clock time until which another replica finds it broken (0: none)
+    )
+
 
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2
 
-# Global counters.
-# G_DRAINING: the whole Coordinator is shutting down (set by the main process, app.py). Index 15 (once a
-# global admission-queue count) is unused: that count is per worker now (W_QUEUED), so that a dead worker's
-# share can be given back.
-G_DOC_VERSION, G_DOC_LEN, G_RR, G_RATE_TOKENS_MILLI, G_RATE_STAMP_US, G_DRAINING = range(6)
-# A reload the main process accepted (workers/reload.py): its count, and the length of its pickled Settings.
-G_CONFIG_GEN, G_CONFIG_LEN = 7, 6
-# Cluster mode (serving/cluster.py): the stored instance set's version this replica applied, whether the store
-# answered the sync owner's last round trip (1) or not (0), the live replicas it saw, and when (wall-clock ms).
-G_CLUSTER_VERSION, G_STORE_UP, G_REPLICAS, G_SYNCED_AT_MS = 8, 9, 10, 11
-G_STORE_LOSSES = 12  # the times the sync owner found the store had lost its data: each worker re-publishes its count
-GLOBAL_FIELDS = 16
 
-# Per-worker rows, one per Sanic worker index: admission counters and the heartbeat. Each worker writes only
-# its own row, the caps sum the rows, and the main process zeroes the row of a worker that died (nothing
-# else writes it) and watches the heartbeats (workers/supervisor.py).
-W_INFLIGHT = 0  # requests admitted and being served (serving/door.py)
-W_QUEUED = 1  # requests waiting in this worker's SLO admission queue (scheduling/admission.py)
-W_HEARTBEAT_MS = 2  # when the worker's event loop last ran its heartbeat (CLOCK_MONOTONIC ms; 0: not yet)
-WORKER_FIELDS = 4
+class Globals(Table):
+    """The Coordinator's single counters."""
+
+    _fields_ = [
+        ("doc_version", ctypes.c_int64),  # the instance document's version and length (scheduling/registry.py)
+        ("doc_len", ctypes.c_int64),
+        ("rr", ctypes.c_int64),  # the round-robin policies' turn
+        ("rate_tokens_milli", ctypes.c_int64),  # the rate limit's bucket (serving/door.py)
+        ("rate_stamp_us", ctypes.c_int64),
+        ("draining", ctypes.c_int64),  # the whole Coordinator is shutting down (set by the main process, app.py)
+        # A reload the main process accepted (workers/reload.py): its count, and the length of its pickled Settings.
+        ("config_gen", ctypes.c_int64),
+        ("config_len", ctypes.c_int64),
+        # Cluster mode (serving/cluster.py): the stored instance set's version this replica applied, whether the
+        # store answered the sync owner's last round trip (1) or not (0), the live replicas it saw, and when
+        # (wall-clock ms).
+        ("cluster_version", ctypes.c_int64),
+        ("store_up", ctypes.c_int64),
+        ("replicas", ctypes.c_int64),
+        ("synced_at_ms", ctypes.c_int64),
+        # The times the sync owner found the store had lost its data: each worker re-publishes its count.
+        ("store_losses", ctypes.c_int64),
+    ]
+
+
+class WorkerRow(Table):
+    """One Sanic worker's admission counters and heartbeat. Each worker writes only its own row, the caps sum
+    the rows, and the main process zeroes the row of a worker that died (nothing else writes it) and watches
+    the heartbeats (workers/supervisor.py)."""
+
+    _fields_ = [
+        ("inflight", ctypes.c_int64),  # requests admitted and being served (serving/door.py)
+        ("queued", ctypes.c_int64),  # requests waiting in this worker's SLO admission queue (scheduling/admission.py)
+        # when the worker's event loop last ran its heartbeat (CLOCK_MONOTONIC ms; 0: not yet)
+        ("heartbeat_ms", ctypes.c_int64),
+    ]
+
 
 # The prefix index (scheduling/affinity.py): open-addressed entries of (chained block hash, bit mask of the
-# slots that prefilled that prefix, the slot that did so last).
+# slots that prefilled that prefix, the slot that did so last), a column per field.
 PREFIX_ENTRIES = 1 << 16
-PREFIX_FIELDS = 3
 
-# Prefill usage in trigger mode (serving/usage.py PrefillUsages): per worker, slots of (request id hash, prompt
-# tokens, cached tokens + 1, when written) written by the worker that relayed P's answer to an engine's
-# metaserver call, read by the worker whose client request's decode leg reports usage.
+
+class PrefixTable(Table):
+    _fields_ = [
+        ("key", ctypes.c_uint64 * PREFIX_ENTRIES),
+        ("slots", ctypes.c_uint64 * PREFIX_ENTRIES),
+        ("last", ctypes.c_uint64 * PREFIX_ENTRIES),
+    ]
+
+
+# Prefill usage in trigger mode (serving/usage.py PrefillUsages): per worker, slots written by the worker that
+# relayed P's answer to an engine's metaserver call, read by the worker whose client request's decode leg
+# reports usage.
 PREFILL_USAGE_SLOTS = 1024
-PREFILL_USAGE_FIELDS = 4
 
-# Where each stored Responses API response was served (state/response_homes.py): sets of ways, each way
-# (response id hash, instance id, endpoint id, when written); a new id takes its set's oldest way.
+
+class PrefillUsage(Table):
+    _fields_ = [
+        ("key", ctypes.c_int64),  # the request id's hash (0: empty)
+        ("prompt_tokens", ctypes.c_int64),
+        ("cached_plus_one", ctypes.c_int64),  # cached tokens + 1 (0: P's answer had no cached count)
+        ("written_ns", ctypes.c_int64),  # when written (CLOCK_MONOTONIC)
+    ]
+
+
+class PrefillUsageRow(Table):
+    _fields_ = [("slots", PrefillUsage * PREFILL_USAGE_SLOTS)]
+
+
+# Where each stored Responses API response was served (state/response_homes.py): sets of ways; a new id takes
+# its set's oldest way.
 RESPONSE_HOME_SETS = 8192
 RESPONSE_HOME_WAYS = 8
-RESPONSE_HOME_FIELDS = 4
-RESPONSE_HOME_WORDS = RESPONSE_HOME_SETS * RESPONSE_HOME_WAYS * RESPONSE_HOME_FIELDS
+
+
+class ResponseHome(Table):
+    _fields_ = [
+        ("key", ctypes.c_int64),  # the response id's hash (0: a free way)
+        ("instance_id", ctypes.c_int64),
+        ("endpoint_id", ctypes.c_int64),
+        ("written_ns", ctypes.c_int64),  # when written (CLOCK_MONOTONIC)
+    ]
+
+
+class ResponseHomeSet(Table):
+    _fields_ = [("ways", ResponseHome * RESPONSE_HOME_WAYS)]
 
 
 @dataclass
 class SharedState:
-    """The raw shared arrays; picklable into spawned workers."""
+    """The raw shared arrays of the tables above; picklable into spawned workers."""
 
     doc: Any  # RawArray of bytes: the JSON instance document
-    ledger: Any  # RawArray int64 [(MAX_WORKERS + 1) * LEDGER_ROW]: the workers' rows, then REMOTE_ROW
-    endpoints: Any  # RawArray double [MAX_SLOTS * ENDPOINT_FIELDS]: health, scraped load, learned model
-    globals: Any  # RawArray int64 [GLOBAL_FIELDS]
+    ledger: Any  # RawArray of LedgerRow [MAX_WORKERS + 1]: the workers' rows, then REMOTE_ROW
+    endpoints: Any  # RawArray of EndpointRow [MAX_SLOTS]: health, scraped load, learned model
+    globals: Any  # RawValue of Globals
     lock: Any  # a multiprocessing lock for the rare writes (instance refresh, rate limit bucket, learned model)
-    prefix: Any = None  # RawArray uint64 [PREFIX_ENTRIES * PREFIX_FIELDS]
-    workers: Any = None  # RawArray int64 [MAX_WORKERS * WORKER_FIELDS]: per-worker admission counters
-    prefill_usage: Any = None  # RawArray int64 [MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS]
-    response_homes: Any = None  # RawArray int64 [RESPONSE_HOME_WORDS]: where stored responses were served
-    config: Any = None  # RawArray of bytes: the Settings a reload accepted, pickled (G_CONFIG_LEN of them)
+    prefix: Any = None  # RawValue of PrefixTable
+    workers: Any = None  # RawArray of WorkerRow [MAX_WORKERS]: per-worker admission counters
+    prefill_usage: Any = None  # RawArray of PrefillUsageRow [MAX_WORKERS]
+    response_homes: Any = None  # RawArray of ResponseHomeSet [RESPONSE_HOME_SETS]: where stored responses were served
+    config: Any = None  # RawArray of bytes: the Settings a reload accepted, pickled (`globals.config_len` of them)
 
     @classmethod
     def create(cls) -> SharedState:
         ctx = multiprocessing.get_context("spawn")
         return cls(
             doc=ctx.RawArray(ctypes.c_char, DOC_BYTES),
-            ledger=ctx.RawArray(ctypes.c_int64, (MAX_WORKERS + 1) * LEDGER_ROW),
-            endpoints=ctx.RawArray(ctypes.c_double, MAX_SLOTS * ENDPOINT_FIELDS),
-            globals=ctx.RawArray(ctypes.c_int64, GLOBAL_FIELDS),
+            ledger=ctx.RawArray(LedgerRow, MAX_WORKERS + 1),
+            endpoints=ctx.RawArray(EndpointRow, MAX_SLOTS),
+            globals=ctx.RawValue(Globals),
             lock=ctx.Lock(),
-            prefix=ctx.RawArray(ctypes.c_uint64, PREFIX_ENTRIES * PREFIX_FIELDS),
-            workers=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * WORKER_FIELDS),
-            prefill_usage=ctx.RawArray(ctypes.c_int64, MAX_WORKERS * PREFILL_USAGE_SLOTS * PREFILL_USAGE_FIELDS),
-            response_homes=ctx.RawArray(ctypes.c_int64, RESPONSE_HOME_WORDS),
+            prefix=ctx.RawValue(PrefixTable),
+            workers=ctx.RawArray(WorkerRow, MAX_WORKERS),
+            prefill_usage=ctx.RawArray(PrefillUsageRow, MAX_WORKERS),
+            response_homes=ctx.RawArray(ResponseHomeSet, RESPONSE_HOME_SETS),
             config=ctx.RawArray(ctypes.c_char, CONFIG_BYTES),
         )
 
@@ -181,17 +256,23 @@ class SharedState:
     def clear_worker(self, worker: int) -> None:
         """Zero what worker `worker` holds: its ledger row and its admission counters. Safe only while that
         worker does not run (it alone writes them): at its start, or in the main process after it died."""
-        ctypes.memset(ctypes.addressof(self.ledger) + worker * LEDGER_ROW * 8, 0, LEDGER_ROW * 8)
+        _clear(self.ledger[worker])
         if self.workers is not None:
-            ctypes.memset(ctypes.addressof(self.workers) + worker * WORKER_FIELDS * 8, 0, WORKER_FIELDS * 8)
+            _clear(self.workers[worker])
 
 
-def worker_sum(arr: Any, rows: range, field: int) -> int:
-    """`field` summed over the per-worker rows `rows` (offsets into `arr`)."""
-    total = 0
-    for row in rows:
-        total += arr[row + field]
-    return total
+def _clear(row: ctypes.Structure) -> None:
+    ctypes.memset(ctypes.addressof(row), 0, ctypes.sizeof(row))
+
+
+def endpoint_rows(shared: SharedState) -> list[EndpointRow]:
+    """Views of every slot's row of the endpoint table, to keep (making a view costs more than reading it)."""
+    return [shared.endpoints[slot] for slot in range(MAX_SLOTS)]
+
+
+def worker_rows(shared: SharedState, worker: int, num_workers: int) -> tuple[WorkerRow, ...]:
+    """The per-worker rows the caps sum, as seen by worker `worker`: every configured worker's, and its own."""
+    return tuple(shared.workers[i] for i in range(max(num_workers, worker + 1)))
 
 
 _FIELDS = (

@@ -124,7 +124,7 @@ def test_what_one_replica_learned_of_an_engine_reaches_a_replica_that_has_not(re
     from config import ClusterConfig, Endpoint, Instance, Settings
     from scheduling.registry import Registry
     from serving.cluster import LEARNED, Cluster
-    from state.shared import ENDPOINT_FIELDS, EP_DC_N, EP_PF_N, EP_PREFILL_TPS, SharedState
+    from state.shared import SharedState
 
     url = f"redis://:s3cret%20pass@127.0.0.1:{redis.port}/0"
     settings = replace(Settings(), cluster=ClusterConfig(redis_url=url, key_prefix="t3:"))
@@ -138,10 +138,10 @@ def test_what_one_replica_learned_of_an_engine_reaches_a_replica_that_has_not(re
 
     (a, sa), (b, sb) = replica("A"), replica("B")
     slot = a.registry.view().targets[0].slot
-    base = slot * ENDPOINT_FIELDS
+    ea = sa.endpoints[slot]
     for f in LEARNED:
-        sa.endpoints[base + f] = 0.5
-    sa.endpoints[base + EP_PF_N], sa.endpoints[base + EP_DC_N], sa.endpoints[base + EP_PREFILL_TPS] = 12.0, 9.0, 4321.0
+        setattr(ea, f, 0.5)
+    ea.pf_n, ea.dc_n, ea.prefill_tps = 12.0, 9.0, 4321.0
 
     async def go():
         await a._sync()
@@ -152,5 +152,5 @@ def test_what_one_replica_learned_of_an_engine_reaches_a_replica_that_has_not(re
 
     run(go())
     bslot = b.registry.view().targets[0].slot
-    assert [sb.endpoints[bslot * ENDPOINT_FIELDS + f] for f in LEARNED] == [sa.endpoints[base + f] for f in LEARNED]
-    assert sa.endpoints[base + EP_PREFILL_TPS] == 4321.0  # A kept its own
+    assert [getattr(sb.endpoints[bslot], f) for f in LEARNED] == [getattr(ea, f) for f in LEARNED]
+    assert ea.prefill_tps == 4321.0  # A kept its own

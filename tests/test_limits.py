@@ -23,7 +23,7 @@ from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.loopback import free_port, wait_until
 from serving.door import Door
-from state.shared import G_RATE_STAMP_US, G_RATE_TOKENS_MILLI, SharedState
+from state.shared import SharedState
 
 MODEL, FLAKY, GONE = "lim", "lim-flaky", "lim-gone"
 CAP = 4
@@ -89,9 +89,9 @@ def test_rate_limit_bucket_survives_a_stamp_ahead_of_the_clock():
     assert [admission._take_rate_token() == 0.0 for _ in range(21)] == [True] * 20 + [False]  # a burst of 20
     time.sleep(0.1)
     assert admission._take_rate_token() == 0.0  # refilled at 20 a second
-    admission.shared.globals[G_RATE_STAMP_US] = 2**52  # far ahead of any clock
+    admission.shared.globals.rate_stamp_us = 2**52  # far ahead of any clock
     admission._take_rate_token()
-    assert admission.shared.globals[G_RATE_TOKENS_MILLI] >= 0  # no negative time, no debt
+    assert admission.shared.globals.rate_tokens_milli >= 0  # no negative time, no debt
     time.sleep(0.1)
     assert admission._take_rate_token() == 0.0
 

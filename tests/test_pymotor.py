@@ -25,7 +25,7 @@ from harness.clients import openai_client
 from harness.configs import api_config, instance
 from harness.coordinator import Coordinator
 from scheduling.health import Health
-from state.shared import EP_OPEN_UNTIL, SharedState
+from state.shared import SharedState
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 NOTE = "accepted, changes nothing here"
@@ -341,7 +341,7 @@ def test_circuit_open_time_doubles_per_trip_up_to_its_cap():
     opened = []
     for _ in range(6):
         health.record_failure(0)
-        opened.append(round(health.h[EP_OPEN_UNTIL] - time.time()) if health.breaker(0) == "open" else 0)
+        opened.append(round(health.get(0, "open_until") - time.time()) if health.breaker(0) == "open" else 0)
     assert opened == [0, 1, 2, 4, 5, 5]
     health.record_success(0)
     assert health.breaker(0) == "closed"

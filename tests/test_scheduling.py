@@ -37,19 +37,7 @@ from scheduling.tokens import (
     make_meter,
     render_chatml,
 )
-from state.shared import (
-    ENDPOINT_FIELDS,
-    EP_DC_N,
-    EP_ENGINE_ITL_S,
-    EP_ENGINE_TTFT_S,
-    EP_LAST_DONE,
-    EP_LATE_AT,
-    EP_LATE_SHARE,
-    EP_PF_N,
-    EP_QUEUE_SHIFT_S,
-    EP_QUEUE_UNTIL,
-    SharedState,
-)
+from state.shared import SharedState
 
 MODEL = "m"
 BLOCK = 16
@@ -466,7 +454,7 @@ def test_allowances_narrow_with_time_without_evidence():
 
 def test_engine_itl_stands_in_for_an_unknown_decode_model():
     world = World()
-    world.health.put(5, EP_ENGINE_ITL_S, 0.04)
+    world.health.put(5, "engine_itl_s", 0.04)
     assert world.predictor.decode_known(5) and world.predictor.step_s(5, 3) == 0.04
 
 
@@ -489,7 +477,7 @@ def test_leases_and_holds_give_everything_back_once():
         l1.release()
         l2.release()
         hold.release()
-    assert not any(a.arr)  # no worker holds anything on any slot
+    assert not any(bytes(shared.ledger))  # no worker holds anything on any slot
     assert seen == [l1]  # only a successful lease is learned from, once
 
 
@@ -771,7 +759,7 @@ def test_a_leg_retries_where_it_was_chosen_and_leases_its_engine():
     assert w.ledger.held(decode.target.slot) == 1
     lease.release()
     hold.release()
-    assert not any(w.ledger.arr)
+    assert not any(bytes(w.shared.ledger))
 
 
 def test_scheduler_leases_feed_the_model_and_the_index():
@@ -789,7 +777,7 @@ def test_scheduler_leases_feed_the_model_and_the_index():
     dl.events = 20
     dl.succeed()
     dl.release()
-    assert not any(w.ledger.arr)
+    assert not any(bytes(w.shared.ledger))
     again = job(640, hashes=info.block_hashes)
     assert sched.policy.uncached(sched.registry.view().pool(MODEL, "prefill")[0], again) == 1
 
@@ -801,7 +789,7 @@ def test_a_worker_fits_at_most_one_request_per_slot_per_learn_interval_but_every
         assert sched.learn_interval_s == LEARN_INTERVAL_S
         sched.learn_interval_s = interval_s
         p = sched.registry.view().pool(MODEL, "prefill")[0]
-        h, base = w.shared.endpoints, p.slot * ENDPOINT_FIELDS
+        e = w.shared.endpoints[p.slot]
         seen = []
         for _ in range(n):
             lease = sched.lease(p, job(640), PREFILL)
@@ -810,7 +798,7 @@ def test_a_worker_fits_at_most_one_request_per_slot_per_learn_interval_but_every
             # own: completions within GROUP_S of each other are one sample.
             time.sleep(2 * GROUP_S)
             lease.release()
-            seen.append((h[base + EP_PF_N], h[base + EP_QUEUE_SHIFT_S], h[base + EP_LAST_DONE] == lease.ended))
+            seen.append((e.pf_n, e.queue_shift_s, e.last_done == lease.ended))
         return seen
 
     sampled = prefills(60.0, 3)
@@ -828,26 +816,26 @@ def test_a_json_answer_records_its_prefix_and_settles_the_queue_only_when_early(
     sched = Scheduler(Registry(w.shared), w.ledger, w.health, w.policy)
     u = target(0, "union")
     teach_prefill(w.predictor, 0, 1000.0)  # 640 tokens: 0.65 s predicted
-    h, base = w.shared.endpoints, 0
-    fitted, last_done = h[base + EP_PF_N], h[base + EP_LAST_DONE]
+    e = w.shared.endpoints[0]
+    fitted, last_done = e.pf_n, e.last_done
 
     info = job(640, hashes=chained_hashes(b"q" * 64 * 40, 64))
     early = sched.lease(u, info, WHOLE, learn=False)
     behind = queue_work(w, 0, 640)  # queued behind it: its predicted finish moves up too
-    queue_end = h[base + EP_QUEUE_UNTIL]
+    queue_end = e.queue_until
     early.succeed()
     early.release()  # answered well before its predicted prefill finish
-    moved = queue_end - h[base + EP_QUEUE_UNTIL]
+    moved = queue_end - e.queue_until
     assert moved == pytest.approx(early.predicted - early.ended, abs=1e-6) and moved > 0.5
     assert w.index.cached_blocks(info.block_hashes, 0) == 40
-    assert (h[base + EP_PF_N], h[base + EP_LAST_DONE]) == (fitted, last_done)  # no sample, no completion time
+    assert (e.pf_n, e.last_done) == (fitted, last_done)  # no sample, no completion time
 
     late = sched.lease(u, job(640), WHOLE, learn=False)
     late.predicted = late.started - 1.0  # as if predicted to finish a second ago: the answer says nothing
-    queue_end = h[base + EP_QUEUE_UNTIL]
+    queue_end = e.queue_until
     late.succeed()
     late.release()
-    assert h[base + EP_QUEUE_UNTIL] == queue_end
+    assert e.queue_until == queue_end
     behind.release()
 
 
@@ -864,14 +852,14 @@ def test_a_streams_prefix_is_indexed_at_its_first_token_not_at_its_release():
     assert w.policy.choose([target(0, "union"), target(1, "union")], job(640, hashes=info.block_hashes)).slot == 1
     lease.succeed()
     lease.release()
-    assert not any(w.ledger.arr)
+    assert not any(bytes(w.shared.ledger))
 
 
 def test_decode_samples_are_chosen_at_the_start_and_only_learnable_leases_use_the_turn():
     sched, w = scheduler("slo_aware", "off")
     sched.learn_interval_s = 60.0
     d = sched.registry.view().pool(MODEL, "decode")[0]
-    h, base = w.shared.endpoints, d.slot * ENDPOINT_FIELDS
+    e = w.shared.endpoints[d.slot]
 
     def decode(learn: bool):
         lease = sched.lease(d, job(640), DECODE, learn=learn)
@@ -885,11 +873,11 @@ def test_decode_samples_are_chosen_at_the_start_and_only_learnable_leases_use_th
     first, second = decode(learn=True), decode(learn=True)  # second starts within the interval: no sample
     assert (json_answer.sample, first.sample, second.sample) == (False, True, False)
     second.release()  # finishing first does not make it the sample
-    assert h[base + EP_DC_N] == 0.0
+    assert e.dc_n == 0.0
     first.release()
-    assert h[base + EP_DC_N] == 1.0
+    assert e.dc_n == 1.0
     json_answer.release()
-    assert h[base + EP_DC_N] == 1.0
+    assert e.dc_n == 1.0
 
 
 def test_reject_admission_refuses_a_plan_over_budget():
@@ -920,7 +908,7 @@ def test_queue_admission_waits_for_capacity_then_admits():
         sched.queue.poke()
         plan = await asyncio.wait_for(waiting, 2.0)
         assert plan.prefill.slot == p and info.feasible is True
-        assert w.shared.globals[15] == 0  # the shared queue count is back to zero
+        assert w.shared.workers[0].queued == 0  # this worker's shared queue count is back to zero
 
     asyncio.run(scenario())
 
@@ -951,8 +939,8 @@ def test_idle_engines_are_never_refused_a_request_they_can_serve():
     p, d = slots(sched)
     teach_prefill(w.predictor, p, 1000.0)
     teach_decode(w.predictor, d, 0.02, 0.005)
-    w.health.put(p, EP_LATE_SHARE, 5.0)  # a bad moment, just now, left an allowance of five times the prediction
-    w.health.put(p, EP_LATE_AT, time.monotonic())
+    w.health.put(p, "late_share", 5.0)  # a bad moment, just now, left an allowance of five times the prediction
+    w.health.put(p, "late_at", time.monotonic())
     assert w.predictor.allowance_s(p, 1.0, time.monotonic()) == pytest.approx(5.0, rel=0.05)
     plan = asyncio.run(admit(sched, job(500, ttft_ms=3000)))  # 0.5 s expected: served, and learned from
     assert plan.prefill.slot == p
@@ -994,16 +982,16 @@ def test_scrape_keeps_gauges_and_interval_means():
     scrapes.update(
         4, parse_engine_metrics(METRICS.format(running=3, ttft_sum=10.0, ttft_count=10, itl_sum=1.0, itl_count=100))
     )
-    assert health.engine_load(4) == (3.0, 2.0, 0.25) and health.get(4, EP_ENGINE_TTFT_S) == 0.0
+    assert health.engine_load(4) == (3.0, 2.0, 0.25) and health.get(4, "engine_ttft_s") == 0.0
     scrapes.update(
         4, parse_engine_metrics(METRICS.format(running=5, ttft_sum=16.0, ttft_count=12, itl_sum=5.0, itl_count=200))
     )
-    assert health.get(4, EP_ENGINE_TTFT_S) == pytest.approx(3.0)  # 6 s over 2 requests in the interval
-    assert health.get(4, EP_ENGINE_ITL_S) == pytest.approx(0.04)
+    assert health.get(4, "engine_ttft_s") == pytest.approx(3.0)  # 6 s over 2 requests in the interval
+    assert health.get(4, "engine_itl_s") == pytest.approx(0.04)
     scrapes.update(
         4, parse_engine_metrics(METRICS.format(running=0, ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0))
     )
-    assert health.get(4, EP_ENGINE_ITL_S) == pytest.approx(0.04)  # an engine restart is not a sample
+    assert health.get(4, "engine_itl_s") == pytest.approx(0.04)  # an engine restart is not a sample
 
 
 def test_a_long_prompts_hashes_cover_prefixes_sparsely_and_find_a_shared_prefix_to_within_an_eighth():

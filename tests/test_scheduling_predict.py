@@ -24,7 +24,6 @@ from scheduling.policies import JobInfo
 from scheduling.predict import ALLOWANCE_HALF_LIFE_S, ALLOWANCE_QUIET_S
 from scheduling.registry import Registry
 from scheduling.scheduler import NoCapacity, Scheduler
-from state.shared import ENDPOINT_FIELDS, EP_LATE_AT, EP_LATE_SHARE, EP_QUEUE_UNTIL, EP_WAITING
 from tests.test_scheduling import MODEL, World, admit, target
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "engine_sim_trace.json")
@@ -112,7 +111,7 @@ def test_an_engines_scraped_queue_beyond_ours_delays_the_prediction():
     behind, _, _ = w.policy.predict_prefill(p, JobInfo(MODEL, 500, 1, 1e9, 1e9), now)
     mean = w.predictor.prefill_s(0, int(w.predictor.mean_prefill_tokens(0)))
     assert behind == pytest.approx(alone + 4 * mean)
-    assert w.health.get(0, EP_WAITING) == 4.0
+    assert w.health.get(0, "waiting") == 4.0
 
 
 def test_the_virtual_queue_never_exceeds_the_work_in_flight():
@@ -122,7 +121,7 @@ def test_the_virtual_queue_never_exceeds_the_work_in_flight():
     p, now = target(0, "prefill"), time.monotonic()
     lease = w.ledger.lease(0, 1000, 1)
     w.predictor.start_prefill(0, 1000, now, idle=True)
-    w.predictor.h[0 * ENDPOINT_FIELDS + EP_QUEUE_UNTIL] = now + 50.0  # the queue's end drifted 50 s ahead
+    w.predictor.rows[0].queue_until = now + 50.0  # the queue's end drifted 50 s ahead
     finish, service, _ = w.policy.predict_prefill(p, JobInfo(MODEL, 500, 1, 1e9, 1e9), now)
     assert finish == pytest.approx(w.predictor.prefill_s(0, 1000) + service, rel=0.01)
     lease.release()
@@ -165,12 +164,12 @@ def test_a_bad_moment_does_not_shut_admission_for_good():
     teach_decode(w.predictor, d.slot, 0.01, 0.001)
     busy = w.ledger.lease(d.slot, 0, 10, prefilling=False)  # engines at work: the idle rule does not apply
     now = time.monotonic()
-    w.health.put(p.slot, EP_LATE_SHARE, 20.0)
-    w.health.put(p.slot, EP_LATE_AT, now)
+    w.health.put(p.slot, "late_share", 20.0)
+    w.health.put(p.slot, "late_at", now)
     with pytest.raises(OverBudget) as refused:
         sched.try_admit(JobInfo(MODEL, 500, 20, 3000, 100))
     assert refused.value.retry_after_s >= 1.0
-    w.health.put(p.slot, EP_LATE_AT, now - ALLOWANCE_QUIET_S - 8 * ALLOWANCE_HALF_LIFE_S)  # a quiet spell since
+    w.health.put(p.slot, "late_at", now - ALLOWANCE_QUIET_S - 8 * ALLOWANCE_HALF_LIFE_S)  # a quiet spell since
     plan = sched.try_admit(JobInfo(MODEL, 500, 20, 3000, 100))
     assert plan is not None and plan.prefill.slot == p.slot
     busy.release()
@@ -188,8 +187,8 @@ def test_admission_checks_both_budgets_with_the_allowance():
     with pytest.raises(OverBudget):  # TPOT: a 10 ms step against a 10 ms budget
         sched.try_admit(JobInfo(MODEL, 100, 20, 3000, 10))
     now = time.monotonic()
-    w.health.put(p.slot, EP_LATE_SHARE, 1.5)  # recent misses: 150 % of the predicted time to spare
-    w.health.put(p.slot, EP_LATE_AT, now)
+    w.health.put(p.slot, "late_share", 1.5)  # recent misses: 150 % of the predicted time to spare
+    w.health.put(p.slot, "late_at", now)
     with pytest.raises(OverBudget):  # 1 s + 1.5 s allowance > 85 % of 3 s
         sched.try_admit(JobInfo(MODEL, 1000, 20, 3000, 100))
     busy.release()

@@ -433,14 +433,14 @@ def _watched_workers(ages_s: tuple[float, ...]):
     with the shared state and the manager a Supervisor watches them through."""
     from sanic.worker.constants import ProcessState
 
-    from state.shared import W_HEARTBEAT_MS, WORKER_FIELDS, SharedState
+    from state.shared import SharedState
 
     shared = SharedState.create()
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in ages_s]
     try:
         now_ms = int(time.monotonic() * 1000)
         for worker, age_s in enumerate(ages_s):
-            shared.workers[worker * WORKER_FIELDS + W_HEARTBEAT_MS] = now_ms - int(age_s * 1000)
+            shared.workers[worker].heartbeat_ms = now_ms - int(age_s * 1000)
         processes = [_Process(f"Sanic-Server-{i}-0", ProcessState.ACKED, _OS(p.pid)) for i, p in enumerate(sleepers)]
         yield shared, _Manager(processes), sleepers
     finally:

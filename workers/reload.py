@@ -12,7 +12,7 @@ by the kernel's tick, and two writes of one size within a tick look alike.
 When the files' bytes changed, the config is validated again exactly as at start (config.load) and must not
 leave out a security or limit key the running file writes (config.live.check_nothing_left_out). A file that
 fails changes nothing, said in one ERROR line. Otherwise its live keys, merged into the running settings
-(config.live), are published pickled in shared memory and G_CONFIG_GEN bumped; each changed key that needs a
+(config.live), are published pickled in shared memory and `globals.config_gen` bumped; each changed key that needs a
 restart is named in one WARNING line. One judge for all workers: they never disagree, whichever files they saw.
 
 Each worker's `Reloader` looks at the counter every `POLL_S` and applies the published settings from its next
@@ -34,7 +34,7 @@ from typing import Any
 
 from config import ConfigError, Settings, parse_config, read_config, settings_from_dict
 from config.live import GUARDED, check_nothing_left_out, merge, overridden, section_of
-from state.shared import G_CONFIG_GEN, G_CONFIG_LEN, SharedState
+from state.shared import SharedState
 
 log = logging.getLogger("coordinator.reload")
 POLL_S = 0.25  # how often the main process looks at the files, and a worker at the counter
@@ -152,13 +152,13 @@ def publish(shared: SharedState, settings: Settings) -> None:
     g = shared.globals
     with shared.lock:
         shared.config[: len(data)] = data
-        g[G_CONFIG_LEN] = len(data)
-        g[G_CONFIG_GEN] += 1
+        g.config_len = len(data)
+        g.config_gen += 1
 
 
 def published(shared: SharedState) -> Settings:
     with shared.lock:
-        data = shared.config[: shared.globals[G_CONFIG_LEN]]
+        data = shared.config[: shared.globals.config_len]
     return pickle.loads(data)  # written by this Coordinator's main process, into memory only it shares
 
 
@@ -188,7 +188,7 @@ class Reloader:
                 log.exception("config: applying a reload in worker %d failed", self.worker)
 
     def catch_up(self) -> None:
-        gen = self.shared.globals[G_CONFIG_GEN]
+        gen = self.shared.globals.config_gen
         if gen != self.gen:
             self.gen = gen
             settings = published(self.shared)

@@ -47,7 +47,7 @@ import time
 import weakref
 from typing import Any
 
-from state.shared import G_DRAINING, W_HEARTBEAT_MS, WORKER_FIELDS, SharedState, worker_index
+from state.shared import SharedState, worker_index
 
 log = logging.getLogger("coordinator.supervisor")
 
@@ -72,11 +72,11 @@ def start_heartbeat(shared: SharedState, worker: int, watch_parent: bool = True)
     on the inherited sockets and answer readiness with 200, and hold the ports against a new Coordinator: it
     stops itself instead, as a stop signal to it alone would (a drain, then exit)."""
     loop = asyncio.get_running_loop()
-    beats, at = shared.workers, worker * WORKER_FIELDS + W_HEARTBEAT_MS
+    mine = shared.workers[worker]
     parent = os.getppid() if watch_parent else None
 
     def beat() -> None:
-        beats[at] = int(time.monotonic() * 1000)  # CLOCK_MONOTONIC: one clock for every process of the machine
+        mine.heartbeat_ms = int(time.monotonic() * 1000)  # CLOCK_MONOTONIC: one clock for every process of the machine
         if parent is not None and os.getppid() != parent:
             log.error("worker %s (pid %s): the main process (pid %s) is gone: stopping", worker, os.getpid(), parent)
             os.kill(os.getpid(), signal.SIGTERM)
@@ -131,7 +131,7 @@ class Supervisor:
             self.stopped_pids = {p.pid for p in self._servers() if p.is_alive()}  # the ones Sanic's shutdown stops
             threading.Thread(target=self._kill_at_stop_deadline, name="motor-stop-deadline", daemon=True).start()
         self.stopping = True
-        self.shared.globals[G_DRAINING] = 1  # before the workers hear of it: readiness 503 on every worker
+        self.shared.globals.draining = 1  # before the workers hear of it: readiness 503 on every worker
         if not self._startup_over():
             self._exit_during_startup(sig)
         with self.pipe_lock:
@@ -198,7 +198,7 @@ class Supervisor:
     def _run(self) -> None:
         while not self.stopping:
             time.sleep(self.interval_s)
-            if self.stopping or self.shared.globals[G_DRAINING] or getattr(self.manager, "_shutting_down", False):
+            if self.stopping or self.shared.globals.draining or getattr(self.manager, "_shutting_down", False):
                 self._stop_late_restarts()
                 return
             if not self._startup_over():
@@ -223,7 +223,7 @@ class Supervisor:
 
     def _silence(self, process: Any, current: Any, now: float) -> float:
         """How long a live worker's event loop has not run its heartbeat (0: not beating yet, or killed)."""
-        beat_ms = self.shared.workers[worker_index(process.name) * WORKER_FIELDS + W_HEARTBEAT_MS]
+        beat_ms = self.shared.workers[worker_index(process.name)].heartbeat_ms
         if not beat_ms or current in self.killed:
             return 0.0  # starting (its row was zeroed), or already killed
         return now - beat_ms / 1000
