@@ -33,7 +33,7 @@ import uuid
 
 import ujson
 
-from config import Settings, address_key
+from config import Live, address_key
 from errors import RateLimited
 from scheduling.registry import RefreshError, RefreshResult, Registry
 from serving.metrics import store_calls
@@ -105,15 +105,15 @@ class Cluster:
 
     def __init__(
         self,
-        settings: Settings,
+        live: Live,
         shared: SharedState,
         worker: int,
         replica: str,
         registry: Registry,
         on_event=None,
     ):
-        c = settings.cluster
-        self.s, self.shared, self.worker, self.replica, self.registry = settings, shared, worker, replica, registry
+        c = live.s.cluster
+        self.live, self.shared, self.worker, self.replica, self.registry = live, shared, worker, replica, registry
         self.on_event = on_event  # (kind, payload dict): an event another replica published
         self.store = ClusterStore(
             c.redis_url,
@@ -127,7 +127,7 @@ class Cluster:
         self.ttl_ms = int(c.replica_ttl_s * 1000)
         self.connected = True  # until a round trip says otherwise
         self.owner = worker == 0
-        self.rows = range(0, max(settings.num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)  # as the door's
+        self.rows = range(0, max(live.s.num_workers, worker + 1) * WORKER_FIELDS, WORKER_FIELDS)  # as the door's
         self.tasks: list[asyncio.Task] = []
         # This worker's requests the store counted: in flight, ended and not yet taken off there, and the admit
         # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
@@ -168,7 +168,7 @@ class Cluster:
         elif verdict == 1:
             raise RateLimited(f"too many requests in flight (limit {cap} across the cluster)", reason="inflight_cap")
         else:
-            raise RateLimited.by_rate(self.s.error_message, self.s.error_status_code, wait_s)
+            raise RateLimited.by_rate(self.live.s.error_message, self.live.s.error_status_code, wait_s)
 
     def left(self) -> None:
         """A request the store counted ended: taken off at the next call or tick."""
@@ -337,7 +337,7 @@ class Cluster:
     def _report(self) -> bytes:
         """This replica's load per endpoint address (its workers' rows), and the endpoints it finds broken."""
         arr, h, now = self.shared.ledger, self.shared.endpoints, time.time()
-        rows = range(0, self.s.num_workers * LEDGER_ROW, LEDGER_ROW)
+        rows = range(0, self.live.s.num_workers * LEDGER_ROW, LEDGER_ROW)
         load, avoid, learned = {}, {}, {}
         for t in self.registry.view().targets:
             off = t.slot * LEDGER_FIELDS

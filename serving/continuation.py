@@ -296,7 +296,7 @@ class Continuation:
         """Continue the answer on other engines, up to `max_continuations` tries, never on one that failed the
         request (`Leg.continue_elsewhere`); `err` is raised when no continuation happens (the client then gets
         its one SSE error event, as without continuation)."""
-        obs, rec, leg, s = call.up.obs, call.rec, call.leg, call.up.settings
+        obs, rec, leg, s = call.up.obs, call.rec, call.leg, call.up.live.s
         reason = self.why_not(err)
         if reason is not None:
             rec.continuation_refused = reason
@@ -490,6 +490,6 @@ def _named(name: str, obj: dict) -> bytes:
 def continuation_of(call: Call) -> Continuation | None:
     """A fresh continuation state for a client stream's first engine, when reschedule is on."""
     job = call.job
-    if not call.up.settings.reschedule.enable or not job.stream or job.metaserver is not None:
+    if not call.up.live.s.reschedule.enable or not job.stream or job.metaserver is not None:
         return None
     return Continuation(job, call.leg.target.engine_type)

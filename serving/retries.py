@@ -13,7 +13,7 @@ import asyncio
 from functools import partial
 from typing import TYPE_CHECKING
 
-from config import Settings
+from config import Live, Settings
 from errors import EngineStatusError, RateLimited, ServiceUnavailable, UpstreamError
 from scheduling.admission import OverBudget
 from scheduling.health import Health
@@ -38,8 +38,8 @@ def refusal(e: NoCapacity | OverBudget, settings: Settings) -> ServiceUnavailabl
 
 
 class Retries:
-    def __init__(self, settings: Settings, health: Health, observer: Observer):
-        self.s, self.health, self.obs = settings, health, observer
+    def __init__(self, live: Live, health: Health, observer: Observer):
+        self.live, self.health, self.obs = live, health, observer
         self.tracing: Tracing | None = None  # each attempt a span (serving/tracing.py), when tracing is on
 
     def record(self, target: Target, err: Exception | None) -> None:
@@ -74,12 +74,12 @@ class Retries:
                     self.record(target, e)
                 if sink.started and call.cont is not None:  # the client has output: its stream goes on elsewhere
                     return await call.cont.resume(self, call, e)
-                if not e.retryable or sink.started or attempt >= self.s.max_retry:
+                if not e.retryable or sink.started or attempt >= self.live.s.max_retry:
                     raise
                 exclude.add(target.slot)
                 if getattr(e, "retry_after", None) not in (None, "0") and not leg.can_move(exclude):
                     raise  # no other engine, and this one asked for time (429/503 with Retry-After): the client waits it
-                await asyncio.sleep(self.s.backoff_s(attempt))
+                await asyncio.sleep(self.live.s.backoff_s(attempt))
                 if not leg.move(exclude):  # (an open breaker): no retry happens, so none is counted
                     raise e from None
                 attempt += 1
