@@ -1,7 +1,8 @@
 """Every live key, in both workers: one row per key of `config.live.LIVE`, each changed in one running two-worker
 Coordinator by rewriting its config file, and each seen to take effect over HTTP in both workers (each probe is
 sent on fresh connections until the request log shows both workers served one). A key added to LIVE without a
-row here fails the test.
+row here fails the test. Cluster mode, whose rate refusals a replica words itself, is checked apart (one key, with
+a real redis-server).
 
 Each row's file is the base file with the row's change (the previous row's change undone in the same reload).
 Where a key's effect cannot be told without a clock, the row looks at a lower bound (a retry's delay) or at what
@@ -29,6 +30,7 @@ from harness.bodies import chat_body
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator, logged_request_pids
 from harness.loopback import wait_until
+from harness.redis import RedisServer
 from harness.tokenizer import tiny_tokenizer
 from tests.test_faults import FloodEngine
 from tests.test_reload import every_key
@@ -491,3 +493,32 @@ class Held:
     def end(self) -> None:
         self.stop.set()
         self.thread.join(30)
+
+
+def test_cluster_mode_refusals_follow_a_reload_in_both_workers(sims):
+    """In cluster mode the rate check is the cluster store's, and its refusal is worded by the replica's side
+    (serving/cluster.py): a reload's message and status reach it in both workers."""
+    server = RedisServer()
+    try:
+        u = sims("union", model=LIVE_MODEL)
+        limits = {**bucket(1, 1000, 0.001), "error_message": "first words"}
+        whole = {
+            "motor_coordinator_config": coordinator_config(
+                [instance(1, "union", LIVE_MODEL, u.address)],
+                inference_workers_config={"num_workers": 2},
+                rate_limit_config=limits,
+                cluster_config={"redis_url": server.url, "key_prefix": "live:"},
+            )
+        }
+        with Coordinator(whole, wrap=False) as coord:
+            env = Env(coord, {}, "")
+            in_both_workers(env, "error_message", limited(429, "first words"), logged=True)
+            whole["motor_coordinator_config"]["rate_limit_config"] |= {
+                "error_message": "new words",
+                "error_status_code": 503,
+            }
+            save(coord.config_path, whole)
+            assert wait_until(lambda: coord.output().count("reloaded in worker") == 2, timeout_s=10)
+            in_both_workers(env, "error_message", limited(503, "new words"), logged=True)
+    finally:
+        server.stop()
