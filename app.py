@@ -38,6 +38,7 @@ from config import (
     ConfigError,
     Endpoint,
     Instance,
+    Live,
     Settings,
     load_settings,
     resolve_config_path,
@@ -82,7 +83,7 @@ def create_app(settings: Settings) -> Sanic:
     app.config.ACCESS_LOG = settings.access_log
     app.config.FALLBACK_ERROR_FORMAT = "json"
     app.config.MOTD = False
-    app.ctx.settings = settings
+    app.ctx.live = Live(settings)  # what every reader in this worker reads the settings through (apply_settings)
     app.ctx.plane_by_port = {settings.infer_port: INFER, settings.mgmt_port: MGMT, settings.obs_port: OBS}
     register(app)
 
@@ -145,23 +146,22 @@ def create_app(settings: Settings) -> Sanic:
         ctx.registry = Registry(shared)
         clustered = bool(settings.cluster.redis_url)
         ctx.ledger = Ledger(shared, worker, settings.num_workers, remote=clustered)
-        ctx.health = Health(
-            shared, settings.breaker_failure_threshold, settings.breaker_open_s, settings.breaker_max_open_s
-        )
-        ctx.scheduler = build_scheduler(settings, shared, ctx.registry, ctx.ledger, ctx.health)
-        ctx.client = EngineClient(settings)
+        live = ctx.live
+        ctx.health = Health(shared, live)
+        ctx.scheduler = build_scheduler(live, shared, ctx.registry, ctx.ledger, ctx.health)
+        ctx.client = EngineClient(live)
         ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
-        ctx.door = Door(settings, shared, worker)
+        ctx.door = Door(live, shared, worker)
         usages, homes = PrefillUsages(shared, worker, settings.num_workers), SharedResponseHomes(shared)
         ctx.cluster = None
         if clustered:  # replicas act as one (serving/cluster.py)
             replica = os.environ.setdefault("MOTOR_REPLICA_ID", replica_id())
-            ctx.cluster = ctx.door.cluster = Cluster(settings, shared, worker, replica, ctx.registry)
+            ctx.cluster = ctx.door.cluster = Cluster(live, shared, worker, replica, ctx.registry)
             homes = ClusterResponseHomes(homes, ctx.cluster)
             shared_events(ctx.cluster, usages, homes, ctx.scheduler.index)
             ctx.cluster.start()
-        ctx.dispatcher = Dispatcher(settings, ctx.scheduler, ctx.health, ctx.client, ctx.observer, usages, homes)
-        ctx.background = Background(settings, ctx.registry, ctx.health, ctx.client)
+        ctx.dispatcher = Dispatcher(live, ctx.scheduler, ctx.health, ctx.client, ctx.observer, usages, homes)
+        ctx.background = Background(live, ctx.registry, ctx.health, ctx.client)
         if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
             ctx.background.start()
         ctx.tracing = None
@@ -264,15 +264,9 @@ def watch_config(settings: Settings, shared: SharedState) -> ConfigWatch | None:
 
 
 def apply_settings(app: Sanic, settings: Settings) -> None:
-    """A reloaded config's live settings (config.live), in this worker from its next request on."""
-    ctx = app.ctx
-    ctx.settings = settings
-    ctx.dispatcher.configure(settings)
-    ctx.door.configure(settings)
-    ctx.client.s = ctx.background.s = settings
-    health = ctx.health
-    health.failure_threshold, health.open_s = settings.breaker_failure_threshold, settings.breaker_open_s
-    health.max_open_s = settings.breaker_max_open_s
+    """A reloaded config's live settings (config.live), in this worker from its next request on: every reader
+    reads them through `app.ctx.live`; Sanic and logging keep their own copies."""
+    app.ctx.live.s = settings
     sanic_limits(app, settings)
     logging.getLogger().setLevel(settings.log_level)
 
@@ -424,7 +418,7 @@ class InferenceTls(CertLoader):
     the inference port's. The management and metrics ports get theirs in `tls_per_port`."""
 
     def load(self, app: Sanic) -> ssl.SSLContext | None:
-        return server_tls_context(app.ctx.settings.infer_tls)
+        return server_tls_context(app.ctx.live.s.infer_tls)
 
 
 if __name__ == "__main__":

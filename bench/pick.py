@@ -55,7 +55,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from config import SCHEDULER_TYPES, Endpoint, Instance, ModelConfig, Settings  # noqa: E402
+from config import SCHEDULER_TYPES, Endpoint, Instance, Live, ModelConfig, Settings  # noqa: E402
 from harness.bodies import WORDS  # noqa: E402
 from harness.predictor import teach_decode, teach_prefill  # noqa: E402
 from scheduling.health import Health  # noqa: E402
@@ -126,8 +126,8 @@ def build(policy: str, cluster: Cluster) -> Scheduler:
     registry = Registry(shared)
     registry.apply("set", list(settings.instances))
     ledger = Ledger(shared, 0, settings.num_workers)
-    health = Health(shared, settings.breaker_failure_threshold, settings.breaker_open_s)
-    return build_scheduler(settings, shared, registry, ledger, health)
+    live = Live(settings)
+    return build_scheduler(live, shared, registry, ledger, Health(shared, live))
 
 
 def warm(sched: Scheduler) -> None:

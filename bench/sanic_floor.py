@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sanic import HTTPResponse, Request, Sanic
 
-from config import Settings
+from config import Live, Settings
 from engines import EngineClient
 
 
@@ -28,7 +28,7 @@ def make_app(upstream: str) -> Sanic:
 
     @app.before_server_start
     async def start(app: Sanic):
-        app.ctx.client = EngineClient(Settings())
+        app.ctx.client = EngineClient(Live(Settings()))
 
     @app.post("/v1/chat/completions")
     async def relay(request: Request):

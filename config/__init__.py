@@ -6,7 +6,8 @@
 - config.settings: `Settings`, what the rest of the Coordinator reads. It inherits the fields of the sections
   whose keys are its own attributes (`settings.first_token_timeout_s` is ExceptionConfig's, default included)
   and holds the others as one object each (`settings.infer_tls`, `settings.models`). It stays a plain frozen
-  dataclass, so the request path reads attributes and never touches pydantic.
+  dataclass, so the request path reads attributes and never touches pydantic. `Live` holds the Settings a
+  worker runs on now: what every reader reads them through, so that a reload reaches it.
 - config.validation: a value validated against a section's schema, pydantic's first error said in one line
   naming its key path (`motor_coordinator_config.exception_config.infer_timeout: must be a number`).
 - config.load: `load_settings`, `settings_from_dict`: each section validated in turn, unknown keys warned
@@ -51,7 +52,7 @@ from .sections import (
     TlsConfig,
     TracerConfig,
 )
-from .settings import MAX_BACKOFF_S, Settings, with_models_for_instances
+from .settings import MAX_BACKOFF_S, Live, Settings, with_models_for_instances
 from .validation import ConfigError, adapter, refusal, validate
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "ConfigError",
     "Endpoint",
     "Instance",
+    "Live",
     "ModelConfig",
     "Settings",
     "TlsConfig",

@@ -2,7 +2,7 @@
 
 `merge(running, reloaded)` gives the settings to run on: the running ones with every live key taken from the
 reloaded file, and the config keys whose new value needs a restart (kept as they run). Live: API keys, the
-limits (body size, in-flight cap, rate limit), the models' SLOs and limits, retries and timeouts, the log
+limits (body size, in-flight cap, rate limit), the models (their SLOs, limits and tokenizers), retries and timeouts, the log
 level, and the scheduler's health, scrape and breaker knobs. Everything else (ports, workers, TLS, instances:
 those change through POST /instances/refresh; the policy, PD dispatch, admission, drain) needs a restart.
 

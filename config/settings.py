@@ -10,6 +10,7 @@ plain frozen dataclass: reading it costs an attribute lookup, nothing validates 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from .sections import (
     ApiConfig,
@@ -51,6 +52,13 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
             return self.max_requests / self.window_size_s, float(self.max_requests)
         return self.requests_per_second, max(1.0, self.requests_per_second)
 
+    @cached_property
+    def bucket(self) -> tuple[float, int]:
+        """`rate_limit()` as the door reads it on every request: (requests a second, the bucket's size in
+        milli-tokens), worked out once per Settings (a plain attribute read after the first)."""
+        rate, burst = self.rate_limit()
+        return rate, int(burst * 1000)
+
     def backoff_s(self, attempt: int) -> float:
         """The wait after failed attempt `attempt` (0 = the first): retry_delay doubled each time, capped."""
         return min(self.retry_delay_s * 2**attempt, MAX_BACKOFF_S)
@@ -60,6 +68,18 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
             if m.id == model_id:
                 return m
         return None
+
+
+class Live:
+    """The settings a worker runs on now, one per worker: every long-lived object holds it and reads
+    `live.s.<key>` where the value is used, never a copy, so a reload (app.py's `apply_settings`, which swaps
+    `s`) reaches every reader. Values worked out from settings are kept beside the Settings they came from
+    (`Settings.bucket`) or rebuilt when `s` changes (the scheduler's token meters)."""
+
+    __slots__ = ("s",)
+
+    def __init__(self, s: Settings):
+        self.s = s
 
 
 def with_models_for_instances(settings: Settings) -> Settings:

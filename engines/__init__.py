@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from config import Settings
+from config import Live
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 
 # The trace context (W3C `traceparent` / `tracestate` header lines) of the engine attempt this task is making,
@@ -339,8 +339,8 @@ class EngineStream:
 class EngineClient:
     """Per-worker: made in `before_server_start`, closed in `after_server_stop`."""
 
-    def __init__(self, settings: Settings):
-        self.s = settings
+    def __init__(self, live: Live):
+        self.live = live
         self.traced = False  # send TRACE_HEADERS (tracing on)
         self.pool: dict[Origin, list[_Connection]] = {}
         self.is_closed = False
@@ -392,7 +392,7 @@ class EngineClient:
             # callbacks in it), and the request's holds Sanic's current request, whose body may be a prompt of
             # megabytes, for as long as the connection is pooled.
             made = loop.create_connection(lambda: _Connection(self, origin), host, port, ssl=self._tls if tls else None)
-            async with asyncio.timeout_at(min(deadline, now + self.s.connect_timeout_s)):
+            async with asyncio.timeout_at(min(deadline, now + self.live.s.connect_timeout_s)):
                 _, conn = await loop.create_task(made, context=contextvars.Context())
         except TimeoutError:
             raise UpstreamTimeout("engine timed out (connect)", detail=url) from None
@@ -486,7 +486,7 @@ class EngineClient:
         status, data = conn.status, conn.take()
         self._release(conn)
         if check and status >= 300:
-            raise EngineStatusError(status, data[: self.s.upstream_error_body_max_bytes], conn.retry_after)
+            raise EngineStatusError(status, data[: self.live.s.upstream_error_body_max_bytes], conn.retry_after)
         return status, data
 
     # post and get are plain functions returning the exchange's coroutine: awaiting them adds no coroutine of their own.
@@ -518,7 +518,7 @@ class StreamExchange:
         self.conn: _Connection | None = None
 
     async def __aenter__(self) -> EngineStream:
-        client, s = self.client, self.client.s
+        client, s = self.client, self.client.live.s
         loop = client.loop
         total_deadline = loop.time() + s.infer_timeout_s
         first_deadline = min(total_deadline, loop.time() + s.first_token_timeout_s)

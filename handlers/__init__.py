@@ -38,7 +38,7 @@ def guard(request: Request) -> Awaitable[None] | None:
     check_plane(request, plane)
     if getattr(route.ctx, "keyless", False):
         return None
-    settings = request.app.ctx.settings
+    settings = request.app.ctx.live.s
     return check_key(request, settings.api_key if plane == INFER else settings.mgmt_api_key, api_of(request))
 
 

@@ -89,7 +89,7 @@ class EdgeProtocol(HttpProtocol):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        s = self.app.ctx.settings
+        s = self.app.ctx.live.s
         self.head_timeout, self.body_timeout = s.request_head_timeout_s, s.request_body_timeout_s
         self.max_connections = s.max_connections_per_worker
         self.head_since = self.body_since = 0.0

@@ -482,7 +482,7 @@ def mount(app: Sanic) -> None:
         openapi.exclude(bp=bp)
 
     # Keys are declared where they are checked: with api_key_config.enable_api_key off, every route is open.
-    keys = app.ctx.settings.api_key
+    keys = app.ctx.live.s.api_key
     if keys.enable_api_key:
         for name, scheme in security_schemes(keys).items():
             SpecificationBuilder().add_component("securitySchemes", name, scheme)

@@ -51,9 +51,9 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         tracing.start_request(request.method, request.path, request.headers, rid) if tracing and from_client else None
     )
     try:
-        if from_client and (pending := check_key(request, ctx.settings.api_key, api)) is not None:
+        if from_client and (pending := check_key(request, ctx.live.s.api_key, api)) is not None:
             await pending  # a hashed key's first check (handlers/auth.py)
-        raw = await read_body(request, ctx.settings.max_request_body_bytes)
+        raw = await read_body(request, ctx.live.s.max_request_body_bytes)
         job = job_from_body(route, api, raw, parse_body(raw), rid)
         job.slo_ttft_ms = slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = slo_header(request, "x-slo-tpot-ms")

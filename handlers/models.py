@@ -25,7 +25,7 @@ def _entries(ctx, api: str) -> dict[str, dict]:
     """Every served model's entry, by id: the configured models, then any other an instance names."""
     view = ctx.registry.view()
     health = ctx.health
-    models = {m.id: m for m in ctx.settings.models}
+    models = {m.id: m for m in ctx.live.s.models}
     created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.started_at))  # Anthropic's RFC 3339
     out = {}
     for name in dict.fromkeys([*models, *view.models()]):

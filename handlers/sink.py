@@ -91,7 +91,7 @@ class SanicSink:
         # Set while the client's connection takes more bytes (Sanic's protocol clears it when the send
         # buffer is full: its `send` then waits for the client to read).
         self.writable = self.request.transport.get_protocol()._can_write
-        total_s = self.request.app.ctx.settings.stream_total_timeout_s
+        total_s = self.request.app.ctx.live.s.stream_total_timeout_s
         self.deadline = time.monotonic() + total_s if total_s > 0 else math.inf
         self.started = True
 
@@ -108,7 +108,7 @@ class SanicSink:
         self.whole = last  # (a cut raises instead)
 
     async def _send_to_a_slow_client(self, data: bytes, last: bool) -> None:
-        s, transport = self.request.app.ctx.settings, self.request.transport
+        s, transport = self.request.app.ctx.live.s, self.request.transport
         left_s = self.deadline - time.monotonic()
         if left_s <= 0:
             return await self._cut(f"its stream ran past stream_total_timeout ({s.stream_total_timeout_s:g} s)")

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
+from config import Live, Settings
 from scheduling.admission import OFF, REJECT, AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
@@ -167,7 +168,8 @@ class Scheduler:
     """Plans requests with one policy, admits them by SLO, and keeps the learned model up to date.
 
     `predictor` and `index` are the shared learned model and the source of cached prefixes the policy also
-    holds (None: nothing is learned). `tokenizers` maps model ids to `tokenizer_path`s for exact token counts.
+    holds (None: nothing is learned). `live`: the settings it reads where it uses them
+    (`enable_pd_separation_fallback_to_hybrid`; the models' `tokenizer_path`s, for exact token counts).
     """
 
     def __init__(
@@ -179,29 +181,41 @@ class Scheduler:
         *,
         admission: str = OFF,
         queue: AdmissionQueue | None = None,
-        tokenizers: dict[str, str] | None = None,
+        live: Live | None = None,
         learn_interval_s: float = LEARN_INTERVAL_S,
-        fallback_to_hybrid: bool = True,
     ):
         self.registry, self.ledger, self.health, self.policy = registry, ledger, health, policy
         self.predictor: Predictor | None = policy.predictor
         self.index: PrefixSource | None = policy.index
         self.admission = admission
         self.queue = queue
-        self.tokenizers = tokenizers or {}
-        # Loading a tokenizer (and compiling its chat template) blocks: done here, at start-up, not in a request.
-        self.meters: dict[str, PromptMeter] = {
-            m: make_meter(path, policy.block_tokens) for m, path in self.tokenizers.items()
-        }
+        self.live = live or Live(Settings())
+        self.meters: dict[str, PromptMeter] = {}  # by model id; the estimate's unless its tokenizer_path loads
+        self.tokenizers: dict[str, str] = {}  # the tokenizer_path each model's meter was made with
+        self.models: tuple = ()  # the live `models` the meters follow
+        self._follow_models()  # at start-up: loading a tokenizer (and compiling its template) blocks
         self.learn_interval_s = learn_interval_s
-        self.fallback_to_hybrid = fallback_to_hybrid  # `enable_pd_separation_fallback_to_hybrid`
         self._learn_after: dict[int, float] = {}  # slot -> when this worker next learns from one of its requests
         ledger.observer = self._observe
         ledger.on_prefilled = self._prefilled
 
     # -- before planning -------------------------------------------------------------------------
 
+    def _follow_models(self) -> None:
+        """The meters of the live `models`: a model whose tokenizer_path is new or changed gets a meter loaded now
+        (after a reload, in this worker's first request that counts a prompt), the others keep theirs and what
+        they learned."""
+        self.models = models = self.live.s.models
+        paths = {m.id: m.tokenizer_path for m in models if m.tokenizer_path}
+        self.meters = {m: meter for m, meter in self.meters.items() if self.tokenizers.get(m) == paths.get(m)}
+        for m, path in paths.items():
+            if m not in self.meters:
+                self.meters[m] = make_meter(path, self.policy.block_tokens)
+        self.tokenizers = paths
+
     def meter(self, model: str) -> PromptMeter:
+        if self.live.s.models is not self.models:  # a reload's: perhaps other tokenizer_paths
+            self._follow_models()
         meter = self.meters.get(model)
         if meter is None:
             meter = self.meters[model] = make_meter(self.tokenizers.get(model, ""), self.policy.block_tokens)
@@ -348,7 +362,7 @@ class Scheduler:
                     )  # nothing to choose between and no verdict wanted: no predictions
                 p, d = self.policy.choose_pair(ps, ds, job)
                 return Plan(p, d, self, job, job.alone)
-            if not self.fallback_to_hybrid:
+            if not self.live.s.enable_pd_separation_fallback_to_hybrid:
                 raise NoCapacity(
                     f"no usable prefill/decode pair of model {model!r} "
                     "(enable_pd_separation_fallback_to_hybrid is false: no whole requests)"
@@ -387,8 +401,9 @@ class Scheduler:
         raise NoCapacity(f"no healthy instance of model {model!r} is available")
 
 
-def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health: Health) -> Scheduler:
-    """The scheduler `settings` (config.Settings) describe, on the shared learned model and prefix index."""
+def build_scheduler(live: Live, shared, registry: Registry, ledger: Ledger, health: Health) -> Scheduler:
+    """The scheduler the live settings describe, on the shared learned model and prefix index."""
+    settings = live.s  # its policy and admission need a restart (config.live); the rest it reads live
     policy = make_policy(
         settings.scheduler_type,
         shared,
@@ -405,14 +420,4 @@ def build_scheduler(settings, shared, registry: Registry, ledger: Ledger, health
         queue = AdmissionQueue(
             shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers
         )
-    tokenizers = {m.id: m.tokenizer_path for m in settings.models if m.tokenizer_path}
-    return Scheduler(
-        registry,
-        ledger,
-        health,
-        policy,
-        admission=settings.admission,
-        queue=queue,
-        tokenizers=tokenizers,
-        fallback_to_hybrid=settings.enable_pd_separation_fallback_to_hybrid,
-    )
+    return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, live=live)

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from config import Settings
+from config import Live
 from engines import EngineClient
 from errors import UpstreamError, UpstreamTimeout
 from scheduling.health import Health
@@ -38,8 +38,8 @@ class Loop:
 
 
 class Background:
-    def __init__(self, settings: Settings, registry: Registry, health: Health, client: EngineClient):
-        self.s, self.registry, self.health, self.client = settings, registry, health, client
+    def __init__(self, live: Live, registry: Registry, health: Health, client: EngineClient):
+        self.live, self.registry, self.health, self.client = live, registry, health, client
         self.scrapes = EngineScrapes(health)
         self.timeouts: dict[tuple[int, str], int] = {}  # late answers since the last pass, per (slot, url)
         self.loops: list[Loop] = []
@@ -62,7 +62,7 @@ class Background:
     async def _every(self, loop: Loop) -> None:
         while True:
             await loop.run()
-            await asyncio.sleep(getattr(self.s, loop.interval))
+            await asyncio.sleep(getattr(self.live.s, loop.interval))
 
     def _every_target(self, job: Callable[[Target], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
         """A pass of `job` over the registered engines, as the instance set is at the pass's start."""
@@ -75,13 +75,15 @@ class Background:
     async def _check(self, t: Target) -> None:
         key, why = (t.slot, t.url), ""
         try:
-            status, _ = await self.client.get(t.url + "/health", timeout_s=max(1.0, self.s.health_check_interval_s))
+            status, _ = await self.client.get(
+                t.url + "/health", timeout_s=max(1.0, self.live.s.health_check_interval_s)
+            )
             healthy = status == 200
         except UpstreamError as e:
             healthy = False
             if isinstance(e, UpstreamTimeout):  # no answer in time: maybe only busy
                 late = self.timeouts[key] = self.timeouts.get(key, 0) + 1
-                if late < self.s.health_check_timeout_failures:
+                if late < self.live.s.health_check_timeout_failures:
                     return
         except Exception as e:  # a check that cannot be made (a bug, a closed client) proves nothing healthy
             healthy, why = False, f" (the check failed: {e!r})"
@@ -99,7 +101,7 @@ class Background:
     async def _scrape(self, t: Target) -> None:
         try:
             status, body = await self.client.get(
-                t.url + "/metrics", timeout_s=max(1.0, self.s.metrics_scrape_interval_s)
+                t.url + "/metrics", timeout_s=max(1.0, self.live.s.metrics_scrape_interval_s)
             )
         except UpstreamError:
             return

@@ -15,7 +15,7 @@ from typing import Generic, Protocol, TypeVar
 
 import ujson
 
-from config import Settings
+from config import Live
 from engines import Body, EngineClient
 from errors import UpstreamError, UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
@@ -46,10 +46,10 @@ class Upstream:
     """What every call of this worker uses: the engine client, the settings (timeouts, keep-alives), the
     observer (missed handoffs) and trigger mode's store of P's usage between workers (`usages`)."""
 
-    __slots__ = ("client", "obs", "settings", "usages")
+    __slots__ = ("client", "live", "obs", "usages")
 
-    def __init__(self, client: EngineClient, settings: Settings, observer: Observer, usages: PrefillUsages):
-        self.client, self.settings, self.obs, self.usages = client, settings, observer, usages
+    def __init__(self, client: EngineClient, live: Live, observer: Observer, usages: PrefillUsages):
+        self.client, self.live, self.obs, self.usages = client, live, observer, usages
 
 
 class Call(Generic[T]):
@@ -67,7 +67,7 @@ class Call(Generic[T]):
         """A fresh continuation state for a try of a client's stream (None when reschedule is off, and for a
         metaserver call)."""
         job = self.job
-        on = self.up.settings.reschedule.enable and job.stream and job.metaserver is None
+        on = self.up.live.s.reschedule.enable and job.stream and job.metaserver is None
         self.cont = Continuation(job, self.leg.target.engine_type) if on else None
         return self.cont
 
@@ -82,7 +82,7 @@ class Call(Generic[T]):
         lease = self.leg.lease()
         try:
             _, data = await up.client.post(
-                self.leg.target.url + self.job.route, self.body, rid, timeout_s=up.settings.infer_timeout_s
+                self.leg.target.url + self.job.route, self.body, rid, timeout_s=up.live.s.infer_timeout_s
             )
             rec.first_token()
             self.answer(data, lease)

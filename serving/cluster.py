@@ -33,7 +33,7 @@ import uuid
 
 import ujson
 
-from config import Settings, address_key
+from config import Live, address_key
 from errors import RateLimited
 from scheduling.affinity import PrefixIndex
 from scheduling.policies import PrefixSource
@@ -78,15 +78,15 @@ class Cluster:
 
     def __init__(
         self,
-        settings: Settings,
+        live: Live,
         shared: SharedState,
         worker: int,
         replica: str,
         registry: Registry,
         on_event=None,
     ):
-        c = settings.cluster
-        self.s, self.shared, self.worker, self.replica, self.registry = settings, shared, worker, replica, registry
+        c = live.s.cluster
+        self.live, self.shared, self.worker, self.replica, self.registry = live, shared, worker, replica, registry
         registry.store = self  # a change of the instance set reaches every replica (`refresh`)
         self.on_event = on_event  # (kind, payload dict): an event another replica published
         self.store = ClusterStore(
@@ -101,7 +101,7 @@ class Cluster:
         self.ttl_ms = int(c.replica_ttl_s * 1000)
         self.connected = True  # until a round trip says otherwise
         self.owner = worker == 0
-        self.rows = worker_rows(self.shared, worker, settings.num_workers)  # as the door's
+        self.rows = worker_rows(self.shared, worker, live.s.num_workers)  # as the door's
         self.tasks: list[asyncio.Task] = []
         # This worker's requests the store counted: in flight, ended and not yet taken off there, and the admit
         # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
@@ -142,7 +142,7 @@ class Cluster:
         elif verdict == 1:
             raise RateLimited(f"too many requests in flight (limit {cap} across the cluster)", reason="inflight_cap")
         else:
-            raise RateLimited.by_rate(self.s.error_message, self.s.error_status_code, wait_s)
+            raise RateLimited.by_rate(self.live.s.error_message, self.live.s.error_status_code, wait_s)
 
     def left(self) -> None:
         """A request the store counted ended: taken off at the next call or tick."""
@@ -311,7 +311,7 @@ class Cluster:
     def _report(self) -> bytes:
         """This replica's load per endpoint address (its workers' rows), and the endpoints it finds broken."""
         ledger, now = self.shared.ledger, time.time()
-        rows = [ledger[row].slots for row in range(self.s.num_workers)]
+        rows = [ledger[row].slots for row in range(self.live.s.num_workers)]
         load, avoid, learned = {}, {}, {}
         for t in self.registry.view().targets:
             mine = [row[t.slot] for row in rows]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from config import ModelConfig, Settings
+from config import Live, ModelConfig
 from engines import EngineClient
 from errors import InvalidRequest, NotFound, clip
 from scheduling.admission import OverBudget
@@ -59,7 +59,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        settings: Settings,
+        live: Live,
         scheduler: Scheduler,
         health: Health,
         client: EngineClient,
@@ -67,9 +67,9 @@ class Dispatcher:
         prefill_usages: PrefillUsages,
         response_homes: ResponseHomes,
     ):
-        self.s, self.scheduler = settings, scheduler
-        self.up = Upstream(client, settings, observer, prefill_usages)
-        self.retries = Retries(settings, health, observer)
+        self.live, self.scheduler = live, scheduler
+        self.up = Upstream(client, live, observer, prefill_usages)
+        self.retries = Retries(live, health, observer)
         self.handoff = Handoff(self.up, self.retries)
         # The registered instances' addresses, which /v1/metaserver knows engines by (its handler asks too).
         self.addresses = InstanceAddresses(scheduler.registry)
@@ -81,14 +81,10 @@ class Dispatcher:
         """Tracing on (tracer_config): the admission queue's waits and every engine attempt become spans."""
         self.tracing = self.retries.tracing = tracing
 
-    def configure(self, settings: Settings) -> None:
-        """A reloaded config's settings (retries, timeouts, models' SLOs), read by every later request."""
-        self.s = self.up.settings = self.retries.s = self.handoff.s = self.trigger.s = settings
-
     # -- entry points ----------------------------------------------------------------------------
 
     def job_info(self, job: Job) -> JobInfo:
-        model = self.s.model(job.model)
+        model = self.live.s.model(job.model)
         view = self.scheduler.registry.view()
         if model is None and job.model not in view.model_names:
             raise NotFound(f"The model `{clip(job.model)}` does not exist.", param="model")
@@ -121,7 +117,7 @@ class Dispatcher:
             try:
                 leg = self.scheduler.pick(info, _COUNT_ROLES)
             except NoCapacity as e:
-                raise refusal(e, self.s) from None
+                raise refusal(e, self.live.s) from None
             return self.retries.run(CountTokensCall(self.up, job, leg, sink, rec, job.raw))
         if job.metaserver is not None:
             return self.trigger.forward(job, info, sink, rec)
@@ -130,7 +126,7 @@ class Dispatcher:
         try:
             plan = self.scheduler.try_admit(info)  # None: SLO admission (`scheduler_config.admission`) makes it wait
         except (NoCapacity, OverBudget) as e:
-            raise refusal(e, self.s) from None
+            raise refusal(e, self.live.s) from None
         if plan is None:
             return self._serve_queued(job, info, sink, rec)
         return self._serve_plan(job, plan, sink, rec)
@@ -149,7 +145,7 @@ class Dispatcher:
                 return self.handoff.decode_alone(job, plan, sink, rec)
             rec.placement = PD
             # Trigger mode is MindIE's metaserver protocol for chat and completions; the others use the handoff.
-            if self.s.pd_dispatch == "trigger" and job.route in (CHAT, COMPLETIONS):
+            if self.live.s.pd_dispatch == "trigger" and job.route in (CHAT, COMPLETIONS):
                 return self.trigger.serve(job, plan, sink, rec)
             return self.handoff.serve(job, plan, sink, rec)
         rec.placement = WHOLE_PLACEMENT
@@ -161,7 +157,7 @@ class Dispatcher:
             wait = self.scheduler.queued(info)
             plan = await (wait if self.tracing is None else self.tracing.queued(wait))
         except (NoCapacity, OverBudget) as e:
-            raise refusal(e, self.s) from None
+            raise refusal(e, self.live.s) from None
         await self._serve_plan(job, plan, sink, rec)
 
     # -- checks --------------------------------------------------------------------------------------
@@ -170,7 +166,7 @@ class Dispatcher:
         """Anthropic routes exist only on vLLM engines: a model without any is the client's error, not a 5xx."""
         view = self.scheduler.registry.view()
         kinds = {t.engine_type for t in view.targets if t.model == job.model}
-        model = self.s.model(job.model)
+        model = self.live.s.model(job.model)
         if (model and model.engine_type != "vllm") or (kinds and "vllm" not in kinds):
             kind = model.engine_type if model and model.engine_type != "vllm" else "/".join(sorted(kinds))
             raise InvalidRequest(

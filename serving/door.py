@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from config import Settings
+from config import Live
 from errors import RateLimited, ServiceUnavailable
 from state.shared import SharedState, worker_rows
 
@@ -63,30 +63,22 @@ class Attended(Admitted):
 class Door:
     def __init__(
         self,
-        settings: Settings,
+        live: Live,
         shared: SharedState,
         worker: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.shared, self.lock = shared, shared.hot_lock
-        self.configure(settings)
+        self.live, self.shared, self.lock = live, shared, shared.hot_lock
         self.clock = clock
         self.loop: asyncio.AbstractEventLoop | None = None  # the worker's, known from its first request
         self.g = shared.globals
         self.mine = shared.workers[worker]  # this worker's row: its in-flight counter
-        self.rows = worker_rows(shared, worker, settings.num_workers)
+        self.rows = worker_rows(shared, worker, live.s.num_workers)
         self.cluster = None  # cluster mode's serving/cluster.py Cluster: the cap and the rate hold for all replicas
         self.stopping = False  # this worker drains (its own stop signal, or the whole Coordinator's)
         self.local: set[asyncio.Task] = set()  # this worker's admitted requests
         self.cut: set[asyncio.Task] = set()  # those the drain window ended
         self._drain: asyncio.Task | None = None
-
-    def configure(self, settings: Settings) -> None:
-        """The caps and the rate limit a reloaded config says, from the next request on (the bucket's tokens stay)."""
-        self.s = settings
-        self.cap = settings.max_inflight_requests
-        self.rate, burst = settings.rate_limit()
-        self.burst_milli = int(burst * 1000)
 
     @property
     def draining(self) -> bool:
@@ -104,8 +96,8 @@ class Door:
     def _take_rate_token(self, rate: float | None = None, burst_milli: int | None = None) -> float:
         """0 when admitted, else seconds until a token is available (at `rate` with a bucket of `burst_milli`:
         this replica's share while the cluster store is away; the configured ones by default)."""
-        rate = self.rate if rate is None else rate
-        burst_milli = self.burst_milli if burst_milli is None else burst_milli
+        if rate is None or burst_milli is None:
+            rate, burst_milli = self.live.s.bucket
         g = self.g
         # The monotonic clock is one clock for every process on the host, and never steps back: with the
         # wall clock, an NTP correction of a minute refused every request for a minute.
@@ -138,7 +130,8 @@ class Door:
         """Let one request in, or raise why not: `with door.admit():` holds its place until the block ends."""
         if self.stopping or self.g.draining:
             raise ServiceUnavailable.draining()
-        cap, rate, burst_milli, cluster = self.cap, self.rate, self.burst_milli, self.cluster
+        s, cluster = self.live.s, self.cluster  # a reload's limits from the next request on (the bucket's tokens stay)
+        cap, (rate, burst_milli) = s.max_inflight_requests, s.bucket
         if cluster is not None and (cap or rate):
             if cluster.connected:  # one round trip, awaited in the block: `pending`
                 self.mine.inflight += 1
@@ -151,7 +144,7 @@ class Door:
         if rate > 0:
             wait_s = self._take_rate_token(rate, burst_milli)
             if wait_s > 0:
-                raise RateLimited.by_rate(self.s.error_message, self.s.error_status_code, wait_s)
+                raise RateLimited.by_rate(s.error_message, s.error_status_code, wait_s)
         if cap:
             with self.lock:
                 n = 0

@@ -44,7 +44,7 @@ class PrefillCall(Call[dict]):
         started = time.monotonic()
         try:
             _, data = await up.client.post(
-                t.url + self.job.route, self.body, rid, timeout_s=up.settings.first_token_timeout_s
+                t.url + self.job.route, self.body, rid, timeout_s=up.live.s.first_token_timeout_s
             )
             rec.prefill_s = time.monotonic() - started
             resp = self.parsed(data)
@@ -109,7 +109,7 @@ class Handoff:
     """The handoff flow (`serve`), and the decode leg that trigger mode and D-only requests use too (`decode`)."""
 
     def __init__(self, up: Upstream, retries: Retries):
-        self.up, self.s, self.retries = up, up.settings, retries
+        self.up, self.live, self.retries = up, up.live, retries
         self._detached: set[asyncio.Task] = set()  # fire-and-forget KV releases, referenced until done
 
     def decode(
@@ -154,10 +154,10 @@ class Handoff:
         VLLM_NIXL_ABORT_REQUEST_TIMEOUT. Runs detached: the request may be ending by cancellation.
         """
         rid = ticket.get("remote_request_id")
-        if not self.s.kv_release_path or p is None or not isinstance(rid, str):
+        if not self.live.s.kv_release_path or p is None or not isinstance(rid, str):
             return
         task = asyncio.get_running_loop().create_task(
-            self._post_release(job.request_id, p.url + self.s.kv_release_path, rid)
+            self._post_release(job.request_id, p.url + self.live.s.kv_release_path, rid)
         )
         self._detached.add(task)
         task.add_done_callback(self._detached.discard)
@@ -165,7 +165,10 @@ class Handoff:
     async def _post_release(self, request_id: str, url: str, remote_request_id: str) -> None:
         try:
             await self.up.client.post(
-                url, dumps({"remote_request_id": remote_request_id}), request_id, timeout_s=self.s.connect_timeout_s
+                url,
+                dumps({"remote_request_id": remote_request_id}),
+                request_id,
+                timeout_s=self.live.s.connect_timeout_s,
             )
             log.info("request_id=%s released prefill KV %s at %s", log_value(request_id), remote_request_id, url)
         except UpstreamError as e:  # already pulled or expired (404), or P is gone: nothing left to free

@@ -57,7 +57,7 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
     try:
         splitter = EventSplitter()
         async with up.client.stream(target.url + route, body, rid) as es:
-            async for chunk in es.chunks(up.settings.stream_keepalive_interval_s):
+            async for chunk in es.chunks(up.live.s.stream_keepalive_interval_s):
                 if not chunk:
                     if sink.started:
                         await sink.send(KEEPALIVE)

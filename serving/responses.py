@@ -102,7 +102,7 @@ class StoredResponses:
         path = f"{RESPONSES}/{quote(response_id, safe='')}" + ("/cancel" if method == "POST" else "")
         url = target.url + path + (f"?{query}" if query and method == "GET" else "")
         status, data = await self.up.client.call(
-            method.encode(), url, request_id, timeout_s=self.up.settings.first_token_timeout_s
+            method.encode(), url, request_id, timeout_s=self.up.live.s.first_token_timeout_s
         )
         if method == "DELETE" and (status < 300 or status in (NO_DELETE_ROUTE, 404)):
             self.homes.forget(response_id)

@@ -13,7 +13,7 @@ import asyncio
 from functools import partial
 from typing import TYPE_CHECKING
 
-from config import Settings
+from config import Live, Settings
 from errors import EngineStatusError, RateLimited, ServiceUnavailable, UpstreamError
 from scheduling.admission import OverBudget
 from scheduling.health import Health
@@ -39,8 +39,8 @@ def refusal(e: NoCapacity | OverBudget, settings: Settings) -> ServiceUnavailabl
 
 
 class Retries:
-    def __init__(self, settings: Settings, health: Health, observer: Observer):
-        self.s, self.health, self.obs = settings, health, observer
+    def __init__(self, live: Live, health: Health, observer: Observer):
+        self.live, self.health, self.obs = live, health, observer
         self.tracing: Tracing | None = None  # each attempt a span (serving/tracing.py), when tracing is on
 
     def record(self, target: Target, err: Exception | None) -> None:
@@ -75,12 +75,12 @@ class Retries:
                     self.record(target, e)
                 if sink.started and call.cont is not None:  # the client has output: its stream goes on elsewhere
                     return await self.resume(call, e)
-                if not e.retryable or sink.started or attempt >= self.s.max_retry:
+                if not e.retryable or sink.started or attempt >= self.live.s.max_retry:
                     raise
                 exclude.add(target.slot)
                 if getattr(e, "retry_after", None) not in (None, "0") and not leg.can_move(exclude):
                     raise  # no other engine, and this one asked for time (429/503 with Retry-After): the client waits it
-                await asyncio.sleep(self.s.backoff_s(attempt))
+                await asyncio.sleep(self.live.s.backoff_s(attempt))
                 if not leg.move(exclude):  # (an open breaker): no retry happens, so none is counted
                     raise e from None
                 attempt += 1
@@ -94,7 +94,7 @@ class Retries:
         """Continue a client's broken stream on other engines (serving/continuation.py), up to `max_continuations`
         tries, never on one that failed the request (`Leg.continue_elsewhere`); `err` is raised when no
         continuation happens (the client then gets its one SSE error event, as without continuation)."""
-        cont, obs, rec, leg, s = call.cont, call.up.obs, call.rec, call.leg, call.up.settings
+        cont, obs, rec, leg, s = call.cont, call.up.obs, call.rec, call.leg, call.up.live.s
         reason = cont.why_not(err)
         if reason is not None:
             rec.continuation_refused = reason

@@ -48,10 +48,10 @@ class Trigger:
     def __init__(
         self, up: Upstream, scheduler: Scheduler, retries: Retries, handoff: Handoff, addresses: InstanceAddresses
     ):
-        self.up, self.s, self.scheduler, self.retries, self.handoff = up, up.settings, scheduler, retries, handoff
+        self.up, self.live, self.scheduler, self.retries, self.handoff = up, up.live, scheduler, retries, handoff
         self.addresses = addresses
         # Made only in trigger mode: it may look up this host's address.
-        self.url = metaserver_url(self.s) if self.s.pd_dispatch == "trigger" else ""
+        self.url = metaserver_url(up.live.s) if up.live.s.pd_dispatch == "trigger" else ""
 
     def serve(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """D first: D asks this Coordinator's /v1/metaserver for the prefill on the P named here."""
@@ -89,7 +89,7 @@ class Trigger:
             try:
                 leg = self.scheduler.pick(info, (role, "union"), pinned=True, learn=job.stream)
             except NoCapacity as e:
-                raise refusal(e, self.s) from None
+                raise refusal(e, self.live.s) from None
         call = (KeptPrefillCall if role == "prefill" else WholeCall)(self.up, job, leg, sink, rec, job.raw)
         await self.retries.run(call)
 

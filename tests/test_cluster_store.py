@@ -121,7 +121,7 @@ def test_what_one_replica_learned_of_an_engine_reaches_a_replica_that_has_not(re
     learned nothing of the engine, takes A's model of it; A, which knows more, keeps its own."""
     from dataclasses import replace
 
-    from config import ClusterConfig, Endpoint, Instance, Settings
+    from config import ClusterConfig, Endpoint, Instance, Live, Settings
     from scheduling.registry import Registry
     from serving.cluster import LEARNED, Cluster
     from state.shared import SharedState
@@ -134,7 +134,7 @@ def test_what_one_replica_learned_of_an_engine_reaches_a_replica_that_has_not(re
         shared = SharedState.create()
         registry = Registry(shared)
         registry.apply("set", [engine])
-        return Cluster(settings, shared, 0, name, registry), shared
+        return Cluster(Live(settings), shared, 0, name, registry), shared
 
     (a, sa), (b, sb) = replica("A"), replica("B")
     slot = a.registry.view().targets[0].slot

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import uvloop
 
-from config import Settings
+from config import Live, Settings
 from engines import MAX_HEAD, STREAM_BUFFER, EngineClient
 from errors import EngineStatusError, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from tests.certs import Certs, make_certs
@@ -188,7 +188,7 @@ class Engine:
 
     def __init__(self, *scripts: Script, server_tls: ssl.SSLContext | None = None, **overrides):
         self.srv = Loopback(*scripts, tls=server_tls)
-        self.client = EngineClient(settings(**overrides))
+        self.client = EngineClient(Live(settings(**overrides)))
 
     async def __aenter__(self) -> tuple[Loopback, EngineClient]:
         return await self.srv.__aenter__(), self.client
@@ -573,7 +573,7 @@ def test_refused_connection_is_unreachable(kind):
         with socket.socket() as sock:  # a port nothing listens on any more
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        client = EngineClient(settings())
+        client = EngineClient(Live(settings()))
         with pytest.raises(UpstreamConnectError) as e:
             await call(kind, client, f"http://127.0.0.1:{port}{PATH}")
         assert "unreachable" in str(e.value)

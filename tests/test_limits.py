@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from config import Settings
+from config import Live, Settings
 from harness.bodies import chat_body, sse_events
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator
@@ -85,7 +85,7 @@ def c(cluster):
 def test_rate_limit_bucket_survives_a_stamp_ahead_of_the_clock():
     """Tokens refill with elapsed time; a stamp later than now (a clock stepped back) must not drain the
     bucket for as long as the step (it refused every request for a minute after an NTP correction)."""
-    admission = Door(dataclasses.replace(Settings(), requests_per_second=20.0), SharedState.create())
+    admission = Door(Live(dataclasses.replace(Settings(), requests_per_second=20.0)), SharedState.create())
     assert [admission._take_rate_token() == 0.0 for _ in range(21)] == [True] * 20 + [False]  # a burst of 20
     time.sleep(0.1)
     assert admission._take_rate_token() == 0.0  # refilled at 20 a second
@@ -103,7 +103,7 @@ def test_rate_limit_refills_at_its_rate_however_often_it_is_asked(rate, expected
     stamp to now anyway, so nothing refilled and only the burst was admitted. The clock is driven."""
     now = [1000.0]
     admission = Door(
-        dataclasses.replace(Settings(), requests_per_second=rate), SharedState.create(), clock=lambda: now[0]
+        Live(dataclasses.replace(Settings(), requests_per_second=rate)), SharedState.create(), clock=lambda: now[0]
     )
     admitted = 0
     for _ in range(30_000):
@@ -117,7 +117,7 @@ def test_the_drain_waits_for_an_engines_metaserver_call_which_takes_no_place():
     worker's drain must not stop it (it is half of a request another worker holds), nor count it in flight."""
 
     async def main() -> None:
-        admission = Door(Settings(), SharedState.create())
+        admission = Door(Live(Settings()), SharedState.create())
         release = asyncio.Event()
 
         async def metaserver_call() -> None:
@@ -312,7 +312,7 @@ def test_health_check_verdict_per_kind_of_failure():
     }
 
     async def verdicts() -> dict[str, list[bool]]:
-        settings = Settings(health_check_interval_s=0.2, health_check_timeout_failures=3)
+        settings = Live(Settings(health_check_interval_s=0.2, health_check_timeout_failures=3))
         shared = SharedState.create()
         health = Health(shared)
         client = EngineClient(settings)
@@ -355,7 +355,7 @@ def test_a_health_check_that_fails_for_another_reason_marks_the_endpoint_unhealt
     from state.shared import SharedState
 
     async def verdict() -> bool:
-        settings = Settings(health_check_interval_s=0.2)
+        settings = Live(Settings(health_check_interval_s=0.2))
         health = Health(SharedState.create())
         client = EngineClient(settings)
         await client.close()

@@ -516,6 +516,7 @@ def test_batched_histogram_writes_what_observe_would():
 
 def test_metrics_reach_the_files_by_the_timer_without_a_scrape():
     """A request's counts are written within `flush_s` by the worker's own timer, not only when it answers a scrape."""
+    from config import Live, Settings
     from scheduling.health import Health
     from scheduling.ledger import Ledger
     from scheduling.registry import Registry
@@ -525,7 +526,9 @@ def test_metrics_reach_the_files_by_the_timer_without_a_scrape():
 
     shared = SharedState.create()
     registry = Registry(shared)
-    observer = PrometheusObserver(registry, Ledger(shared, 0, 1), Health(shared, 3, 1.0), flush_s=0.02)
+    observer = PrometheusObserver(
+        registry, Ledger(shared, 0, 1), Health(shared, Live(Settings(breaker_open_s=1.0))), flush_s=0.02
+    )
     child = REQUESTS.labels("/v1/timer-test", "other", "200")
 
     async def scenario() -> tuple[float, float, float]:

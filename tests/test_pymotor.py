@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from config import ROOT_KEY, settings_from_dict
+from config import ROOT_KEY, Live, Settings, settings_from_dict
 from config.keys import hash_key, hashed_entry
 from harness import ROOT
 from harness.bodies import chat_body
@@ -337,7 +337,9 @@ def test_spellings_that_agree_are_one_value():
 
 
 def test_circuit_open_time_doubles_per_trip_up_to_its_cap():
-    health = Health(SharedState.create(), failure_threshold=2, open_s=1.0, max_open_s=5.0)
+    health = Health(
+        SharedState.create(), Live(Settings(breaker_failure_threshold=2, breaker_open_s=1.0, breaker_max_open_s=5.0))
+    )
     opened = []
     for _ in range(6):
         health.record_failure(0)
@@ -345,7 +347,7 @@ def test_circuit_open_time_doubles_per_trip_up_to_its_cap():
     assert opened == [0, 1, 2, 4, 5, 5]
     health.record_success(0)
     assert health.breaker(0) == "closed"
-    off = Health(SharedState.create(), failure_threshold=0)
+    off = Health(SharedState.create(), Live(Settings(breaker_failure_threshold=0)))
     for _ in range(10):
         off.record_failure(1)
     assert off.breaker(1) == "closed"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from config import Endpoint, Instance
+from config import Endpoint, Instance, Live, Settings
 from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.registry import RefreshError, Registry
@@ -30,7 +30,7 @@ def world():
     shared = SharedState.create()
     registry = Registry(shared)
     ledger = Ledger(shared, 0, 2)
-    health = Health(shared, failure_threshold=1, open_s=60)
+    health = Health(shared, Live(Settings(breaker_failure_threshold=1, breaker_open_s=60)))
     return registry, ledger, health
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from config import Endpoint, Instance
+from config import Endpoint, Instance, Live, ModelConfig, Settings
 from engine_sim import tokens as sim_tokens
 from harness.predictor import teach_decode, teach_prefill
 from harness.tokenizer import tiny_tokenizer
@@ -302,7 +302,13 @@ def test_the_scheduler_calibrates_the_models_meter_from_what_prepare_measured(tm
             Instance(2, "union", "exact", (Endpoint(0, "127.0.0.1:9002"),)),
         ],
     )
-    sched = Scheduler(registry, w.ledger, w.health, w.policy, tokenizers={"exact": str(tmp_path)})
+    sched = Scheduler(
+        registry,
+        w.ledger,
+        w.health,
+        w.policy,
+        live=Live(Settings(models=(ModelConfig("exact", tokenizer_path=str(tmp_path)),))),
+    )
     engines = {
         MODEL: lambda body: _engine_count(body, 3),
         "exact": lambda body: len(tok.encode("<s>" + render_chatml(body["messages"]), add_special_tokens=False).ids),

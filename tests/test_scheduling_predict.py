@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from config import ConfigError, Endpoint, Instance, settings_from_dict
+from config import ConfigError, Endpoint, Instance, Live, Settings, settings_from_dict
 from harness.predictor import teach_decode, teach_prefill
 from scheduling.admission import OverBudget
 from scheduling.ledger import PREFILL, WHOLE
@@ -150,7 +150,13 @@ def pd_scheduler(admission: str = "reject", alone: bool = False, decodes: int = 
 
     queue = AdmissionQueue(w.shared, 8, tick_s=0.002) if admission == "queue" else None
     sched = Scheduler(
-        registry, w.ledger, w.health, w.policy, admission=admission, queue=queue, fallback_to_hybrid=fallback
+        registry,
+        w.ledger,
+        w.health,
+        w.policy,
+        admission=admission,
+        queue=queue,
+        live=Live(Settings(enable_pd_separation_fallback_to_hybrid=fallback)),
     )
     view = registry.view()
     return sched, w, view.pool(MODEL, "prefill")[0], view.pool(MODEL, "decode")
