@@ -291,7 +291,7 @@ def unreadable_json(e: ValueError) -> str:
     return str(e)
 
 
-def dumps(obj: object) -> bytes:
+def json_bytes(obj: object) -> bytes:
     """Compact JSON bytes, non-ASCII and slashes as they are (every body the Coordinator writes).
 
     A lone UTF-16 surrogate (JSON allows `"\\ud83d"`: a client cut an emoji in two) has no UTF-8 form:
@@ -324,7 +324,7 @@ def _anthropic_engine_error(err: EngineStatusError, rid: str) -> bytes:
     etype = inner.get("type") if inner is not None and body.get("type") == "error" else None
     if not isinstance(etype, str) or etype not in _ANTHROPIC_TYPE_NAMES:
         etype = anthropic_type(err.status)
-    return dumps(_anthropic_error(etype, message, rid))
+    return json_bytes(_anthropic_error(etype, message, rid))
 
 
 def _openai_engine_error(err: EngineStatusError) -> bytes:
@@ -335,7 +335,7 @@ def _openai_engine_error(err: EngineStatusError) -> bytes:
     if inner is not None and inner.get("message") == message and err.engine_status == err.status:
         return err.body
     etype = "invalid_request_error" if err.status < 500 else "server_error"
-    return dumps({"error": {"message": message, "type": etype, "param": None, "code": err.status}})
+    return json_bytes({"error": {"message": message, "type": etype, "param": None, "code": err.status}})
 
 
 def _engine_error_parts(err: EngineStatusError) -> tuple[dict | None, dict | None, str]:
@@ -369,7 +369,7 @@ def render(err: CoordinatorError, api: str, rid: str) -> tuple[int, bytes, dict]
     if isinstance(err, EngineStatusError) and err.relayed:
         body = _anthropic_engine_error(err, rid) if api == ANTHROPIC else _openai_engine_error(err)
         return err.status, body, headers
-    return client_status(err), dumps(error_body(err, api, rid)), headers
+    return client_status(err), json_bytes(error_body(err, api, rid)), headers
 
 
 def client_status(err: CoordinatorError) -> int:
@@ -382,7 +382,7 @@ def client_status(err: CoordinatorError) -> int:
 
 def sse_error_event(err: CoordinatorError, api: str, rid: str) -> bytes:
     """The one SSE event that ends a stream which already started."""
-    body = dumps(error_body(err, api, rid))
+    body = json_bytes(error_body(err, api, rid))
     if api == ANTHROPIC:
         return b"event: error\ndata: " + body + b"\n\n"
     return b"data: " + body + b"\n\n"

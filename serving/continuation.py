@@ -23,7 +23,7 @@ from __future__ import annotations
 import ujson
 
 from engines import Body, holds, joined, parts_of
-from errors import ANTHROPIC, EngineStatusError, UpstreamError, dumps
+from errors import ANTHROPIC, EngineStatusError, UpstreamError, json_bytes
 from serving.job import CHAT, COMPLETIONS, MESSAGES, Job
 from serving.usage import UsageFix, fix_anthropic_usage, fix_openai_usage
 
@@ -159,7 +159,7 @@ class Continuation:
         if not self.injected:
             return route, body
         if holds(body, b'"return_token_ids"'):  # the client's own key (false or null): set in the parsed body
-            return route, dumps({**ujson.loads(joined(body)), "return_token_ids": True})
+            return route, json_bytes({**ujson.loads(joined(body)), "return_token_ids": True})
         # A streamed body's first part is bytes: the client's body, or the decode leg's ticket.
         head, *rest = parts_of(body)
         return route, (b'{"return_token_ids":true,', memoryview(head)[head.index(b"{") + 1 :], *rest)
@@ -307,7 +307,7 @@ class Continuation:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         body["return_token_ids"] = True
-        return dumps(body)
+        return json_bytes(body)
 
     def _translate(self, event: bytes) -> bytes:
         """One event of the continuation's completions stream, in the client's route shape (b"": nothing)."""
@@ -352,7 +352,7 @@ class Continuation:
         chunk = {**self.head, "choices": [ch]}
         if isinstance(usage, dict):  # continuous_usage_stats: each chunk's running counts
             chunk["usage"] = self._client_usage(usage)
-        return [b"data: " + dumps({**chunk, **tail})]
+        return [b"data: " + json_bytes({**chunk, **tail})]
 
     def _anthropic_events(self, text: str, finish: str | None) -> list[bytes]:
         out = []
@@ -386,7 +386,7 @@ class Continuation:
             return [_named("message_delta", delta), _named("message_stop", {"type": "message_stop"})]
         if not self.include_usage:
             return []
-        return [b"data: " + dumps({**self.head, "choices": [], "usage": client, **tail})]
+        return [b"data: " + json_bytes({**self.head, "choices": [], "usage": client, **tail})]
 
     def _client_usage(self, usage: dict) -> dict:
         """The continuation's usage as the client's: the prompt once (the first engine's count, P's in PD), and
@@ -435,9 +435,9 @@ def _data(event: bytes) -> object:
 
 def _event_with(event: bytes, obj: dict) -> bytes:
     """The event with its data line written from `obj` (its `event:` line kept)."""
-    lines = [b"data: " + dumps(obj) if ln.startswith(b"data:") else ln for ln in event.split(b"\n")]
+    lines = [b"data: " + json_bytes(obj) if ln.startswith(b"data:") else ln for ln in event.split(b"\n")]
     return b"\n".join(lines)
 
 
 def _named(name: str, obj: dict) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + dumps(obj)
+    return b"event: " + name.encode() + b"\ndata: " + json_bytes(obj)

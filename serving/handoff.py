@@ -15,14 +15,14 @@ import time
 from collections.abc import Awaitable
 
 from engines import Body
-from errors import ANTHROPIC, EngineStatusError, UpstreamError, UpstreamProtocolError, dumps
+from errors import ANTHROPIC, EngineStatusError, UpstreamError, UpstreamProtocolError, json_bytes
 from scheduling.ledger import DECODE, PREFILL, Lease
 from scheduling.registry import Target
 from scheduling.scheduler import Leg, Plan
 from scheduling.tokens import engine_prompt, engine_uncached
 from serving.call import Call, Sink, Upstream
 from serving.job import Job
-from serving.legs import decode_leg, prefill_leg
+from serving.legs import decode_wire, prefill_wire
 from serving.observe import RequestRecord, log_value
 from serving.relay import relay
 from serving.retries import Retries
@@ -87,7 +87,7 @@ class DecodeCall(Call[None]):
         lease.succeed()
         if self.fix.own_counts and isinstance(resp, dict):  # D computed the prompt itself
             self.leg.calibrate(engine_prompt(resp.get("usage")))
-        self.sink.json(200, dumps(self.fix.response(resp)) if isinstance(resp, dict) else data)
+        self.sink.json(200, json_bytes(self.fix.response(resp)) if isinstance(resp, dict) else data)
 
     def failed(self, err: UpstreamError) -> None:
         # D answered 5xx and may not have been able to take P's KV (P died after answering, or its KV
@@ -100,7 +100,7 @@ class DecodeCall(Call[None]):
             and not self.recompute
             and not self.rec.missed_handoff
         ):
-            self.body = decode_leg(self.job, None)
+            self.body = decode_wire(self.job, None)
             self.recompute = True
             self.fix.own_prompt()
 
@@ -121,13 +121,13 @@ class Handoff:
     def decode_alone(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """A request that the handoff cannot serve (Job.decode_computes_prompt): D alone, no ticket."""
         leg, fix = plan.leg(DECODE, learn=job.stream), UsageFix(None, job.api == ANTHROPIC)
-        return self.decode(job, leg, sink, rec, decode_leg(job, None), fix, ticket=False)
+        return self.decode(job, leg, sink, rec, decode_wire(job, None), fix, ticket=False)
 
     async def serve(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> None:
         d_leg = plan.leg(DECODE, learn=job.stream)
         hold = d_leg.hold()  # D's batch counts this request while its prefill runs
         try:
-            call = PrefillCall(self.up, job, plan.leg(PREFILL), sink, rec, prefill_leg(job))
+            call = PrefillCall(self.up, job, plan.leg(PREFILL), sink, rec, prefill_wire(job))
             p_resp = await self.retries.run(call)
         finally:
             hold.release()
@@ -138,7 +138,7 @@ class Handoff:
             self.up.obs.missed_handoff(job, rec, "prefill returned no kv_transfer_params")
         fix = UsageFix(prefill_usage(p_resp), job.api == ANTHROPIC)
         try:
-            await self.decode(job, d_leg, sink, rec, decode_leg(job, ticket), fix)
+            await self.decode(job, d_leg, sink, rec, decode_wire(job, ticket), fix)
         except BaseException:  # an error or a client disconnect (cancellation) before D took the KV
             if ticket is not None and rec.ttft_s is None:
                 self._release_kv(job, rec.prefill, ticket)
@@ -166,7 +166,7 @@ class Handoff:
         try:
             await self.up.client.post(
                 url,
-                dumps({"remote_request_id": remote_request_id}),
+                json_bytes({"remote_request_id": remote_request_id}),
                 request_id,
                 timeout_s=self.live.s.connect_timeout_s,
             )

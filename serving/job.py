@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import orjson
 import ujson
 
-from errors import InvalidRequest, dumps, unreadable_json
+from errors import InvalidRequest, json_bytes, unreadable_json
 from serving.protocol import (
     Request,
     validate,
@@ -161,9 +161,9 @@ def _with_response_id(raw: bytes, body: dict) -> tuple[bytes, dict]:
     response_id = "resp_" + uuid.uuid4().hex
     new = {**body, "request_id": response_id}
     if "request_id" in body:  # a null one: written anew
-        return dumps(new), new
+        return json_bytes(new), new
     # Put in front of the client's own bytes (no re-serialisation); the key is absent, so this is its one value.
-    return b'{"request_id":' + dumps(response_id) + b"," + raw[raw.index(b"{") + 1 :], new
+    return b'{"request_id":' + json_bytes(response_id) + b"," + raw[raw.index(b"{") + 1 :], new
 
 
 def _metaserver_job(raw: bytes, body: dict) -> Job:

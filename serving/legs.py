@@ -14,7 +14,7 @@ own body plus P's ticket, unchanged.
 from __future__ import annotations
 
 from engines import Body
-from errors import dumps
+from errors import json_bytes
 from serving.job import MESSAGES, RESPONSES, Job
 
 # A ticket is vLLM's `kv_transfer_params`: in P's body it asks P to keep the prompt's KV for a remote decode
@@ -72,15 +72,15 @@ def prefill_body(job: Job, ticket: dict | None = None) -> dict:
     return body
 
 
-def prefill_leg(job: Job) -> Body:
+def prefill_wire(job: Job) -> Body:
     """The client's bytes with the prefill leg's changes appended, as parts: the prompt is neither re-encoded nor
     copied."""
     raw = job.raw
-    changes = dumps(prefill_changes(job))  # b'{"stream":false,...}': one encoding for every change
+    changes = json_bytes(prefill_changes(job))  # b'{"stream":false,...}': one encoding for every change
     return memoryview(raw)[: raw.rindex(b"}")], b",", memoryview(changes)[1:]
 
 
-def decode_leg(job: Job, ticket: dict | None) -> Body:
+def decode_wire(job: Job, ticket: dict | None) -> Body:
     if "kv_transfer_params" not in job.body:
         # The client's own bytes with the ticket put in front: no copy and re-serialisation of a body
         # that may hold a long conversation. (The key is absent from the parsed body, so whatever the
@@ -88,10 +88,10 @@ def decode_leg(job: Job, ticket: dict | None) -> Body:
         if ticket is None:
             return job.raw
         raw = job.raw
-        return b'{"kv_transfer_params":' + dumps(ticket) + b",", memoryview(raw)[raw.index(b"{") + 1 :]
+        return b'{"kv_transfer_params":' + json_bytes(ticket) + b",", memoryview(raw)[raw.index(b"{") + 1 :]
     body = dict(job.body)
     if ticket is None:
         body.pop("kv_transfer_params", None)
     else:
         body["kv_transfer_params"] = ticket
-    return dumps(body)
+    return json_bytes(body)

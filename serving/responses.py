@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from urllib.parse import parse_qsl, quote
 
-from errors import InvalidRequest, NotFound, clip, dumps
+from errors import InvalidRequest, NotFound, clip, json_bytes
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
 from scheduling.scheduler import Scheduler
@@ -107,5 +107,5 @@ class StoredResponses:
         if method == "DELETE" and (status < 300 or status in (NO_DELETE_ROUTE, 404)):
             self.homes.forget(response_id)
             if status == NO_DELETE_ROUTE:
-                return 200, dumps({"id": response_id, "object": "response", "deleted": True})
+                return 200, json_bytes({"id": response_id, "object": "response", "deleted": True})
         return status, data

@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from secrets import token_hex
 
 from config import Settings, split_address
-from errors import ANTHROPIC, Forbidden, dumps
+from errors import ANTHROPIC, Forbidden, json_bytes
 from scheduling.ledger import DECODE, Lease
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
@@ -23,7 +23,7 @@ from scheduling.scheduler import NoCapacity, Plan, Scheduler
 from serving.call import Sink, Upstream
 from serving.handoff import Handoff
 from serving.job import Job
-from serving.legs import PREFILL_TICKET, decode_leg, prefill_body
+from serving.legs import PREFILL_TICKET, decode_wire, prefill_body
 from serving.observe import RequestRecord
 from serving.resolve import InstanceAddresses, host_port, normal
 from serving.retries import Retries, refusal
@@ -70,7 +70,7 @@ class Trigger:
         }
         rec.prefill = p
         fix = UsageFix.from_trigger(self.up.usages, ticket_id, job.api == ANTHROPIC)
-        return self.handoff.decode(job, plan.leg(DECODE, learn=job.stream), sink, rec, decode_leg(job, ticket), fix)
+        return self.handoff.decode(job, plan.leg(DECODE, learn=job.stream), sink, rec, decode_wire(job, ticket), fix)
 
     async def forward(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:
         """Forward an engine's metaserver call to the registered instance it names, or one the scheduler picks;
@@ -82,7 +82,7 @@ class Trigger:
             ticket = {**PREFILL_TICKET, "request_id": job.request_id}
             job.body = prefill_body(job, ticket)
             job.stream = False
-            job.raw = dumps(job.body)
+            job.raw = json_bytes(job.body)
         if target is not None:
             leg = self.scheduler.pin(target, info, learn=job.stream)
         else:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import ujson
 
-from errors import dumps
+from errors import json_bytes
 from state.shared import PREFILL_USAGE_SLOTS, SharedState
 
 
@@ -226,7 +226,7 @@ def _fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
             except ValueError:
                 return event
             if isinstance(obj, dict):
-                lines[i] = b"data: " + dumps(fix_response(obj, p_usage, anthropic))
+                lines[i] = b"data: " + json_bytes(fix_response(obj, p_usage, anthropic))
     return b"\n".join(lines)
 
 

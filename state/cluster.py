@@ -29,7 +29,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 
-from state.resp import Resp, RespError, encode
+from state.pipelined_redis import Resp, RespError, encode
 
 # KEYS: the inflight set, this worker's key, the rate bucket. ARGV: this worker's requests ended since its last
 # call (taken off its count first), the cap (0: none), the key's expiry (ms), the rate (requests/s, 0: none), the
@@ -160,7 +160,7 @@ class ClusterStore:
             raise StoreDown(f"{type(e).__name__}: {e}") from None
 
     async def _counted(self, *commands: bytes) -> list:
-        """This worker's count's commands, on its own connection (state/resp.py), in the order they are sent."""
+        """This worker's count's commands, on its own connection (state/pipelined_redis.py), in the order they are sent."""
         self.round_trips += 1
         try:
             replies = await self.resp.call(*commands)

@@ -1,4 +1,4 @@
-"""The cluster store's own client (state/resp.py, state/cluster.py) against a real redis-server: pipelined replies
+"""The cluster store's own client (state/pipelined_redis.py, state/cluster.py) against a real redis-server: pipelined replies
 in order, error replies, a password and a database from the URL or a file, the admit script's cap and bucket, and
 a Redis that restarted (its scripts forgotten)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from harness.redis import RedisServer
 from state.cluster import ClusterStore, StoreDown
-from state.resp import Resp, RespError, encode
+from state.pipelined_redis import Resp, RespError, encode
 
 
 @pytest.fixture(scope="module")
