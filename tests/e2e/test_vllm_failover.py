@@ -86,6 +86,7 @@ class Streamed:
     ids: set = field(default_factory=set)
     finish: str | None = None
     killed: bool = False
+    late: bool = False  # D had finished the answer when the kill was due: not killed
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)  # its X-Request-Id: its own log line, not another's
 
 
@@ -104,12 +105,26 @@ def stream_killing_decode(coord, engines, model: str, before_kill=None) -> Strea
             assert (ch.model_extra or {}).get("token_ids") is None  # ids the client did not ask for
             seen += bool(ch.delta.content)
         got.usage = chunk.usage or got.usage
-        if seen >= KILL_AFTER and not got.killed:
+        if seen >= KILL_AFTER and not got.killed and not got.late:
+            # On two cores D's API server can be behind its engine and send the answer in bursts: when D has
+            # already finished, a kill interrupts nothing (the attempt proves nothing and is made again).
+            if engines["decode"].metric("vllm:num_requests_running") == 0:
+                got.late = True
+                continue
             if before_kill is not None:
                 assert before_kill()
             engines["decode"].kill()  # SIGKILL of its process group, mid-answer
             got.killed = True
     return got
+
+
+def killed_mid_answer(coord, engines, model: str, before_kill=None, attempts: int = 3) -> Streamed:
+    """`stream_killing_decode` until the kill lands while D still decodes (at most `attempts` streams)."""
+    for _ in range(attempts):
+        got = stream_killing_decode(coord, engines, model, before_kill)
+        if got.killed:
+            return got
+    raise AssertionError(f"the decode engine finished all {attempts} answers before {KILL_AFTER} chunks were read")
 
 
 def back_up(coord, engines) -> None:
@@ -126,9 +141,7 @@ def test_decode_engine_killed_mid_answer_the_stream_goes_on_with_the_unbroken_te
     assert failover.refresh("pause", [U]).status_code == 200
     got = Streamed()
     try:
-        got = stream_killing_decode(
-            failover, engines, model, lambda: failover.refresh("resume", [U]).status_code == 200
-        )
+        got = killed_mid_answer(failover, engines, model, lambda: failover.refresh("resume", [U]).status_code == 200)
         assert got.killed
         assert got.text == reference  # token for token: nothing repeated, nothing missing
         assert got.finish == "length" and len(got.ids) == 1
@@ -151,7 +164,7 @@ def test_the_only_decode_engine_killed_mid_answer_the_stream_goes_on_on_the_unio
         finished0 = union.metric("vllm:request_success_total", finished_reason="length")
         got = Streamed()
         try:
-            got = stream_killing_decode(coord, engines, model)
+            got = killed_mid_answer(coord, engines, model)
             assert got.killed
             assert got.text == reference
             assert got.finish == "length" and len(got.ids) == 1
