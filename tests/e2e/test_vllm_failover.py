@@ -55,10 +55,12 @@ def failover(engines, model):
         yield coord
 
 
-def body(model: str) -> dict:
+def body(model: str, attempt: int = 0) -> dict:
+    """The streamed greedy request; a later `attempt` asks in other words (a prompt no engine has seen yet)."""
+    prompt = PROMPT if attempt == 0 else [{**PROMPT[0], "content": f"{PROMPT[0]['content']} Take {attempt + 1}."}]
     return {
         "model": model,
-        "messages": PROMPT,
+        "messages": prompt,
         "max_tokens": ANSWER_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
@@ -67,9 +69,9 @@ def body(model: str) -> dict:
     }
 
 
-def unbroken(engine, model: str) -> tuple[str, tuple]:
+def unbroken(engine, model: str, attempt: int = 0) -> tuple[str, tuple]:
     client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    req = body(model)
+    req = body(model, attempt)
     extra = {"ignore_eos": req.pop("ignore_eos")}
     text, usage = "", None
     for chunk in client.chat.completions.create(**req, extra_body=extra):
@@ -87,16 +89,17 @@ class Streamed:
     finish: str | None = None
     killed: bool = False
     late: bool = False  # D had finished the answer when the kill was due: not killed
+    attempt: int = 0  # which prompt (`body`)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)  # its X-Request-Id: its own log line, not another's
 
 
-def stream_killing_decode(coord, engines, model: str, before_kill=None) -> Streamed:
+def stream_killing_decode(coord, engines, model: str, before_kill=None, attempt: int = 0) -> Streamed:
     """The body streamed through `coord` with the SDK; the decode engine is SIGKILLed once KILL_AFTER content
     chunks are in (`before_kill`, which must return True, runs just before)."""
     client = openai.OpenAI(base_url=coord.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    req = body(model)
+    req = body(model, attempt)
     extra = {"ignore_eos": req.pop("ignore_eos")}
-    got, seen = Streamed(), 0
+    got, seen = Streamed(attempt=attempt), 0
     for chunk in client.chat.completions.create(**req, extra_body=extra, extra_headers={"X-Request-Id": got.rid}):
         got.ids.add(chunk.id)
         for ch in chunk.choices:
@@ -119,9 +122,10 @@ def stream_killing_decode(coord, engines, model: str, before_kill=None) -> Strea
 
 
 def killed_mid_answer(coord, engines, model: str, before_kill=None, attempts: int = 3) -> Streamed:
-    """`stream_killing_decode` until the kill lands while D still decodes (at most `attempts` streams)."""
-    for _ in range(attempts):
-        got = stream_killing_decode(coord, engines, model, before_kill)
+    """`stream_killing_decode` until the kill lands while D still decodes (at most `attempts` streams, each with
+    a prompt of its own: the unbroken reference is the one of `got.attempt`)."""
+    for attempt in range(attempts):
+        got = stream_killing_decode(coord, engines, model, before_kill, attempt)
         if got.killed:
             return got
     raise AssertionError(f"the decode engine finished all {attempts} answers before {KILL_AFTER} chunks were read")
@@ -135,14 +139,13 @@ def back_up(coord, engines) -> None:
 
 
 def test_decode_engine_killed_mid_answer_the_stream_goes_on_with_the_unbroken_text(failover, engines, model):
-    reference, ref_usage = unbroken(engines["union"], model)
-    assert ref_usage[1] == ANSWER_TOKENS
-
     assert failover.refresh("pause", [U]).status_code == 200
     got = Streamed()
     try:
         got = killed_mid_answer(failover, engines, model, lambda: failover.refresh("resume", [U]).status_code == 200)
         assert got.killed
+        reference, ref_usage = unbroken(engines["union"], model, got.attempt)
+        assert ref_usage[1] == ANSWER_TOKENS
         assert got.text == reference  # token for token: nothing repeated, nothing missing
         assert got.finish == "length" and len(got.ids) == 1
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == ref_usage
@@ -158,7 +161,6 @@ def test_decode_engine_killed_mid_answer_the_stream_goes_on_with_the_unbroken_te
 def test_the_only_decode_engine_killed_mid_answer_the_stream_goes_on_on_the_union_engine(engines, model):
     """P + D + union, no second decode instance: the continuation goes to the union engine (its own count of
     finished requests says so), never back to the dead decode engine, and the client gets the unbroken text."""
-    reference, ref_usage = unbroken(engines["union"], model)
     union = engines["union"]
     with coordinator(engines, model, "union") as coord:
         finished0 = union.metric("vllm:request_success_total", finished_reason="length")
@@ -166,13 +168,14 @@ def test_the_only_decode_engine_killed_mid_answer_the_stream_goes_on_on_the_unio
         try:
             got = killed_mid_answer(coord, engines, model)
             assert got.killed
-            assert got.text == reference
-            assert got.finish == "length" and len(got.ids) == 1
-            assert (got.usage.prompt_tokens, got.usage.completion_tokens) == ref_usage
             assert wait_until(
                 lambda: union.metric("vllm:request_success_total", finished_reason="length") == finished0 + 1,
                 timeout_s=10,
             )
+            reference, ref_usage = unbroken(union, model, got.attempt)
+            assert got.text == reference
+            assert got.finish == "length" and len(got.ids) == 1
+            assert (got.usage.prompt_tokens, got.usage.completion_tokens) == ref_usage
             assert wait_until(lambda: _request_line(coord, got.rid), timeout_s=10)
             line = _request_line(coord, got.rid)
             assert " continuations=1 " in line and f" decode={U}/" in line and "status=200" in line, line
