@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 
 import httpx
 import openai
@@ -88,7 +89,6 @@ class Streamed:
     ids: set = field(default_factory=set)
     finish: str | None = None
     killed: bool = False
-    late: bool = False  # D had finished the answer when the kill was due: not killed
     attempt: int = 0  # which prompt (`body`)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)  # its X-Request-Id: its own log line, not another's
 
@@ -108,12 +108,7 @@ def stream_killing_decode(coord, engines, model: str, before_kill=None, attempt:
             assert (ch.model_extra or {}).get("token_ids") is None  # ids the client did not ask for
             seen += bool(ch.delta.content)
         got.usage = chunk.usage or got.usage
-        if seen >= KILL_AFTER and not got.killed and not got.late:
-            # On two cores D's API server can be behind its engine and send the answer in bursts: when D has
-            # already finished, a kill interrupts nothing (the attempt proves nothing and is made again).
-            if engines["decode"].metric("vllm:num_requests_running") == 0:
-                got.late = True
-                continue
+        if seen >= KILL_AFTER and not got.killed:
             if before_kill is not None:
                 assert before_kill()
             engines["decode"].kill()  # SIGKILL of its process group, mid-answer
@@ -121,14 +116,24 @@ def stream_killing_decode(coord, engines, model: str, before_kill=None, attempt:
     return got
 
 
-def killed_mid_answer(coord, engines, model: str, before_kill=None, attempts: int = 3) -> Streamed:
-    """`stream_killing_decode` until the kill lands while D still decodes (at most `attempts` streams, each with
-    a prompt of its own: the unbroken reference is the one of `got.attempt`)."""
+def killed_mid_answer(coord, engines, model: str, before=None, before_kill=None, attempts: int = 3) -> Streamed:
+    """`stream_killing_decode` until the kill lands while D still decodes: at most `attempts` streams, each with
+    a prompt of its own (the unbroken reference is the one of `got.attempt`), `before` run before each.
+
+    On two cores D's API server can fall behind its engine and send the rest of an answer in one burst: a kill
+    after that interrupts nothing, and the stream ends whole with no continuation. Such a try proves nothing;
+    D is restarted and another is made."""
     for attempt in range(attempts):
+        if before is not None:
+            assert before()
         got = stream_killing_decode(coord, engines, model, before_kill, attempt)
-        if got.killed:
+        assert got.killed
+        assert wait_until(partial(_request_line, coord, got.rid), timeout_s=10)
+        whole = got.finish == "length" and got.usage is not None and got.usage.completion_tokens == ANSWER_TOKENS
+        if not (whole and " continuations=0 " in _request_line(coord, got.rid)):
             return got
-    raise AssertionError(f"the decode engine finished all {attempts} answers before {KILL_AFTER} chunks were read")
+        back_up(coord, engines)
+    raise AssertionError(f"the decode engine had sent all {attempts} answers before {KILL_AFTER} chunks were read")
 
 
 def back_up(coord, engines) -> None:
@@ -139,10 +144,15 @@ def back_up(coord, engines) -> None:
 
 
 def test_decode_engine_killed_mid_answer_the_stream_goes_on_with_the_unbroken_text(failover, engines, model):
-    assert failover.refresh("pause", [U]).status_code == 200
     got = Streamed()
     try:
-        got = killed_mid_answer(failover, engines, model, lambda: failover.refresh("resume", [U]).status_code == 200)
+        got = killed_mid_answer(
+            failover,
+            engines,
+            model,
+            before=lambda: failover.refresh("pause", [U]).status_code == 200,
+            before_kill=lambda: failover.refresh("resume", [U]).status_code == 200,
+        )
         assert got.killed
         reference, ref_usage = unbroken(engines["union"], model, got.attempt)
         assert ref_usage[1] == ANSWER_TOKENS
