@@ -15,9 +15,11 @@ fails changes nothing, said in one ERROR line. Otherwise its live keys, merged i
 (config.live), are published pickled in shared memory and `globals.config_gen` bumped; each changed key that needs a
 restart is named in one WARNING line. One judge for all workers: they never disagree, whichever files they saw.
 
-Each worker's `Reloader` looks at the counter every `POLL_S` and applies the published settings from its next
-request on (requests in flight finish on the settings they started with); a worker restarted after a reload
-starts on them. From a change to every worker: two looks, half a second at most.
+Each worker's `Reloader` looks at the counter every `POLL_S` and swaps the published settings into the worker's
+`config.Live`; a worker restarted after a reload starts on them. From a change to every worker: two looks, half a
+second at most. Every reader reads a setting where it uses it, so a request in flight keeps what it has passed
+(its key, the limits, its admission, a deadline already running) and reads the new value at its next use (a
+retry's count and backoff, a continuation's switch, the next timeout it starts).
 """
 
 from __future__ import annotations
