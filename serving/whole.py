@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
-from errors import ANTHROPIC
 from scheduling.ledger import Lease
 from serving.call import Call
 from serving.observe import answer_prompt_tokens
@@ -24,7 +23,7 @@ class WholeCall(Call[None]):
 
     def answer(self, data: bytes, lease: Lease) -> None:
         lease.succeed()  # the prefix is cached there now, and the prefill was done by now
-        self.leg.calibrate(answer_prompt_tokens(data, self.job.api == ANTHROPIC))  # the model's estimate learns
+        self.leg.calibrate(answer_prompt_tokens(data, self.job.family))  # the model's estimate learns
         self.sink.json(200, data)
 
 
