@@ -159,6 +159,6 @@ class Dispatcher:
         if (model and model.engine_type != "vllm") or (kinds and "vllm" not in kinds):
             kind = model.engine_type if model and model.engine_type != "vllm" else "/".join(sorted(kinds))
             raise InvalidRequest(
-                f"model `{job.model}` is served by {kind} engines; {job.route} is available only with vLLM engines",
+                f"model `{job.model}` is served by {kind} engines; {job.family.route} is available only with vLLM engines",
                 param="model",
             )

@@ -44,7 +44,7 @@ class PrefillCall(Call[dict]):
         started = time.monotonic()
         try:
             _, data = await up.client.post(
-                t.url + self.job.route, self.body, rid, timeout_s=up.live.s.first_token_timeout_s
+                t.url + self.job.family.route, self.body, rid, timeout_s=up.live.s.first_token_timeout_s
             )
             rec.prefill_s = time.monotonic() - started
             resp = self.parsed(data)

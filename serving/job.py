@@ -33,10 +33,6 @@ class Job:
     request: Request | PlainChat | None = None  # the body as its family's model (or the plain chat reader) read it
 
     @property
-    def route(self) -> str:
-        return self.family.route
-
-    @property
     def prompt_body(self) -> dict:
         """The body whose prompt the scheduler counts (a Responses body's as a chat body)."""
         return self.family.prompt_body(self.body, self.request)

@@ -36,6 +36,6 @@ class CountTokensCall(Call[None]):
         up = self.up
         self.rec.target = self.leg.target
         _, data = await up.client.post(
-            self.leg.target.url + self.job.route, self.body, rid, timeout_s=up.live.s.first_token_timeout_s
+            self.leg.target.url + self.job.family.route, self.body, rid, timeout_s=up.live.s.first_token_timeout_s
         )
         self.sink.json(200, data)
