@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from scheduling.tokens import CHAT as CHAT_PROMPT
 from serving.families.base import Family
-from serving.protocol import Request, validate
+from serving.protocol import Request
 from serving.protocol.openai import ChatCompletionBody, ChatCompletionRequest, read_plain_chat
 
 
@@ -21,7 +21,7 @@ class Chat(Family):
     def read(self, body: dict, from_engine: bool) -> Request:
         # A plain body is read by a few exact-type tests, without pydantic (serving/protocol/__init__.py).
         request = read_plain_chat(body)
-        return validate(self.engine_model if from_engine else self.request_model, body) if request is None else request
+        return super().read(body, from_engine) if request is None else request
 
     def decode_computes_prompt(self, request: Request) -> bool:
         # Chat's `echo` asks for prompt logprobs too: vLLM takes `top_logprobs` (0 unless given as null) for them.
