@@ -24,8 +24,7 @@ from __future__ import annotations
 import ujson
 
 from engines import Body, holds, joined, parts_of
-from errors import ANTHROPIC, EngineStatusError, UpstreamError, json_bytes
-from serving.families.base import named_event
+from errors import EngineStatusError, UpstreamError, json_bytes
 from serving.families.completions import COMPLETIONS
 from serving.job import Job
 from serving.usage import UsageFix
@@ -53,7 +52,6 @@ _SAMPLING = (
     "cache_salt",
     "vllm_xargs",
 )
-_RETRYABLE_IN_BAND = ("api_error", "internal_error", "overloaded_error")  # Anthropic's 5xx error types
 
 
 def refusal(job: Job, engine_type: str) -> str | None:
@@ -67,7 +65,6 @@ class Continuation:
     continuation of its answer on another engine when that one fails (`Retries.resume` drives its tries)."""
 
     __slots__ = (
-        "anthropic",
         "before",
         "block",
         "broken",
@@ -90,7 +87,7 @@ class Continuation:
     )
 
     def __init__(self, job: Job, engine_type: str):
-        self.job, self.anthropic = job, job.family.api == ANTHROPIC  # its events are Anthropic's
+        self.job = job
         self.reason = refusal(job, engine_type)  # why not (counted when a failure comes), None: it can be
         self.client_ids = bool(job.body.get("return_token_ids"))  # the client asked for the ids itself
         # The engine was asked for ids the client did not ask for: every event is read to strip them, even once
@@ -155,88 +152,40 @@ class Continuation:
             return event
         if self._failed_in_band(obj, event):
             return b""
-        changed = False
-        if self.anthropic:
-            kind = obj.get("type")
-            if kind == "message_start" and isinstance(obj.get("message"), dict):
-                self.head = {"id": obj["message"].get("id")}
-                changed = self._take_prompt(obj["message"])
-                self._ids_or_not()
-            elif kind == "content_block_start":
-                self.block, self.count = obj.get("index"), self.count + 1
-                if (obj.get("content_block") or {}).get("type") != "text":
-                    self.reason = "tools"  # a tool_use or thinking block: not continued as text
-            elif kind == "content_block_delta":
-                changed = self._take_ids(obj)
-                delta = obj.get("delta") or {}
-                if delta.get("text") or delta.get("partial_json") or delta.get("thinking"):
-                    self.shown = len(self.out_ids)
-            elif kind == "content_block_stop":
-                self.block = None
-            elif kind == "message_delta":
-                self.done = True
-            return _event_with(event, obj) if changed else event
-        first = self.prompt_ids is None  # the prompt's ids come once, in the first chunk
-        if first:
-            self.head = {k: obj.get(k) for k in ("id", "object", "created", "model")}
-        changed = first and self._take_prompt(obj)
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            changed = (first and self._take_prompt(choice)) or changed
-            changed = self._take_ids(choice) or changed
-            delta = choice.get("delta")
-            if delta.get("content") if isinstance(delta, dict) else choice.get("text"):
-                self.shown = len(self.out_ids)
-            if isinstance(delta, dict) and (delta.get("reasoning") or delta.get("reasoning_content")):
-                self.reason = "reasoning"  # a reasoning parser's split: completions would not make it
-            if isinstance(delta, dict) and delta.get("tool_calls"):
-                self.reason = "tools"
-            if choice.get("finish_reason"):
-                self.finish, self.done = choice["finish_reason"], True
-        if first:
-            self._ids_or_not()
-        return _event_with(event, obj) if changed else event
+        return _event_with(event, obj) if self.job.family.observe(self, obj) else event
 
-    def _ids_or_not(self) -> None:
+    def ids_or_not(self) -> None:
         """After the first event: an engine that sent no prompt ids in it sends none (vLLM 0.32's Messages route
         ignores `return_token_ids`); its events then pass unread."""
         if self.prompt_ids is None:
             self.reason, self.injected = "no_token_ids", False
 
-    def _take_prompt(self, obj: dict) -> bool:
+    def take_prompt(self, obj: dict) -> bool:
+        """The prompt's ids, if `obj` holds them; True when they were stripped."""
         ids = obj.get("prompt_token_ids")
         if isinstance(ids, list) and self.prompt_ids is None:
             self.prompt_ids = ids
         if ids is not None and not self.client_ids:
-            _strip(obj, "prompt_token_ids", self.anthropic)
+            self.job.family.strip(obj, "prompt_token_ids")
             return True
         return False
 
-    def _take_ids(self, obj: dict) -> bool:
+    def take_ids(self, obj: dict) -> bool:
+        """Generated ids, if `obj` holds them; True when they were stripped."""
         ids = obj.get("token_ids")
         if isinstance(ids, list):
             self.out_ids.extend(ids)
         if ids is not None and not self.client_ids:
-            _strip(obj, "token_ids", self.anthropic)
+            self.job.family.strip(obj, "token_ids")
             return True
         return False
 
     def _failed_in_band(self, obj: dict, event: bytes) -> bool:
         """An error event in the stream: a 5xx ends it (`broken`); a 4xx is the request's own and passes."""
-        err = obj.get("error")
-        if not isinstance(err, dict):
-            return False
-        if self.anthropic:
-            failed = obj.get("type") == "error" and err.get("type") in _RETRYABLE_IN_BAND
-            status = 500
-        else:
-            code = err.get("code")
-            status = code if isinstance(code, int) else 500
-            failed = status >= 500
-        if failed:
+        status = self.job.family.in_band_failure(obj)
+        if status is not None:
             self.broken = EngineStatusError(status, _payload(event))
-        return failed
+        return status is not None
 
     # -- on another engine ------------------------------------------------------------------------------
 
@@ -280,7 +229,7 @@ class Continuation:
         payload = _payload(event)
         if payload == b"[DONE]":
             self.complete = True
-            return b"" if self.anthropic else b"data: [DONE]"
+            return self.job.family.continued_done(self)
         obj = _data(event)
         if not isinstance(obj, dict) or self._failed_in_band(obj, event):
             return b""
@@ -314,20 +263,12 @@ class Continuation:
         return b"data: " + json_bytes({**chunk, **tail})
 
     def _usage_events(self, usage: dict, tail: dict) -> list[bytes]:
-        """The continuation's usage chunk: the client's usage chunk (when it asked for one), or Anthropic's
-        message_delta and message_stop."""
+        """The continuation's usage, once, in its family's events (the client's usage chunk when it asked for one,
+        Anthropic's message_delta and message_stop)."""
         if self.usage_sent:
             return []
         self.usage_sent = True
-        client = self._client_usage(usage)
-        if self.anthropic:
-            reason = self.job.family.stop_reason(self.finish)
-            delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None}, "usage": client}
-            self.complete = True
-            return [named_event("message_delta", delta), named_event("message_stop", {"type": "message_stop"})]
-        if not self.include_usage:
-            return []
-        return [b"data: " + json_bytes({**self.head, "choices": [], "usage": client, **tail})]
+        return self.job.family.continued_usage(self, self._client_usage(usage), tail)
 
     def _client_usage(self, usage: dict) -> dict:
         """The continuation's usage as the client's: the prompt once (the first engine's count, P's in PD), and
@@ -336,25 +277,7 @@ class Continuation:
         counted = usage.get("completion_tokens")
         completion = self.before + counted if isinstance(counted, int) else len(self.out_ids)
         p_usage = self.fix.counts() if self.fix is not None else None
-        if self.anthropic:
-            out = {"input_tokens": prompt, "output_tokens": completion}
-            self.job.family.fix_usage(out, p_usage)
-            return out
-        out = dict(usage)
-        out.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict):  # what the continuation found cached of the first prompt
-            out["prompt_tokens_details"] = {**details, "cached_tokens": min(details.get("cached_tokens") or 0, prompt)}
-        self.job.family.fix_usage(out, p_usage)
-        return out
-
-
-def _strip(obj: dict, key: str, anthropic: bool) -> None:
-    """Ids the client did not ask for: null, as vLLM writes them then (Anthropic's events have no such key)."""
-    if anthropic:
-        del obj[key]
-    else:
-        obj[key] = None
+        return self.job.family.client_usage(usage, prompt, completion, p_usage)
 
 
 def _payload(event: bytes) -> bytes:

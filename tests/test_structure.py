@@ -34,15 +34,11 @@ KNOWN_CYCLES: set[frozenset[str]] = set()  # None: add none.
 ROUTE_TEST = re.compile(
     r"\broute (==|!=|in|not in) |\.route (==|!=|in|not in) |\bapi (==|!=) |== (MESSAGES|RESPONSES|CHAT|COMPLETIONS|COUNT_TOKENS)\b"
 )
-# Where one is still made today: /v1/models' two shapes (not a family), the continuation's reading of the
-# first engine's events, and scheduling's prompt kinds (not routes). None: add none.
+# Where one is still made today: /v1/models' two shapes (not a family), and scheduling's prompt kinds (not
+# routes). None: add none.
 ROUTE_TESTS = {
     ("handlers/models.py", "if api == ANTHROPIC:"),
     ("handlers/models.py", "if api == ANTHROPIC:  # one page holds them all"),
-    (
-        "serving/continuation.py",
-        "self.job, self.anthropic = job, job.family.api == ANTHROPIC  # its events are Anthropic's",
-    ),
     (
         "scheduling/tokens.py",
         'return messages, body.get("tools") or None, body.get("system") if kind == MESSAGES else None',

@@ -175,12 +175,68 @@ class Family:
         """The client's output cap, which a continuation lessens by what was generated (None: the context's)."""
         return b.get("max_completion_tokens", b.get("max_tokens"))
 
+    # The stream's events as the continuation reads and writes them (`cont`: the Continuation, whose state
+    # they change). The defaults read and write OpenAI chunks.
+
+    def observe(self, cont, obj: dict) -> bool:
+        """One event's data from the first engine: its ids kept (and stripped where the client did not ask for
+        them: then True), and what makes the stream not continuable noted."""
+        first = cont.prompt_ids is None  # the prompt's ids come once, in the first chunk
+        if first:
+            cont.head = {k: obj.get(k) for k in ("id", "object", "created", "model")}
+        changed = first and cont.take_prompt(obj)
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            changed = (first and cont.take_prompt(choice)) or changed
+            changed = cont.take_ids(choice) or changed
+            delta = choice.get("delta")
+            if delta.get("content") if isinstance(delta, dict) else choice.get("text"):
+                cont.shown = len(cont.out_ids)
+            if isinstance(delta, dict) and (delta.get("reasoning") or delta.get("reasoning_content")):
+                cont.reason = "reasoning"  # a reasoning parser's split: completions would not make it
+            if isinstance(delta, dict) and delta.get("tool_calls"):
+                cont.reason = "tools"
+            if choice.get("finish_reason"):
+                cont.finish, cont.done = choice["finish_reason"], True
+        if first:
+            cont.ids_or_not()
+        return changed
+
+    def strip(self, obj: dict, key: str) -> None:
+        """Ids the client did not ask for: null, as vLLM writes them then."""
+        obj[key] = None
+
+    def in_band_failure(self, obj: dict) -> int | None:
+        """The status of an error event that fails the stream (a 5xx), None for any other event (a 4xx is the
+        request's own)."""
+        err = obj.get("error")
+        if not isinstance(err, dict):
+            return None
+        code = err.get("code")
+        status = code if isinstance(code, int) else 500
+        return status if status >= 500 else None
+
     def continued(self, cont, text: str, finish: str | None, choice: dict, ids: list, usage: object, tail: dict):
-        """A continuation's completions choice (its text, finish reason and token ids) as the client's events
-        (`cont`: the Continuation, whose state they change)."""
+        """A continuation's completions choice (its text, finish reason and token ids) as the client's events."""
         raise NotImplementedError(self.route)
 
+    def continued_done(self, cont) -> bytes:
+        """The continuation's `[DONE]` as the client's (b"": nothing)."""
+        return b"data: [DONE]"
 
-def named_event(name: str, obj: dict) -> bytes:
-    """An SSE event with its `event:` line (Anthropic's and the Responses API's framing)."""
-    return b"event: " + name.encode() + b"\ndata: " + json_bytes(obj)
+    def continued_usage(self, cont, client: dict, tail: dict) -> list[bytes]:
+        """The continuation's usage chunk (`client`: its usage as the client's), when the client asked for one."""
+        if not cont.include_usage:
+            return []
+        return [b"data: " + json_bytes({**cont.head, "choices": [], "usage": client, **tail})]
+
+    def client_usage(self, usage: dict, prompt: int, completion: int, p_usage: dict | None) -> dict:
+        """A continuation's usage (the engine's, with the prompt and completion counts the client is billed)."""
+        out = dict(usage)
+        out.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):  # what the continuation found cached of the first prompt
+            out["prompt_tokens_details"] = {**details, "cached_tokens": min(details.get("cached_tokens") or 0, prompt)}
+        self.fix_usage(out, p_usage)
+        return out

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from errors import ANTHROPIC
+from errors import ANTHROPIC, json_bytes
 from scheduling.tokens import MESSAGES as MESSAGES_PROMPT
-from serving.families.base import Family, named_event
+from serving.families.base import Family
 from serving.protocol.anthropic import MessagesRequest
 
 _ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens"}
+_RETRYABLE_IN_BAND = ("api_error", "internal_error", "overloaded_error")  # Anthropic's 5xx error types
 
 
 def fix_anthropic_usage(usage: dict, p_usage: dict | None) -> None:
@@ -21,6 +22,10 @@ def fix_anthropic_usage(usage: dict, p_usage: dict | None) -> None:
             usage[key] = p_usage[key]
         elif key != "input_tokens":
             usage.pop(key, None)
+
+
+def named_event(name: str, obj: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + json_bytes(obj)
 
 
 class Messages(Family):
@@ -64,6 +69,36 @@ class Messages(Family):
     def thinks(self, b: dict) -> bool:
         return isinstance(b.get("thinking"), dict) and b["thinking"].get("type") != "disabled"
 
+    def observe(self, cont, obj: dict) -> bool:
+        kind, changed = obj.get("type"), False
+        if kind == "message_start" and isinstance(obj.get("message"), dict):
+            cont.head = {"id": obj["message"].get("id")}
+            changed = cont.take_prompt(obj["message"])
+            cont.ids_or_not()
+        elif kind == "content_block_start":
+            cont.block, cont.count = obj.get("index"), cont.count + 1
+            if (obj.get("content_block") or {}).get("type") != "text":
+                cont.reason = "tools"  # a tool_use or thinking block: not continued as text
+        elif kind == "content_block_delta":
+            changed = cont.take_ids(obj)
+            delta = obj.get("delta") or {}
+            if delta.get("text") or delta.get("partial_json") or delta.get("thinking"):
+                cont.shown = len(cont.out_ids)
+        elif kind == "content_block_stop":
+            cont.block = None
+        elif kind == "message_delta":
+            cont.done = True
+        return changed
+
+    def strip(self, obj: dict, key: str) -> None:
+        del obj[key]  # (Anthropic's events have no such key)
+
+    def in_band_failure(self, obj: dict) -> int | None:
+        err = obj.get("error")
+        if not isinstance(err, dict):
+            return None
+        return 500 if obj.get("type") == "error" and err.get("type") in _RETRYABLE_IN_BAND else None
+
     def continued(self, cont, text: str, finish: str | None, choice: dict, ids: list, usage: object, tail: dict):
         """Text in the open text block (or a new one, at the next index), which the finish closes."""
         out = []
@@ -83,8 +118,20 @@ class Messages(Family):
             cont.block = None
         return out
 
-    def stop_reason(self, finish: str | None) -> str:
-        return _ANTHROPIC_STOP.get(finish or "stop", "end_turn")
+    def continued_done(self, cont) -> bytes:
+        return b""  # (message_stop came with the usage)
+
+    def continued_usage(self, cont, client: dict, tail: dict) -> list[bytes]:
+        """message_delta, with the stop reason and the usage, and message_stop: the end of the stream."""
+        reason = _ANTHROPIC_STOP.get(cont.finish or "stop", "end_turn")
+        delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None}, "usage": client}
+        cont.complete = True
+        return [named_event("message_delta", delta), named_event("message_stop", {"type": "message_stop"})]
+
+    def client_usage(self, usage: dict, prompt: int, completion: int, p_usage: dict | None) -> dict:
+        out = {"input_tokens": prompt, "output_tokens": completion}
+        fix_anthropic_usage(out, p_usage)
+        return out
 
 
 MESSAGES = Messages()
