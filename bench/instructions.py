@@ -11,9 +11,10 @@ cell, after a warm-up, the worker is counted (`callgrind_control -i on`) while w
 connection for `--seconds`, then its counters are dumped; the requests are those wrk completed, and a
 cell with any wrk error or non-2xx answer stops the run. The count includes the worker's background work
 meanwhile (health checks and metrics scrapes of the three fakes, once a second: well under 1 % at the
-60-odd requests a second valgrind allows). One connection keeps the count free of batching: with many connections a
-slower server handles more requests per event-loop pass, and each pass's fixed work is shared by more of
-them. What timers do (the request log's and metrics' 50 ms flushes) is shared by the requests of 50 ms,
+60-odd requests a second valgrind allows; on a loaded machine, where fewer requests share them, compare
+trees with `--no-background`, which puts them an hour apart). One connection keeps the count free of
+batching: with many connections a slower server handles more requests per event-loop pass, and each pass's
+fixed work is shared by more of them. What timers do (the request log's and metrics' 50 ms flushes) is shared by the requests of 50 ms,
 so it weighs more here than at full load. Repeated runs agree within about 1-2 %.
 
 Under callgrind the Coordinator runs some 50 times slower: a tree takes about 2.5 minutes. Needs valgrind
@@ -51,8 +52,13 @@ def count(out_dir: str, pid: int) -> int:
     return total
 
 
+# `--no-background`: health checks and scrapes an hour apart, so that none falls in a count. Their cost per request
+# is their cost per second over the requests a second, which on a loaded machine changes from run to run.
+QUIET = {"scheduler_config": {"health_check_interval": 3600, "metrics_scrape_interval": 3600}}
+
+
 def measure_tree(
-    root: str, engines: overhead.Engines, cells: list[str], seconds: float, workdir: str
+    root: str, engines: overhead.Engines, cells: list[str], seconds: float, workdir: str, quiet: bool = False
 ) -> dict[str, dict]:
     out_dir = tempfile.mkdtemp(prefix="callgrind-", dir=workdir)
     launcher = (
@@ -63,7 +69,15 @@ def measure_tree(
         f"--callgrind-out-file={out_dir}/callgrind.%p",
     )
     gw = overhead.Coordinator(
-        engines, 1, "INFO", None, workdir, root=root, launcher=launcher, start_timeout_s=START_TIMEOUT_S
+        engines,
+        1,
+        "INFO",
+        None,
+        workdir,
+        root=root,
+        launcher=launcher,
+        start_timeout_s=START_TIMEOUT_S,
+        sections=QUIET if quiet else None,
     )
     results = {}
     try:
@@ -100,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", action="append", default=[], help="another source tree to count after this one")
     ap.add_argument("--cells", default=",".join(overhead.CELLS), help="comma-separated cells (default: all four)")
     ap.add_argument("--seconds", type=float, default=8, help="counted seconds per cell (default 8)")
+    ap.add_argument(
+        "--no-background", action="store_true", help="no health checks or scrapes in the counts (a loaded machine)"
+    )
     opts = ap.parse_args(argv)
     cells = [c for c in opts.cells.split(",") if c]
     unknown = set(cells) - set(overhead.CELLS)
@@ -113,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="motor-instructions-")
     try:
         with overhead.fakes(overhead.build_fake(workdir), None, workdir) as engines:
-            results = [measure_tree(root, engines, cells, opts.seconds, workdir) for root in trees]
+            results = [measure_tree(root, engines, cells, opts.seconds, workdir, opts.no_background) for root in trees]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print()
