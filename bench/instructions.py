@@ -12,7 +12,7 @@ connection for `--seconds`, then its counters are dumped; the requests are those
 cell with any wrk error or non-2xx answer stops the run. The count includes the worker's background work
 meanwhile (health checks and metrics scrapes of the three fakes, once a second: well under 1 % at the
 60-odd requests a second valgrind allows; on a loaded machine, where fewer requests share them, compare
-trees with `--no-background`, which puts them an hour apart). One connection keeps the count free of
+trees with `--no-background`, which leaves out what the worker does without requests). One connection keeps the count free of
 batching: with many connections a slower server handles more requests per event-loop pass, and each pass's
 fixed work is shared by more of them. What timers do (the request log's and metrics' 50 ms flushes) is shared by the requests of 50 ms,
 so it weighs more here than at full load. Repeated runs agree within about 1-2 %.
@@ -40,6 +40,18 @@ from bench import overhead  # noqa: E402
 START_TIMEOUT_S = 600  # Python's imports under valgrind
 
 
+def _counting(worker: str) -> float:
+    """Start counting in the worker; when it started."""
+    subprocess.run(["callgrind_control", "-i", "on", worker], check=True, capture_output=True)
+    return time.monotonic()
+
+
+def _dumped(worker: str) -> None:
+    """The worker's counts dumped, and counting stopped (the dump is written by the worker meanwhile)."""
+    subprocess.run(["callgrind_control", "-d", worker], check=True, capture_output=True)
+    subprocess.run(["callgrind_control", "-i", "off", worker], check=True, capture_output=True)
+
+
 def count(out_dir: str, pid: int) -> int:
     """The instructions in the worker's dumps since the last call (the dump files are removed)."""
     total = 0
@@ -52,9 +64,12 @@ def count(out_dir: str, pid: int) -> int:
     return total
 
 
-# `--no-background`: health checks and scrapes an hour apart, so that none falls in a count. Their cost per request
-# is their cost per second over the requests a second, which on a loaded machine changes from run to run.
+# `--no-background`: what the worker does without requests is left out of the counts. Its cost per request is its
+# cost per second over the requests a second, which on a loaded machine changes from run to run: the health checks
+# and scrapes are put an hour apart, and what remains (the heartbeat, the event loop's own timers) is counted for
+# IDLE_S seconds without requests and taken off each cell's count for the cell's seconds.
 QUIET = {"scheduler_config": {"health_check_interval": 3600, "metrics_scrape_interval": 3600}}
+IDLE_S = 8.0
 
 
 def measure_tree(
@@ -82,19 +97,28 @@ def measure_tree(
     results = {}
     try:
         worker = str(gw.worker_pids()[0])
+        idle_per_s = 0.0
+        if quiet:
+            started = _counting(worker)
+            time.sleep(IDLE_S)
+            _dumped(worker)
+            idle_s = time.monotonic() - started
+            time.sleep(0.5)
+            idle_per_s = count(out_dir, int(worker)) / idle_s
+            print(f"  {root} idle: {idle_per_s / 1000:.1f} k instructions a second, left out", flush=True)
         for cell in cells:
             data = gw.body(cell)
             overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir)  # warm-up, not counted
-            subprocess.run(["callgrind_control", "-i", "on", worker], check=True, capture_output=True)
+            started = _counting(worker)
             res = overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
-            subprocess.run(["callgrind_control", "-d", worker], check=True, capture_output=True)
-            subprocess.run(["callgrind_control", "-i", "off", worker], check=True, capture_output=True)
+            _dumped(worker)
+            counted_s = time.monotonic() - started
             time.sleep(0.5)  # the dump is written by the worker
             errors = overhead.wrk_errors(res)
             if any(errors.values()):
                 raise RuntimeError(f"{root} {cell}: wrk saw errors {errors}")
             requests = res["requests"]
-            instructions = count(out_dir, int(worker))
+            instructions = count(out_dir, int(worker)) - idle_per_s * counted_s
             results[cell] = {
                 "requests": requests,
                 "instructions": instructions,
@@ -115,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", default=",".join(overhead.CELLS), help="comma-separated cells (default: all four)")
     ap.add_argument("--seconds", type=float, default=8, help="counted seconds per cell (default 8)")
     ap.add_argument(
-        "--no-background", action="store_true", help="no health checks or scrapes in the counts (a loaded machine)"
+        "--no-background",
+        action="store_true",
+        help="leave out what the worker does without requests (a loaded machine)",
     )
     opts = ap.parse_args(argv)
     cells = [c for c in opts.cells.split(",") if c]
