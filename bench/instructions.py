@@ -64,11 +64,10 @@ def count(out_dir: str, pid: int) -> int:
     return total
 
 
-# `--no-background`: what the worker does without requests is left out of the counts. Its cost per request is its
-# cost per second over the requests a second, which on a loaded machine changes from run to run: the health checks
-# and scrapes are put an hour apart, and what remains (the heartbeat, the event loop's own timers) is counted for
-# IDLE_S seconds without requests and taken off each cell's count for the cell's seconds.
-QUIET = {"scheduler_config": {"health_check_interval": 3600, "metrics_scrape_interval": 3600}}
+# `--no-background`: what the worker does without requests (health checks, scrapes, the heartbeat, the event loop's
+# own timers) is left out of the counts. Its cost per request is its cost per second over the requests a second,
+# which on a loaded machine changes from run to run: it is counted for IDLE_S seconds without requests, and its
+# rate taken off each cell's count for the cell's seconds.
 IDLE_S = 8.0
 
 
@@ -92,7 +91,6 @@ def measure_tree(
         root=root,
         launcher=launcher,
         start_timeout_s=START_TIMEOUT_S,
-        sections=QUIET if quiet else None,
     )
     results = {}
     try:
