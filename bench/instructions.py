@@ -12,10 +12,12 @@ connection for `--seconds`, then its counters are dumped; the requests are those
 cell with any wrk error or non-2xx answer stops the run. The count includes the worker's background work
 meanwhile (health checks and metrics scrapes of the three fakes, once a second: well under 1 % at the
 60-odd requests a second valgrind allows; on a loaded machine, where fewer requests share them, compare
-trees with `--no-background`, which leaves out what the worker does without requests). One connection keeps the count free of
-batching: with many connections a slower server handles more requests per event-loop pass, and each pass's
-fixed work is shared by more of them. What timers do (the request log's and metrics' 50 ms flushes) is shared by the requests of 50 ms,
-so it weighs more here than at full load. Repeated runs agree within about 1-2 %.
+trees with `--no-background`, which leaves out what the worker does without requests). One connection keeps
+the count free of batching: with many connections a slower server handles more requests per event-loop
+pass, and each pass's fixed work is shared by more of them. What timers do (the request log's and metrics'
+50 ms flushes) is shared by the requests of 50 ms, so it weighs more here than at full load: trees compared
+should run at about the same rate (on a loaded machine, one run each at the same time). Repeated runs agree
+within about 1-2 %.
 
 Under callgrind the Coordinator runs some 50 times slower: a tree takes about 2.5 minutes. Needs valgrind
 (with callgrind_control), wrk and gcc. Compare trees with a git worktree: `git worktree add /tmp/base HEAD~3`.
