@@ -14,7 +14,7 @@ from serving.protocol import Request, validate
 # The client's fields a prefill leg must not carry, as what the engine reads when they are absent: the leg's
 # body is the client's bytes with its changes appended (JSON readers keep a key's last value, Python's and so
 # vLLM's among them), so a dropped field is overridden rather than cut out of a prompt of megabytes.
-OPENAI_DROPPED = {"stream_options": None, "min_tokens": 0, "stop": None, "stop_token_ids": None}
+_OPENAI_DROPPED = {"stream_options": None, "min_tokens": 0, "stop": None, "stop_token_ids": None}
 
 # The client's sampling fields a continuation's structured-output refusal looks at.
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
@@ -60,7 +60,7 @@ class Family:
     cache_keys: tuple[bytes, ...] = ()
     nests: str | None = None  # the key of an event's object that holds its usage (a Responses event's response)
     continuable = False  # a broken stream of it may go on on another engine (serving/continuation.py)
-    dropped: dict = OPENAI_DROPPED  # what its prefill leg must not carry (at the engine's default)
+    dropped: dict = _OPENAI_DROPPED  # what its prefill leg must not carry (at the engine's default)
 
     def __repr__(self) -> str:
         return f"<family {self.route}>"
