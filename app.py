@@ -72,7 +72,21 @@ APP_NAME = "motor_coordinator"
 
 
 def create_app(settings: Settings) -> Sanic:
+    """The app of every process: the main process's listeners (shared memory, the supervisor) and each worker's
+    (its serving objects, the drain), the routes and the error handler."""
     app = Sanic(APP_NAME, certloader_class=InferenceTls)
+    configure_sanic(app, settings)
+    app.ctx.live = Live(settings)  # what every reader in this worker reads the settings through (apply_settings)
+    app.ctx.plane_by_port = {settings.infer_port: INFER, settings.mgmt_port: MGMT, settings.obs_port: OBS}
+    register(app)
+    add_main_process_listeners(app, settings)
+    add_worker_listeners(app, settings)
+    app.exception(Exception)(render_error)
+    return app
+
+
+def configure_sanic(app: Sanic, settings: Settings) -> None:
+    """Sanic's own settings: its limits, timeouts, access log and error format."""
     sanic_limits(app, settings)
     # Sanic's bound on the silence within a head; the head's and body's whole deadlines are EdgeProtocol's, which
     # Sanic's timer checks every half of its shortest timeout.
@@ -83,20 +97,10 @@ def create_app(settings: Settings) -> Sanic:
     app.config.ACCESS_LOG = settings.access_log
     app.config.FALLBACK_ERROR_FORMAT = "json"
     app.config.MOTD = False
-    app.ctx.live = Live(settings)  # what every reader in this worker reads the settings through (apply_settings)
-    app.ctx.plane_by_port = {settings.infer_port: INFER, settings.mgmt_port: MGMT, settings.obs_port: OBS}
-    register(app)
 
-    @app.before_server_start
-    async def tls_per_port(app: Sanic):
-        # Sanic gives every server it runs the one TLS context InferenceTls loaded; the management and
-        # metrics servers start after this listener (Sanic's `_start_servers`) and take theirs from here.
-        mgmt = server_tls_context(settings.mgmt_tls)
-        for info in app.state.server_info:
-            sock = info.settings.get("sock")  # workers serve sockets the main process bound
-            port = sock.getsockname()[1] if sock is not None else info.settings.get("port")
-            if port in (settings.mgmt_port, settings.obs_port):
-                info.settings["ssl"] = mgmt
+
+def add_main_process_listeners(app: Sanic, settings: Settings) -> None:
+    """The main process's: the shared memory and the instance set at start, the workers' supervisor, cleanup."""
 
     @app.main_process_start
     async def make_shared_state(app: Sanic):
@@ -129,57 +133,24 @@ def create_app(settings: Settings) -> Sanic:
         if os.environ.get("MOTOR_OWNS_PROM_DIR"):
             shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
+
+def add_worker_listeners(app: Sanic, settings: Settings) -> None:
+    """Each worker's: TLS per port, its serving objects at start, the drain on a stop signal, its stop."""
+
+    @app.before_server_start
+    async def tls_per_port(app: Sanic):
+        # Sanic gives every server it runs the one TLS context InferenceTls loaded; the management and
+        # metrics servers start after this listener (Sanic's `_start_servers`) and take theirs from here.
+        mgmt = server_tls_context(settings.mgmt_tls)
+        for info in app.state.server_info:
+            sock = info.settings.get("sock")  # workers serve sockets the main process bound
+            port = sock.getsockname()[1] if sock is not None else info.settings.get("port")
+            if port in (settings.mgmt_port, settings.obs_port):
+                info.settings["ssl"] = mgmt
+
     @app.before_server_start
     async def start_worker(app: Sanic):
-        configure_logging(settings.log_level)  # workers are spawned: main()'s logging setup is not theirs
-        if hasattr(app.shared_ctx, "motor_doc"):
-            shared = SharedState.from_shared_ctx(app.shared_ctx)
-        else:  # Sanic's single_process mode runs no main_process_* listener: this process's memory will do
-            shared = SharedState.create()
-            Registry(shared).apply("set", list(settings.instances))
-            app.ctx.config_watch = watch_config(settings, shared)
-        worker = worker_index()
-        shared.clear_worker(worker)  # a restarted worker starts from zero (the supervisor zeroed it too)
-        ctx = app.ctx
-        ctx.started_at = int(time.time())
-        ctx.shared = shared
-        ctx.registry = Registry(shared)
-        clustered = bool(settings.cluster.redis_url)
-        ctx.ledger = Ledger(shared, worker, settings.num_workers, remote=clustered)
-        live = ctx.live
-        ctx.health = Health(shared, live)
-        ctx.scheduler = build_scheduler(live, shared, ctx.registry, ctx.ledger, ctx.health)
-        ctx.client = EngineClient(live)
-        ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
-        ctx.door = Door(live, shared, worker)
-        usages, homes = PrefillUsages(shared, worker, settings.num_workers), SharedResponseHomes(shared)
-        ctx.cluster = None
-        if clustered:  # replicas act as one (serving/cluster.py)
-            replica = os.environ.setdefault("MOTOR_REPLICA_ID", replica_id())
-            ctx.cluster = ctx.door.cluster = Cluster(live, shared, worker, replica, ctx.registry)
-            homes = ClusterResponseHomes(homes, ctx.cluster)
-            shared_events(ctx.cluster, usages, homes, ctx.scheduler.index)
-            ctx.cluster.start()
-        ctx.dispatcher = Dispatcher(live, ctx.scheduler, ctx.health, ctx.client, ctx.observer, usages, homes)
-        ctx.background = Background(live, ctx.registry, ctx.health, ctx.client)
-        if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
-            ctx.background.start()
-        ctx.tracing = None
-        if settings.tracer.endpoint:  # OpenTelemetry (serving/tracing.py); off, its SDK is not even imported
-            from serving.tracing import Tracing
-
-            ctx.tracing = Tracing(settings.tracer)
-            ctx.dispatcher.trace(ctx.tracing)
-            ctx.client.traced = True
-        ctx.reloader = None
-        if settings.source_path:  # the config file is watched, and what may change live applies (workers/reload.py)
-            ctx.reloader = Reloader(shared, partial(apply_settings, app), worker)
-            ctx.reloader.start()
-        # The supervisor's watchdog kills a worker whose loop stops beating; a worker of a main process (not
-        # Sanic's single_process mode, whose parent is whatever started it) stops itself if that one dies.
-        start_heartbeat(shared, worker, watch_parent=hasattr(app.shared_ctx, "motor_doc"))
-        # Start-up objects live for the worker's life: keep them out of the cyclic collector's scans.
-        gc.freeze()
+        build_worker(app, settings)
 
     @app.before_server_stop
     async def drain(app: Sanic):
@@ -227,31 +198,84 @@ def create_app(settings: Settings) -> Sanic:
             app.ctx.tracing.shutdown()  # the spans still batched are sent
         app.ctx.observer.close()
 
-    @app.exception(Exception)
-    async def render_error(request: Request, exc: Exception):
-        api = api_of(request)
-        rid = request_id(request)
-        if isinstance(exc, CoordinatorError):
-            return error_response(exc, api, rid)
-        if not isinstance(exc, SanicException):
-            log.exception("unhandled error on %s", request.path, exc_info=exc)
-            return error_response(CoordinatorError("internal error"), api, rid)
-        status = exc.status_code
-        if status == 413 and "header" in str(exc).lower():  # Sanic's limit on the request head
-            return error_response(HeaderFieldsTooLarge("request header fields too large"), api, rid)
-        if status == 413:
-            return error_response(PayloadTooLarge("request body exceeds the configured size limit"), api, rid)
-        if status == 404:
-            return error_response(NotFound(f"no route {request.method} {request.path}", code="not_found"), api, rid)
-        if status >= 500:
-            log.error("%s on %s: %s", type(exc).__name__, request.path, exc)
-        # Sanic's own errors keep their status and headers (a 405's Allow, a 503's Retry-After).
-        err = CoordinatorError(str(exc) or "bad request", headers={k: str(v) for k, v in (exc.headers or {}).items()})
-        err.status = status
-        err.openai_type = "server_error" if status >= 500 else "invalid_request_error"
-        return error_response(err, api, rid)
 
-    return app
+def build_worker(app: Sanic, settings: Settings) -> None:
+    """This worker's serving objects on `app.ctx`, over the shared memory the main process made (or its own in
+    Sanic's single_process mode), and its background tasks started."""
+    configure_logging(settings.log_level)  # workers are spawned: main()'s logging setup is not theirs
+    if hasattr(app.shared_ctx, "motor_doc"):
+        shared = SharedState.from_shared_ctx(app.shared_ctx)
+    else:  # Sanic's single_process mode runs no main_process_* listener: this process's memory will do
+        shared = SharedState.create()
+        Registry(shared).apply("set", list(settings.instances))
+        app.ctx.config_watch = watch_config(settings, shared)
+    worker = worker_index()
+    shared.clear_worker(worker)  # a restarted worker starts from zero (the supervisor zeroed it too)
+    ctx = app.ctx
+    ctx.started_at = int(time.time())
+    ctx.shared = shared
+    ctx.registry = Registry(shared)
+    clustered = bool(settings.cluster.redis_url)
+    ctx.ledger = Ledger(shared, worker, settings.num_workers, remote=clustered)
+    live = ctx.live
+    ctx.health = Health(shared, live)
+    ctx.scheduler = build_scheduler(live, shared, ctx.registry, ctx.ledger, ctx.health)
+    ctx.client = EngineClient(live)
+    ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
+    ctx.door = Door(live, shared, worker)
+    usages, homes = PrefillUsages(shared, worker, settings.num_workers), SharedResponseHomes(shared)
+    ctx.cluster = None
+    if clustered:  # replicas act as one (serving/cluster.py)
+        replica = os.environ.setdefault("MOTOR_REPLICA_ID", replica_id())
+        ctx.cluster = ctx.door.cluster = Cluster(live, shared, worker, replica, ctx.registry)
+        homes = ClusterResponseHomes(homes, ctx.cluster)
+        shared_events(ctx.cluster, usages, homes, ctx.scheduler.index)
+        ctx.cluster.start()
+    ctx.dispatcher = Dispatcher(live, ctx.scheduler, ctx.health, ctx.client, ctx.observer, usages, homes)
+    ctx.background = Background(live, ctx.registry, ctx.health, ctx.client)
+    if worker == 0:  # one worker checks health and scrapes engines for all of them (a restarted one too)
+        ctx.background.start()
+    ctx.tracing = None
+    if settings.tracer.endpoint:  # OpenTelemetry (serving/tracing.py); off, its SDK is not even imported
+        from serving.tracing import Tracing
+
+        ctx.tracing = Tracing(settings.tracer)
+        ctx.dispatcher.trace(ctx.tracing)
+        ctx.client.traced = True
+    ctx.reloader = None
+    if settings.source_path:  # the config file is watched, and what may change live applies (workers/reload.py)
+        ctx.reloader = Reloader(shared, partial(apply_settings, app), worker)
+        ctx.reloader.start()
+    # The supervisor's watchdog kills a worker whose loop stops beating; a worker of a main process (not
+    # Sanic's single_process mode, whose parent is whatever started it) stops itself if that one dies.
+    start_heartbeat(shared, worker, watch_parent=hasattr(app.shared_ctx, "motor_doc"))
+    # Start-up objects live for the worker's life: keep them out of the cyclic collector's scans.
+    gc.freeze()
+
+
+async def render_error(request: Request, exc: Exception):
+    """Any error no handler answered (Sanic's own among them), in the request's API envelope."""
+    api = api_of(request)
+    rid = request_id(request)
+    if isinstance(exc, CoordinatorError):
+        return error_response(exc, api, rid)
+    if not isinstance(exc, SanicException):
+        log.exception("unhandled error on %s", request.path, exc_info=exc)
+        return error_response(CoordinatorError("internal error"), api, rid)
+    status = exc.status_code
+    if status == 413 and "header" in str(exc).lower():  # Sanic's limit on the request head
+        return error_response(HeaderFieldsTooLarge("request header fields too large"), api, rid)
+    if status == 413:
+        return error_response(PayloadTooLarge("request body exceeds the configured size limit"), api, rid)
+    if status == 404:
+        return error_response(NotFound(f"no route {request.method} {request.path}", code="not_found"), api, rid)
+    if status >= 500:
+        log.error("%s on %s: %s", type(exc).__name__, request.path, exc)
+    # Sanic's own errors keep their status and headers (a 405's Allow, a 503's Retry-After).
+    err = CoordinatorError(str(exc) or "bad request", headers={k: str(v) for k, v in (exc.headers or {}).items()})
+    err.status = status
+    err.openai_type = "server_error" if status >= 500 else "invalid_request_error"
+    return error_response(err, api, rid)
 
 
 def watch_config(settings: Settings, shared: SharedState) -> ConfigWatch | None:

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from serving import job as current  # noqa: E402
+from serving.families import CHAT, COMPLETIONS, MESSAGES  # noqa: E402
 
 TOOLS = [
     {
@@ -55,11 +56,11 @@ def _conversation(total_bytes: int) -> list[dict]:
 
 BODIES = {
     "chat, tiny": (
-        current.CHAT,
+        CHAT,
         {"model": "m", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16, "stream": True},
     ),
     "chat, 32 KiB": (
-        current.CHAT,
+        CHAT,
         {
             "model": "m",
             "messages": _conversation(32 * 1024),
@@ -69,9 +70,9 @@ BODIES = {
             "temperature": 0.7,
         },
     ),
-    "completions": (current.COMPLETIONS, {"model": "m", "prompt": "Once upon a time", "max_tokens": 16}),
+    "completions": (COMPLETIONS, {"model": "m", "prompt": "Once upon a time", "max_tokens": 16}),
     "messages + tools": (
-        current.MESSAGES,
+        MESSAGES,
         {
             "model": "m",
             "max_tokens": 4096,
@@ -118,14 +119,15 @@ def main() -> None:
     base = load_base(args.base) if args.base else None
     head = f"{'body':<18} {'bytes':>7} {'parse µs':>9} {'check µs':>9}"
     print(head + (f" {'base µs':>8} {'delta µs':>9}" if base else ""))
-    for name, (route, body) in BODIES.items():
+    for name, (family, body) in BODIES.items():
         raw = ujson.dumps(body).encode()
-        api = "anthropic" if route == current.MESSAGES else "openai"
         parse = per_call_us(partial(ujson.loads, raw), args.rounds, args.number)
-        now = per_call_us(partial(current.job_from_body, route, api, raw, body, "rid"), args.rounds, args.number)
+        now = per_call_us(partial(current.job_from_body, family, raw, body, "rid"), args.rounds, args.number)
         line = f"{name:<18} {len(raw):>7} {parse:>9.2f} {now:>9.2f}"
         if base is not None:
-            then = per_call_us(partial(base.job_from_body, route, api, raw, body, "rid"), args.rounds, args.number)
+            then = per_call_us(
+                partial(base.job_from_body, family.route, family.api, raw, body, "rid"), args.rounds, args.number
+            )
             line += f" {then:>8.2f} {now - then:>+9.2f}"
         print(line, flush=True)
 

@@ -6,7 +6,7 @@ the Coordinator reads (plain attributes, nothing validated when one is built in 
 config object against it (`config.load`), through the `...Section` schemas below where a section also has a
 rule across its keys.
 
-Values are read in pydantic's strict mode, as the hand-written readers before it did: a config file is JSON,
+Values are read in pydantic's strict mode: a config file is JSON,
 and a value of the wrong JSON type is refused, not converted. Lax mode would take "8000" or 8000.0 for an
 integer, 1 or "yes" for a boolean, and True for a number. Numbers must be finite (Python's json reads NaN and
 Infinity, which compare false with every bound).

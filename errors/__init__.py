@@ -34,9 +34,6 @@ from email.utils import format_datetime, parsedate_to_datetime
 
 import ujson
 
-OPENAI = "openai"
-ANTHROPIC = "anthropic"
-
 # Anthropic's error types by the HTTP status the client gets (https://docs.anthropic.com/en/api/errors).
 # A 503 is only ever the Coordinator's own (no capacity, draining; an engine's 503 reaches the client as
 # 502): Anthropic's `overloaded_error`, which its API sends with 529. Any other 5xx is an `api_error`.
@@ -303,11 +300,48 @@ def json_bytes(obj: object) -> bytes:
         return ujson.dumps(obj, ensure_ascii=True, escape_forward_slashes=False).encode()
 
 
-def error_body(err: CoordinatorError, api: str, rid: str) -> dict:
-    """The error envelope of one API."""
-    if api == ANTHROPIC:
+class Api:
+    """One API's conventions on the wire: its error envelope (OpenAI's here, Anthropic's in `_Anthropic`), the SSE
+    event that ends a stream with an error, the headers that echo the request id, and the headers besides the
+    configured one that may carry a client's key. A request's endpoint family names its API
+    (serving/families/); /v1/models answers a client that sends `anthropic-version` in Anthropic's."""
+
+    __slots__ = ("id_headers", "key_headers", "name")
+
+    def __init__(self, name: str, id_headers: tuple[str, ...], key_headers: tuple[str, ...] = ()):
+        self.name, self.id_headers, self.key_headers = name, id_headers, key_headers
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def error_body(self, err: CoordinatorError, rid: str) -> dict:
+        return {"error": {"message": err.message, "type": err.openai_type, "param": err.param, "code": err.code}}
+
+    def engine_error(self, err: EngineStatusError, rid: str) -> bytes:
+        return _openai_engine_error(err)
+
+    def error_event(self, body: bytes) -> bytes:
+        return b"data: " + body + b"\n\n"
+
+
+class _Anthropic(Api):
+    __slots__ = ()
+
+    def error_body(self, err: CoordinatorError, rid: str) -> dict:
         return _anthropic_error(err.anthropic_type, err.message, rid)
-    return {"error": {"message": err.message, "type": err.openai_type, "param": err.param, "code": err.code}}
+
+    def engine_error(self, err: EngineStatusError, rid: str) -> bytes:
+        return _anthropic_engine_error(err, rid)
+
+    def error_event(self, body: bytes) -> bytes:
+        return b"event: error\ndata: " + body + b"\n\n"
+
+
+REQUEST_ID = "X-Request-Id"  # every answer's: the client's own id when it sent a usable one (handlers/ids.py)
+OPENAI = Api("openai", (REQUEST_ID,))
+# Anthropic's answers carry the id as `request-id` too, which Anthropic's SDK reads (`message._request_id`,
+# `APIStatusError.request_id`); its clients may present their key in `x-api-key`.
+ANTHROPIC = _Anthropic("anthropic", (REQUEST_ID, "request-id"), ("x-api-key",))
 
 
 def _anthropic_error(etype: str, message: str, rid: str) -> dict:
@@ -359,7 +393,7 @@ def _engine_error_parts(err: EngineStatusError) -> tuple[dict | None, dict | Non
     return body, inner, message
 
 
-def render(err: CoordinatorError, api: str, rid: str) -> tuple[int, bytes, dict]:
+def render(err: CoordinatorError, api: Api, rid: str) -> tuple[int, bytes, dict]:
     """Status, body bytes and headers of an error answered before any byte of a response was sent.
 
     A 4xx or 501 from an engine keeps its status and message: vLLM's error object as it is on OpenAI routes
@@ -367,9 +401,8 @@ def render(err: CoordinatorError, api: str, rid: str) -> tuple[int, bytes, dict]
     """
     headers = {"Content-Type": "application/json", **err.headers}
     if isinstance(err, EngineStatusError) and err.relayed:
-        body = _anthropic_engine_error(err, rid) if api == ANTHROPIC else _openai_engine_error(err)
-        return err.status, body, headers
-    return client_status(err), json_bytes(error_body(err, api, rid)), headers
+        return err.status, api.engine_error(err, rid), headers
+    return client_status(err), json_bytes(api.error_body(err, rid)), headers
 
 
 def client_status(err: CoordinatorError) -> int:
@@ -380,9 +413,6 @@ def client_status(err: CoordinatorError) -> int:
     return err.status
 
 
-def sse_error_event(err: CoordinatorError, api: str, rid: str) -> bytes:
+def sse_error_event(err: CoordinatorError, api: Api, rid: str) -> bytes:
     """The one SSE event that ends a stream which already started."""
-    body = json_bytes(error_body(err, api, rid))
-    if api == ANTHROPIC:
-        return b"event: error\ndata: " + body + b"\n\n"
-    return b"data: " + body + b"\n\n"
+    return api.error_event(json_bytes(api.error_body(err, rid)))

@@ -60,10 +60,10 @@ def register(app: Sanic) -> None:
 
 def check_guarded(app: Sanic) -> None:
     """At start-up (middleware finalized): a route added after `register` would have neither."""
-    for route in app.router.routes:
-        if getattr(route.ctx, "self_guarded", False):
+    for r in app.router.routes:
+        if getattr(r.ctx, "self_guarded", False):
             continue
-        if guard not in [m.func for m in route.extra.request_middleware]:
-            raise RuntimeError(f"route {route.name} ({route.path}) has no plane guard")
-        if stamp_request_id not in [m.func for m in route.extra.response_middleware]:
-            raise RuntimeError(f"route {route.name} ({route.path}) has no request-id stamp")
+        if guard not in [m.func for m in r.extra.request_middleware]:
+            raise RuntimeError(f"route {r.name} ({r.path}) has no plane guard")
+        if stamp_request_id not in [m.func for m in r.extra.response_middleware]:
+            raise RuntimeError(f"route {r.name} ({r.path}) has no request-id stamp")

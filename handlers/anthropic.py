@@ -2,19 +2,18 @@
 
 from sanic import Blueprint, Request
 
-from errors import ANTHROPIC
 from handlers.lifetime import serve_inference
 from handlers.planes import INFER
-from serving.job import COUNT_TOKENS, MESSAGES
+from serving.families import COUNT_TOKENS, MESSAGES
 
 bp = Blueprint("anthropic")
 
 
-@bp.post(MESSAGES, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
+@bp.post(MESSAGES.route, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 def messages(request: Request):
-    return serve_inference(request, MESSAGES, ANTHROPIC)
+    return serve_inference(request, MESSAGES)
 
 
-@bp.post(COUNT_TOKENS, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
+@bp.post(COUNT_TOKENS.route, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 def count_tokens(request: Request):
-    return serve_inference(request, COUNT_TOKENS, ANTHROPIC)
+    return serve_inference(request, COUNT_TOKENS)

@@ -21,7 +21,7 @@ from sanic import Request
 
 from config import ApiKeyConfig
 from config.keys import HashedKey, hashed_entry
-from errors import ANTHROPIC, Unauthorized
+from errors import Api, Unauthorized
 
 VERIFIED_KEYS = 1024  # per worker and key configuration
 HASH_CHECKS_AT_ONCE = 2  # per worker: threads a flood of wrong keys can keep busy with PBKDF2
@@ -84,7 +84,7 @@ def _encoded(key: str) -> bytes:
     return key.encode("utf-8", "surrogateescape")
 
 
-def check_key(request: Request, cfg: ApiKeyConfig, api: str) -> Awaitable[None] | None:
+def check_key(request: Request, cfg: ApiKeyConfig, api: Api) -> Awaitable[None] | None:
     """None when the request may go on (or raises Unauthorized); an awaitable to await when a hashed entry is
     being checked. A path in `cfg.skip_paths` needs no key; an Anthropic client may present it in x-api-key.
 
@@ -94,8 +94,9 @@ def check_key(request: Request, cfg: ApiKeyConfig, api: str) -> Awaitable[None] 
         return None
     key = presented_key(request, cfg)
     presented = [] if key is None else [key]
-    if api == ANTHROPIC and request.headers.get("x-api-key") is not None:
-        presented.append(request.headers["x-api-key"])
+    for header in api.key_headers:  # (Anthropic's clients may present it in x-api-key)
+        if request.headers.get(header) is not None:
+            presented.append(request.headers[header])
     check = key_check(cfg.valid_keys)
     encoded = [_encoded(k) for k in presented]
     if any([check.plain_match(p) for p in encoded]):  # noqa: C419 (all compared)

@@ -475,9 +475,9 @@ def mount(app: Sanic) -> None:
         extensions=[OpenAPIExtension],
         config={"oas_url_prefix": DOCS_PREFIX, "oas_ui_default": "redoc", "oas_ui_swagger": False, "cors": False},
     )
-    for route in app.router.routes:
-        if route.name.startswith(f"{app.name}.openapi."):
-            route.ctx.plane, route.ctx.keyless = INFER, True  # the API's description is public
+    for r in app.router.routes:
+        if r.name.startswith(f"{app.name}.openapi."):
+            r.ctx.plane, r.ctx.keyless = INFER, True  # the API's description is public
     for bp in (management.bp, observability.bp):  # other ports: documented in docs/operations.md
         openapi.exclude(bp=bp)
 

@@ -6,12 +6,8 @@ from random import getrandbits
 
 from sanic import Request
 
+from errors import REQUEST_ID
 from serving.protocol import VISIBLE
-
-REQUEST_ID = "X-Request-Id"
-# Anthropic routes send the same id as `request-id` too: Anthropic's SDK reads that header
-# (`message._request_id`, `APIStatusError.request_id`).
-ANTHROPIC_REQUEST_ID = "request-id"
 
 
 def request_id(request: Request) -> str:

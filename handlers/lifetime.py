@@ -8,7 +8,7 @@ import logging
 from sanic import HTTPResponse, Request
 
 from errors import (
-    OPENAI,
+    Api,
     CoordinatorError,
     ServiceUnavailable,
     UpstreamError,
@@ -21,6 +21,7 @@ from handlers.body import read_body, slo_header
 from handlers.ids import request_id
 from handlers.planes import INFER, check_plane
 from handlers.sink import SanicSink, error_response
+from serving.families import Family
 from serving.job import job_from_body, parse_body
 from serving.observe import RequestRecord, log_value
 
@@ -29,7 +30,7 @@ log = logging.getLogger("coordinator.handlers")
 SDK_RETRIED = frozenset({408, 409, 429})
 
 
-async def serve_inference(request: Request, route: str, api: str, from_client: bool = True):
+async def serve_inference(request: Request, family: Family, from_client: bool = True):
     """Validate, authenticate and dispatch one inference request; the whole life of its response.
 
     `from_client` False: an engine's metaserver call, part of a client request that was authenticated
@@ -44,7 +45,8 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
     check_plane(request, INFER)
     ctx = request.app.ctx
     rid = request_id(request)
-    rec = RequestRecord(rid, route)
+    api = family.api
+    rec = RequestRecord(rid, family.route, family=family)
     sink = SanicSink(request, rid, api, rec)
     tracing = ctx.tracing  # None unless tracer_config has an endpoint (serving/tracing.py)
     traced = (
@@ -54,11 +56,11 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         if from_client and (pending := check_key(request, ctx.live.s.api_key, api)) is not None:
             await pending  # a hashed key's first check (handlers/auth.py)
         raw = await read_body(request, ctx.live.s.max_request_body_bytes)
-        job = job_from_body(route, api, raw, parse_body(raw), rid)
+        job = job_from_body(family, raw, parse_body(raw), rid)
         job.slo_ttft_ms = slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = slo_header(request, "x-slo-tpot-ms")
         rec.model, rec.stream = clip(job.model), job.stream  # the log line's: a name can be megabytes
-        if job.stream and api == OPENAI and job.include_usage:
+        if job.stream and family.usage_chunk_option and job.include_usage:
             rec.usage_event = True
         with ctx.door.admit() if from_client else ctx.door.attend() as place:
             if place.pending is not None:  # cluster mode's cluster-wide cap and rate: one round trip to the store
@@ -90,7 +92,7 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
             tracing.end_request(*traced, rec)
 
 
-async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api: str, rid: str) -> HTTPResponse | None:
+async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api: Api, rid: str) -> HTTPResponse | None:
     """An error answer: the error response, or one SSE error event once the stream has started."""
     rec.status, rec.error = client_status(err), str(err)  # what its error says, and for the log which engine
     if rec.target is None and rec.prefill is None:  # refused before reaching an engine

@@ -20,19 +20,18 @@ from __future__ import annotations
 
 from sanic import Blueprint, Request
 
-from errors import OPENAI
 from handlers.lifetime import serve_inference
 from handlers.planes import INFER, check_plane
-from serving.job import METASERVER
+from serving.families import METASERVER
 
 bp = Blueprint("metaserver")
 
 
-@bp.post(METASERVER, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
+@bp.post(METASERVER.route, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 async def metaserver(request: Request):
     check_plane(request, INFER)
     engine = await from_registered_instance(request)
-    return await serve_inference(request, METASERVER, OPENAI, from_client=not engine)
+    return await serve_inference(request, METASERVER, from_client=not engine)
 
 
 async def from_registered_instance(request: Request) -> bool:

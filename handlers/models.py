@@ -13,15 +13,15 @@ from urllib.parse import unquote
 
 from sanic import Blueprint, Request, json
 
-from errors import ANTHROPIC, NotFound
-from handlers.ids import ANTHROPIC_REQUEST_ID, REQUEST_ID, request_id
+from errors import ANTHROPIC, Api, NotFound
+from handlers.ids import request_id
 from handlers.planes import INFER
 from handlers.sink import api_of
 
 bp = Blueprint("models")
 
 
-def _entries(ctx, api: str) -> dict[str, dict]:
+def _entries(ctx, api: Api) -> dict[str, dict]:
     """Every served model's entry, by id: the configured models, then any other an instance names."""
     view = ctx.registry.view()
     health = ctx.health
@@ -51,10 +51,6 @@ def _entries(ctx, api: str) -> dict[str, dict]:
     return out
 
 
-def _headers(api: str, rid: str) -> dict[str, str]:
-    return {REQUEST_ID: rid, ANTHROPIC_REQUEST_ID: rid} if api == ANTHROPIC else {REQUEST_ID: rid}
-
-
 @bp.get("/v1/models", ctx_plane=INFER)
 async def list_models(request: Request):
     api, rid = api_of(request), request_id(request)
@@ -64,16 +60,16 @@ async def list_models(request: Request):
         body = {"data": data, "has_more": False, "first_id": first, "last_id": last}
     else:
         body = {"object": "list", "data": data}
-    return json(body, headers=_headers(api, rid))
+    return json(body, headers=dict.fromkeys(api.id_headers, rid))
 
 
 @bp.get("/v1/models/<model:path>", ctx_plane=INFER)
 async def retrieve_model(request: Request, model: str):
     api, rid = api_of(request), request_id(request)
     model = unquote(model).strip("/")  # the SDKs send `org/name` as `org%2Fname`, which Sanic leaves encoded
-    if not model:  # /v1/models/ : the list, as before this route existed
+    if not model:  # /v1/models/ names no model: the list
         return await list_models(request)
     entry = _entries(request.app.ctx, api).get(model)
     if entry is None:  # rendered by the app's error handler, in the same envelope
         raise NotFound(f"The model `{model}` does not exist.", param="model")
-    return json(entry, headers=_headers(api, rid))
+    return json(entry, headers=dict.fromkeys(api.id_headers, rid))

@@ -2,19 +2,18 @@
 
 from sanic import Blueprint, Request
 
-from errors import OPENAI
 from handlers.lifetime import serve_inference
 from handlers.planes import INFER
-from serving.job import CHAT, COMPLETIONS
+from serving.families import CHAT, COMPLETIONS
 
 bp = Blueprint("openai")
 
 
-@bp.post(CHAT, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
+@bp.post(CHAT.route, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 def chat_completions(request: Request):
-    return serve_inference(request, CHAT, OPENAI)
+    return serve_inference(request, CHAT)
 
 
-@bp.post(COMPLETIONS, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
+@bp.post(COMPLETIONS.route, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 def completions(request: Request):
-    return serve_inference(request, COMPLETIONS, OPENAI)
+    return serve_inference(request, COMPLETIONS)

@@ -8,32 +8,32 @@ from handlers.ids import REQUEST_ID, request_id
 from handlers.lifetime import serve_inference
 from handlers.planes import INFER
 from handlers.sink import error_response
-from serving.job import RESPONSES
+from serving.families import RESPONSES
 from serving.observe import RequestRecord
 
 bp = Blueprint("responses")
 
-STORED = RESPONSES + "/<response_id:str>"
+STORED = RESPONSES.route + "/<response_id:str>"
 
 
-@bp.post(RESPONSES, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
+@bp.post(RESPONSES.route, ctx_plane=INFER, ctx_self_guarded=True, stream=True)
 def create_response(request: Request):
-    return serve_inference(request, RESPONSES, OPENAI)
+    return serve_inference(request, RESPONSES)
 
 
 @bp.get(STORED, ctx_plane=INFER)
 def retrieve_response(request: Request, response_id: str):
-    return _stored(request, "GET", response_id, RESPONSES + "/{id}")
+    return _stored(request, "GET", response_id, RESPONSES.route + "/{id}")
 
 
 @bp.delete(STORED, ctx_plane=INFER)
 def delete_response(request: Request, response_id: str):
-    return _stored(request, "DELETE", response_id, RESPONSES + "/{id}")
+    return _stored(request, "DELETE", response_id, RESPONSES.route + "/{id}")
 
 
 @bp.post(STORED + "/cancel", ctx_plane=INFER)
 def cancel_response(request: Request, response_id: str):
-    return _stored(request, "POST", response_id, RESPONSES + "/{id}/cancel")
+    return _stored(request, "POST", response_id, RESPONSES.route + "/{id}/cancel")
 
 
 async def _stored(request: Request, method: str, response_id: str, route: str) -> HTTPResponse:

@@ -10,18 +10,15 @@ import time
 from sanic import HTTPResponse, Request
 from sanic.helpers import has_message_body
 
-from errors import ANTHROPIC, OPENAI, CoordinatorError, render
-from handlers.ids import ANTHROPIC_REQUEST_ID, REQUEST_ID
+from errors import ANTHROPIC, OPENAI, Api, CoordinatorError, render
 from serving.observe import RequestRecord, log_value
 
 log = logging.getLogger("coordinator.handlers")
 
 
-def error_response(err: CoordinatorError, api: str, rid: str) -> HTTPResponse:
+def error_response(err: CoordinatorError, api: Api, rid: str) -> HTTPResponse:
     status, body, headers = render(err, api, rid)
-    headers[REQUEST_ID] = rid
-    if api == ANTHROPIC:
-        headers[ANTHROPIC_REQUEST_ID] = rid
+    headers.update(dict.fromkeys(api.id_headers, rid))
     return HTTPResponse(
         body, status=status, headers=headers, content_type=headers.pop("Content-Type", "application/json")
     )
@@ -73,10 +70,9 @@ class SanicSink:
         "writable",
     )
 
-    def __init__(self, request: Request, rid: str, api: str, rec: RequestRecord):
+    def __init__(self, request: Request, rid: str, api: Api, rec: RequestRecord):
         self.request, self.rid, self.api, self.rec = request, rid, api, rec
-        # The headers of its one answer, JSON or stream.
-        self.headers = {REQUEST_ID: rid, ANTHROPIC_REQUEST_ID: rid} if api == ANTHROPIC else {REQUEST_ID: rid}
+        self.headers = dict.fromkeys(api.id_headers, rid)  # the headers of its one answer, JSON or stream
         # ended: nothing more goes out; whole: the stream's end was written (the client may close at once after it)
         self.started = self.ended = self.whole = False
         self.response = None
@@ -139,7 +135,7 @@ class SanicSink:
         raise asyncio.CancelledError from None
 
 
-def api_of(request: Request) -> str:
+def api_of(request: Request) -> Api:
     """The API a request speaks, for its key headers and its error envelope: Anthropic's on /v1/messages*, and on
     /v1/models* for a client that sends `anthropic-version` (the Anthropic SDK always does)."""
     path = request.path

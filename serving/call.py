@@ -82,7 +82,7 @@ class Call(Generic[T]):
         lease = self.leg.lease()
         try:
             _, data = await up.client.post(
-                self.leg.target.url + self.job.route, self.body, rid, timeout_s=up.live.s.infer_timeout_s
+                self.leg.target.url + self.job.family.route, self.body, rid, timeout_s=up.live.s.infer_timeout_s
             )
             rec.first_token()
             self.answer(data, lease)

@@ -10,12 +10,13 @@ that can serve the model whole and has not failed the request (a second decode i
 prefill one, in that order; it computes the prompt itself: see docs/reliability.md) gets a /v1/completions request
 whose prompt is the prompt's ids followed by the generated ones, with the remaining `max_tokens`,
 `min_tokens` less what was generated, and the client's sampling parameters and seed. Its chunks are
-written in the client's route shape: chat chunks, completions chunks or Anthropic events (the open text
-block's index, or the next one), with the first answer's id, created time and model, and usage that
-counts the prompt once (P's counts in PD) and every completion token once.
+written in the client's family's shape (its family's `continued`: chat chunks, completions chunks or
+Anthropic events in the open text block or the next one), with the first answer's id, created time and
+model, and usage that counts the prompt once (P's counts in PD) and every completion token once.
 
-What cannot be continued exactly is refused up front and fails as before (one SSE error event): see
-`refusal`. Every continuation and every refusal is counted (serving/observe.py).
+What cannot be continued exactly is refused up front and fails as any broken stream does (one SSE error
+event): see its family's `continuation_refusal`. Every continuation and every refusal is counted
+(serving/observe.py).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from __future__ import annotations
 import ujson
 
 from engines import Body, holds, joined, parts_of
-from errors import ANTHROPIC, EngineStatusError, UpstreamError, json_bytes
-from serving.job import CHAT, COMPLETIONS, MESSAGES, Job
-from serving.usage import UsageFix, fix_anthropic_usage, fix_openai_usage
+from errors import EngineStatusError, UpstreamError, json_bytes
+from serving.families.completions import COMPLETIONS
+from serving.job import Job
+from serving.usage import UsageFix
 
 # The client's sampling fields a continuation keeps (vLLM reads them the same way on both routes). Presence
 # and frequency penalties count only a request's own output tokens (the generated ones become the prompt):
@@ -50,49 +52,12 @@ _SAMPLING = (
     "cache_salt",
     "vllm_xargs",
 )
-_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-_ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens"}
-_RETRYABLE_IN_BAND = ("api_error", "internal_error", "overloaded_error")  # Anthropic's 5xx error types
 
 
 def refusal(job: Job, engine_type: str) -> str | None:
-    """Why this request's stream cannot be continued exactly (the reason it is counted under), or None."""
-    b = job.body
-    if job.route not in (CHAT, COMPLETIONS, MESSAGES):
-        return "route"  # a Responses stream's events are not written from completions chunks
-    if engine_type != "vllm":
-        return "engine_type"  # only vLLM's routes are known to take token-id prompts and return ids
-    if (b.get("n") or 1) > 1 or (b.get("best_of") or 1) > 1:
-        return "n"
-    fmt = b.get("response_format")
-    if any(b.get(k) is not None for k in _STRUCTURED) or (isinstance(fmt, dict) and fmt.get("type") != "text"):
-        return "structured_output"  # a grammar's state is not carried over
-    if job.route == MESSAGES and isinstance(b.get("output_config"), dict) and b["output_config"].get("format"):
-        return "structured_output"
-    choice = b.get("tool_choice")
-    if b.get("tools") and choice not in ("none", {"type": "none"}):
-        return "tools"  # a tool parser's state is not carried over, and completions has none
-    if b.get("logprobs") not in (None, False) or b.get("prompt_logprobs") is not None:
-        return "logprobs"  # a recomputed prompt's logprobs differ in the last bits, and top-k shapes differ
-    if b.get("stop") or b.get("stop_sequences"):
-        return "stop_strings"  # vLLM holds back text that may start one: that text would be lost
-    if b.get("presence_penalty") or b.get("frequency_penalty"):
-        return "penalties"
-    if job.route == MESSAGES and isinstance(b.get("thinking"), dict) and b["thinking"].get("type") != "disabled":
-        return "thinking"  # completions has no reasoning parser: thinking and text would not be told apart
-    if b.get("echo"):
-        return "echo"
-    if (job.route == COMPLETIONS and not _one_prompt(b.get("prompt"))) or b.get("truncate_prompt_tokens") is not None:
-        return "prompt"  # several prompts, embeddings, or a prompt truncated by the engine
-    return None
-
-
-def _one_prompt(prompt: object) -> bool:
-    if isinstance(prompt, str):
-        return True
-    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-        return True
-    return isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list))
+    """Why this request's stream cannot be continued exactly (the reason it is counted under), or None: its
+    family's judgement (serving/families/base.py `continuation_refusal`)."""
+    return job.family.continuation_refusal(job.body, engine_type)
 
 
 class Continuation:
@@ -100,7 +65,6 @@ class Continuation:
     continuation of its answer on another engine when that one fails (`Retries.resume` drives its tries)."""
 
     __slots__ = (
-        "anthropic",
         "before",
         "block",
         "broken",
@@ -123,7 +87,7 @@ class Continuation:
     )
 
     def __init__(self, job: Job, engine_type: str):
-        self.job, self.anthropic = job, job.api == ANTHROPIC
+        self.job = job
         self.reason = refusal(job, engine_type)  # why not (counted when a failure comes), None: it can be
         self.client_ids = bool(job.body.get("return_token_ids"))  # the client asked for the ids itself
         # The engine was asked for ids the client did not ask for: every event is read to strip them, even once
@@ -153,9 +117,10 @@ class Continuation:
     # -- while the first engine streams ------------------------------------------------------------------
 
     def request(self, route: str, body: Body) -> tuple[str, Body]:
-        """What a try sends: the first engine the client's body asking for ids, a continuation its own."""
+        """What a try sends: the first engine the client's body asking for ids, a continuation its own (a
+        completions request)."""
         if self.resuming:
-            return COMPLETIONS, self._continuation_body()
+            return COMPLETIONS.route, self._continuation_body()
         if not self.injected:
             return route, body
         if holds(body, b'"return_token_ids"'):  # the client's own key (false or null): set in the parsed body
@@ -187,88 +152,40 @@ class Continuation:
             return event
         if self._failed_in_band(obj, event):
             return b""
-        changed = False
-        if self.anthropic:
-            kind = obj.get("type")
-            if kind == "message_start" and isinstance(obj.get("message"), dict):
-                self.head = {"id": obj["message"].get("id")}
-                changed = self._take_prompt(obj["message"])
-                self._ids_or_not()
-            elif kind == "content_block_start":
-                self.block, self.count = obj.get("index"), self.count + 1
-                if (obj.get("content_block") or {}).get("type") != "text":
-                    self.reason = "tools"  # a tool_use or thinking block: not continued as text
-            elif kind == "content_block_delta":
-                changed = self._take_ids(obj)
-                delta = obj.get("delta") or {}
-                if delta.get("text") or delta.get("partial_json") or delta.get("thinking"):
-                    self.shown = len(self.out_ids)
-            elif kind == "content_block_stop":
-                self.block = None
-            elif kind == "message_delta":
-                self.done = True
-            return _event_with(event, obj) if changed else event
-        first = self.prompt_ids is None  # the prompt's ids come once, in the first chunk
-        if first:
-            self.head = {k: obj.get(k) for k in ("id", "object", "created", "model")}
-        changed = first and self._take_prompt(obj)
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            changed = (first and self._take_prompt(choice)) or changed
-            changed = self._take_ids(choice) or changed
-            delta = choice.get("delta")
-            if delta.get("content") if isinstance(delta, dict) else choice.get("text"):
-                self.shown = len(self.out_ids)
-            if isinstance(delta, dict) and (delta.get("reasoning") or delta.get("reasoning_content")):
-                self.reason = "reasoning"  # a reasoning parser's split: completions would not make it
-            if isinstance(delta, dict) and delta.get("tool_calls"):
-                self.reason = "tools"
-            if choice.get("finish_reason"):
-                self.finish, self.done = choice["finish_reason"], True
-        if first:
-            self._ids_or_not()
-        return _event_with(event, obj) if changed else event
+        return _event_with(event, obj) if self.job.family.observe(self, obj) else event
 
-    def _ids_or_not(self) -> None:
+    def ids_or_not(self) -> None:
         """After the first event: an engine that sent no prompt ids in it sends none (vLLM 0.32's Messages route
         ignores `return_token_ids`); its events then pass unread."""
         if self.prompt_ids is None:
             self.reason, self.injected = "no_token_ids", False
 
-    def _take_prompt(self, obj: dict) -> bool:
+    def take_prompt(self, obj: dict) -> bool:
+        """The prompt's ids, if `obj` holds them; True when they were stripped."""
         ids = obj.get("prompt_token_ids")
         if isinstance(ids, list) and self.prompt_ids is None:
             self.prompt_ids = ids
         if ids is not None and not self.client_ids:
-            _strip(obj, "prompt_token_ids", self.anthropic)
+            self.job.family.strip(obj, "prompt_token_ids")
             return True
         return False
 
-    def _take_ids(self, obj: dict) -> bool:
+    def take_ids(self, obj: dict) -> bool:
+        """Generated ids, if `obj` holds them; True when they were stripped."""
         ids = obj.get("token_ids")
         if isinstance(ids, list):
             self.out_ids.extend(ids)
         if ids is not None and not self.client_ids:
-            _strip(obj, "token_ids", self.anthropic)
+            self.job.family.strip(obj, "token_ids")
             return True
         return False
 
     def _failed_in_band(self, obj: dict, event: bytes) -> bool:
         """An error event in the stream: a 5xx ends it (`broken`); a 4xx is the request's own and passes."""
-        err = obj.get("error")
-        if not isinstance(err, dict):
-            return False
-        if self.anthropic:
-            failed = obj.get("type") == "error" and err.get("type") in _RETRYABLE_IN_BAND
-            status = 500
-        else:
-            code = err.get("code")
-            status = code if isinstance(code, int) else 500
-            failed = status >= 500
-        if failed:
+        status = self.job.family.in_band_failure(obj)
+        if status is not None:
             self.broken = EngineStatusError(status, _payload(event))
-        return failed
+        return status is not None
 
     # -- on another engine ------------------------------------------------------------------------------
 
@@ -298,9 +215,7 @@ class Continuation:
         body: dict = {k: b[k] for k in _SAMPLING if k in b}
         body["model"] = self.job.model
         body["prompt"] = (self.prompt_ids or []) + self.out_ids
-        limit = b.get("max_completion_tokens", b.get("max_tokens")) if self.job.route != COMPLETIONS else None
-        if self.job.route == COMPLETIONS:
-            limit = b.get("max_tokens", 16)  # vLLM's completions default
+        limit = self.job.family.output_limit(b)
         body["max_tokens"] = None if limit is None else max(1, limit - generated)  # null: the rest of the context
         if b.get("min_tokens"):
             body["min_tokens"] = max(0, b["min_tokens"] - generated)
@@ -310,11 +225,11 @@ class Continuation:
         return json_bytes(body)
 
     def _translate(self, event: bytes) -> bytes:
-        """One event of the continuation's completions stream, in the client's route shape (b"": nothing)."""
+        """One event of the continuation's completions stream, in the client's family's shape (b"": nothing)."""
         payload = _payload(event)
         if payload == b"[DONE]":
             self.complete = True
-            return b"" if self.anthropic else b"data: [DONE]"
+            return self.job.family.continued_done(self)
         obj = _data(event)
         if not isinstance(obj, dict) or self._failed_in_band(obj, event):
             return b""
@@ -337,56 +252,23 @@ class Continuation:
             self.shown = len(self.out_ids)
         if finish:
             self.finish, self.done = finish, True
-        if self.anthropic:
-            return self._anthropic_events(text, finish)
-        shown = ids if self.client_ids else None
-        if self.job.route == CHAT:
-            ch: dict = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
-        else:
-            ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        if finish or self.job.route != CHAT:
-            ch["stop_reason"] = choice.get("stop_reason")
-        if self.job.route != CHAT:
-            ch["prompt_token_ids"] = None
-        ch["token_ids"] = shown
-        chunk = {**self.head, "choices": [ch]}
-        if isinstance(usage, dict):  # continuous_usage_stats: each chunk's running counts
-            chunk["usage"] = self._client_usage(usage)
-        return [b"data: " + json_bytes({**chunk, **tail})]
+        return self.job.family.continued(self, text, finish, choice, ids, usage, tail)
 
-    def _anthropic_events(self, text: str, finish: str | None) -> list[bytes]:
-        out = []
-        if text:
-            if self.block is None:
-                self.block, self.count = self.count, self.count + 1
-                start = {
-                    "type": "content_block_start",
-                    "index": self.block,
-                    "content_block": {"type": "text", "text": ""},
-                }
-                out.append(_named("content_block_start", start))
-            delta = {"type": "content_block_delta", "index": self.block, "delta": {"type": "text_delta", "text": text}}
-            out.append(_named("content_block_delta", delta))
-        if finish and self.block is not None:
-            out.append(_named("content_block_stop", {"type": "content_block_stop", "index": self.block}))
-            self.block = None
-        return out
+    def chunk(self, choice: dict, usage: object, tail: dict) -> bytes:
+        """An OpenAI chunk of a continuation holding `choice`, with the first answer's head and the client's
+        usage when the engine's chunk had one (continuous_usage_stats: each chunk's running counts)."""
+        chunk = {**self.head, "choices": [choice]}
+        if isinstance(usage, dict):
+            chunk["usage"] = self._client_usage(usage)
+        return b"data: " + json_bytes({**chunk, **tail})
 
     def _usage_events(self, usage: dict, tail: dict) -> list[bytes]:
-        """The continuation's usage chunk: the client's usage chunk (when it asked for one), or Anthropic's
-        message_delta and message_stop."""
+        """The continuation's usage, once, in its family's events (the client's usage chunk when it asked for one,
+        Anthropic's message_delta and message_stop)."""
         if self.usage_sent:
             return []
         self.usage_sent = True
-        client = self._client_usage(usage)
-        if self.anthropic:
-            reason = _ANTHROPIC_STOP.get(self.finish or "stop", "end_turn")
-            delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None}, "usage": client}
-            self.complete = True
-            return [_named("message_delta", delta), _named("message_stop", {"type": "message_stop"})]
-        if not self.include_usage:
-            return []
-        return [b"data: " + json_bytes({**self.head, "choices": [], "usage": client, **tail})]
+        return self.job.family.continued_usage(self, self._client_usage(usage), tail)
 
     def _client_usage(self, usage: dict) -> dict:
         """The continuation's usage as the client's: the prompt once (the first engine's count, P's in PD), and
@@ -395,25 +277,7 @@ class Continuation:
         counted = usage.get("completion_tokens")
         completion = self.before + counted if isinstance(counted, int) else len(self.out_ids)
         p_usage = self.fix.counts() if self.fix is not None else None
-        if self.anthropic:
-            out = {"input_tokens": prompt, "output_tokens": completion}
-            fix_anthropic_usage(out, p_usage)
-            return out
-        out = dict(usage)
-        out.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict):  # what the continuation found cached of the first prompt
-            out["prompt_tokens_details"] = {**details, "cached_tokens": min(details.get("cached_tokens") or 0, prompt)}
-        fix_openai_usage(out, p_usage)
-        return out
-
-
-def _strip(obj: dict, key: str, anthropic: bool) -> None:
-    """Ids the client did not ask for: null, as vLLM writes them then (Anthropic's events have no such key)."""
-    if anthropic:
-        del obj[key]
-    else:
-        obj[key] = None
+        return self.job.family.client_usage(usage, prompt, completion, p_usage)
 
 
 def _payload(event: bytes) -> bytes:
@@ -437,7 +301,3 @@ def _event_with(event: bytes, obj: dict) -> bytes:
     """The event with its data line written from `obj` (its `event:` line kept)."""
     lines = [b"data: " + json_bytes(obj) if ln.startswith(b"data:") else ln for ln in event.split(b"\n")]
     return b"\n".join(lines)
-
-
-def _named(name: str, obj: dict) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + json_bytes(obj)

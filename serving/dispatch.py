@@ -22,14 +22,9 @@ from scheduling.health import Health
 from scheduling.ledger import WHOLE
 from scheduling.policies import JobInfo
 from scheduling.scheduler import NoCapacity, Plan, Scheduler
-from scheduling.tokens import (
-    CHAT as CHAT_PROMPT,
-    COMPLETION as COMPLETION_PROMPT,
-    MESSAGES as MESSAGES_PROMPT,
-)
 from serving.call import Sink, Upstream
 from serving.handoff import Handoff
-from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES, Job
+from serving.job import Job
 from serving.observe import DECODE_ALONE, PD, WHOLE_PLACEMENT, Observer, RequestRecord
 from serving.resolve import InstanceAddresses
 from serving.responses import StoredResponses
@@ -44,12 +39,6 @@ if TYPE_CHECKING:  # imported only when tracing is on (it loads the OpenTelemetr
 
 _DEFAULT_MODEL = ModelConfig("")  # a model served without a `models` entry has the default limits
 MAX_OUTPUT_BUDGET = 1 << 31  # output tokens a request counts for in the ledger (beyond any model's context)
-_PROMPT_KINDS = {
-    CHAT: CHAT_PROMPT,
-    COMPLETIONS: COMPLETION_PROMPT,
-    MESSAGES: MESSAGES_PROMPT,
-    RESPONSES: MESSAGES_PROMPT,  # (Job.prompt_body: as a chat body with its instructions as the system prompt)
-}  # how the scheduler reads a prompt
 _COUNT_ROLES = ("union", "prefill", "decode")  # any engine of the model counts a prompt
 
 
@@ -88,7 +77,7 @@ class Dispatcher:
         view = self.scheduler.registry.view()
         if model is None and job.model not in view.model_names:
             raise NotFound(f"The model `{clip(job.model)}` does not exist.", param="model")
-        limits = model or _DEFAULT_MODEL
+        limits, family = model or _DEFAULT_MODEL, job.family
         info = JobInfo(
             model=job.model,
             prompt_tokens=0,  # counted by prepare() for the prompt routes
@@ -97,11 +86,11 @@ class Dispatcher:
             max_tokens=min(job.max_tokens, MAX_OUTPUT_BUDGET),
             slo_ttft_ms=job.slo_ttft_ms or limits.slo_ttft_ms,
             slo_tpot_ms=job.slo_tpot_ms or limits.slo_tpot_ms,
-            engine_type="vllm" if job.route in (MESSAGES, COUNT_TOKENS) else None,
+            engine_type="vllm" if family.vllm_only else None,
         )
-        if job.route in _PROMPT_KINDS:
+        if family.prompt_kind is not None:  # how the scheduler reads its prompt
             try:
-                self.scheduler.prepare(info, _PROMPT_KINDS[job.route], job.prompt_body)
+                self.scheduler.prepare(info, family.prompt_kind, job.prompt_body)
             except RecursionError:  # counting walks the body's nesting, which JSON lets go 1,000 deep
                 raise InvalidRequest("the request body is nested too deeply") from None
         return info
@@ -110,10 +99,10 @@ class Dispatcher:
         """The request's flow, to await. Checks and the first plan happen here, so a refusal raises at once;
         a request let in at once gets its flow's own coroutine, with no layer of this function's."""
         info = self.job_info(job)
-        rec.prompt_tokens = info.prompt_tokens
-        if job.route in (MESSAGES, COUNT_TOKENS):
+        rec.prompt_tokens, family = info.prompt_tokens, job.family
+        if family.vllm_only:
             self._require_vllm(job)
-        if job.route == COUNT_TOKENS:
+        if family.counts_only:
             try:
                 leg = self.scheduler.pick(info, _COUNT_ROLES)
             except NoCapacity as e:
@@ -121,7 +110,7 @@ class Dispatcher:
             return self.retries.run(CountTokensCall(self.up, job, leg, sink, rec, job.raw))
         if job.metaserver is not None:
             return self.trigger.forward(job, info, sink, rec)
-        if job.route == RESPONSES and job.request.previous_response_id is not None:
+        if family.stored and job.request.previous_response_id is not None:
             return self.responses.continue_on(job, info, sink, rec)
         try:
             plan = self.scheduler.try_admit(info)  # None: SLO admission (`scheduler_config.admission`) makes it wait
@@ -132,7 +121,7 @@ class Dispatcher:
         return self._serve_plan(job, plan, sink, rec)
 
     def _serve_plan(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
-        if job.route == RESPONSES:  # remembered where it is served (serving/responses.py)
+        if job.family.stored:  # remembered where it is served (serving/responses.py)
             return self.responses.recorded(job, plan.target, self._flow(job, plan, sink, rec), rec)
         return self._flow(job, plan, sink, rec)
 
@@ -144,8 +133,8 @@ class Dispatcher:
                 rec.placement = DECODE_ALONE
                 return self.handoff.decode_alone(job, plan, sink, rec)
             rec.placement = PD
-            # Trigger mode is MindIE's metaserver protocol for chat and completions; the others use the handoff.
-            if self.live.s.pd_dispatch == "trigger" and job.route in (CHAT, COMPLETIONS):
+            # Trigger mode is MindIE's metaserver protocol, for the families it serves; the others use the handoff.
+            if self.live.s.pd_dispatch == "trigger" and job.family.trigger:
                 return self.trigger.serve(job, plan, sink, rec)
             return self.handoff.serve(job, plan, sink, rec)
         rec.placement = WHOLE_PLACEMENT
@@ -170,6 +159,6 @@ class Dispatcher:
         if (model and model.engine_type != "vllm") or (kinds and "vllm" not in kinds):
             kind = model.engine_type if model and model.engine_type != "vllm" else "/".join(sorted(kinds))
             raise InvalidRequest(
-                f"model `{job.model}` is served by {kind} engines; {job.route} is available only with vLLM engines",
+                f"model `{job.model}` is served by {kind} engines; {job.family.route} is available only with vLLM engines",
                 param="model",
             )

@@ -115,7 +115,7 @@ class Door:
                     tokens, stamp = burst_milli, now_us  # a full bucket: the time beyond it is lost
                 elif gained:
                     # The stamp moves only by the time turned into tokens: the fraction of a milli-token
-                    # left over counts towards the next one (moving it to now lost the refill of callers
+                    # left over counts towards the next one (a stamp set to now would lose the refill of callers
                     # coming more often than one milli-token's time, i.e. almost all of it under load).
                     tokens += gained
                     stamp += int(gained * 1000 / rate)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable
 
 from engines import Body
-from errors import ANTHROPIC, EngineStatusError, UpstreamError, UpstreamProtocolError, json_bytes
+from errors import EngineStatusError, UpstreamError, UpstreamProtocolError, json_bytes
 from scheduling.ledger import DECODE, PREFILL, Lease
 from scheduling.registry import Target
 from scheduling.scheduler import Leg, Plan
@@ -44,7 +44,7 @@ class PrefillCall(Call[dict]):
         started = time.monotonic()
         try:
             _, data = await up.client.post(
-                t.url + self.job.route, self.body, rid, timeout_s=up.live.s.first_token_timeout_s
+                t.url + self.job.family.route, self.body, rid, timeout_s=up.live.s.first_token_timeout_s
             )
             rec.prefill_s = time.monotonic() - started
             resp = self.parsed(data)
@@ -120,7 +120,7 @@ class Handoff:
 
     def decode_alone(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """A request that the handoff cannot serve (Job.decode_computes_prompt): D alone, no ticket."""
-        leg, fix = plan.leg(DECODE, learn=job.stream), UsageFix(None, job.api == ANTHROPIC)
+        leg, fix = plan.leg(DECODE, learn=job.stream), UsageFix(None, job.family)
         return self.decode(job, leg, sink, rec, decode_wire(job, None), fix, ticket=False)
 
     async def serve(self, job: Job, plan: Plan, sink: Sink, rec: RequestRecord) -> None:
@@ -136,7 +136,7 @@ class Handoff:
             ticket = None
             rec.missed_handoff = True
             self.up.obs.missed_handoff(job, rec, "prefill returned no kv_transfer_params")
-        fix = UsageFix(prefill_usage(p_resp), job.api == ANTHROPIC)
+        fix = UsageFix(prefill_usage(p_resp), job.family)
         try:
             await self.decode(job, d_leg, sink, rec, decode_wire(job, ticket), fix)
         except BaseException:  # an error or a client disconnect (cancellation) before D took the KV

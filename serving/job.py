@@ -1,49 +1,26 @@
-"""One inference request as the Coordinator sees it: the parsed body, its route and what routing needs.
+"""One inference request as the Coordinator sees it: the parsed body, its endpoint family and what routing needs.
 
-The body is checked against its route's model (serving/protocol/): what routing and the prefill-leg
+The body is checked against its family's model (serving/protocol/): what routing and the prefill-leg
 rewrite need, and what the spec marks required; everything else is the engine's to judge (unknown fields
 pass through untouched).
 """
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 import orjson
 import ujson
 
-from errors import InvalidRequest, json_bytes, unreadable_json
-from serving.protocol import (
-    Request,
-    validate,
-)
-from serving.protocol.anthropic import CountTokensRequest, MessagesRequest
-from serving.protocol.metaserver import MetaserverCall
-from serving.protocol.openai import (
-    ChatCompletionBody,
-    ChatCompletionRequest,
-    CompletionBody,
-    CompletionRequest,
-    PlainChat,
-    read_plain_chat,
-)
-from serving.protocol.responses import ResponsesRequest
-
-CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-)
-RESPONSES = "/v1/responses"
-METASERVER = "/v1/metaserver"
+from errors import InvalidRequest, unreadable_json
+from serving.families import Family
+from serving.protocol import Request
+from serving.protocol.openai import PlainChat
 
 
 @dataclass
 class Job:
-    route: str  # one of the paths above
-    api: str  # errors.OPENAI or errors.ANTHROPIC
+    family: Family  # its endpoint family (serving/families/), which every step asks what differs
     raw: bytes  # the client's body, forwarded as is when nothing changes
     body: dict
     model: str
@@ -53,12 +30,12 @@ class Job:
     slo_ttft_ms: float = 0.0
     slo_tpot_ms: float = 0.0
     metaserver: dict | None = None  # the PD control object of a /v1/metaserver call
-    request: Request | PlainChat | None = None  # the body as its route's model (or the plain chat reader) read it
+    request: Request | PlainChat | None = None  # the body as its family's model (or the plain chat reader) read it
 
     @property
     def prompt_body(self) -> dict:
-        """The body whose prompt the scheduler counts: a Responses body's as a chat body."""
-        return self.request.conversation() if self.route == RESPONSES else self.body
+        """The body whose prompt the scheduler counts (a Responses body's as a chat body)."""
+        return self.family.prompt_body(self.body, self.request)
 
     @property
     def response_id(self) -> str:
@@ -80,23 +57,7 @@ class Job:
         reading the transferred KV, so P's would stay pinned; `echo` with `max_tokens` 0 generates nothing to
         hand over to. D computes the prompt of these itself.
         """
-        r = self.request
-        if r.children > 1 or r.prompt_logprobs is not None:
-            return True
-        # Chat's `echo` asks for prompt logprobs too: vLLM takes `top_logprobs` (0 unless given as null) for them.
-        if self.route == CHAT and r.echo is True and r.top_logprobs is not None:
-            return True
-        if self.route == COMPLETIONS:
-            if r.echo is True and r.logprobs is not None:
-                return True
-            if r.echo_only:  # a prompt alone: nothing to decode after it, no KV to move
-                return True
-            prompt, embeds = r.prompt, r.prompt_embeds
-            if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(x, int) for x in prompt):
-                return True  # a list of strings or of token lists (one list of ints is one prompt)
-            if isinstance(embeds, list) and len(embeds) > 1:
-                return True
-        return False
+        return self.family.decode_computes_prompt(self.request)
 
 
 _INT64 = float(2**63)
@@ -130,48 +91,15 @@ def _read_lax(raw: bytes) -> object:
         raise InvalidRequest(f"request body is not valid JSON: {unreadable_json(e)}") from None
 
 
-_REQUESTS: dict[str, type[Request]] = {
-    CHAT: ChatCompletionRequest,
-    COMPLETIONS: CompletionRequest,
-    MESSAGES: MessagesRequest,
-    COUNT_TOKENS: CountTokensRequest,
-    RESPONSES: ResponsesRequest,
-}
-# A metaserver call's body is an engine's rewrite of a client body, checked already: what the prefill leg
-# leaves out is not checked again.
-_ENGINE_BODIES: dict[str, type[Request]] = {CHAT: ChatCompletionBody, COMPLETIONS: CompletionBody}
-
-
-def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str, from_engine: bool = False) -> Job:
+def job_from_body(family: Family, raw: bytes, body: dict, request_id: str, from_engine: bool = False) -> Job:
     """`from_engine`: a metaserver call's body, the engine's rewrite of a client body (checked already)."""
-    if route == METASERVER:
-        return _metaserver_job(raw, body)
-    request = read_plain_chat(body) if route == CHAT else None
-    if request is None:
-        request = validate((_ENGINE_BODIES if from_engine else _REQUESTS)[route], body)
-    stream = route != COUNT_TOKENS and bool(request.stream)
-    if route == RESPONSES and request.request_id is None:
-        raw, body = _with_response_id(raw, body)
-    return Job(route, api, raw, body, request.model, stream, request_id, request.max_output, request=request)
-
-
-def _with_response_id(raw: bytes, body: dict) -> tuple[bytes, dict]:
-    """The body with a response id of the Coordinator's (vLLM's own shape, `resp_<hex>`), so that it knows the
-    response's id before any engine answers, and every leg and retry gives the response that one id."""
-    response_id = "resp_" + uuid.uuid4().hex
-    new = {**body, "request_id": response_id}
-    if "request_id" in body:  # a null one: written anew
-        return json_bytes(new), new
-    # Put in front of the client's own bytes (no re-serialisation); the key is absent, so this is its one value.
-    return b'{"request_id":' + json_bytes(response_id) + b"," + raw[raw.index(b"{") + 1 :], new
-
-
-def _metaserver_job(raw: bytes, body: dict) -> Job:
-    """A metaserver call is a chat or completions request plus the PD control object."""
-    call = validate(MetaserverCall, body)
-    route = CHAT if "messages" in body else COMPLETIONS if "prompt" in body or "prompt_embeds" in body else None
-    if route is None:
-        raise InvalidRequest("one of 'messages' or 'prompt' is required", param="messages")
-    job = job_from_body(route, "openai", raw, body, call.kv_transfer_params.request_id, from_engine=True)
-    job.metaserver = body["kv_transfer_params"]
-    return job
+    call = family.call(body)
+    if call is not None:  # a metaserver call: its chat or completions body, and the PD control object
+        family, control, request_id = call
+        job = job_from_body(family, raw, body, request_id, from_engine=True)
+        job.metaserver = control
+        return job
+    request = family.read(body, from_engine)
+    stream = family.streams and bool(request.stream)
+    raw, body = family.identified(raw, body, request)
+    return Job(family, raw, body, request.model, stream, request_id, request.max_output, request=request)

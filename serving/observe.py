@@ -1,8 +1,9 @@
 """What the Coordinator records about each request: one structured log line, and the metrics hooks.
 
 Token counts cost no parsing: a JSON answer's usage is found by searching its bytes from the end (usage
-comes last), a Messages stream's in the bytes of its `message_delta` event (as the client gets them),
-and any other stream's output is its number of `data:` events less the events that carry no token.
+comes last), a Messages or Responses stream's in the bytes of its family's final usage event (as the client
+gets them), and any other stream's output is its number of `data:` events less the events that carry no token
+(its family's `stream_framing`).
 """
 
 from __future__ import annotations
@@ -18,21 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduling.registry import Target
-from serving.job import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from serving.families import Family
 
 log = logging.getLogger("coordinator.request")
 
-# SSE events of a stream that carry no token: OpenAI's role chunk and `[DONE]` (a usage chunk, when asked
-# for, adds one: `usage_event`); Anthropic's message_start, content_block_start/stop, message_delta and
-# message_stop. A Messages stream's count is its message_delta's usage: each further content block adds
-# events (start, stop, a thinking block's signature_delta), so the events are only the fallback for a
-# stream that ended before its message_delta (or sent it in an unterminated last event).
-# A Responses stream's: created, in_progress, the item's and part's added and done, the text's done, completed;
-# its count is response.completed's usage.
-STREAM_FRAMING = {CHAT: 2, COMPLETIONS: 1, MESSAGES: 5, RESPONSES: 8}
-MESSAGE_DELTA = b'"message_delta"'  # in a block of Messages events: its message_delta is there
-# The event whose usage is a stream's output count, by route (in a block of events: it is there).
-FINAL_USAGE_EVENT = {MESSAGES: MESSAGE_DELTA, RESPONSES: b'"response.completed"'}
 _OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
 _MESSAGES_OUTPUT_KEY = (b'"output_tokens":',)
 _INPUT_KEYS = (b'"prompt_tokens":', b'"input_tokens":')
@@ -60,18 +50,15 @@ def _last_int(body: bytes, keys: tuple[bytes, ...]) -> int | None:
     return None
 
 
-_CACHE_KEYS = (b'"cache_read_input_tokens":', b'"cache_creation_input_tokens":')
-
-
-def answer_prompt_tokens(body: bytes, anthropic: bool) -> int:
+def answer_prompt_tokens(body: bytes, family: Family) -> int:
     """The prompt tokens, cached ones included, that an engine's JSON answer reports (scheduling.tokens'
-    `engine_prompt`, read from the bytes); -1 when absent. OpenAI's `prompt_tokens`, else a Responses answer's
-    `input_tokens`; Anthropic's `input_tokens` with the cache reads and writes it leaves out."""
-    prompt = _last_int(body, _INPUT_KEYS[1:] if anthropic else _INPUT_KEYS)
+    `engine_prompt`, read from the bytes); -1 when absent. Its family names the keys (`prompt_keys`), and the
+    cache counts its count leaves out (`cache_keys`: Anthropic's cache reads and writes)."""
+    prompt = _last_int(body, family.prompt_keys)
     if prompt is None:
         return -1
-    if anthropic:
-        prompt += sum(_last_int(body, (key,)) or 0 for key in _CACHE_KEYS)
+    for key in family.cache_keys:
+        prompt += _last_int(body, (key,)) or 0
     return prompt
 
 
@@ -107,6 +94,7 @@ class RequestRecord:
     output_tokens: int | None = None  # from a JSON answer's usage, or a Messages stream's message_delta
     events: int = 0  # SSE `data:` events relayed
     usage_event: bool = False  # the client asked for a usage chunk (stream_options.include_usage)
+    family: Family | None = None  # the endpoint family it came in by (None: a call of no family's)
     duration_s: float = 0.0  # set when the request is done
 
     def first_token(self) -> None:
@@ -121,7 +109,7 @@ class RequestRecord:
             self.prompt_tokens = prompt
 
     def message_delta(self, block: bytes) -> None:
-        """Relayed events that hold the stream's FINAL_USAGE_EVENT (Messages' message_delta, Responses'
+        """Relayed events that hold its family's `final_usage_event` (Messages' message_delta, Responses'
         response.completed): its usage is the output count (the last `output_tokens` of the block:
         message_start's comes before it, and nothing after it has one)."""
         self.output_tokens = _last_int(block, _MESSAGES_OUTPUT_KEY)
@@ -130,7 +118,8 @@ class RequestRecord:
     def generated_tokens(self) -> int:
         if self.output_tokens is not None:
             return self.output_tokens
-        return max(0, self.events - STREAM_FRAMING.get(self.route, 0) - self.usage_event)
+        framing = self.family.stream_framing if self.family is not None else 0
+        return max(0, self.events - framing - self.usage_event)
 
 
 class FlushTimer:

@@ -17,23 +17,14 @@ from __future__ import annotations
 
 import time
 
-from errors import ANTHROPIC, UpstreamProtocolError
+from errors import UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from serving.call import Call
 from serving.continuation import Continuation
-from serving.job import CHAT, COMPLETIONS, MESSAGES, RESPONSES
-from serving.observe import FINAL_USAGE_EVENT, RequestRecord, answer_prompt_tokens
+from serving.observe import RequestRecord, answer_prompt_tokens
 from serving.usage import EventSplitter, UsageFix
 
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the engine is silent, and proxies and clients must not time out
-# The first line of the event that ends a stream, by route. The client's stream ends with it, not with the engine's
-# EOF, which may come later: a client that closes once it has the end (the SDKs do) has had its whole answer.
-LAST_EVENT = {
-    CHAT: b"data: [DONE]",
-    COMPLETIONS: b"data: [DONE]",
-    MESSAGES: b"event: message_stop",
-    RESPONSES: b"event: response.completed",
-}
 END_GRACE_S = 1.0  # how long the end of an engine's body may follow its last event (it usually takes microseconds)
 
 
@@ -41,17 +32,20 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
     """One try of `call` as a stream; `fix`: the decode leg's usage fix-up (None: relayed as it came); `cont`:
     the stream's token ids and shape, kept for a continuation (serving/continuation.py), or None."""
     sink, rec, job, target, up = call.sink, call.rec, call.job, call.leg.target, call.up
-    final_usage = FINAL_USAGE_EVENT.get(job.route)  # a Messages or Responses stream's output count is in it
-    last_event = LAST_EVENT.get(job.route, b"\n")  # (no event starts with a blank line)
+    family = job.family
+    final_usage = family.final_usage_event  # a Messages or Responses stream's output count is in it
+    # The client's stream ends with its family's last event, not with the engine's EOF, which may come later: a
+    # client that closes once it has the end (the SDKs do) has had its whole answer.
+    last_event = family.last_event
     fix_block = fix.events if fix is not None else None
-    route, body = (job.route, call.body) if cont is None else cont.request(job.route, call.body)
+    route, body = (family.route, call.body) if cont is None else cont.request(family.route, call.body)
     # The engine computed this prompt and will say its count (a decode leg's is P's, unless D computed it; a
     # continuation's prompt is token ids): the blocks are searched for it until it is found.
     learn = (
         (fix is None or fix.own_counts)
         and call.leg.job.prompt_bytes > 0
         and (cont is None or not cont.resuming)
-        and (job.route in (MESSAGES, RESPONSES) or job.include_usage)
+        and (family.usage_in_stream or job.include_usage)
     )
     lease = call.leg.lease()
     try:
@@ -81,7 +75,7 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
                         block = fix_block(block)
                     if final_usage is not None and final_usage in block:
                         rec.message_delta(block)
-                    if learn and (prompt := answer_prompt_tokens(block, job.api == ANTHROPIC)) > 0:
+                    if learn and (prompt := answer_prompt_tokens(block, family)) > 0:
                         call.leg.calibrate(prompt)
                         learn = False
                     # (a continuation's end may come before its engine's last bytes: the client has it all then)

@@ -27,7 +27,8 @@ from scheduling.policies import JobInfo
 from scheduling.registry import Target
 from scheduling.scheduler import Scheduler
 from serving.call import Sink, Upstream
-from serving.job import RESPONSES, Job
+from serving.families import RESPONSES
+from serving.job import Job
 from serving.observe import RequestRecord
 from serving.retries import Retries
 from serving.whole import WholeCall
@@ -99,7 +100,7 @@ class StoredResponses:
             )
         target = self.home(response_id, "response_id")
         rec.target = target
-        path = f"{RESPONSES}/{quote(response_id, safe='')}" + ("/cancel" if method == "POST" else "")
+        path = f"{RESPONSES.route}/{quote(response_id, safe='')}" + ("/cancel" if method == "POST" else "")
         url = target.url + path + (f"?{query}" if query and method == "GET" else "")
         status, data = await self.up.client.call(
             method.encode(), url, request_id, timeout_s=self.up.live.s.first_token_timeout_s

@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from secrets import token_hex
 
 from config import Settings, split_address
-from errors import ANTHROPIC, Forbidden, json_bytes
+from errors import Forbidden, json_bytes
 from scheduling.ledger import DECODE, Lease
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
@@ -69,7 +69,7 @@ class Trigger:
             "metaserver": self.url,
         }
         rec.prefill = p
-        fix = UsageFix.from_trigger(self.up.usages, ticket_id, job.api == ANTHROPIC)
+        fix = UsageFix.from_trigger(self.up.usages, ticket_id, job.family)
         return self.handoff.decode(job, plan.leg(DECODE, learn=job.stream), sink, rec, decode_wire(job, ticket), fix)
 
     async def forward(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> None:

@@ -1,11 +1,9 @@
 """Usage fix-up for disaggregated requests and the SSE event splitter that finds the usage event.
 
 D may report the transferred prompt as cached tokens, so the client's usage takes the prompt and cached
-counts from P and the completion count from D, totals recomputed. On /v1/messages that is all of P's
-input side: with cache details vLLM's `input_tokens` is the prompt less the cache reads and writes, so
-P's three counts are taken together; on /v1/responses too (`input_tokens` and its details are P's, `output_tokens` D's),
-in the JSON answer and in `response.completed`, whose `response` nests the object. Only the events that carry usage (or a ticket to strip) are parsed;
-every other byte is relayed as it came.
+counts from P and the completion count from D, totals recomputed: where a family's usage is and how its counts
+are taken is its family's (`fix_response`, serving/families/). Only the events that carry usage (or a ticket
+to strip) are parsed; every other byte is relayed as it came.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from collections.abc import Callable
 import ujson
 
 from errors import json_bytes
+from serving.families import Family
 from state.shared import PREFILL_USAGE_SLOTS, SharedState
 
 
@@ -111,17 +110,17 @@ class UsageFix:
     reports its own counts. Token events carry no usage: they pass without a lookup or a parse.
     """
 
-    __slots__ = ("anthropic", "p_usage", "request_id", "since_ns", "usages")
+    __slots__ = ("family", "p_usage", "request_id", "since_ns", "usages")
 
-    def __init__(self, p_usage: dict | None, anthropic: bool):
-        self.p_usage, self.anthropic = p_usage, anthropic
+    def __init__(self, p_usage: dict | None, family: Family):
+        self.p_usage, self.family = p_usage, family
         self.usages: PrefillUsages | None = None  # set by `from_trigger`: P's usage is looked up there
         self.request_id, self.since_ns = "", 0
 
     @classmethod
-    def from_trigger(cls, usages: PrefillUsages, request_id: str, anthropic: bool) -> UsageFix:
+    def from_trigger(cls, usages: PrefillUsages, request_id: str, family: Family) -> UsageFix:
         """P's usage written by D's metaserver call for ticket id `request_id`, which comes after now."""
-        fix = cls(None, anthropic)
+        fix = cls(None, family)
         fix.usages, fix.request_id, fix.since_ns = usages, request_id, time.monotonic_ns()
         return fix
 
@@ -142,12 +141,12 @@ class UsageFix:
         return self.p_usage
 
     def response(self, obj: dict) -> dict:
-        return fix_response(obj, self.counts(), self.anthropic)
+        return self.family.fix_response(obj, self.counts())
 
     def event(self, event: bytes) -> bytes:
         """One complete SSE event (without its blank-line terminator); untouched unless it carries usage or a
         ticket."""
-        return _fix_event(event, self.counts(), self.anthropic) if needs_fix(event) else event
+        return _fix_event(event, self.counts(), self.family) if needs_fix(event) else event
 
     def events(self, block: bytes) -> bytes:
         """Complete SSE events, each ended by a blank line, with the usage-bearing ones fixed up.
@@ -156,67 +155,10 @@ class UsageFix:
         (a fast engine's whole stream can arrive as one block with its usage event last).
         """
         marker = _next_marker(block, 0)
-        return block if marker < 0 else _fix_events_from(block, marker, self.counts(), self.anthropic)
+        return block if marker < 0 else _fix_events_from(block, marker, self.counts(), self.family)
 
 
-def fix_openai_usage(usage: dict, p_usage: dict | None) -> None:
-    if not p_usage:
-        return
-    prompt = p_usage.get("prompt_tokens")
-    if isinstance(prompt, int):
-        usage["prompt_tokens"] = prompt
-    p_details = p_usage.get("prompt_tokens_details") or {}
-    cached = p_details.get("cached_tokens") if isinstance(p_details, dict) else None
-    if isinstance(usage.get("prompt_tokens_details"), dict) or cached is not None:
-        usage["prompt_tokens_details"] = {**(usage.get("prompt_tokens_details") or {}), "cached_tokens": cached or 0}
-    completion = usage.get("completion_tokens") or 0
-    usage["total_tokens"] = usage.get("prompt_tokens", 0) + completion
-
-
-def fix_anthropic_usage(usage: dict, p_usage: dict | None) -> None:
-    """The input side is P's: it processed the prompt. A cache count only D reports is the transferred KV."""
-    if not p_usage:
-        return
-    for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
-        if key in p_usage:
-            usage[key] = p_usage[key]
-        elif key != "input_tokens":
-            usage.pop(key, None)
-
-
-def fix_responses_usage(usage: dict, p_usage: dict | None) -> None:
-    """A Responses usage: the input side (count and details, the cached tokens among them) is P's."""
-    if not p_usage:
-        return
-    prompt = p_usage.get("input_tokens")
-    if isinstance(prompt, int):
-        usage["input_tokens"] = prompt
-    if isinstance(p_usage.get("input_tokens_details"), dict):
-        usage["input_tokens_details"] = p_usage["input_tokens_details"]
-    usage["total_tokens"] = usage.get("input_tokens", 0) + (usage.get("output_tokens") or 0)
-
-
-def fix_response(obj: dict, p_usage: dict | None, anthropic: bool) -> dict:
-    """A decode response (JSON body or one SSE event's data) made fit for the client."""
-    obj.pop("kv_transfer_params", None)
-    usage = obj.get("usage")
-    if anthropic and isinstance(obj.get("message"), dict):  # message_start nests the message
-        obj["message"].pop("kv_transfer_params", None)
-        usage = obj["message"].get("usage")
-    elif not anthropic and isinstance(obj.get("response"), dict):  # a Responses event nests the response
-        obj["response"].pop("kv_transfer_params", None)
-        usage = obj["response"].get("usage")
-    if isinstance(usage, dict):
-        if anthropic:
-            fix_anthropic_usage(usage, p_usage)
-        elif "input_tokens" in usage:
-            fix_responses_usage(usage, p_usage)
-        else:
-            fix_openai_usage(usage, p_usage)
-    return obj
-
-
-def _fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
+def _fix_event(event: bytes, p_usage: dict | None, family: Family) -> bytes:
     lines = event.split(b"\n")
     for i, line in enumerate(lines):
         if line.startswith(b"data:"):
@@ -226,7 +168,7 @@ def _fix_event(event: bytes, p_usage: dict | None, anthropic: bool) -> bytes:
             except ValueError:
                 return event
             if isinstance(obj, dict):
-                lines[i] = b"data: " + json_bytes(fix_response(obj, p_usage, anthropic))
+                lines[i] = b"data: " + json_bytes(family.fix_response(obj, p_usage))
     return b"\n".join(lines)
 
 
@@ -257,7 +199,7 @@ def _next_marker(data: bytes, start: int) -> int:
     return found
 
 
-def _fix_events_from(block: bytes, marker: int, p_usage: dict | None, anthropic: bool) -> bytes:
+def _fix_events_from(block: bytes, marker: int, p_usage: dict | None, family: Family) -> bytes:
     """`UsageFix.events` from the first marker on (found by the caller)."""
     out, pos = [], 0
     while marker >= 0:
@@ -266,7 +208,7 @@ def _fix_events_from(block: bytes, marker: int, p_usage: dict | None, anthropic:
         end = block.find(b"\n\n", marker)
         end = len(block) if end < 0 else end
         out.append(block[pos:start])
-        out.append(_fix_event(block[start:end], p_usage, anthropic))  # a marker is in it: no second scan
+        out.append(_fix_event(block[start:end], p_usage, family))  # a marker is in it: no second scan
         pos = end
         marker = _next_marker(block, pos)
     out.append(block[pos:])

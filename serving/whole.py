@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
-from errors import ANTHROPIC
 from scheduling.ledger import Lease
 from serving.call import Call
 from serving.observe import answer_prompt_tokens
@@ -24,7 +23,7 @@ class WholeCall(Call[None]):
 
     def answer(self, data: bytes, lease: Lease) -> None:
         lease.succeed()  # the prefix is cached there now, and the prefill was done by now
-        self.leg.calibrate(answer_prompt_tokens(data, self.job.api == ANTHROPIC))  # the model's estimate learns
+        self.leg.calibrate(answer_prompt_tokens(data, self.job.family))  # the model's estimate learns
         self.sink.json(200, data)
 
 
@@ -37,6 +36,6 @@ class CountTokensCall(Call[None]):
         up = self.up
         self.rec.target = self.leg.target
         _, data = await up.client.post(
-            self.leg.target.url + self.job.route, self.body, rid, timeout_s=up.live.s.first_token_timeout_s
+            self.leg.target.url + self.job.family.route, self.body, rid, timeout_s=up.live.s.first_token_timeout_s
         )
         self.sink.json(200, data)

@@ -26,7 +26,8 @@ from harness.coordinator import Coordinator
 from harness.ledger import ledger, ledger_is_zero
 from harness.loopback import wait_until
 from serving.continuation import refusal
-from serving.job import RESPONSES, job_from_body, parse_body
+from serving.families import RESPONSES
+from serving.job import job_from_body, parse_body
 
 UNION, PD, PLAIN = "failover-union", "failover-pd", "failover-plain"
 K, N = 10, 16  # the engine fails before token K+1 of N: a continuation generates N-K < K tokens
@@ -349,7 +350,7 @@ def test_what_cannot_be_continued_exactly_fails_as_before_and_is_counted(c, reas
 
 def test_a_responses_stream_is_not_continued():
     raw = b'{"model":"m","input":"Tell me about rivers.","stream":true}'
-    job = job_from_body(RESPONSES, "openai", raw, parse_body(raw), "rid")
+    job = job_from_body(RESPONSES, raw, parse_body(raw), "rid")
     assert refusal(job, "vllm") == "route"  # its events are not written from completions chunks
 
 

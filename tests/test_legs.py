@@ -7,14 +7,15 @@ import json
 import pytest
 
 from engines import joined
-from serving.job import CHAT, MESSAGES, job_from_body, parse_body
+from serving.families import CHAT, MESSAGES
+from serving.job import job_from_body, parse_body
 from serving.legs import PREFILL_TICKET, decode_wire, prefill_body, prefill_wire
 
 TICKET = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.7", "remote_port": 5600}
 
 
 def job(raw: bytes):
-    return job_from_body(CHAT, "openai", raw, parse_body(raw), "rid-1")
+    return job_from_body(CHAT, raw, parse_body(raw), "rid-1")
 
 
 @pytest.mark.parametrize(
@@ -68,7 +69,7 @@ def test_messages_prefill_leg_turns_a_named_tool_choice_into_any(choice, prefill
             "tool_choice": choice,
         }
     ).encode()
-    j = job_from_body(MESSAGES, "anthropic", raw, parse_body(raw), "rid-1")
+    j = job_from_body(MESSAGES, raw, parse_body(raw), "rid-1")
     assert prefill_body(j)["tool_choice"] == prefill_choice and prefill_body(j)["tools"] == j.body["tools"]
     assert j.body["tool_choice"] == choice and json.loads(joined(decode_wire(j, TICKET)))["tool_choice"] == choice
 

@@ -11,7 +11,8 @@ import pytest
 
 from errors import InvalidRequest
 from handlers.docs import openapi_schema
-from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, METASERVER, job_from_body, parse_body
+from serving.families import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, METASERVER, Family
+from serving.job import job_from_body, parse_body
 from serving.protocol import validate
 from serving.protocol.anthropic import CountTokensRequest, MessagesRequest
 from serving.protocol.metaserver import MetaserverCall
@@ -36,11 +37,11 @@ ABSENT = object()
 TOOLS = [{"name": "get_weather", "input_schema": {"type": "object"}}]
 
 
-def job(route: str, **fields):
+def job(route: Family, **fields):
     body = {**VALID[route], **fields}
     for key in [k for k, v in fields.items() if v is ABSENT]:
         del body[key]
-    return job_from_body(route, "anthropic" if route in (MESSAGES, COUNT_TOKENS) else "openai", b"{}", body, "rid")
+    return job_from_body(route, b"{}", body, "rid")
 
 
 REFUSED = [
@@ -360,7 +361,7 @@ def test_the_plain_chat_reader_takes_only_what_the_model_takes_and_reads_it_the_
         taken += 1
         model = validate(ChatCompletionRequest, body)  # raises if the reader took what the model refuses
         assert [getattr(plain, a) for a in READ] == [getattr(model, a) for a in READ], body
-        fast = job_from_body(CHAT, "openai", b"{}", body, "rid")
+        fast = job_from_body(CHAT, b"{}", body, "rid")
         assert type(fast.request) is type(plain)
         slow = dataclasses.replace(fast, request=model)
         assert (fast.stream, fast.max_tokens) == (bool(model.stream), model.max_output)
@@ -384,7 +385,7 @@ def test_plain_chat_bodies_are_read_without_the_model(body):
 def test_a_metaserver_job_carries_the_ticket_as_it_came():
     ticket = {"request_id": "r-9", "do_remote_prefill": True, "remote_host": "10.0.0.7", "remote_port": "5600"}
     j = job(METASERVER, kv_transfer_params=ticket)
-    assert j.metaserver is j.body["kv_transfer_params"] and j.request_id == "r-9" and j.route == CHAT
+    assert j.metaserver is j.body["kv_transfer_params"] and j.request_id == "r-9" and j.family is CHAT
 
 
 MODELS = [

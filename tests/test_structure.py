@@ -1,4 +1,5 @@
-"""The code's shape: no module of the Coordinator and its tools over 600 lines, no import cycle inside a package.
+"""The code's shape: no module of the Coordinator and its tools over 600 lines, no import cycle inside a package,
+no code that branches on an endpoint's route or API where its family (serving/families/) should be asked.
 
 Each rule lists what breaks it today, a set that may only shrink: a module or cycle not listed fails, and so
 does a listed one that no longer breaks the rule (remove it from the list), so the list stays true.
@@ -6,10 +7,14 @@ does a listed one that no longer breaks the rule (remove it from the list), so t
 
 from __future__ import annotations
 
+import importlib
+import re
 import tomllib
 from pathlib import Path
 
 import grimp
+
+from serving.families import FAMILIES, Family
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 600
@@ -23,6 +28,23 @@ LONG_MODULES: set[str] = set()
 # round (a strongly connected component of the package's import graph; imports inside functions and under
 # TYPE_CHECKING count: they hide a cycle, they do not remove it).
 KNOWN_CYCLES: set[frozenset[str]] = set()  # None: add none.
+
+
+# A test of a request's route or API (docs/architecture.md, Endpoint families), by path and the line's text.
+ROUTE_TEST = re.compile(
+    r"\broute (==|!=|in|not in) |\.route (==|!=|in|not in) |\bapi (==|!=) |== (MESSAGES|RESPONSES|CHAT|COMPLETIONS|COUNT_TOKENS)\b"
+)
+# Where one is still made today: /v1/models' two shapes (not a family), and scheduling's prompt kinds (not
+# routes). None: add none.
+ROUTE_TESTS = {
+    ("handlers/models.py", "if api == ANTHROPIC:"),
+    ("handlers/models.py", "if api == ANTHROPIC:  # one page holds them all"),
+    (
+        "scheduling/tokens.py",
+        'return messages, body.get("tools") or None, body.get("system") if kind == MESSAGES else None',
+    ),
+}
+NOT_ROUTED = NOT_MEASURED | {"engine_sim"}  # the simulator is an engine: its routes are its own
 
 
 def _modules() -> list[Path]:
@@ -81,3 +103,30 @@ def test_no_import_cycle_inside_a_package():
     gone = [sorted(c) for c in KNOWN_CYCLES - cycles]
     assert not new, f"modules importing one another round: {new}"
     assert not gone, f"no longer a cycle as listed, update KNOWN_CYCLES: {gone}"
+
+
+def test_no_code_tests_a_route_where_its_family_should_be_asked():
+    found = set()
+    for path in _modules():
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in NOT_ROUTED:
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if ROUTE_TEST.search(line):
+                found.add((str(rel), line.strip()))
+    assert not found - ROUTE_TESTS, (
+        f"ask the request's family (serving/families/) instead: {sorted(found - ROUTE_TESTS)}"
+    )
+    assert not ROUTE_TESTS - found, f"no longer there, remove from ROUTE_TESTS: {sorted(ROUTE_TESTS - found)}"
+
+
+def test_every_family_module_is_registered_once():
+    """A family module's instance is in FAMILIES (its registration line), and no two families share a route."""
+    modules = sorted(p.stem for p in (ROOT / "serving" / "families").glob("*.py") if p.stem not in ("__init__", "base"))
+    defined = []
+    for name in modules:
+        module = importlib.import_module(f"serving.families.{name}")
+        defined += [v for v in vars(module).values() if isinstance(v, Family) and v.__module__ == module.__name__]
+    assert len(defined) == len(modules), "one family per module"
+    assert sorted(map(id, defined)) == sorted(map(id, FAMILIES)), "a family's instance goes into FAMILIES"
+    assert len({f.route for f in FAMILIES}) == len(FAMILIES)

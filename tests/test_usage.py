@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from serving.families import CHAT, MESSAGES, RESPONSES
 from serving.observe import answer_prompt_tokens
 from serving.usage import EventSplitter, UsageFix
 
@@ -35,16 +36,16 @@ ANTHROPIC_START = (
 
 
 @pytest.mark.parametrize(
-    "events, anthropic",
+    "events, family",
     [
-        ([chunk(i) for i in range(5)], False),  # nothing to fix: the same bytes come back
-        ([chunk(0), chunk(1), USAGE_EVENT, b"data: [DONE]"], False),
-        ([USAGE_EVENT, chunk(1), TICKET_EVENT, chunk(2), USAGE_EVENT], False),
-        ([ANTHROPIC_START, b'event: ping\ndata: {"type":"ping"}'], True),
+        ([chunk(i) for i in range(5)], CHAT),  # nothing to fix: the same bytes come back
+        ([chunk(0), chunk(1), USAGE_EVENT, b"data: [DONE]"], CHAT),
+        ([USAGE_EVENT, chunk(1), TICKET_EVENT, chunk(2), USAGE_EVENT], CHAT),
+        ([ANTHROPIC_START, b'event: ping\ndata: {"type":"ping"}'], MESSAGES),
     ],
 )
-def test_a_blocks_fix_is_each_events_fix(events, anthropic):
-    fix = UsageFix(P_USAGE, anthropic)
+def test_a_blocks_fix_is_each_events_fix(events, family):
+    fix = UsageFix(P_USAGE, family)
     block = b"".join(e + b"\n\n" for e in events)
     want = b"".join(fix.event(e) + b"\n\n" for e in events)
     got = fix.events(block)
@@ -55,7 +56,7 @@ def test_a_blocks_fix_is_each_events_fix(events, anthropic):
 
 def test_usage_event_takes_the_prompt_side_from_prefill():
     p_usage = {**P_USAGE, "prompt_tokens": 30}  # P's count differs from D's 40: the client is billed P's
-    fixed = UsageFix(p_usage, False).events(b"".join(e + b"\n\n" for e in (chunk(0), USAGE_EVENT)))
+    fixed = UsageFix(p_usage, CHAT).events(b"".join(e + b"\n\n" for e in (chunk(0), USAGE_EVENT)))
     usage = json.loads(fixed.split(b"\n\n")[1][len(b"data: ") :])["usage"]
     assert usage["prompt_tokens"] == 30 and usage["total_tokens"] == 46
     assert usage["prompt_tokens_details"] == {"cached_tokens": 8}
@@ -66,7 +67,7 @@ def test_usage_with_blanks_is_fixed_and_null_usage_or_the_key_in_text_is_relayed
     spaced = (
         b'data: {"id":"c","choices":[],"usage" :  {"prompt_tokens":40,"completion_tokens":2,"total_tokens":42}}\n\n'
     )
-    fixed = UsageFix({"prompt_tokens": 30}, False).events(spaced)
+    fixed = UsageFix({"prompt_tokens": 30}, CHAT).events(spaced)
     assert json.loads(fixed.strip()[len(b"data: ") :])["usage"] == {
         "prompt_tokens": 30,
         "completion_tokens": 2,
@@ -75,7 +76,7 @@ def test_usage_with_blanks_is_fixed_and_null_usage_or_the_key_in_text_is_relayed
     untouched = (
         b'data: {"id":"c","choices":[{"delta":{"content":"\\"usage\\": {"}}],"usage":null}\n\n' + chunk(3) + b"\n\n"
     )
-    assert UsageFix(P_USAGE, False).events(untouched) is untouched
+    assert UsageFix(P_USAGE, CHAT).events(untouched) is untouched
 
 
 def test_splitter_keeps_partial_events_for_the_next_chunk():
@@ -100,13 +101,13 @@ def test_answer_prompt_tokens_reads_a_json_answers_usage_from_its_bytes():
         b'"usage":{"prompt_tokens":40,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":16}}}'
     )
     assert json.loads(chat)["usage"]["prompt_tokens"] == 40
-    assert answer_prompt_tokens(chat, anthropic=False) == 40
+    assert answer_prompt_tokens(chat, CHAT) == 40
     responses = (
         b'{"output":[],"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":16},"output_tokens":3}}'
     )
-    assert answer_prompt_tokens(responses, anthropic=False) == 40
+    assert answer_prompt_tokens(responses, RESPONSES) == 40
     messages = b'{"content":[],"usage":{"input_tokens":4,"cache_read_input_tokens":32,"cache_creation_input_tokens":4}}'
-    assert answer_prompt_tokens(messages, anthropic=True) == 40
-    assert answer_prompt_tokens(b'{"usage":{"input_tokens":40,"output_tokens":3}}', anthropic=True) == 40
-    assert answer_prompt_tokens(b'{"choices":[]}', anthropic=False) == -1
-    assert answer_prompt_tokens(b'{"content":[]}', anthropic=True) == -1
+    assert answer_prompt_tokens(messages, MESSAGES) == 40
+    assert answer_prompt_tokens(b'{"usage":{"input_tokens":40,"output_tokens":3}}', MESSAGES) == 40
+    assert answer_prompt_tokens(b'{"choices":[]}', CHAT) == -1
+    assert answer_prompt_tokens(b'{"content":[]}', MESSAGES) == -1

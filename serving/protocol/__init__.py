@@ -7,10 +7,10 @@ with their types and bounds, read in pydantic's lax mode as vLLM's request model
 are 4, "yes" is true). Every other field is the engine's to judge: `extra="allow"`, and the engine gets
 the client's own bytes. A refusal is one `InvalidRequest` with the field's path as `param`; its one-line
 message is the field's `Refusal` (or a validator's `refuse`), and `validate` is the one place that turns
-pydantic's errors into it: the first error, in field order, as the hand-written checks before it did.
+pydantic's errors into it: the first error, in field order.
 
 pydantic checks every route but one body shape: bench/protocol.py puts a tiny chat body at about 4.4 µs of
-CPU (the hand-written checks before it: 1.5) and 40 k instructions, 8 % of the whole request's 500 k
+CPU and 40 k instructions, 8 % of the whole request's 500 k
 (bench/instructions.py), over the 5 % a body check may take on the hot path. So a plain chat body (a model,
 up to 32 role/content strings, stream, a cap; `openai.read_plain_chat`) is read by a few exact-type tests
 (1.6 µs), and every other body, every refusal among them, by the model; tests/test_protocol.py checks on
