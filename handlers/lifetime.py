@@ -51,10 +51,14 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         tracing.start_request(request.method, request.path, request.headers, rid) if tracing and from_client else None
     )
     try:
-        if from_client and (pending := check_key(request, ctx.live.s.api_key, api)) is not None:
-            await pending  # a hashed key's first check (handlers/auth.py)
+        if from_client:
+            s = ctx.live.s
+            if (pending := check_key(request, s.api_key, api, s.key_owners)) is not None:
+                await pending  # a hashed key's first check (handlers/auth.py)
+            rec.tenant = request.ctx.tenant
         raw = await read_body(request, ctx.live.s.max_request_body_bytes)
         job = job_from_body(route, api, raw, parse_body(raw), rid)
+        job.tenant = rec.tenant
         job.slo_ttft_ms = slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = slo_header(request, "x-slo-tpot-ms")
         rec.model, rec.stream = clip(job.model), job.stream  # the log line's: a name can be megabytes

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import orjson
 import ujson
 
+from config import DEFAULT_TENANT
 from errors import InvalidRequest, json_bytes, unreadable_json
 from serving.protocol import (
     Request,
@@ -54,6 +55,7 @@ class Job:
     slo_tpot_ms: float = 0.0
     metaserver: dict | None = None  # the PD control object of a /v1/metaserver call
     request: Request | PlainChat | None = None  # the body as its route's model (or the plain chat reader) read it
+    tenant: str = DEFAULT_TENANT  # who sent it, as its API key says (handlers/auth.py)
 
     @property
     def prompt_body(self) -> dict:
@@ -62,7 +64,7 @@ class Job:
 
     @property
     def response_id(self) -> str:
-        """A Responses request's id: the client's `request_id`, else the one `job_from_body` gave it."""
+        """A Responses request's id: the one `job_from_body` gave it (never the client's)."""
         return self.body["request_id"]
 
     @property
@@ -150,17 +152,18 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str,
     if request is None:
         request = validate((_ENGINE_BODIES if from_engine else _REQUESTS)[route], body)
     stream = route != COUNT_TOKENS and bool(request.stream)
-    if route == RESPONSES and request.request_id is None:
+    if route == RESPONSES and not from_engine:
         raw, body = _with_response_id(raw, body)
     return Job(route, api, raw, body, request.model, stream, request_id, request.max_output, request=request)
 
 
 def _with_response_id(raw: bytes, body: dict) -> tuple[bytes, dict]:
     """The body with a response id of the Coordinator's (vLLM's own shape, `resp_<hex>`), so that it knows the
-    response's id before any engine answers, and every leg and retry gives the response that one id."""
+    response's id before any engine answers, every leg and retry gives the response that one id, and no client
+    chooses it (a client's `request_id` is written over: else it could name, and overwrite, another's)."""
     response_id = "resp_" + uuid.uuid4().hex
     new = {**body, "request_id": response_id}
-    if "request_id" in body:  # a null one: written anew
+    if "request_id" in body:
         return json_bytes(new), new
     # Put in front of the client's own bytes (no re-serialisation); the key is absent, so this is its one value.
     return b'{"request_id":' + json_bytes(response_id) + b"," + raw[raw.index(b"{") + 1 :], new

@@ -185,6 +185,7 @@ class ResponseHome(Table):
         ("instance_id", ctypes.c_int64),
         ("endpoint_id", ctypes.c_int64),
         ("written_ns", ctypes.c_int64),  # when written (CLOCK_MONOTONIC)
+        ("owner", ctypes.c_int64),  # its tenant's name's hash: to every other tenant the id does not exist
     ]
 
 
