@@ -34,7 +34,8 @@ from .sections import (
 )
 
 MAX_BACKOFF_S = 10.0
-NO_LIMITS = TenantLimits()  # the longest wait before one retry, however many retries and however long retry_delay
+NO_LIMITS = TenantLimits()
+MAX_TENANT_LABELS = 64  # tenants named in metric labels (serving/tenants.py); the others are `other`  # the longest wait before one retry, however many retries and however long retry_delay
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,14 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
     def tenant_limits(self) -> dict[str, TenantLimits]:
         """The named tenants' limits; any other tenant has `default_limits`."""
         return {t.name: t for t in self.tenants.tenants} if self.tenants is not None else {}
+
+    @cached_property
+    def tenant_labels(self) -> frozenset[str]:
+        """The tenants named in metric labels (serving/tenants.py): the first MAX_TENANT_LABELS the config names."""
+        named = [t.name for t in self.tenants.tenants] if self.tenants is not None else []
+        return frozenset(
+            list(dict.fromkeys([*named, DEFAULT_TENANT, *(t for _, t in self.key_owners)]))[:MAX_TENANT_LABELS]
+        )
 
     @property
     def default_limits(self) -> TenantLimits:

@@ -23,6 +23,7 @@ from handlers.planes import INFER, check_plane
 from handlers.sink import SanicSink, error_response
 from serving.job import job_from_body, parse_body
 from serving.observe import RequestRecord, log_value
+from serving.tenants import UNLIMITED
 
 log = logging.getLogger("coordinator.handlers")
 # The 4xx statuses the OpenAI and Anthropic SDKs retry by default (besides every 5xx).
@@ -67,7 +68,8 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         with ctx.door.admit() if from_client else ctx.door.attend() as place:
             if place.pending is not None:  # cluster mode's cluster-wide cap and rate: one round trip to the store
                 await place.pending
-            await ctx.dispatcher.serve(job, sink, rec)
+            with ctx.tenants.admit(job, rec, sink.headers) if from_client else UNLIMITED:
+                await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()
             return None
