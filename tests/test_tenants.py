@@ -4,10 +4,12 @@ Quotas and their headers are tests/test_quotas.py."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -179,3 +181,45 @@ def _found(sdk: openai.OpenAI, rid: str) -> bool:
         return sdk.responses.retrieve(rid).id == rid
     except openai.NotFoundError:
         return False
+
+
+def test_in_cluster_mode_the_replicas_together_hold_a_tenants_quota(cluster, sims):  # noqa: F811 (the fixture)
+    """Three replicas of two workers, 200 requests at once spread over them: each replica holds its share of the
+    tenant's rpm (and of its max_inflight), so together they admit the quota exactly, not three times it."""
+    rpm, cap = 30, 6
+    engines = [sims("union", speedup=1.0) for _ in range(2)]  # 10 ms a token: 300 tokens hold a place 3 s
+    tenants = {
+        "tenants": [
+            {"name": "team-r", "keys": [KEY_A], "rpm": rpm},
+            {"name": "team-c", "keys": [KEY_B], "max_inflight": cap},
+        ]
+    }
+    replicas = cluster(
+        [instance(i + 1, "union", MODEL, e.address) for i, e in enumerate(engines)],
+        api_key_config=api_keys(KEY_D),
+        tenant_config=tenants,
+    )
+    assert wait_until(lambda: all(_replicas_seen(r) == 3 for r in replicas), timeout_s=5)
+
+    def burst(key: str, max_tokens: int) -> list[int]:
+        async def load() -> list[int]:
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=300)) as client:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens}
+                headers = {"Authorization": f"Bearer {key}"}
+
+                async def one(i: int) -> int:
+                    url = replicas[i % len(replicas)].url + "/v1/chat/completions"
+                    return (await client.post(url, json=body, headers=headers)).status_code
+
+                return await asyncio.gather(*(one(i) for i in range(200)))
+
+        return asyncio.run(load())
+
+    statuses = burst(KEY_A, 2)
+    assert set(statuses) <= {200, 429} and statuses.count(200) == rpm, statuses.count(200)
+    statuses = burst(KEY_B, 300)
+    assert set(statuses) <= {200, 429} and statuses.count(200) == cap, statuses.count(200)
+
+
+def _replicas_seen(coord: Coordinator) -> int:
+    return httpx.get(coord.mgmt + "/instances", timeout=5).json()["cluster"]["replicas"]
