@@ -23,7 +23,7 @@ from handlers.planes import INFER, check_plane
 from handlers.sink import SanicSink, error_response
 from serving.job import job_from_body, parse_body
 from serving.observe import RequestRecord, log_value
-from serving.tenants import UNLIMITED
+from serving.tenants import NO_TENANT, UNLIMITED
 
 log = logging.getLogger("coordinator.handlers")
 # The 4xx statuses the OpenAI and Anthropic SDKs retry by default (besides every 5xx).
@@ -52,7 +52,9 @@ async def serve_inference(request: Request, route: str, api: str, from_client: b
         tracing.start_request(request.method, request.path, request.headers, rid) if tracing and from_client else None
     )
     try:
-        if from_client:
+        if not from_client:
+            rec.tenant = NO_TENANT  # its client request is counted for its tenant where it came in
+        else:
             s = ctx.live.s
             if (pending := check_key(request, s.api_key, api, s.key_owners)) is not None:
                 await pending  # a hashed key's first check (handlers/auth.py)

@@ -372,8 +372,8 @@ class PrometheusObserver(Observer):
         series = self._series(rec.route, self._model(rec.model), rec.status)
         self._add(series, rec)
         self._mark(series)
-        if self.tenants is not None:
-            label = self.tenants.counted(rec)
+        label = self.tenants.counted(rec) if self.tenants is not None else None
+        if label is not None:
             key = (label, rec.status)
             tenant = self._tenant_children.get(key) or self._tenant_children.setdefault(key, _TenantSeries(*key))
             tenant.requests.amount += 1

@@ -35,6 +35,9 @@ def reset_text(seconds: float) -> str:
     return f"{int(minutes)}m{rest:g}s" if minutes else f"{rest:g}s"
 
 
+NO_TENANT = "-"  # an engine's metaserver call: part of a client request, which is its tenant's
+
+
 class Place:
     """An admitted request's quota: given back, and its tokens settled, when the block ends."""
 
@@ -100,8 +103,10 @@ class Tenants:
         `default`, else the keys' own tenants), every other one `other`."""
         return tenant if tenant in self.live.s.tenant_labels else OTHER_TENANT
 
-    def counted(self, rec: RequestRecord) -> str:
-        """Count a finished request in the shared per-tenant counters; its tenant's label."""
+    def counted(self, rec: RequestRecord) -> str | None:
+        """Count a finished request in the shared per-tenant counters; its tenant's label (None: not a tenant's)."""
+        if rec.tenant == NO_TENANT:
+            return None
         self.quotas.served(self.quotas.slot(rec.tenant), rec.status >= 400, rec.prompt_tokens, rec.generated_tokens)
         return self.label(rec.tenant)
 

@@ -64,8 +64,11 @@ class TenantQuotas:
     def __init__(self, shared: SharedState, worker: int, num_workers: int):
         self.rows: list[TenantRow] = list(shared.tenants.rows)
         self.lock = shared.hot_lock
-        self.mine: TenantCounts = shared.tenant_counts[worker]
-        self.counts = [shared.tenant_counts[i] for i in range(max(num_workers, worker + 1))]
+        self.counts: list[TenantCounts] = [shared.tenant_counts[i] for i in range(max(num_workers, worker + 1))]
+        # Views of the columns, kept: making one costs more than reading through it.
+        self.inflight = [c.inflight for c in self.counts]
+        mine = shared.tenant_counts[worker]
+        self.mine = {name: getattr(mine, name) for name in TenantCounts.names()}
         self.slots: dict[str, int] = {}  # tenant -> its row, as found
 
     def slot(self, tenant: str) -> int:
@@ -90,7 +93,7 @@ class TenantQuotas:
         rpm, tpm, cap = limits
         row = self.rows[at]
         with self.lock:
-            if cap and sum(c.inflight[at] for c in self.counts) >= cap:
+            if cap and sum(column[at] for column in self.inflight) >= cap:
                 return Taken("inflight", 1.0, row.requests_milli, row.tokens_milli)
             requests = tokens = 0
             if rpm:
@@ -112,13 +115,13 @@ class TenantQuotas:
             if rpm:
                 requests -= 1000
                 row.requests_milli = requests
-            self.mine.inflight[at] += 1
+            self.mine["inflight"][at] += 1
         return Taken("", 0.0, requests, tokens)
 
     def leave(self, at: int, settle_tokens: int, tpm: int) -> None:
         """A request of row `at` ended; `settle_tokens` (served less reserved) are taken from its tpm bucket (a
         refund when negative, never beyond a full bucket)."""
-        self.mine.inflight[at] -= 1  # only this worker writes its row: no lock
+        self.mine["inflight"][at] -= 1  # only this worker writes its row: no lock
         if tpm and settle_tokens:
             row = self.rows[at]
             with self.lock:
@@ -128,18 +131,12 @@ class TenantQuotas:
         """Count one request of row `at` in this worker's counters."""
         mine = self.mine
         if refused:
-            mine.refused[at] += 1
+            mine["refused"][at] += 1
             return
-        mine.requests[at] += 1
-        mine.prompt_tokens[at] += prompt_tokens
-        mine.output_tokens[at] += output_tokens
+        mine["requests"][at] += 1
+        mine["prompt_tokens"][at] += prompt_tokens
+        mine["output_tokens"][at] += output_tokens
 
     def counts_of(self, at: int) -> dict[str, int]:
         """Row `at`'s counters, all workers."""
-        return {
-            "inflight": sum(c.inflight[at] for c in self.counts),
-            "requests": sum(c.requests[at] for c in self.counts),
-            "refused": sum(c.refused[at] for c in self.counts),
-            "prompt_tokens": sum(c.prompt_tokens[at] for c in self.counts),
-            "output_tokens": sum(c.output_tokens[at] for c in self.counts),
-        }
+        return {name: sum(getattr(c, name)[at] for c in self.counts) for name in TenantCounts.names()}
