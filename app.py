@@ -61,7 +61,9 @@ from serving.cluster import Cluster, ClusterResponseHomes, replica_id, shared_ev
 from serving.dispatch import Dispatcher
 from serving.door import Door
 from serving.metrics import PrometheusObserver, clear_stale_files
+from serving.tenants import Tenants
 from serving.usage import PrefillUsages
+from state.quotas import TenantQuotas
 from state.response_homes import SharedResponseHomes
 from state.shared import SharedState, worker_index
 from workers.reload import ConfigWatch, Reloader
@@ -221,13 +223,15 @@ def build_worker(app: Sanic, settings: Settings) -> None:
     ctx.health = Health(shared, live)
     ctx.scheduler = build_scheduler(live, shared, ctx.registry, ctx.ledger, ctx.health)
     ctx.client = EngineClient(live)
-    ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health)
+    ctx.tenants = Tenants(live, TenantQuotas(shared, worker, settings.num_workers))
+    ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health, ctx.tenants)
     ctx.door = Door(live, shared, worker)
     usages, homes = PrefillUsages(shared, worker, settings.num_workers), SharedResponseHomes(shared)
     ctx.cluster = None
     if clustered:  # replicas act as one (serving/cluster.py)
         replica = os.environ.setdefault("MOTOR_REPLICA_ID", replica_id())
         ctx.cluster = ctx.door.cluster = Cluster(live, shared, worker, replica, ctx.registry)
+        ctx.tenants.replicas = lambda: ctx.cluster.replicas  # each replica holds its share of a tenant's quota
         homes = ClusterResponseHomes(homes, ctx.cluster)
         shared_events(ctx.cluster, usages, homes, ctx.scheduler.index)
         ctx.cluster.start()

@@ -187,8 +187,12 @@ def cell_path(cell: str) -> str:
     return "/v1/messages" if cell in MESSAGES_CELLS else "/v1/chat/completions"
 
 
+BENCH_KEY = "sk-bench-tenant"
+KEY_HEADERS: dict[str, str] = {}  # --tenants: every request presents BENCH_KEY (gateways without keys ignore it)
+
+
 def cell_headers(cell: str) -> dict[str, str]:
-    return ANTHROPIC_HEADERS if cell in MESSAGES_CELLS else {}
+    return {**(ANTHROPIC_HEADERS if cell in MESSAGES_CELLS else {}), **KEY_HEADERS}
 
 
 PREFILL_LEG = {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}, "ignore_eos": True}
@@ -320,7 +324,7 @@ def request(
 
 def check_answer(port: int, data: str, stream: bool) -> str:
     """'' when the answer is a complete, faithful relay of the fake's; else what is wrong."""
-    status, _, raw = request(port, "POST", "/v1/chat/completions", data)
+    status, _, raw = request(port, "POST", "/v1/chat/completions", data, headers=KEY_HEADERS)
     if status != 200:
         return f"HTTP {status}: {raw[:200]!r}"
     try:
@@ -1212,6 +1216,12 @@ def main(argv: list[str] | None = None) -> int:
         "round trip to Redis per request",
     )
     ap.add_argument(
+        "--tenants",
+        action="store_true",
+        help="two more Coordinators (1 worker, log INFO) side by side, every request with an API key: one with the key "
+        "in valid_keys, one with it a tenant's of tenant_config with rpm, tpm and max_inflight never reached",
+    )
+    ap.add_argument(
         "--litellm",
         metavar="EXE",
         help="LiteLLM's `litellm` command (from an environment with litellm[proxy]==1.82.6): measured "
@@ -1227,6 +1237,8 @@ def main(argv: list[str] | None = None) -> int:
     global NICE
     NICE = opts.nice
     PAD["text"] = padding(opts.prompt_kib)
+    if opts.tenants:
+        KEY_HEADERS["Authorization"] = f"Bearer {BENCH_KEY}"
     set_autogroup_nice("self")  # wrk runs in the bench's own session
     opts.duration = opts.duration or (2.0 if opts.quick else 6.0)
     opts.latency = opts.latency if opts.latency is not None else (1.0 if opts.quick else 3.0)
@@ -1295,6 +1307,19 @@ def main(argv: list[str] | None = None) -> int:
                     cluster = {"cluster_config": {"redis_url": redis.url}}
                     cap = {"rate_limit_config": {"max_inflight_requests": 100_000}}
                     for label, sections in (("cluster", cluster), ("cluster + cap", {**cluster, **cap})):
+                        pair.append(
+                            Coordinator(
+                                engines, 1, "INFO", gw_core_sets[1], workdir, python_label=label, sections=sections
+                            )
+                        )
+                if opts.tenants:
+                    keys = {"api_key_config": {"enable_api_key": True, "valid_keys": [BENCH_KEY]}}
+                    quota = {"rpm": 10**9, "tpm": 10**12, "max_inflight": 10**6}
+                    tenants = {
+                        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-bench-other"]},
+                        "tenant_config": {"tenants": [{"name": "bench", "keys": [BENCH_KEY], **quota}]},
+                    }
+                    for label, sections in (("keys", keys), ("keys + tenant quotas", tenants)):
                         pair.append(
                             Coordinator(
                                 engines, 1, "INFO", gw_core_sets[1], workdir, python_label=label, sections=sections

@@ -2,12 +2,12 @@
 
 `merge(running, reloaded)` gives the settings to run on: the running ones with every live key taken from the
 reloaded file, and the config keys whose new value needs a restart (kept as they run). Live: API keys, the
-limits (body size, in-flight cap, rate limit), the models (their SLOs, limits and tokenizers), retries and timeouts, the log
+limits (body size, in-flight cap, rate limit, the tenants' keys and quotas), the models (their SLOs, limits and tokenizers), retries and timeouts, the log
 level, and the scheduler's health, scrape and breaker knobs. Everything else (ports, workers, TLS, instances:
 those change through POST /instances/refresh; the policy, PD dispatch, admission, drain) needs a restart.
 
 `check_nothing_left_out(running_raw, reloaded_raw)` refuses a file that leaves out a security or limit key
-(of api_key_config, mgmt_api_key_config, rate_limit_config) or a whole such section the running file writes:
+(of api_key_config, mgmt_api_key_config, rate_limit_config, tenant_config) or a whole such section the running file writes:
 its default is the loosest value (no key asked for, no rate limit), so an omission, a truncated file or `{}`
 would open what was closed. A new value takes effect only when written (`"enable_api_key": false` turns keys off).
 """
@@ -28,12 +28,11 @@ from .sections import (
     RateLimitConfig,
     SchedulerConfig,
     ShutdownConfig,
+    TenantConfig,
     WorkersConfig,
-    config_key,
-    config_keys,
 )
 from .settings import Settings, with_models_for_instances
-from .validation import ConfigError
+from .validation import ConfigError, config_key, config_keys
 
 _NOT_LIVE_EXCEPTIONS = {"kv_release_path"}  # the built-in simulator sets it at start
 
@@ -43,7 +42,7 @@ def _fields(cls: type) -> set[str]:
 
 
 LIVE = (
-    {"api_key", "mgmt_api_key", "models", "log_level"}
+    {"api_key", "mgmt_api_key", "tenants", "models", "log_level"}
     | _fields(RateLimitConfig)
     | (_fields(ExceptionConfig) - _NOT_LIVE_EXCEPTIONS)
     | {
@@ -76,6 +75,7 @@ _HELD = {
     "instances": "instances",
     "tracer": "tracer_config",
     "cluster": "cluster_config",
+    "tenants": "tenant_config",
 }
 _NOT_COMPARED = {"source_path", "models"}
 
@@ -122,6 +122,7 @@ GUARDED = (
     ("api_key_config", ApiKeyConfig),
     ("mgmt_api_key_config", MgmtApiKeyConfig),
     ("rate_limit_config", RateLimitConfig),
+    ("tenant_config", TenantConfig),
 )
 
 

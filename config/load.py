@@ -23,7 +23,6 @@ from .sections import (
     ROOT_KEY,
     ApiConfig,
     ApiKeyConfig,
-    ApiKeySection,
     ApiSection,
     ClusterConfig,
     ExceptionSection,
@@ -36,14 +35,16 @@ from .sections import (
     RateLimitConfig,
     SchedulerSection,
     ShutdownConfig,
+    Tenant,
+    TenantConfig,
+    TenantLimits,
+    TenantSection,
     TlsConfig,
     TlsSection,
     WorkersConfig,
-    config_key,
-    config_keys,
 )
 from .settings import Settings
-from .validation import ConfigError, validate
+from .validation import ConfigError, config_key, config_keys, validate
 
 log = logging.getLogger("coordinator.config")
 
@@ -135,6 +136,33 @@ def _with_key_file(section: str, cfg: ApiKeyConfig) -> ApiKeyConfig:
     return replace(cfg, valid_keys=(*cfg.valid_keys, key))
 
 
+def _warn_unknown_in_tenants(key: str, data: dict) -> None:
+    for i, t in enumerate(data.get("tenants") or ()):
+        warn_unknown(f"{key}.tenants[{i}].", t, Tenant)
+    warn_unknown(f"{key}.default.", data.get("default") or {}, TenantLimits)
+
+
+def _check_tenant_keys(s: Settings) -> None:
+    """A tenant's keys are valid keys of the inference port: they need keys on, and name one tenant each."""
+    owned = [(i, t) for i, t in enumerate(s.tenants.tenants) if t.keys] if s.tenants is not None else []
+    if owned and not s.api_key.enable_api_key:
+        raise ConfigError(
+            f"{ROOT_KEY}.tenant_config.tenants[{owned[0][0]}].keys: a tenant's keys need "
+            f"{ROOT_KEY}.api_key_config.enable_api_key true (with keys off every request is the default tenant)"
+        )
+    if s.api_key.enable_api_key and not (s.api_key.valid_keys or owned):
+        raise ConfigError(
+            f"{ROOT_KEY}.api_key_config.valid_keys: must list at least one key when enable_api_key is true (or "
+            "tenant_config's tenants their keys)"
+        )
+    for i, t in owned:
+        if set(t.keys) & set(s.api_key.valid_keys):
+            raise ConfigError(
+                f"{ROOT_KEY}.tenant_config.tenants[{i}].keys: a key also in api_key_config.valid_keys (the default"
+                " tenant's): one key, one tenant"
+            )
+
+
 def _check_tls_files(section: str, tls: TlsConfig) -> None:
     """With TLS on, the certificate and key must load now, not fail in every worker at start-up."""
     if not tls.enable_tls:
@@ -198,7 +226,7 @@ def server_tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
 SECTIONS = (
     ("api_config", ApiSection, None),
     ("inference_workers_config", WorkersConfig, None),
-    ("api_key_config", ApiKeySection, "api_key"),
+    ("api_key_config", ApiKeyConfig, "api_key"),  # its keys may be tenant_config's too: _check_tenant_keys
     ("mgmt_api_key_config", MgmtApiKeySection, "mgmt_api_key"),
     ("infer_tls_config", TlsSection, "infer_tls"),
     ("mgmt_tls_config", TlsSection, "mgmt_tls"),
@@ -208,7 +236,9 @@ SECTIONS = (
     ("shutdown_config", ShutdownConfig, None),
     ("log_config", LogConfig, None),
     ("cluster_config", ClusterConfig, "cluster"),
+    ("tenant_config", TenantSection, "tenants"),
 )
+OPTIONAL = {"tenant_config"}  # absent, the Settings attribute is None: it means something of its own
 # What only the machine that runs the Coordinator can answer, checked after the section is read.
 _ON_THIS_HOST = {
     "api_config": _check_host,
@@ -233,6 +263,8 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     own: dict[str, Any] = {}  # Settings' fields, from the sections whose fields they are
     held: dict[str, Any] = {}  # the sections Settings holds as one object
     for key, schema, attr in SECTIONS:
+        if key in OPTIONAL and key not in raw:
+            continue
         data = raw.get(key, {})
         section = validate(schema, data, f"{ROOT_KEY}.{key}")
         if on_this_host and key in _ON_THIS_HOST:
@@ -240,6 +272,8 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
         if on_this_host and getattr(section, "api_key_file", ""):
             section = _with_key_file(key, section)
         warn_unknown(f"{key}.", data, _dataclass_of(schema))
+        if isinstance(section, TenantConfig):
+            _warn_unknown_in_tenants(key, data)
         if attr is None:
             own.update(vars(section))
         else:
@@ -251,6 +285,7 @@ def settings_from_dict(raw: dict, source_path: str = "", on_this_host: bool = Tr
     for key in sorted(set(raw) - known):
         log.warning("config: unknown key %s.%s ignored", ROOT_KEY, key)
     settings = Settings(**own, **held, models=models, instances=instances, source_path=source_path)
+    _check_tenant_keys(settings)
     return finish(settings, given, whole)
 
 

@@ -14,19 +14,17 @@ Infinity, which compare false with every bound).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from dataclasses import dataclass
-from functools import cache
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, AliasChoices, AllowInfNan, BeforeValidator, Field, Strict
-from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from .addresses import engine_url, split_address
 from .keys import looks_hashed
+from .validation import config_key
 
 log = logging.getLogger("coordinator.config")
 ROOT_KEY = "motor_coordinator_config"
@@ -284,17 +282,20 @@ class LogConfig:
 # -- sections the Settings hold as one object each --------------------------------------------------------
 
 
+# Plain keys, or MindIE-PyMotor's hashed `salt:iterations:hexhash` (config.keys; `python -m config.keys hash`).
+KeyList = Annotated[
+    tuple[str, ...],
+    BeforeValidator(_key_list),
+    _after(lambda keys: next(filter(None, map(looks_hashed, keys)), None)),
+]
+
+
 @dataclass(frozen=True)
 class ApiKeyConfig:
     """api_key_config: the clients' keys on the inference port."""
 
     enable_api_key: Bool = False
-    # Plain keys, or MindIE-PyMotor's hashed `salt:iterations:hexhash` (config.keys; `python -m config.keys hash`).
-    valid_keys: Annotated[
-        tuple[str, ...],
-        BeforeValidator(_key_list),
-        _after(lambda keys: next(filter(None, map(looks_hashed, keys)), None)),
-    ] = ()
+    valid_keys: KeyList = ()
     header_name: HeaderName = "Authorization"
     key_prefix: Str = "Bearer "
     # Paths (exact) where no key is asked for, as MindIE-PyMotor's api_key_config.skip_paths.
@@ -424,6 +425,52 @@ class Aigw:
     slo_tpot_ms: Annotated[Count, key("slo_tpot")] = 50
 
 
+PRIORITIES = ("interactive", "standard", "batch")  # x-priority's classes, first served first (vLLM's 0, 1, 2)
+DEFAULT_TENANT, OTHER_TENANT = "default", "other"  # the tenant of api_key_config's keys; the metrics' fold
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # safe in a log line and a metric label as it is
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """tenant_config.default, and each tenant's own limits (0: unlimited)."""
+
+    weight: Annotated[Num, Field(gt=0)] = 1.0  # its share of the tokens served when the queue is full
+    rpm: Annotated[Int, Field(ge=0)] = 0  # requests a minute
+    tpm: Annotated[Int, Field(ge=0)] = 0  # prompt plus output tokens a minute
+    max_inflight: Annotated[Int, Field(ge=0)] = 0
+    max_priority: Annotated[Str, _one_of(PRIORITIES)] = "interactive"
+
+
+@dataclass(frozen=True)
+class Tenant(TenantLimits):
+    """One entry of tenant_config.tenants: a name, the keys that are it, its limits."""
+
+    name: Str = ""
+    keys: KeyList = ()
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """tenant_config: who a key is (serving/tenants.py). Absent, each distinct key is its own tenant."""
+
+    tenants: tuple[Tenant, ...] = ()
+    default: TenantLimits = TenantLimits()
+
+
+def _tenants_apart(cfg: TenantConfig) -> TenantConfig:
+    names: set[str] = set()
+    keys: set[str] = set()
+    for i, t in enumerate(cfg.tenants):
+        if not TENANT_NAME.fullmatch(t.name) or t.name in (DEFAULT_TENANT, OTHER_TENANT) or t.name in names:
+            why = "must be unique, 1..64 letters, digits, '.', '_' or '-', not 'default' or 'other'"
+            raise refused(f"{why} (got {t.name!r})", f"tenants[{i}].name")
+        if keys & set(t.keys):  # one key, one identity
+            raise refused("a key listed under another tenant too", f"tenants[{i}].keys")
+        names.add(t.name)
+        keys.update(t.keys)
+    return cfg
+
+
 # -- models and instances ---------------------------------------------------------------------------------
 
 
@@ -522,7 +569,6 @@ def _alone_needs_predictions(sched: SchedulerConfig) -> SchedulerConfig:
 # The schemas config.load validates against: the section's dataclass and its rules across keys.
 SchedulerSection = Annotated[SchedulerConfig, AfterValidator(_alone_needs_predictions)]
 ApiSection = Annotated[ApiConfig, AfterValidator(_ports_differ)]
-ApiKeySection = Annotated[ApiKeyConfig, AfterValidator(_keys_when_enabled)]
 ExceptionSection = Annotated[ExceptionConfig, BeforeValidator(_one_reschedule_switch)]
 MgmtApiKeySection = Annotated[MgmtApiKeyConfig, AfterValidator(_keys_when_enabled)]
 TlsSwitch = Annotated[TlsConfig, BeforeValidator(_one_tls_switch)]  # the types and the switch, not the files
@@ -533,25 +579,5 @@ InstanceEntry = Annotated[
     AfterValidator(_endpoint_ids_unique),
     AfterValidator(_pd_protocol_spoken),
 ]
+TenantSection = Annotated[TenantConfig, AfterValidator(_tenants_apart)]
 ModelList = Annotated[tuple[ModelConfig, ...], AfterValidator(_model_ids_unique)]
-
-
-@cache
-def config_keys(cls: type) -> dict[str, tuple[str, ...]]:
-    """{attribute: the config keys that set it} of a section dataclass."""
-    hints = get_type_hints(cls, include_extras=True)
-    keys = {}
-    for f in dataclasses.fields(cls):
-        names: tuple[str, ...] = (f.name,)
-        for meta in getattr(hints[f.name], "__metadata__", ()):
-            if isinstance(meta, FieldInfo) and isinstance(meta.validation_alias, AliasChoices):
-                names = tuple(str(c) for c in meta.validation_alias.choices)
-            elif isinstance(meta, FieldInfo) and meta.alias:
-                names = (meta.alias,)
-        keys[f.name] = names
-    return keys
-
-
-def config_key(cls: type, attr: str) -> str:
-    """The config key of one attribute of a section dataclass."""
-    return config_keys(cls)[attr][0]

@@ -9,10 +9,12 @@ plain frozen dataclass: reading it costs an attribute lookup, nothing validates 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from .sections import (
+    DEFAULT_TENANT,
     ApiConfig,
     ApiKeyConfig,
     ClusterConfig,
@@ -24,12 +26,16 @@ from .sections import (
     RateLimitConfig,
     SchedulerConfig,
     ShutdownConfig,
+    TenantConfig,
+    TenantLimits,
     TlsConfig,
     TracerConfig,
     WorkersConfig,
 )
 
-MAX_BACKOFF_S = 10.0  # the longest wait before one retry, however many retries and however long retry_delay
+MAX_BACKOFF_S = 10.0
+NO_LIMITS = TenantLimits()
+MAX_TENANT_LABELS = 64  # tenants named in metric labels (serving/tenants.py); the others are `other`  # the longest wait before one retry, however many retries and however long retry_delay
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
     instances: tuple[Instance, ...] = ()
     tracer: TracerConfig = field(default_factory=TracerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tenants: TenantConfig | None = None  # tenant_config (None: absent, each distinct key is its own tenant)
     source_path: str = ""
 
     def rate_limit(self) -> tuple[float, float]:
@@ -58,6 +65,33 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
         milli-tokens), worked out once per Settings (a plain attribute read after the first)."""
         rate, burst = self.rate_limit()
         return rate, int(burst * 1000)
+
+    @cached_property
+    def key_owners(self) -> tuple[tuple[str, str], ...]:
+        """Every entry of the inference port's keys with the tenant it names: tenant_config's tenants' own, then
+        api_key_config's (the `default` tenant's; without tenant_config each its own tenant, `key-` and 12 hex
+        digits of its entry's SHA-256: stable when keys are added or reordered, and no key in a log line)."""
+        if self.tenants is None:
+            return tuple((k, "key-" + hashlib.sha256(k.encode()).hexdigest()[:12]) for k in self.api_key.valid_keys)
+        owned = tuple((k, t.name) for t in self.tenants.tenants for k in t.keys)
+        return owned + tuple((k, DEFAULT_TENANT) for k in self.api_key.valid_keys)
+
+    @cached_property
+    def tenant_limits(self) -> dict[str, TenantLimits]:
+        """The named tenants' limits; any other tenant has `default_limits`."""
+        return {t.name: t for t in self.tenants.tenants} if self.tenants is not None else {}
+
+    @cached_property
+    def tenant_labels(self) -> frozenset[str]:
+        """The tenants named in metric labels (serving/tenants.py): the first MAX_TENANT_LABELS the config names."""
+        named = [t.name for t in self.tenants.tenants] if self.tenants is not None else []
+        return frozenset(
+            list(dict.fromkeys([*named, DEFAULT_TENANT, *(t for _, t in self.key_owners)]))[:MAX_TENANT_LABELS]
+        )
+
+    @property
+    def default_limits(self) -> TenantLimits:
+        return self.tenants.default if self.tenants is not None else NO_LIMITS
 
     def backoff_s(self, attempt: int) -> float:
         """The wait after failed attempt `attempt` (0 = the first): retry_delay doubled each time, capped."""

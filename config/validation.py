@@ -7,10 +7,12 @@ it, config.pymotor MindIE-PyMotor's sections, and the deployer its own keys.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
-from typing import Any
+from typing import Any, get_type_hints
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import AliasChoices, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 # What pydantic's own error types say, in the Coordinator's words. Bounds come with their value (ctx).
@@ -72,3 +74,24 @@ def validate(schema: Any, value: Any, path: str) -> Any:
         return adapter(schema).validate_python(value)
     except ValidationError as e:
         raise refusal(e.errors(include_url=False)[0], path) from None
+
+
+@cache
+def config_keys(cls: type) -> dict[str, tuple[str, ...]]:
+    """{attribute: the config keys that set it} of a section dataclass."""
+    hints = get_type_hints(cls, include_extras=True)
+    keys = {}
+    for f in dataclasses.fields(cls):
+        names: tuple[str, ...] = (f.name,)
+        for meta in getattr(hints[f.name], "__metadata__", ()):
+            if isinstance(meta, FieldInfo) and isinstance(meta.validation_alias, AliasChoices):
+                names = tuple(str(c) for c in meta.validation_alias.choices)
+            elif isinstance(meta, FieldInfo) and meta.alias:
+                names = (meta.alias,)
+        keys[f.name] = names
+    return keys
+
+
+def config_key(cls: type, attr: str) -> str:
+    """The config key of one attribute of a section dataclass."""
+    return config_keys(cls)[attr][0]

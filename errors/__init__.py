@@ -167,6 +167,13 @@ class RateLimited(CoordinatorError):
         err.status = status
         return err
 
+    @classmethod
+    def by_quota(cls, kind: str, message: str, retry_after_s: float, reason: str) -> RateLimited:
+        """A tenant's quota refusal: OpenAI's shape, whose `type` says which quota ("requests" or "tokens")."""
+        err = cls(message, retry_after_s=retry_after_s, reason=reason)
+        err.openai_type = kind
+        return err
+
 
 class ServiceUnavailable(CoordinatorError):
     """No engine instance can take the request, or the Coordinator is draining."""

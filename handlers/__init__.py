@@ -38,8 +38,10 @@ def guard(request: Request) -> Awaitable[None] | None:
     check_plane(request, plane)
     if getattr(route.ctx, "keyless", False):
         return None
-    settings = request.app.ctx.live.s
-    return check_key(request, settings.api_key if plane == INFER else settings.mgmt_api_key, api_of(request))
+    s = request.app.ctx.live.s
+    if plane == INFER:
+        return check_key(request, s.api_key, api_of(request), s.key_owners)
+    return check_key(request, s.mgmt_api_key, api_of(request))
 
 
 def stamp_request_id(request: Request, response) -> None:

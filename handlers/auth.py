@@ -1,4 +1,5 @@
-"""API keys: the key a request presents, checked against the configured ones in constant time.
+"""API keys: the key a request presents, checked against the configured ones in constant time, and the tenant
+it names (`request.ctx.tenant`: config.Settings.key_owners; `default` when no key is asked for).
 
 `valid_keys` may hold plain keys and MindIE-PyMotor's hashed entries (PBKDF2-SHA256 `salt:iterations:hexhash`,
 config.keys), whose own text is never a key. A presented key is compared with every plain key first; only when
@@ -19,7 +20,7 @@ from functools import lru_cache
 
 from sanic import Request
 
-from config import ApiKeyConfig
+from config import DEFAULT_TENANT, ApiKeyConfig
 from config.keys import HashedKey, hashed_entry
 from errors import Api, Unauthorized
 
@@ -38,44 +39,49 @@ def presented_key(request: Request, cfg: ApiKeyConfig) -> str | None:
 
 
 class KeyCheck:
-    """One key configuration's check, per worker: its plain keys, its hashed ones, the keys found valid."""
+    """One key configuration's check, per worker: its plain keys, its hashed ones (each with its tenant), the keys
+    found valid (with theirs)."""
 
-    def __init__(self, valid_keys: tuple[str, ...]):
-        entries = [(k, hashed_entry(k)) for k in valid_keys]
+    def __init__(self, owners: tuple[tuple[str, str], ...]):
+        entries = [(k, hashed_entry(k), tenant) for k, tenant in owners]
         # A hashed entry is compared through PBKDF2 only: its text is no key (a leaked config leaks none).
-        self.plain = [k.encode() for k, h in entries if h is None]
-        self.hashed: list[HashedKey] = [h for _, h in entries if h is not None]
-        self.verified: OrderedDict[bytes, None] = OrderedDict()
+        self.plain = [(k.encode(), tenant) for k, h, tenant in entries if h is None]
+        self.hashed: list[tuple[HashedKey, str]] = [(h, tenant) for _, h, tenant in entries if h is not None]
+        self.verified: OrderedDict[bytes, str] = OrderedDict()
         self.gate: asyncio.Semaphore | None = None
 
-    def plain_match(self, presented: bytes) -> bool:
+    def plain_match(self, presented: bytes) -> str | None:
+        """The tenant of the plain key `presented` is, or None."""
         # Compare against every valid key so timing reveals neither the key nor which one matched.
-        return any([hmac.compare_digest(presented, valid) for valid in self.plain])  # noqa: C419 (all compared)
+        found = [tenant for valid, tenant in self.plain if hmac.compare_digest(presented, valid)]
+        return found[0] if found else None
 
-    def remembered(self, presented: bytes) -> bytes | None:
-        """The key's SHA-256 when it needs PBKDF2 (None: it was found valid before)."""
+    def remembered(self, presented: bytes) -> tuple[bytes, str | None]:
+        """(the key's SHA-256, its tenant when it was found valid before: else it needs PBKDF2)."""
         tag = hashlib.sha256(presented).digest()
-        if tag in self.verified:
+        tenant = self.verified.get(tag)
+        if tenant is not None:
             self.verified.move_to_end(tag)
-            return None
-        return tag
+        return tag, tenant
 
-    async def hashed_match(self, presented: bytes, tag: bytes) -> bool:
+    async def hashed_match(self, presented: bytes, tag: bytes) -> str | None:
         if self.gate is None:
             self.gate = asyncio.Semaphore(HASH_CHECKS_AT_ONCE)
         async with self.gate:
             loop = asyncio.get_running_loop()
-            ok = await loop.run_in_executor(None, lambda: any([h.matches(presented) for h in self.hashed]))  # noqa: C419
-        if ok:
-            self.verified[tag] = None
+            tenant = await loop.run_in_executor(
+                None, lambda: next((t for h, t in self.hashed if h.matches(presented)), None)
+            )
+        if tenant is not None:
+            self.verified[tag] = tenant
             if len(self.verified) > VERIFIED_KEYS:
                 self.verified.popitem(last=False)
-        return ok
+        return tenant
 
 
 @lru_cache(maxsize=8)  # one per configuration: a reloaded config gets a new one, its keys verified anew
-def key_check(valid_keys: tuple[str, ...]) -> KeyCheck:
-    return KeyCheck(valid_keys)
+def key_check(owners: tuple[tuple[str, str], ...]) -> KeyCheck:
+    return KeyCheck(owners)
 
 
 def _encoded(key: str) -> bytes:
@@ -84,37 +90,48 @@ def _encoded(key: str) -> bytes:
     return key.encode("utf-8", "surrogateescape")
 
 
-def check_key(request: Request, cfg: ApiKeyConfig, api: Api) -> Awaitable[None] | None:
+def check_key(
+    request: Request, cfg: ApiKeyConfig, api: Api, owners: tuple[tuple[str, str], ...] | None = None
+) -> Awaitable[None] | None:
     """None when the request may go on (or raises Unauthorized); an awaitable to await when a hashed entry is
-    being checked. A path in `cfg.skip_paths` needs no key; an Anthropic client may present it in x-api-key.
+    being checked. Either way `request.ctx.tenant` is then the tenant the key names. A path in `cfg.skip_paths`
+    needs no key; an Anthropic client may present it in x-api-key. `owners`: the valid keys with their tenants
+    (Settings.key_owners; by default `cfg.valid_keys`, all `default`'s: the management port's).
 
     Two callers only, both of which every route passes through: handlers/__init__.py's guard (Sanic awaits what
     a middleware returns) and serve_inference, the guard of the inference routes. No handler calls it."""
     if not cfg.enable_api_key or request.path in cfg.skip_paths:
+        request.ctx.tenant = DEFAULT_TENANT
         return None
     key = presented_key(request, cfg)
     presented = [] if key is None else [key]
     for header in api.key_headers:  # (Anthropic's clients may present it in x-api-key)
         if request.headers.get(header) is not None:
             presented.append(request.headers[header])
-    check = key_check(cfg.valid_keys)
+    check = key_check(owners if owners is not None else tuple((k, DEFAULT_TENANT) for k in cfg.valid_keys))
     encoded = [_encoded(k) for k in presented]
-    if any([check.plain_match(p) for p in encoded]):  # noqa: C419 (all compared)
+    found = [check.plain_match(p) for p in encoded]
+    tenant = next(filter(None, found), None)
+    if tenant is not None:
+        request.ctx.tenant = tenant
         return None
     if not check.hashed or not encoded:
         raise _refusal(presented)
     pending = []
     for p in encoded:
-        tag = check.remembered(p)
-        if tag is None:
+        tag, tenant = check.remembered(p)
+        if tenant is not None:
+            request.ctx.tenant = tenant
             return None
         pending.append((p, tag))
-    return _hashed(check, pending, presented)
+    return _hashed(request, check, pending, presented)
 
 
-async def _hashed(check: KeyCheck, pending: list[tuple[bytes, bytes]], presented: list[str]) -> None:
+async def _hashed(request: Request, check: KeyCheck, pending: list[tuple[bytes, bytes]], presented: list[str]) -> None:
     for key, tag in pending:
-        if await check.hashed_match(key, tag):
+        tenant = await check.hashed_match(key, tag)
+        if tenant is not None:
+            request.ctx.tenant = tenant
             return
     raise _refusal(presented)
 

@@ -24,6 +24,7 @@ from handlers.sink import SanicSink, error_response
 from serving.families import Family
 from serving.job import job_from_body, parse_body
 from serving.observe import RequestRecord, log_value
+from serving.tenants import NO_TENANT, UNLIMITED
 
 log = logging.getLogger("coordinator.handlers")
 # The 4xx statuses the OpenAI and Anthropic SDKs retry by default (besides every 5xx).
@@ -53,10 +54,16 @@ async def serve_inference(request: Request, family: Family, from_client: bool = 
         tracing.start_request(request.method, request.path, request.headers, rid) if tracing and from_client else None
     )
     try:
-        if from_client and (pending := check_key(request, ctx.live.s.api_key, api)) is not None:
-            await pending  # a hashed key's first check (handlers/auth.py)
+        if not from_client:
+            rec.tenant = NO_TENANT  # its client request is counted for its tenant where it came in
+        else:
+            s = ctx.live.s
+            if (pending := check_key(request, s.api_key, api, s.key_owners)) is not None:
+                await pending  # a hashed key's first check (handlers/auth.py)
+            rec.tenant = request.ctx.tenant
         raw = await read_body(request, ctx.live.s.max_request_body_bytes)
         job = job_from_body(family, raw, parse_body(raw), rid)
+        job.tenant = rec.tenant
         job.slo_ttft_ms = slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = slo_header(request, "x-slo-tpot-ms")
         rec.model, rec.stream = clip(job.model), job.stream  # the log line's: a name can be megabytes
@@ -65,7 +72,8 @@ async def serve_inference(request: Request, family: Family, from_client: bool = 
         with ctx.door.admit() if from_client else ctx.door.attend() as place:
             if place.pending is not None:  # cluster mode's cluster-wide cap and rate: one round trip to the store
                 await place.pending
-            await ctx.dispatcher.serve(job, sink, rec)
+            with ctx.tenants.admit(job, rec, sink.headers) if from_client else UNLIMITED:
+                await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()
             return None

@@ -43,7 +43,10 @@ async def _stored(request: Request, method: str, response_id: str, route: str) -
     rec = RequestRecord(rid, route)
     try:
         with ctx.door.admit():
-            status, body = await ctx.dispatcher.responses.relay(method, response_id, request.query_string, rid, rec)
+            rec.tenant = request.ctx.tenant  # the guard's (handlers/auth.py)
+            status, body = await ctx.dispatcher.responses.relay(
+                method, response_id, request.query_string, rid, rec, rec.tenant
+            )
         rec.status = status
         return HTTPResponse(body, status=status, headers={REQUEST_ID: rid}, content_type="application/json")
     except CoordinatorError as e:

@@ -434,12 +434,13 @@ class ClusterResponseHomes:
     def __init__(self, local, cluster: Cluster):
         self.local, self.cluster = local, cluster
 
-    def remember(self, response_id: str, instance_id: int, endpoint_id: int) -> None:
-        self.local.remember(response_id, instance_id, endpoint_id)
-        self.cluster.publish("home", {"id": response_id, "instance": instance_id, "endpoint": endpoint_id})
+    def remember(self, response_id: str, instance_id: int, endpoint_id: int, owner: int) -> None:
+        self.local.remember(response_id, instance_id, endpoint_id, owner)
+        event = {"id": response_id, "instance": instance_id, "endpoint": endpoint_id, "owner": owner}
+        self.cluster.publish("home", event)
 
-    def home(self, response_id: str) -> tuple[int, int] | None:
-        return self.local.home(response_id)
+    def home(self, response_id: str, owner: int) -> tuple[int, int] | None:
+        return self.local.home(response_id, owner)
 
     def forget(self, response_id: str) -> None:
         self.local.forget(response_id)
@@ -483,8 +484,8 @@ def shared_events(cluster: Cluster, usages, homes, prefixes: PrefixSource | None
         if kind == "usage" and isinstance(event.get("prompt"), int):
             cached = event.get("cached")
             usages.put_counts(rid, event["prompt"], cached if isinstance(cached, int) else None)
-        elif kind == "home" and isinstance(event.get("instance"), int) and isinstance(event.get("endpoint"), int):
-            homes.local.remember(rid, event["instance"], event["endpoint"])
+        elif kind == "home" and all(isinstance(event.get(k), int) for k in ("instance", "endpoint", "owner")):
+            homes.local.remember(rid, event["instance"], event["endpoint"], event["owner"])
         elif kind == "forget":
             homes.local.forget(rid)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from config import Live
 from errors import RateLimited, ServiceUnavailable
+from state.quotas import refill
 from state.shared import SharedState, worker_rows
 
 
@@ -103,22 +104,7 @@ class Door:
         # wall clock, an NTP correction of a minute refused every request for a minute.
         now_us = int(self.clock() * 1e6)
         with self.lock:
-            stamp = g.rate_stamp_us
-            if not stamp:
-                tokens, stamp = burst_milli, now_us
-            else:
-                tokens = g.rate_tokens_milli
-                if now_us < stamp:  # a stamp ahead of this clock: start counting from now, no debt
-                    stamp = now_us
-                gained = int((now_us - stamp) * rate / 1000)  # whole milli-tokens
-                if tokens + gained >= burst_milli:
-                    tokens, stamp = burst_milli, now_us  # a full bucket: the time beyond it is lost
-                elif gained:
-                    # The stamp moves only by the time turned into tokens: the fraction of a milli-token
-                    # left over counts towards the next one (a stamp set to now would lose the refill of callers
-                    # coming more often than one milli-token's time, i.e. almost all of it under load).
-                    tokens += gained
-                    stamp += int(gained * 1000 / rate)
+            tokens, stamp = refill(g.rate_tokens_milli, g.rate_stamp_us, now_us, rate, burst_milli)
             g.rate_stamp_us = stamp
             if tokens >= 1000:
                 g.rate_tokens_milli = tokens - 1000

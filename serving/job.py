@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import orjson
 import ujson
 
+from config import DEFAULT_TENANT
 from errors import InvalidRequest, unreadable_json
 from serving.families import Family
 from serving.protocol import Request
@@ -31,6 +32,7 @@ class Job:
     slo_tpot_ms: float = 0.0
     metaserver: dict | None = None  # the PD control object of a /v1/metaserver call
     request: Request | PlainChat | None = None  # the body as its family's model (or the plain chat reader) read it
+    tenant: str = DEFAULT_TENANT  # who sent it, as its API key says (handlers/auth.py)
 
     @property
     def prompt_body(self) -> dict:
@@ -39,7 +41,7 @@ class Job:
 
     @property
     def response_id(self) -> str:
-        """A Responses request's id: the client's `request_id`, else the one `job_from_body` gave it."""
+        """A Responses request's id: the one `job_from_body` gave it (never the client's)."""
         return self.body["request_id"]
 
     @property

@@ -94,6 +94,14 @@ CONTINUATION_REFUSALS = Counter(
     "Streams broken past the first byte and not continued, by why not",
     ["model", "reason"],
 )
+TENANT_REQUESTS = Counter(
+    "motor_tenant_requests_total",
+    "Requests answered, by tenant (the first 64 the config names; others: other) and HTTP status",
+    ["tenant", "status"],
+)
+TENANT_TOKENS = Counter(
+    "motor_tenant_tokens_total", "Tokens of successful requests by tenant and kind (prompt, output)", ["tenant", "kind"]
+)
 REJECTIONS = Counter("motor_rejections_total", "Requests refused before reaching an engine, by reason", ["reason"])
 DISCONNECTS = Counter("motor_client_disconnects_total", "Clients that went away, by phase", ["phase"])
 STORE_CALLS = Counter("motor_cluster_store_round_trips_total", "Round trips to the cluster store (cluster mode)")
@@ -299,6 +307,24 @@ class _Series:
             part.flush()
 
 
+class _TenantSeries:
+    """What requests of one (tenant label, status) add to the tenant metrics, made on first use."""
+
+    __slots__ = ("dirty", "output_tokens", "parts", "prompt_tokens", "requests")
+
+    def __init__(self, tenant: str, status: int):
+        self.requests = _PendingCount(TENANT_REQUESTS.labels(tenant, str(status)))
+        self.prompt_tokens = _PendingCount(TENANT_TOKENS.labels(tenant, "prompt"))
+        self.output_tokens = _PendingCount(TENANT_TOKENS.labels(tenant, "output"))
+        self.parts = (self.requests, self.prompt_tokens, self.output_tokens)
+        self.dirty = False
+
+    def flush(self) -> None:
+        self.dirty = False
+        for part in self.parts:
+            part.flush()
+
+
 class PrometheusObserver(Observer):
     """Per-request metrics, written to prometheus-client's files at most `flush_s` after the request.
 
@@ -309,11 +335,12 @@ class PrometheusObserver(Observer):
     first; another worker's last `flush_s` of requests may be missing from it.
     """
 
-    def __init__(self, registry: Registry, ledger: Ledger, health: Health, flush_s: float = 0.05):
+    def __init__(self, registry: Registry, ledger: Ledger, health: Health, tenants=None, flush_s: float = 0.05):
         super().__init__()
-        self.registry = registry
+        self.registry, self.tenants = registry, tenants  # tenants: serving/tenants.py's Tenants (None: not counted)
         self._children: dict[tuple[str, str, int], _Series] = {}
-        self._dirty: list[_Series] = []
+        self._tenant_children: dict[tuple[str, int], _TenantSeries] = {}
+        self._dirty: list[_Series | _TenantSeries] = []
         self._timer = FlushTimer(self.flush, flush_s)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             self.exposition_registry = CollectorRegistry()
@@ -343,6 +370,18 @@ class PrometheusObserver(Observer):
         super().request_done(rec)
         series = self._series(rec.route, self._model(rec.model), rec.status)
         self._add(series, rec)
+        self._mark(series)
+        label = self.tenants.counted(rec) if self.tenants is not None else None
+        if label is not None:
+            key = (label, rec.status)
+            tenant = self._tenant_children.get(key) or self._tenant_children.setdefault(key, _TenantSeries(*key))
+            tenant.requests.amount += 1
+            if rec.status < 400 and not (rec.family is not None and rec.family.counts_only):
+                tenant.prompt_tokens.amount += rec.prompt_tokens
+                tenant.output_tokens.amount += rec.generated_tokens
+            self._mark(tenant)
+
+    def _mark(self, series: _Series | _TenantSeries) -> None:
         if not series.dirty:
             series.dirty = True
             self._dirty.append(series)

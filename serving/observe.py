@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from config import DEFAULT_TENANT
 from scheduling.registry import Target
 from serving.families import Family
 
@@ -73,6 +74,7 @@ class RequestRecord:
 
     request_id: str
     route: str
+    tenant: str = DEFAULT_TENANT  # who the API key says sent it (handlers/auth.py); never the key
     model: str = ""
     stream: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -202,12 +204,13 @@ class Observer:
         rec.duration_s = time.monotonic() - rec.started
         if self.request_log.enabled():
             self.request_log.write(
-                "request_id=%s route=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
+                "request_id=%s route=%s tenant=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
                 "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s continuations=%d%s placement=%s "
                 "duration_ms=%.1f%s"
                 % (
                     log_value(rec.request_id),
                     rec.route,
+                    rec.tenant,
                     log_value(rec.model) if rec.model else "-",
                     rec.stream,
                     _name(rec.prefill),

@@ -3,7 +3,9 @@ go there.
 
 vLLM keeps a stored response (`store`, the default, on an engine started with VLLM_ENABLE_RESPONSES_API_STORE=1)
 in the memory of the instance that served it, and only that instance can continue it or answer for it. So a
-stored request's response id (serving/job.py gives every request one) is remembered with the engine that
+stored request's response id (serving/job.py gives every request one of the Coordinator's: a client's
+`request_id` is not kept, so no client names, or overwrites, another's response) is remembered, with the tenant
+that owns it (to every other tenant it does not exist), with the engine that
 serves it (`ResponseHomes`: state/response_homes.py), from the moment its leg is planned (a client's
 follow-up may come as soon as the last event is out); a retry elsewhere moves it, a request that fails
 forgets it. A follow-up turn (`previous_response_id`) is served whole by that engine: for a PD model that is
@@ -32,7 +34,7 @@ from serving.job import Job
 from serving.observe import RequestRecord
 from serving.retries import Retries
 from serving.whole import WholeCall
-from state.response_homes import ResponseHomes
+from state.response_homes import ResponseHomes, owner_key
 
 NO_DELETE_ROUTE = 405  # vLLM 0.32's answer to DELETE /v1/responses/{id}
 # The values of a query's `stream` that say no: pydantic's false spellings (vLLM's FastAPI reads the parameter as a
@@ -56,10 +58,11 @@ class StoredResponses:
     def __init__(self, homes: ResponseHomes, scheduler: Scheduler, up: Upstream, retries: Retries):
         self.homes, self.scheduler, self.up, self.retries = homes, scheduler, up, retries
 
-    def home(self, response_id: str, param: str) -> Target:
-        """The engine holding `response_id`, or the 404 (`param`: the field that named it)."""
-        where = self.homes.home(response_id)
-        why = "this Coordinator did not serve it, or no longer remembers it"
+    def home(self, response_id: str, param: str, tenant: str) -> Target:
+        """The engine holding `response_id`, or the 404 (`param`: the field that named it); another tenant's
+        response is not found, as one never served."""
+        where = self.homes.home(response_id, owner_key(tenant))
+        why = "this Coordinator did not serve it to you, or no longer remembers it"
         if where is not None:
             for t in self.scheduler.registry.view().targets:
                 if (t.instance_id, t.endpoint_id) == where:
@@ -69,7 +72,7 @@ class StoredResponses:
 
     def continue_on(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """A follow-up turn: the whole request on the engine that holds the previous response."""
-        target = self.home(job.request.previous_response_id, "previous_response_id")
+        target = self.home(job.request.previous_response_id, "previous_response_id", job.tenant)
         info.prompt_bytes = 0  # the engine's prompt holds the stored conversation too: its count teaches nothing
         call = WholeCall(self.up, job, self.scheduler.pin(target, info, learn=job.stream), sink, rec, job.raw)
         return self.recorded(job, target, self.retries.run(call), rec)
@@ -79,8 +82,8 @@ class StoredResponses:
         return self._recorded(job, target, flow, rec) if job.request.stored else flow
 
     async def _recorded(self, job: Job, target: Target, flow: Awaitable[None], rec: RequestRecord) -> None:
-        rid, homes = job.response_id, self.homes
-        homes.remember(rid, target.instance_id, target.endpoint_id)
+        rid, homes, owner = job.response_id, self.homes, owner_key(job.tenant)
+        homes.remember(rid, target.instance_id, target.endpoint_id, owner)
         try:
             await flow
         except BaseException:  # failed, or the client left: the engine stored nothing (or a cancelled stream)
@@ -88,17 +91,18 @@ class StoredResponses:
             raise
         served = rec.target
         if served is not None and served is not target:  # a retry served it elsewhere
-            homes.remember(rid, served.instance_id, served.endpoint_id)
+            homes.remember(rid, served.instance_id, served.endpoint_id, owner)
 
     async def relay(
-        self, method: str, response_id: str, query: str, request_id: str, rec: RequestRecord
+        self, method: str, response_id: str, query: str, request_id: str, rec: RequestRecord, tenant: str
     ) -> tuple[int, bytes]:
-        """GET, DELETE or cancel (POST) of a stored response, on its engine: (status, body) as it answered."""
+        """GET, DELETE or cancel (POST) of a stored response of `tenant`'s, on its engine: (status, body) as it
+        answered."""
         if method == "GET" and asks_for_stream(query):
             raise InvalidRequest(
                 "streaming a stored response (GET ?stream=true) is not served through the Coordinator", param="stream"
             )
-        target = self.home(response_id, "response_id")
+        target = self.home(response_id, "response_id", tenant)
         rec.target = target
         path = f"{RESPONSES.route}/{quote(response_id, safe='')}" + ("/cancel" if method == "POST" else "")
         url = target.url + path + (f"?{query}" if query and method == "GET" else "")

@@ -1,5 +1,6 @@
-"""Where each stored Responses API response was served: vLLM keeps a stored response in the memory of the
-instance that made it, so a follow-up turn (`previous_response_id`), GET, DELETE and cancel must go there.
+"""Where each stored Responses API response was served, and whose it is: vLLM keeps a stored response in the
+memory of the instance that made it, so a follow-up turn (`previous_response_id`), GET, DELETE and cancel must go
+there; and it belongs to the tenant that made it (`owner_key`), to whom alone its id is known.
 
 `ResponseHomes` is the interface the serving layer uses; `SharedResponseHomes` implements it for one pod in
 shared memory (every worker reads what any worker wrote). Cluster mode (a store shared by replicas) is a
@@ -22,13 +23,18 @@ from typing import Protocol
 from state.shared import RESPONSE_HOME_SETS, ResponseHome, SharedState
 
 
+def owner_key(tenant: str) -> int:
+    """A tenant's name as a response's owner in the table (and in cluster mode's events): stable everywhere."""
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little") >> 1
+
+
 class ResponseHomes(Protocol):
-    """Response id -> the (instance id, endpoint id) of the engine that served it."""
+    """Response id -> the (instance id, endpoint id) of the engine that served it, for its owner only."""
 
-    def remember(self, response_id: str, instance_id: int, endpoint_id: int) -> None: ...
+    def remember(self, response_id: str, instance_id: int, endpoint_id: int, owner: int) -> None: ...
 
-    def home(self, response_id: str) -> tuple[int, int] | None:
-        """Where `response_id` was served; None: never here, forgotten, or evicted."""
+    def home(self, response_id: str, owner: int) -> tuple[int, int] | None:
+        """Where `response_id` was served; None: never here, forgotten, evicted, or another owner's."""
 
     def forget(self, response_id: str) -> None: ...
 
@@ -45,7 +51,7 @@ class SharedResponseHomes:
         h = int.from_bytes(hashlib.blake2b(response_id.encode(), digest_size=8).digest(), "little")
         return h >> 2 | 1, h % RESPONSE_HOME_SETS
 
-    def remember(self, response_id: str, instance_id: int, endpoint_id: int) -> None:
+    def remember(self, response_id: str, instance_id: int, endpoint_id: int, owner: int) -> None:
         key, at = self._place(response_id)
         ways: list[ResponseHome] = list(self.sets[at].ways)
         with self.lock:
@@ -55,16 +61,17 @@ class SharedResponseHomes:
             way.key = 0
             way.instance_id = instance_id
             way.endpoint_id = endpoint_id
+            way.owner = owner
             way.written_ns = time.monotonic_ns()
             way.key = key
 
-    def home(self, response_id: str) -> tuple[int, int] | None:
+    def home(self, response_id: str, owner: int) -> tuple[int, int] | None:
         key, at = self._place(response_id)
         for way in self.sets[at].ways:
             if way.key == key:
-                found = way.instance_id, way.endpoint_id
+                found, whose = (way.instance_id, way.endpoint_id), way.owner
                 if way.key == key:
-                    return found
+                    return found if whose == owner else None
         return None
 
     def forget(self, response_id: str) -> None:

@@ -1,5 +1,6 @@
 """Cross-worker state in shared memory: the instance document, the load ledger, the per-endpoint table and the
-smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes).
+smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes,
+the tenants' quotas and counts).
 
 Everything here is made once, in the main process (Sanic's `main_process_start`), and handed to every
 worker through `app.shared_ctx`; in a single process the same raw arrays work on ordinary memory.
@@ -185,11 +186,45 @@ class ResponseHome(Table):
         ("instance_id", ctypes.c_int64),
         ("endpoint_id", ctypes.c_int64),
         ("written_ns", ctypes.c_int64),  # when written (CLOCK_MONOTONIC)
+        ("owner", ctypes.c_int64),  # its tenant's name's hash: to every other tenant the id does not exist
     ]
 
 
 class ResponseHomeSet(Table):
     _fields_ = [("ways", ResponseHome * RESPONSE_HOME_WAYS)]
+
+
+# Tenants (state/quotas.py): a tenant's row is found by its name's hash (open addressing); a table full of tenants
+# puts the rest in its last row, together.
+MAX_TENANTS = 1024
+
+
+class TenantRow(Table):
+    """One tenant's buckets, changed under the lock by whichever worker admits its request."""
+
+    _fields_ = [
+        ("key", ctypes.c_int64),  # the name's hash (0: a free row)
+        ("requests_milli", ctypes.c_int64),  # rpm's bucket: milli-requests left, and when it was last filled (µs)
+        ("requests_stamp_us", ctypes.c_int64),
+        ("tokens_milli", ctypes.c_int64),  # tpm's bucket (below 0: a debt the tokens served beyond it left)
+        ("tokens_stamp_us", ctypes.c_int64),
+    ]
+
+
+class TenantTable(Table):
+    _fields_ = [("rows", TenantRow * MAX_TENANTS)]
+
+
+class TenantCounts(Table):
+    """One worker's counters per tenant row: only that worker writes them, the readers sum the workers'."""
+
+    _fields_ = [
+        ("inflight", ctypes.c_int64 * MAX_TENANTS),
+        ("requests", ctypes.c_int64 * MAX_TENANTS),
+        ("refused", ctypes.c_int64 * MAX_TENANTS),
+        ("prompt_tokens", ctypes.c_int64 * MAX_TENANTS),
+        ("output_tokens", ctypes.c_int64 * MAX_TENANTS),
+    ]
 
 
 @dataclass
@@ -206,6 +241,8 @@ class SharedState:
     prefill_usage: Any = None  # RawArray of PrefillUsageRow [MAX_WORKERS]
     response_homes: Any = None  # RawArray of ResponseHomeSet [RESPONSE_HOME_SETS]: where stored responses were served
     config: Any = None  # RawArray of bytes: the Settings a reload accepted, pickled (`globals.config_len` of them)
+    tenants: Any = None  # RawValue of TenantTable
+    tenant_counts: Any = None  # RawArray of TenantCounts [MAX_WORKERS]
 
     @classmethod
     def create(cls) -> SharedState:
@@ -221,6 +258,8 @@ class SharedState:
             prefill_usage=ctx.RawArray(PrefillUsageRow, MAX_WORKERS),
             response_homes=ctx.RawArray(ResponseHomeSet, RESPONSE_HOME_SETS),
             config=ctx.RawArray(ctypes.c_char, CONFIG_BYTES),
+            tenants=ctx.RawValue(TenantTable),
+            tenant_counts=ctx.RawArray(TenantCounts, MAX_WORKERS),
         )
 
     @property
@@ -259,6 +298,8 @@ class SharedState:
         _clear(self.ledger[worker])
         if self.workers is not None:
             _clear(self.workers[worker])
+        if self.tenant_counts is not None:  # its places in flight come back; what it served stays counted
+            _clear(self.tenant_counts[worker].inflight)
 
 
 def _clear(row: ctypes.Structure) -> None:
@@ -286,6 +327,8 @@ _FIELDS = (
     "prefill_usage",
     "response_homes",
     "config",
+    "tenants",
+    "tenant_counts",
 )
 
 

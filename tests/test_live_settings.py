@@ -260,6 +260,7 @@ STALL = {"stall_mid_stream_after_n": 2}
 DROP = ({"close_mid_stream_after_n": 3}, ("c1", "c2"))  # both of CONT's engines drop a stream after 3 events
 ROWS: dict[str, Row] = {
     "api_key": Row({"api_key_config": {"enable_api_key": True, "valid_keys": [KEY]}}, status(401)),
+    "tenants": Row({"tenant_config": {"default": {"rpm": 1}}}, limited()),  # keys off: every request is `default`
     "mgmt_api_key": Row(
         {"mgmt_api_key_config": {"enable_api_key": True, "valid_keys": [MGMT_KEY]}}, mgmt_refused, logged=False
     ),
@@ -349,6 +350,7 @@ def base_file(engines: dict[str, str], silent: str) -> dict:
             api_key_config=every_key(ApiKeyConfig, enable_api_key=False),
             mgmt_api_key_config=every_key(MgmtApiKeyConfig, enable_api_key=False),
             rate_limit_config=every_key(RateLimitConfig),
+            tenant_config={"tenants": [], "default": {"rpm": 0}},
             scheduler_config={
                 "scheduler_type": "round_robin",
                 "health_check_interval": 0.5,

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from config.live import GUARDED
-from config.sections import config_key
+from config.validation import config_key
 from harness.bodies import chat_body
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator
@@ -280,7 +280,7 @@ def every_key(cls: type, **values) -> dict:
 
 
 def test_leaving_out_any_security_or_limit_key_or_section_is_refused_and_opens_nothing(sims):
-    """Property: for every key of api_key_config, mgmt_api_key_config and rate_limit_config (read from their
+    """Property: for every key of api_key_config, mgmt_api_key_config, rate_limit_config and tenant_config (read from their
     models, so a new key is covered), a file that leaves it out, or its whole section, or writes `{}`, is refused
     in one ERROR line naming it, and no request refused before succeeds; an explicit value is applied."""
     u = sims("union", model=MODEL)
@@ -300,6 +300,7 @@ def test_leaving_out_any_security_or_limit_key_or_section_is_refused_and_opens_n
             requests_per_second=0.001,
             max_inflight_requests=1,
         ),
+        "tenant_config": {"tenants": [], "default": {"rpm": 1}},
     }
     assert set(written) == set(sections)  # a new guarded section needs its values here
     whole["motor_coordinator_config"].update(written)

@@ -212,10 +212,22 @@ def test_a_retried_response_is_remembered_where_it_was_served(c):
     assert holder(c.u, nxt.id) is good
 
 
-def test_a_clients_own_response_id_is_kept(c):
+def test_a_client_never_chooses_a_stored_responses_id(c):
+    """A client's `request_id` (or X-Request-Id) is not the stored id: else it could name, and overwrite, another's."""
     sdk = client(c)
-    r = sdk.responses.create(model=PD, input="mine", max_output_tokens=2, extra_body={"request_id": "resp_my_own_1"})
-    assert r.id == "resp_my_own_1" and sdk.responses.retrieve("resp_my_own_1").id == r.id
+    for model in (MODEL, PD):
+        r = sdk.responses.create(
+            model=model,
+            input="mine",
+            max_output_tokens=2,
+            extra_body={"request_id": "resp_my_own_1"},
+            extra_headers={"X-Request-Id": "resp_my_own_2"},
+        )
+        assert r.id.startswith("resp_") and r.id not in ("resp_my_own_1", "resp_my_own_2")
+        assert sdk.responses.retrieve(r.id).id == r.id
+        for chosen in ("resp_my_own_1", "resp_my_own_2"):
+            with pytest.raises(openai.NotFoundError):
+                sdk.responses.retrieve(chosen)
 
 
 def test_an_unknown_id_is_a_404_in_openais_shape_everywhere(c):
@@ -423,10 +435,11 @@ def test_the_shared_table_keeps_the_newest_ids_of_each_set():
     same = [f"resp_{i}" for i in range(300_000) if homes._place(f"resp_{i}")[1] == first_set][: RESPONSE_HOME_WAYS + 1]
     assert len(same) == RESPONSE_HOME_WAYS + 1
     for n, rid in enumerate(same):
-        homes.remember(rid, n, 0)
-    assert homes.home(same[0]) is None  # the oldest of its set, evicted by the newest
-    assert [homes.home(rid) for rid in same[1:]] == [(n, 0) for n in range(1, RESPONSE_HOME_WAYS + 1)]
-    homes.remember(same[1], 7, 1)  # written again: moved, not added
-    assert homes.home(same[1]) == (7, 1) and homes.home(same[2]) == (2, 0)
+        homes.remember(rid, n, 0, owner=5)
+    assert homes.home(same[0], 5) is None  # the oldest of its set, evicted by the newest
+    assert [homes.home(rid, 5) for rid in same[1:]] == [(n, 0) for n in range(1, RESPONSE_HOME_WAYS + 1)]
+    assert homes.home(same[1], 6) is None  # another owner's: not there
+    homes.remember(same[1], 7, 1, owner=5)  # written again: moved, not added
+    assert homes.home(same[1], 5) == (7, 1) and homes.home(same[2], 5) == (2, 0)
     homes.forget(same[1])
-    assert homes.home(same[1]) is None and homes.home("resp_elsewhere") is None
+    assert homes.home(same[1], 5) is None and homes.home("resp_elsewhere", 5) is None

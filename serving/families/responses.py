@@ -42,12 +42,11 @@ class Responses(Family):
 
     def identified(self, raw: bytes, body: dict, request: Request) -> tuple[bytes, dict]:
         """The body with a response id of the Coordinator's (vLLM's own shape, `resp_<hex>`), so that it knows
-        the response's id before any engine answers, and every leg and retry gives the response that one id."""
-        if request.request_id is not None:
-            return raw, body
+        the response's id before any engine answers, every leg and retry gives the response that one id, and no
+        client chooses it (a client's `request_id` is written over: else it could name, and overwrite, another's)."""
         response_id = "resp_" + uuid.uuid4().hex
         new = {**body, "request_id": response_id}
-        if "request_id" in body:  # a null one: written anew
+        if "request_id" in body:
             return json_bytes(new), new
         # Put in front of the client's own bytes (no re-serialisation); the key is absent, so this is its one value.
         return b'{"request_id":' + json_bytes(response_id) + b"," + raw[raw.index(b"{") + 1 :], new

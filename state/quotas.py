@@ -1,0 +1,142 @@
+"""Per-tenant quotas and counts held across all workers in shared memory (tenant_config's `rpm`, `tpm`,
+`max_inflight`; serving/tenants.py decides with them).
+
+A tenant's row (`TenantRow`) is found by its name's hash and claimed once, under the lock; each worker keeps the
+rows it found. Its two token buckets (requests and tokens, in milli-units, refilled continuously at a minute's
+worth a minute, holding at most a minute's worth) change under the shared lock, so N workers admit what the
+configuration says, not N times it. Its requests in flight are counted per worker (`TenantCounts`, each worker
+writes only its own row, the cap sums them under the lock), so the main process can zero a dead worker's and the
+places come back, as the door's global count does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+from state.shared import MAX_TENANTS, SharedState, TenantCounts, TenantRow
+
+
+def refill(level_milli: int, stamp_us: int, now_us: int, per_s: float, cap_milli: int) -> tuple[int, int]:
+    """A token bucket's (level, stamp) at `now_us`: filled at `per_s` a second up to `cap_milli`. The stamp moves
+    only by the time turned into whole milli-tokens, so callers coming more often than one milli-token's time lose
+    no refill; a stamp ahead of this clock starts from now (no debt); a full bucket loses the time beyond it."""
+    if not stamp_us:
+        return cap_milli, now_us
+    if now_us < stamp_us:
+        stamp_us = now_us
+    gained = int((now_us - stamp_us) * per_s / 1000)
+    if level_milli + gained >= cap_milli:
+        return cap_milli, now_us
+    if gained:
+        return level_milli + gained, stamp_us + int(gained * 1000 / per_s)
+    return level_milli, stamp_us
+
+
+def wait_s(level_milli: int, need_milli: int, per_s: float) -> float:
+    """Seconds until a bucket at `level_milli` holds `need_milli`."""
+    return max(0.0, (need_milli - level_milli) / (1000 * per_s))
+
+
+class Limits(NamedTuple):
+    rpm: int
+    tpm: int
+    max_inflight: int
+
+
+class Taken(NamedTuple):
+    """An admission's verdict: `refused` "" (admitted), "requests", "tokens" or "inflight", how long until it would
+    not be, and the buckets' levels after it (milli-units) for the client's headers."""
+
+    refused: str
+    wait_s: float
+    requests_milli: int
+    tokens_milli: int
+
+
+def _key(tenant: str) -> int:
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little") >> 1 | 1
+
+
+class TenantQuotas:
+    """One worker's view of the tenants' table (see the module docstring)."""
+
+    def __init__(self, shared: SharedState, worker: int, num_workers: int):
+        self.rows: list[TenantRow] = list(shared.tenants.rows)
+        self.lock = shared.hot_lock
+        self.counts: list[TenantCounts] = [shared.tenant_counts[i] for i in range(max(num_workers, worker + 1))]
+        # Views of the columns, kept: making one costs more than reading through it.
+        self.inflight = [c.inflight for c in self.counts]
+        mine = shared.tenant_counts[worker]
+        self.mine = {name: getattr(mine, name) for name in TenantCounts.names()}
+        self.slots: dict[str, int] = {}  # tenant -> its row, as found
+
+    def slot(self, tenant: str) -> int:
+        """The tenant's row: found, else claimed (a full table's last row holds every tenant beyond it)."""
+        found = self.slots.get(tenant)
+        if found is not None:
+            return found
+        key, n = _key(tenant), MAX_TENANTS - 1
+        at = n
+        with self.lock:
+            for i in range(n):
+                j = (key + i) % n
+                if self.rows[j].key in (0, key):
+                    self.rows[j].key = key
+                    at = j
+                    break
+        self.slots[tenant] = at
+        return at
+
+    def take(self, at: int, now_us: int, limits: Limits, reserve_tokens: int) -> Taken:
+        """Admit one request of the tenant at row `at`, reserving `reserve_tokens` of its tpm, or say why not."""
+        rpm, tpm, cap = limits
+        row = self.rows[at]
+        with self.lock:
+            if cap and sum(column[at] for column in self.inflight) >= cap:
+                return Taken("inflight", 1.0, row.requests_milli, row.tokens_milli)
+            requests = tokens = 0
+            if rpm:
+                requests, row.requests_stamp_us = refill(
+                    row.requests_milli, row.requests_stamp_us, now_us, rpm / 60, rpm * 1000
+                )
+                row.requests_milli = requests
+                if requests < 1000:
+                    return Taken("requests", wait_s(requests, 1000, rpm / 60), requests, row.tokens_milli)
+            if tpm:
+                tokens, row.tokens_stamp_us = refill(
+                    row.tokens_milli, row.tokens_stamp_us, now_us, tpm / 60, tpm * 1000
+                )
+                row.tokens_milli = tokens
+                if tokens < 1000:  # a debt (or less than a token): the next request waits until it is paid
+                    return Taken("tokens", wait_s(tokens, 1000, tpm / 60), requests, tokens)
+                tokens -= reserve_tokens * 1000
+                row.tokens_milli = tokens
+            if rpm:
+                requests -= 1000
+                row.requests_milli = requests
+            self.mine["inflight"][at] += 1
+        return Taken("", 0.0, requests, tokens)
+
+    def leave(self, at: int, settle_tokens: int, tpm: int) -> None:
+        """A request of row `at` ended; `settle_tokens` (served less reserved) are taken from its tpm bucket (a
+        refund when negative, never beyond a full bucket)."""
+        self.mine["inflight"][at] -= 1  # only this worker writes its row: no lock
+        if tpm and settle_tokens:
+            row = self.rows[at]
+            with self.lock:
+                row.tokens_milli = min(tpm * 1000, row.tokens_milli - settle_tokens * 1000)
+
+    def served(self, at: int, refused: bool, prompt_tokens: int, output_tokens: int) -> None:
+        """Count one request of row `at` in this worker's counters."""
+        mine = self.mine
+        if refused:
+            mine["refused"][at] += 1
+            return
+        mine["requests"][at] += 1
+        mine["prompt_tokens"][at] += prompt_tokens
+        mine["output_tokens"][at] += output_tokens
+
+    def counts_of(self, at: int) -> dict[str, int]:
+        """Row `at`'s counters, all workers."""
+        return {name: sum(getattr(c, name)[at] for c in self.counts) for name in TenantCounts.names()}

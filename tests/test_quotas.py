@@ -1,0 +1,177 @@
+"""Tenant quotas (tenant_config's rpm, tpm, max_inflight) through the real SDKs against a two-worker Coordinator:
+exact under concurrent requests, OpenAI's 429 (and Anthropic's envelope on its routes) with Retry-After, the
+x-ratelimit-* headers the SDKs read, one tenant's quota never another's, and the per-tenant metrics."""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from harness.clients import anthropic_client, openai_client
+from harness.configs import api_keys, coordinator_config, instance
+from harness.coordinator import Coordinator
+from tests.conftest import MODEL
+
+KEY_A, KEY_B, KEY_T, KEY_C = "sk-quota-a", "sk-quota-b", "sk-quota-t", "sk-quota-c"
+RPM, TPM, CAP = 20, 1000, 3
+
+
+@pytest.fixture(scope="module")
+def coord(module_sims):
+    fast = module_sims("union")
+    slow = module_sims("union", model="slow", speedup=1.0)  # 10 ms a token: 200 tokens hold a place 2 s
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, fast.address), instance(2, "union", "slow", slow.address)],
+        inference_workers_config={"num_workers": 2},
+        api_key_config=api_keys(KEY_B),
+    )
+    cfg["tenant_config"] = {
+        "tenants": [
+            {"name": "team-a", "keys": [KEY_A], "rpm": RPM},
+            {"name": "team-t", "keys": [KEY_T], "tpm": TPM},
+            {"name": "team-c", "keys": [KEY_C], "max_inflight": CAP},
+        ]
+    }
+    with Coordinator(cfg, workers=2) as c:
+        yield c
+
+
+def chat(coord, key: str, model: str = MODEL, max_tokens: int = 2):
+    """(status, the error body or None, the answer's headers) of one chat request through the openai SDK."""
+    sdk = openai_client(coord, key)
+    try:
+        raw = sdk.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens
+        )
+    except openai.RateLimitError as e:
+        return 429, e.body, e.response.headers
+    return 200, raw.parse(), raw.headers
+
+
+def at_once(n: int, call):
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: call(), range(n)))
+
+
+def test_rpm_is_exact_across_workers_under_concurrent_requests_and_costs_no_other_tenant(coord):
+    started = time.monotonic()
+    results = at_once(60, lambda: chat(coord, KEY_A))
+    refill = int((time.monotonic() - started) * RPM / 60)  # what the bucket gained meanwhile (0 in 3 s)
+    ok = [r for r in results if r[0] == 200]
+    assert RPM <= len(ok) <= RPM + refill, len(ok)
+    status, body, headers = next(r for r in results if r[0] == 429)
+    assert body == {"message": body["message"], "type": "requests", "param": None, "code": "rate_limit_exceeded"}
+    assert int(headers["retry-after"]) >= 1 and headers["x-ratelimit-limit-requests"] == str(RPM)
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    # The answers told the client its quota: what was left after each (all of 19..0 when nothing refilled).
+    left = sorted(int(r[2]["x-ratelimit-remaining-requests"]) for r in ok)
+    assert left == list(range(RPM)) if not refill else set(left) == set(range(RPM))
+    assert all(re.fullmatch(r"\d+ms|\d+(\.\d+)?s|\d+m\d+(\.\d+)?s", r[2]["x-ratelimit-reset-requests"]) for r in ok)
+    # Another tenant (the default one, no quota) is not refused, and its answers carry no quota headers.
+    others = at_once(10, lambda: chat(coord, KEY_B))
+    assert all(s == 200 for s, _, _ in others)
+    assert all("x-ratelimit-limit-requests" not in h for _, _, h in others)
+
+
+def test_max_inflight_is_exact_across_workers(coord):
+    results = at_once(30, lambda: chat(coord, KEY_C, model="slow", max_tokens=200))
+    assert sum(s == 200 for s, _, _ in results) == CAP
+    refused = [b for s, b, _ in results if s == 429]
+    assert refused and all(b["code"] == "rate_limit_exceeded" and b["type"] == "requests" for b in refused)
+    assert all(s == 200 for s, _, _ in at_once(CAP, lambda: chat(coord, KEY_C)))  # the places came back
+
+
+def test_tpm_counts_prompt_and_output_and_holds_within_one_request(coord):
+    """Concurrent requests each reserve their prompt and output budget (so together they take no more than the
+    quota); what they did not use comes back when they end, and requests one after another then take the rest:
+    in all, the tokens served are the quota's to within one request's."""
+    results = at_once(20, lambda: chat(coord, KEY_T, max_tokens=100))
+    for _ in range(20):
+        results.append(chat(coord, KEY_T, max_tokens=100))
+        if results[-1][0] == 429:
+            break
+    ok = [r[1] for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    served = sum(a.usage.prompt_tokens + a.usage.completion_tokens for a in ok)
+    one = max(a.usage.prompt_tokens for a in ok) + 100  # one request's reservation, at most
+    assert refused and TPM - one <= served <= TPM + one, (len(ok), served)
+    status, body, headers = refused[-1]
+    assert body["type"] == "tokens" and body["code"] == "rate_limit_exceeded" and int(headers["retry-after"]) >= 1
+    assert headers["x-ratelimit-limit-tokens"] == str(TPM) and headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_anthropic_routes_refuse_in_their_envelope(coord):
+    sdk = anthropic_client(coord, api_key=KEY_C)
+    with ThreadPoolExecutor(12) as pool:
+        futures = [
+            pool.submit(sdk.messages.create, model="slow", max_tokens=200, messages=[{"role": "user", "content": "x"}])
+            for _ in range(12)
+        ]
+        errors = []
+        for f in futures:
+            try:
+                f.result()
+            except anthropic.RateLimitError as e:
+                errors.append(e)
+    assert len(errors) == 12 - CAP
+    assert errors[0].body["type"] == "error" and errors[0].body["error"]["type"] == "rate_limit_error"
+    assert int(errors[0].response.headers["retry-after"]) >= 1
+
+
+def test_the_tenant_metrics_count_each_tenant(coord):
+    time.sleep(0.2)  # the workers flush their counts 50 ms after a request
+
+    def value(tenant: str, status: str) -> float:
+        text = httpx.get(coord.obs + "/metrics", timeout=10).text
+        m = re.search(rf'motor_tenant_requests_total\{{status="{status}",tenant="{tenant}"\}} (\S+)', text)
+        return float(m[1]) if m else 0.0
+
+    assert 'motor_tenant_tokens_total{kind="output",tenant="team-t"}' in httpx.get(coord.obs + "/metrics").text
+    assert value("team-a", "429") >= 1 and value("team-a", "200") >= RPM and value("default", "200") >= 10
+
+
+def test_excess_tenants_fold_into_other(sims):
+    keys = [f"sk-many-{i}" for i in range(70)]
+    u = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, u.address)], api_key_config=api_keys(*keys))
+    with Coordinator(cfg) as c:
+        for key in (keys[0], keys[69]):
+            assert chat(c, key)[0] == 200
+        time.sleep(0.2)
+        text = httpx.get(c.obs + "/metrics", timeout=10).text
+        tenants = set(re.findall(r'motor_tenant_requests_total\{status="200",tenant="([^"]+)"\}', text))
+        assert len(tenants) == 2 and "other" in tenants and any(t.startswith("key-") for t in tenants)
+
+
+def test_the_status_counts_each_named_tenant_across_workers():
+    """Tenants.status() (the status page's per-tenant figures): two workers' counts summed per tenant, with its
+    limits. In-process over one real shared-memory state, as two workers share it."""
+    from config import Live, settings_from_dict
+    from serving.observe import RequestRecord
+    from serving.tenants import Tenants
+    from state.quotas import TenantQuotas
+    from state.shared import SharedState
+
+    s = settings_from_dict(
+        {
+            "api_key_config": api_keys(KEY_B),
+            "tenant_config": {"tenants": [{"name": "team-a", "keys": [KEY_A], "rpm": 5}]},
+        }
+    )
+    shared, live = SharedState.create(), Live(s)
+    workers = [Tenants(live, TenantQuotas(shared, w, 2)) for w in (0, 1)]
+    for w in workers:
+        w.counted(RequestRecord("r", "/v1/chat/completions", tenant="team-a", prompt_tokens=5, output_tokens=3))
+    workers[1].counted(RequestRecord("r", "/v1/chat/completions", tenant="team-a", status=429))
+    workers[0].counted(RequestRecord("r", "/v1/chat/completions", prompt_tokens=7, output_tokens=1))
+    status = {t["tenant"]: t for t in workers[1].status()}
+    assert set(status) == {"team-a", "default"}
+    a = status["team-a"]
+    assert (a["requests"], a["refused"], a["prompt_tokens"], a["output_tokens"], a["inflight"]) == (2, 1, 10, 6, 0)
+    assert a["limits"]["rpm"] == 5 and status["default"]["requests"] == 1 and status["default"]["limits"]["rpm"] == 0
