@@ -54,6 +54,7 @@ from scheduling.policies import JobInfo, make_policy  # noqa: E402
 from scheduling.predict import Predictor  # noqa: E402
 from scheduling.registry import Registry  # noqa: E402
 from scheduling.scheduler import NoCapacity, Scheduler  # noqa: E402
+from scheduling.tokens import BYTES_PER_TOKEN, chained_hashes  # noqa: E402
 from state.shared import SharedState  # noqa: E402
 
 MODEL = "bench"
@@ -306,11 +307,21 @@ def capacity(fam: Family, seed: int) -> float:
     return min(prefill, tokens_per_s / out) / SLOWDOWN
 
 
-def hashes_of(fam: Family, req: Req, key: int) -> list[int]:
-    """Chained block hashes: the system prompt's blocks are shared, the user part's are this request's."""
-    sys_blocks = fam.systems[req.system] // BLOCK if req.system >= 0 else 0
+def hashes_of(fam: Family, req: Req, key: int) -> tuple[list[int], list[int]]:
+    """A prompt's hashes twice: as the Coordinator computes them for its prefix index (scheduling/tokens.py's
+    chained_hashes over the prompt's bytes, at sparse boundaries), and as the engine's own prefix cache keys its
+    blocks (one per block). The system prompt's bytes, and so its blocks, are shared; the user part's are this
+    request's."""
+    sys_tokens = fam.systems[req.system] if req.system >= 0 else 0
+    sys_blocks = sys_tokens // BLOCK
     own = (req.prompt(fam) // BLOCK) - sys_blocks
-    return [hash((0, req.system, b)) for b in range(sys_blocks)] + [hash((1, key, b)) for b in range(own)]
+    data = _system_bytes(req.system, sys_tokens) + random.Random(key).randbytes(req.user * BYTES_PER_TOKEN)
+    index = chained_hashes(data, BLOCK * BYTES_PER_TOKEN)
+    return index, [hash((0, req.system, b)) for b in range(sys_blocks)] + [hash((1, key, b)) for b in range(own)]
+
+
+def _system_bytes(system: int, tokens: int) -> bytes:
+    return random.Random(-1 - system).randbytes(tokens * BYTES_PER_TOKEN) if system >= 0 else b""
 
 
 # -- one run: a family, a policy, a load -----------------------------------------------------------
@@ -362,7 +373,7 @@ class Cluster:
             await asyncio.sleep(SCRAPE_S)
 
     async def serve(self, fam: Family, req: Req, key: int) -> Outcome:
-        hashes = hashes_of(fam, req, key)
+        index_hashes, hashes = hashes_of(fam, req, key)
         prompt = req.prompt(fam)
         job = JobInfo(
             MODEL,
@@ -370,7 +381,7 @@ class Cluster:
             req.out,
             fam.ttft_s * 1000,
             fam.tpot_s * 1000,
-            block_hashes=hashes if self.uses_prefix else [],
+            block_hashes=index_hashes if self.uses_prefix else [],
         )
         sent = clock.now()
         try:
