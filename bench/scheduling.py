@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from config import Endpoint, Instance  # noqa: E402
+from config.sections import SchedulerConfig  # noqa: E402
 from scheduling import clock  # noqa: E402
 from scheduling.admission import AdmissionQueue, OverBudget  # noqa: E402
 from scheduling.affinity import PrefixIndex  # noqa: E402
@@ -108,6 +109,10 @@ class Seq:
     done: asyncio.Future
     remaining: int = 0
     emitted: int = 0
+    # Over the steps it decoded in: the sequences decoding (itself included), and the seconds those steps spent
+    # on prompts (computed on this engine: D alone, whole requests).
+    batch_sum: int = 0
+    prefill_s: float = 0.0
 
 
 class Engine:
@@ -177,6 +182,9 @@ class Engine:
                 step += STALL_S
             await asyncio.sleep(step)
             now = loop.time()
+            for s in decoders:
+                s.batch_sum += len(decoders)
+                s.prefill_s += prefill / self.rate
             for s in finishing:
                 self._remember(s.hashes)
             for s in finishing + decoders:
@@ -333,6 +341,18 @@ class Outcome:
     ttft: float = 0.0
     tpot: float = 0.0
     alone: bool = False
+    # What the plan predicted, allowances included (0: it could not judge): TTFT from arrival, TPOT.
+    ttft_pred: float = 0.0
+    tpot_pred: float = 0.0
+    # Where a TTFT went: the prefill's finish against the finish predicted when it was sent (no allowance), and
+    # the wait from it to the first token (a pair's decode engine: KV, its queue, its first step).
+    prefill_late_s: float = 0.0
+    first_wait_s: float = 0.0
+    # Where a TPOT went: the mean batch it decoded in, the share of its decode time spent on prompts computed
+    # there, and the batch its plan's TPOT prediction stood for (-1: unknown).
+    batch: float = 0.0
+    prefill_share: float = 0.0
+    batch_pred: float = -1.0
 
 
 class Cluster:
@@ -347,7 +367,7 @@ class Cluster:
             shared,
             self.ledger,
             self.health,
-            predictor=Predictor(shared),
+            predictor=Predictor(shared, SchedulerConfig().slo_confidence),
             index=PrefixIndex(shared, BLOCK),
             block_tokens=BLOCK,
             decode_alone=alone,
@@ -388,6 +408,7 @@ class Cluster:
             plan = self.scheduler.try_admit(job) or await self.scheduler.queued(job)
         except (OverBudget, NoCapacity):
             return Outcome(429)
+        admitted = clock.now()
         d_leg = plan.leg(DECODE)
         d = self.by_slot[d_leg.target.slot]
         if plan.disaggregated and not plan.alone:
@@ -397,6 +418,8 @@ class Cluster:
             p = self.by_slot[p_leg.target.slot]
             s = p.submit(prompt, 1, hashes)
             await s.done
+            prefill_done = clock.now()
+            prefill_late = prefill_done - lease.predicted
             lease.succeed(s.uncached)
             lease.release()
             hold.release()
@@ -406,14 +429,32 @@ class Cluster:
         else:  # D (or the one engine) computes the prompt itself
             lease = d_leg.lease()
             seq = d.submit(prompt, req.out, hashes)
+            prefill_done, prefill_late = None, 0.0
         first = await seq.first
+        if prefill_done is None:  # its prefill was done with its first token
+            prefill_done, prefill_late = first, first - lease.predicted
         lease.first_token()
         done = await seq.done
         lease.events = req.out + 3  # the role, finish and usage/[DONE] events frame a stream
         lease.succeed(seq.uncached)
         lease.release()
         tpot = (done - first) / (req.out - 1) if req.out > 1 else 0.0
-        return Outcome(200, first - sent, tpot, plan.disaggregated and plan.alone)
+        judged = job.feasible is not None
+        row = self.scheduler.predictor.rows[d_leg.target.slot]
+        steps = max(1, req.out - 1)
+        return Outcome(
+            200,
+            first - sent,
+            tpot,
+            plan.disaggregated and plan.alone,
+            admitted - sent + job.ttft_s if judged else 0.0,
+            job.tpot_s if judged else 0.0,
+            prefill_late,
+            first - prefill_done,
+            seq.batch_sum / steps,
+            seq.prefill_s / (done - first) if done > first else 0.0,
+            (job.tpot_model_s - row.decode_step_s) / row.decode_per_seq_s if judged and row.decode_per_seq_s else -1.0,
+        )
 
 
 async def replay(cluster: Cluster, fam: Family, reqs: list[Req], key0: int) -> list[Outcome]:
@@ -438,6 +479,7 @@ class Row:
     rejected: float
     ttft_p50: float
     alone: float
+    late: list[Outcome] = field(default_factory=list)  # admitted and over a budget
 
 
 def _p50(values: list[float]) -> float:
@@ -478,7 +520,38 @@ def run_one(fam: Family, run: str, load: float, cap: float, n: int, warmup: int,
         1.0 - len(ok) / len(outcomes),
         _p50([o.ttft * 1000 for o in ok]),
         sum(o.alone for o in ok) / len(ok) if ok else 0.0,
+        [o for o in ok if o.ttft > fam.ttft_s or o.tpot > fam.tpot_s],
     )
+
+
+def lateness(late: list[Outcome], ttft_s: float, tpot_s: float) -> str:
+    """Which budget the late requests missed and by how much their prediction (allowance included) was short:
+    the median of observed / predicted for each budget missed."""
+
+    def missed(budget: str, pairs: list[tuple[float, float]]) -> str:
+        judged = [o / p for o, p in pairs if p > 0.0]
+        text = f"{len(pairs)} over {budget}"
+        if judged:
+            text += f" (observed/predicted median {_p50(judged):.2f}x, worst {max(judged):.2f}x)"
+        return text + (f", {len(pairs) - len(judged)} of them unjudged" if len(judged) < len(pairs) else "")
+
+    by_ttft = [(o.ttft, o.ttft_pred) for o in late if o.ttft > ttft_s]
+    by_tpot = [(o.tpot, o.tpot_pred) for o in late if o.tpot > tpot_s]
+    text = "; ".join(missed(b, pairs) for b, pairs in (("TTFT", by_ttft), ("TPOT", by_tpot)) if pairs)
+    if by_ttft:
+        ttft_late = [o for o in late if o.ttft > ttft_s]
+        text += (
+            f"; their prefills finished {_p50([o.prefill_late_s * 1000 for o in ttft_late]):+.0f} ms after the "
+            f"expected finish (median), first token {_p50([o.first_wait_s * 1000 for o in ttft_late]):.0f} ms later"
+        )
+    if by_tpot:
+        tpot_late = [o for o in late if o.tpot > tpot_s]
+        text += (
+            f"; they decoded in batches of {_p50([o.batch for o in tpot_late]):.1f} (median; predicted "
+            f"{_p50([o.batch_pred for o in tpot_late if o.batch_pred >= 0]):.1f}), "
+            f"{_p50([o.prefill_share for o in tpot_late]):.0%} of their decode time spent on prompts computed there"
+        )
+    return text
 
 
 HEADER = f"{'family':<28} {'policy:admission':<24} {'load':>5} {'goodput':>8} {'on-time':>8} {'refused':>8} {'TTFT p50':>9} {'D alone':>8}"
@@ -592,6 +665,8 @@ def main(argv=None) -> int:
             for run in args.runs.split(","):
                 rows.append(run_one(fam, run, load, cap, args.requests, args.warmup, args.seed))
                 print(_format(rows[-1]), flush=True)
+                if rows[-1].late and ":off" not in run:
+                    print(f"#   late: {lateness(rows[-1].late, fam.ttft_s, fam.tpot_s)}", flush=True)
     print(f"\n({time.monotonic() - started:.0f} s)")
     verdicts = figures(rows, families, args.floor)
     for v in verdicts:

@@ -83,6 +83,10 @@ class JobInfo:
     tpot_model_s: float = 0.0  # the decode model's own TPOT prediction (its errors are learned)
     floor_s: float = 0.0  # expected TTFT with empty queues (no allowance): below this budget no wait can help
     hopeless: bool = False  # even that floor, or the expected TPOT, is over the budget
+    # Which stage the last plan's verdict found saturated: "prefill" (its TTFT is over budget: the prefill
+    # engine's queue and speed, with the decode engine's first step), "decode" (its TPOT: the decode batch it
+    # would join), both, or "" (neither).
+    over: str = ""
     alone: bool = False  # the last plan serves a P/D pair's request on its decode engine alone (no prefill leg)
     retry_after_s: float = 1.0
 
@@ -227,7 +231,9 @@ class Policy:
         job.tpot_model_s = tpot
         tpot += tpot_allowance
         job.ttft_s, job.tpot_s, job.floor_s = ttft, tpot, floor
-        job.feasible = ttft <= MARGIN * ttft_budget and tpot <= TPOT_MARGIN * tpot_budget
+        late, slow = ttft > MARGIN * ttft_budget, tpot > TPOT_MARGIN * tpot_budget
+        job.feasible = not late and not slow
+        job.over = "prefill and decode" if late and slow else "prefill" if late else "decode" if slow else ""
         job.hopeless = floor > ttft_budget or job.tpot_model_s > tpot_budget
         if not job.feasible:
             job.retry_after_s = max(1.0, ttft - MARGIN * ttft_budget)

@@ -188,10 +188,12 @@ def test_admission_checks_both_budgets_with_the_allowance():
     busy = w.ledger.lease(d.slot, 0, 10, prefilling=False)
     info = JobInfo(MODEL, 1000, 20, 3000, 100)
     assert sched.try_admit(info) is not None and info.feasible  # about 1 s of 3: in
-    with pytest.raises(OverBudget):  # about 1 s against a budget of 1.1 s: not within 85 %
+    with pytest.raises(OverBudget) as refused:  # about 1 s against a budget of 1.1 s: not within 85 %
         sched.try_admit(JobInfo(MODEL, 1000, 20, 1100, 100))
-    with pytest.raises(OverBudget):  # TPOT: a 10 ms step against a 10 ms budget
+    assert "(prefill saturated:" in str(refused.value)  # the stage judged saturated is named, P and D apart
+    with pytest.raises(OverBudget) as refused:  # TPOT: a 10 ms step against a 10 ms budget
         sched.try_admit(JobInfo(MODEL, 100, 20, 3000, 10))
+    assert "(decode saturated:" in str(refused.value)
     now = time.monotonic()
     w.health.put(p.slot, "late_share", 1.5)  # recent misses: 150 % of the predicted time to spare
     w.health.put(p.slot, "late_at", now)
