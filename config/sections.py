@@ -173,7 +173,7 @@ class SchedulerConfig:
     admission_queue_size: Count = 256
     # The share of predictions that should hold within their error bounds: each engine's allowance is this
     # quantile of its recent prediction errors (scheduling/predict.py), per stage (prefill, decode).
-    slo_confidence: Annotated[Num, Field(ge=0.5, le=0.999)] = 0.9
+    slo_confidence: Annotated[Num, Field(ge=0.5, le=0.999)] = 0.95
     # slo_aware: per request, the decode instance alone computes the prompt (no prefill leg, no KV transfer)
     # when that is predicted to give the first token sooner within the budgets.
     conditional_disaggregation: Bool = False

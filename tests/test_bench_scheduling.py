@@ -20,3 +20,13 @@ def test_the_prefix_index_sees_a_shared_system_prompt_as_the_coordinator_hashes_
     cached = index.cached_blocks(bench.hashes_of(fam, second, 2)[0], 3) * bench.BLOCK
     assert system * 7 // 8 - bench.BLOCK <= cached <= system
     assert index.cached_blocks(bench.hashes_of(fam, second, 2)[0], 4) == 0
+
+
+def test_check_fails_the_run_when_a_checked_figure_misses(capsys):
+    """--check exits 1 when admitted requests on time fall under the floor (here one no run can reach), and the
+    same run without --check only reports it."""
+    args = ["--only", "f11", "--requests", "30", "--loads", "1.0", "--runs", "slo_aware:reject"]
+    assert bench.main([*args, "--floor", "1.01"]) == 0
+    assert "FAIL admitted on-time" in capsys.readouterr().out
+    assert bench.main([*args, "--floor", "1.01", "--check"]) == 1
+    assert bench.main([*args, "--floor", "0.5", "--check"]) == 0

@@ -77,7 +77,7 @@ class World:
         self.shared = shared or SharedState.create()
         self.ledger = Ledger(self.shared, worker, 2)
         self.health = Health(self.shared)
-        self.predictor = Predictor(self.shared, 0.9)
+        self.predictor = Predictor(self.shared, Settings().slo_confidence)
         self.index = PrefixIndex(self.shared, BLOCK)
         self.policy = make_policy(
             policy,

@@ -347,6 +347,13 @@ def test_conditional_disaggregation_needs_the_slo_aware_policy():
     assert not settings_from_dict({}).conditional_disaggregation
 
 
+def test_slo_confidence_is_a_share_the_quantile_can_honour():
+    assert settings_from_dict({"scheduler_config": {"slo_confidence": 0.99}}).slo_confidence == 0.99
+    for bad in (1.0, 0.3, "high"):  # 1.0 would be the largest error ever seen; under 0.5 no promise at all
+        with pytest.raises(ConfigError, match="slo_confidence"):
+            settings_from_dict({"scheduler_config": {"slo_confidence": bad}})
+
+
 def test_a_request_late_wherever_it_goes_queues_behind_work_that_is_late_already():
     """Without admission nothing is refused; a request that cannot be on time on any prefill engine goes
     where it delays the fewest that still can: behind the longest queue, not into the shortest."""
