@@ -176,8 +176,8 @@ class Predictor:
         with self.lock:
             shift = e.queue_shift_s
             late = done - (predicted + shift - shift0)
-            if fit and e.pf_n >= self.min_samples:  # the error of predictions made by a learned model
-                span = predicted - started
+            span = predicted - started  # 0: sent before the model knew the engine, so no prediction was made
+            if fit and span > 0.0 and e.pf_n >= self.min_samples:  # the error of a learned model's prediction
                 error = (done - predicted) / (span if span > MIN_SPAN_S else MIN_SPAN_S)
                 e.late_share = self._record(e.late_errors, e.late_count, e.late_at, error, done)
                 e.late_count, e.late_at = e.late_count + 1, done
