@@ -12,6 +12,7 @@ from config import Endpoint, Instance, Live, ModelConfig, Settings
 from engine_sim import tokens as sim_tokens
 from harness.predictor import teach_decode, teach_prefill
 from harness.tokenizer import tiny_tokenizer
+from scheduling import clock
 from scheduling.admission import AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
@@ -1037,3 +1038,27 @@ def test_a_long_prompts_hashes_cover_prefixes_sparsely_and_find_a_shared_prefix_
         found = index.cached_blocks(chained_hashes(other, block), 5)
         assert shared_kib * 16 * 7 / 8 <= found <= shared_kib * 16  # never more than is shared
         assert index.last_owner(chained_hashes(other, block), found) == (5 if found else -1)
+
+
+def test_a_streams_mean_batch_counts_the_streams_that_came_and_went():
+    """The decode fit's batch is the mean of the requests on the engine over a stream's decode (the ledger's area,
+    over every worker's row), not its first and last batch: a stream that ran beside another for a while decoded
+    in a bigger batch."""
+    t = [100.0]
+    clock.use(lambda: t[0])
+    try:
+        shared = SharedState.create()
+        mine, theirs = Ledger(shared, 0, 2), Ledger(shared, 1, 2)  # two workers
+        a = mine.lease(2, 0, 10, prefilling=False)
+        a.first_token()
+        t[0] = 101.0
+        b = theirs.lease(2, 0, 10, prefilling=False)  # another worker's stream joins for 2 s
+        t[0] = 103.0
+        b.release()
+        t[0] = 104.0
+        mean = (mine.area(2, t[0]) - a.area0) / (t[0] - a.first_at)
+        assert mean == pytest.approx(1.5)  # alone for 2 s, beside another for 2 s; its first and last batch say 1
+        a.release()
+        assert not load_left(shared)
+    finally:
+        clock.use(time.monotonic)
