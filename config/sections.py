@@ -169,6 +169,9 @@ class SchedulerConfig:
     pd_dispatch: Annotated[Str, _one_of(PD_DISPATCH)] = "handoff"
     admission: Annotated[Str, _one_of(ADMISSION)] = "off"
     admission_queue_size: Count = 256
+    # The share of predictions that should hold within their error bounds: each engine's allowance is this
+    # quantile of its recent prediction errors (scheduling/predict.py), per stage (prefill, decode).
+    slo_confidence: Annotated[Num, Field(ge=0.5, le=0.999)] = 0.95
     # slo_aware: per request, the decode instance alone computes the prompt (no prefill leg, no KV transfer)
     # when that is predicted to give the first token sooner within the budgets.
     conditional_disaggregation: Bool = False

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from scheduling import clock
 from state.shared import MAX_SLOTS, REMOTE_ROW, LedgerCounts, SharedState
 
+# The counters of load (LedgerCounts' fields besides the area of the mean batch).
+LOAD_FIELDS = ("requests", "prompt_tokens", "decode_tokens", "prefilling", "held")
 # What a lease is for (the learned model reads each kind differently).
 PREFILL, DECODE, WHOLE = "prefill", "decode", "whole"
 
@@ -61,11 +63,29 @@ class Ledger:
         """Decode slots promised to requests still in prefill, over all workers."""
         return sum(c.held for c in self.columns[slot])
 
+    def area(self, slot: int, now: float) -> float:
+        """Request-seconds spent on `slot` so far, over all workers (each row's requests times the time they held):
+        its growth between two moments over their distance is the mean batch between them."""
+        now_us, total = int(now * 1e6), 0
+        for c in self.columns[slot]:
+            at = c.area_at_us
+            total += c.area_us + c.requests * (now_us - at) if at else c.area_us
+        return total / 1e6
+
+
+def _move_area(c: LedgerCounts, now: float) -> None:
+    """Bring a row's area up to `now`, before its request count changes."""
+    now_us = int(now * 1e6)
+    if c.area_at_us:
+        c.area_us += c.requests * (now_us - c.area_at_us)
+    c.area_at_us = now_us
+
 
 class Lease:
     """What one request holds on one slot; `release()` is idempotent."""
 
     __slots__ = (
+        "area0",
         "batch",
         "counts",
         "decode_tokens",
@@ -93,13 +113,14 @@ class Lease:
         self.prompt_tokens, self.decode_tokens, self.prefilling = prompt_tokens, decode_tokens, prefilling
         self.released = self.ok = False
         self.started = clock.now()
-        self.first_at = self.ended = self.predicted = self.predicted_tpot = self.shift = 0.0
+        self.first_at = self.ended = self.predicted = self.predicted_tpot = self.shift = self.area0 = 0.0
         self.events = 0
         self.engine_uncached = -1  # uncached prompt tokens as the engine reported them (-1: not reported)
         self.batch = 0  # requests on the slot when this one started, itself included
         self.hashes: list[int] = []
         self.sample = False  # the learned model's fits take this request's timings (the scheduler decides)
         self.counts = c = ledger.mine[slot]
+        _move_area(c, self.started)
         c.requests += 1
         c.decode_tokens += decode_tokens
         if prefilling:
@@ -110,6 +131,7 @@ class Lease:
         """The first token arrived: the prompt no longer waits for prefill."""
         if not self.first_at:
             self.first_at = clock.now()
+            self.area0 = self.ledger.area(self.slot, self.first_at)  # where its decode's mean batch starts
         if self.prefilling and not self.released:
             self.prefilling = False
             c = self.counts
@@ -145,6 +167,7 @@ class Lease:
         self.prefill_done()
         self.released = True
         c = self.counts
+        _move_area(c, clock.now())
         c.requests -= 1
         c.decode_tokens -= self.decode_tokens
 

@@ -83,6 +83,10 @@ class JobInfo:
     tpot_model_s: float = 0.0  # the decode model's own TPOT prediction (its errors are learned)
     floor_s: float = 0.0  # expected TTFT with empty queues (no allowance): below this budget no wait can help
     hopeless: bool = False  # even that floor, or the expected TPOT, is over the budget
+    # Which stage the last plan's verdict found saturated: "prefill" (its TTFT is over budget: the prefill
+    # engine's queue and speed, with the decode engine's first step), "decode" (its TPOT: the decode batch it
+    # would join), both, or "" (neither).
+    over: str = ""
     alone: bool = False  # the last plan serves a P/D pair's request on its decode engine alone (no prefill leg)
     retry_after_s: float = 1.0
 
@@ -227,7 +231,9 @@ class Policy:
         job.tpot_model_s = tpot
         tpot += tpot_allowance
         job.ttft_s, job.tpot_s, job.floor_s = ttft, tpot, floor
-        job.feasible = ttft <= MARGIN * ttft_budget and tpot <= TPOT_MARGIN * tpot_budget
+        late, slow = ttft > MARGIN * ttft_budget, tpot > TPOT_MARGIN * tpot_budget
+        job.feasible = not late and not slow
+        job.over = "prefill and decode" if late and slow else "prefill" if late else "decode" if slow else ""
         job.hopeless = floor > ttft_budget or job.tpot_model_s > tpot_budget
         if not job.feasible:
             job.retry_after_s = max(1.0, ttft - MARGIN * ttft_budget)
@@ -346,7 +352,7 @@ class SloAware(LoadBalance):
 
     def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int, now: float) -> tuple | None:
         """(target, TPOT, first-token wait, TPOT allowance) of the decode target with the lowest predicted TPOT
-        (allowance included), preferring those within the budget."""
+        (allowance included), preferring those within the budget, among those the model knows (None: none)."""
         budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
         best = None
         n = len(ds)
@@ -354,12 +360,12 @@ class SloAware(LoadBalance):
             d = ds[(start + k) % n]
             tpot, first = self.predict_decode(d, delay)
             if tpot == UNKNOWN:
-                return None
+                continue
             allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
             over = tpot + allowance > budget
             if best is None or over < best[0] or (over == best[0] and _clearly_less(tpot + allowance, best[1], 0.0005)):
                 best = (over, tpot + allowance, d, tpot, first, allowance)
-        return best[2:]
+        return best[2:] if best is not None else None
 
     def _pick_prefill(
         self, ps: list[Target], job: JobInfo, now: float, start: int
@@ -374,12 +380,14 @@ class SloAware(LoadBalance):
             p = ps[(start + k) % n]
             finish, service, allowance = self.predict_prefill(p, job, now)
             if finish == UNKNOWN:
-                return None
+                continue
             if best is None or _clearly_less(finish + allowance, best[1] + best[2], 0.002):
                 best = (p, finish, allowance)
             if latest is None or finish > latest[1]:
                 latest = (p, finish, allowance)
             floor = min(floor, service)
+        if best is None:
+            return None
         if best[1] > job.slo_ttft_ms / 1000.0 - (now - job.arrived):
             # Late wherever it goes: where it delays the fewest requests that can still be on time, behind
             # the work that is late already (without admission it is served all the same).
@@ -392,13 +400,14 @@ class SloAware(LoadBalance):
         start, now = self._rotation(), clock.now()
         p_pick = self._pick_prefill(ps, job, now, start)
         d_pick = self._pick_decode(ds, job, p_pick[1], start, now) if p_pick is not None else None
-        if d_pick is None:
-            d = self._explore(ds, pred.decode_known, start) or LoadBalance.choose(self, ds, job)
-        else:
-            d = d_pick[0]
-        if p_pick is None:
-            return self._explore(ps, pred.prefill_known, start) or LoadBalance.choose(self, ps, job), d
-        if d_pick is None:
+        # An engine the model does not know yet takes the request while it is idle, so that it learns it (the
+        # request is not judged); otherwise the known engines are judged, whatever the others.
+        p_new, d_new = self._explore(ps, pred.prefill_known, start), self._explore(ds, pred.decode_known, start)
+        judged = d_pick is not None and d_new is None
+        d = d_pick[0] if judged else d_new or LoadBalance.choose(self, ds, job)
+        if p_pick is None or p_new is not None:
+            return p_new or LoadBalance.choose(self, ps, job), d
+        if not judged:
             return p_pick[0], d
         p, finish, allowance, floor = p_pick
         _, tpot, first, tpot_allowance = d_pick

@@ -17,16 +17,18 @@ the virtual queue held (a lost or aborted request leaves phantom work there othe
 has no first-token time, only an upper bound on it: it moves the queue end only when it arrives before
 its predicted prefill finish (`settle_prefill`), and is not fitted.
 
-Error allowances. Every sampled prefill's error (observed minus predicted finish, as predicted when it was
+Error bounds. Every sampled prefill's error (observed minus predicted finish, as predicted when it was
 sent, as a share of the time from then to the predicted finish: a short prompt is not judged by a long
-one's misses) moves the endpoint's allowance, a share added to predictions judged against a budget
-(`allowance_s`): a miss widens it at once by half the excess (`WIDEN`), a prediction that held narrows it
-by `NARROW` of the room it did not use (so it settles where misses are rare and small next to the room
-the others leave); after `ALLOWANCE_QUIET_S` without any evidence it halves every
-`ALLOWANCE_HALF_LIFE_S` (so a bad moment cannot shut admission for good: the requests it lets in again
-are the evidence). Decode streams do the same with their observed seconds per token against the TPOT
+one's misses) goes into the endpoint's ring of its last ERROR_RING errors (state/shared.py), and the
+endpoint's allowance (`allowance_s`), the share added to a prediction judged against a budget, is the
+`confidence` quantile of that ring (`scheduler_config.slo_confidence`): with the default 0.9, 9 in 10 of
+its recent prefills finished within prediction plus allowance. A quantile, not a mean: an engine whose
+predictions are usually right but now and then far off gets the room its misses need; one that is
+always right gets none. Decode streams do the same with their observed seconds per token against the TPOT
 predicted when the request was planned (`tpot_allowance_s`), which also covers errors in the predicted
-batch.
+batch. After `ALLOWANCE_QUIET_S` without any evidence an allowance halves every `ALLOWANCE_HALF_LIFE_S`,
+and so do the errors in its ring when the next one comes (so a bad moment cannot shut admission for good:
+the requests it lets in again are the evidence, and the old misses weigh less beside them).
 
 Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
 a least-squares line through (mean batch during a request, its observed seconds per token) pairs. The
@@ -47,16 +49,14 @@ from __future__ import annotations
 
 import math
 
-from state.shared import SharedState, endpoint_rows
+from state.shared import ERROR_RING, SharedState, endpoint_rows
 
 UNKNOWN = float("inf")
 # Prefill errors are shares of the predicted time from planning to finish, at least this long: a prefill
 # predicted to take a millisecond is not judged by how many milliseconds it missed by in relative terms.
 MIN_SPAN_S = 0.05
-# How allowances move (see the module docstring): a miss widens by this share of the excess, a prediction
-# that held narrows by this share of the room it did not use, and after ALLOWANCE_QUIET_S without evidence
-# they halve every ALLOWANCE_HALF_LIFE_S.
-WIDEN, NARROW = 0.5, 0.03
+# After ALLOWANCE_QUIET_S without evidence an allowance (and the errors it is a quantile of) halves every
+# ALLOWANCE_HALF_LIFE_S.
 ALLOWANCE_QUIET_S, ALLOWANCE_HALF_LIFE_S = 5.0, 2.0
 # Prefill completions this close to the previous one finished in the same engine step (a chunked batch):
 # their tokens and the time since the step's work started make one sample of the fit.
@@ -66,11 +66,15 @@ BUSY_WINDOW_S = 2.0
 
 
 class Predictor:
-    def __init__(self, shared: SharedState, decay: float = 1 / 32, min_samples: int = 3):
+    """`confidence`: the share of predictions that should hold within their allowance
+    (`scheduler_config.slo_confidence`)."""
+
+    def __init__(self, shared: SharedState, confidence: float, decay: float = 1 / 32, min_samples: int = 3):
         self.rows, self.lock = endpoint_rows(shared), shared.hot_lock
         self.keep = 1.0 - decay
         self.decay = decay
         self.min_samples = min_samples
+        self.confidence = confidence
 
     # -- reading (hot path: a few float loads) -------------------------------------------------
 
@@ -92,7 +96,7 @@ class Predictor:
         return self.rows[slot].prefill_base_s
 
     def allowance_s(self, slot: int, span_s: float, now: float) -> float:
-        """What to add to a prefill finish predicted `span_s` from `now` so that about 95 % finish by then."""
+        """What to add to a prefill finish predicted `span_s` from `now` so that a `confidence` share finish by then."""
         e = self.rows[slot]
         share = self._allowance(e.late_share, e.late_at, now)
         return share * (span_s if span_s > MIN_SPAN_S else MIN_SPAN_S)
@@ -115,7 +119,7 @@ class Predictor:
         return itl if itl > 0.0 else UNKNOWN
 
     def tpot_allowance_s(self, slot: int, tpot_s: float, now: float) -> float:
-        """What to add to a predicted TPOT of `tpot_s` so that about 95 % of streams stay within it."""
+        """What to add to a predicted TPOT of `tpot_s` so that a `confidence` share of streams stay within it."""
         e = self.rows[slot]
         return self._allowance(e.tpot_late_share, e.tpot_late_at, now) * tpot_s
 
@@ -172,10 +176,11 @@ class Predictor:
         with self.lock:
             shift = e.queue_shift_s
             late = done - (predicted + shift - shift0)
-            if fit and e.pf_n >= self.min_samples:  # the error of predictions made by a learned model
-                span = predicted - started
+            span = predicted - started  # 0: sent before the model knew the engine, so no prediction was made
+            if fit and span > 0.0 and e.pf_n >= self.min_samples:  # the error of a learned model's prediction
                 error = (done - predicted) / (span if span > MIN_SPAN_S else MIN_SPAN_S)
-                e.late_share, e.late_at = self._track(e.late_share, e.late_at, error, done), done
+                e.late_share = self._record(e.late_errors, e.late_count, e.late_at, error, done)
+                e.late_count, e.late_at = e.late_count + 1, done
             e.queue_until += late
             e.queue_shift_s = shift + late
             last = e.last_done
@@ -227,10 +232,8 @@ class Predictor:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
                     error = per_token / predicted - 1.0
-                    e.tpot_late_share, e.tpot_late_at = (
-                        self._track(e.tpot_late_share, e.tpot_late_at, error, done),
-                        done,
-                    )
+                    e.tpot_late_share = self._record(e.tpot_errors, e.tpot_count, e.tpot_late_at, error, done)
+                    e.tpot_count, e.tpot_late_at = e.tpot_count + 1, done
                 sums, line = self._add_and_fit(
                     (e.dc_n, e.dc_sx, e.dc_sy, e.dc_sxx, e.dc_sxy), batch, per_token, ratio_prior=False
                 )
@@ -245,14 +248,22 @@ class Predictor:
             old = e.queue_delay_s
             e.queue_delay_s = wait if old == 0.0 else self.keep * old + self.decay * wait
 
-    def _track(self, share: float, moved_at: float, error: float, now: float) -> float:
-        """The allowance `share` (last moved at `moved_at`) after one prediction's error (a share) at `now`."""
-        share = self._allowance(share, moved_at, now)
-        if error > share:  # a miss: widen at once
-            share += WIDEN * (error - share)
-        else:  # it held: narrow, slowly
-            share -= NARROW * (share - (error if error > 0.0 else 0.0))
-        return share
+    def _record(self, ring, count: float, moved_at: float, error: float, now: float) -> float:
+        """One prediction's error (observed / predicted - 1) into `ring` (`count` recorded before it, the last at
+        `moved_at`): the new allowance, the `confidence` quantile of the ring (0 when the quantile held early).
+        Errors older than a quiet spell are halved as the allowance was."""
+        n = int(count)
+        quiet = now - moved_at - ALLOWANCE_QUIET_S
+        if quiet > 0.0 and n:
+            fade = 0.5 ** (quiet / ALLOWANCE_HALF_LIFE_S)
+            for i in range(min(n, ERROR_RING)):
+                ring[i] *= fade
+        ring[n % ERROR_RING] = error
+        n += 1
+        held = sorted(ring[: min(n, ERROR_RING)])
+        # The smallest error that at least a `confidence` share of the ring is within (all of a short ring's).
+        q = held[min(len(held) - 1, math.ceil(self.confidence * len(held)) - 1)]
+        return q if q > 0.0 else 0.0
 
     def _add_and_fit(
         self, sums: tuple[float, float, float, float, float], x: float, y: float, ratio_prior: bool

@@ -257,7 +257,7 @@ class Scheduler:
         )
         if self.admission == REJECT or self.queue is None:
             raise OverBudget(
-                f"no instance of model {job.model!r} can meet the SLO budget now (predicted TTFT "
+                f"no instance of model {job.model!r} can meet the SLO budget now ({job.over} saturated: predicted TTFT "
                 f"{job.ttft_s * 1000:.0f} ms of {job.slo_ttft_ms:.0f} ms, TPOT {job.tpot_s * 1000:.0f} ms of {job.slo_tpot_ms:.0f} ms)",
                 job.retry_after_s,
             )
@@ -332,7 +332,11 @@ class Scheduler:
                 if self.index is not None and lease.hashes:
                     self.index.record(lease.hashes, slot)
             if fit and pred is not None and lease.kind != PREFILL and lease.first_at:
-                batch = (lease.batch + self.ledger.requests(slot)) / 2.0
+                span = lease.ended - lease.first_at  # its decode, over which the slot's area grew by its mean batch
+                if span > 0.0:
+                    batch = (self.ledger.area(slot, lease.ended) - lease.area0) / span
+                else:
+                    batch = (lease.batch + self.ledger.requests(slot)) / 2.0
                 started = lease.started if lease.kind == DECODE else lease.first_at
                 pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot)
         except Exception:  # learning must never fail a request
@@ -409,7 +413,7 @@ def build_scheduler(live: Live, shared, registry: Registry, ledger: Ledger, heal
         shared,
         ledger,
         health,
-        predictor=Predictor(shared),
+        predictor=Predictor(shared, settings.slo_confidence),
         index=PrefixIndex(shared, settings.kv_affinity_block_size),
         block_tokens=settings.kv_affinity_block_size,
         overload_factor=settings.affinity_overload_factor,

@@ -36,11 +36,12 @@ import ujson
 from config import Live, address_key
 from errors import RateLimited
 from scheduling.affinity import PrefixIndex
+from scheduling.ledger import LOAD_FIELDS
 from scheduling.policies import PrefixSource
 from scheduling.registry import RefreshError, RefreshResult, Registry
 from serving.metrics import store_calls
 from state.cluster import ClusterStore, StoreDown
-from state.shared import BREAKER_OPEN, REMOTE_ROW, LedgerCounts, SharedState, worker_rows
+from state.shared import BREAKER_OPEN, REMOTE_ROW, SharedState, worker_rows
 
 log = logging.getLogger("coordinator.cluster")
 REFRESH_TRIES = 5  # a refresh that keeps losing the race to other replicas' refreshes is refused (409)
@@ -57,7 +58,7 @@ LEARNED = (
     "late_share",
     "tpot_late_share",
 )
-COUNTS = LedgerCounts.names()  # a replica's load of an endpoint, in this order in its report
+COUNTS = LOAD_FIELDS  # a replica's load of an endpoint, in this order in its report
 
 
 def replica_id() -> str:

@@ -44,6 +44,10 @@ class LedgerCounts(Table):
         ("decode_tokens", ctypes.c_int64),
         ("prefilling", ctypes.c_int64),
         ("held", ctypes.c_int64),
+        # Request-microseconds on the slot up to `area_at_us` (clock microseconds; 0: never moved): a stream's
+        # mean batch is the growth of the sum of every row's area over its decode, over its duration.
+        ("area_us", ctypes.c_int64),
+        ("area_at_us", ctypes.c_int64),
     ]
 
 
@@ -54,6 +58,10 @@ class LedgerRow(Table):
 # The ledger has a LedgerRow per worker; in cluster mode the row after the workers'
 # holds the other replicas' load (serving/cluster.py writes it).
 REMOTE_ROW = MAX_WORKERS
+
+
+# Prediction errors kept per endpoint and stage, of which the allowances are a quantile.
+ERROR_RING = 32
 
 
 def _doubles(*names: str) -> list[tuple[str, type]]:
@@ -88,17 +96,24 @@ class EndpointRow(Table):
         *("dc_n", "dc_sx", "dc_sy", "dc_sxx", "dc_sxy"),
         "engine_ttft_s",  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
         "engine_itl_s",  # engine's mean inter-token latency over the last scrape interval
-        "late_share",  # prefill allowance: a high quantile of recent errors, each a share of its predicted time
+        "late_share",  # prefill allowance: the confidence quantile of `late_errors` (a share of the predicted time)
         "late_at",  # when the prefill allowance last moved (it narrows with time since then)
-        "tpot_late_share",  # TPOT allowance: a high quantile of recent TPOT errors, each a share of its prediction
+        "late_count",  # prefill errors recorded so far (the next goes to late_errors[late_count % ERROR_RING])
+        "tpot_late_share",  # TPOT allowance: the confidence quantile of `tpot_errors` (a share of the prediction)
         "tpot_late_at",  # when the TPOT allowance last moved
+        "tpot_count",  # TPOT errors recorded so far
         "prefill_busy",  # prefill seconds sent per second there lately (decayed): the share of its time prefilling
         "prefill_busy_at",  # when prefill_busy was last updated
         "group_tokens",  # uncached tokens of the prefills completed in the current group (one engine step, about)
         "group_start",  # when the current group's work started
         "group_fit",  # 1.0: a member of the current group is a sample for the fit
         "avoid_until",  # cluster mode: wall-clock time until which another replica finds it broken (0: none)
-    )
+    ) + [
+        # The last ERROR_RING errors of the predictions made for this endpoint, each observed / predicted - 1
+        # (scheduling/predict.py): prefill finish times, and decode streams' seconds per token.
+        ("late_errors", ctypes.c_double * ERROR_RING),
+        ("tpot_errors", ctypes.c_double * ERROR_RING),
+    ]
 
 
 BREAKER_CLOSED, BREAKER_OPEN, BREAKER_HALF_OPEN = 0, 1, 2

@@ -21,9 +21,10 @@ from harness.predictor import teach_decode, teach_prefill
 from scheduling.admission import OverBudget
 from scheduling.ledger import PREFILL, WHOLE
 from scheduling.policies import JobInfo
-from scheduling.predict import ALLOWANCE_HALF_LIFE_S, ALLOWANCE_QUIET_S
+from scheduling.predict import ALLOWANCE_HALF_LIFE_S, ALLOWANCE_QUIET_S, Predictor
 from scheduling.registry import Registry
 from scheduling.scheduler import NoCapacity, Scheduler
+from state.shared import SharedState
 from tests.test_scheduling import MODEL, World, admit, target
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "engine_sim_trace.json")
@@ -188,16 +189,49 @@ def test_admission_checks_both_budgets_with_the_allowance():
     busy = w.ledger.lease(d.slot, 0, 10, prefilling=False)
     info = JobInfo(MODEL, 1000, 20, 3000, 100)
     assert sched.try_admit(info) is not None and info.feasible  # about 1 s of 3: in
-    with pytest.raises(OverBudget):  # about 1 s against a budget of 1.1 s: not within 85 %
+    with pytest.raises(OverBudget) as refused:  # about 1 s against a budget of 1.1 s: not within 85 %
         sched.try_admit(JobInfo(MODEL, 1000, 20, 1100, 100))
-    with pytest.raises(OverBudget):  # TPOT: a 10 ms step against a 10 ms budget
+    assert "(prefill saturated:" in str(refused.value)  # the stage judged saturated is named, P and D apart
+    with pytest.raises(OverBudget) as refused:  # TPOT: a 10 ms step against a 10 ms budget
         sched.try_admit(JobInfo(MODEL, 100, 20, 3000, 10))
+    assert "(decode saturated:" in str(refused.value)
     now = time.monotonic()
     w.health.put(p.slot, "late_share", 1.5)  # recent misses: 150 % of the predicted time to spare
     w.health.put(p.slot, "late_at", now)
     with pytest.raises(OverBudget):  # 1 s + 1.5 s allowance > 85 % of 3 s
         sched.try_admit(JobInfo(MODEL, 1000, 20, 3000, 100))
     busy.release()
+
+
+def test_a_decode_engine_the_model_does_not_know_yet_does_not_turn_admission_off():
+    """The known engines are judged whatever the others: one new decode engine, busy (so not explored), used to
+    leave every plan unjudged, and so admitted."""
+    sched, w, p, (d, new) = pd_scheduler("reject", decodes=2)
+    teach_prefill(w.predictor, p.slot, 1000.0)
+    teach_decode(w.predictor, d.slot, 0.01, 0.001)
+    busy = [w.ledger.lease(s, 0, 10, prefilling=False) for s in (d.slot, new.slot)]
+    with pytest.raises(OverBudget, match="prefill saturated"):  # about 1 s against a budget of 1.1 s
+        sched.try_admit(JobInfo(MODEL, 1000, 20, 1100, 100))
+    info = JobInfo(MODEL, 1000, 20, 3000, 100)
+    plan = sched.try_admit(info)
+    assert info.feasible and plan.target.slot == d.slot
+    for lease in busy:
+        lease.release()
+    info = JobInfo(MODEL, 1000, 20, 1100, 100)  # the new engine idle: it takes a request to learn from, unjudged
+    assert sched.try_admit(info).target.slot == new.slot and info.feasible is None
+
+
+def test_prefills_sent_before_the_model_knew_the_engine_teach_no_error():
+    """A prefill sent while the engine's speed was unknown had no prediction (its finish was 'now'): its wait is
+    no error of the model, and an allowance made of such waits refused nine in ten requests of a family."""
+    pred = Predictor(SharedState.create(), 0.95)
+    t = time.monotonic() - 100
+    early = [pred.start_prefill(1, 1000, t) for _ in range(3)]  # a burst before the model knows the engine
+    teach_prefill(pred, 1, 1000.0)
+    learned = pred.rows[1].late_count  # the taught prefills' errors (none late)
+    for k, (predicted, shift) in enumerate(early):
+        pred.learn_prefill(1, t, t + 5.0 + k, 1000, predicted, shift)
+    assert pred.rows[1].late_count == learned and pred.allowance_s(1, 1.0, time.monotonic()) < 0.001
 
 
 def test_a_queued_request_is_refused_once_it_can_no_longer_make_it():
@@ -343,6 +377,13 @@ def test_conditional_disaggregation_needs_the_slo_aware_policy():
     settings = settings_from_dict({"scheduler_config": {"conditional_disaggregation": True}})
     assert settings.conditional_disaggregation and settings.enable_pd_separation_fallback_to_hybrid
     assert not settings_from_dict({}).conditional_disaggregation
+
+
+def test_slo_confidence_is_a_share_the_quantile_can_honour():
+    assert settings_from_dict({"scheduler_config": {"slo_confidence": 0.99}}).slo_confidence == 0.99
+    for bad in (1.0, 0.3, "high"):  # 1.0 would be the largest error ever seen; under 0.5 no promise at all
+        with pytest.raises(ConfigError, match="slo_confidence"):
+            settings_from_dict({"scheduler_config": {"slo_confidence": bad}})
 
 
 def test_a_request_late_wherever_it_goes_queues_behind_work_that_is_late_already():
