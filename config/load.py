@@ -29,6 +29,7 @@ from .sections import (
     ExceptionSection,
     Instance,
     InstanceEntry,
+    KvEventConfig,
     LogConfig,
     MgmtApiKeySection,
     ModelConfig,
@@ -208,6 +209,7 @@ SECTIONS = (
     ("shutdown_config", ShutdownConfig, None),
     ("log_config", LogConfig, None),
     ("cluster_config", ClusterConfig, "cluster"),
+    ("kv_event_config", KvEventConfig, "kv_events"),
 )
 # What only the machine that runs the Coordinator can answer, checked after the section is read.
 _ON_THIS_HOST = {

@@ -411,6 +411,35 @@ class ClusterConfig:
     metaserver_url: Str = ""
 
 
+def _zmq_endpoint(url: str) -> str | None:
+    if not url.startswith("tcp://") or url.rfind(":") <= len("tcp://"):
+        return "must be tcp://HOST:PORT ({host} stands for each engine endpoint's host)"
+    return None
+
+
+ZmqEndpoint = Annotated[Str, _after(_zmq_endpoint)]
+
+
+@dataclass(frozen=True)
+class KvEventConfig:
+    """kv_event_config (MindIE-PyMotor: prefill_kv_event_config): subscribe to every engine's KV cache events
+    (vLLM's --kv-events-config with the ZMQ publisher) and route on what each engine holds (scheduling/kv_events.py).
+    An endpoint's own `kv_events` object overrides the two addresses."""
+
+    enable: Bool = False
+    endpoint: ZmqEndpoint = "tcp://{host}:5557"
+    replay_endpoint: Annotated[Str, _after(lambda v: _zmq_endpoint(v) if v else None)] = "tcp://{host}:5558"
+    topic: Str = ""
+
+
+@dataclass(frozen=True)
+class EndpointKvEvents:
+    """An endpoint's `kv_events`: where its engine publishes (engines sharing a host publish on ports of their own)."""
+
+    endpoint: ZmqEndpoint
+    replay_endpoint: Annotated[Str, _after(lambda v: _zmq_endpoint(v) if v else None)] = ""
+
+
 @dataclass(frozen=True)
 class Aigw:
     """aigw: MindIE-PyMotor's one `/v1/models` entry; what it leaves out comes from the engine sections."""
@@ -446,6 +475,7 @@ class Endpoint:
 
     id: Id
     address: Annotated[NonEmptyStr, AfterValidator(_valid_address)]  # "host:port"
+    kv_events: EndpointKvEvents | None = None  # its own KV-event addresses (else kv_event_config's, {host} filled)
 
     @property
     def base_url(self) -> str:
@@ -475,8 +505,15 @@ class Instance:
             "role": self.role,
             "model_name": self.model_name,
             "engine_type": self.engine_type,
-            "endpoints": [{"id": e.id, "address": e.address} for e in self.endpoints],
+            "endpoints": [_endpoint_json(e) for e in self.endpoints],
         }
+
+
+def _endpoint_json(e: Endpoint) -> dict:
+    out: dict = {"id": e.id, "address": e.address}
+    if e.kv_events is not None:
+        out["kv_events"] = {"endpoint": e.kv_events.endpoint, "replay_endpoint": e.kv_events.replay_endpoint}
+    return out
 
 
 def _absent_as_null(data: Any) -> Any:

@@ -18,6 +18,7 @@ from .sections import (
     ClusterConfig,
     ExceptionConfig,
     Instance,
+    KvEventConfig,
     LogConfig,
     MgmtApiKeyConfig,
     ModelConfig,
@@ -43,6 +44,7 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
     instances: tuple[Instance, ...] = ()
     tracer: TracerConfig = field(default_factory=TracerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    kv_events: KvEventConfig = field(default_factory=KvEventConfig)
     source_path: str = ""
 
     def rate_limit(self) -> tuple[float, float]:

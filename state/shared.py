@@ -154,6 +154,37 @@ class PrefixTable(Table):
     ]
 
 
+# The engines' KV facts (scheduling/kv_index.py, written by the one subscriber of a replica, scheduling/kv_events.py):
+# open-addressed entries of (a block's key mixed with its slot and that slot's epoch, the slot + 1 and epoch
+# that own it). A table of KV_ENTRIES entries is made only when kv_event_config.enable is set.
+KV_ENTRIES = 1 << 19
+
+
+def kv_block_table(entries: int) -> type[Table]:
+    class KvBlockTable(Table):
+        _fields_ = [
+            ("key", ctypes.c_uint64 * entries),
+            ("owner", ctypes.c_uint64 * entries),  # (epoch << 16) | (slot + 1); 0: never used
+        ]
+
+    return KvBlockTable
+
+
+class KvEndpointRow(Table):
+    """One slot's KV-event subscription, written by the subscriber alone."""
+
+    _fields_ = [
+        ("state", ctypes.c_int64),  # KV_OFF, KV_LIVE, KV_REPLAYING, KV_LOST (scheduling/kv_events.py)
+        ("epoch", ctypes.c_int64),  # bumped when the slot's blocks are all forgotten: older entries are dead
+        ("blocks", ctypes.c_int64),  # blocks the index holds for the slot now
+        ("block_size", ctypes.c_int64),  # the engine's tokens per block, from its events (0: none seen yet)
+        ("seq", ctypes.c_int64),  # the last sequence number applied (-1: none)
+        ("batches", ctypes.c_int64),  # batches applied
+        ("dropped", ctypes.c_int64),  # messages refused: malformed, oversized, over the rate budget
+        ("clears", ctypes.c_int64),  # times its blocks were all forgotten (AllBlocksCleared, restart, loss)
+    ]
+
+
 # Prefill usage in trigger mode (serving/usage.py PrefillUsages): per worker, slots written by the worker that
 # relayed P's answer to an engine's metaserver call, read by the worker whose client request's decode leg
 # reports usage.
@@ -206,9 +237,11 @@ class SharedState:
     prefill_usage: Any = None  # RawArray of PrefillUsageRow [MAX_WORKERS]
     response_homes: Any = None  # RawArray of ResponseHomeSet [RESPONSE_HOME_SETS]: where stored responses were served
     config: Any = None  # RawArray of bytes: the Settings a reload accepted, pickled (`globals.config_len` of them)
+    kv_endpoints: Any = None  # RawArray of KvEndpointRow [MAX_SLOTS]: each engine's KV-event subscription
+    kv_blocks: Any = None  # RawValue of a kv_block_table: the engines' KV blocks (a 1-entry table when off)
 
     @classmethod
-    def create(cls) -> SharedState:
+    def create(cls, kv_events: bool = False) -> SharedState:
         ctx = multiprocessing.get_context("spawn")
         return cls(
             doc=ctx.RawArray(ctypes.c_char, DOC_BYTES),
@@ -221,6 +254,8 @@ class SharedState:
             prefill_usage=ctx.RawArray(PrefillUsageRow, MAX_WORKERS),
             response_homes=ctx.RawArray(ResponseHomeSet, RESPONSE_HOME_SETS),
             config=ctx.RawArray(ctypes.c_char, CONFIG_BYTES),
+            kv_endpoints=ctx.RawArray(KvEndpointRow, MAX_SLOTS),
+            kv_blocks=ctx.RawValue(kv_block_table(KV_ENTRIES if kv_events else 1)),
         )
 
     @property
@@ -286,6 +321,8 @@ _FIELDS = (
     "prefill_usage",
     "response_homes",
     "config",
+    "kv_endpoints",
+    "kv_blocks",
 )
 
 
