@@ -213,20 +213,18 @@ class Engine:
         """Number of leading blocks of ``hashes`` present in the prefix cache."""
         n = 0
         for h in hashes:
-            if h in self.prefix:
-                self.prefix.move_to_end(h)
-                n += 1
-            else:
+            if h not in self.prefix:
                 break
+            n += 1
+        for h in reversed(hashes[:n]):  # a prefix's head is the most recently used: tails are evicted first, as in vLLM
+            self.prefix.move_to_end(h)
         return n
 
     def prefix_insert(self, hashes, token_ids=None):
         """The prompt's blocks are cached (the least recently used ones beyond the cap are evicted); with a KV
         event publisher, the blocks new to the cache are published as stored and the evicted ones as removed."""
-        new = []
-        for i, h in enumerate(hashes):
-            if h not in self.prefix:
-                new.append(i)
+        new = [i for i, h in enumerate(hashes) if h not in self.prefix]
+        for h in reversed(hashes):
             self.prefix[h] = None
             self.prefix.move_to_end(h)
         evicted = []

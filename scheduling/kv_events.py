@@ -60,6 +60,7 @@ PENDING_MAX = 1024  # live batches kept while a replay runs
 REPLAY_TIMEOUT_S = 2.0
 FOLLOW_INTERVAL_S = 0.5  # how often the instance set and health are looked at
 POLL_MS = 100
+REOPEN_DELAY_S = 0.2
 _END = -1
 GPU_MEDIA = (None, "GPU")
 
@@ -115,38 +116,59 @@ def endpoints_for(settings: Settings, address: str, own: Any) -> tuple[str, str]
 
 
 class EngineFeed:
-    """One engine endpoint's subscription: its sockets, its sequence, its replay and its budget."""
+    """One engine endpoint's subscription: its sockets, its sequence, its replay and its budget.
 
-    def __init__(self, ctx: zmq.Context, slot: int, pub: str, replay: str, topic: str):
-        self.slot, self.pub, self.replay_address = slot, pub, replay
-        self.sub = ctx.socket(zmq.SUB)
-        for sock in (self.sub,):
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            sock.setsockopt(zmq.RCVHWM, RCV_HWM)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IPV6, 1)
-        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self.sub.connect(pub)
-        self.dealer = None
+    Each socket has a monitor: libzmq does not reconnect a connection it closed for a protocol error (a message
+    over MAXMSGSIZE), so a disconnected socket is made again (`reopen`)."""
+
+    def __init__(self, ctx: zmq.Context, slot: int, pub: str, replay: str, topic: str, budget_per_s: float):
+        self.budget_per_s = budget_per_s
+        self.ctx, self.slot, self.pub, self.replay_address, self.topic = ctx, slot, pub, replay, topic
+        self.sub = self.sub_monitor = self.dealer = self.dealer_monitor = None
+        self.open_sub()
         if replay:
-            self.dealer = ctx.socket(zmq.DEALER)
-            self.dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            self.dealer.setsockopt(zmq.LINGER, 0)
-            self.dealer.setsockopt(zmq.IPV6, 1)
-            self.dealer.connect(replay)
+            self.open_dealer()
         self.expected = -1  # the next sequence number wanted (-1: none seen since the engine was last forgotten)
         self.replaying_since = 0.0  # when the running replay was asked for (0: none runs)
         self.pending: list[tuple[int, bytes]] = []  # live batches that arrived during the replay
-        self.budget, self.budget_at = BUDGET_PER_S, time.monotonic()
+        self.budget, self.budget_at = budget_per_s, time.monotonic()
         self.healthy = True
+        self.reopen_at: dict[str, float] = {}  # "sub" / "dealer" -> when to make it again
 
-    def close(self) -> None:
-        self.sub.close(0)
+    def _socket(self, kind: int, address: str) -> tuple[zmq.Socket, zmq.Socket]:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sock.connect(address)
+        return sock, monitor
+
+    def open_sub(self) -> None:
+        self.sub, self.sub_monitor = self._socket(zmq.SUB, self.pub)
+
+    def open_dealer(self) -> None:
+        self.dealer, self.dealer_monitor = self._socket(zmq.DEALER, self.replay_address)
+
+    def sockets(self) -> list[tuple[zmq.Socket, str]]:
+        pairs = [(self.sub, "sub"), (self.sub_monitor, "sub_monitor")]
         if self.dealer is not None:
-            self.dealer.close(0)
+            pairs += [(self.dealer, "dealer"), (self.dealer_monitor, "dealer_monitor")]
+        return pairs
+
+    def close(self, which: str | None = None) -> None:
+        for name in ("sub", "dealer") if which is None else (which,):
+            sock = getattr(self, name)
+            if sock is not None:
+                sock.disable_monitor()
+                getattr(self, name + "_monitor").close(0)
+                sock.close(0)
 
     def spend(self, units: float, now: float) -> bool:
-        self.budget = min(BUDGET_PER_S, self.budget + (now - self.budget_at) * BUDGET_PER_S)
+        self.budget = min(self.budget_per_s, self.budget + (now - self.budget_at) * self.budget_per_s)
         self.budget_at = now
         if self.budget < units:
             return False
@@ -157,8 +179,8 @@ class EngineFeed:
 class KvSubscriber:
     """The replica's subscriber: follows the instance set, keeps one EngineFeed per endpoint, applies events."""
 
-    def __init__(self, shared: SharedState, settings: Callable[[], Settings]):
-        self.shared, self.settings = shared, settings
+    def __init__(self, shared: SharedState, settings: Callable[[], Settings], budget_per_s: float = BUDGET_PER_S):
+        self.shared, self.settings, self.budget_per_s = shared, settings, budget_per_s
         self.index = KvIndex(shared)
         self.rows = self.index.rows
         self.registry = Registry(shared)
@@ -231,7 +253,7 @@ class KvSubscriber:
 
     def _subscribe(self, slot: int, pub: str, replay: str, topic: str) -> None:
         try:
-            feed = EngineFeed(self.ctx, slot, pub, replay, topic)
+            feed = EngineFeed(self.ctx, slot, pub, replay, topic, self.budget_per_s)
         except zmq.ZMQError as e:
             log.warning("kv events: cannot subscribe to %s: %s", pub, e)
             return
@@ -239,21 +261,40 @@ class KvSubscriber:
         self.index.forget(slot)
         row = self.rows[slot]
         row.state, row.seq, row.block_size, row.batches, row.dropped, row.clears = KV_LIVE, -1, 0, 0, 0, 0
-        self.by_socket[feed.sub] = (feed, False)
-        self.poller.register(feed.sub, zmq.POLLIN)
-        if feed.dealer is not None:
-            self.by_socket[feed.dealer] = (feed, True)
-            self.poller.register(feed.dealer, zmq.POLLIN)
+        self._register(feed)
+
+    def _register(self, feed: EngineFeed) -> None:
+        for sock, kind in feed.sockets():
+            if sock not in self.by_socket:
+                self.by_socket[sock] = (feed, kind)
+                self.poller.register(sock, zmq.POLLIN)
+
+    def _unregister(self, feed: EngineFeed, which: str | None = None) -> None:
+        for sock, kind in feed.sockets():
+            if which is None or kind.startswith(which):
+                self.poller.unregister(sock)
+                del self.by_socket[sock]
 
     def _unsubscribe(self, slot: int) -> None:
         feed = self.feeds.pop(slot)
-        for sock in (feed.sub, feed.dealer):
-            if sock is not None:
-                self.poller.unregister(sock)
-                del self.by_socket[sock]
+        self._unregister(feed)
         feed.close()
         self.index.forget(slot)
         self.rows[slot].state = KV_OFF
+
+    def _reopen(self, now: float) -> None:
+        """Make again the sockets whose connection closed (after a moment: the engine may be restarting)."""
+        for feed in self.feeds.values():
+            for which, at in list(feed.reopen_at.items()):
+                if now >= at:
+                    del feed.reopen_at[which]
+                    self._unregister(feed, which)
+                    feed.close(which)
+                    if which == "sub":
+                        feed.open_sub()
+                    else:
+                        feed.open_dealer()
+                    self._register(feed)
 
     # -- messages ------------------------------------------------------------------------------------
 
@@ -262,20 +303,26 @@ class KvSubscriber:
         ready = self.poller.poll(timeout_ms)
         now = time.monotonic()
         for sock, _ in ready:
-            feed, is_replay = self.by_socket.get(sock, (None, False))
-            if feed is None:
+            feed, kind = self.by_socket.get(sock, (None, ""))
+            if feed is None or feed.slot not in self.feeds:
+                continue
+            if kind.endswith("_monitor"):
+                while sock.poll(0):
+                    sock.recv_multipart()
+                feed.reopen_at.setdefault(kind[: -len("_monitor")], now + REOPEN_DELAY_S)
                 continue
             for _ in range(SLICE):
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                 except zmq.Again:
                     break
-                if is_replay:
+                if kind == "dealer":
                     self._replayed(feed, frames)
                 else:
                     self._live(feed, frames, now)
                 if feed.slot not in self.feeds:
                     break
+        self._reopen(now)
         for feed in list(self.feeds.values()):
             if feed.replaying_since and now - feed.replaying_since > REPLAY_TIMEOUT_S:
                 self._replay_failed(feed)

@@ -157,6 +157,8 @@ class KvIndex:
             return 0
         lo, hi = 0, prompt.blocks(size)
         find, epoch = self.table.find, row.epoch
+        if hi and find(_mixed(prompt.key(size, 1), slot, epoch)) < 0:  # the head evicted: nothing is a hit
+            return 0
         while lo < hi:  # the first lo blocks are held; none past hi
             mid = (lo + hi + 1) // 2
             if find(_mixed(prompt.key(size, mid), slot, epoch)) >= 0:
