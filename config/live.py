@@ -76,6 +76,7 @@ _HELD = {
     "instances": "instances",
     "tracer": "tracer_config",
     "cluster": "cluster_config",
+    "kv_events": "kv_event_config",
 }
 _NOT_COMPARED = {"source_path", "models"}
 

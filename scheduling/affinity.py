@@ -34,6 +34,7 @@ _MASK = PREFIX_ENTRIES - 1
 
 class PrefixIndex:
     needs_hashes = True  # it knows prompts by their block hashes (scheduling/tokens.py)
+    needs_ids = False
 
     def __init__(self, shared: SharedState, block_tokens: int = 16):
         # The table's columns (views made once): an entry's key, its bit mask of slots, and its last slot.

@@ -211,6 +211,7 @@ class KvEventSource:
     def __init__(self, index: KvIndex, estimate):
         self.index, self.estimate = index, estimate
         self.needs_hashes = estimate.needs_hashes
+        self.needs_ids = True
         self.block_tokens = estimate.block_tokens
 
     def _live(self, slot: int) -> bool:

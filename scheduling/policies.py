@@ -71,10 +71,12 @@ class JobInfo:
     slo_ttft_ms: float
     slo_tpot_ms: float
     block_hashes: list[int] = field(default_factory=list)
+    prompt_keys: object = None  # the prompt's block keys from its exact ids (scheduling/kv_index.PromptKeys), if known
     prompt_bytes: int = 0  # its rendering's length, when an engine's count of it may calibrate the meter (else 0)
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
     arrived: float = field(default_factory=lambda: clock.now())
     cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
+    cached_predicted: int = -1  # what the engine of its last prefill or whole lease was predicted to hold
     failed: set[int] = field(default_factory=set)  # slots whose engine failed it: a continuation goes to none of them
     # The verdict of the last plan: can the chosen engines meet the budgets? (None: cannot tell.)
     feasible: bool | None = None
@@ -93,6 +95,7 @@ class PrefixSource(Protocol):
     (the engines' own KV cache events, say) takes its place through these calls alone."""
 
     needs_hashes: bool  # it reads the prompt's block hashes (JobInfo.block_hashes: Scheduler.prepare makes them)
+    needs_ids: bool  # it reads the prompt's exact token ids (JobInfo.prompt_keys: Scheduler.prepare makes them)
 
     def cached_tokens(self, job: JobInfo, target: Target) -> int:
         """The leading prompt tokens of `job` that `target` is believed to hold (0: none)."""

@@ -111,6 +111,8 @@ class Dispatcher:
         a request let in at once gets its flow's own coroutine, with no layer of this function's."""
         info = self.job_info(job)
         rec.prompt_tokens = info.prompt_tokens
+        if info.prompt_keys is not None:  # the engines' KV events predict its cached tokens: the line says how well
+            rec.info = info
         if job.route in (MESSAGES, COUNT_TOKENS):
             self._require_vllm(job)
         if job.route == COUNT_TOKENS:

@@ -61,6 +61,7 @@ def _last_int(body: bytes, keys: tuple[bytes, ...]) -> int | None:
 
 
 _CACHE_KEYS = (b'"cache_read_input_tokens":', b'"cache_creation_input_tokens":')
+_CACHED_KEYS = (b'"cached_tokens":', b'"cache_read_input_tokens":')
 
 
 def answer_prompt_tokens(body: bytes, anthropic: bool) -> int:
@@ -108,6 +109,10 @@ class RequestRecord:
     events: int = 0  # SSE `data:` events relayed
     usage_event: bool = False  # the client asked for a usage chunk (stream_options.include_usage)
     duration_s: float = 0.0  # set when the request is done
+    # With KV events: the request's JobInfo (what its plan predicted the engine held: `cached_predicted`), and
+    # what the engine that computed its prompt reported it held (`prompt_tokens_details.cached_tokens`; -1: not said)
+    info: object = None
+    cached_tokens: int = -1
 
     def first_token(self) -> None:
         if self.ttft_s is None:
@@ -119,6 +124,18 @@ class RequestRecord:
         prompt = _last_int(body, _INPUT_KEYS)
         if prompt is not None:
             self.prompt_tokens = prompt
+        if self.info is not None:
+            self.engine_cached(body)
+
+    def engine_cached(self, usage: bytes) -> None:
+        """The cached tokens an engine's usage (an answer, or events holding it) reports, if it says."""
+        cached = _last_int(usage, _CACHED_KEYS)
+        if cached is not None:
+            self.cached_tokens = cached
+
+    @property
+    def cached_tokens_predicted(self) -> int:
+        return self.info.cached_predicted if self.info is not None else -1
 
     def message_delta(self, block: bytes) -> None:
         """Relayed events that hold the stream's FINAL_USAGE_EVENT (Messages' message_delta, Responses'
@@ -199,6 +216,19 @@ class RequestLog:
             sys.stdout.flush()
 
 
+def _kv_fields(rec: RequestRecord) -> str:
+    predicted, reported = rec.cached_tokens_predicted, rec.cached_tokens
+    return f" cached_tokens_predicted={predicted if predicted >= 0 else '-'} cached_tokens={reported if reported >= 0 else '-'}"
+
+
+def kv_outcome(rec: RequestRecord) -> str | None:
+    """How the prediction of a request's cached tokens went (exact, over, under), when both sides are known."""
+    predicted, reported = rec.cached_tokens_predicted, rec.cached_tokens
+    if rec.info is None or predicted < 0 or reported < 0:
+        return None
+    return "exact" if predicted == reported else "over" if predicted > reported else "under"
+
+
 def _name(t: Target | None) -> str:
     return t.label if t else "-"
 
@@ -215,7 +245,7 @@ class Observer:
             self.request_log.write(
                 "request_id=%s route=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
                 "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s continuations=%d%s placement=%s "
-                "duration_ms=%.1f%s"
+                "duration_ms=%.1f%s%s"
                 % (
                     log_value(rec.request_id),
                     rec.route,
@@ -233,6 +263,7 @@ class Observer:
                     f" continuation_refused={rec.continuation_refused}" if rec.continuation_refused else "",
                     rec.placement or "-",
                     rec.duration_s * 1000,
+                    _kv_fields(rec) if rec.info is not None else "",
                     f" error={log_value(rec.error)}" if rec.error else "",
                 )
             )

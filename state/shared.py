@@ -156,18 +156,21 @@ class PrefixTable(Table):
 
 # The engines' KV facts (scheduling/kv_index.py, written by the one subscriber of a replica, scheduling/kv_events.py):
 # open-addressed entries of (a block's key mixed with its slot and that slot's epoch, the slot + 1 and epoch
-# that own it). A table of KV_ENTRIES entries is made only when kv_event_config.enable is set.
+# that own it), a column per field. KV_ENTRIES entries (8 MiB) only when kv_event_config.enable is set.
 KV_ENTRIES = 1 << 19
 
 
-def kv_block_table(entries: int) -> type[Table]:
-    class KvBlockTable(Table):
-        _fields_ = [
-            ("key", ctypes.c_uint64 * entries),
-            ("owner", ctypes.c_uint64 * entries),  # (epoch << 16) | (slot + 1); 0: never used
-        ]
+class KvBlockTable(Table):
+    _fields_ = [
+        ("key", ctypes.c_uint64 * KV_ENTRIES),
+        ("owner", ctypes.c_uint64 * KV_ENTRIES),  # (epoch << 16) | (slot + 1); 0: never used
+    ]
 
-    return KvBlockTable
+
+class KvBlockTableOff(Table):
+    """The table's stand-in while KV events are off: one entry, never written."""
+
+    _fields_ = [("key", ctypes.c_uint64 * 1), ("owner", ctypes.c_uint64 * 1)]
 
 
 class KvEndpointRow(Table):
@@ -238,7 +241,7 @@ class SharedState:
     response_homes: Any = None  # RawArray of ResponseHomeSet [RESPONSE_HOME_SETS]: where stored responses were served
     config: Any = None  # RawArray of bytes: the Settings a reload accepted, pickled (`globals.config_len` of them)
     kv_endpoints: Any = None  # RawArray of KvEndpointRow [MAX_SLOTS]: each engine's KV-event subscription
-    kv_blocks: Any = None  # RawValue of a kv_block_table: the engines' KV blocks (a 1-entry table when off)
+    kv_blocks: Any = None  # RawValue of KvBlockTable: the engines' KV blocks (KvBlockTableOff when off)
 
     @classmethod
     def create(cls, kv_events: bool = False) -> SharedState:
@@ -255,7 +258,7 @@ class SharedState:
             response_homes=ctx.RawArray(ResponseHomeSet, RESPONSE_HOME_SETS),
             config=ctx.RawArray(ctypes.c_char, CONFIG_BYTES),
             kv_endpoints=ctx.RawArray(KvEndpointRow, MAX_SLOTS),
-            kv_blocks=ctx.RawValue(kv_block_table(KV_ENTRIES if kv_events else 1)),
+            kv_blocks=ctx.RawValue(KvBlockTable if kv_events else KvBlockTableOff),
         )
 
     @property

@@ -418,3 +418,78 @@ def test_beyond_its_budget_an_engine_is_read_no_more_and_forgotten():
     finally:
         world.close()
         publisher.close()
+
+
+# -- the Coordinator routes on them ---------------------------------------------------------------------------
+
+
+def test_the_coordinator_routes_to_the_engine_holding_the_prefix():
+    """Two union engines; one of them computed a prompt for a client that did not come through the Coordinator
+    (as another replica's would). The Coordinator's estimate knows nothing of it; the engines' events do: the
+    prompt's next turn goes there, the log line says what was predicted and what the engine reported, and
+    /instances and /metrics show the subscription."""
+    from harness.configs import coordinator_config
+    from harness.coordinator import Coordinator
+
+    ports = free_ports(4)
+    sims = [sim_with_events(ports[2 * i], ports[2 * i + 1]) for i in range(2)]
+    instances = [
+        {
+            "id": i + 1,
+            "role": "union",
+            "model_name": "m",
+            "endpoints": [
+                {
+                    "id": 0,
+                    "address": sim.address,
+                    "kv_events": {
+                        "endpoint": f"tcp://127.0.0.1:{ports[2 * i]}",
+                        "replay_endpoint": f"tcp://127.0.0.1:{ports[2 * i + 1]}",
+                    },
+                }
+            ],
+        }
+        for i, sim in enumerate(sims)
+    ]
+    cfg = coordinator_config(
+        instances,
+        scheduler_config={"scheduler_type": "kv_cache_affinity"},
+        kv_event_config={"enable": True},
+    )
+    try:
+        with Coordinator(cfg) as coord:
+            assert wait_until(lambda: _kv_states(coord) == ["live", "live"], 10)
+            for holder in (1, 0):  # each engine in turn holds a conversation, whatever the rotation says
+                prompt = PROMPT_A if holder == 1 else PROMPT_B
+                complete(sims[holder], prompt)  # straight to the engine
+                assert wait_until(lambda h=holder: _kv_blocks(coord)[h] >= 8, 5)
+                before = [len(s.requests()) for s in sims]
+                turn = prompt + ids_of(" and the next turn of it, somewhat longer")
+                for _ in range(3):
+                    r = httpx.post(
+                        coord.url + "/v1/completions", json={"model": "m", "prompt": turn, "max_tokens": 1}, timeout=10
+                    )
+                    assert r.status_code == 200, r.text
+                    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
+                after = [len(s.requests()) for s in sims]
+                assert after[holder] - before[holder] == 3 and after[1 - holder] == before[1 - holder]
+            assert wait_until(lambda: "cached_tokens_predicted=128 cached_tokens=128" in coord.output(), 5)
+            metrics = httpx.get(coord.obs + "/metrics").text
+            assert 'motor_kv_prediction_total{model="m",outcome="exact"} 6.0' in metrics
+            assert "motor_kv_events_blocks{" in metrics
+    finally:
+        for sim in sims:
+            sim.stop()
+
+
+def _kv(coord) -> list[dict]:
+    body = httpx.get(coord.mgmt + "/instances").json()
+    return [ep["kv_events"] for inst in sorted(body["instances"], key=lambda i: i["id"]) for ep in inst["endpoints"]]
+
+
+def _kv_states(coord) -> list[str]:
+    return [k["state"] for k in _kv(coord)]
+
+
+def _kv_blocks(coord) -> list[int]:
+    return [k["blocks"] for k in _kv(coord)]
