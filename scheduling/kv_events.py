@@ -322,6 +322,7 @@ class KvSubscriber:
                     self._live(feed, frames, now)
                 if feed.slot not in self.feeds:
                     break
+            time.sleep(0)  # the GIL to any other thread (a single-process worker's loop) between slices
         self._reopen(now)
         for feed in list(self.feeds.values()):
             if feed.replaying_since and now - feed.replaying_since > REPLAY_TIMEOUT_S:

@@ -13,7 +13,7 @@ first block, multimodal identifiers) are kept apart: the adapter's name starts t
 extra keys are hashed in before its tokens. A request's `cache_salt` is its prompt's seed the same way; its
 multimodal blocks cannot be keyed here, so a prompt's prediction stops before its first image.
 
-**The table.** One open-addressed table in shared memory (state/shared.py `kv_block_table`, KV_ENTRIES
+**The table.** One open-addressed table in shared memory (state/shared.py `KvBlockTable`, KV_ENTRIES
 entries), written by the replica's one subscriber and read by every worker: an entry is a key mixed with its
 slot and that slot's epoch. Forgetting an engine's blocks (AllBlocksCleared, a restart, lost events) bumps its
 epoch: its old entries match nothing and count as free for the next writes, so clearing costs nothing. A key
