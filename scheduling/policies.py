@@ -8,8 +8,8 @@ A policy gets the usable candidates of one role and the request's `JobInfo` and 
 * `round_robin`: one rotating counter shared by all workers (a pair takes one step of it).
 * `load_balance`: least load: our in-flight requests and tokens plus the engine's own queue and KV use.
 * `kv_cache_affinity`: the prefill goes to the instance that most recently came to hold the prompt's longest
-  cached prefix (as its `PrefixSource` says: today the Coordinator's estimate, by chained block hashes over
-  the whole rendered prompt), unless that instance's load exceeds `affinity_overload_factor` times the least
+  cached prefix (as its `PrefixSource` says: the Coordinator's estimate, by chained block hashes over the whole
+  rendered prompt, or the engines' own KV events, scheduling/kv_index.py), unless that instance's load exceeds `affinity_overload_factor` times the least
   loaded one's plus one request like this one; decode by load.
 * `slo_aware`: predicts each candidate's TTFT (queue wait + uncached prefill + the decode engine's first
   step) and TPOT (the decode engine's step time with the batch it will have when this request joins)
@@ -90,9 +90,9 @@ class JobInfo:
 
 
 class PrefixSource(Protocol):
-    """Where the policies learn which engine holds how much of a prompt in its prefix cache. Today's source is
-    the Coordinator's own estimate (scheduling/affinity.py: the prompts it had each engine compute); another
-    (the engines' own KV cache events, say) takes its place through these calls alone."""
+    """Where the policies learn which engine holds how much of a prompt in its prefix cache: the Coordinator's
+    own estimate (scheduling/affinity.py: the prompts it had each engine compute), or the engines' own KV cache
+    events (scheduling/kv_index.py), through these calls alone."""
 
     needs_hashes: bool  # it reads the prompt's block hashes (JobInfo.block_hashes: Scheduler.prepare makes them)
     needs_ids: bool  # it reads the prompt's exact token ids (JobInfo.prompt_keys: Scheduler.prepare makes them)

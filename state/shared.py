@@ -1,5 +1,6 @@
 """Cross-worker state in shared memory: the instance document, the load ledger, the per-endpoint table and the
-smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes).
+smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes, the
+engines' KV blocks and their subscriptions).
 
 Everything here is made once, in the main process (Sanic's `main_process_start`), and handed to every
 worker through `app.shared_ctx`; in a single process the same raw arrays work on ordinary memory.
