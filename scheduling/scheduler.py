@@ -222,6 +222,11 @@ class Scheduler:
             meter = self.meters[model] = make_meter(self.tokenizers.get(model, ""), self.policy.block_tokens)
         return meter
 
+    def token_sources(self, models: list[str]) -> dict[str, str]:
+        """How each model's prompts are counted: "exact" (its tokenizer_path: exact ids, which the engines' KV
+        events can be asked about) or "estimate"."""
+        return {m: "exact" if self.meter(m).exact else "estimate" for m in models}
+
     def prepare(self, job: JobInfo, kind: str, body: dict) -> None:
         """Count the prompt (exactly where a tokenizer is configured) and hash its blocks (the policy uses them)."""
         index = self.index if self.policy.uses_prefix else None

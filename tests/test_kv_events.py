@@ -301,8 +301,26 @@ def test_a_gap_is_filled_from_the_replay_socket(raw):
     publisher.serve_replay()
     assert publisher.asked == [1]
     assert wait_until(lambda: world.cached(1, PROMPT_A) == 8 * BLOCK, 3)
-    assert world.row(1).seq == 2 and world.row(1).state == KV_LIVE
+    assert wait_until(lambda: world.row(1).state == KV_LIVE, 3)  # the replay's end marker came
+    assert world.row(1).seq == 2
     assert world.row(1).clears == 0  # the gap was filled: nothing forgotten
+
+
+def test_blocks_are_scoped_by_cache_salt_and_lora(raw):
+    """vLLM puts a request's cache_salt in its first block's extra keys and a LoRA's name in every block's: such
+    blocks answer only a prompt of the same scope."""
+    publisher, world = raw
+    salted = stored(PROMPT_A, 100)
+    salted["extra_keys"] = [["tenant-x"]] + [None] * 7
+    adapter = stored(PROMPT_B, 200)
+    adapter["lora_name"], adapter["lora_id"] = "sql-lora", 1
+    adapter["extra_keys"] = [["sql-lora"]] * 8
+    publisher.send(0, [salted, adapter])
+    assert wait_until(lambda: world.row(1).blocks == 16, 3)
+    assert world.cached(1, PROMPT_A, salt="tenant-x") == 8 * BLOCK
+    assert world.cached(1, PROMPT_A) == 0
+    assert world.cached(1, PROMPT_A, salt="tenant-y") == 0
+    assert world.cached(1, PROMPT_B) == 0  # the adapter's blocks are not the base model's
 
 
 def test_removed_blocks_cut_the_prefix(raw):
@@ -459,6 +477,7 @@ def test_the_coordinator_routes_to_the_engine_holding_the_prefix():
     try:
         with Coordinator(cfg) as coord:
             assert wait_until(lambda: _kv_states(coord) == ["live", "live"], 10)
+            assert httpx.get(coord.mgmt + "/instances").json()["prompt_tokens"] == {"m": "estimate"}
             for holder in (1, 0):  # each engine in turn holds a conversation, whatever the rotation says
                 prompt = PROMPT_A if holder == 1 else PROMPT_B
                 complete(sims[holder], prompt)  # straight to the engine
