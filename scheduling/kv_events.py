@@ -16,6 +16,10 @@ than expected (the engine restarted); a gap the replay cannot fill; the endpoint
 cannot be decoded or exceeds the budget below; the endpoint leaving the instance set. A forgotten engine only
 makes predictions low until its next events.
 
+**States** (`GET /instances`, KvEndpointRow.state): `lost` until the SUB socket connects (ZMQ cannot tell an
+engine that publishes nothing from one not there) and while it is disconnected or over its budget; `live`;
+`replaying` while a gap is asked of the replay socket; `off` when not subscribed.
+
 **Bounds** against a broken or hostile publisher: a message over MAX_MESSAGE_BYTES closes that connection (ZMQ's
 MAXMSGSIZE); at most RCV_HWM messages wait per engine, so what waits is at most RCV_HWM x MAX_MESSAGE_BYTES;
 each engine may spend BUDGET_PER_S units (an event or a block each) a second, beyond which its messages are
@@ -34,6 +38,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from config import Settings, split_address
 from scheduling.kv_index import (
@@ -141,7 +146,7 @@ class EngineFeed:
         sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         if kind == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sock.connect(address)
@@ -260,7 +265,8 @@ class KvSubscriber:
         self.feeds[slot] = feed
         self.index.forget(slot)
         row = self.rows[slot]
-        row.state, row.seq, row.block_size, row.batches, row.dropped, row.clears = KV_LIVE, -1, 0, 0, 0, 0
+        # `lost` until its SUB socket connects (an engine that publishes nothing and one not there look alike)
+        row.state, row.seq, row.block_size, row.batches, row.dropped, row.clears = KV_LOST, -1, 0, 0, 0, 0
         self._register(feed)
 
     def _register(self, feed: EngineFeed) -> None:
@@ -307,9 +313,7 @@ class KvSubscriber:
             if feed is None or feed.slot not in self.feeds:
                 continue
             if kind.endswith("_monitor"):
-                while sock.poll(0):
-                    sock.recv_multipart()
-                feed.reopen_at.setdefault(kind[: -len("_monitor")], now + REOPEN_DELAY_S)
+                self._connection(feed, kind[: -len("_monitor")], sock, now)
                 continue
             for _ in range(SLICE):
                 try:
@@ -327,6 +331,19 @@ class KvSubscriber:
         for feed in list(self.feeds.values()):
             if feed.replaying_since and now - feed.replaying_since > REPLAY_TIMEOUT_S:
                 self._replay_failed(feed)
+
+    def _connection(self, feed: EngineFeed, which: str, monitor: zmq.Socket, now: float) -> None:
+        """A socket's connection came or went: the SUB's decides between `live` and `lost` (nothing can come
+        while it is down); a closed one is made again."""
+        row = self.rows[feed.slot]
+        while monitor.poll(0):
+            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                feed.reopen_at.setdefault(which, now + REOPEN_DELAY_S)
+                if which == "sub" and row.state == KV_LIVE:
+                    row.state = KV_LOST
+            elif which == "sub" and row.state == KV_LOST and not feed.replaying_since:
+                row.state = KV_LIVE
 
     def _live(self, feed: EngineFeed, frames: list[bytes], now: float) -> None:
         row = self.rows[feed.slot]

@@ -60,7 +60,7 @@ def sim_with_events(pub: int, replay: int | None, **cfg):
     kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{pub}"}
     if replay:
         kv["replay_endpoint"] = f"tcp://127.0.0.1:{replay}"
-    return launch(role="union", model="m", zero_latency=True, block_size=BLOCK, kv_events=kv, **cfg)
+    return launch(**{"role": "union", "model": "m", "zero_latency": True, "block_size": BLOCK, "kv_events": kv, **cfg})
 
 
 def complete(sim, ids: list[int]) -> dict:
@@ -449,26 +449,7 @@ def test_the_coordinator_routes_to_the_engine_holding_the_prefix():
     from harness.configs import coordinator_config
     from harness.coordinator import Coordinator
 
-    ports = free_ports(4)
-    sims = [sim_with_events(ports[2 * i], ports[2 * i + 1]) for i in range(2)]
-    instances = [
-        {
-            "id": i + 1,
-            "role": "union",
-            "model_name": "m",
-            "endpoints": [
-                {
-                    "id": 0,
-                    "address": sim.address,
-                    "kv_events": {
-                        "endpoint": f"tcp://127.0.0.1:{ports[2 * i]}",
-                        "replay_endpoint": f"tcp://127.0.0.1:{ports[2 * i + 1]}",
-                    },
-                }
-            ],
-        }
-        for i, sim in enumerate(sims)
-    ]
+    sims, instances = engines_with_events(2, "union")
     cfg = coordinator_config(
         instances,
         scheduler_config={"scheduler_type": "kv_cache_affinity"},
@@ -512,3 +493,60 @@ def _kv_states(coord) -> list[str]:
 
 def _kv_blocks(coord) -> list[int]:
     return [k["blocks"] for k in _kv(coord)]
+
+
+def engines_with_events(n: int, role: str) -> tuple[list, list[dict]]:
+    """`n` engines of `role` publishing KV events, and their instances (ids 1..n), each with its own addresses."""
+    ports = free_ports(2 * n)
+    sims = [sim_with_events(ports[2 * i], ports[2 * i + 1], role=role) for i in range(n)]
+    instances = [
+        {
+            "id": i + 1,
+            "role": role,
+            "model_name": "m",
+            "endpoints": [
+                {
+                    "id": 0,
+                    "address": sim.address,
+                    "kv_events": {
+                        "endpoint": f"tcp://127.0.0.1:{ports[2 * i]}",
+                        "replay_endpoint": f"tcp://127.0.0.1:{ports[2 * i + 1]}",
+                    },
+                }
+            ],
+        }
+        for i, sim in enumerate(sims)
+    ]
+    return sims, instances
+
+
+def test_a_pd_request_prefills_where_the_prefix_is_and_says_what_p_reported():
+    """PD (slo_aware, the default policy): of two prefill engines the one that holds the prompt's prefix computes
+    fewer tokens, which the plan sees; the line compares the prediction with P's reported cached tokens."""
+    from harness.configs import coordinator_config
+    from harness.coordinator import Coordinator
+
+    prefills, instances = engines_with_events(2, "prefill")
+    decode = launch(role="decode", model="m", zero_latency=True, block_size=BLOCK)
+    instances.append(
+        {"id": 9, "role": "decode", "model_name": "m", "endpoints": [{"id": 0, "address": decode.address}]}
+    )
+    cfg = coordinator_config(
+        instances, scheduler_config={"scheduler_type": "kv_cache_affinity"}, kv_event_config={"enable": True}
+    )
+    try:
+        with Coordinator(cfg) as coord:
+            # (the decode engine publishes nothing: its default address has no publisher, so it is not connected)
+            assert wait_until(lambda: _kv_states(coord) == ["live", "live", "lost"], 10)
+            complete(prefills[1], PROMPT_A)
+            assert wait_until(lambda: _kv_blocks(coord)[1] >= 8, 5)
+            turn = PROMPT_A + ids_of(" and the next turn of it, somewhat longer")
+            for _ in range(2):
+                r = httpx.post(coord.url + "/v1/completions", json={"model": "m", "prompt": turn, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
+            assert len(prefills[0].requests()) == 0
+            assert wait_until(lambda: coord.output().count("cached_tokens_predicted=128 cached_tokens=128") == 2, 5)
+    finally:
+        for sim in (*prefills, decode):
+            sim.stop()
