@@ -54,6 +54,7 @@ from handlers.planes import INFER, MGMT, OBS
 from handlers.sink import api_of, error_response
 from scheduling.health import Health
 from scheduling.kv_events import start_subscriber
+from scheduling.kv_index import KvEventSource
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.scheduler import build_scheduler
@@ -164,7 +165,11 @@ def create_app(settings: Settings) -> Sanic:
             replica = os.environ.setdefault("MOTOR_REPLICA_ID", replica_id())
             ctx.cluster = ctx.door.cluster = Cluster(live, shared, worker, replica, ctx.registry)
             homes = ClusterResponseHomes(homes, ctx.cluster)
-            shared_events(ctx.cluster, usages, homes, ctx.scheduler.index)
+            # Replicas share the estimate (the KV events' source wraps it: each replica subscribes to the engines itself).
+            prefixes = ctx.scheduler.index
+            shared_events(
+                ctx.cluster, usages, homes, prefixes.estimate if isinstance(prefixes, KvEventSource) else prefixes
+            )
             ctx.cluster.start()
         ctx.dispatcher = Dispatcher(live, ctx.scheduler, ctx.health, ctx.client, ctx.observer, usages, homes)
         ctx.background = Background(live, ctx.registry, ctx.health, ctx.client)

@@ -521,8 +521,8 @@ def engines_with_events(n: int, role: str) -> tuple[list, list[dict]]:
 
 
 def test_a_pd_request_prefills_where_the_prefix_is_and_says_what_p_reported():
-    """PD (slo_aware, the default policy): of two prefill engines the one that holds the prompt's prefix computes
-    fewer tokens, which the plan sees; the line compares the prediction with P's reported cached tokens."""
+    """PD: of two prefill engines, the one whose events say it holds the prompt's prefix gets the prefill leg (the
+    other, never); the line compares the prediction with P's reported cached tokens."""
     from harness.configs import coordinator_config
     from harness.coordinator import Coordinator
 
