@@ -550,3 +550,41 @@ def test_a_pd_request_prefills_where_the_prefix_is_and_says_what_p_reported():
     finally:
         for sim in (*prefills, decode):
             sim.stop()
+
+
+def test_each_replica_of_a_cluster_subscribes_for_itself():
+    """Cluster mode: two replicas sharing a store; each has its own subscriber (a PUB serves any number of
+    subscribers), so both send the conversation to the engine holding it."""
+    from harness.configs import coordinator_config
+    from harness.coordinator import Coordinator
+    from harness.redis import RedisServer
+
+    sims, instances = engines_with_events(2, "union")
+    redis = RedisServer()
+    cluster = {"redis_url": redis.url, "key_prefix": "motor:kv-test:"}
+    configs = [
+        coordinator_config(
+            instances,
+            scheduler_config={"scheduler_type": "kv_cache_affinity"},
+            kv_event_config={"enable": True},
+            cluster_config=cluster,
+        )
+        for _ in range(2)
+    ]
+    try:
+        with Coordinator(configs[0]) as one, Coordinator(configs[1]) as two:
+            for coord in (one, two):
+                assert wait_until(lambda c=coord: _kv_states(c) == ["live", "live"], 10)
+            complete(sims[1], PROMPT_A)
+            for coord in (one, two):
+                assert wait_until(lambda c=coord: _kv_blocks(c)[1] >= 8, 5)
+            turn = PROMPT_A + ids_of(" and the next turn of it, somewhat longer")
+            for coord in (one, two, one, two):
+                r = httpx.post(coord.url + "/v1/completions", json={"model": "m", "prompt": turn, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
+            assert len(sims[0].requests()) == 0
+    finally:
+        redis.stop()
+        for sim in sims:
+            sim.stop()
