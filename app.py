@@ -53,6 +53,8 @@ from handlers.ids import request_id
 from handlers.planes import INFER, MGMT, OBS
 from handlers.sink import api_of, error_response
 from scheduling.health import Health
+from scheduling.kv_events import start_subscriber
+from scheduling.kv_index import KvEventSource
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.scheduler import build_scheduler
@@ -110,12 +112,14 @@ def add_main_process_listeners(app: Sanic, settings: Settings) -> None:
         clear_stale_files()
         if settings.cluster.redis_url:  # one name for this replica, in every worker (spawned: they inherit it)
             os.environ["MOTOR_REPLICA_ID"] = replica_id()
-        shared = SharedState.create()
+        shared = SharedState.create(kv_events=settings.kv_events.enable)
         Registry(shared).apply("set", list(settings.instances))
         for key, value in shared.as_shared_ctx().items():
             setattr(app.shared_ctx, key, value)
         app.ctx.main_shared = shared
         app.ctx.config_watch = watch_config(settings, shared)
+        # One subscriber to the engines' KV events for the replica, off every worker's loop (scheduling/kv_events.py).
+        app.ctx.kv_events = start_subscriber(shared, lambda: settings)
 
     @app.main_process_ready
     async def supervise_workers(app: Sanic):
@@ -132,6 +136,8 @@ def add_main_process_listeners(app: Sanic, settings: Settings) -> None:
     async def remove_metrics_dir(app: Sanic):
         if getattr(app.ctx, "config_watch", None) is not None:
             app.ctx.config_watch.stop()
+        if getattr(app.ctx, "kv_events", None) is not None:
+            app.ctx.kv_events.stop()
         if os.environ.get("MOTOR_OWNS_PROM_DIR"):
             shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
@@ -190,6 +196,8 @@ def add_worker_listeners(app: Sanic, settings: Settings) -> None:
 
     @app.after_server_stop
     async def stop_worker(app: Sanic):
+        if getattr(app.ctx, "kv_events", None) is not None:  # Sanic's single_process mode: this process's
+            app.ctx.kv_events.stop()
         if app.ctx.reloader is not None:
             await app.ctx.reloader.stop()
         await app.ctx.background.stop()
@@ -208,9 +216,10 @@ def build_worker(app: Sanic, settings: Settings) -> None:
     if hasattr(app.shared_ctx, "motor_doc"):
         shared = SharedState.from_shared_ctx(app.shared_ctx)
     else:  # Sanic's single_process mode runs no main_process_* listener: this process's memory will do
-        shared = SharedState.create()
+        shared = SharedState.create(kv_events=settings.kv_events.enable)
         Registry(shared).apply("set", list(settings.instances))
         app.ctx.config_watch = watch_config(settings, shared)
+        app.ctx.kv_events = start_subscriber(shared, lambda: settings)
     worker = worker_index()
     shared.clear_worker(worker)  # a restarted worker starts from zero (the supervisor zeroed it too)
     ctx = app.ctx
@@ -233,7 +242,11 @@ def build_worker(app: Sanic, settings: Settings) -> None:
         ctx.cluster = ctx.door.cluster = Cluster(live, shared, worker, replica, ctx.registry)
         ctx.tenants.replicas = lambda: ctx.cluster.replicas  # each replica holds its share of a tenant's quota
         homes = ClusterResponseHomes(homes, ctx.cluster)
-        shared_events(ctx.cluster, usages, homes, ctx.scheduler.index)
+        # Replicas share the estimate (the KV events' source wraps it: each replica subscribes to the engines itself).
+        prefixes = ctx.scheduler.index
+        shared_events(
+            ctx.cluster, usages, homes, prefixes.estimate if isinstance(prefixes, KvEventSource) else prefixes
+        )
         ctx.cluster.start()
     ctx.dispatcher = Dispatcher(live, ctx.scheduler, ctx.health, ctx.client, ctx.observer, usages, homes)
     ctx.background = Background(live, ctx.registry, ctx.health, ctx.client)

@@ -35,15 +35,12 @@ from .load import (
 )
 from .sections import (
     ADMISSION,
-    DEFAULT_TENANT,
     ENGINE_TYPES,
     HTTP_TOKEN,
     LOG_LEVELS,
     MAX_ID,
     MIN_WATCHDOG_S,
-    OTHER_TENANT,
     PD_DISPATCH,
-    PRIORITIES,
     ROLES,
     ROOT_KEY,
     SCHEDULER_TYPES,
@@ -52,11 +49,11 @@ from .sections import (
     Endpoint,
     Instance,
     ModelConfig,
-    TenantLimits,
     TlsConfig,
     TracerConfig,
 )
 from .settings import MAX_BACKOFF_S, Live, Settings, with_models_for_instances
+from .tenancy import DEFAULT_TENANT, OTHER_TENANT, PRIORITIES, TenantLimits
 from .validation import ConfigError, adapter, refusal, validate
 
 __all__ = [

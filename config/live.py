@@ -28,10 +28,10 @@ from .sections import (
     RateLimitConfig,
     SchedulerConfig,
     ShutdownConfig,
-    TenantConfig,
     WorkersConfig,
 )
 from .settings import Settings, with_models_for_instances
+from .tenancy import TenantConfig
 from .validation import ConfigError, config_key, config_keys
 
 _NOT_LIVE_EXCEPTIONS = {"kv_release_path"}  # the built-in simulator sets it at start
@@ -76,6 +76,7 @@ _HELD = {
     "tracer": "tracer_config",
     "cluster": "cluster_config",
     "tenants": "tenant_config",
+    "kv_events": "kv_event_config",
 }
 _NOT_COMPARED = {"source_path", "models"}
 

@@ -28,6 +28,7 @@ from .sections import (
     ExceptionSection,
     Instance,
     InstanceEntry,
+    KvEventConfig,
     LogConfig,
     MgmtApiKeySection,
     ModelConfig,
@@ -35,15 +36,12 @@ from .sections import (
     RateLimitConfig,
     SchedulerSection,
     ShutdownConfig,
-    Tenant,
-    TenantConfig,
-    TenantLimits,
-    TenantSection,
     TlsConfig,
     TlsSection,
     WorkersConfig,
 )
 from .settings import Settings
+from .tenancy import Tenant, TenantConfig, TenantLimits, TenantSection
 from .validation import ConfigError, config_key, config_keys, validate
 
 log = logging.getLogger("coordinator.config")
@@ -237,6 +235,7 @@ SECTIONS = (
     ("log_config", LogConfig, None),
     ("cluster_config", ClusterConfig, "cluster"),
     ("tenant_config", TenantSection, "tenants"),
+    ("kv_event_config", KvEventConfig, "kv_events"),
 )
 OPTIONAL = {"tenant_config"}  # absent, the Settings attribute is None: it means something of its own
 # What only the machine that runs the Coordinator can answer, checked after the section is read.

@@ -151,6 +151,13 @@ def adopt(raw: dict, whole: dict | None) -> dict:
         if found:
             log.warning("config: %s.%s accepted, changes nothing here: %s", ROOT_KEY, path, why)
     data.pop("context_budget_mode", None)  # "off", checked above
+    if "prefill_kv_event_config" in data:  # PyMotor's name of kv_event_config
+        alias = data.pop("prefill_kv_event_config")
+        if "kv_event_config" in data and data["kv_event_config"] != alias:
+            raise ConfigError(
+                f"{ROOT_KEY}.prefill_kv_event_config: differs from kv_event_config (the same section: write one)"
+            )
+        data["kv_event_config"] = alias
     limits = data.get("rate_limit_config")
     if isinstance(limits, dict):
         _check_rate_skip_paths(limits.get("skip_paths", []))

@@ -61,7 +61,7 @@ def _between(lo: int, hi: int) -> AfterValidator:
     return _after(lambda v: None if lo <= v <= hi else f"must be {lo}..{hi}")
 
 
-def _one_of(choices: tuple[str, ...]) -> AfterValidator:
+def one_of(choices: tuple[str, ...]) -> AfterValidator:
     return _after(lambda v: None if v in choices else f"must be one of {', '.join(choices)}")
 
 
@@ -100,7 +100,7 @@ WatchdogSeconds = Annotated[
 ReleasePath = Annotated[
     Str, _after(lambda v: "must be empty or a path starting with /" if v and not v.startswith("/") else None)
 ]
-LogLevel = Annotated[Str, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v), _one_of(LOG_LEVELS)]
+LogLevel = Annotated[Str, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v), one_of(LOG_LEVELS)]
 
 
 def _key_list(value: Any) -> tuple[str, ...]:
@@ -165,9 +165,9 @@ class WorkersConfig:
 class SchedulerConfig:
     """scheduler_config: engine choice, PD dispatch, admission, health and breaker."""
 
-    scheduler_type: Annotated[Str, _one_of(SCHEDULER_TYPES)] = "slo_aware"
-    pd_dispatch: Annotated[Str, _one_of(PD_DISPATCH)] = "handoff"
-    admission: Annotated[Str, _one_of(ADMISSION)] = "off"
+    scheduler_type: Annotated[Str, one_of(SCHEDULER_TYPES)] = "slo_aware"
+    pd_dispatch: Annotated[Str, one_of(PD_DISPATCH)] = "handoff"
+    admission: Annotated[Str, one_of(ADMISSION)] = "off"
     admission_queue_size: Count = 256
     # The share of predictions that should hold within their error bounds: each engine's allowance is this
     # quantile of its recent prediction errors (scheduling/predict.py), per stage (prefill, decode).
@@ -260,8 +260,8 @@ class RateLimitConfig:
     enable_rate_limit: Bool = False
     max_requests: Count = 1000
     window_size_s: Annotated[Seconds, key("window_size")] = 60.0
-    provider: Annotated[Str, _one_of(("simple",))] = "simple"  # PyMotor's `olc` adapter is not here
-    scope: Annotated[Str, _one_of(("global",))] = "global"
+    provider: Annotated[Str, one_of(("simple",))] = "simple"  # PyMotor's `olc` adapter is not here
+    scope: Annotated[Str, one_of(("global",))] = "global"
     skip_paths: Annotated[tuple[str, ...], BeforeValidator(_key_list)] = ()
     error_message: NonEmptyStr = "too many requests, please try again later"
     error_status_code: Annotated[Int, _between(400, 599)] = 429
@@ -303,7 +303,7 @@ class ApiKeyConfig:
     key_prefix: Str = "Bearer "
     # Paths (exact) where no key is asked for, as MindIE-PyMotor's api_key_config.skip_paths.
     skip_paths: Annotated[tuple[str, ...], BeforeValidator(_key_list)] = ()
-    encryption_algorithm: Annotated[Str, _one_of(("PBKDF2_SHA256",))] = "PBKDF2_SHA256"  # of hashed valid_keys
+    encryption_algorithm: Annotated[Str, one_of(("PBKDF2_SHA256",))] = "PBKDF2_SHA256"  # of hashed valid_keys
     # A file holding one more key (MindIE-PyMotor's mgmt_api_key_config.api_key_file), read at start and reload.
     api_key_file: Str = ""
 
@@ -415,63 +415,46 @@ class ClusterConfig:
     metaserver_url: Str = ""
 
 
+def _zmq_endpoint(url: str) -> str | None:
+    if not url.startswith("tcp://") or url.rfind(":") <= len("tcp://"):
+        return "must be tcp://HOST:PORT ({host} stands for each engine endpoint's host)"
+    return None
+
+
+ZmqEndpoint = Annotated[Str, _after(_zmq_endpoint)]
+
+
+@dataclass(frozen=True)
+class KvEventConfig:
+    """kv_event_config (MindIE-PyMotor: prefill_kv_event_config): subscribe to every engine's KV cache events
+    (vLLM's --kv-events-config with the ZMQ publisher) and route on what each engine holds (scheduling/kv_events.py).
+    An endpoint's own `kv_events` object overrides the two addresses."""
+
+    enable: Bool = False
+    endpoint: ZmqEndpoint = "tcp://{host}:5557"
+    replay_endpoint: Annotated[Str, _after(lambda v: _zmq_endpoint(v) if v else None)] = "tcp://{host}:5558"
+    topic: Str = ""
+
+
+@dataclass(frozen=True)
+class EndpointKvEvents:
+    """An endpoint's `kv_events`: where its engine publishes (engines sharing a host publish on ports of their own)."""
+
+    endpoint: ZmqEndpoint
+    replay_endpoint: Annotated[Str, _after(lambda v: _zmq_endpoint(v) if v else None)] = ""
+
+
 @dataclass(frozen=True)
 class Aigw:
     """aigw: MindIE-PyMotor's one `/v1/models` entry; what it leaves out comes from the engine sections."""
 
     id: Str = ""
-    object: Annotated[Str, _one_of(("model",))] = "model"
+    object: Annotated[Str, one_of(("model",))] = "model"
     owned_by: Str = "motor"
     p_max_seqlen: Annotated[Int | None, _after(lambda v: None if v is None or v >= 1 else "must be >= 1")] = None
     d_max_seqlen: Annotated[Int | None, _after(lambda v: None if v is None or v >= 1 else "must be >= 1")] = None
     slo_ttft_ms: Annotated[Count, key("slo_ttft")] = 1000
     slo_tpot_ms: Annotated[Count, key("slo_tpot")] = 50
-
-
-PRIORITIES = ("interactive", "standard", "batch")  # x-priority's classes, first served first (vLLM's 0, 1, 2)
-DEFAULT_TENANT, OTHER_TENANT = "default", "other"  # the tenant of api_key_config's keys; the metrics' fold
-TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # safe in a log line and a metric label as it is
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """tenant_config.default, and each tenant's own limits (0: unlimited)."""
-
-    weight: Annotated[Num, Field(gt=0)] = 1.0  # its share of the tokens served when the queue is full
-    rpm: Annotated[Int, Field(ge=0)] = 0  # requests a minute
-    tpm: Annotated[Int, Field(ge=0)] = 0  # prompt plus output tokens a minute
-    max_inflight: Annotated[Int, Field(ge=0)] = 0
-    max_priority: Annotated[Str, _one_of(PRIORITIES)] = "interactive"
-
-
-@dataclass(frozen=True)
-class Tenant(TenantLimits):
-    """One entry of tenant_config.tenants: a name, the keys that are it, its limits."""
-
-    name: Str = ""
-    keys: KeyList = ()
-
-
-@dataclass(frozen=True)
-class TenantConfig:
-    """tenant_config: who a key is (serving/tenants.py). Absent, each distinct key is its own tenant."""
-
-    tenants: tuple[Tenant, ...] = ()
-    default: TenantLimits = TenantLimits()
-
-
-def _tenants_apart(cfg: TenantConfig) -> TenantConfig:
-    names: set[str] = set()
-    keys: set[str] = set()
-    for i, t in enumerate(cfg.tenants):
-        if not TENANT_NAME.fullmatch(t.name) or t.name in (DEFAULT_TENANT, OTHER_TENANT) or t.name in names:
-            why = "must be unique, 1..64 letters, digits, '.', '_' or '-', not 'default' or 'other'"
-            raise refused(f"{why} (got {t.name!r})", f"tenants[{i}].name")
-        if keys & set(t.keys):  # one key, one identity
-            raise refused("a key listed under another tenant too", f"tenants[{i}].keys")
-        names.add(t.name)
-        keys.update(t.keys)
-    return cfg
 
 
 # -- models and instances ---------------------------------------------------------------------------------
@@ -486,7 +469,7 @@ class ModelConfig:
     slo_tpot_ms: Annotated[Count, key("slo_tpot")] = 50
     p_max_seqlen: Count = 8192
     d_max_seqlen: Count = 8192
-    engine_type: Annotated[Str, _one_of(ENGINE_TYPES)] = "vllm"
+    engine_type: Annotated[Str, one_of(ENGINE_TYPES)] = "vllm"
     tokenizer_path: Str = ""
 
 
@@ -496,6 +479,7 @@ class Endpoint:
 
     id: Id
     address: Annotated[NonEmptyStr, AfterValidator(_valid_address)]  # "host:port"
+    kv_events: EndpointKvEvents | None = None  # its own KV-event addresses (else kv_event_config's, {host} filled)
 
     @property
     def base_url(self) -> str:
@@ -514,10 +498,10 @@ class Instance:
     """One entry of `instances` (or of a POST /instances/refresh body): an engine instance and its endpoints."""
 
     id: Id
-    role: Annotated[Str, _one_of(ROLES)]
+    role: Annotated[Str, one_of(ROLES)]
     model_name: NonEmptyStr
     endpoints: Annotated[tuple[Endpoint, ...], BeforeValidator(_numbered_endpoints)]
-    engine_type: Annotated[Str, _one_of(ENGINE_TYPES)] = "vllm"
+    engine_type: Annotated[Str, one_of(ENGINE_TYPES)] = "vllm"
 
     def to_json(self) -> dict:
         return {
@@ -525,8 +509,15 @@ class Instance:
             "role": self.role,
             "model_name": self.model_name,
             "engine_type": self.engine_type,
-            "endpoints": [{"id": e.id, "address": e.address} for e in self.endpoints],
+            "endpoints": [_endpoint_json(e) for e in self.endpoints],
         }
+
+
+def _endpoint_json(e: Endpoint) -> dict:
+    out: dict = {"id": e.id, "address": e.address}
+    if e.kv_events is not None:
+        out["kv_events"] = {"endpoint": e.kv_events.endpoint, "replay_endpoint": e.kv_events.replay_endpoint}
+    return out
 
 
 def _absent_as_null(data: Any) -> Any:
@@ -582,5 +573,4 @@ InstanceEntry = Annotated[
     AfterValidator(_endpoint_ids_unique),
     AfterValidator(_pd_protocol_spoken),
 ]
-TenantSection = Annotated[TenantConfig, AfterValidator(_tenants_apart)]
 ModelList = Annotated[tuple[ModelConfig, ...], AfterValidator(_model_ids_unique)]

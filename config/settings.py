@@ -14,24 +14,23 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from .sections import (
-    DEFAULT_TENANT,
     ApiConfig,
     ApiKeyConfig,
     ClusterConfig,
     ExceptionConfig,
     Instance,
+    KvEventConfig,
     LogConfig,
     MgmtApiKeyConfig,
     ModelConfig,
     RateLimitConfig,
     SchedulerConfig,
     ShutdownConfig,
-    TenantConfig,
-    TenantLimits,
     TlsConfig,
     TracerConfig,
     WorkersConfig,
 )
+from .tenancy import DEFAULT_TENANT, TenantConfig, TenantLimits
 
 MAX_BACKOFF_S = 10.0
 NO_LIMITS = TenantLimits()
@@ -50,6 +49,7 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
     tracer: TracerConfig = field(default_factory=TracerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tenants: TenantConfig | None = None  # tenant_config (None: absent, each distinct key is its own tenant)
+    kv_events: KvEventConfig = field(default_factory=KvEventConfig)
     source_path: str = ""
 
     def rate_limit(self) -> tuple[float, float]:

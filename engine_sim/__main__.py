@@ -32,6 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--zero-latency", action="store_true")
     p.add_argument("--kv-hold-timeout-s", type=float, default=30.0)
     p.add_argument("--faults", default=None, help="JSON object of fault knobs")
+    p.add_argument("--kv-events-config", default=None, help="vLLM's --kv-events-config (JSON): publish KV events")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 
@@ -77,6 +78,7 @@ def main(argv=None):
         zero_latency=a.zero_latency,
         kv_hold_timeout_s=a.kv_hold_timeout_s,
         faults=faults,
+        kv_events=json.loads(a.kv_events_config) if a.kv_events_config else {},
         log_level=a.log_level,
     )
     asyncio.run(_amain(cfg))

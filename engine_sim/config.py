@@ -67,6 +67,9 @@ class SimConfig:
     # An engine whose /v1/messages honours `return_token_ids` as chat does (vLLM 0.32's Messages route has no
     # such field and answers none): message_start carries `prompt_token_ids`, each content delta `token_ids`.
     messages_token_ids: bool = False
+    # vLLM's --kv-events-config: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:PORT",
+    # "replay_endpoint": "tcp://*:PORT2", "topic": ""}; the prefix cache's stores and evictions are published.
+    kv_events: dict[str, Any] = field(default_factory=dict)
     log_level: str = "WARNING"
 
     def __post_init__(self):

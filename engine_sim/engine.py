@@ -26,6 +26,7 @@ import itertools
 import logging
 import time
 
+from . import kv_events
 from .config import SimConfig
 
 log = logging.getLogger("engine_sim")
@@ -87,9 +88,12 @@ class Seq:
         "prompt_tokens",
         "remaining_prefill",
         "rid",
+        "token_ids",
     )
 
-    def __init__(self, rid: str, prompt_tokens: int, cached_tokens: int, out_lens: list[int], block_hashes=None):
+    def __init__(
+        self, rid: str, prompt_tokens: int, cached_tokens: int, out_lens: list[int], block_hashes=None, token_ids=None
+    ):
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = min(cached_tokens, max(prompt_tokens - 1, 0))
@@ -105,6 +109,7 @@ class Seq:
         self.finish_time = None
         self.hold_for_remote = False
         self.block_hashes = block_hashes or []
+        self.token_ids = token_ids  # the prompt's ids, kept only when KV events are published
         self.kv_tokens = 0
 
     @property
@@ -138,6 +143,7 @@ class Engine:
         self.tickets: dict[str, Ticket] = {}
         self.prefix: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.prefix_cap = cfg.prefix_cache_blocks or max(1, cfg.kv_capacity_tokens // cfg.block_size)
+        self.kv_events: kv_events.KvEventPublisher | None = None  # set by the server when cfg.kv_events is on
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._block_ids = itertools.count(1)
@@ -207,19 +213,40 @@ class Engine:
         """Number of leading blocks of ``hashes`` present in the prefix cache."""
         n = 0
         for h in hashes:
-            if h in self.prefix:
-                self.prefix.move_to_end(h)
-                n += 1
-            else:
+            if h not in self.prefix:
                 break
+            n += 1
+        for h in reversed(hashes[:n]):  # a prefix's head is the most recently used: tails are evicted first, as in vLLM
+            self.prefix.move_to_end(h)
         return n
 
-    def prefix_insert(self, hashes):
-        for h in hashes:
+    def prefix_insert(self, hashes, token_ids=None):
+        """The prompt's blocks are cached (the least recently used ones beyond the cap are evicted); with a KV
+        event publisher, the blocks new to the cache are published as stored and the evicted ones as removed."""
+        new = [i for i, h in enumerate(hashes) if h not in self.prefix]
+        for h in reversed(hashes):
             self.prefix[h] = None
             self.prefix.move_to_end(h)
+        evicted = []
         while len(self.prefix) > self.prefix_cap:
-            self.prefix.popitem(last=False)
+            evicted.append(self.prefix.popitem(last=False)[0])
+        if self.kv_events is not None and token_ids is not None:
+            events, start = [], None
+            for j, i in enumerate(new):  # one BlockStored per run of consecutive new blocks
+                if start is None:
+                    start = i
+                if j + 1 == len(new) or new[j + 1] != i + 1:
+                    events.append(kv_events.stored(hashes, token_ids, start, i + 1, self.cfg.block_size))
+                    start = None
+            if evicted:
+                events.append(kv_events.removed(evicted))
+            self.kv_events.publish(events)
+
+    def prefix_reset(self) -> None:
+        """vLLM's /reset_prefix_cache: every cached block is dropped (AllBlocksCleared)."""
+        self.prefix.clear()
+        if self.kv_events is not None:
+            self.kv_events.publish([kv_events.CLEARED])
 
     # ------------------------------------------------------------------ tickets (P side)
     def issue_ticket(self, rid: str, tokens: int, now: float) -> Ticket:
@@ -371,7 +398,7 @@ class Engine:
             now = time.monotonic()
             for s in finishing_prefill:
                 if s.block_hashes:
-                    self.prefix_insert(s.block_hashes)
+                    self.prefix_insert(s.block_hashes, s.token_ids)
             for s in finishing_prefill + decoders:
                 if s.done:
                     continue

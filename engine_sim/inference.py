@@ -106,13 +106,14 @@ async def _run(sim: SimState, request: web.Request, req: SimRequest, headers: di
     eng.account_prompt(req.prompt_tokens, prefix_hit if not remote_hit else 0, remote_hit)
     req.cached_tokens = max(prefix_hit, remote_hit)
     out_lens = [len(p) for p in g.pieces]
-    seq = Seq(req.id, req.prompt_tokens, req.cached_tokens, out_lens, hashes)
+    ids = T.text_token_ids(req.prompt_text, cfg.bytes_per_token) if eng.kv_events is not None and hashes else None
+    seq = Seq(req.id, req.prompt_tokens, req.cached_tokens, out_lens, hashes, ids)
     if cfg.zero_latency:
         seq.emitted = seq.max_len
         seq.done = True
         eng.stats["generation_tokens"] += sum(out_lens)
         if hashes:
-            eng.prefix_insert(hashes)
+            eng.prefix_insert(hashes, ids)
     else:
         eng.submit(seq)
     serving = SERVING[req.kind]

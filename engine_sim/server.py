@@ -15,6 +15,7 @@ from aiohttp import web
 from . import inference, responses_serving
 from .config import SimConfig
 from .json_text import dumps
+from .kv_events import KvEventPublisher
 from .kv_transfer import add_side_channel_routes
 from .metrics import render
 from .state import SimState
@@ -44,6 +45,7 @@ class SimServer(SimState):
         r.add_post("/sim/faults", self.serve_set_faults)
         r.add_delete("/sim/faults", self.serve_clear_faults)
         r.add_post("/sim/reset", self.serve_reset)
+        r.add_post("/reset_prefix_cache", self.serve_reset_prefix_cache)
         add_side_channel_routes(r, self)
         return app
 
@@ -61,12 +63,18 @@ class SimServer(SimState):
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         self.port = sock.getsockname()[1]
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10, connect=2))
+        kv = self.cfg.kv_events
+        if kv.get("enable_kv_cache_events") and kv.get("publisher", "zmq") == "zmq":
+            self.engine.kv_events = KvEventPublisher(kv)
         if not self.cfg.zero_latency:
             self.engine.start()
         return self.runner
 
     async def stop(self):
         await self.engine.stop()
+        if self.engine.kv_events is not None:
+            self.engine.kv_events.close()
+            self.engine.kv_events = None
         if self.session:
             await self.session.close()
         if self.runner:
@@ -107,6 +115,11 @@ class SimServer(SimState):
     async def serve_reset(self, request):
         self.reset()
         return web.json_response({"ok": True})
+
+    async def serve_reset_prefix_cache(self, request):
+        # vLLM's (with VLLM_SERVER_DEV_MODE=1): drops every cached block, 200 with an empty body
+        self.engine.prefix_reset()
+        return web.Response(status=200)
 
     # ------------------------------------------------------------------ vLLM's other routes
     async def serve_health(self, request):

@@ -83,7 +83,11 @@ def refused_key(request: Request, e: Unauthorized):
 async def instances(request: Request):
     ctx = request.app.ctx
     view = ctx.registry.view()
-    body = {"version": view.version, "instances": instances_json(view, ctx.ledger, ctx.health)}
+    body = {
+        "version": view.version,
+        "instances": instances_json(view, ctx.ledger, ctx.health, ctx.shared.kv_endpoints),
+        "prompt_tokens": ctx.scheduler.token_sources(view.models()),
+    }
     if ctx.cluster is not None:  # which replica answered, and whether it shares the cluster's state now
         body["cluster"] = ctx.cluster.status()
     return json(body)

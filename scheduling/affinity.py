@@ -6,8 +6,9 @@ hashes carrying the slot's bit: since each hash covers the prompt up to its pref
 hashes of one slot form a prefix-closed set and a binary search finds the run's end in about
 log2(hashes) probes.
 
-It is the policies' `PrefixSource` (scheduling/policies.py) today: `cached_tokens` and `last_holder` answer
-in prompt tokens (blocks of `block_tokens`), `record` learns from each prefill.
+It is the policies' `PrefixSource` (scheduling/policies.py) without KV events, and behind them for prompts whose
+token ids are not known (scheduling/kv_index.py): `cached_tokens` and `last_holder` answer in prompt tokens
+(blocks of `block_tokens`), `record` learns from each prefill.
 
 The table lives in shared memory (made in the main process with the other shared arrays), so every
 worker routes by the prefills of every worker. It is an open-addressed hash table of fixed size
@@ -34,6 +35,7 @@ _MASK = PREFIX_ENTRIES - 1
 
 class PrefixIndex:
     needs_hashes = True  # it knows prompts by their block hashes (scheduling/tokens.py)
+    needs_ids = False
 
     def __init__(self, shared: SharedState, block_tokens: int = 16):
         # The table's columns (views made once): an entry's key, its bit mask of slots, and its last slot.

@@ -8,8 +8,8 @@ A policy gets the usable candidates of one role and the request's `JobInfo` and 
 * `round_robin`: one rotating counter shared by all workers (a pair takes one step of it).
 * `load_balance`: least load: our in-flight requests and tokens plus the engine's own queue and KV use.
 * `kv_cache_affinity`: the prefill goes to the instance that most recently came to hold the prompt's longest
-  cached prefix (as its `PrefixSource` says: today the Coordinator's estimate, by chained block hashes over
-  the whole rendered prompt), unless that instance's load exceeds `affinity_overload_factor` times the least
+  cached prefix (as its `PrefixSource` says: the Coordinator's estimate, by chained block hashes over the whole
+  rendered prompt, or the engines' own KV events, scheduling/kv_index.py), unless that instance's load exceeds `affinity_overload_factor` times the least
   loaded one's plus one request like this one; decode by load.
 * `slo_aware`: predicts each candidate's TTFT (queue wait + uncached prefill + the decode engine's first
   step) and TPOT (the decode engine's step time with the batch it will have when this request joins)
@@ -71,10 +71,12 @@ class JobInfo:
     slo_ttft_ms: float
     slo_tpot_ms: float
     block_hashes: list[int] = field(default_factory=list)
+    prompt_keys: object = None  # the prompt's block keys from its exact ids (scheduling/kv_index.PromptKeys), if known
     prompt_bytes: int = 0  # its rendering's length, when an engine's count of it may calibrate the meter (else 0)
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
     arrived: float = field(default_factory=lambda: clock.now())
     cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
+    cached_predicted: int = -1  # what the engine of its last prefill or whole lease was predicted to hold
     failed: set[int] = field(default_factory=set)  # slots whose engine failed it: a continuation goes to none of them
     # The verdict of the last plan: can the chosen engines meet the budgets? (None: cannot tell.)
     feasible: bool | None = None
@@ -92,11 +94,12 @@ class JobInfo:
 
 
 class PrefixSource(Protocol):
-    """Where the policies learn which engine holds how much of a prompt in its prefix cache. Today's source is
-    the Coordinator's own estimate (scheduling/affinity.py: the prompts it had each engine compute); another
-    (the engines' own KV cache events, say) takes its place through these calls alone."""
+    """Where the policies learn which engine holds how much of a prompt in its prefix cache: the Coordinator's
+    own estimate (scheduling/affinity.py: the prompts it had each engine compute), or the engines' own KV cache
+    events (scheduling/kv_index.py), through these calls alone."""
 
     needs_hashes: bool  # it reads the prompt's block hashes (JobInfo.block_hashes: Scheduler.prepare makes them)
+    needs_ids: bool  # it reads the prompt's exact token ids (JobInfo.prompt_keys: Scheduler.prepare makes them)
 
     def cached_tokens(self, job: JobInfo, target: Target) -> int:
         """The leading prompt tokens of `job` that `target` is believed to hold (0: none)."""

@@ -19,6 +19,7 @@ from config import Live, Settings
 from scheduling.admission import OFF, REJECT, AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
 from scheduling.health import Health
+from scheduling.kv_index import KvEventSource, KvIndex, PromptKeys, prompt_seed
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Hold, Lease, Ledger
 from scheduling.policies import JobInfo, Policy, PrefixSource, make_policy
 from scheduling.predict import Predictor
@@ -221,10 +222,21 @@ class Scheduler:
             meter = self.meters[model] = make_meter(self.tokenizers.get(model, ""), self.policy.block_tokens)
         return meter
 
+    def token_sources(self, models: list[str]) -> dict[str, str]:
+        """How each model's prompts are counted: "exact" (its tokenizer_path: exact ids, which the engines' KV
+        events can be asked about) or "estimate"."""
+        return {m: "exact" if self.meter(m).exact else "estimate" for m in models}
+
     def prepare(self, job: JobInfo, kind: str, body: dict) -> None:
         """Count the prompt (exactly where a tokenizer is configured) and hash its blocks (the policy uses them)."""
-        hashes = self.policy.uses_prefix and self.index is not None and self.index.needs_hashes
-        job.prompt_tokens, job.block_hashes, job.prompt_bytes = self.meter(job.model).count(kind, body, hashes)
+        index = self.index if self.policy.uses_prefix else None
+        hashes = index is not None and index.needs_hashes
+        if index is None or not index.needs_ids:
+            job.prompt_tokens, job.block_hashes, job.prompt_bytes = self.meter(job.model).count(kind, body, hashes)
+            return
+        job.prompt_tokens, job.block_hashes, job.prompt_bytes, ids = self.meter(job.model).count_ids(kind, body, hashes)
+        if ids:  # the engines' KV events can answer for this prompt (scheduling/kv_index.py)
+            job.prompt_keys = PromptKeys(ids, prompt_seed(body.get("cache_salt")))
 
     def calibrate(self, model: str, prompt_bytes: int, prompt_tokens: int) -> None:
         """An engine counted `prompt_tokens` for a prompt of `model` that `prepare` measured at `prompt_bytes`
@@ -288,6 +300,7 @@ class Scheduler:
             lease.predicted_tpot = job.tpot_model_s if job.feasible is not None else 0.0  # what the plan expected
         else:
             uncached = self.policy.uncached(t, job)
+            job.cached_predicted = job.prompt_tokens - uncached
             idle = not self.ledger.load(t.slot)[3]  # no prefill in flight there: its queue is empty
             lease = self.ledger.lease(t.slot, uncached, 1 if kind == PREFILL else job.max_tokens, kind=kind)
             lease.hashes = job.block_hashes
@@ -405,6 +418,15 @@ class Scheduler:
         raise NoCapacity(f"no healthy instance of model {model!r} is available")
 
 
+def prefix_source(settings, shared) -> PrefixSource:
+    """Where cached prefixes come from: the engines' KV events (with the estimate for prompts whose ids are not
+    known), or the estimate alone."""
+    estimate = PrefixIndex(shared, settings.kv_affinity_block_size)
+    if settings.kv_events.enable:
+        return KvEventSource(KvIndex(shared), estimate)
+    return estimate
+
+
 def build_scheduler(live: Live, shared, registry: Registry, ledger: Ledger, health: Health) -> Scheduler:
     """The scheduler the live settings describe, on the shared learned model and prefix index."""
     settings = live.s  # its policy and admission need a restart (config.live); the rest it reads live
@@ -414,7 +436,7 @@ def build_scheduler(live: Live, shared, registry: Registry, ledger: Ledger, heal
         ledger,
         health,
         predictor=Predictor(shared, settings.slo_confidence),
-        index=PrefixIndex(shared, settings.kv_affinity_block_size),
+        index=prefix_source(settings, shared),
         block_tokens=settings.kv_affinity_block_size,
         overload_factor=settings.affinity_overload_factor,
         decode_alone=settings.conditional_disaggregation,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduling.health import Health
+from scheduling.kv_index import STATE_NAMES
 from scheduling.ledger import Ledger
 from scheduling.registry import Target, Topology
 
@@ -26,6 +27,8 @@ class EndpointStatus:
     engine_running: float  # the engine's vllm:num_requests_running
     engine_waiting: float  # the engine's vllm:num_requests_waiting
     engine_kv_cache_usage: float  # the engine's vllm:kv_cache_usage_perc (0..1)
+    kv_events: str = "off"  # its KV-event subscription (scheduling/kv_events.py): off, live, replaying, lost
+    kv_blocks: int = 0  # the blocks the KV-event index holds for it
 
     def load_json(self) -> dict:
         return {
@@ -40,9 +43,11 @@ class EndpointStatus:
         }
 
 
-def endpoint_status(view: Topology, ledger: Ledger, health: Health) -> list[EndpointStatus]:
+def endpoint_status(view: Topology, ledger: Ledger, health: Health, kv=None) -> list[EndpointStatus]:
+    """`kv`: the KV-event rows (SharedState.kv_endpoints), to say each endpoint's subscription."""
     out = []
     for t in view.targets:
+        row = kv[t.slot] if kv is not None else None
         requests, prompt_tokens, decode_tokens, prefilling = ledger.load(t.slot)
         running, waiting, kv_usage = health.engine_load(t.slot)
         out.append(
@@ -58,16 +63,18 @@ def endpoint_status(view: Topology, ledger: Ledger, health: Health) -> list[Endp
                 running,
                 waiting,
                 kv_usage,
+                STATE_NAMES.get(row.state, "off") if row is not None else "off",
+                row.blocks if row is not None else 0,
             )
         )
     return out
 
 
-def instances_json(view: Topology, ledger: Ledger, health: Health) -> list[dict]:
-    """GET /instances: each instance with its endpoints' health, breaker and load."""
+def instances_json(view: Topology, ledger: Ledger, health: Health, kv=None) -> list[dict]:
+    """GET /instances: each instance with its endpoints' health, breaker, load and KV-event subscription."""
     by_instance: dict[int, list[dict]] = {iid: [] for iid in view.instances}
     usable: dict[int, bool] = {}
-    for s in endpoint_status(view, ledger, health):
+    for s in endpoint_status(view, ledger, health, kv):
         t = s.target
         usable[t.instance_id] = usable.get(t.instance_id, False) or health.usable(t.slot)
         by_instance[t.instance_id].append(
@@ -77,6 +84,7 @@ def instances_json(view: Topology, ledger: Ledger, health: Health) -> list[dict]
                 "healthy": s.healthy,
                 "breaker": s.breaker,
                 "load": s.load_json(),
+                "kv_events": {"state": s.kv_events, "blocks": s.kv_blocks},
             }
         )
     out = []

@@ -226,19 +226,27 @@ class PromptMeter:
     def __init__(self, block_tokens: int = 16):
         self.block_tokens = block_tokens
         self.tokens_per_byte = 1 / BYTES_PER_TOKEN  # until counts say otherwise
+        self.ids: list[int] | None = None  # the last counted prompt's exact ids (count_ids), None: not known
 
     def count(self, kind: str, body: dict, hashes: bool = True) -> tuple[int, list[int], int]:
         """(prompt tokens, chained block hashes, learnable bytes): the last is the byte length of the prompt's
         rendering when an engine's count of this prompt may teach the meter (`calibrate`), else 0."""
+        self.ids = None
         if kind == COMPLETION:
             prompt = body.get("prompt")
             ids = _token_list(prompt)
             if ids is not None:
+                self.ids = ids
                 return len(ids), chained_hashes(_ids_bytes(ids), self.block_tokens * 4) if hashes else [], 0
             learnable = isinstance(prompt, str) and body.get("truncate_prompt_tokens") is None
             return self._text(completion_text(prompt), hashes, True, learnable)
         messages, tools, system = _chat_parts(kind, body)
         return self._chat(messages, tools, system, hashes, _template_as_ours(body))
+
+    def count_ids(self, kind: str, body: dict, hashes: bool = True) -> tuple[int, list[int], int, list[int] | None]:
+        """`count`'s, and the prompt's token ids as the engine sees them when they are known exactly (a token-id
+        prompt; a prompt the tokenizer encoded), else None."""
+        return (*self.count(kind, body, hashes), self.ids)
 
     def calibrate(self, prompt_bytes: int, prompt_tokens: int) -> None:
         """An engine counted `prompt_tokens` for a prompt whose rendering measured `prompt_bytes` (`count`'s
@@ -327,6 +335,7 @@ class TokenizerMeter(PromptMeter):
 
     def _counted(self, data: bytes, ids: list[int], hashes: bool, learn: int) -> tuple[int, list[int], int]:
         """An exact count, which calibrates the estimate of longer prompts."""
+        self.ids = ids
         if learn:
             self._learn(learn, len(ids))
         return len(ids), self._block_hashes(data, hashes), learn

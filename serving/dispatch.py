@@ -100,6 +100,8 @@ class Dispatcher:
         a request let in at once gets its flow's own coroutine, with no layer of this function's."""
         info = self.job_info(job)
         rec.prompt_tokens, family = info.prompt_tokens, job.family
+        if info.prompt_keys is not None:  # the engines' KV events predict its cached tokens: the line says how well
+            rec.info = info
         if family.vllm_only:
             self._require_vllm(job)
         if family.counts_only:

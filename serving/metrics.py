@@ -25,10 +25,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from scheduling.health import Health
+from scheduling.kv_index import STATE_NAMES
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.status import endpoint_status
-from serving.observe import PLACEMENTS, FlushTimer, Observer, RequestRecord
+from serving.observe import PLACEMENTS, FlushTimer, Observer, RequestRecord, kv_outcome
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -102,6 +103,12 @@ TENANT_REQUESTS = Counter(
 TENANT_TOKENS = Counter(
     "motor_tenant_tokens_total", "Tokens of successful requests by tenant and kind (prompt, output)", ["tenant", "kind"]
 )
+KV_PREDICTION = Counter(
+    "motor_kv_prediction_total",
+    "Requests whose cached prompt tokens the engines' KV events predicted, by how the engine's count compared: "
+    "exact, over (predicted more than it held), under",
+    ["model", "outcome"],
+)
 REJECTIONS = Counter("motor_rejections_total", "Requests refused before reaching an engine, by reason", ["reason"])
 DISCONNECTS = Counter("motor_client_disconnects_total", "Clients that went away, by phase", ["phase"])
 STORE_CALLS = Counter("motor_cluster_store_round_trips_total", "Round trips to the cluster store (cluster mode)")
@@ -116,6 +123,7 @@ def store_calls(store) -> None:
 
 
 BREAKER_CODES = {"closed": 0, "open": 1, "half_open": 2}
+KV_STATE_CODES = {name: code for code, name in STATE_NAMES.items()}
 
 
 def clear_stale_files() -> None:
@@ -206,13 +214,21 @@ class SharedStateCollector:
                 lambda s: s.engine_kv_cache_usage,
             ),
         ]
-        for s in endpoint_status(view, self.ledger, self.health):
+        kv_blocks = family("motor_kv_events_blocks", "Blocks of the engine's KV cache the KV-event index holds")
+        kv_state = family(
+            "motor_kv_events_state", "The endpoint's KV-event subscription: 0 off, 1 live, 2 replaying, 3 lost"
+        )
+        for s in endpoint_status(view, self.ledger, self.health, self.registry.shared.kv_endpoints):
             t = s.target
             values = [str(t.instance_id), str(t.endpoint_id), t.role, t.model]
             for fam, read in fams:
                 fam.add_metric(values, float(read(s)))
+            kv_blocks.add_metric(values, float(s.kv_blocks))
+            kv_state.add_metric(values, float(KV_STATE_CODES[s.kv_events]))
         for fam, _ in fams:
             yield fam
+        yield kv_blocks
+        yield kv_state
 
 
 class _PendingCount:
@@ -398,6 +414,9 @@ class PrometheusObserver(Observer):
         if rec.status >= 400:
             return
         series.e2e.observe(rec.duration_s)
+        outcome = kv_outcome(rec) if rec.info is not None else None
+        if outcome is not None:
+            KV_PREDICTION.labels(self._model(rec.model), outcome).inc()
         if rec.family is not None and rec.family.counts_only:  # a count, not an inference: no tokens were served
             return
         series.prompt_tokens.amount += rec.prompt_tokens

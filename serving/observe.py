@@ -51,6 +51,10 @@ def _last_int(body: bytes, keys: tuple[bytes, ...]) -> int | None:
     return None
 
 
+# What an answer's usage says its engine held (OpenAI's prompt_tokens_details, Anthropic's cache reads).
+_CACHED_KEYS = (b'"cached_tokens":', b'"cache_read_input_tokens":')
+
+
 def answer_prompt_tokens(body: bytes, family: Family) -> int:
     """The prompt tokens, cached ones included, that an engine's JSON answer reports (scheduling.tokens'
     `engine_prompt`, read from the bytes); -1 when absent. Its family names the keys (`prompt_keys`), and the
@@ -98,6 +102,10 @@ class RequestRecord:
     usage_event: bool = False  # the client asked for a usage chunk (stream_options.include_usage)
     family: Family | None = None  # the endpoint family it came in by (None: a call of no family's)
     duration_s: float = 0.0  # set when the request is done
+    # With KV events: the request's JobInfo (what its plan predicted the engine held: `cached_predicted`), and
+    # what the engine that computed its prompt reported it held (`prompt_tokens_details.cached_tokens`; -1: not said)
+    info: object = None
+    cached_tokens: int = -1
 
     def first_token(self) -> None:
         if self.ttft_s is None:
@@ -109,6 +117,18 @@ class RequestRecord:
         prompt = _last_int(body, _INPUT_KEYS)
         if prompt is not None:
             self.prompt_tokens = prompt
+        if self.info is not None:
+            self.engine_cached(body)
+
+    def engine_cached(self, usage: bytes) -> None:
+        """The cached tokens an engine's usage (an answer, or events holding it) reports, if it says."""
+        cached = _last_int(usage, _CACHED_KEYS)
+        if cached is not None:
+            self.cached_tokens = cached
+
+    @property
+    def cached_tokens_predicted(self) -> int:
+        return self.info.cached_predicted if self.info is not None else -1
 
     def message_delta(self, block: bytes) -> None:
         """Relayed events that hold its family's `final_usage_event` (Messages' message_delta, Responses'
@@ -190,6 +210,19 @@ class RequestLog:
             sys.stdout.flush()
 
 
+def _kv_fields(rec: RequestRecord) -> str:
+    predicted, reported = rec.cached_tokens_predicted, rec.cached_tokens
+    return f" cached_tokens_predicted={predicted if predicted >= 0 else '-'} cached_tokens={reported if reported >= 0 else '-'}"
+
+
+def kv_outcome(rec: RequestRecord) -> str | None:
+    """How the prediction of a request's cached tokens went (exact, over, under), when both sides are known."""
+    predicted, reported = rec.cached_tokens_predicted, rec.cached_tokens
+    if rec.info is None or predicted < 0 or reported < 0:
+        return None
+    return "exact" if predicted == reported else "over" if predicted > reported else "under"
+
+
 def _name(t: Target | None) -> str:
     return t.label if t else "-"
 
@@ -206,7 +239,7 @@ class Observer:
             self.request_log.write(
                 "request_id=%s route=%s tenant=%s model=%s stream=%s prefill=%s decode=%s status=%d ttft_ms=%s "
                 "prompt_tokens=%d output_tokens=%d retries=%d missed_handoff=%s continuations=%d%s placement=%s "
-                "duration_ms=%.1f%s"
+                "duration_ms=%.1f%s%s"
                 % (
                     log_value(rec.request_id),
                     rec.route,
@@ -225,6 +258,7 @@ class Observer:
                     f" continuation_refused={rec.continuation_refused}" if rec.continuation_refused else "",
                     rec.placement or "-",
                     rec.duration_s * 1000,
+                    _kv_fields(rec) if rec.info is not None else "",
                     f" error={log_value(rec.error)}" if rec.error else "",
                 )
             )

@@ -75,6 +75,8 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
                         block = fix_block(block)
                     if final_usage is not None and final_usage in block:
                         rec.message_delta(block)
+                    if rec.info is not None and b"cache" in block:  # KV events' prediction: what the engine held
+                        rec.engine_cached(block)
                     if learn and (prompt := answer_prompt_tokens(block, family)) > 0:
                         call.leg.calibrate(prompt)
                         learn = False

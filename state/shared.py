@@ -1,6 +1,6 @@
 """Cross-worker state in shared memory: the instance document, the load ledger, the per-endpoint table and the
 smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes,
-the tenants' quotas and counts).
+the tenants' quotas and counts, the engines' KV blocks and their subscriptions).
 
 Everything here is made once, in the main process (Sanic's `main_process_start`), and handed to every
 worker through `app.shared_ctx`; in a single process the same raw arrays work on ordinary memory.
@@ -170,6 +170,40 @@ class PrefixTable(Table):
     ]
 
 
+# The engines' KV facts (scheduling/kv_index.py, written by the one subscriber of a replica, scheduling/kv_events.py):
+# open-addressed entries of (a block's key mixed with its slot and that slot's epoch, the slot + 1 and epoch
+# that own it), a column per field. KV_ENTRIES entries (8 MiB) only when kv_event_config.enable is set.
+KV_ENTRIES = 1 << 19
+
+
+class KvBlockTable(Table):
+    _fields_ = [
+        ("key", ctypes.c_uint64 * KV_ENTRIES),
+        ("owner", ctypes.c_uint64 * KV_ENTRIES),  # (epoch << 16) | (slot + 1); 0: never used
+    ]
+
+
+class KvBlockTableOff(Table):
+    """The table's stand-in while KV events are off: one entry, never written."""
+
+    _fields_ = [("key", ctypes.c_uint64 * 1), ("owner", ctypes.c_uint64 * 1)]
+
+
+class KvEndpointRow(Table):
+    """One slot's KV-event subscription, written by the subscriber alone."""
+
+    _fields_ = [
+        ("state", ctypes.c_int64),  # KV_OFF, KV_LIVE, KV_REPLAYING, KV_LOST (scheduling/kv_events.py)
+        ("epoch", ctypes.c_int64),  # bumped when the slot's blocks are all forgotten: older entries are dead
+        ("blocks", ctypes.c_int64),  # blocks the index holds for the slot now
+        ("block_size", ctypes.c_int64),  # the engine's tokens per block, from its events (0: none seen yet)
+        ("seq", ctypes.c_int64),  # the last sequence number applied (-1: none)
+        ("batches", ctypes.c_int64),  # batches applied
+        ("dropped", ctypes.c_int64),  # messages refused: malformed, oversized, over the rate budget
+        ("clears", ctypes.c_int64),  # times its blocks were all forgotten (AllBlocksCleared, restart, loss)
+    ]
+
+
 # Prefill usage in trigger mode (serving/usage.py PrefillUsages): per worker, slots written by the worker that
 # relayed P's answer to an engine's metaserver call, read by the worker whose client request's decode leg
 # reports usage.
@@ -258,9 +292,11 @@ class SharedState:
     config: Any = None  # RawArray of bytes: the Settings a reload accepted, pickled (`globals.config_len` of them)
     tenants: Any = None  # RawValue of TenantTable
     tenant_counts: Any = None  # RawArray of TenantCounts [MAX_WORKERS]
+    kv_endpoints: Any = None  # RawArray of KvEndpointRow [MAX_SLOTS]: each engine's KV-event subscription
+    kv_blocks: Any = None  # RawValue of KvBlockTable: the engines' KV blocks (KvBlockTableOff when off)
 
     @classmethod
-    def create(cls) -> SharedState:
+    def create(cls, kv_events: bool = False) -> SharedState:
         ctx = multiprocessing.get_context("spawn")
         return cls(
             doc=ctx.RawArray(ctypes.c_char, DOC_BYTES),
@@ -275,6 +311,8 @@ class SharedState:
             config=ctx.RawArray(ctypes.c_char, CONFIG_BYTES),
             tenants=ctx.RawValue(TenantTable),
             tenant_counts=ctx.RawArray(TenantCounts, MAX_WORKERS),
+            kv_endpoints=ctx.RawArray(KvEndpointRow, MAX_SLOTS),
+            kv_blocks=ctx.RawValue(KvBlockTable if kv_events else KvBlockTableOff),
         )
 
     @property
@@ -344,6 +382,8 @@ _FIELDS = (
     "config",
     "tenants",
     "tenant_counts",
+    "kv_endpoints",
+    "kv_blocks",
 )
 
 

@@ -605,6 +605,7 @@ class ReportedPrefixes:
     their KV cache events would know it; it reads no block hashes."""
 
     needs_hashes = False
+    needs_ids = False
 
     def __init__(self, held: dict[int, int], last: int = -1):
         self.held, self.last, self.recorded = held, last, []

@@ -1,0 +1,202 @@
+"""The engines' KV events: what the index costs (scheduling/kv_index.py, scheduling/kv_events.py).
+
+    python bench/kv_events.py
+
+One run, four numbers (docs/performance.md keeps them):
+* memory per cached block: the shared table and the subscriber's map of engine hashes are allocated once
+  (KV_ENTRIES entries); filled with 4 engines' blocks until the table holds no more, bytes / blocks held;
+* ingestion on one core: vLLM batches (msgpack, as a ZMQ message carries them) decoded and applied by the
+  subscriber's own code, in events a second for events of 1 block (a decode step's) and of 16 (a prefill's);
+* lookup: a prompt's keys from its ids and its cached prefix on 4 engines, at 32 KiB and 1 MiB of prompt
+  (4 bytes a token), tokenizing aside;
+* the longest stall of an asyncio loop sharing a process with the subscriber thread (Sanic's single-process
+  mode; with workers, the subscriber is in the main process and no worker's loop shares its GIL) while another
+  process floods it over ZMQ for 3 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import msgspec  # noqa: E402
+
+from config import Endpoint, Instance, Settings  # noqa: E402
+from config.sections import EndpointKvEvents, KvEventConfig  # noqa: E402
+from harness.loopback import free_ports  # noqa: E402
+from scheduling.kv_events import EngineFeed, KvSubscriber  # noqa: E402
+from scheduling.kv_index import PromptKeys  # noqa: E402
+from scheduling.registry import Registry  # noqa: E402
+from state.shared import KV_ENTRIES, SharedState  # noqa: E402
+
+BLOCK = 16
+ENGINES = 4
+FLOOD = """
+import sys, time, zmq, msgspec
+ctx = zmq.Context(); pub = ctx.socket(zmq.PUB); pub.bind(sys.argv[1]); time.sleep(0.5)
+ids = list(range(1000, 1000 + 16 * 16)); seq = 0; end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    ev = {"type": "BlockStored", "block_hashes": list(range(seq * 16, seq * 16 + 16)), "parent_block_hash": None,
+          "token_ids": ids, "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    pub.send_multipart((b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [ev]]))); seq += 1
+print(seq)
+"""
+
+
+def world(addresses: list[tuple[int, int]]) -> tuple[SharedState, KvSubscriber]:
+    shared = SharedState.create(kv_events=True)
+    instances = [
+        Instance(
+            id=i + 1,
+            role="union",
+            model_name="m",
+            endpoints=(
+                Endpoint(
+                    id=0,
+                    address=f"127.0.0.1:{1 + i}",
+                    kv_events=EndpointKvEvents(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"),
+                ),
+            ),
+        )
+        for i, (pub, rep) in enumerate(addresses)
+    ]
+    Registry(shared).apply("set", instances)
+    settings = Settings(instances=tuple(instances), kv_events=KvEventConfig(enable=True))
+    return shared, KvSubscriber(shared, lambda: settings)
+
+
+def batch(first_hash: int, ids: list[int], parent: int | None) -> bytes:
+    n = len(ids) // BLOCK
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": list(range(first_hash, first_hash + n)),
+        "parent_block_hash": parent,
+        "token_ids": ids,
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    return msgspec.msgpack.encode([time.time(), [ev]])
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def feeds(sub: KvSubscriber, n: int) -> list[EngineFeed]:
+    sub.follow()
+    return [sub.feeds[s] for s in sorted(sub.feeds)][:n]
+
+
+def memory_and_ingest() -> None:
+    before = rss_bytes()
+    shared, sub = world([(p, p + 1) for p in range(40000, 40000 + 2 * ENGINES, 2)])
+    fs = feeds(sub, ENGINES)
+    made = rss_bytes() - before
+    # Ingestion: chains of 1-block events (decode steps), then 16-block events (prefill chunks).
+    for blocks_per_event in (1, 16):
+        payloads = []
+        for chain in range(400):
+            parent = None
+            for step in range(16 // blocks_per_event if blocks_per_event < 16 else 1):
+                first = (blocks_per_event * 1000) * 10**6 + chain * 1000 + step * blocks_per_event
+                ids = [chain * 7919 + step * 31 + k for k in range(blocks_per_event * BLOCK)]
+                payloads.append(batch(first, ids, parent))
+                parent = first + blocks_per_event - 1
+        feed = fs[0]
+        started = time.process_time()
+        for seq, payload in enumerate(payloads):
+            sub._apply(feed, seq, payload)
+        cpu = time.process_time() - started
+        print(
+            f"ingest: {len(payloads) / cpu:,.0f} events/s of {blocks_per_event} block(s) "
+            f"({len(payloads) * blocks_per_event / cpu:,.0f} blocks/s) on one core"
+        )
+    # Fill every engine until the table takes no more.
+    rows = sub.index.rows
+    seq = 10**6
+    for round_ in range(4 * KV_ENTRIES // (ENGINES * 64)):
+        for e, feed in enumerate(fs):
+            first = (e + 1) * 10**12 + round_ * 64
+            ids = [(e * 10**9 + round_ * 64 * BLOCK + k) for k in range(64 * BLOCK)]
+            sub._apply(feed, seq, batch(first, ids, None))
+            seq += 1
+    held = sum(rows[f.slot].blocks for f in fs)
+    table = 2 * 8 * KV_ENTRIES + 3 * 8 * len(sub.hashes.keys)
+    grown = rss_bytes() - before
+    print(
+        f"memory: {held:,} blocks held by {ENGINES} engines in {table / 2**20:.0f} MiB of tables: "
+        f"{table / held:.0f} bytes per block (process RSS grew {grown / 2**20:.0f} MiB, {grown / held:.0f} bytes "
+        f"per block; {made / 2**20:.0f} MiB of it at start)"
+    )
+    sub.ctx.term()
+
+
+def lookup() -> None:
+    shared, sub = world([(p, p + 1) for p in range(41000, 41000 + 2 * ENGINES, 2)])
+    fs = feeds(sub, ENGINES)
+    for kib in (32, 1024):
+        ids = [(k * 2654435761) % 150000 for k in range(kib * 1024 // 4)]
+        held = len(ids) * 9 // 10 // BLOCK * BLOCK  # each engine holds the first 90 %, in chains of 256 blocks
+        for e, feed in enumerate(fs):
+            parent, seq = None, 0
+            for start in range(0, held, 256 * BLOCK):
+                chunk = ids[start : min(start + 256 * BLOCK, held)]
+                first = (e + 1) * 10**9 + start
+                sub._apply(feed, seq, batch(first, chunk, parent))
+                parent, seq = first + len(chunk) // BLOCK - 1, seq + 1
+        runs = 20 if kib > 100 else 200
+        keys_s = look_s = 0.0
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            prompt = PromptKeys(ids)
+            t1 = time.perf_counter()
+            found = [sub.index.cached_tokens_at(f.slot, prompt) for f in fs]
+            t2 = time.perf_counter()
+            keys_s, look_s = keys_s + t1 - t0, look_s + t2 - t1
+        assert found == [held] * ENGINES, (found, held)
+        print(
+            f"lookup at {kib} KiB ({len(ids):,} tokens): keys {keys_s / runs * 1000:.3f} ms + {ENGINES} engines "
+            f"{look_s / runs * 1000:.3f} ms = {(keys_s + look_s) / runs * 1000:.3f} ms"
+        )
+    sub.ctx.term()
+
+
+def stall() -> None:
+    pub, rep = free_ports(2)
+    shared, sub = world([(pub, rep)])
+    sub.start()
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, f"tcp://127.0.0.1:{pub}", "3"], stdout=subprocess.PIPE)
+
+    async def watch() -> float:
+        await asyncio.sleep(0.7)
+        worst, last = 0.0, time.monotonic()
+        end = last + 2.5
+        while last < end:
+            await asyncio.sleep(0.001)
+            now = time.monotonic()
+            worst, last = max(worst, now - last), now
+        return worst
+
+    worst = asyncio.run(watch())
+    sent = int(flood.communicate()[0])
+    row = sub.index.rows[next(iter(sub.feeds))]
+    print(
+        f"flood: {sent:,} batches of 16 blocks sent in 3 s, {row.batches:,} applied, {row.dropped:,} dropped over "
+        f"budget; the loop's longest stall {worst * 1000:.1f} ms (1 ms sleeps)"
+    )
+    sub.stop()
+
+
+if __name__ == "__main__":
+    memory_and_ingest()
+    lookup()
+    stall()

@@ -1,0 +1,235 @@
+"""The index of what each engine's KV cache holds, from the engines' own KV events (scheduling/kv_events.py).
+
+**Keys.** A block's key is the Coordinator's own hash of the prompt up to that block's end, in token ids: a
+CRC-32 running over the ids (8 bytes each, little-endian) from the prompt's start, beside the block count
+(`(crc << 32) | blocks`). vLLM's block hashes are not reproduced: an event's `token_ids` give the key, chained
+from its parent block's key, and a request's prompt ids give the same keys (`PromptKeys`), so a prompt's cached
+prefix on an engine is its longest run of leading keys the engine holds. The CRC continues from any earlier
+point (`zlib.crc32(more, crc)`), so a prompt's key at any block is one C call from the nearest key already
+computed, and a lookup touches each byte of the prompt about once whichever engines it asks about.
+
+**Scope.** Blocks computed under a LoRA adapter or with extra keys (vLLM's `extra_keys`: a cache salt on the
+first block, multimodal identifiers) are kept apart: the adapter's name starts the chain, and a block's other
+extra keys are hashed in before its tokens. A request's `cache_salt` is its prompt's seed the same way; its
+multimodal blocks cannot be keyed here, so a prompt's prediction stops before its first image.
+
+**The table.** One open-addressed table in shared memory (state/shared.py `KvBlockTable`, KV_ENTRIES
+entries), written by the replica's one subscriber and read by every worker: an entry is a key mixed with its
+slot and that slot's epoch. Forgetting an engine's blocks (AllBlocksCleared, a restart, lost events) bumps its
+epoch: its old entries match nothing and count as free for the next writes, so clearing costs nothing. A key
+whose probe window is full takes the entry of a victim (whose slot's count goes down): the table is a cap, and
+what it drops only makes a prediction low. Readers take no lock; a torn or stale entry makes one hint wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from array import array
+from bisect import bisect_right
+
+from scheduling.policies import JobInfo
+from scheduling.registry import Target
+from state.shared import KV_ENTRIES, KvEndpointRow, SharedState
+
+PROBES = 8
+_M64 = (1 << 64) - 1
+_ODD = 0x9E3779B97F4A7C15
+_SLOT_MIX, _EPOCH_MIX = 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
+TOKEN_BYTES = 8  # a token id's bytes in a key (the simulator's ids exceed 32 bits)
+
+# A slot's subscription (KvEndpointRow.state).
+KV_OFF, KV_LIVE, KV_REPLAYING, KV_LOST = 0, 1, 2, 3
+STATE_NAMES = {KV_OFF: "off", KV_LIVE: "live", KV_REPLAYING: "replaying", KV_LOST: "lost"}
+
+
+def extra_bytes(extra: object) -> bytes:
+    """A scope value (LoRA name, a block's extra keys) as the bytes hashed into a chain."""
+    return b"\x00" + json.dumps(extra, separators=(",", ":"), default=str).encode()
+
+
+def ids_bytes(ids: list[int]) -> bytes:
+    """Token ids as the bytes a key hashes (ValueError/OverflowError for an id that is no token)."""
+    return array("Q", ids).tobytes()
+
+
+def block_key(crc: int, blocks: int) -> int:
+    return (crc << 32) | (blocks & 0xFFFFFFFF)
+
+
+def _mixed(key: int, slot: int, epoch: int) -> int:
+    return (((key ^ ((slot + 1) * _SLOT_MIX + epoch * _EPOCH_MIX)) & _M64) * _ODD) & _M64 or 1
+
+
+class BlockTable:
+    """An open-addressed table of mixed keys with their owners (slot + 1, epoch), and optionally a value each:
+    the shared index (no values), or the subscriber's own map from an engine's block hash to its key."""
+
+    def __init__(self, keys, owners, values=None, epochs=None):
+        self.keys, self.owners, self.values = keys, owners, values
+        self.size = len(keys)
+        self.shift = 64 - (self.size.bit_length() - 1)
+        self.epochs = epochs  # slot -> its current epoch (a view of KvEndpointRow, or a list)
+
+    def _live(self, owner: int) -> bool:
+        return owner != 0 and (owner >> 16) == self.epochs[(owner & 0xFFFF) - 1].epoch
+
+    def find(self, tag: int) -> int:
+        keys, size = self.keys, self.size
+        i = tag >> self.shift if self.shift < 64 else 0
+        for _ in range(PROBES):
+            if keys[i] == tag:
+                return i
+            i = (i + 1) % size
+        return -1
+
+    def put(self, tag: int, owner: int, value: int = 0) -> tuple[bool, int]:
+        """Store `tag` (True if it was not there); the second value is the slot whose live entry it displaced
+        (-1: none)."""
+        keys, owners, size = self.keys, self.owners, self.size
+        i = tag >> self.shift if self.shift < 64 else 0
+        free = -1
+        for _ in range(PROBES):
+            k = keys[i]
+            if k == tag:
+                if self.values is not None:
+                    self.values[i] = value
+                return False, -1
+            if free < 0 and (k == 0 or not self._live(owners[i])):
+                free = i
+            i = (i + 1) % size
+        lost = -1
+        if free < 0:  # the window is full of live entries: one of them goes, picked by the tag's low bits
+            free = ((tag >> self.shift if self.shift < 64 else 0) + tag % PROBES) % size
+            lost = (owners[free] & 0xFFFF) - 1
+        keys[free], owners[free] = tag, owner
+        if self.values is not None:
+            self.values[free] = value
+        return True, lost
+
+    def drop(self, i: int) -> None:
+        self.keys[i], self.owners[i] = 0, 0
+
+
+class KvIndex:
+    """The shared table of the engines' blocks (state/shared.py), by slot."""
+
+    def __init__(self, shared: SharedState):
+        table = shared.kv_blocks
+        self.rows: list[KvEndpointRow] = [shared.kv_endpoints[s] for s in range(len(shared.kv_endpoints))]
+        self.table = BlockTable(table.key, table.owner, epochs=self.rows)
+
+    # -- the subscriber's writes ---------------------------------------------------------------------
+
+    def add(self, slot: int, key: int) -> None:
+        row = self.rows[slot]
+        new, lost = self.table.put(_mixed(key, slot, row.epoch), (row.epoch << 16) | (slot + 1))
+        if new:
+            row.blocks += 1
+            if lost >= 0:
+                self.rows[lost].blocks -= 1
+
+    def remove(self, slot: int, key: int) -> None:
+        row = self.rows[slot]
+        i = self.table.find(_mixed(key, slot, row.epoch))
+        if i >= 0:
+            self.table.drop(i)
+            row.blocks -= 1
+
+    def forget(self, slot: int) -> None:
+        """Every block of `slot` is gone: its epoch moves on (its entries are dead, reused by later writes)."""
+        row = self.rows[slot]
+        row.epoch = (row.epoch + 1) & 0xFFFFFFFFFFFF
+        row.blocks = 0
+        row.clears += 1
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    def holds(self, slot: int, key: int) -> bool:
+        return self.table.find(_mixed(key, slot, self.rows[slot].epoch)) >= 0
+
+    def cached_blocks(self, slot: int, prompt: PromptKeys) -> int:
+        """The leading blocks of the prompt `slot` holds (a binary search: an engine's cache is prefix-closed
+        to within its evictions, and vLLM's own match stops at the first block it lacks)."""
+        row = self.rows[slot]
+        size = row.block_size
+        if size <= 0:
+            return 0
+        lo, hi = 0, prompt.blocks(size)
+        find, epoch = self.table.find, row.epoch
+        if hi and find(_mixed(prompt.key(size, 1), slot, epoch)) < 0:  # the head evicted: nothing is a hit
+            return 0
+        while lo < hi:  # the first lo blocks are held; none past hi
+            mid = (lo + hi + 1) // 2
+            if find(_mixed(prompt.key(size, mid), slot, epoch)) >= 0:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def cached_tokens_at(self, slot: int, prompt: PromptKeys) -> int:
+        return self.cached_blocks(slot, prompt) * self.rows[slot].block_size
+
+
+class PromptKeys:
+    """A prompt's block keys, computed on demand and kept: each from the nearest earlier one already known."""
+
+    __slots__ = ("crcs", "data", "n_tokens", "offsets")
+
+    def __init__(self, ids: list[int], seed: bytes = b""):
+        self.data = memoryview(seed + ids_bytes(ids))
+        self.n_tokens = len(ids)
+        start = len(seed)
+        self.offsets = [start]  # sorted byte offsets whose CRC is known
+        self.crcs = {start: zlib.crc32(self.data[:start])}
+
+    def blocks(self, block_size: int) -> int:
+        return self.n_tokens // block_size
+
+    def key(self, block_size: int, blocks: int) -> int:
+        end = self.offsets[0] + blocks * block_size * TOKEN_BYTES
+        crc = self.crcs.get(end)
+        if crc is None:
+            offsets = self.offsets
+            j = bisect_right(offsets, end) - 1
+            start = offsets[j]
+            crc = self.crcs[end] = zlib.crc32(self.data[start:end], self.crcs[start])
+            offsets.insert(j + 1, end)
+        return block_key(crc, blocks)
+
+
+def prompt_seed(cache_salt: object = None) -> bytes:
+    """The bytes a request's chain starts from: its cache salt, as vLLM puts it in its first block's extra keys."""
+    return extra_bytes([cache_salt]) if cache_salt else b""
+
+
+class KvEventSource:
+    """The policies' PrefixSource from the engines' KV events, for requests whose prompt ids are known
+    (`JobInfo.token_ids`: a model with a tokenizer_path, or a token-id prompt); for the others, and for engines
+    whose events are not live, the estimate it wraps (scheduling/affinity.py) answers."""
+
+    def __init__(self, index: KvIndex, estimate):
+        self.index, self.estimate = index, estimate
+        self.needs_hashes = estimate.needs_hashes
+        self.needs_ids = True
+        self.block_tokens = estimate.block_tokens
+
+    def _live(self, slot: int) -> bool:
+        row = self.index.rows[slot]
+        return row.state == KV_LIVE or row.state == KV_REPLAYING
+
+    def cached_tokens(self, job: JobInfo, target: Target) -> int:
+        prompt = job.prompt_keys
+        if prompt is None or not self._live(target.slot):
+            return self.estimate.cached_tokens(job, target)
+        return self.index.cached_tokens_at(target.slot, prompt)
+
+    def last_holder(self, job: JobInfo, tokens: int) -> int:
+        # The events say who holds a block, not who came to hold it last: among equal holders, the policy's order.
+        return -1 if job.prompt_keys is not None else self.estimate.last_holder(job, tokens)
+
+    def record(self, hashes: list[int], slot: int) -> None:
+        self.estimate.record(hashes, slot)
+
+
+__all__ = ["KV_ENTRIES", "KvEventSource", "KvIndex", "PromptKeys"]
