@@ -29,14 +29,14 @@ from scheduling.tokens import (
 )
 from serving.call import Sink, Upstream
 from serving.handoff import Handoff
-from serving.job import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES, Job
+from serving.job import CHAT, COMPLETIONS, MESSAGES, ONE_ENGINE, RESPONSES, Job
 from serving.observe import DECODE_ALONE, PD, WHOLE_PLACEMENT, Observer, RequestRecord
 from serving.resolve import InstanceAddresses
 from serving.responses import StoredResponses
 from serving.retries import Retries, refusal
 from serving.trigger import Trigger
 from serving.usage import PrefillUsages
-from serving.whole import CountTokensCall, WholeCall
+from serving.whole import OneEngineCall, WholeCall
 from state.response_homes import ResponseHomes
 
 if TYPE_CHECKING:  # imported only when tracing is on (it loads the OpenTelemetry SDK)
@@ -50,7 +50,7 @@ _PROMPT_KINDS = {
     MESSAGES: MESSAGES_PROMPT,
     RESPONSES: MESSAGES_PROMPT,  # (Job.prompt_body: as a chat body with its instructions as the system prompt)
 }  # how the scheduler reads a prompt
-_COUNT_ROLES = ("union", "prefill", "decode")  # any engine of the model counts a prompt
+_COUNT_ROLES = ("union", "prefill", "decode")  # any engine of the model counts or tokenizes a prompt
 
 
 class Dispatcher:
@@ -97,7 +97,7 @@ class Dispatcher:
             max_tokens=min(job.max_tokens, MAX_OUTPUT_BUDGET),
             slo_ttft_ms=job.slo_ttft_ms or limits.slo_ttft_ms,
             slo_tpot_ms=job.slo_tpot_ms or limits.slo_tpot_ms,
-            engine_type="vllm" if job.route in (MESSAGES, COUNT_TOKENS) else None,
+            engine_type="vllm" if job.route == MESSAGES or job.route in ONE_ENGINE else None,
         )
         if job.route in _PROMPT_KINDS:
             try:
@@ -109,16 +109,18 @@ class Dispatcher:
     def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """The request's flow, to await. Checks and the first plan happen here, so a refusal raises at once;
         a request let in at once gets its flow's own coroutine, with no layer of this function's."""
+        if not job.model:  # a /tokenize or /detokenize body may name none, as vLLM's: the one model served
+            job.model = rec.model = self._only_model()
         info = self.job_info(job)
         rec.prompt_tokens = info.prompt_tokens
-        if job.route in (MESSAGES, COUNT_TOKENS):
+        if job.route == MESSAGES or job.route in ONE_ENGINE:
             self._require_vllm(job)
-        if job.route == COUNT_TOKENS:
+        if job.route in ONE_ENGINE:
             try:
                 leg = self.scheduler.pick(info, _COUNT_ROLES)
             except NoCapacity as e:
                 raise refusal(e, self.live.s) from None
-            return self.retries.run(CountTokensCall(self.up, job, leg, sink, rec, job.raw))
+            return self.retries.run(OneEngineCall(self.up, job, leg, sink, rec, job.raw))
         if job.metaserver is not None:
             return self.trigger.forward(job, info, sink, rec)
         if job.route == RESPONSES and job.request.previous_response_id is not None:
@@ -162,8 +164,15 @@ class Dispatcher:
 
     # -- checks --------------------------------------------------------------------------------------
 
+    def _only_model(self) -> str:
+        models = self.scheduler.registry.view().models()
+        if len(models) != 1:
+            raise InvalidRequest(f"'model' is required: {len(models)} models are served here", param="model")
+        return models[0]
+
     def _require_vllm(self, job: Job) -> None:
-        """Anthropic routes exist only on vLLM engines: a model without any is the client's error, not a 5xx."""
+        """Anthropic routes and vLLM's own (/tokenize) exist only on vLLM engines: a model without any is the
+        client's error, not a 5xx."""
         view = self.scheduler.registry.view()
         kinds = {t.engine_type for t in view.targets if t.model == job.model}
         model = self.live.s.model(job.model)

@@ -29,6 +29,7 @@ from serving.protocol.openai import (
     read_plain_chat,
 )
 from serving.protocol.responses import ResponsesRequest
+from serving.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 
 CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = (
     "/v1/chat/completions",
@@ -38,6 +39,9 @@ CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS = (
 )
 RESPONSES = "/v1/responses"
 METASERVER = "/v1/metaserver"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # vLLM's, at the root as vLLM serves them
+# Routes one engine of the model answers at once, generating nothing (no P/D split, nothing leased).
+ONE_ENGINE = frozenset({COUNT_TOKENS, TOKENIZE, DETOKENIZE})
 
 
 @dataclass
@@ -136,6 +140,8 @@ _REQUESTS: dict[str, type[Request]] = {
     MESSAGES: MessagesRequest,
     COUNT_TOKENS: CountTokensRequest,
     RESPONSES: ResponsesRequest,
+    TOKENIZE: TokenizeRequest,
+    DETOKENIZE: DetokenizeRequest,
 }
 # A metaserver call's body is an engine's rewrite of a client body, checked already: what the prefill leg
 # leaves out is not checked again.
@@ -149,10 +155,11 @@ def job_from_body(route: str, api: str, raw: bytes, body: dict, request_id: str,
     request = read_plain_chat(body) if route == CHAT else None
     if request is None:
         request = validate((_ENGINE_BODIES if from_engine else _REQUESTS)[route], body)
-    stream = route != COUNT_TOKENS and bool(request.stream)
+    stream = route not in ONE_ENGINE and bool(request.stream)
     if route == RESPONSES and request.request_id is None:
         raw, body = _with_response_id(raw, body)
-    return Job(route, api, raw, body, request.model, stream, request_id, request.max_output, request=request)
+    model = request.model or ""  # (only /tokenize and /detokenize may leave it out: serving/dispatch.py)
+    return Job(route, api, raw, body, model, stream, request_id, request.max_output, request=request)
 
 
 def _with_response_id(raw: bytes, body: dict) -> tuple[bytes, dict]:

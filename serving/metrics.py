@@ -28,7 +28,7 @@ from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.status import endpoint_status
-from serving.job import COUNT_TOKENS
+from serving.job import ONE_ENGINE
 from serving.observe import PLACEMENTS, FlushTimer, Observer, RequestRecord
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -360,7 +360,7 @@ class PrometheusObserver(Observer):
         if rec.status >= 400:
             return
         series.e2e.observe(rec.duration_s)
-        if rec.route == COUNT_TOKENS:  # a count, not an inference: no tokens were served
+        if rec.route in ONE_ENGINE:  # a count or a tokenization, not an inference: no tokens were served
             return
         series.prompt_tokens.amount += rec.prompt_tokens
         tokens = rec.generated_tokens
