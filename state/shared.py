@@ -1,5 +1,6 @@
 """Cross-worker state in shared memory: the instance document, the load ledger, the per-endpoint table and the
-smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes).
+smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes, the
+replicas a cluster-mode sync saw, the status page's document).
 
 Everything here is made once, in the main process (Sanic's `main_process_start`), and handed to every
 worker through `app.shared_ctx`; in a single process the same raw arrays work on ordinary memory.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ MAX_WORKERS = 64
 MAX_SLOTS = 256
 DOC_BYTES = 1 << 20
 CONFIG_BYTES = 1 << 20
+STATUS_BYTES = 1 << 21
 
 
 class Table(ctypes.Structure):
@@ -125,6 +128,10 @@ class Globals(Table):
         ("synced_at_ms", ctypes.c_int64),
         # The times the sync owner found the store had lost its data: each worker re-publishes its count.
         ("store_losses", ctypes.c_int64),
+        # The status page's JSON document (serving/status.py): odd while it is being written, and its length.
+        ("status_gen", ctypes.c_int64),
+        ("status_len", ctypes.c_int64),
+        ("started_ms", ctypes.c_int64),  # when this Coordinator started (wall-clock ms)
     ]
 
 
@@ -192,6 +199,20 @@ class ResponseHomeSet(Table):
     _fields_ = [("ways", ResponseHome * RESPONSE_HOME_WAYS)]
 
 
+# The replicas the cluster-mode sync owner saw at its last sync (serving/cluster.py), for the status page: this one
+# first; `Globals.replicas` of them are valid.
+MAX_REPLICAS = 64
+REPLICA_ID_BYTES = 120
+
+
+class ReplicaRow(Table):
+    _fields_ = [
+        ("replica", ctypes.c_char * REPLICA_ID_BYTES),  # its id (serving/cluster.py replica_id), UTF-8
+        ("started_ms", ctypes.c_int64),  # when it started, by its own clock (wall-clock ms; 0: not said)
+        ("reported_ms", ctypes.c_int64),  # when it wrote the report the sync read, by its own clock
+    ]
+
+
 @dataclass
 class SharedState:
     """The raw shared arrays of the tables above; picklable into spawned workers."""
@@ -206,11 +227,13 @@ class SharedState:
     prefill_usage: Any = None  # RawArray of PrefillUsageRow [MAX_WORKERS]
     response_homes: Any = None  # RawArray of ResponseHomeSet [RESPONSE_HOME_SETS]: where stored responses were served
     config: Any = None  # RawArray of bytes: the Settings a reload accepted, pickled (`globals.config_len` of them)
+    replicas: Any = None  # RawArray of ReplicaRow [MAX_REPLICAS]: the replicas the last cluster sync saw
+    status: Any = None  # RawArray of bytes: the status page's JSON (`globals.status_len` of them)
 
     @classmethod
     def create(cls) -> SharedState:
         ctx = multiprocessing.get_context("spawn")
-        return cls(
+        shared = cls(
             doc=ctx.RawArray(ctypes.c_char, DOC_BYTES),
             ledger=ctx.RawArray(LedgerRow, MAX_WORKERS + 1),
             endpoints=ctx.RawArray(EndpointRow, MAX_SLOTS),
@@ -221,7 +244,11 @@ class SharedState:
             prefill_usage=ctx.RawArray(PrefillUsageRow, MAX_WORKERS),
             response_homes=ctx.RawArray(ResponseHomeSet, RESPONSE_HOME_SETS),
             config=ctx.RawArray(ctypes.c_char, CONFIG_BYTES),
+            replicas=ctx.RawArray(ReplicaRow, MAX_REPLICAS),
+            status=ctx.RawArray(ctypes.c_char, STATUS_BYTES),
         )
+        shared.globals.started_ms = int(time.time() * 1000)
+        return shared
 
     @property
     def hot_lock(self) -> Any:
@@ -286,6 +313,8 @@ _FIELDS = (
     "prefill_usage",
     "response_homes",
     "config",
+    "replicas",
+    "status",
 )
 
 
