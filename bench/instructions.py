@@ -3,6 +3,7 @@
     python bench/instructions.py                          # the four cells of bench/overhead.py, this tree
     python bench/instructions.py --tree /tmp/base         # the same, then another checkout, side by side
     python bench/instructions.py --cells chat --seconds 5
+    python bench/instructions.py --status-poll            # each cell without, then with a browser on the status page
 
 CPU time per request on a shared machine moves by 10-30 % between runs (bench/overhead.py's figures);
 instruction counts do not. Each tree's Coordinator (1 worker, log INFO, the configuration bench/overhead.py
@@ -16,6 +17,10 @@ slower server handles more requests per event-loop pass, and each pass's fixed w
 them. What timers do (the request log's and metrics' 50 ms flushes) is shared by the requests of 50 ms,
 so it weighs more here than at full load. Repeated runs agree within about 1-2 %.
 
+With `--status-poll` each cell is counted twice in turn, without and then with a browser showing the status page
+(overhead.StatusPoller: GET /status.json every second on its own connection), and the table gives their ratio: what
+the page costs each request the worker serves.
+
 Under callgrind the Coordinator runs some 50 times slower: a tree takes about 2.5 minutes. Needs valgrind
 (with callgrind_control), wrk and gcc. Compare trees with a git worktree: `git worktree add /tmp/base HEAD~3`.
 """
@@ -23,6 +28,7 @@ Under callgrind the Coordinator runs some 50 times slower: a tree takes about 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import shutil
@@ -37,6 +43,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench import overhead  # noqa: E402
 
 START_TIMEOUT_S = 600  # Python's imports under valgrind
+POLLED = "+status"  # a cell counted while a browser polls the status page
 
 
 def count(out_dir: str, pid: int) -> int:
@@ -52,8 +59,9 @@ def count(out_dir: str, pid: int) -> int:
 
 
 def measure_tree(
-    root: str, engines: overhead.Engines, cells: list[str], seconds: float, workdir: str
+    root: str, engines: overhead.Engines, cells: list[str], seconds: float, workdir: str, status_poll: bool = False
 ) -> dict[str, dict]:
+    """Per cell its requests and instructions; with `status_poll` also per `cell + POLLED`, a browser polling."""
     out_dir = tempfile.mkdtemp(prefix="callgrind-", dir=workdir)
     launcher = (
         "valgrind",
@@ -69,30 +77,36 @@ def measure_tree(
     try:
         worker = str(gw.worker_pids()[0])
         for cell in cells:
-            data = gw.body(cell)
-            overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir)  # warm-up, not counted
-            subprocess.run(["callgrind_control", "-i", "on", worker], check=True, capture_output=True)
-            res = overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
-            subprocess.run(["callgrind_control", "-d", worker], check=True, capture_output=True)
-            subprocess.run(["callgrind_control", "-i", "off", worker], check=True, capture_output=True)
-            time.sleep(0.5)  # the dump is written by the worker
-            errors = overhead.wrk_errors(res)
-            if any(errors.values()):
-                raise RuntimeError(f"{root} {cell}: wrk saw errors {errors}")
-            requests = res["requests"]
-            instructions = count(out_dir, int(worker))
-            results[cell] = {
-                "requests": requests,
-                "instructions": instructions,
-                "per_request": instructions / max(requests, 1),
-            }
-            print(
-                f"  {root} {cell}: {requests:.0f} requests, {instructions / max(requests, 1) / 1000:.1f} k instructions each",
-                flush=True,
-            )
+            for polled in (False, True) if status_poll else (False,):
+                with overhead.StatusPoller(gw.obs_port) if polled else contextlib.nullcontext() as poller:
+                    name = cell + POLLED if polled else cell
+                    results[name] = count_cell(gw, cell, seconds, workdir, out_dir, worker)
+                if poller is not None:
+                    results[name]["polls"] = poller.polls
+                print(
+                    f"  {root} {name}: {results[name]['requests']:.0f} requests, "
+                    f"{results[name]['per_request'] / 1000:.1f} k instructions each",
+                    flush=True,
+                )
     finally:
         gw.stop()
     return results
+
+
+def count_cell(gw: overhead.Coordinator, cell: str, seconds: float, workdir: str, out_dir: str, worker: str) -> dict:
+    data = gw.body(cell)
+    overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir)  # warm-up, not counted
+    subprocess.run(["callgrind_control", "-i", "on", worker], check=True, capture_output=True)
+    res = overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
+    subprocess.run(["callgrind_control", "-d", worker], check=True, capture_output=True)
+    subprocess.run(["callgrind_control", "-i", "off", worker], check=True, capture_output=True)
+    time.sleep(0.5)  # the dump is written by the worker
+    errors = overhead.wrk_errors(res)
+    if any(errors.values()):
+        raise RuntimeError(f"{gw.label} {cell}: wrk saw errors {errors}")
+    requests = res["requests"]
+    instructions = count(out_dir, int(worker))
+    return {"requests": requests, "instructions": instructions, "per_request": instructions / max(requests, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", action="append", default=[], help="another source tree to count after this one")
     ap.add_argument("--cells", default=",".join(overhead.CELLS), help="comma-separated cells (default: all four)")
     ap.add_argument("--seconds", type=float, default=8, help="counted seconds per cell (default 8)")
+    ap.add_argument(
+        "--status-poll", action="store_true", help="count each cell again with a browser polling the status page"
+    )
     opts = ap.parse_args(argv)
     cells = [c for c in opts.cells.split(",") if c]
     unknown = set(cells) - set(overhead.CELLS)
@@ -113,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="motor-instructions-")
     try:
         with overhead.fakes(overhead.build_fake(workdir), None, workdir) as engines:
-            results = [measure_tree(root, engines, cells, opts.seconds, workdir) for root in trees]
+            results = [measure_tree(root, engines, cells, opts.seconds, workdir, opts.status_poll) for root in trees]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print()
@@ -127,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         per = [r[cell]["per_request"] for r in results]
         ratio = f" | {per[0] / per[1]:.3f}" if len(per) > 1 and per[1] else ""
         print(f"| {cell} | " + " | ".join(f"{p / 1000:.1f}" for p in per) + ratio + " |")
+    if opts.status_poll:
+        print()
+        print("| cell | tree | k instructions/request | with the status page polled every second | ratio |")
+        print("|---|---|---|---|---|")
+        for root, r in zip(trees, results, strict=True):
+            for cell in cells:
+                bare, polled = r[cell]["per_request"], r[cell + POLLED]["per_request"]
+                print(f"| {cell} | {root} | {bare / 1000:.1f} | {polled / 1000:.1f} | {polled / bare:.4f} |")
     return 0
 
 
