@@ -527,10 +527,13 @@ class StatusPoller:
     def _run(self) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         while not self.stop_event.wait(self.interval_s):
-            conn.request("GET", "/status.json")
-            response = conn.getresponse()
-            if response.status == 200 and response.read():
-                self.polls += 1
+            try:
+                conn.request("GET", "/status.json")
+                response = conn.getresponse()
+                if response.status == 200 and response.read():
+                    self.polls += 1
+            except (OSError, http.client.HTTPException):  # as a browser, on a new connection next time
+                conn.close()
 
     def __enter__(self) -> StatusPoller:
         self.thread.start()

@@ -1,12 +1,17 @@
 """Observability port: GET /health, GET /metrics (Prometheus text, summed across workers), and the status page:
 GET / (one self-contained HTML page) and GET /status.json (its document, made once a second for all workers by
-serving/status.py). None takes a key: none shows a secret."""
+serving/status.py). None takes a key: none shows a secret.
+
+Every open browser asks for /status.json once a second, from whichever worker the kernel hands the connection: it
+runs no middleware (`ctx_self_guarded`; the plane check and the request id are here), as the inference routes don't.
+"""
 
 import os
 
 from sanic import Blueprint, HTTPResponse, Request, json
 
-from handlers.planes import OBS
+from handlers.ids import REQUEST_ID, request_id
+from handlers.planes import OBS, check_plane
 
 bp = Blueprint("observability")
 
@@ -38,7 +43,8 @@ async def status_page(request: Request):
     return HTTPResponse(STATUS_PAGE, content_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
 
-@bp.get("/status.json", ctx_plane=OBS, ctx_keyless=True)
-async def status_json(request: Request):
-    body = request.app.ctx.status_reader.read()
-    return HTTPResponse(body, content_type="application/json", headers={"Cache-Control": "no-store"})
+@bp.get("/status.json", ctx_plane=OBS, ctx_keyless=True, ctx_self_guarded=True)
+def status_json(request: Request):
+    check_plane(request, OBS)
+    headers = {"Cache-Control": "no-store", REQUEST_ID: request_id(request)}
+    return HTTPResponse(request.app.ctx.status_reader.read(), content_type="application/json", headers=headers)
