@@ -3,7 +3,8 @@ GET / (one self-contained HTML page) and GET /status.json (its document, made on
 serving/status.py). None takes a key: none shows a secret.
 
 Every open browser asks for /status.json once a second, from whichever worker the kernel hands the connection: it
-runs no middleware (`ctx_self_guarded`; the plane check and the request id are here), as the inference routes don't.
+runs no middleware (`ctx_self_guarded`; the plane check and the request id are here) and its headers skip Sanic's
+sanitizing (RelayResponse), as the inference routes' answers.
 """
 
 import os
@@ -12,6 +13,7 @@ from sanic import Blueprint, HTTPResponse, Request, json
 
 from handlers.ids import REQUEST_ID, request_id
 from handlers.planes import OBS, check_plane
+from handlers.sink import RelayResponse
 
 bp = Blueprint("observability")
 
@@ -46,5 +48,5 @@ async def status_page(request: Request):
 @bp.get("/status.json", ctx_plane=OBS, ctx_keyless=True, ctx_self_guarded=True)
 def status_json(request: Request):
     check_plane(request, OBS)
-    headers = {"Cache-Control": "no-store", REQUEST_ID: request_id(request)}
-    return HTTPResponse(request.app.ctx.status_reader.read(), content_type="application/json", headers=headers)
+    headers = {"cache-control": "no-store", REQUEST_ID: request_id(request)}  # (constants and a checked id)
+    return RelayResponse(request.app.ctx.status_reader.read(), 200, headers, "application/json")
