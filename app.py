@@ -63,6 +63,7 @@ from serving.cluster import Cluster, ClusterResponseHomes, replica_id, shared_ev
 from serving.dispatch import Dispatcher
 from serving.door import Door
 from serving.metrics import PrometheusObserver, clear_stale_files
+from serving.status import StatusPublisher, StatusReader
 from serving.tenants import Tenants
 from serving.usage import PrefillUsages
 from state.quotas import TenantQuotas
@@ -120,6 +121,7 @@ def add_main_process_listeners(app: Sanic, settings: Settings) -> None:
         app.ctx.config_watch = watch_config(settings, shared)
         # One subscriber to the engines' KV events for the replica, off every worker's loop (scheduling/kv_events.py).
         app.ctx.kv_events = start_subscriber(shared, lambda: settings)
+        app.ctx.status = status_page(settings, shared, app.ctx.config_watch)
 
     @app.main_process_ready
     async def supervise_workers(app: Sanic):
@@ -138,6 +140,8 @@ def add_main_process_listeners(app: Sanic, settings: Settings) -> None:
             app.ctx.config_watch.stop()
         if getattr(app.ctx, "kv_events", None) is not None:
             app.ctx.kv_events.stop()
+        if getattr(app.ctx, "status", None) is not None:
+            app.ctx.status.stop()
         if os.environ.get("MOTOR_OWNS_PROM_DIR"):
             shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
@@ -196,8 +200,9 @@ def add_worker_listeners(app: Sanic, settings: Settings) -> None:
 
     @app.after_server_stop
     async def stop_worker(app: Sanic):
-        if getattr(app.ctx, "kv_events", None) is not None:  # Sanic's single_process mode: this process's
-            app.ctx.kv_events.stop()
+        for own in ("kv_events", "status"):  # Sanic's single_process mode: this process's own threads
+            if getattr(app.ctx, own, None) is not None:
+                getattr(app.ctx, own).stop()
         if app.ctx.reloader is not None:
             await app.ctx.reloader.stop()
         await app.ctx.background.stop()
@@ -220,6 +225,7 @@ def build_worker(app: Sanic, settings: Settings) -> None:
         Registry(shared).apply("set", list(settings.instances))
         app.ctx.config_watch = watch_config(settings, shared)
         app.ctx.kv_events = start_subscriber(shared, lambda: settings)
+        app.ctx.status = status_page(settings, shared, app.ctx.config_watch)
     worker = worker_index()
     shared.clear_worker(worker)  # a restarted worker starts from zero (the supervisor zeroed it too)
     ctx = app.ctx
@@ -235,6 +241,7 @@ def build_worker(app: Sanic, settings: Settings) -> None:
     ctx.tenants = Tenants(live, TenantQuotas(shared, worker, settings.num_workers))
     ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health, ctx.tenants)
     ctx.door = Door(live, shared, worker)
+    ctx.status_reader = StatusReader(shared)
     usages, homes = PrefillUsages(shared, worker, settings.num_workers), SharedResponseHomes(shared)
     ctx.cluster = None
     if clustered:  # replicas act as one (serving/cluster.py)
@@ -302,6 +309,14 @@ def watch_config(settings: Settings, shared: SharedState) -> ConfigWatch | None:
     watch = ConfigWatch(settings, shared)
     watch.start()
     return watch
+
+
+def status_page(settings: Settings, shared: SharedState, watch: ConfigWatch | None) -> StatusPublisher:
+    """The status page's document, made once a second for all workers (serving/status.py), on the settings the
+    config watch last accepted."""
+    publisher = StatusPublisher(shared, lambda: watch.running if watch is not None else settings)
+    publisher.start()
+    return publisher
 
 
 def apply_settings(app: Sanic, settings: Settings) -> None:
@@ -415,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     for port in (settings.infer_port, settings.mgmt_port, settings.obs_port):  # TLS: InferenceTls and tls_per_port
         app.prepare(port=port, **common)
     scheme = "https" if settings.infer_tls.enable_tls else "http"
+    obs_scheme = "https" if settings.mgmt_tls.enable_tls else "http"
     log.info(
-        "Coordinator on %s://%s:%d (inference), %s:%d (management), %s:%d (metrics), %d worker(s)",
+        "Coordinator on %s://%s:%d (inference), %s:%d (management), %s:%d (metrics), %d worker(s); status page:"
+        " %s://%s:%d/",
         scheme,
         settings.host,
         settings.infer_port,
@@ -425,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         settings.host,
         settings.obs_port,
         settings.num_workers,
+        obs_scheme,
+        f"[{settings.host}]" if ":" in settings.host else settings.host,
+        settings.obs_port,
     )
     # The first process Sanic starts is its state manager, which the main process needs until its workers have
     # stopped. It keeps the signal mask it starts with: with SIGTERM blocked, a stop signal to the whole process

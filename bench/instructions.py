@@ -3,6 +3,7 @@
     python bench/instructions.py                          # the four cells of bench/overhead.py, this tree
     python bench/instructions.py --tree /tmp/base         # the same, then another checkout, side by side
     python bench/instructions.py --cells chat --seconds 5
+    python bench/instructions.py --status-poll            # each cell without, then with a browser on the status page
 
 CPU time per request on a shared machine moves by 10-30 % between runs (bench/overhead.py's figures);
 instruction counts do not. Each tree's Coordinator (1 worker, log INFO, the configuration bench/overhead.py
@@ -19,6 +20,12 @@ pass, and each pass's fixed work is shared by more of them. What timers do (the 
 should run at about the same rate (on a loaded machine, one run each at the same time). Repeated runs agree
 within about 1-2 %.
 
+With `--status-poll` the status page's document is first asked for back to back (`GET /status.json` on one
+connection, as a browser's polls come), which gives one poll's instructions; then each cell is counted twice in
+turn, without and then with a browser showing the page (overhead.StatusPoller: a poll every second). A poll a
+second costs each request one poll's instructions over the requests served in that second: the table gives that
+share at each cell's rate here, and the count with the poller running beside it.
+
 Under callgrind the Coordinator runs some 50 times slower: a tree takes about 2.5 minutes. Needs valgrind
 (with callgrind_control), wrk and gcc. Compare trees with a git worktree: `git worktree add /tmp/base HEAD~3`.
 """
@@ -26,6 +33,7 @@ Under callgrind the Coordinator runs some 50 times slower: a tree takes about 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import shutil
@@ -40,6 +48,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench import overhead  # noqa: E402
 
 START_TIMEOUT_S = 600  # Python's imports under valgrind
+POLLED = "+status"  # a cell counted while a browser polls the status page
+POLL = "status.json"  # the polls alone
 
 
 def _counting(worker: str) -> float:
@@ -74,8 +84,15 @@ IDLE_S = 8.0
 
 
 def measure_tree(
-    root: str, engines: overhead.Engines, cells: list[str], seconds: float, workdir: str, quiet: bool = False
+    root: str,
+    engines: overhead.Engines,
+    cells: list[str],
+    seconds: float,
+    workdir: str,
+    quiet: bool = False,
+    status_poll: bool = False,
 ) -> dict[str, dict]:
+    """Per cell its requests and instructions; with `status_poll` also per `cell + POLLED`, a browser polling."""
     out_dir = tempfile.mkdtemp(prefix="callgrind-", dir=workdir)
     launcher = (
         "valgrind",
@@ -106,31 +123,60 @@ def measure_tree(
             time.sleep(0.5)
             idle_per_s = count(out_dir, int(worker)) / idle_s
             print(f"  {root} idle: {idle_per_s / 1000:.1f} k instructions a second, left out", flush=True)
+        if status_poll:  # what one poll of the page costs the worker, counted over many
+            results[POLL] = count_polls(gw, seconds, workdir, out_dir, worker, idle_per_s)
+            print(f"  {root} {POLL}: {results[POLL]['per_request'] / 1000:.1f} k instructions each", flush=True)
         for cell in cells:
-            data = gw.body(cell)
-            overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir)  # warm-up, not counted
-            started = _counting(worker)
-            res = overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
-            _dumped(worker)
-            counted_s = time.monotonic() - started
-            time.sleep(0.5)  # the dump is written by the worker
-            errors = overhead.wrk_errors(res)
-            if any(errors.values()):
-                raise RuntimeError(f"{root} {cell}: wrk saw errors {errors}")
-            requests = res["requests"]
-            instructions = count(out_dir, int(worker)) - idle_per_s * counted_s
-            results[cell] = {
-                "requests": requests,
-                "instructions": instructions,
-                "per_request": instructions / max(requests, 1),
-            }
-            print(
-                f"  {root} {cell}: {requests:.0f} requests, {instructions / max(requests, 1) / 1000:.1f} k instructions each",
-                flush=True,
-            )
+            for polled in (False, True) if status_poll else (False,):
+                with overhead.StatusPoller(gw.obs_port) if polled else contextlib.nullcontext() as poller:
+                    name = cell + POLLED if polled else cell
+                    results[name] = count_cell(gw, cell, seconds, workdir, out_dir, worker, idle_per_s)
+                results[name]["seconds"] = seconds
+                if poller is not None:
+                    results[name]["polls"] = poller.polls
+                print(
+                    f"  {root} {name}: {results[name]['requests']:.0f} requests, "
+                    f"{results[name]['per_request'] / 1000:.1f} k instructions each",
+                    flush=True,
+                )
     finally:
         gw.stop()
     return results
+
+
+def count_polls(
+    gw: overhead.Coordinator, seconds: float, workdir: str, out_dir: str, worker: str, idle_per_s: float
+) -> dict:
+    """GET /status.json back to back on one connection, as a browser's polls come: instructions per poll."""
+    url = f"http://127.0.0.1:{gw.obs_port}/status.json"
+    subprocess.run(["wrk", "-t1", "-c1", "-d2s", url], check=True, capture_output=True)  # warm-up
+    started = _counting(worker)
+    out = subprocess.run(["wrk", "-t1", "-c1", f"-d{seconds:g}s", url], check=True, capture_output=True, text=True)
+    _dumped(worker)
+    counted_s = time.monotonic() - started
+    time.sleep(0.5)
+    polls = int(next(line for line in out.stdout.splitlines() if "requests in" in line).split()[0])
+    instructions = count(out_dir, int(worker)) - idle_per_s * counted_s
+    return {"requests": polls, "instructions": instructions, "per_request": instructions / max(polls, 1)}
+
+
+def count_cell(
+    gw: overhead.Coordinator, cell: str, seconds: float, workdir: str, out_dir: str, worker: str, idle_per_s: float
+) -> dict:
+    """One cell's requests and the worker's instructions for them (less its idle rate, `idle_per_s`, if counted)."""
+    data = gw.body(cell)
+    overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir)  # warm-up, not counted
+    started = _counting(worker)
+    res = overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
+    _dumped(worker)
+    counted_s = time.monotonic() - started
+    time.sleep(0.5)  # the dump is written by the worker
+    errors = overhead.wrk_errors(res)
+    if any(errors.values()):
+        raise RuntimeError(f"{gw.label} {cell}: wrk saw errors {errors}")
+    requests = res["requests"]
+    instructions = count(out_dir, int(worker)) - idle_per_s * counted_s
+    return {"requests": requests, "instructions": instructions, "per_request": instructions / max(requests, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-background",
         action="store_true",
         help="leave out what the worker does without requests (a loaded machine)",
+    )
+    ap.add_argument(
+        "--status-poll", action="store_true", help="count each cell again with a browser polling the status page"
     )
     opts = ap.parse_args(argv)
     cells = [c for c in opts.cells.split(",") if c]
@@ -156,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="motor-instructions-")
     try:
         with overhead.fakes(overhead.build_fake(workdir), None, workdir) as engines:
-            results = [measure_tree(root, engines, cells, opts.seconds, workdir, opts.no_background) for root in trees]
+            results = [
+                measure_tree(root, engines, cells, opts.seconds, workdir, opts.no_background, opts.status_poll)
+                for root in trees
+            ]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print()
@@ -170,6 +222,26 @@ def main(argv: list[str] | None = None) -> int:
         per = [r[cell]["per_request"] for r in results]
         ratio = f" | {per[0] / per[1]:.3f}" if len(per) > 1 and per[1] else ""
         print(f"| {cell} | " + " | ".join(f"{p / 1000:.1f}" for p in per) + ratio + " |")
+    if opts.status_poll:
+        # A browser polling every second costs each request one poll's instructions over the requests served in a
+        # second: the share below, at the rate each cell ran at here. The count with the poller running is the same
+        # figure measured directly, with the tool's noise (1-2 %) on top.
+        print()
+        print(
+            "| cell | tree | k instructions/request | requests/s | a poll, k instructions | a poll a second, per request"
+            " | counted with the poller |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for root, r in zip(trees, results, strict=True):
+            poll = r[POLL]["per_request"]
+            for cell in cells:
+                bare, polled = r[cell], r[cell + POLLED]
+                rate = bare["requests"] / bare["seconds"]
+                share = poll / rate / bare["per_request"]
+                print(
+                    f"| {cell} | {root} | {bare['per_request'] / 1000:.1f} | {rate:.0f} | {poll / 1000:.1f} |"
+                    f" +{100 * share:.2f} % | {polled['per_request'] / 1000:.1f} k ({polled['polls']} polls) |"
+                )
     return 0
 
 

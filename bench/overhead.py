@@ -53,6 +53,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -518,6 +519,35 @@ class Gateway:
         self.proc.stop()
 
 
+class StatusPoller:
+    """A browser showing the status page: GET /status.json every `interval_s` on its own connection (as the
+    page's fetch does), in a thread, while the `with` block runs; `polls` counts the 200s."""
+
+    def __init__(self, port: int, interval_s: float = 1.0):
+        self.port, self.interval_s, self.polls = port, interval_s, 0
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        while not self.stop_event.wait(self.interval_s):
+            try:
+                conn.request("GET", "/status.json")
+                response = conn.getresponse()
+                if response.status == 200 and response.read():
+                    self.polls += 1
+            except (OSError, http.client.HTTPException):  # as a browser, on a new connection next time
+                conn.close()
+
+    def __enter__(self) -> StatusPoller:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=35)
+
+
 class Coordinator(Gateway):
     name = "coordinator"
     cells = ALL_CELLS
@@ -546,6 +576,7 @@ class Coordinator(Gateway):
             self.label += f", {python_label}"
         api = api_config()
         self.infer_port, mgmt = api["coordinator_api_infer_port"], api["coordinator_api_mgmt_port"]
+        self.obs_port = api["coordinator_obs_port"]
         config = {
             "motor_coordinator_config": {
                 "api_config": api,

@@ -10,7 +10,7 @@ import uuid
 
 from aiohttp import web
 
-from . import anthropic_serving, openai_serving, responses_serving, tokens as T
+from . import anthropic_serving, openai_serving, responses_serving, tokenization, tokens as T
 from .engine import Seq
 from .errors import ApiError, body_validation_failure, error_response, validation_failure
 from .faults import SimulatedClose, drop
@@ -28,15 +28,21 @@ SERVING = {
     "responses": responses_serving,
 }
 ANTHROPIC_ROUTES = ("messages", "count_tokens")
+# Routes that generate nothing: answered at once, with no stats and no faults.
+COUNTING = {
+    "count_tokens": anthropic_serving.count_tokens,
+    "tokenize": tokenization.tokenize,
+    "detokenize": tokenization.detokenize,
+}
 
 
 async def serve(sim: SimState, request: web.Request, kind: str) -> web.StreamResponse:
-    """Answer one request of a route: kind is chat, completions, messages or count_tokens."""
+    """Answer one request of a route: kind is chat, completions, messages, responses or one of COUNTING."""
     if sim.faults.dead:  # a dead engine: the connection goes with no answer
         drop(request)
         raise ConnectionResetError("the engine is dead (mid_stream_fault: die)")
     body, unreadable = await _read_body(sim, request)
-    counted = kind != "count_tokens"  # count_tokens generates nothing: no stats, no faults
+    counted = kind not in COUNTING
     if counted:
         sim.engine.stats["received"] += 1
     xrid = request.headers.get("X-Request-Id")
@@ -45,7 +51,7 @@ async def serve(sim: SimState, request: web.Request, kind: str) -> web.StreamRes
         if unreadable:
             raise unreadable
         if not counted:
-            return anthropic_serving.count_tokens(sim, body, headers)
+            return COUNTING[kind](sim, body, headers)
         await sim.faults.before_first_byte()
         if kind == "responses":  # its id is the body's `request_id` (or a fresh one), not the X-Request-Id
             req = responses_serving.parse(sim, body)

@@ -224,10 +224,52 @@ class ResponsesRequest(SamplingRequest):
         return self
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's /tokenize of a prompt."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize of a conversation, rendered by the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    tools: list | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_ending(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("continue_final_message") and data.get("add_generation_prompt"):
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return data
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
+
+
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "chat": ChatCompletionRequest,
     "completions": CompletionRequest,
     "messages": AnthropicMessagesRequest,
     "count_tokens": AnthropicCountTokensRequest,
     "responses": ResponsesRequest,
+    "tokenize": TokenizeCompletionRequest,
+    "tokenize_chat": TokenizeChatRequest,
+    "detokenize": DetokenizeRequest,
 }

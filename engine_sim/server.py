@@ -39,6 +39,8 @@ class SimServer(SimState):
         r.add_post("/v1/messages", self._inference_route("messages"))
         r.add_post("/v1/messages/count_tokens", self._inference_route("count_tokens"))
         r.add_post("/v1/responses", self._inference_route("responses"))
+        r.add_post("/tokenize", self._inference_route("tokenize"))
+        r.add_post("/detokenize", self._inference_route("detokenize"))
         responses_serving.add_routes(r, self)
         r.add_get("/sim/stats", self.serve_stats)
         r.add_get("/sim/requests", self.serve_requests)

@@ -21,7 +21,7 @@ from collections.abc import Awaitable
 
 from sanic import Request, Sanic
 
-from handlers import anthropic, docs, management, metaserver, models, observability, openai, responses
+from handlers import anthropic, docs, management, metaserver, models, observability, openai, responses, tokenize
 from handlers.auth import check_key
 from handlers.ids import REQUEST_ID, request_id
 from handlers.planes import INFER, check_plane
@@ -51,7 +51,7 @@ def stamp_request_id(request: Request, response) -> None:
 
 
 def register(app: Sanic) -> None:
-    for module in (openai, anthropic, responses, models, metaserver, management, observability):
+    for module in (openai, anthropic, responses, tokenize, models, metaserver, management, observability):
         app.blueprint(module.bp)
     docs.mount(app)
     guarded = [r.name for r in app.router.routes if not getattr(r.ctx, "self_guarded", False)]

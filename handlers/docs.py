@@ -25,7 +25,7 @@ from sanic_ext.extensions.openapi.definitions import RequestBody
 from sanic_ext.extensions.openapi.extension import OpenAPIExtension
 
 from config import ApiKeyConfig
-from handlers import anthropic, management, metaserver, models, observability, openai, responses
+from handlers import anthropic, management, metaserver, models, observability, openai, responses, tokenize
 from handlers.ids import REQUEST_ID
 from handlers.planes import INFER
 from serving.protocol import (
@@ -534,6 +534,7 @@ def mount(app: Sanic) -> None:
         (responses.cancel_response, "Cancel a background response on the instance that holds it", ResponseObject),
     ):
         _document(handler, summary, ok=answer(ok), statuses=(400, 401, 404, 429, 502, 503, 504), **stored)
+    tokenize.document(_document, schema_of, answer, stored)
     _document(
         models.list_models,
         "Served models with SLOs and live instance counts (Anthropic's shape when the "

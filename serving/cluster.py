@@ -41,7 +41,14 @@ from scheduling.policies import PrefixSource
 from scheduling.registry import RefreshError, RefreshResult, Registry
 from serving.metrics import store_calls
 from state.cluster import ClusterStore, StoreDown
-from state.shared import BREAKER_OPEN, REMOTE_ROW, SharedState, worker_rows
+from state.shared import (
+    BREAKER_OPEN,
+    MAX_REPLICAS,
+    REMOTE_ROW,
+    REPLICA_ID_BYTES,
+    SharedState,
+    worker_rows,
+)
 
 log = logging.getLogger("coordinator.cluster")
 REFRESH_TRIES = 5  # a refresh that keeps losing the race to other replicas' refreshes is refused (409)
@@ -326,7 +333,9 @@ class Cluster:
                 avoid[address_key(t.address)] = e.open_until
             if e.pf_n or e.dc_n:
                 learned[address_key(t.address)] = [getattr(e, f) for f in LEARNED]
-        return ujson.dumps({"load": load, "avoid": avoid, "learned": learned}).encode()
+        started = self.shared.globals.started_ms
+        report = {"load": load, "avoid": avoid, "learned": learned, "started": started, "at": int(now * 1000)}
+        return ujson.dumps(report).encode()
 
     def _apply_reports(self, reports: dict[str, bytes]) -> None:
         """The other replicas' load into the remote row, and their broken endpoints into `avoid_until`."""
@@ -334,9 +343,11 @@ class Cluster:
         avoid: dict[str, float] = {}
         learned: dict[str, list[float]] = {}  # the most samples another replica has of each endpoint
         n_pf, n_dc = LEARNED.index("pf_n"), LEARNED.index("dc_n")
-        for raw in reports.values():
+        replicas = [(self.replica, self.shared.globals.started_ms, int(time.time() * 1000))]
+        for replica, raw in reports.items():
             try:
                 report = ujson.loads(raw)
+                replicas.append((replica, int(report.get("started", 0)), int(report.get("at", 0))))
                 for addr, model in report.get("learned", {}).items():
                     if len(model) == len(LEARNED) and (
                         addr not in learned or model[n_pf] + model[n_dc] > learned[addr][n_pf] + learned[addr][n_dc]
@@ -350,6 +361,7 @@ class Cluster:
                     avoid[addr] = max(avoid.get(addr, 0.0), float(until))
             except (ValueError, TypeError, AttributeError):
                 continue  # a report this version cannot read
+        self._seen(replicas)
         remote = self.shared.ledger[REMOTE_ROW].slots
         for t in self.registry.view().targets:
             addr, theirs = address_key(t.address), remote[t.slot]
@@ -363,6 +375,16 @@ class Cluster:
                 with self.shared.lock:  # the predictor's multi-field updates take it too
                     for name, v in zip(LEARNED, model):
                         setattr(e, name, v)
+
+    def _seen(self, replicas: list[tuple[str, int, int]]) -> None:
+        """The replicas this sync saw (this one first), with their start and report times, for the status page; an
+        empty id ends the list."""
+        rows = self.shared.replicas
+        for row, (replica, started_ms, reported_ms) in zip(rows, replicas[:MAX_REPLICAS]):
+            row.replica = replica.encode()[:REPLICA_ID_BYTES]
+            row.started_ms, row.reported_ms = started_ms, reported_ms
+        if len(replicas) < MAX_REPLICAS:
+            rows[len(replicas)].replica = b""
 
     # -- events between replicas ------------------------------------------------------------------------
 

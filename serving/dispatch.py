@@ -31,7 +31,7 @@ from serving.responses import StoredResponses
 from serving.retries import Retries, refusal
 from serving.trigger import Trigger
 from serving.usage import PrefillUsages
-from serving.whole import CountTokensCall, WholeCall
+from serving.whole import OneEngineCall, WholeCall
 from state.response_homes import ResponseHomes
 
 if TYPE_CHECKING:  # imported only when tracing is on (it loads the OpenTelemetry SDK)
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # imported only when tracing is on (it loads the OpenTelemetr
 
 _DEFAULT_MODEL = ModelConfig("")  # a model served without a `models` entry has the default limits
 MAX_OUTPUT_BUDGET = 1 << 31  # output tokens a request counts for in the ledger (beyond any model's context)
-_COUNT_ROLES = ("union", "prefill", "decode")  # any engine of the model counts a prompt
+_COUNT_ROLES = ("union", "prefill", "decode")  # any engine of the model counts or tokenizes a prompt
 
 
 class Dispatcher:
@@ -98,6 +98,8 @@ class Dispatcher:
     def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """The request's flow, to await. Checks and the first plan happen here, so a refusal raises at once;
         a request let in at once gets its flow's own coroutine, with no layer of this function's."""
+        if not job.model:  # a /tokenize or /detokenize body may name none, as vLLM's: the one model served
+            job.model = rec.model = self._only_model()
         info = self.job_info(job)
         rec.prompt_tokens, family = info.prompt_tokens, job.family
         if info.prompt_keys is not None:  # the engines' KV events predict its cached tokens: the line says how well
@@ -109,7 +111,7 @@ class Dispatcher:
                 leg = self.scheduler.pick(info, _COUNT_ROLES)
             except NoCapacity as e:
                 raise refusal(e, self.live.s) from None
-            return self.retries.run(CountTokensCall(self.up, job, leg, sink, rec, job.raw))
+            return self.retries.run(OneEngineCall(self.up, job, leg, sink, rec, job.raw))
         if job.metaserver is not None:
             return self.trigger.forward(job, info, sink, rec)
         if family.stored and job.request.previous_response_id is not None:
@@ -153,8 +155,15 @@ class Dispatcher:
 
     # -- checks --------------------------------------------------------------------------------------
 
+    def _only_model(self) -> str:
+        models = self.scheduler.registry.view().models()
+        if len(models) != 1:
+            raise InvalidRequest(f"'model' is required: {len(models)} models are served here", param="model")
+        return models[0]
+
     def _require_vllm(self, job: Job) -> None:
-        """Anthropic routes exist only on vLLM engines: a model without any is the client's error, not a 5xx."""
+        """Anthropic routes and vLLM's own (/tokenize) exist only on vLLM engines: a model without any is the
+        client's error, not a 5xx."""
         view = self.scheduler.registry.view()
         kinds = {t.engine_type for t in view.targets if t.model == job.model}
         model = self.live.s.model(job.model)

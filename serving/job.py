@@ -104,4 +104,5 @@ def job_from_body(family: Family, raw: bytes, body: dict, request_id: str, from_
     request = family.read(body, from_engine)
     stream = family.streams and bool(request.stream)
     raw, body = family.identified(raw, body, request)
-    return Job(family, raw, body, request.model, stream, request_id, request.max_output, request=request)
+    model = request.model or ""  # (only /tokenize and /detokenize may leave it out: serving/dispatch.py)
+    return Job(family, raw, body, model, stream, request_id, request.max_output, request=request)

@@ -417,7 +417,9 @@ class PrometheusObserver(Observer):
         outcome = kv_outcome(rec) if rec.info is not None else None
         if outcome is not None:
             KV_PREDICTION.labels(self._model(rec.model), outcome).inc()
-        if rec.family is not None and rec.family.counts_only:  # a count, not an inference: no tokens were served
+        if (
+            rec.family is not None and rec.family.counts_only
+        ):  # a count or a tokenization, not an inference: no tokens were served
             return
         series.prompt_tokens.amount += rec.prompt_tokens
         tokens = rec.generated_tokens

@@ -1,4 +1,5 @@
-"""Single-engine calls: a whole request on one engine (streamed or JSON), and Anthropic's count_tokens."""
+"""Single-engine calls: a whole request on one engine (streamed or JSON), and the calls one engine answers at once
+(Anthropic's count_tokens, vLLM's /tokenize and /detokenize)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ class WholeCall(Call[None]):
         self.sink.json(200, data)
 
 
-class CountTokensCall(Call[None]):
-    """/v1/messages/count_tokens: the engine counts; nothing is leased (it generates nothing)."""
+class OneEngineCall(Call[None]):
+    """The client's body to the same route of one engine, its answer returned (a family that `counts_only`); nothing is
+    leased (it generates nothing)."""
 
     __slots__ = ()
 

@@ -1,6 +1,7 @@
 """Cross-worker state in shared memory: the instance document, the load ledger, the per-endpoint table and the
 smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes,
-the tenants' quotas and counts, the engines' KV blocks and their subscriptions).
+the tenants' quotas and counts, the engines' KV blocks and their subscriptions, the replicas a cluster-mode sync
+saw, the status page's document).
 
 Everything here is made once, in the main process (Sanic's `main_process_start`), and handed to every
 worker through `app.shared_ctx`; in a single process the same raw arrays work on ordinary memory.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ MAX_WORKERS = 64
 MAX_SLOTS = 256
 DOC_BYTES = 1 << 20
 CONFIG_BYTES = 1 << 20
+STATUS_BYTES = 1 << 21
 
 
 class Table(ctypes.Structure):
@@ -141,6 +144,10 @@ class Globals(Table):
         ("synced_at_ms", ctypes.c_int64),
         # The times the sync owner found the store had lost its data: each worker re-publishes its count.
         ("store_losses", ctypes.c_int64),
+        # The status page's JSON document (serving/status.py): odd while it is being written, and its length.
+        ("status_gen", ctypes.c_int64),
+        ("status_len", ctypes.c_int64),
+        ("started_ms", ctypes.c_int64),  # when this Coordinator started (wall-clock ms)
     ]
 
 
@@ -276,6 +283,20 @@ class TenantCounts(Table):
     ]
 
 
+# The replicas the cluster-mode sync owner saw at its last sync (serving/cluster.py), for the status page: this one
+# first; `Globals.replicas` of them are valid.
+MAX_REPLICAS = 64
+REPLICA_ID_BYTES = 120
+
+
+class ReplicaRow(Table):
+    _fields_ = [
+        ("replica", ctypes.c_char * REPLICA_ID_BYTES),  # its id (serving/cluster.py replica_id), UTF-8
+        ("started_ms", ctypes.c_int64),  # when it started, by its own clock (wall-clock ms; 0: not said)
+        ("reported_ms", ctypes.c_int64),  # when it wrote the report the sync read, by its own clock
+    ]
+
+
 @dataclass
 class SharedState:
     """The raw shared arrays of the tables above; picklable into spawned workers."""
@@ -294,11 +315,13 @@ class SharedState:
     tenant_counts: Any = None  # RawArray of TenantCounts [MAX_WORKERS]
     kv_endpoints: Any = None  # RawArray of KvEndpointRow [MAX_SLOTS]: each engine's KV-event subscription
     kv_blocks: Any = None  # RawValue of KvBlockTable: the engines' KV blocks (KvBlockTableOff when off)
+    replicas: Any = None  # RawArray of ReplicaRow [MAX_REPLICAS]: the replicas the last cluster sync saw
+    status: Any = None  # RawArray of bytes: the status page's JSON (`globals.status_len` of them)
 
     @classmethod
     def create(cls, kv_events: bool = False) -> SharedState:
         ctx = multiprocessing.get_context("spawn")
-        return cls(
+        shared = cls(
             doc=ctx.RawArray(ctypes.c_char, DOC_BYTES),
             ledger=ctx.RawArray(LedgerRow, MAX_WORKERS + 1),
             endpoints=ctx.RawArray(EndpointRow, MAX_SLOTS),
@@ -313,7 +336,11 @@ class SharedState:
             tenant_counts=ctx.RawArray(TenantCounts, MAX_WORKERS),
             kv_endpoints=ctx.RawArray(KvEndpointRow, MAX_SLOTS),
             kv_blocks=ctx.RawValue(KvBlockTable if kv_events else KvBlockTableOff),
+            replicas=ctx.RawArray(ReplicaRow, MAX_REPLICAS),
+            status=ctx.RawArray(ctypes.c_char, STATUS_BYTES),
         )
+        shared.globals.started_ms = int(time.time() * 1000)
+        return shared
 
     @property
     def hot_lock(self) -> Any:
@@ -384,6 +411,8 @@ _FIELDS = (
     "tenant_counts",
     "kv_endpoints",
     "kv_blocks",
+    "replicas",
+    "status",
 )
 
 

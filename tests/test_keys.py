@@ -18,8 +18,19 @@ from tests.conftest import MODEL
 
 MGMT_HEADER = "X-Motor-Management-Key"
 ANTHROPIC = {"anthropic-version": "2023-06-01"}  # /v1/models reads x-api-key only for an Anthropic client
-# Routes meant to take no key, by path: the Kubernetes probes, the scrape, the API's documentation.
-OPEN = {"/startup", "/liveness", "/readiness", "/health", "/metrics", "/docs", "/docs/openapi.json", "/docs/redoc"}
+# Routes meant to take no key, by path: the Kubernetes probes, the scrape, the status page, the API's documentation.
+OPEN = {
+    "/startup",
+    "/liveness",
+    "/readiness",
+    "/health",
+    "/metrics",
+    "/",
+    "/status.json",
+    "/docs",
+    "/docs/openapi.json",
+    "/docs/redoc",
+}
 
 KEY, MGMT_KEY = "sk-client-1", "m-operator-1"
 KEY_HASHED, MGMT_HASHED = hash_key(KEY, iterations=1000), hash_key(MGMT_KEY, iterations=1000)
@@ -78,6 +89,8 @@ def test_every_route_refuses_a_missing_or_wrong_key_and_a_hashed_entrys_text(key
                 where = (key_set, method, path, headers)
                 if path in OPEN | skip:
                     assert r.status_code == 200, (where, r.status_code, r.text[:200])
+                    # An open route shows no key, nor a hashed entry's text.
+                    assert not any(k in r.text for k in (*valid, *mgmt_valid, KEY, MGMT_KEY)), where
                     continue
                 assert r.status_code == 401, (where, r.status_code, r.text[:200])
                 assert r.headers["www-authenticate"] == "Bearer", where

@@ -465,6 +465,8 @@ def test_openapi_spec_documents_the_inference_routes(c):
         "/v1/responses",
         "/v1/responses/{response_id}",
         "/v1/responses/{response_id}/cancel",
+        "/tokenize",
+        "/detokenize",
     }
     chat = spec["paths"]["/v1/chat/completions"]["post"]
     body = chat["requestBody"]["content"]["application/json"]["schema"]["properties"]

@@ -124,6 +124,8 @@ def test_each_route_declares_the_keys_it_takes(spec):
         "/v1/responses": [openai_key],
         "/v1/responses/{response_id}": [openai_key],
         "/v1/responses/{response_id}/cancel": [openai_key],
+        "/tokenize": [openai_key],
+        "/detokenize": [openai_key],
     }
 
 

@@ -1,4 +1,4 @@
-"""Endpoint families: one module per family (chat, completions, messages, count_tokens, responses, metaserver),
+"""Endpoint families: one module per family (chat, completions, messages, count_tokens, responses, metaserver, tokenize),
 each owning what differs between them (serving/families/base.py lists it). A new family is a module with a
 `Family` subclass and its one instance, and a line in `FAMILIES`; its handler passes that instance to
 serve_inference (handlers/)."""
@@ -10,7 +10,19 @@ from serving.families.count_tokens import COUNT_TOKENS
 from serving.families.messages import MESSAGES
 from serving.families.metaserver import METASERVER
 from serving.families.responses import RESPONSES
+from serving.families.tokenize import DETOKENIZE, TOKENIZE
 
-FAMILIES: tuple[Family, ...] = (CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS, RESPONSES, METASERVER)
+FAMILIES: tuple[Family, ...] = (CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS, RESPONSES, METASERVER, TOKENIZE, DETOKENIZE)
 
-__all__ = ["CHAT", "COMPLETIONS", "COUNT_TOKENS", "FAMILIES", "MESSAGES", "METASERVER", "RESPONSES", "Family"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "COUNT_TOKENS",
+    "DETOKENIZE",
+    "FAMILIES",
+    "MESSAGES",
+    "METASERVER",
+    "RESPONSES",
+    "TOKENIZE",
+    "Family",
+]
