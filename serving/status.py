@@ -33,7 +33,6 @@ from state.shared import STATUS_BYTES, SharedState
 
 log = logging.getLogger("coordinator.status")
 INTERVAL_S = 1.0
-KV_EVENTS_OFF = {"state": "off"}  # an endpoint without the engines' KV events (kv_event_config)
 
 
 class StatusDocument:
@@ -43,7 +42,7 @@ class StatusDocument:
         self.shared, self.settings, self.history = shared, settings, history
         self.registry = Registry(shared)
         self.health = Health(shared)
-        self.predictor = Predictor(shared)
+        self.predictor = Predictor(shared, settings().slo_confidence)
         self.ledgers: dict[tuple[int, bool], Ledger] = {}  # (views of the shared rows cost more to make than to read)
 
     def build(self) -> dict:
@@ -76,12 +75,11 @@ class StatusDocument:
         return read(w) if w is not None else (default or {})
 
     def _instances(self, view: Topology, ledger: Ledger) -> list[dict]:
-        out = instances_json(view, ledger, self.health)
+        out = instances_json(view, ledger, self.health, self.shared.kv_endpoints)
         targets = {(t.instance_id, t.endpoint_id): t for t in view.targets}
         now = clock.now()
         for inst in out:
             for ep in inst["endpoints"]:
-                ep.setdefault("kv_events", KV_EVENTS_OFF)
                 t = targets[(inst["id"], ep["id"])]
                 ep["predicted"] = self._predicted(t.slot, t.role, ep["load"], now)
         return out

@@ -1,9 +1,9 @@
-"""/tokenize and /detokenize: vLLM's own routes, answered by one vLLM engine of the model (nothing generated)."""
+"""/tokenize: vLLM's own route, answered by one vLLM engine of the model (nothing generated)."""
 
 from __future__ import annotations
 
 from serving.families.base import Family
-from serving.protocol.tokenize import DetokenizeRequest, TokenizeRequest
+from serving.protocol.tokenize import TokenizeRequest
 
 
 class Tokenize(Family):
@@ -15,10 +15,4 @@ class Tokenize(Family):
     usage_chunk_option = False
 
 
-class Detokenize(Tokenize):
-    route = "/detokenize"
-    request_model = DetokenizeRequest
-
-
 TOKENIZE = Tokenize()
-DETOKENIZE = Detokenize()
