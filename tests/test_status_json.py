@@ -70,7 +70,9 @@ def test_the_document_follows_the_requests_and_is_made_once_a_second(sims):
         assert inst["id"] == 7 and inst["role"] == "union" and inst["endpoints"][0]["address"] == u.address
         assert inst["endpoints"][0]["kv_events"] == {"state": "off", "blocks": 0}  # (kv_event_config off)
         assert inst["endpoints"][0]["predicted"]["tpot_s"] > 0  # slo_aware learned this engine's decode speed
-        assert doc["tenants"] == [] and doc["cluster"] is None
+        [tenant] = doc["tenants"]  # keys off: one tenant, `default`
+        assert tenant["name"] == "default" and tenant["requests"] == 13 and tenant["refused"] == 0
+        assert doc["cluster"] is None
 
         # However often it is asked for, the document is made once a second.
         seen, start = set(), time.monotonic()
