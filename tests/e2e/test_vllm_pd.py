@@ -133,6 +133,21 @@ def test_count_tokens_is_the_engines_answer(pd):
     assert counted.input_tokens == engine["input_tokens"] > 0
 
 
+def test_tokenize_and_detokenize_are_the_engines_answers(pd):
+    """vLLM's /tokenize (a prompt and a conversation) and /detokenize through the Coordinator: the engine's bodies."""
+    client = oai(pd)
+    for body in (
+        {"model": pd.model, "prompt": "Hello, how are you?", "return_token_strs": True},
+        {"model": pd.model, "messages": PROMPT, "add_generation_prompt": True},
+    ):
+        got = client.post(pd.coord.url + "/tokenize", body=body, cast_to=object)
+        assert got == direct(pd.engines["decode"], "/tokenize", body) and got["count"] > 0
+        ids = {"model": pd.model, "tokens": got["tokens"]}
+        assert client.post(pd.coord.url + "/detokenize", body=ids, cast_to=object) == direct(
+            pd.engines["prefill"], "/detokenize", ids
+        )
+
+
 def test_models_lists_the_pair(pd):
     models = oai(pd).models.list().data
     assert [m.id for m in models] == [pd.model]
