@@ -202,7 +202,9 @@ print(json.dumps({"bare": bare, "late": late}))
 """
 
 
-def test_only_the_inference_routes_run_without_middleware_and_a_new_route_without_a_guard_stops_start_up(tmp_path):
+def test_only_the_self_guarded_routes_run_without_middleware_and_a_new_route_without_a_guard_stops_start_up(tmp_path):
+    """The inference routes and the status page's document (polled every second) skip middleware: each checks its
+    plane itself (and the inference routes the key); any other route without a guard stops the start."""
     # In a process of its own: importing app.py sets the metrics directory for the process (here, one of the test's).
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     out = subprocess.run(
@@ -211,6 +213,9 @@ def test_only_the_inference_routes_run_without_middleware_and_a_new_route_withou
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bare"] == [
+        "detokenize",
+        "status.json",
+        "tokenize",
         "v1/chat/completions",
         "v1/completions",
         "v1/messages",
