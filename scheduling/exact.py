@@ -43,9 +43,7 @@ from itertools import pairwise
 
 from scheduling.kv_index import ids_bytes
 from scheduling.tokens import (
-    CHAT,
     COMPLETION,
-    MESSAGES,
     PromptMeter,
     _chat_parts,
     _part_text,
@@ -159,7 +157,7 @@ class TokenizerMeter(PromptMeter):
             return None
         size = sum(len(m["content"]) if isinstance(m.get("content"), str) else 64 for m in messages)
         # The list is copied so that the request's own later changes do not reach the thread.
-        return self._start(size, self._encode_chat, list(messages), tools, system, kind)
+        return self._start(size, self._encode_chat, list(messages), tools, system)
 
     def _start(self, size: int, fn, *args) -> concurrent.futures.Future | None:
         with self._pending_lock:
@@ -187,11 +185,11 @@ class TokenizerMeter(PromptMeter):
 
     # -- in the pool -----------------------------------------------------------------------------------
 
-    def render(self, messages: list, tools: object, system: object, kind: str = CHAT) -> str:
+    def render(self, messages: list, tools: object, system: object) -> str:
         """The chat as the engine renders it (the ChatML layout when the model has no template)."""
         msgs = [{"role": "system", "content": _flat(system)}] if system else []
         msgs += [self._message(m) for m in messages]
-        if kind == MESSAGES and tools:
+        if tools:
             tools = [_openai_tool(t) for t in tools if isinstance(t, dict)]
         if self.template is None:
             return render_chatml(messages, tools, system)
@@ -213,8 +211,8 @@ class TokenizerMeter(PromptMeter):
             m["tool_calls"] = [_parsed_call(c) for c in calls]
         return m
 
-    def _encode_chat(self, messages: list, tools: object, system: object, kind: str) -> bytes:
-        return self.encode_text(self.render(messages, tools, system, kind))
+    def _encode_chat(self, messages: list, tools: object, system: object) -> bytes:
+        return self.encode_text(self.render(messages, tools, system))
 
     def encode_text(self, text: str) -> bytes:
         """A rendered chat's ids, its pieces from the cache where they are there."""
@@ -254,7 +252,6 @@ class TokenizerMeter(PromptMeter):
             ],
             None,
             "You are a helpful assistant.",
-            MESSAGES,
         )
         whole = ids_bytes(self._encode([probe], add_special_tokens=False)[0].ids)
         cached = self.cache
@@ -301,10 +298,12 @@ def _flat(content: object) -> str:
 
 
 def _openai_tool(tool: dict) -> dict:
-    """An Anthropic tool as vLLM's Messages route hands it to the template."""
+    """A tool as vLLM hands it to the template: an OpenAI function tool (an Anthropic tool's `input_schema` and a
+    Responses function tool's flat fields moved under `function`, as vLLM's Messages and Responses routes do)."""
     if "function" in tool:
         return tool
-    fn = {"name": tool.get("name"), "description": tool.get("description"), "parameters": tool.get("input_schema")}
+    schema = tool.get("parameters", tool.get("input_schema"))
+    fn = {"name": tool.get("name"), "description": tool.get("description"), "parameters": schema}
     return {"type": "function", "function": fn}
 
 
