@@ -24,7 +24,7 @@ extracts whole (`<|im_start|>`, ...): the tokenizer encodes the text between suc
 ids of the whole are the ids of the pieces end to end (checked on a probe conversation when the meter is
 made; where it does not hold, prompts are encoded whole and nothing is cached). Each piece's ids are kept
 in a bounded LRU cache keyed by the piece's text hash and length, so turn N+1 of a conversation encodes only
-the messages turn N did not have. Ids are kept as 8-byte little-endian integers, the form the KV index's
+the messages turn N did not have. Ids are kept as 4-byte little-endian integers, the form the KV index's
 keys hash (scheduling/kv_index.py): the prompt's key bytes are the pieces' bytes joined, with no Python
 integers on the way.
 """
@@ -61,7 +61,7 @@ log = logging.getLogger("coordinator.tokens")
 EXACT_WAIT_S = 0.25
 POOL_THREADS = 2  # encode_batch spreads a batch over tokenizers' own threads; two keep a long prompt from blocking
 MAX_PENDING_BYTES = 32 << 20  # prompt text queued for encoding per process; past it, prompts keep the estimate
-CACHE_BYTES = 64 << 20  # ids kept per meter (8 bytes a token: 8 M tokens)
+CACHE_BYTES = 64 << 20  # ids kept per meter (4 bytes a token: 16 M tokens)
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -143,7 +143,7 @@ class TokenizerMeter(PromptMeter):
     # -- on the loop -----------------------------------------------------------------------------------
 
     def submit(self, kind: str, body: dict) -> concurrent.futures.Future | None:
-        """Start encoding the prompt in the pool; its result is the ids as 8-byte integers. None: it will not be
+        """Start encoding the prompt in the pool; its result is the ids as 4-byte integers. None: it will not be
         known exactly (a part that is not text, the request's own template, too much already queued)."""
         if kind == COMPLETION:
             prompt = body.get("prompt")

@@ -213,12 +213,12 @@ def test_exact_ids_off_the_loop_for_any_prompt_size(tmp_path):
         )
         expected = tok.encode(rendered, add_special_tokens=False).ids
         data = meter.submit(CHAT, body).result(timeout=30)
-        assert list(array("Q", data)) == expected
+        assert list(array("I", data)) == expected
         estimate, hashes, _ = meter.count(CHAT, body)
         assert estimate == PromptMeter(BLOCK).count(CHAT, body)[0] != len(expected)
         assert hashes == PromptMeter(BLOCK).count(CHAT, body)[1]  # over the ChatML text, as the estimate's
     data = meter.submit(COMPLETION, {"prompt": "the quick brown fox"}).result(timeout=30)
-    assert list(array("Q", data)) == tok.encode("the quick brown fox").ids
+    assert list(array("I", data)) == tok.encode("the quick brown fox").ids
     assert meter.submit(COMPLETION, {"prompt": [1, 2, 3]}) is None  # token ids: count_ids has them
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
     assert meter.submit(CHAT, {"messages": [image]}) is None  # the engine expands it: not known exactly
@@ -236,7 +236,7 @@ def test_a_conversation_is_not_encoded_from_scratch_each_turn(tmp_path):
         before = meter.cache.misses
         data = meter.submit(CHAT, {"messages": messages}).result(timeout=30)
         whole = tok.encode(meter.render(messages, None, None), add_special_tokens=False).ids
-        assert list(array("Q", data)) == whole
+        assert list(array("I", data)) == whole
         if turn:  # the new user message and the assistant answer before it; the opened turn is cached
             assert meter.cache.misses - before <= 2, turn
         messages.append({"role": "assistant", "content": f"answer {turn} over the dog"})
@@ -256,7 +256,7 @@ def test_pieces_are_encoded_whole_where_they_do_not_encode_alone(tmp_path):
     body = {"messages": [{"role": "user", "content": "quick brown fox  "}]}
     data = meter.submit(CHAT, body).result(timeout=30)
     assert (
-        list(array("Q", data))
+        list(array("I", data))
         == meter.tokenizer.encode(meter.render(body["messages"], None, None), add_special_tokens=False).ids
     )
 
