@@ -7,8 +7,9 @@ One run, four numbers (docs/performance.md keeps them):
   (KV_ENTRIES entries); filled with 4 engines' blocks until the table holds no more, bytes / blocks held;
 * ingestion on one core: vLLM batches (msgpack, as a ZMQ message carries them) decoded and applied by the
   subscriber's own code, in events a second for events of 1 block (a decode step's) and of 16 (a prefill's);
-* lookup: a prompt's keys from its ids and its cached prefix on 4 engines, at 32 KiB and 1 MiB of prompt
-  (4 bytes a token), tokenizing aside;
+* lookup: a prompt's cached prefix on 4 engines from its ids' bytes as the tokenizer's pool hands them over,
+  at 32 KiB and 1 MiB of prompt (4 bytes of text a token), tokenizing aside; and beside it what a token-id
+  prompt pays first to turn its ids into those bytes on the loop;
 * the longest stall of an asyncio loop sharing a process with the subscriber thread (Sanic's single-process
   mode; with workers, the subscriber is in the main process and no worker's loop shares its GIL) while another
   process floods it over ZMQ for 3 s.
