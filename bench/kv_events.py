@@ -7,8 +7,9 @@ One run, four numbers (docs/performance.md keeps them):
   (KV_ENTRIES entries); filled with 4 engines' blocks until the table holds no more, bytes / blocks held;
 * ingestion on one core: vLLM batches (msgpack, as a ZMQ message carries them) decoded and applied by the
   subscriber's own code, in events a second for events of 1 block (a decode step's) and of 16 (a prefill's);
-* lookup: a prompt's keys from its ids and its cached prefix on 4 engines, at 32 KiB and 1 MiB of prompt
-  (4 bytes a token), tokenizing aside;
+* lookup: a prompt's cached prefix on 4 engines from its ids' bytes as the tokenizer's pool hands them over,
+  at 32 KiB and 1 MiB of prompt (4 bytes of text a token), tokenizing aside; and beside it what a token-id
+  prompt pays first to turn its ids into those bytes on the loop;
 * the longest stall of an asyncio loop sharing a process with the subscriber thread (Sanic's single-process
   mode; with workers, the subscriber is in the main process and no worker's loop shares its GIL) while another
   process floods it over ZMQ for 3 s.
@@ -31,7 +32,7 @@ from config import Endpoint, Instance, Settings  # noqa: E402
 from config.sections import EndpointKvEvents, KvEventConfig  # noqa: E402
 from harness.loopback import free_ports  # noqa: E402
 from scheduling.kv_events import EngineFeed, KvSubscriber  # noqa: E402
-from scheduling.kv_index import PromptKeys  # noqa: E402
+from scheduling.kv_index import PromptKeys, ids_bytes  # noqa: E402
 from scheduling.registry import Registry  # noqa: E402
 from state.shared import KV_ENTRIES, SharedState  # noqa: E402
 
@@ -154,18 +155,21 @@ def lookup() -> None:
                 sub._apply(feed, seq, batch(first, chunk, parent))
                 parent, seq = first + len(chunk) // BLOCK - 1, seq + 1
         runs = 20 if kib > 100 else 200
-        keys_s = look_s = 0.0
+        encoded = ids_bytes(ids)  # what the tokenizer's pool hands over (scheduling/exact.py)
+        bytes_s = look_s = 0.0
         for _ in range(runs):
             t0 = time.perf_counter()
-            prompt = PromptKeys(ids)
+            data = ids_bytes(ids)  # a token-id prompt's, on the loop
             t1 = time.perf_counter()
+            prompt = PromptKeys(encoded)
             found = [sub.index.cached_tokens_at(f.slot, prompt) for f in fs]
             t2 = time.perf_counter()
-            keys_s, look_s = keys_s + t1 - t0, look_s + t2 - t1
+            bytes_s, look_s = bytes_s + t1 - t0, look_s + t2 - t1
+            assert data == encoded
         assert found == [held] * ENGINES, (found, held)
         print(
-            f"lookup at {kib} KiB ({len(ids):,} tokens): keys {keys_s / runs * 1000:.3f} ms + {ENGINES} engines "
-            f"{look_s / runs * 1000:.3f} ms = {(keys_s + look_s) / runs * 1000:.3f} ms"
+            f"lookup at {kib} KiB ({len(ids):,} tokens), {ENGINES} engines: {look_s / runs * 1000:.3f} ms from the "
+            f"tokenizer's bytes; a token-id prompt's ids to bytes {bytes_s / runs * 1000:.3f} ms more"
         )
     sub.ctx.term()
 

@@ -46,6 +46,7 @@ from scheduling.kv_index import (
     KV_LOST,
     KV_OFF,
     KV_REPLAYING,
+    TOKEN_BYTES,
     BlockTable,
     KvIndex,
     block_key,
@@ -457,7 +458,7 @@ class KvSubscriber:
             row.dropped += 1
             return
         extras = ev.extra_keys or ()
-        step = size * 8
+        step = size * TOKEN_BYTES
         for j, h in enumerate(ev.block_hashes):
             extra = extras[j] if j < len(extras) else None
             if extra:

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from config import Live, Settings
 from scheduling.admission import OFF, REJECT, AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
+from scheduling.exact import make_meter
 from scheduling.health import Health
-from scheduling.kv_index import KvEventSource, KvIndex, PromptKeys, prompt_seed
+from scheduling.kv_index import TOKEN_BYTES, KvEventSource, KvIndex, PromptKeys, ids_bytes, prompt_seed
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Hold, Lease, Ledger
 from scheduling.policies import JobInfo, Policy, PrefixSource, make_policy
 from scheduling.predict import Predictor
 from scheduling.registry import Registry, Target
-from scheduling.tokens import PromptMeter, make_meter
+from scheduling.tokens import PromptMeter
 
 log = logging.getLogger("coordinator.scheduler")
 
@@ -227,16 +228,37 @@ class Scheduler:
         events can be asked about) or "estimate"."""
         return {m: "exact" if self.meter(m).exact else "estimate" for m in models}
 
-    def prepare(self, job: JobInfo, kind: str, body: dict) -> None:
-        """Count the prompt (exactly where a tokenizer is configured) and hash its blocks (the policy uses them)."""
+    def prepare(self, job: JobInfo, kind: str, body: dict) -> Awaitable[None] | None:
+        """Count the prompt and hash its blocks (the policy uses them). The count is the estimate's, or exact for a
+        token-id prompt; a model with a tokenizer has its prompt encoded off the loop (scheduling/exact.py), and
+        the awaitable returned puts the exact count and ids in `job` once they are in, to await before planning
+        (None: nothing to wait for)."""
+        meter = self.meter(job.model)
         index = self.index if self.policy.uses_prefix else None
         hashes = index is not None and index.needs_hashes
-        if index is None or not index.needs_ids:
-            job.prompt_tokens, job.block_hashes, job.prompt_bytes = self.meter(job.model).count(kind, body, hashes)
+        wants_ids = index is not None and index.needs_ids
+        if not wants_ids:
+            job.prompt_tokens, job.block_hashes, job.prompt_bytes = meter.count(kind, body, hashes)
+        else:
+            job.prompt_tokens, job.block_hashes, job.prompt_bytes, ids = meter.count_ids(kind, body, hashes)
+            if ids:  # the engines' KV events can answer for this prompt (scheduling/kv_index.py)
+                job.prompt_keys = PromptKeys(ids_bytes(ids), prompt_seed(body.get("cache_salt")))
+        if not meter.exact or job.prompt_keys is not None:
+            return None
+        future = meter.submit(kind, body)
+        if future is None:
+            return None
+        return self._exact(job, meter, future, prompt_seed(body.get("cache_salt")) if wants_ids else None)
+
+    async def _exact(self, job: JobInfo, meter, future, seed: bytes | None) -> None:
+        data = await meter.wait(future)
+        if data is None:  # not in within EXACT_WAIT_S: planned on the estimate
             return
-        job.prompt_tokens, job.block_hashes, job.prompt_bytes, ids = self.meter(job.model).count_ids(kind, body, hashes)
-        if ids:  # the engines' KV events can answer for this prompt (scheduling/kv_index.py)
-            job.prompt_keys = PromptKeys(ids, prompt_seed(body.get("cache_salt")))
+        job.prompt_tokens = len(data) // TOKEN_BYTES
+        if job.prompt_bytes:  # the exact count teaches the estimate (prompts it cannot wait for)
+            meter.learn(job.prompt_bytes, job.prompt_tokens)
+        if seed is not None:
+            job.prompt_keys = PromptKeys(data, seed)
 
     def calibrate(self, model: str, prompt_bytes: int, prompt_tokens: int) -> None:
         """An engine counted `prompt_tokens` for a prompt of `model` that `prepare` measured at `prompt_bytes`

@@ -3,12 +3,9 @@
 Two ways to count, chosen per model:
 
 * **exact**: `models[].tokenizer_path` names a Hugging Face `tokenizer.json` (or the directory holding
-  it) and the optional `tokenizers` package is installed. The prompt is rendered with the model's chat
-  template (`chat_template` of the `tokenizer_config.json` beside it, or `chat_template.jinja`), through
-  jinja2 with the helpers transformers gives templates, with the generation prompt added, and encoded
-  without added special tokens, which is what vLLM does for chat. Completions prompts are encoded with
-  special tokens, as vLLM does. A prompt over EXACT_MAX_BYTES (4 KiB) is estimated at the model's
-  calibrated tokens per byte (below): encoding holds the event loop about 1 ms per KiB.
+  it) and the optional `tokenizers` package is installed: scheduling/exact.py renders and encodes every
+  prompt off the event loop, whatever its size, and the request is planned on the exact ids once they are
+  in. Until then (and if they are not in soon enough) the estimate below stands.
 * **estimate** (no tokenizer, or it cannot be loaded): the prompt is rendered with a ChatML template
   (tools as a leading system block, the system prompt, every message, the opened assistant turn: the
   layout of Qwen-style templates and of engine_sim) and counted at the model's calibrated tokens per byte
@@ -19,7 +16,7 @@ Each meter learns that ratio from the engines' own counts: when an engine's usag
 prompt's tokens (P's answer in a PD handoff, a whole request's or a decode-alone request's answer, a
 stream's first usage that counts the prompt; `engine_prompt` reads OpenAI, Responses and Anthropic usage), the scheduler's `calibrate` hands the meter
 the bytes it measured for that prompt and the engine's count, a few arithmetic operations off the
-per-KiB path. A TokenizerMeter also learns from its own exact counts of prompts up to EXACT_MAX_BYTES.
+per-KiB path. A TokenizerMeter also learns from its own exact counts.
 Each count moves the ratio LEARN_WEIGHT of the way to the count's own ratio, clamped to
 [MIN_TOKENS_PER_BYTE, MAX_TOKENS_PER_BYTE] so that one odd engine cannot poison it; a count within a
 token of the estimate teaches nothing (it is right, to rounding). From 1/4 to a tokenizer's 1/3, the
@@ -52,21 +49,13 @@ in one pass): not cryptographic; a collision only misroutes one request.
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
 import zlib
 from array import array
 from bisect import bisect_right
 from itertools import repeat
 
-log = logging.getLogger("coordinator.tokens")
-
 BYTES_PER_TOKEN = 4
-# tokenizers' encode holds the GIL, so it runs on the event loop whatever thread calls it: about 1 ms per KiB
-# for the e2e model's byte-level BPE on these CPUs (a 1 MiB prompt held the loop a second). A prompt longer than
-# this is estimated instead, at the calibrated tokens per byte, so the loop is held about 4 ms at most.
-EXACT_MAX_BYTES = 4096
 # Calibration: counts (exact ones, the engines') of prompts of LEARN_MIN_BYTES up move the tokens per byte
 # LEARN_WEIGHT of the way to theirs, each count's ratio clamped to this range (byte-level BPE gives at most a
 # token per byte; 16 bytes a token is beyond what vocabularies merge, outside runs of one character).
@@ -210,7 +199,9 @@ def hashes_covering(blocks: int) -> int:
 
 
 def _ids_bytes(ids: list[int]) -> bytes:
-    return array("I", [i & 0xFFFFFFFF for i in ids]).tobytes()
+    out = array("I")
+    out.fromlist([i & 0xFFFFFFFF for i in ids])
+    return out.tobytes()
 
 
 # -- per-model meters --------------------------------------------------------------------------
@@ -252,9 +243,10 @@ class PromptMeter:
         """An engine counted `prompt_tokens` for a prompt whose rendering measured `prompt_bytes` (`count`'s
         learnable bytes; 0: it cannot teach). A few arithmetic operations: it runs when usage arrives."""
         if prompt_bytes >= LEARN_MIN_BYTES and prompt_tokens > 0:
-            self._learn(prompt_bytes, prompt_tokens)
+            self.learn(prompt_bytes, prompt_tokens)
 
-    def _learn(self, prompt_bytes: int, prompt_tokens: int) -> None:
+    def learn(self, prompt_bytes: int, prompt_tokens: int) -> None:
+        """Move the tokens per byte toward one count's (an engine's, an exact one), clamped."""
         tpb = self.tokens_per_byte
         if abs(prompt_tokens - prompt_bytes * tpb) <= 1.0:  # right to rounding: an engine that rounds up stays put
             return
@@ -278,67 +270,6 @@ class PromptMeter:
     def _estimated(self, data: bytes, hashes: bool, learn: int) -> tuple[int, list[int], int]:
         """The estimate: one multiply (ceil(n / 4) exactly while uncalibrated)."""
         return math.ceil(len(data) * self.tokens_per_byte), self._block_hashes(data, hashes), learn
-
-
-class TokenizerMeter(PromptMeter):
-    """Exact counts from a local tokenizer.json and the model's chat template, up to EXACT_MAX_BYTES of prompt;
-    longer prompts at the calibrated tokens per byte, which its exact counts teach too."""
-
-    exact = True
-
-    def __init__(self, path: str, block_tokens: int = 16):
-        super().__init__(block_tokens)
-        from tokenizers import Tokenizer  # optional dependency: only models with a tokenizer_path need it
-
-        file = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(file)
-        folder = os.path.dirname(os.path.abspath(file))
-        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
-        source = config.get("chat_template")
-        if isinstance(source, list):  # named templates: use "default"
-            source = next(
-                (t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None
-            )
-        jinja_file = os.path.join(folder, "chat_template.jinja")
-        if not source and os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                source = f.read()
-        self.template = _compile_template(source) if isinstance(source, str) and source else None
-        self.specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-
-    def _chat(
-        self, messages: list, tools: object, system: object, hashes: bool, learnable: bool
-    ) -> tuple[int, list[int], int]:
-        chatml = render_chatml(messages, tools, system)
-        data = chatml.encode("utf-8", "ignore")
-        learn = _learn_bytes(len(data), learnable, messages, system)
-        if len(data) > EXACT_MAX_BYTES:
-            return self._estimated(data, hashes, learn)
-        text = chatml
-        if self.template is not None:
-            msgs = [{"role": "system", "content": content_text(system)}] if system else []
-            for m in messages:
-                msg = {**m, "content": content_text(m.get("content"))}
-                msgs.append(msg)
-            try:
-                text = self.template.render(messages=msgs, tools=tools, add_generation_prompt=True, **self.specials)
-            except Exception as e:  # a template that rejects this conversation: count it the generic way
-                log.debug("chat template failed (%s); counting the ChatML rendering", e)
-        return self._counted(data, self.tokenizer.encode(text, add_special_tokens=False).ids, hashes, learn)
-
-    def _text(self, text: str, hashes: bool, special: bool, learnable: bool) -> tuple[int, list[int], int]:
-        data = text.encode("utf-8", "ignore")
-        learn = len(data) if learnable and len(data) >= LEARN_MIN_BYTES else 0
-        if len(data) > EXACT_MAX_BYTES:
-            return self._estimated(data, hashes, learn)
-        return self._counted(data, self.tokenizer.encode(text, add_special_tokens=special).ids, hashes, learn)
-
-    def _counted(self, data: bytes, ids: list[int], hashes: bool, learn: int) -> tuple[int, list[int], int]:
-        """An exact count, which calibrates the estimate of longer prompts."""
-        self.ids = ids
-        if learn:
-            self._learn(learn, len(ids))
-        return len(ids), self._block_hashes(data, hashes), learn
 
 
 # Parts whose rendering is the text the engine reads; any other (an image, audio, a file) stands in a guess.
@@ -379,56 +310,6 @@ def _learn_bytes(length: int, learnable: bool, messages: list, system: object) -
 def _template_as_ours(body: dict) -> bool:
     """The engine renders this chat with the model's template (no `chat_template` of the request's own)."""
     return body.get("chat_template") is None
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _token_text(value: object) -> str:
-    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config files
-        value = value.get("content")
-    return value if isinstance(value, str) else ""
-
-
-def _compile_template(source: str):
-    """A chat template compiled the way transformers does (sandboxed, trimmed blocks, its helpers)."""
-    from datetime import datetime
-
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ValueError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-def make_meter(tokenizer_path: str, block_tokens: int = 16) -> PromptMeter:
-    """The exact meter when the tokenizer loads, else the estimate (with one warning saying why)."""
-    if tokenizer_path:
-        try:
-            return TokenizerMeter(tokenizer_path, block_tokens)
-        except ImportError:
-            log.warning(
-                "tokenizer_path %s set but the 'tokenizers' package is not installed: estimating token counts",
-                tokenizer_path,
-            )
-        except Exception as e:
-            log.warning("tokenizer %s could not be loaded (%s): estimating token counts", tokenizer_path, e)
-    return PromptMeter(block_tokens)
 
 
 def engine_prompt(usage: object) -> int:

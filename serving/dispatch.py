@@ -72,7 +72,9 @@ class Dispatcher:
 
     # -- entry points ----------------------------------------------------------------------------
 
-    def job_info(self, job: Job) -> JobInfo:
+    def job_info(self, job: Job) -> tuple[JobInfo, Awaitable[None] | None]:
+        """What the scheduler reads of the request, and what to await before planning it (its exact token
+        count, made off the loop: Scheduler.prepare), or None."""
         model = self.live.s.model(job.model)
         view = self.scheduler.registry.view()
         if model is None and job.model not in view.model_names:
@@ -88,19 +90,30 @@ class Dispatcher:
             slo_tpot_ms=job.slo_tpot_ms or limits.slo_tpot_ms,
             engine_type="vllm" if family.vllm_only else None,
         )
+        exact = None
         if family.prompt_kind is not None:  # how the scheduler reads its prompt
             try:
-                self.scheduler.prepare(info, family.prompt_kind, job.prompt_body)
+                exact = self.scheduler.prepare(info, family.prompt_kind, job.prompt_body)
             except RecursionError:  # counting walks the body's nesting, which JSON lets go 1,000 deep
                 raise InvalidRequest("the request body is nested too deeply") from None
-        return info
+        return info, exact
 
     def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         """The request's flow, to await. Checks and the first plan happen here, so a refusal raises at once;
         a request let in at once gets its flow's own coroutine, with no layer of this function's."""
         if not job.model:  # a /tokenize or /detokenize body may name none, as vLLM's: the one model served
             job.model = rec.model = self._only_model()
-        info = self.job_info(job)
+        info, exact = self.job_info(job)
+        if exact is not None:
+            return self._serve_counted(exact, job, info, sink, rec)
+        return self._serve_info(job, info, sink, rec)
+
+    async def _serve_counted(self, exact: Awaitable[None], job: Job, info: JobInfo, sink: Sink, rec: RequestRecord):
+        """Planned once the prompt's exact count is in (or its bound has passed)."""
+        await exact
+        await self._serve_info(job, info, sink, rec)
+
+    def _serve_info(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         rec.prompt_tokens, family = info.prompt_tokens, job.family
         if info.prompt_keys is not None:  # the engines' KV events predict its cached tokens: the line says how well
             rec.info = info

@@ -23,7 +23,7 @@ from harness.tokenizer import tiny_tokenizer
 
 CAL, CAL_WHOLE, CAL_STREAMS, EXACT = "cal", "cal-whole", "cal-streams", "exact"
 LINE = "    total = compute(values[i], weights[i])  # one line of code\n"
-LONG = LINE * 800  # 50 KB: past the exact counts' 4 KiB, under the engines' context at 3 bytes a token
+LONG = LINE * 800  # 50 KB: under the engines' context at 3 bytes a token
 TEACHING = 20  # requests whose engine counts calibrate the estimate before it is looked at again
 MIB = 1 << 20
 
@@ -132,8 +132,8 @@ def test_streams_served_whole_teach_the_estimate_their_usage(coord):
 
 
 def test_exact_counts_leave_an_over_long_prompt_to_the_engines_400(coord):
-    """A model with a tokenizer counts short prompts exactly and estimates a 1 MiB one: either way the
-    engine's context check answers (vLLM's 400, "maximum context length"), in each API's error shape, once."""
+    """A model with a tokenizer counts prompts exactly off the loop (a 1 MiB one not encoded within the wait is
+    planned on the estimate): either way the engine's context check answers (vLLM's 400, "maximum context length"), in each API's error shape, once."""
     prefill = coord.engines["exact prefill"]
     short = [{"role": "user", "content": "the quick brown fox"}]
     reply = openai_client(coord).chat.completions.create(model=EXACT, messages=short, max_tokens=2)

@@ -18,7 +18,7 @@ from engine_sim import launch
 from engine_sim.tokens import text_token_ids
 from harness.loopback import free_ports, wait_until
 from scheduling.kv_events import BUDGET_PER_S, MAX_MESSAGE_BYTES, KvSubscriber
-from scheduling.kv_index import KV_LIVE, KV_LOST, KV_OFF, PromptKeys, prompt_seed
+from scheduling.kv_index import KV_LIVE, KV_LOST, KV_OFF, PromptKeys, ids_bytes, prompt_seed
 from scheduling.registry import Registry
 from state.shared import SharedState
 
@@ -50,7 +50,7 @@ class Subscribed:
         return self.shared.kv_endpoints[self.slot(iid)]
 
     def cached(self, iid: int, ids: list[int], salt: str | None = None) -> int:
-        return self.sub.index.cached_tokens_at(self.slot(iid), PromptKeys(ids, prompt_seed(salt)))
+        return self.sub.index.cached_tokens_at(self.slot(iid), PromptKeys(ids_bytes(ids), prompt_seed(salt)))
 
     def close(self) -> None:
         self.sub.stop()

@@ -4,7 +4,9 @@ ledger, every policy, SLO admission and the engine-metrics scrape, on shared sta
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from array import array
 
 import pytest
 
@@ -15,6 +17,7 @@ from harness.tokenizer import tiny_tokenizer
 from scheduling import clock
 from scheduling.admission import AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
+from scheduling.exact import make_meter
 from scheduling.health import Health
 from scheduling.ledger import DECODE, LOAD_FIELDS, PREFILL, WHOLE, Ledger
 from scheduling.policies import JobInfo, make_policy
@@ -35,7 +38,6 @@ from scheduling.tokens import (
     engine_prompt,
     engine_uncached,
     hashes_covering,
-    make_meter,
     render_chatml,
 )
 from state.shared import ERROR_RING, SharedState
@@ -189,44 +191,87 @@ def test_engine_prompt_reads_the_whole_prompt_from_each_usage():
     assert engine_prompt(None) == -1 and engine_prompt({"output_tokens": 3}) == -1
 
 
-def test_exact_counts_with_a_local_tokenizer(tmp_path):
+def test_exact_ids_off_the_loop_for_any_prompt_size(tmp_path):
+    """The exact ids come from the pool (TokenizerMeter.submit), whatever the prompt's size: a 64 KiB chat is
+    encoded as the tokenizer encodes the template's rendering; `count` gives the estimate at once."""
     pytest.importorskip("tokenizers")
     tok = tiny_tokenizer(str(tmp_path))
 
     meter = make_meter(str(tmp_path), BLOCK)
-    assert meter.exact
-    body = {
-        "messages": [
-            {"role": "system", "content": "the lazy dog"},
-            {"role": "user", "content": "quick brown fox " * 30},
-        ]
-    }
-    rendered = (
-        "<s><|im_start|>system\nthe lazy dog<|im_end|>\n<|im_start|>user\n"
-        + "quick brown fox " * 30
-        + "<|im_end|>\n<|im_start|>assistant\n"
+    assert meter.exact and meter.cut is not None
+    for words in (30, 4000):  # 480 bytes and 64 KiB: past the 4 KiB the loop used to encode
+        body = {
+            "messages": [
+                {"role": "system", "content": "the lazy dog"},
+                {"role": "user", "content": "quick brown fox " * words},
+            ]
+        }
+        rendered = (
+            "<s><|im_start|>system\nthe lazy dog<|im_end|>\n<|im_start|>user\n"
+            + "quick brown fox " * words
+            + "<|im_end|>\n<|im_start|>assistant\n"
+        )
+        expected = tok.encode(rendered, add_special_tokens=False).ids
+        data = meter.submit(CHAT, body).result(timeout=30)
+        assert list(array("I", data)) == expected
+        estimate, hashes, _ = meter.count(CHAT, body)
+        assert estimate == PromptMeter(BLOCK).count(CHAT, body)[0] != len(expected)
+        assert hashes == PromptMeter(BLOCK).count(CHAT, body)[1]  # over the ChatML text, as the estimate's
+    data = meter.submit(COMPLETION, {"prompt": "the quick brown fox"}).result(timeout=30)
+    assert list(array("I", data)) == tok.encode("the quick brown fox").ids
+    assert meter.submit(COMPLETION, {"prompt": [1, 2, 3]}) is None  # token ids: count_ids has them
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
+    assert meter.submit(CHAT, {"messages": [image]}) is None  # the engine expands it: not known exactly
+
+
+def test_a_conversation_is_not_encoded_from_scratch_each_turn(tmp_path):
+    """Turn N+1 of a conversation encodes only the pieces (between special tokens) turn N did not have, and its
+    ids are those of the whole rendering encoded at once."""
+    pytest.importorskip("tokenizers")
+    tok = tiny_tokenizer(str(tmp_path))
+    meter = make_meter(str(tmp_path), BLOCK)
+    messages = [{"role": "system", "content": "the lazy dog " * 50}]
+    for turn in range(20):
+        messages += [{"role": "user", "content": f"turn {turn} quick brown fox " * 40}]
+        before = meter.cache.misses
+        data = meter.submit(CHAT, {"messages": messages}).result(timeout=30)
+        whole = tok.encode(meter.render(messages, None, None), add_special_tokens=False).ids
+        assert list(array("I", data)) == whole
+        if turn:  # the new user message and the assistant answer before it; the opened turn is cached
+            assert meter.cache.misses - before <= 2, turn
+        messages.append({"role": "assistant", "content": f"answer {turn} over the dog"})
+
+
+def test_pieces_are_encoded_whole_where_they_do_not_encode_alone(tmp_path):
+    """A special token that strips the space beside it joins what is around it: the meter encodes prompts whole."""
+    pytest.importorskip("tokenizers")
+    tiny_tokenizer(str(tmp_path))
+    path = tmp_path / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    for added in spec["added_tokens"]:
+        added["lstrip"] = True
+    path.write_text(json.dumps(spec))
+    meter = make_meter(str(tmp_path), BLOCK)
+    assert meter.exact and meter.cut is None
+    body = {"messages": [{"role": "user", "content": "quick brown fox  "}]}
+    data = meter.submit(CHAT, body).result(timeout=30)
+    assert (
+        list(array("I", data))
+        == meter.tokenizer.encode(meter.render(body["messages"], None, None), add_special_tokens=False).ids
     )
-    expected = tok.encode(rendered, add_special_tokens=False).ids
-    tokens, hashes, _ = meter.count(CHAT, body)
-    assert tokens == len(expected)
-    assert tokens != PromptMeter(BLOCK).count(CHAT, body)[0]
-    assert hashes == PromptMeter(BLOCK).count(CHAT, body)[1]  # over the ChatML text, as the estimate's
-    assert meter.count(COMPLETION, {"prompt": "the quick brown fox"})[0] == len(tok.encode("the quick brown fox").ids)
-    # Past EXACT_MAX_BYTES the count is estimated, at the tokens per byte the exact counts taught it.
-    assert meter.tokens_per_byte != 0.25
-    long = {"messages": [{"role": "user", "content": "quick brown fox " * 2000}]}
-    exact = len(tok.encode(render_chatml(long["messages"]), add_special_tokens=False).ids)
-    before = meter.count(CHAT, long)[0]
-    for _ in range(30):
-        meter.count(CHAT, {"messages": [{"role": "user", "content": "quick brown fox " * 40}]})
-    after = meter.count(CHAT, long)[0]
-    assert abs(after - exact) < abs(before - exact) and abs(after - exact) <= 0.05 * exact
 
 
 def test_missing_tokenizer_falls_back_to_the_estimate(tmp_path):
     meter = make_meter(str(tmp_path / "nowhere"), BLOCK)
     assert not meter.exact
     assert meter.count(COMPLETION, {"prompt": "abcd" * 10})[0] == 10
+
+
+def _prepared(sched: Scheduler, info: JobInfo, kind: str, body: dict) -> None:
+    """prepare's estimate, without waiting for an exact count."""
+    pending = sched.prepare(info, kind, body)
+    if pending is not None:
+        pending.close()
 
 
 def _engine_count(body: dict, bytes_per_token: int) -> int:
@@ -332,14 +377,14 @@ def test_the_scheduler_calibrates_the_models_meter_from_what_prepare_measured(tm
     long = _chat("x = compute(a, b)  # a line of code\n" * 3000)
     for model, engine in engines.items():
         first = JobInfo(model, 0, 16, 0, 0)
-        sched.prepare(first, CHAT, long)
+        _prepared(sched, first, CHAT, long)
         assert first.prompt_bytes == len(render_chatml(long["messages"]).encode())
         for body in TEACHING[:30]:
             info = JobInfo(model, 0, 16, 0, 0)
-            sched.prepare(info, CHAT, body)
+            _prepared(sched, info, CHAT, body)
             sched.pick(info, ("union",)).calibrate(engine(body))
         after = JobInfo(model, 0, 16, 0, 0)
-        sched.prepare(after, CHAT, long)
+        _prepared(sched, after, CHAT, long)
         truth = engine(long)
         assert abs(after.prompt_tokens - truth) <= 0.05 * truth < abs(first.prompt_tokens - truth), model
     assert sched.meter("exact").exact and not sched.meter(MODEL).exact
