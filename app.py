@@ -238,7 +238,7 @@ def build_worker(app: Sanic, settings: Settings) -> None:
     ctx.health = Health(shared, live)
     ctx.scheduler = build_scheduler(live, shared, ctx.registry, ctx.ledger, ctx.health)
     ctx.client = EngineClient(live)
-    ctx.tenants = Tenants(live, TenantQuotas(shared, worker, settings.num_workers))
+    ctx.tenants = Tenants(live, TenantQuotas(shared, worker, settings.num_workers), ctx.scheduler.fair)
     ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health, ctx.tenants)
     ctx.door = Door(live, shared, worker)
     ctx.status_reader = StatusReader(shared)

@@ -53,7 +53,7 @@ from .sections import (
     TracerConfig,
 )
 from .settings import MAX_BACKOFF_S, Live, Settings, with_models_for_instances
-from .tenancy import DEFAULT_TENANT, OTHER_TENANT, PRIORITIES, TenantLimits
+from .tenancy import DEFAULT_TENANT, OTHER_TENANT, PRIORITIES, STANDARD, TenantLimits
 from .validation import ConfigError, adapter, refusal, validate
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "ROLES",
     "ROOT_KEY",
     "SCHEDULER_TYPES",
+    "STANDARD",
     "ApiKeyConfig",
     "ClusterConfig",
     "ConfigError",

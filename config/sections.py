@@ -30,6 +30,7 @@ log = logging.getLogger("coordinator.config")
 ROOT_KEY = "motor_coordinator_config"
 ROLES = ("prefill", "decode", "union")
 ENGINE_TYPES = ("vllm", "sglang", "mindie")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy: "priority" reads the body's `priority`
 PD_ENGINE_TYPES = ("vllm",)  # the engines whose prefill/decode protocol (kv_transfer_params) is spoken here
 SCHEDULER_TYPES = ("round_robin", "load_balance", "kv_cache_affinity", "slo_aware")
 PD_DISPATCH = ("handoff", "trigger")
@@ -502,6 +503,9 @@ class Instance:
     model_name: NonEmptyStr
     endpoints: Annotated[tuple[Endpoint, ...], BeforeValidator(_numbered_endpoints)]
     engine_type: Annotated[Str, one_of(ENGINE_TYPES)] = "vllm"
+    # vLLM's --scheduling-policy of its engines: with "priority" each request carries its x-priority class as
+    # vLLM's `priority` field (an FCFS engine refuses a non-zero one)
+    scheduling_policy: Annotated[Str, one_of(SCHEDULING_POLICIES)] = "fcfs"
 
     def to_json(self) -> dict:
         return {
@@ -509,6 +513,7 @@ class Instance:
             "role": self.role,
             "model_name": self.model_name,
             "engine_type": self.engine_type,
+            "scheduling_policy": self.scheduling_policy,
             "endpoints": [_endpoint_json(e) for e in self.endpoints],
         }
 

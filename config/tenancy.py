@@ -11,6 +11,7 @@ from pydantic import AfterValidator, Field
 from .sections import Int, KeyList, Num, Str, one_of, refused
 
 PRIORITIES = ("interactive", "standard", "batch")  # x-priority's classes, first served first (vLLM's 0, 1, 2)
+STANDARD = 1  # a request's class without x-priority
 DEFAULT_TENANT, OTHER_TENANT = "default", "other"  # the tenant of api_key_config's keys; the metrics' fold
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # safe in a log line and a metric label as it is
 

@@ -27,6 +27,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-capacity-tokens", type=int, default=200_000)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--zero-latency", action="store_true")
@@ -73,6 +74,7 @@ def main(argv=None):
         kv_capacity_tokens=a.kv_capacity_tokens,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
+        scheduling_policy=a.scheduling_policy,
         block_size=a.block_size,
         speedup=a.speedup,
         zero_latency=a.zero_latency,

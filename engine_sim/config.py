@@ -50,6 +50,9 @@ class SimConfig:
     kv_capacity_tokens: int = 200_000
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192  # prefill token budget per engine step
+    # vLLM's --scheduling-policy: "fcfs" (a request with a non-zero `priority` is refused, as vLLM refuses it) or
+    # "priority" (the waiting queue is ordered by `priority`, lower first, then arrival)
+    scheduling_policy: str = "fcfs"
     block_size: int = 16
     speedup: float = 1.0
     zero_latency: bool = False
@@ -75,6 +78,8 @@ class SimConfig:
     def __post_init__(self):
         if self.role not in ("union", "prefill", "decode"):
             raise ValueError("role must be union, prefill or decode")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be fcfs or priority")
         if not self.engine_id:
             self.engine_id = str(uuid.uuid4())
         if self.speedup <= 0:

@@ -2,7 +2,8 @@
 
 Timing model
 ------------
-* Requests enter a FIFO waiting queue. A request is admitted while fewer than ``max_num_seqs``
+* Requests enter a FIFO waiting queue (with ``scheduling_policy`` "priority": ordered by their ``priority``,
+  lower first, then arrival, as vLLM's priority policy orders it). A request is admitted while fewer than ``max_num_seqs``
   run and its KV fits: block-rounded (prompt + max(generated so far, 1)) tokens of all running
   requests, plus KV held for remote decode (prefill role), must stay within
   ``kv_capacity_tokens``. The head of the queue blocks the rest (FCFS, like vLLM). A prompt that
@@ -85,6 +86,7 @@ class Seq:
         "kv_tokens",
         "last_token_time",
         "out_lens",
+        "priority",
         "prompt_tokens",
         "remaining_prefill",
         "rid",
@@ -111,6 +113,7 @@ class Seq:
         self.block_hashes = block_hashes or []
         self.token_ids = token_ids  # the prompt's ids, kept only when KV events are published
         self.kv_tokens = 0
+        self.priority = 0  # vLLM's `priority`: read under --scheduling-policy priority
 
     @property
     def max_len(self) -> int:
@@ -296,7 +299,10 @@ class Engine:
 
     def submit(self, s: Seq):
         s.arrival = time.monotonic()
-        self.waiting.append(s)
+        if self.cfg.scheduling_policy == "priority":  # lower priority first, then arrival (vLLM's priority policy)
+            bisect.insort_right(self.waiting, s, key=lambda q: q.priority)
+        else:
+            self.waiting.append(s)
         self._kick()
 
     def abort(self, s: Seq, request_id: str):

@@ -102,6 +102,8 @@ async def _read_body(sim: SimState, request: web.Request) -> tuple[dict, ApiErro
 
 async def _run(sim: SimState, request: web.Request, req: SimRequest, headers: dict) -> web.StreamResponse:
     eng, cfg = sim.engine, sim.cfg
+    if req.priority and cfg.scheduling_policy != "priority":  # vLLM's engine refuses it so (a 400)
+        raise ApiError(400, f"Got priority {req.priority} but Priority scheduling is not enabled.", "BadRequestError")
     g = eos_at_once(req) if is_prefill_leg(sim, req) and sim.faults.eos_on_prefill else generate(req)
     remote_hit = await pull_remote_prefill(sim, req) if is_decode_leg(sim, req) else 0
     hashes = T.block_hashes(req.prompt_text, cfg.block_size, cfg.bytes_per_token)
@@ -114,6 +116,7 @@ async def _run(sim: SimState, request: web.Request, req: SimRequest, headers: di
     out_lens = [len(p) for p in g.pieces]
     ids = T.text_token_ids(req.prompt_text, cfg.bytes_per_token) if eng.kv_events is not None and hashes else None
     seq = Seq(req.id, req.prompt_tokens, req.cached_tokens, out_lens, hashes, ids)
+    seq.priority = req.priority
     if cfg.zero_latency:
         seq.emitted = seq.max_len
         seq.done = True

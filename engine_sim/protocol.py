@@ -122,6 +122,7 @@ class OpenAIRequest(SamplingRequest):
     stop: StopStrings = ()
     logprobs: Any = None
     return_token_ids: bool | None = None
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
 
     @model_validator(mode="after")
     def _stream_options_only_when_streaming(self):
@@ -215,6 +216,7 @@ class ResponsesRequest(SamplingRequest):
     text: Any = None
     truncation: Literal["auto", "disabled"] | None = "disabled"
     user: str | None = None
+    priority: int = 0
     prompt: Any = None
 
     @model_validator(mode="after")

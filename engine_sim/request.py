@@ -50,6 +50,7 @@ class SimRequest:
     id: str = ""
     log_id: str = ""  # the X-Request-Id, else the response id
     cached_tokens: int = 0
+    priority: int = 0  # vLLM's `priority` (the Anthropic route has none)
     responses: Any = None  # /v1/responses: what its answer echoes and stores (responses_serving)
 
     def prompt_token_ids(self) -> list[int]:
@@ -130,6 +131,7 @@ def _new_request(
         min_tokens=r.min_tokens,
         kv_transfer_params=kvp if isinstance(kvp, dict) else None,
         bytes_per_token=bpt,
+        priority=getattr(r, "priority", 0),
     )
 
 

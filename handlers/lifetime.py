@@ -64,6 +64,8 @@ async def serve_inference(request: Request, family: Family, from_client: bool = 
         raw = await read_body(request, ctx.live.s.max_request_body_bytes)
         job = job_from_body(family, raw, parse_body(raw), rid)
         job.tenant = rec.tenant
+        if from_client:
+            ctx.tenants.classify(job, request.headers.get("x-priority"))
         job.slo_ttft_ms = slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = slo_header(request, "x-slo-tpot-ms")
         rec.model, rec.stream = clip(job.model), job.stream  # the log line's: a name can be megabytes

@@ -74,6 +74,9 @@ class JobInfo:
     prompt_keys: object = None  # the prompt's block keys from its exact ids (scheduling/kv_index.PromptKeys), if known
     prompt_bytes: int = 0  # its rendering's length, when an engine's count of it may calibrate the meter (else 0)
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
+    priority: int = 1  # its x-priority class: 0 interactive, 1 standard, 2 batch (scheduling/fairness.py)
+    tenant: str = ""  # whose it is, and the tenant's weight: the admission queue's fair share
+    weight: float = 1.0
     arrived: float = field(default_factory=lambda: clock.now())
     cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
     cached_predicted: int = -1  # what the engine of its last prefill or whole lease was predicted to hold

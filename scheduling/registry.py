@@ -61,6 +61,7 @@ class Target:
     url: str  # base URL, e.g. http://127.0.0.1:8000
     address: str  # host:port as configured
     paused: bool
+    priority: bool = False  # its engine runs vLLM's priority scheduling: requests carry their class as `priority`
 
     @cached_property
     def label(self) -> str:
@@ -102,6 +103,7 @@ class Topology:
                     ep.base_url.rstrip("/"),
                     ep.address,
                     bool(e.get("paused")),
+                    inst.scheduling_policy == "priority",
                 )
                 self.targets.append(t)
                 self.by_slot[slot] = t
@@ -287,6 +289,7 @@ def _same(entry: dict, inst: Instance) -> bool:
         entry["role"] == inst.role
         and entry["model_name"] == inst.model_name
         and entry.get("engine_type", "vllm") == inst.engine_type
+        and entry.get("scheduling_policy", "fcfs") == inst.scheduling_policy
         and [(e["id"], e["address"]) for e in entry["endpoints"]] == [(e.id, e.address) for e in inst.endpoints]
     )
 

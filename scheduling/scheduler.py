@@ -16,13 +16,15 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from config import Live, Settings
-from scheduling.admission import OFF, REJECT, AdmissionQueue, OverBudget
+from scheduling import clock
+from scheduling.admission import OFF, QUEUE, REJECT, AdmissionQueue, OverBudget
 from scheduling.affinity import PrefixIndex
 from scheduling.exact import make_meter
+from scheduling.fairness import BATCH, BATCH_SHARE, FairShare
 from scheduling.health import Health
 from scheduling.kv_index import TOKEN_BYTES, KvEventSource, KvIndex, PromptKeys, ids_bytes, prompt_seed
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Hold, Lease, Ledger
-from scheduling.policies import JobInfo, Policy, PrefixSource, make_policy
+from scheduling.policies import MARGIN, TPOT_MARGIN, JobInfo, Policy, PrefixSource, make_policy
 from scheduling.predict import Predictor
 from scheduling.registry import Registry, Target
 from scheduling.tokens import PromptMeter
@@ -185,12 +187,14 @@ class Scheduler:
         queue: AdmissionQueue | None = None,
         live: Live | None = None,
         learn_interval_s: float = LEARN_INTERVAL_S,
+        fair: FairShare | None = None,
     ):
         self.registry, self.ledger, self.health, self.policy = registry, ledger, health, policy
         self.predictor: Predictor | None = policy.predictor
         self.index: PrefixSource | None = policy.index
         self.admission = admission
         self.queue = queue
+        self.fair = fair or (queue.fair if queue is not None else FairShare())  # the tenants' counters, this worker's
         self.live = live or Live(Settings())
         self.meters: dict[str, PromptMeter] = {}  # by model id; the estimate's unless its tokenizer_path loads
         self.tokenizers: dict[str, str] = {}  # the tokenizer_path each model's meter was made with
@@ -277,8 +281,11 @@ class Scheduler:
         Raises OverBudget when it is refused. Synchronous, so that the usual request (let in at once) costs no
         coroutine; only a wait in the queue awaits.
         """
-        plan = self.plan(job)
+        if self.admission == QUEUE and self.queue.ahead(job):  # it waits behind its betters (scheduling/admission.py)
+            return None
+        plan = self.judged(job)
         if job.feasible is not False or self.admission == OFF or (self._idle(plan) and not job.hopeless):
+            self.fair.admitted(job)
             return plan
         log.debug(
             "over budget: model=%s ttft=%.3f/%.3f s tpot=%.4f/%.4f s floor=%.3f",
@@ -299,7 +306,20 @@ class Scheduler:
 
     def queued(self, job: JobInfo) -> Awaitable[Plan]:
         """Wait in the admission queue until a plan meets the budget (or the queue gives up: OverBudget)."""
-        return self.queue.wait(job, lambda: self.plan(job))
+        return self.queue.wait(job, lambda: self.judged(job))
+
+    def judged(self, job: JobInfo) -> Plan:
+        """The plan, its verdict with the headroom a batch request leaves to the higher classes (fairness.py): its
+        predicted TTFT and TPOT within BATCH_SHARE of what theirs may be, while such requests come."""
+        plan = self.plan(job)
+        if job.priority == BATCH and job.feasible and self.admission != OFF and self.fair.higher_class_seen(BATCH):
+            left_s = job.slo_ttft_ms / 1000.0 - (clock.now() - job.arrived)
+            if (
+                job.ttft_s > BATCH_SHARE * MARGIN * left_s
+                or job.tpot_s > BATCH_SHARE * TPOT_MARGIN * job.slo_tpot_ms / 1000
+            ):
+                job.feasible, job.over = False, "batch share"
+        return plan
 
     def _idle(self, plan: Plan) -> bool:
         """Engines with nothing of ours in flight serve a request as well as they ever will: unless even the
@@ -463,9 +483,9 @@ def build_scheduler(live: Live, shared, registry: Registry, ledger: Ledger, heal
         overload_factor=settings.affinity_overload_factor,
         decode_alone=settings.conditional_disaggregation,
     )
-    queue = None
+    queue, fair = None, FairShare()
     if settings.admission == "queue":
         queue = AdmissionQueue(
-            shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers
+            shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers, fair=fair
         )
-    return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, live=live)
+    return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, live=live, fair=fair)

@@ -22,6 +22,7 @@ from scheduling.ledger import DECODE, Lease
 from scheduling.scheduler import Leg
 from serving.continuation import Continuation
 from serving.job import Job
+from serving.legs import ranked
 from serving.observe import Observer, RequestRecord
 from serving.usage import PrefillUsages
 
@@ -82,7 +83,10 @@ class Call(Generic[T]):
         lease = self.leg.lease()
         try:
             _, data = await up.client.post(
-                self.leg.target.url + self.job.family.route, self.body, rid, timeout_s=up.live.s.infer_timeout_s
+                self.leg.target.url + self.job.family.route,
+                ranked(self.body, self.job, self.leg.target),
+                rid,
+                timeout_s=up.live.s.infer_timeout_s,
             )
             rec.first_token()
             self.answer(data, lease)

@@ -89,6 +89,9 @@ class Dispatcher:
             slo_ttft_ms=job.slo_ttft_ms or limits.slo_ttft_ms,
             slo_tpot_ms=job.slo_tpot_ms or limits.slo_tpot_ms,
             engine_type="vllm" if family.vllm_only else None,
+            priority=job.priority,
+            tenant=job.tenant,
+            weight=job.weight,
         )
         exact = None
         if family.prompt_kind is not None:  # how the scheduler reads its prompt

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import orjson
 import ujson
 
-from config import DEFAULT_TENANT
+from config import DEFAULT_TENANT, STANDARD
 from errors import InvalidRequest, unreadable_json
 from serving.families import Family
 from serving.protocol import Request
@@ -33,6 +33,8 @@ class Job:
     metaserver: dict | None = None  # the PD control object of a /v1/metaserver call
     request: Request | PlainChat | None = None  # the body as its family's model (or the plain chat reader) read it
     tenant: str = DEFAULT_TENANT  # who sent it, as its API key says (handlers/auth.py)
+    priority: int = STANDARD  # its x-priority class, capped at its tenant's max_priority (serving/tenants.py)
+    weight: float = 1.0  # its tenant's share of the tokens served when requests wait (tenant_config's weight)
 
     @property
     def prompt_body(self) -> dict:

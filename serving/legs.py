@@ -9,8 +9,9 @@ differs by family (the Responses API's cap, Messages' tool choice) is its family
 
 from __future__ import annotations
 
-from engines import Body
+from engines import Body, parts_of
 from errors import json_bytes
+from scheduling.registry import Target
 from serving.job import Job
 
 # A ticket is vLLM's `kv_transfer_params`: in P's body it asks P to keep the prompt's KV for a remote decode
@@ -65,3 +66,17 @@ def decode_wire(job: Job, ticket: dict | None) -> Body:
     else:
         body["kv_transfer_params"] = ticket
     return json_bytes(body)
+
+
+def ranked(body: Body, job: Job, target: Target) -> Body:
+    """`body` as it goes to `target`: with the request's x-priority class as vLLM's `priority` field (0 interactive,
+    1 standard, 2 batch) when the engine runs vLLM's priority scheduling and the family's route reads the field;
+    else as it is (an FCFS engine refuses a non-zero one). Appended, as the last of a key is what JSON readers keep:
+    a client's own `priority` never outranks its class. An engine's metaserver call carries what its engine sent."""
+    if not target.priority or not job.family.priority_field or job.metaserver is not None:
+        return body
+    parts = parts_of(body)
+    last = parts[-1]
+    tail = bytes(last[-64:])  # the closing brace, and any whitespace after it
+    cut = len(last) - len(tail) + tail.rindex(b"}")
+    return (*parts[:-1], memoryview(last)[:cut], b',"priority":%d}' % job.priority)

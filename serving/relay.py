@@ -21,6 +21,7 @@ from errors import UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from serving.call import Call
 from serving.continuation import Continuation
+from serving.legs import ranked
 from serving.observe import RequestRecord, answer_prompt_tokens
 from serving.usage import EventSplitter, UsageFix
 
@@ -39,6 +40,7 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
     last_event = family.last_event
     fix_block = fix.events if fix is not None else None
     route, body = (family.route, call.body) if cont is None else cont.request(family.route, call.body)
+    body = ranked(body, job, target)
     # The engine computed this prompt and will say its count (a decode leg's is P's, unless D computed it; a
     # continuation's prompt is token ids): the blocks are searched for it until it is found.
     learn = (

@@ -19,8 +19,9 @@ import math
 import time
 from collections.abc import Callable
 
-from config import DEFAULT_TENANT, OTHER_TENANT, Live, TenantLimits
-from errors import RateLimited
+from config import DEFAULT_TENANT, OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
+from errors import InvalidRequest, RateLimited, clip
+from scheduling.fairness import FairShare
 from serving.job import Job
 from serving.observe import RequestRecord
 from state.quotas import Limits, Taken, TenantQuotas
@@ -35,21 +36,39 @@ def reset_text(seconds: float) -> str:
     return f"{int(minutes)}m{rest:g}s" if minutes else f"{rest:g}s"
 
 
+CLASSES = {name: i for i, name in enumerate(PRIORITIES)}  # x-priority's values: the class (vLLM's `priority`)
 NO_TENANT = "-"  # an engine's metaserver call: part of a client request, which is its tenant's
 
 
-class Place:
-    """An admitted request's quota: given back, and its tokens settled, when the block ends."""
+class Active:
+    """An admitted request of a tenant without a quota: its output counted in its tenant's fair share (which its
+    prompt was when the scheduler let it in), and the tenant no longer active for it, when the block ends."""
 
-    __slots__ = ("at", "quotas", "rec", "reserved", "tpm")
+    __slots__ = ("fair", "job", "rec")
 
-    def __init__(self, quotas: TenantQuotas, at: int, rec: RequestRecord, reserved: int, tpm: int):
-        self.quotas, self.at, self.rec, self.reserved, self.tpm = quotas, at, rec, reserved, tpm
+    def __init__(self, fair: FairShare, job: Job, rec: RequestRecord):
+        self.fair, self.job, self.rec = fair, job, rec
 
-    def __enter__(self) -> Place:
+    def __enter__(self) -> Active:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.fair.leave(self.job.tenant, self.rec.generated_tokens, self.job.weight)
+
+
+class Place(Active):
+    """An admitted request's quota too: given back, and its tokens settled, when the block ends."""
+
+    __slots__ = ("at", "quotas", "reserved", "tpm")
+
+    def __init__(
+        self, fair: FairShare, job: Job, rec: RequestRecord, quotas: TenantQuotas, at: int, reserved: int, tpm: int
+    ):
+        super().__init__(fair, job, rec)
+        self.quotas, self.at, self.reserved, self.tpm = quotas, at, reserved, tpm
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__()
         rec = self.rec
         reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
         served = rec.prompt_tokens + rec.generated_tokens if reached else 0
@@ -57,7 +76,7 @@ class Place:
 
 
 class Unlimited:
-    """The place of a tenant without a quota: nothing to give back."""
+    """The place of an engine's metaserver call: its client request holds its tenant's."""
 
     __slots__ = ()
 
@@ -74,20 +93,30 @@ UNLIMITED = Unlimited()
 class Tenants:
     """One worker's side of the tenants (see the module docstring)."""
 
-    def __init__(self, live: Live, quotas: TenantQuotas, clock: Callable[[], float] = time.monotonic):
-        self.live, self.quotas, self.clock = live, quotas, clock
+    def __init__(self, live: Live, quotas: TenantQuotas, fair: FairShare, clock: Callable[[], float] = time.monotonic):
+        self.live, self.quotas, self.fair, self.clock = live, quotas, fair, clock
         self.replicas: Callable[[], int] = lambda: 1  # cluster mode: the live replicas (serving/cluster.py)
 
     def limits(self, tenant: str) -> TenantLimits:
         s = self.live.s
         return s.tenant_limits.get(tenant) or s.default_limits
 
-    def admit(self, job: Job, rec: RequestRecord, headers: dict[str, str]) -> Place | Unlimited:
+    def classify(self, job: Job, header: str | None) -> None:
+        """The request's x-priority class (`header`; absent: standard), capped at its tenant's max_priority, and its
+        tenant's weight. An unknown class is the client's error."""
+        asked = STANDARD if header is None else CLASSES.get(header.strip().lower())
+        if asked is None:
+            raise InvalidRequest(f"header x-priority must be one of {', '.join(PRIORITIES)} (got {clip(header)!r})")
+        lim = self.limits(job.tenant)
+        job.priority, job.weight = max(asked, CLASSES[lim.max_priority]), lim.weight
+
+    def admit(self, job: Job, rec: RequestRecord, headers: dict[str, str]) -> Active:
         """`with tenants.admit(...)`: the request's quota held until the block ends, or RateLimited. The answer's
         x-ratelimit-* headers go into `headers` (a tenant with rpm or tpm only)."""
         lim = self.limits(job.tenant)
         if not (lim.rpm or lim.tpm or lim.max_inflight):
-            return UNLIMITED
+            self.fair.arrive(job.tenant, job.priority)
+            return Active(self.fair, job, rec)
         n = self.replicas()
         rpm, tpm, cap = (max(1, v // n) if v else 0 for v in (lim.rpm, lim.tpm, lim.max_inflight))
         reserved = len(job.raw) // 4 + job.max_tokens if tpm else 0
@@ -96,7 +125,8 @@ class Tenants:
         _headers(headers, taken, rpm, tpm)
         if taken.refused:
             raise _refusal(taken, lim, headers)
-        return Place(self.quotas, at, rec, reserved, tpm)
+        self.fair.arrive(job.tenant, job.priority)
+        return Place(self.fair, job, rec, self.quotas, at, reserved, tpm)
 
     def label(self, tenant: str) -> str:
         """The tenant as a metric label: the first MAX_TENANT_LABELS the config names (tenant_config's tenants and

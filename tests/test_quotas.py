@@ -153,6 +153,7 @@ def test_the_status_counts_each_named_tenant_across_workers():
     """Tenants.status() (the status page's per-tenant figures): two workers' counts summed per tenant, with its
     limits. In-process over one real shared-memory state, as two workers share it."""
     from config import Live, settings_from_dict
+    from scheduling.fairness import FairShare
     from serving.observe import RequestRecord
     from serving.tenants import Tenants
     from state.quotas import TenantQuotas
@@ -165,7 +166,7 @@ def test_the_status_counts_each_named_tenant_across_workers():
         }
     )
     shared, live = SharedState.create(), Live(s)
-    workers = [Tenants(live, TenantQuotas(shared, w, 2)) for w in (0, 1)]
+    workers = [Tenants(live, TenantQuotas(shared, w, 2), FairShare()) for w in (0, 1)]
     for w in workers:
         w.counted(RequestRecord("r", "/v1/chat/completions", tenant="team-a", prompt_tokens=5, output_tokens=3))
     workers[1].counted(RequestRecord("r", "/v1/chat/completions", tenant="team-a", status=429))

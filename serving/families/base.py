@@ -48,6 +48,7 @@ class Family:
     trigger = False  # MindIE's metaserver protocol (pd_dispatch: trigger) serves it; the others use the handoff
     stored = False  # its responses are remembered where they are served (serving/responses.py)
     counts_only = False  # the engine counts its prompt: one engine, nothing generated, no tokens served
+    priority_field = True  # vLLM's route reads `priority` (the x-priority class, to priority-scheduling engines)
     # Its stream: the SSE events that carry no token, the event whose usage is its output count (None: its
     # events are counted), and the first line of its last event (the client's stream ends there).
     stream_framing = 0

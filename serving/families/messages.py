@@ -34,6 +34,7 @@ class Messages(Family):
     request_model = MessagesRequest
     prompt_kind = MESSAGES_PROMPT
     vllm_only = True
+    priority_field = False  # vLLM's Messages route makes its own chat request, without the body's `priority`
     # message_start, content_block_start/stop, message_delta and message_stop carry no token. Its count is its
     # message_delta's usage: each further content block adds events (start, stop, a thinking block's
     # signature_delta), so the events are only the fallback for a stream that ended before its message_delta
