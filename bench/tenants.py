@@ -1,17 +1,18 @@
 """Tenants under overload: weighted fair share and priority classes through the SLO admission queue.
 
-    python bench/tenants.py               # four phases of 30 s, warm-ups and a capacity probe: about 2.5 minutes
+    python bench/tenants.py               # three phases of 30 s, warm-ups and two capacity probes: about 3 minutes
     python bench/tenants.py --seconds 60  # longer phases
 
 A real Coordinator (`python app.py`, one worker, `scheduler_config.admission`: queue by default) in front of one
-engine_sim union engine in its own process (speedup 1: 4,000 prefill tokens/s, 20 ms + 2 ms a sequence per decode
-step, at most 32 sequences; `--scheduling-policy priority`, and the instance says so). Every request streams a
-200-token prompt and 24 output tokens (`ignore_eos`), with the model's SLO (TTFT 1,000 ms, TPOT 80 ms); arrivals
-are Poisson. On time: TTFT and TPOT (client-measured: first content chunk; the mean gap after it) within the SLO.
-Goodput: on-time answers a second of the phase.
+engine_sim prefill and one decode engine, each in its own process (speedup 1: 4,000 prefill tokens/s, 20 ms + 4 ms a
+sequence per decode step, at most 32 sequences; `--scheduling-policy priority`, and the instances say so). Every
+request streams a 200-token prompt and 24 output tokens (`ignore_eos`), with the model's SLO (TTFT 1,000 ms, TPOT
+80 ms); arrivals are Poisson. On time: TTFT and TPOT (client-measured: the first content chunk; the mean gap after
+it) within the SLO. Goodput: on-time answers a second of the phase.
 
-Capacity C: the requests a second the engine completes when kept full (48 streams at once, straight to the engine,
-counted over 10 s after 6 s of start). Phases, each after 5 s of warm-up at 0.3 C (not measured):
+Capacity C: the most on-time answers a second (goodput) the engines give through the Coordinator's admission: one
+tenant sending at twice their raw throughput for 15 s (raw: 48 streams at once through a Coordinator without
+admission, completions counted over 10 s after 6 s of start). Phases, each after 5 s of warm-up at 0.3 C (not measured):
 
 1. Fair share: tenant A (weight 27) and tenant B (weight 8): A's share of the capacity is 27/35. A alone at half its
    share (0.386 C); then A at that rate and B at four times its share (0.914 C) together, 1.3 C. Reported: A's
@@ -46,10 +47,10 @@ MODEL = "bench-model"
 SLO_TTFT_MS, SLO_TPOT_MS = 1000, 80
 PROMPT_TOKENS, OUTPUT_TOKENS = 200, 24
 SIM_ARGS = [
-    "--prefill-tokens-per-s", "4000", "--decode-step-ms", "20", "--decode-per-seq-ms", "2", "--max-num-seqs", "32",
+    "--prefill-tokens-per-s", "4000", "--decode-step-ms", "20", "--decode-per-seq-ms", "4", "--max-num-seqs", "32",
     "--kv-capacity-tokens", "400000", "--scheduling-policy", "priority",
 ]  # fmt: skip
-KEYS = {"a": "sk-bench-a", "b": "sk-bench-b", "chat": "sk-bench-chat", "bulk": "sk-bench-bulk"}
+KEYS = {"a": "sk-bench-a", "b": "sk-bench-b", "chat": "sk-bench-chat", "bulk": "sk-bench-bulk", "probe": "sk-probe"}
 WEIGHTS = {"a": 27.0, "b": 8.0}
 
 
@@ -79,6 +80,12 @@ class Phase:
     def on_time_share(self, tenant: str) -> float:
         answered = [o for o in self.of(tenant) if o.status == 200]
         return sum(o.on_time for o in answered) / len(answered) if answered else float("nan")
+
+    def late(self, tenant: str) -> str:
+        """Of the answered requests not on time, how many missed the TTFT budget and how many the TPOT one."""
+        answered = [o for o in self.of(tenant) if o.status == 200 and not o.on_time]
+        ttft = sum(o.ttft_s * 1000 > SLO_TTFT_MS for o in answered)
+        return f"late {len(answered)} (TTFT {ttft}, TPOT {sum(o.tpot_s * 1000 > SLO_TPOT_MS for o in answered)})"
 
     def refused(self, tenant: str) -> int:
         return sum(o.status == 429 for o in self.of(tenant))
@@ -159,21 +166,37 @@ async def capacity(url: str, seconds: float = 16.0, settle_s: float = 6.0, strea
             n = 0
             while time.monotonic() < end:
                 n += 1
-                o = await one(client, url, {}, f"probe/{k}/{n}", "probe")
+                o = await one(client, url, headers("a"), f"probe/{k}/{n}", "probe")
                 done += o.status == 200 and start + settle_s <= time.monotonic() <= end
 
         await asyncio.gather(*(loop(k) for k in range(streams)))
     return done / (seconds - settle_s)
 
 
-def start_engine() -> tuple[subprocess.Popen, str]:
+def start_engine(role: str) -> tuple[subprocess.Popen, str]:
+    """An engine_sim process of `role`, and its host:port."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_sim", "--port", "0", "--role", "union", "--model", MODEL, *SIM_ARGS],
+        [sys.executable, "-m", "engine_sim", "--port", "0", "--role", role, "--model", MODEL, *SIM_ARGS],
         stdout=subprocess.PIPE,
         text=True,
     )
     line = proc.stdout.readline()
-    return proc, line.split("listening on ")[1].split()[0]
+    return proc, line.split("listening on http://")[1].split()[0]
+
+
+def config(prefill: str, decode: str, admission: str) -> dict:
+    tenants = [{"name": name, "keys": [key], "weight": WEIGHTS.get(name, 1.0)} for name, key in KEYS.items()]
+    return coordinator_config(
+        [
+            instance(1, "prefill", MODEL, prefill, scheduling_policy="priority"),
+            instance(2, "decode", MODEL, decode, scheduling_policy="priority"),
+        ],
+        models=[{"id": MODEL, "slo_ttft": SLO_TTFT_MS, "slo_tpot": SLO_TPOT_MS}],
+        api_key_config=api_keys(),
+        scheduler_config={"admission": admission},
+        log_config={"log_level": "WARNING"},
+        tenant_config={"tenants": tenants},
+    )
 
 
 def headers(tenant: str, priority: str | None = None) -> dict:
@@ -189,26 +212,17 @@ def main() -> int:
     ap.add_argument("--admission", default="queue", choices=("queue", "reject"))
     ap.add_argument("--seed", type=int, default=1)
     opts = ap.parse_args()
-    proc, engine = start_engine()
+    (p_proc, prefill), (d_proc, decode) = start_engine("prefill"), start_engine("decode")
     try:
-        cap = asyncio.run(capacity(engine))
-        print(f"capacity C: {cap:.2f} requests/s (engine kept full)")
-        address = engine.removeprefix("http://")
-        tenants = {
-            "tenants": [{"name": name, "keys": [key], "weight": WEIGHTS.get(name, 1.0)} for name, key in KEYS.items()]
-        }
-        cfg = coordinator_config(
-            [instance(1, "union", MODEL, address, scheduling_policy="priority")],
-            models=[{"id": MODEL, "slo_ttft": SLO_TTFT_MS, "slo_tpot": SLO_TPOT_MS}],
-            api_key_config=api_keys(),
-            scheduler_config={"admission": opts.admission},
-            log_config={"log_level": "WARNING"},
-            tenant_config=tenants,
-        )
-        share_a = WEIGHTS["a"] / (WEIGHTS["a"] + WEIGHTS["b"])
-        rate_a, rate_b = 0.5 * share_a * cap, 4 * (1 - share_a) * cap
-        with Coordinator(cfg) as coord:
+        with Coordinator(config(prefill, decode, "off")) as probe:
+            raw = asyncio.run(capacity(probe.url))
+        with Coordinator(config(prefill, decode, opts.admission)) as coord:
             url, secs, seed = coord.url, opts.seconds, opts.seed
+            # The most on-time answers a second: one tenant at twice the raw throughput, through admission.
+            cap = asyncio.run(run(url, [("probe", 2 * raw, headers("probe"))], 15.0, seed + 200)).goodput("probe")
+            print(f"capacity C: {cap:.2f} on-time requests/s (raw, engines kept full: {raw:.2f}/s)")
+            share_a = WEIGHTS["a"] / (WEIGHTS["a"] + WEIGHTS["b"])
+            rate_a, rate_b = 0.5 * share_a * cap, 4 * (1 - share_a) * cap
 
             def warm() -> None:
                 asyncio.run(run(url, [("a", 0.3 * cap, headers("a"))], 5.0, seed + 100))
@@ -234,15 +248,15 @@ def main() -> int:
         print(f"fair share: A {rate_a:.2f}/s (0.5 of its share), B {rate_b:.2f}/s (4x its share), 1.3 C together")
         print(
             f"  A alone: sent {len(alone.of('a'))}, on time {alone.on_time_share('a'):.1%} of answered, "
-            f"goodput {alone.goodput('a'):.2f}/s, refused {alone.refused('a')}"
+            f"goodput {alone.goodput('a'):.2f}/s, refused {alone.refused('a')}, {alone.late('a')}"
         )
         print(
             f"  A with B: sent {len(both.of('a'))}, on time {both.on_time_share('a'):.1%} of answered, "
-            f"goodput {both.goodput('a'):.2f}/s ({ratio:.2f}x alone), refused {both.refused('a')}"
+            f"goodput {both.goodput('a'):.2f}/s ({ratio:.2f}x alone), refused {both.refused('a')}, {both.late('a')}"
         )
         print(
             f"  B: sent {len(both.of('b'))}, on time {both.on_time_share('b'):.1%} of answered, "
-            f"goodput {both.goodput('b'):.2f}/s, refused {both.refused('b')}"
+            f"goodput {both.goodput('b'):.2f}/s, refused {both.refused('b')}, {both.late('b')}"
         )
         print("priority: interactive at 0.1 C, batch at 1.2 C")
         print(
@@ -251,14 +265,15 @@ def main() -> int:
         )
         print(
             f"  batch: sent {len(prio.of('bulk'))}, on time {prio.on_time_share('bulk'):.1%} of answered, "
-            f"goodput {prio.goodput('bulk'):.2f}/s, refused {prio.refused('bulk')}"
+            f"goodput {prio.goodput('bulk'):.2f}/s, refused {prio.refused('bulk')}, {prio.late('bulk')}"
         )
         ok = both.on_time_share("a") >= 0.95 and ratio >= 0.9 and prio.ttft_p99_ms("chat") <= SLO_TTFT_MS
         print("targets met" if ok else "targets NOT met")
         return 0 if ok else 1
     finally:
-        proc.terminate()
-        proc.wait(10)
+        for proc in (p_proc, d_proc):
+            proc.terminate()
+            proc.wait(10)
 
 
 if __name__ == "__main__":
