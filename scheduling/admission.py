@@ -44,7 +44,7 @@ class OverBudget(Exception):
 
 
 class AdmissionQueue:
-    """This worker's requests waiting for a plan within budget, earliest deadline first."""
+    """This worker's requests waiting for a plan within budget: by class, tenant's fair share, then deadline."""
 
     def __init__(
         self,
