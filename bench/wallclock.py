@@ -371,9 +371,20 @@ def coordinator_cfg(w: Workload, engines: Engines, run: str) -> dict:
     )
 
 
+def start_coordinator(w: Workload, engines: Engines, run: str, tries: int = 3) -> Coordinator:
+    """`python app.py` for `run`; on fresh ports again when another process took one of those chosen."""
+    for _ in range(tries - 1):
+        try:
+            return Coordinator(coordinator_cfg(w, engines, run), workers=w.workers)
+        except RuntimeError as e:
+            if "Address already in use" not in str(e):
+                raise
+    return Coordinator(coordinator_cfg(w, engines, run), workers=w.workers)
+
+
 def run_one(w: Workload, engines: Engines, run: str, n: int, warmup: int, speedup: float) -> Row:
     cap = capacity(w)
-    with Coordinator(coordinator_cfg(w, engines, run), workers=w.workers) as coord:
+    with start_coordinator(w, engines, run) as coord:
         url = coord.url + "/v1/completions"
 
         async def go():
