@@ -10,9 +10,9 @@ and an admission mode) starts its own Coordinator on the same engines (prefix ca
 sends unmeasured warm-up requests at half load, then the measured ones, streaming /v1/completions with the
 budgets in `x-slo-ttft-ms` / `x-slo-tpot-ms`.
 
-Time is scaled: every engine runs `speedup` times faster than its nominal speeds (engine_sim's `--speedup`),
-the budgets are divided and the arrival rate multiplied by the same factor, so the workload is the nominal
-one seen through a faster clock. What does not scale is the Coordinator's own CPU, HTTP, the scrape interval
+Time is scaled: every engine runs `speedup` times as fast as its nominal speeds (engine_sim's `--speedup`,
+0.25-2), the budgets are divided and the arrival rate multiplied by the same factor, so the workload is the
+nominal one seen through another clock. What does not scale is the Coordinator's own CPU, HTTP, the scrape interval
 and asyncio's timer slack on a loaded machine: the factor is chosen so that about `--rate` requests a second
 arrive in wall time (what two shared cores relay without the client or the Coordinator saturating) and never
 above 2, so a nominal 8 ms decode step stays 4 ms of wall time, several times the timer slack. Figures are
@@ -473,7 +473,13 @@ def p_schedule(rate: float, arrivals: list[tuple]) -> dict[str, tuple[float, flo
 # answer and the handoff over HTTP); the decode engine's (its arrival to the client's first token).
 PARTS = ("coordinator", "P, continuous queue", "P, own batch", "P, wall-clock lag", "D to first token")
 # Causes named for the parts a perfect model would still miss (all but the continuous queue).
-CAUSES = ("Coordinator", "", "queueing behind P's own batch", "simulator's wall-clock lag", "decode first token")
+CAUSES = (
+    "Coordinator (admission queue included)",
+    "",
+    "queueing behind P's own batch",
+    "simulator's wall-clock lag",
+    "decode first token",
+)
 
 
 def _arrival(records: list[dict]) -> dict[str, tuple[float, dict]]:
