@@ -5,7 +5,8 @@ Nothing here knows how fast an engine is: every figure comes from timings the di
 Prefill (P and union endpoints). Each endpoint is modelled as one FIFO server (vLLM schedules prefill
 first come, first served, chunking long prompts). Its *virtual queue* `queue_until` is when the
 prefill work sent so far should be done: a new prefill of `u` uncached tokens starts at
-max(now, queue end) and takes `base + u / rate`. When a prefill completes, the gap between its
+max(now, queue end) and takes `base + u / rate`; behind queued work its predicted finish is later by what
+joins its engine step while it waits (`batch_wait_s`). When a prefill completes, the gap between its
 observed and predicted finish moves the queue end (requests behind it are late or early by the same
 amount), counting each correction once: a lease remembers the sum of corrections when it started.
 The fit's samples are groups of completions: those within `GROUP_S` of each other finished in one engine
