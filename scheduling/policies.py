@@ -211,7 +211,9 @@ class Policy:
         foreign = self.health.engine_load(slot)[1] - prefilling  # waiting there beyond ours (as last scraped)
         if foreign >= 1.0:
             wait += foreign * pred.prefill_s(slot, int(pred.mean_prefill_tokens(slot)))
-        finish = wait + service  # (its own step counted even behind others: an engine step may just have begun)
+        # Its own step counted even behind others (an engine step may just have begun), and stretched by the
+        # prompts that join it while it waits.
+        finish = wait + pred.batch_wait_s(slot, wait, now) + service
         return finish, service, pred.allowance_s(slot, finish, now)
 
     def judge(self, p: Target | None, d: Target, job: JobInfo) -> None:

@@ -5,7 +5,8 @@ Nothing here knows how fast an engine is: every figure comes from timings the di
 Prefill (P and union endpoints). Each endpoint is modelled as one FIFO server (vLLM schedules prefill
 first come, first served, chunking long prompts). Its *virtual queue* `queue_until` is when the
 prefill work sent so far should be done: a new prefill of `u` uncached tokens starts at
-max(now, queue end) and takes `base + u / rate`. When a prefill completes, the gap between its
+max(now, queue end) and takes `base + u / rate`; behind queued work its predicted finish is later by what
+joins its engine step while it waits (`batch_wait_s`). When a prefill completes, the gap between its
 observed and predicted finish moves the queue end (requests behind it are late or early by the same
 amount), counting each correction once: a lease remembers the sum of corrections when it started.
 The fit's samples are groups of completions: those within `GROUP_S` of each other finished in one engine
@@ -145,16 +146,36 @@ class Predictor:
         with self.lock:
             end = e.queue_until
             rate = e.prefill_tps
+            batch = 0.0
             if rate > 0.0:
                 service = e.prefill_base_s + tokens / rate
                 # Behind queued work it shares their engine steps (a chunked batch): its tokens, no step of its own.
-                end = (now if end < now or idle else end) + service
+                start = now if end < now or idle else end
+                batch = self.batch_wait_s(slot, start - now, now)
+                end = start + service
                 e.prefill_busy = self.prefill_busy(slot, now) + service / BUSY_WINDOW_S
                 e.prefill_busy_at = now
             else:
                 end = now
             e.queue_until = end
-            return end, e.queue_shift_s
+            return end + batch, e.queue_shift_s
+
+    def batch_wait_s(self, slot: int, wait_s: float, now: float) -> float:
+        """What a prompt that waits `wait_s` behind work already on the endpoint loses to the engine's batching.
+
+        Its first token comes at the end of the engine step that computes its last chunk, and that step also
+        takes the prompts that arrive while it waits (up to the engine's token budget a step): at the rate
+        prompts have been sent there lately (`prefill_busy`, seconds of work a second), `busy x wait_s` seconds
+        of them, at most one mean step (the fit's samples are steps). Nothing when it does not wait: an idle
+        engine starts a step with it alone."""
+        if wait_s <= 0.0:
+            return 0.0
+        busy = self.prefill_busy(slot, now)
+        if busy <= 0.0:
+            return 0.0
+        step = self.prefill_s(slot, int(self.mean_prefill_tokens(slot)))
+        extra = busy * wait_s
+        return extra if extra < step else step
 
     def prefill_busy(self, slot: int, now: float) -> float:
         """The share of the endpoint's time spent on the prefills sent there lately (over ~BUSY_WINDOW_S)."""

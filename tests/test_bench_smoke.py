@@ -220,3 +220,46 @@ def test_instruction_count_of_one_cell():
     # under valgrind in 2 s, over one connection.
     requests = [line for line in proc.stdout.splitlines() if " chat: " in line and "requests" in line]
     assert requests and int(requests[0].split(" chat: ")[1].split()[0]) >= 5, proc.stdout
+
+
+def test_wallclock_replays_a_prefill_engines_chunked_steps():
+    """bench/wallclock.py's attribution replays engine_sim's prefill loop: a prompt arriving during a chunked step
+    waits for its end, then shares the next step with the rest of the prompt ahead of it."""
+    from bench import wallclock
+
+    rate = float(wallclock.CHUNK)  # a full step lasts 1 s
+    parts = wallclock.p_schedule(rate, [(0.0, 10_000, 0, -1, "long"), (0.5, 100, 0, -1, "short")])
+    step, queue, own, batch = parts["short"]
+    assert step == pytest.approx(0.5) and queue == pytest.approx(0.0)
+    assert own == pytest.approx((10_000 - wallclock.CHUNK + 100) / rate)
+    assert batch == pytest.approx(0.0)  # a continuous queue has it finish there too
+    # The long prompt shares its last step with the short one sent after it: later than a continuous queue says.
+    assert parts["long"] == pytest.approx((0.0, 0.0, 1.0 + own, 100 / rate))
+    # A hot system prompt computed once is cached for the next prompt that opens with it.
+    cached = wallclock.p_schedule(rate, [(0.0, 1_100, 1_000, 0, "a"), (5.0, 1_100, 1_000, 0, "b")])
+    assert cached["b"][2] == pytest.approx((1_100 - 992) / rate)
+    # A prompt arriving while another's step runs waits for its end, as the continuous queue says it does.
+    parts = wallclock.p_schedule(rate, [(0.0, 4096, 0, -1, "a"), (0.1, 4096, 0, -1, "b")])
+    assert parts["b"] == pytest.approx((0.4, 0.0, 0.5, 0.0))
+
+
+def test_wallclock_bench_runs_the_coordinator_against_engine_sim(tmp_path):
+    """A tiny wall-clock run: the real app.py and engine_sim processes, two policies, its rows and verdicts."""
+    out = tmp_path / "wallclock.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "wallclock.py"), "--seed", "3", "--requests", "10"]
+        + ["--warmup", "4", "--rate", "6", "--runs", "round_robin:off,slo_aware:reject", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == ["round_robin:off", "slo_aware:reject"]
+    for r in rows:
+        assert r["answered"] + r["refused_n"] == 10, r
+        assert 0.0 <= r["ontime"] <= 1.0 and r["goodput"] >= 0.0, r
+    assert rows[0]["answered"] == 10  # round robin refuses nothing
+    assert "admitted on-time, worst admitting run" in proc.stdout
+    assert "slo_aware with admission / round_robin" in proc.stdout

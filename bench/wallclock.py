@@ -1,0 +1,696 @@
+"""Wall-clock scheduling benchmark: the real Coordinator (`python app.py`) over HTTP against engine_sim processes.
+
+    python bench/wallclock.py [--seed N] [--requests 100] [--warmup 24] [--runs ...] [--check]
+
+Each seed draws one workload (`draw`): 2-5 prefill engines and 1-4 decode engines up to 4x apart in speed,
+an arrival process (Poisson, bursty on/off, a ramp, a diurnal swell), a prompt mix (narrow, bimodal,
+long-tailed up to 32k tokens) with or without hot shared system prompts, an output mix, SLOs from tight to
+loose, a load of 50-150 % of the computed capacity, and one or two Coordinator workers. Every run (a policy
+and an admission mode) starts its own Coordinator on the same engines (prefix caches reset between runs),
+sends unmeasured warm-up requests at half load, then the measured ones, streaming /v1/completions with the
+budgets in `x-slo-ttft-ms` / `x-slo-tpot-ms`.
+
+Time is scaled: every engine runs `speedup` times as fast as its nominal speeds (engine_sim's `--speedup`,
+0.25-2), the budgets are divided and the arrival rate multiplied by the same factor, so the workload is the
+nominal one seen through another clock. What does not scale is the Coordinator's own CPU, HTTP, the scrape interval
+and asyncio's timer slack on a loaded machine: the factor is chosen so that about `--rate` requests a second
+arrive in wall time (what two shared cores relay without the client or the Coordinator saturating) and never
+above 2, so a nominal 8 ms decode step stays 4 ms of wall time, several times the timer slack. Figures are
+reported in nominal seconds.
+
+Per run: goodput (requests meeting both budgets per nominal second of the arrival window), on-time among the
+admitted (answered) requests, refused (429). Under each admitting run with late requests: why they were late
+(`attribute`): each late request's TTFT is cut into PARTS, P's from engine_sim's own schedule replayed from the
+arrivals P recorded, and given a cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from harness.configs import coordinator_config, instance  # noqa: E402
+from harness.coordinator import Coordinator  # noqa: E402
+from harness.loopback import free_ports, wait_until  # noqa: E402
+from harness.processes import Proc  # noqa: E402
+
+MODEL = "wall"
+BLOCK = 16
+CHUNK = 8192  # engine_sim's max_num_batched_tokens (vLLM's default for chunked prefill)
+MAX_SEQS = 64
+MAX_LEN = 40_000
+DEFAULT_RUNS = "round_robin:off,load_balance:off,kv_cache_affinity:off,slo_aware:off,slo_aware:reject,slo_aware:queue"
+ARRIVALS = ("poisson", "bursty", "ramp", "diurnal")
+MIXES = ("narrow", "bimodal", "longtail")
+OUTPUTS = ("short", "bimodal", "longtail")
+
+
+# -- the workload generator ------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    seed: int
+    workers: int
+    prefills: list[float]  # tokens/s
+    decodes: list[tuple[float, float]]  # (step ms, ms per sequence)
+    arrival: str
+    mix: str
+    output: str
+    hot_share: float  # requests opening with a hot system prompt
+    systems: list[int]  # their lengths in tokens
+    ttft_s: float
+    tpot_s: float
+    load: float
+
+    def describe(self) -> str:
+        ps = "/".join(f"{r / 1000:.1f}k" for r in self.prefills)
+        ds = "/".join(f"{a:.0f}+{b:.2f}" for a, b in self.decodes)
+        return (
+            f"{self.workers} worker(s); P {ps} tok/s; D {ds} ms/step; {self.arrival}, prompts {self.mix}, outputs "
+            f"{self.output}, hot prefixes {self.hot_share:.0%} of {len(self.systems)}; SLO TTFT {self.ttft_s:.2f} s "
+            f"TPOT {self.tpot_s * 1000:.0f} ms; load {self.load:.0%}"
+        )
+
+
+def draw(seed: int) -> Workload:
+    """One workload, every parameter drawn from `seed`."""
+    rng = random.Random(seed)
+    fast = rng.uniform(4000.0, 12000.0)
+    prefills = [fast] + [fast * rng.uniform(0.25, 1.0) for _ in range(rng.randint(1, 4))]
+    base_step, base_seq = rng.uniform(6.0, 12.0), rng.uniform(0.3, 1.0)
+    decodes = [(base_step, base_seq)]
+    for _ in range(rng.randint(0, 3)):
+        slow = rng.uniform(1.0, 4.0)
+        decodes.append((base_step * slow, base_seq * slow))
+    hot = rng.choice((0.0, 0.4, 0.8))
+    systems = [rng.randint(500, 4000) for _ in range(rng.randint(1, 6))] if hot else []
+    tpot = rng.uniform(1.5, 5.0) * max(a + 4 * b for a, b in decodes) / 1000.0
+    return Workload(
+        seed,
+        rng.choice((1, 2)),
+        prefills,
+        decodes,
+        rng.choice(ARRIVALS),
+        rng.choice(MIXES),
+        rng.choice(OUTPUTS),
+        hot,
+        systems,
+        rng.uniform(0.8, 4.0),
+        tpot,
+        rng.uniform(0.5, 1.5),
+    )
+
+
+@dataclass
+class Req:
+    at: float  # nominal seconds from the window's start
+    system: int  # hot system prompt, -1 none
+    user: int  # its own prompt tokens
+    out: int
+
+    def prompt(self, w: Workload) -> int:
+        return (w.systems[self.system] if self.system >= 0 else 0) + self.user
+
+
+def _user_tokens(w: Workload, rng: random.Random) -> int:
+    if w.mix == "narrow":
+        return rng.randint(300, 1200)
+    if w.mix == "bimodal":
+        return rng.randint(100, 500) if rng.random() < 0.75 else rng.randint(3000, 10000)
+    return min(32000, int(150 * rng.paretovariate(1.2)))
+
+
+def _out_tokens(w: Workload, rng: random.Random) -> int:
+    if w.output == "short":
+        return rng.randint(16, 64)
+    if w.output == "bimodal":
+        return rng.randint(16, 48) if rng.random() < 0.7 else rng.randint(150, 300)
+    return min(600, int(16 * rng.paretovariate(1.3)))
+
+
+def _arrivals(kind: str, n: int, rate: float, rng: random.Random) -> list[float]:
+    """`n` arrival times (nominal seconds) whose mean rate is `rate`."""
+    window = n / rate
+    if kind == "poisson":
+        t, out = 0.0, []
+        for _ in range(n):
+            t += rng.expovariate(rate)
+            out.append(t)
+        return out
+    if kind == "bursty":  # three times the rate for a third of each cycle, nothing otherwise
+        cycle = min(12.0, window / 3)
+        on, t, out = cycle / 3, 0.0, []
+        while len(out) < n:
+            t += rng.expovariate(3 * rate)
+            if t % cycle >= on:
+                t = (t // cycle + 1) * cycle
+                continue
+            out.append(t)
+        return out
+    if kind == "ramp":  # from half to one and a half times the rate
+        return sorted(window * (-0.5 + math.sqrt(0.25 + 2.0 * rng.random())) for _ in range(n))
+    # diurnal: a sine swell, 0.3x to 1.7x, one period over the window (thinning of a Poisson process at 1.7x)
+    t, out = 0.0, []
+    while len(out) < n:
+        t += rng.expovariate(1.7 * rate)
+        if rng.random() < (1.0 - 0.7 * math.cos(2 * math.pi * t / window)) / 1.7:
+            out.append(t)
+    return out
+
+
+def requests(w: Workload, n: int, rate: float, seed: int) -> list[Req]:
+    rng = random.Random(seed)
+    out = []
+    for t in _arrivals(w.arrival, n, rate, rng):
+        system = rng.randrange(len(w.systems)) if w.systems and rng.random() < w.hot_share else -1
+        out.append(Req(t, system, _user_tokens(w, rng), _out_tokens(w, rng)))
+    return out
+
+
+def capacity(w: Workload) -> float:
+    """Requests per nominal second the cluster sustains with perfect routing: the smaller of the prefill
+    capacity (the engines' rates over the mean uncached prompt, hot prefixes cached) and the decode capacity
+    (per engine, the largest batch whose step meets the TPOT budget, over the mean output)."""
+    sample = requests(w, 4000, 1.0, w.seed + 99)
+    uncached = statistics.mean(r.user for r in sample)
+    out = statistics.mean(r.out for r in sample)
+    prefill = sum(rate / uncached for rate in w.prefills)
+    tokens_per_s = 0.0
+    for step, per_seq in w.decodes:
+        batch = min(MAX_SEQS, max(1, int((w.tpot_s * 1000 - step) / per_seq)))
+        tokens_per_s += batch / ((step + per_seq * batch) / 1000)
+    return min(prefill, tokens_per_s / out)
+
+
+# -- prompts ---------------------------------------------------------------------------------------
+
+LETTERS = bytes.maketrans(bytes(range(256)), bytes(b"abcdefghijklmnopqrstuvwxyz"[i % 26] for i in range(256)))
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    """`tokens` tokens of ASCII (engine_sim counts 4 bytes a token, as the Coordinator's estimate does)."""
+    return rng.randbytes(4 * tokens).translate(LETTERS).decode()
+
+
+def prompt_text(w: Workload, req: Req, key: int) -> str:
+    system = _text(random.Random(-1 - req.system), w.systems[req.system]) if req.system >= 0 else ""
+    return system + _text(random.Random(key), req.user)
+
+
+# -- engines ---------------------------------------------------------------------------------------
+
+
+class Engines:
+    """The workload's engine_sim processes, `speedup` times faster than nominal."""
+
+    def __init__(self, w: Workload, speedup: float, workdir: str):
+        self.procs, self.addresses, self.roles = [], [], []
+        ports = free_ports(len(w.prefills) + len(w.decodes))
+        specs = [("prefill", rate, 0.0, 0.0) for rate in w.prefills]
+        # A decode engine computes no prompt in P/D (its KV is pulled); its prefill rate is the fastest's.
+        specs += [("decode", w.prefills[0], step, per_seq) for step, per_seq in w.decodes]
+        for port, (role, rate, step, per_seq) in zip(ports, specs, strict=True):
+            args = [sys.executable, "-m", "engine_sim", "--port", str(port), "--role", role, "--model", MODEL]
+            args += ["--prefill-tokens-per-s", f"{rate:.1f}", "--decode-step-ms", f"{step:.3f}"]
+            args += ["--decode-per-seq-ms", f"{per_seq:.4f}", "--speedup", f"{speedup:.4f}"]
+            args += ["--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", str(CHUNK)]
+            args += ["--max-num-seqs", str(MAX_SEQS), "--kv-capacity-tokens", "4000000"]
+            self.procs.append(Proc(args, os.path.join(workdir, f"engine-{port}.log"), cwd=ROOT))
+            self.addresses.append(f"127.0.0.1:{port}")
+            self.roles.append(role)
+        for proc, address in zip(self.procs, self.addresses, strict=True):
+            if not wait_until(lambda a=address, p=proc: _up(a) or p.poll() is not None, 30.0, 0.1) or proc.poll():
+                self.stop()
+                raise RuntimeError(f"engine_sim at {address} did not start:\n{proc.output()}")
+
+    def instances(self) -> list[dict]:
+        return [instance(k + 1, role, MODEL, a) for k, (role, a) in enumerate(zip(self.roles, self.addresses))]
+
+    async def reset(self, session: aiohttp.ClientSession) -> None:
+        """Empty prefix caches and recorded requests: each run starts from the same engines."""
+        for a in self.addresses:
+            async with session.post(f"http://{a}/reset_prefix_cache") as r:
+                await r.read()
+            async with session.post(f"http://{a}/sim/reset") as r:
+                await r.read()
+
+    async def records(self, session: aiohttp.ClientSession) -> dict[str, list[dict]]:
+        out = {}
+        for a in self.addresses:
+            async with session.get(f"http://{a}/sim/requests") as r:
+                out[a] = await r.json()
+        return out
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop(5.0)
+
+
+def _up(address: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"http://{address}/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# -- one run ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    rid: str
+    req: Req
+    sent: float  # wall time.time()
+    status: int = 0
+    first: float = 0.0
+    done: float = 0.0
+    tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.sent
+
+    @property
+    def tpot(self) -> float:
+        return (self.done - self.first) / (self.tokens - 1) if self.tokens > 1 else 0.0
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, w: Workload, req: Req, key: int, text: str, speedup: float, tag: str
+) -> Outcome:
+    body = {
+        "model": MODEL,
+        "prompt": text,
+        "max_tokens": req.out,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {
+        "x-request-id": f"{tag}-{key}",
+        "x-slo-ttft-ms": f"{w.ttft_s * 1000 / speedup:.3f}",
+        "x-slo-tpot-ms": f"{w.tpot_s * 1000 / speedup:.3f}",
+    }
+    o = Outcome(f"{tag}-{key}", req, time.time())
+    try:
+        async with session.post(url, json=body, headers=headers) as r:
+            o.status = r.status
+            if r.status != 200:
+                await r.read()
+                return o
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                if b'"text":' not in line or b'"text":""' in line:
+                    continue
+                now = time.time()
+                if not o.first:
+                    o.first = now
+                o.tokens += 1
+                o.done = now
+    except aiohttp.ClientError:
+        o.status = 599
+    return o
+
+
+async def replay(session, url: str, w: Workload, reqs: list[Req], speedup: float, tag: str) -> list[Outcome]:
+    texts = [prompt_text(w, r, hash((tag, k))) for k, r in enumerate(reqs)]  # made before the clock starts
+    start = time.monotonic()
+    tasks = []
+    for k, r in enumerate(reqs):
+        delay = start + r.at / speedup - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(session, url, w, r, k, texts[k], speedup, tag)))
+    return list(await asyncio.gather(*tasks))
+
+
+@dataclass
+class Row:
+    run: str
+    goodput: float  # per nominal second
+    ontime: float  # among admitted
+    refused: float
+    ttft_p50_ms: float  # nominal
+    answered: int
+    refused_n: int
+    late: list[dict] = field(default_factory=list)  # attributed late admitted requests
+    causes: collections.Counter = field(default_factory=collections.Counter)
+
+
+def coordinator_cfg(w: Workload, engines: Engines, run: str) -> dict:
+    policy, admission = run.split(":")[:2]
+    return coordinator_config(
+        engines.instances(),
+        models=[{"id": MODEL}],
+        inference_workers_config={"num_workers": w.workers},
+        scheduler_config={
+            "scheduler_type": policy,
+            "admission": admission,
+            "health_check_interval": 1.0,
+            "metrics_scrape_interval": 0.5,
+        },
+        log_config={"log_level": "WARNING"},
+    )
+
+
+def start_coordinator(w: Workload, engines: Engines, run: str, tries: int = 3) -> Coordinator:
+    """`python app.py` for `run`; on fresh ports again when another process took one of those chosen."""
+    for _ in range(tries - 1):
+        try:
+            return Coordinator(coordinator_cfg(w, engines, run), workers=w.workers)
+        except RuntimeError as e:
+            if "Address already in use" not in str(e):
+                raise
+    return Coordinator(coordinator_cfg(w, engines, run), workers=w.workers)
+
+
+def run_one(w: Workload, engines: Engines, run: str, n: int, warmup: int, speedup: float) -> Row:
+    cap = capacity(w)
+    with start_coordinator(w, engines, run) as coord:
+        url = coord.url + "/v1/completions"
+
+        async def go():
+            conn = aiohttp.TCPConnector(limit=0)
+            timeout = aiohttp.ClientTimeout(total=600)
+            async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+                await engines.reset(session)
+                warm = await replay(session, url, w, requests(w, warmup, 0.5 * cap, w.seed + 7), speedup, "warm")
+                await asyncio.sleep(1.0)
+                reqs = requests(w, n, w.load * cap, w.seed)
+                out = await replay(session, url, w, reqs, speedup, "m")
+                return warm, out, reqs[-1].at, await engines.records(session)
+
+        warm, outcomes, window, records = asyncio.run(go())
+    ok = [o for o in outcomes if o.status == 200 and o.tokens]
+    good = [o for o in ok if o.ttft * speedup <= w.ttft_s and o.tpot * speedup <= w.tpot_s]
+    late = [o for o in ok if o not in good]
+    row = Row(
+        run,
+        len(good) / window,
+        len(good) / len(ok) if ok else 1.0,
+        sum(1 for o in outcomes if o.status == 429) / len(outcomes),
+        statistics.median(o.ttft * speedup * 1000 for o in ok) if ok else math.nan,
+        len(ok),
+        sum(1 for o in outcomes if o.status == 429),
+    )
+    if late and ":off" not in run:
+        row.late, row.causes = attribute(w, engines, records, warm, ok, late, speedup)
+    return row
+
+
+# -- why admitted requests miss --------------------------------------------------------------------
+
+
+def p_schedule(rate: float, arrivals: list[tuple]) -> dict[str, tuple[float, float, float, float]]:
+    """engine_sim's loop on a prefill engine, replayed in nominal seconds from its arrivals (time, prompt tokens,
+    hot system prompt's tokens or 0, its index, id). Per id: (the rest of the step running when it arrived, the
+    wait for the steps after that before its first chunk, its own steps up to its last chunk, its finish minus
+    the finish a continuous FIFO queue at the true rate gives: the Coordinator's model of an engine with the
+    rate known exactly). As engine_sim: FIFO, a step takes up to CHUNK prompt tokens and lasts their time at
+    `rate`, arrivals join at the next step, a prompt's blocks are cached when its prefill is done."""
+    out: dict[str, tuple[float, float, float, float]] = {}
+    cached: set[int] = set()
+    pending = collections.deque(sorted(arrivals))
+    running: list[
+        list
+    ] = []  # [id, tokens left, arrival, residual, hot prompt's index or -1, first step, continuous finish]
+    now = queue_end = 0.0
+    residual_of: dict[str, float] = {}
+    while pending or running:
+        while pending and pending[0][0] <= now and len(running) < MAX_SEQS:
+            at, tokens, hot, system, rid = pending.popleft()
+            uncached = max(1, tokens - ((hot // BLOCK) * BLOCK if hot and system in cached else 0))
+            queue_end = max(queue_end, at) + uncached / rate
+            running.append([rid, uncached, at, residual_of.get(rid, 0.0), system if hot else -1, None, queue_end])
+        if not running:
+            now = pending[0][0]
+            continue
+        budget, took, finished = CHUNK, 0, []
+        for s in running:
+            if budget <= 0:
+                break
+            take = min(s[1], budget)
+            s[5] = now if s[5] is None else s[5]
+            budget, took, s[1] = budget - take, took + take, s[1] - take
+            if not s[1]:
+                finished.append(s)
+        end = now + took / rate
+        for at, *_, rid in pending:  # arrivals during this step wait for its end
+            if at >= end:
+                break
+            residual_of.setdefault(rid, end - max(at, now))
+        now = end
+        for s in finished:
+            running.remove(s)
+            if s[4] >= 0:
+                cached.add(s[4])
+            out[s[0]] = (s[3], s[5] - s[2] - s[3], now - s[5], now - s[6])
+    return out
+
+
+# A late request's TTFT in parts (nominal seconds): the Coordinator's (its arrival to the prefill leg's at P,
+# admission queue included); P's as a continuous queue at the true rate predicts it; what engine_sim's chunked
+# steps add to that (queueing behind the engine's own batch: the rest of a running step, sharing a step with
+# prompts sent after it); P's wall-clock lag behind its replayed schedule (timer slack, the machine's load, P's
+# answer and the handoff over HTTP); the decode engine's (its arrival to the client's first token).
+PARTS = ("coordinator", "P, continuous queue", "P, own batch", "P, wall-clock lag", "D to first token")
+# Causes named for the parts a perfect model would still miss (all but the continuous queue).
+CAUSES = (
+    "Coordinator (admission queue included)",
+    "",
+    "queueing behind P's own batch",
+    "simulator's wall-clock lag",
+    "decode first token",
+)
+
+
+def _arrival(records: list[dict]) -> dict[str, tuple[float, dict]]:
+    out = {}
+    for rec in records:
+        rid = {k.lower(): v for k, v in rec.get("headers", {}).items()}.get("x-request-id", "")
+        out.setdefault(rid, (rec["time"], rec.get("body") or {}))
+    return out
+
+
+def attribute(
+    w: Workload,
+    engines: Engines,
+    records: dict,
+    warm: list[Outcome],
+    ok: list[Outcome],
+    late: list[Outcome],
+    speedup: float,
+):
+    """Each answered request's TTFT cut into PARTS; each late one's cause: of the parts a perfect model would
+    miss, the one furthest above its median among the on-time requests, when that is at least a tenth of the
+    TTFT budget; otherwise `prefill rate / load error` (the learned rate, the virtual queue: not measured
+    apart). A TPOT miss is `decode (TPOT)`. P's schedule is replayed from the warm-up's arrivals on (they fill
+    its prefix cache)."""
+    at_p: dict[str, tuple[str, float]] = {}
+    at_d: dict[str, float] = {}
+    for address, role in zip(engines.addresses, engines.roles, strict=True):
+        for rid, (t, _) in _arrival(records.get(address, [])).items():
+            if role == "prefill":
+                at_p[rid] = (address, t)
+            else:
+                at_d[rid] = t
+    t0 = min((o.sent for o in warm + ok), default=0.0)
+    schedules = {}
+    for address, rate in zip(engines.addresses, w.prefills):
+        arrivals = []
+        for o in warm + ok:
+            where = at_p.get(o.rid)
+            if where and where[0] == address:
+                hot = w.systems[o.req.system] if o.req.system >= 0 else 0
+                arrivals.append(((where[1] - t0) * speedup, o.req.prompt(w), hot, o.req.system, o.rid))
+        schedules.update(p_schedule(rate, arrivals))
+    parts: dict[str, tuple[float, ...]] = {}
+    for o in ok:
+        if o.rid not in at_p or o.rid not in at_d or o.rid not in schedules:
+            continue  # D alone, or a leg not recorded
+        p_at, d_at = at_p[o.rid][1], at_d[o.rid]
+        step, queue, own, batch = schedules[o.rid]
+        lag = (d_at - p_at) * speedup - step - queue - own
+        modelled = step + queue + own - batch
+        parts[o.rid] = ((p_at - o.sent) * speedup, modelled, batch, lag, (o.first - d_at) * speedup)
+    late_ids = {o.rid for o in late}
+    on_time = [p for rid, p in parts.items() if rid not in late_ids]
+    typical = [statistics.median(p[i] for p in on_time) if on_time else 0.0 for i in range(len(PARTS))]
+    rows, causes = [], collections.Counter()
+    for o in late:
+        if o.ttft * speedup <= w.ttft_s:
+            causes["decode (TPOT)"] += 1
+            rows.append({"rid": o.rid, "budget": "TPOT", "tpot_ms": o.tpot * speedup * 1000})
+            continue
+        p = parts.get(o.rid)
+        if p is None:
+            causes["unattributed (no P leg)"] += 1
+            continue
+        excess = {i: p[i] - typical[i] for i in range(len(PARTS)) if CAUSES[i]}
+        worst = max(excess, key=excess.__getitem__)
+        cause = CAUSES[worst] if excess[worst] >= 0.1 * w.ttft_s else "prefill rate / load error"
+        causes[cause] += 1
+        rows.append({"rid": o.rid, "budget": "TTFT", "ttft_s": o.ttft * speedup, "parts": p, "cause": cause})
+    return rows, causes
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+HEADER = f"{'policy:admission':<24} {'goodput':>8} {'on-time':>8} {'refused':>8} {'TTFT p50':>9}"
+
+
+def _format(r: Row) -> str:
+    return f"{r.run:<24} {r.goodput:>8.2f} {r.ontime:>8.1%} {r.refused:>8.1%} {r.ttft_p50_ms:>9.0f}"
+
+
+def why_late(r: Row) -> str:
+    """The late requests' causes and, for those late on TTFT, the median of each part of their TTFT."""
+    text = ", ".join(f"{n} {cause}" for cause, n in r.causes.most_common())
+    ttft = [x["parts"] for x in r.late if x["budget"] == "TTFT"]
+    if ttft:
+        medians = ", ".join(
+            f"{name} {statistics.median(p[i] for p in ttft) * 1000:.0f}" for i, name in enumerate(PARTS)
+        )
+        text += f"; their TTFT's parts (median ms, nominal): {medians}"
+    return text
+
+
+@dataclass
+class Verdict:
+    text: str
+    ok: bool
+    checked: bool
+
+
+def figures(rows: list[Row], floor: float = 0.95, least_ratio: float = 0.95) -> list[Verdict]:
+    """bench/scheduling.py's figures for one workload: admitted on time in the admitting runs (checked), admission's
+    goodput against round robin and the best other policy (checked at `least_ratio`, aims reported), slo_aware
+    without admission against load_balance (reported)."""
+    by = {r.run: r for r in rows}
+    admitting = [r for r in rows if r.run.startswith("slo_aware:") and not r.run.endswith(":off")]
+    out = []
+    if admitting:
+        worst = min(admitting, key=lambda r: r.ontime)
+        out.append(
+            Verdict(
+                f"admitted on-time, worst admitting run: {worst.ontime:.1%} ({worst.run}; target {floor:.0%})",
+                worst.ontime >= floor,
+                True,
+            )
+        )
+        best = max(r.goodput for r in admitting)
+        others = [by[r] for r in ("round_robin:off", "load_balance:off", "kv_cache_affinity:off") if r in by]
+        for name, base, aim in (
+            ("round_robin", [by["round_robin:off"]] if "round_robin:off" in by else [], 1.5),
+            ("best other", others, 1.0),
+        ):
+            if base:
+                g = max(b.goodput for b in base)
+                v = best / g if g else math.inf
+                out.append(
+                    Verdict(
+                        f"slo_aware with admission / {name}: {v:.2f}x (target {least_ratio}x, aim {aim}x)",
+                        v >= least_ratio,
+                        True,
+                    )
+                )
+    if "slo_aware:off" in by and "load_balance:off" in by:
+        lb = by["load_balance:off"].goodput
+        v = by["slo_aware:off"].goodput / lb if lb else math.inf
+        out.append(Verdict(f"slo_aware without admission / load_balance: {v:.2f}x (aim 1.0x)", v >= 1.0, False))
+    return out
+
+
+def speedup_for(w: Workload, rate: float) -> float:
+    """The time scale: about `rate` arrivals a wall second, at most 2x faster than nominal (see the docstring)."""
+    return min(2.0, max(0.25, rate / (w.load * capacity(w))))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=100, help="measured requests per run")
+    parser.add_argument("--warmup", type=int, default=24, help="unmeasured requests at half load first")
+    parser.add_argument("--rate", type=float, default=4.0, help="wall-clock arrivals a second to aim at")
+    parser.add_argument("--runs", default=DEFAULT_RUNS, help="policy:admission runs, comma-separated")
+    parser.add_argument("--workers", type=int, default=0, help="Coordinator workers (default: the seed's draw)")
+    parser.add_argument("--floor", type=float, default=0.95, help="the least share of admitted requests on time")
+    parser.add_argument("--least-ratio", type=float, default=0.95, help="admission's least goodput against the others'")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a checked verdict misses its target")
+    parser.add_argument("--json", default="", help="write the rows and late requests' parts here")
+    args = parser.parse_args(argv)
+    w = draw(args.seed)
+    if args.workers:
+        w.workers = args.workers
+    speedup = speedup_for(w, args.rate)
+    cap = capacity(w)
+    print(f"seed {args.seed}: {w.describe()}", flush=True)
+    print(
+        f"# capacity {cap:.2f} req/s nominal, arrivals {w.load * cap:.2f} req/s; {speedup:.2f}x wall clock", flush=True
+    )
+    print(HEADER, flush=True)
+    started = time.monotonic()
+    rows = []
+    workdir = tempfile.mkdtemp(prefix="motor-wallclock-")
+    engines = Engines(w, speedup, workdir)
+    try:
+        for run in args.runs.split(","):
+            rows.append(run_one(w, engines, run, args.requests, args.warmup, speedup))
+            print(_format(rows[-1]), flush=True)
+            if rows[-1].causes:
+                print(f"#   late: {why_late(rows[-1])}", flush=True)
+    finally:
+        engines.stop()
+    print(f"\n({time.monotonic() - started:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "seed": args.seed,
+                    "workload": w.describe(),
+                    "speedup": speedup,
+                    "rows": [
+                        {
+                            "run": r.run,
+                            "goodput": r.goodput,
+                            "ontime": r.ontime,
+                            "refused": r.refused,
+                            "answered": r.answered,
+                            "refused_n": r.refused_n,
+                            "late": r.late,
+                        }
+                        for r in rows
+                    ],
+                },
+                f,
+            )
+    verdicts = figures(rows, args.floor, args.least_ratio)
+    for v in verdicts:
+        print(f"{'PASS' if v.ok else 'FAIL' if v.checked else 'miss'} {v.text}")
+    failed = [v for v in verdicts if v.checked and not v.ok]
+    if args.check and failed:
+        print(f"bench/wallclock.py --check --seed {args.seed}: {len(failed)} checked figure(s) missed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
