@@ -129,8 +129,7 @@ def assert_recovered(c, model: str, stream: bool) -> None:
     for group in c.sims.values():
         for s in group:
             s.clear_faults()
-    # (an engine that failed mid-stream notices the dropped connection on its next step: on a loaded machine,
-    # seconds later)
+    # (on a loaded machine the simulators can take seconds to settle after the faults)
     assert wait_until(lambda: engines_idle(c), 15), [s.stats() for g in c.sims.values() for s in g]
     assert wait_until(lambda: ledger_is_zero(c), 5), ledger(c)
     status, _, text = call(c, chat_body(model, stream))
