@@ -32,8 +32,9 @@ from config import Endpoint, Instance, Settings  # noqa: E402
 from config.sections import EndpointKvEvents, KvEventConfig  # noqa: E402
 from harness.loopback import free_ports  # noqa: E402
 from scheduling.kv_events import EngineFeed, KvSubscriber  # noqa: E402
-from scheduling.kv_index import PromptKeys, ids_bytes  # noqa: E402
+from scheduling.kv_index import PromptKeys  # noqa: E402
 from scheduling.registry import Registry  # noqa: E402
+from scheduling.tokens import ids_bytes  # noqa: E402
 from state.shared import KV_ENTRIES, SharedState  # noqa: E402
 
 BLOCK = 16

@@ -41,7 +41,6 @@ import threading
 from collections import OrderedDict
 from itertools import pairwise
 
-from scheduling.kv_index import ids_bytes
 from scheduling.tokens import (
     COMPLETION,
     PromptMeter,
@@ -49,6 +48,7 @@ from scheduling.tokens import (
     _part_text,
     _text_only,
     completion_text,
+    ids_bytes,
     render_chatml,
 )
 

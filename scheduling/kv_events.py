@@ -51,9 +51,9 @@ from scheduling.kv_index import (
     KvIndex,
     block_key,
     extra_bytes,
-    ids_bytes,
 )
 from scheduling.registry import Registry
+from scheduling.tokens import ids_bytes
 from state.shared import KV_ENTRIES, SharedState
 
 log = logging.getLogger("coordinator.kv_events")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import zlib
-from array import array
 from bisect import bisect_right
 
 from scheduling.policies import JobInfo
@@ -47,17 +46,6 @@ STATE_NAMES = {KV_OFF: "off", KV_LIVE: "live", KV_REPLAYING: "replaying", KV_LOS
 def extra_bytes(extra: object) -> bytes:
     """A scope value (LoRA name, a block's extra keys) as the bytes hashed into a chain."""
     return b"\x00" + json.dumps(extra, separators=(",", ":"), default=str).encode()
-
-
-def ids_bytes(ids: list[int]) -> bytes:
-    """Token ids as the bytes a key hashes (TypeError/OverflowError for an id that is no token). `fromlist` takes
-    half the time of array's constructor on a list (2 ms for 256 Ki ids)."""
-    out = array("I")
-    try:
-        out.fromlist(ids)
-    except OverflowError:  # an id past 32 bits (the simulator's) is taken modulo 2^32; a negative one is no token
-        out = array("I", [i & 0xFFFFFFFF if i >= 0 else -1 for i in ids])
-    return out.tobytes()
 
 
 def block_key(crc: int, blocks: int) -> int:
@@ -180,8 +168,8 @@ class KvIndex:
 
 class PromptKeys:
     """A prompt's block keys, computed on demand and kept: each from the nearest earlier one already known.
-    `data`: its ids as TOKEN_BYTES-byte integers (`ids_bytes`, or scheduling/exact.py's encodings, which
-    are made in that form off the loop)."""
+    `data`: its ids as TOKEN_BYTES-byte integers (scheduling/tokens.py `ids_bytes`, or scheduling/exact.py's
+    encodings, which are made in that form off the loop)."""
 
     __slots__ = ("crcs", "data", "n_tokens", "offsets")
 

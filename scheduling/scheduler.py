@@ -22,7 +22,7 @@ from scheduling.affinity import PrefixIndex
 from scheduling.exact import make_meter
 from scheduling.fairness import BATCH, BATCH_SHARE, FairShare
 from scheduling.health import Health
-from scheduling.kv_index import TOKEN_BYTES, KvEventSource, KvIndex, PromptKeys, ids_bytes, prompt_seed
+from scheduling.kv_index import TOKEN_BYTES, KvEventSource, KvIndex, PromptKeys, prompt_seed
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Hold, Lease, Ledger
 from scheduling.policies import MARGIN, TPOT_MARGIN, JobInfo, Policy, PrefixSource, make_policy
 from scheduling.predict import Predictor
@@ -244,9 +244,9 @@ class Scheduler:
         if not wants_ids:
             job.prompt_tokens, job.block_hashes, job.prompt_bytes = meter.count(kind, body, hashes)
         else:
-            job.prompt_tokens, job.block_hashes, job.prompt_bytes, ids = meter.count_ids(kind, body, hashes)
-            if ids:  # the engines' KV events can answer for this prompt (scheduling/kv_index.py)
-                job.prompt_keys = PromptKeys(ids_bytes(ids), prompt_seed(body.get("cache_salt")))
+            job.prompt_tokens, job.block_hashes, job.prompt_bytes, data = meter.count_ids(kind, body, hashes)
+            if data:  # the engines' KV events can answer for this prompt (scheduling/kv_index.py)
+                job.prompt_keys = PromptKeys(data, prompt_seed(body.get("cache_salt")))
         if not meter.exact or job.prompt_keys is not None:
             return None
         future = meter.submit(kind, body)

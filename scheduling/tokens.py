@@ -198,10 +198,23 @@ def hashes_covering(blocks: int) -> int:
     return bisect_right(BOUNDARIES, blocks)
 
 
-def _ids_bytes(ids: list[int]) -> bytes:
+def ids_bytes(ids: list[int]) -> bytes:
+    """Token ids as the bytes a prompt's block hashes and its KV keys (scheduling/kv_index.py) cover: 4-byte
+    integers, little-endian (vocabularies are under 2^32; an id past 32 bits, the simulator's, is taken modulo
+    2^32). TypeError/OverflowError for an id that is no token (a negative one). `fromlist` takes half the time
+    of array's constructor on a list (2 ms for 256 Ki ids)."""
     out = array("I")
-    out.fromlist([i & 0xFFFFFFFF for i in ids])
+    try:
+        out.fromlist(ids)
+    except OverflowError:
+        out = array("I", [i & 0xFFFFFFFF if i >= 0 else -1 for i in ids])
     return out.tobytes()
+
+
+def _masked_bytes(ids: list[int]) -> bytes:
+    """A prompt's ids that are not all tokens (`ids_bytes` refused them), each taken modulo 2^32: what its block
+    hashes cover."""
+    return array("I", [i & 0xFFFFFFFF for i in ids]).tobytes()
 
 
 # -- per-model meters --------------------------------------------------------------------------
@@ -217,27 +230,39 @@ class PromptMeter:
     def __init__(self, block_tokens: int = 16):
         self.block_tokens = block_tokens
         self.tokens_per_byte = 1 / BYTES_PER_TOKEN  # until counts say otherwise
-        self.ids: list[int] | None = None  # the last counted prompt's exact ids (count_ids), None: not known
 
     def count(self, kind: str, body: dict, hashes: bool = True) -> tuple[int, list[int], int]:
         """(prompt tokens, chained block hashes, learnable bytes): the last is the byte length of the prompt's
         rendering when an engine's count of this prompt may teach the meter (`calibrate`), else 0."""
-        self.ids = None
         if kind == COMPLETION:
             prompt = body.get("prompt")
             ids = _token_list(prompt)
             if ids is not None:
-                self.ids = ids
-                return len(ids), chained_hashes(_ids_bytes(ids), self.block_tokens * 4) if hashes else [], 0
+                return self._token_ids(ids, True)[:3] if hashes else (len(ids), [], 0)
             learnable = isinstance(prompt, str) and body.get("truncate_prompt_tokens") is None
             return self._text(completion_text(prompt), hashes, True, learnable)
         messages, tools, system = _chat_parts(kind, body)
         return self._chat(messages, tools, system, hashes, _template_as_ours(body))
 
-    def count_ids(self, kind: str, body: dict, hashes: bool = True) -> tuple[int, list[int], int, list[int] | None]:
-        """`count`'s, and the prompt's token ids as the engine sees them when they are known exactly (a token-id
-        prompt; a prompt the tokenizer encoded), else None."""
-        return (*self.count(kind, body, hashes), self.ids)
+    def count_ids(self, kind: str, body: dict, hashes: bool = True) -> tuple[int, list[int], int, bytes | None]:
+        """`count`'s, and a token-id prompt's ids as `ids_bytes` gives them (what PromptKeys are made of); None
+        for a text prompt (a TokenizerMeter's `submit` encodes it) and for ids that are no tokens."""
+        if kind == COMPLETION:
+            ids = _token_list(body.get("prompt"))
+            if ids is not None:
+                return self._token_ids(ids, hashes)
+        return (*self.count(kind, body, hashes), None)
+
+    def _token_ids(self, ids: list[int], hashes: bool) -> tuple[int, list[int], int, bytes | None]:
+        """A token-id prompt's count, block hashes ([] unless `hashes`), learnable bytes (none: it teaches
+        nothing) and `ids_bytes` (None: not all of them are tokens; its hashes are over the ids modulo 2^32)."""
+        try:
+            data = ids_bytes(ids)
+        except (OverflowError, TypeError):
+            data = None
+        if not hashes:
+            return len(ids), [], 0, data
+        return len(ids), chained_hashes(_masked_bytes(ids) if data is None else data, self.block_tokens * 4), 0, data
 
     def calibrate(self, prompt_bytes: int, prompt_tokens: int) -> None:
         """An engine counted `prompt_tokens` for a prompt whose rendering measured `prompt_bytes` (`count`'s

@@ -18,8 +18,9 @@ from engine_sim import launch
 from engine_sim.tokens import text_token_ids
 from harness.loopback import free_ports, wait_until
 from scheduling.kv_events import BUDGET_PER_S, MAX_MESSAGE_BYTES, KvSubscriber
-from scheduling.kv_index import KV_LIVE, KV_LOST, KV_OFF, PromptKeys, ids_bytes, prompt_seed
+from scheduling.kv_index import KV_LIVE, KV_LOST, KV_OFF, PromptKeys, prompt_seed
 from scheduling.registry import Registry
+from scheduling.tokens import ids_bytes
 from state.shared import SharedState
 
 BLOCK = 16
@@ -586,5 +587,27 @@ def test_each_replica_of_a_cluster_subscribes_for_itself():
             assert len(sims[0].requests()) == 0
     finally:
         redis.stop()
+        for sim in sims:
+            sim.stop()
+
+
+def test_a_prompt_of_ids_that_are_no_tokens_is_answered_as_the_engine_answers_it():
+    """A token-id prompt holding a negative id cannot be keyed for the events' index: it is planned on its
+    estimate, and its answer is the engine's own (not a failure of the Coordinator's)."""
+    from harness.configs import coordinator_config
+    from harness.coordinator import Coordinator
+
+    sims, instances = engines_with_events(1, "union")
+    cfg = coordinator_config(
+        instances, scheduler_config={"scheduler_type": "kv_cache_affinity"}, kv_event_config={"enable": True}
+    )
+    body = {"model": "m", "prompt": [1, -5, 3], "max_tokens": 1}
+    try:
+        direct = httpx.post(sims[0].url + "/v1/completions", json=body, timeout=10)
+        with Coordinator(cfg) as coord:
+            assert wait_until(lambda: _kv_states(coord) == ["live"], 10)
+            r = httpx.post(coord.url + "/v1/completions", json=body, timeout=10)
+            assert r.status_code == direct.status_code != 500, r.text
+    finally:
         for sim in sims:
             sim.stop()

@@ -38,6 +38,7 @@ from scheduling.tokens import (
     engine_prompt,
     engine_uncached,
     hashes_covering,
+    ids_bytes,
     render_chatml,
 )
 from state.shared import ERROR_RING, SharedState
@@ -141,6 +142,27 @@ def test_estimate_renders_the_prompt_as_the_engine_counts_it():
     assert tokens == sim_tokens.chat_prompt_tokens(anthropic["messages"], system="Be brief.")
     assert meter.count(COMPLETION, {"prompt": [1, 2, 3, 4, 5]}, hashes=False)[:2] == (5, [])
     assert meter.count(COMPLETION, {"prompt": "abcdefgh"})[:2] == (2, [])
+
+
+def test_a_token_id_prompt_is_keyed_by_its_ids_bytes_unless_an_id_is_no_token():
+    """count_ids gives a token-id prompt's `ids_bytes` (what its KV keys are made of), hashed as its blocks; a
+    negative id is no token: no bytes (the prompt is planned on its hashes, over the ids modulo 2^32)."""
+    meter = PromptMeter(BLOCK)
+    ids = list(range(1, 4 * BLOCK + 1))
+    tokens, hashes, learn, data = meter.count_ids(COMPLETION, {"prompt": ids})
+    assert (tokens, learn, data) == (len(ids), 0, ids_bytes(ids))
+    assert hashes == meter.count(COMPLETION, {"prompt": ids})[1] == chained_hashes(data, BLOCK * 4)
+    assert len(hashes) == 4
+    assert meter.count_ids(COMPLETION, {"prompt": ids}, hashes=False) == (len(ids), [], 0, data)
+    assert meter.count_ids(CHAT, CHAT_BODY)[3] is None  # text: a TokenizerMeter's submit encodes it
+    bad = [*ids[:-1], -5]
+    with pytest.raises(OverflowError):
+        ids_bytes(bad)
+    tokens, hashes, _, data = meter.count_ids(COMPLETION, {"prompt": bad})
+    assert (tokens, data) == (len(bad), None)
+    assert hashes == chained_hashes(array("I", [i & 0xFFFFFFFF for i in bad]).tobytes(), BLOCK * 4)
+    good = meter.count(COMPLETION, {"prompt": ids})[1]
+    assert hashes[:3] == good[:3] and hashes[3] != good[3]  # the blocks before the negative id hash alike
 
 
 def test_block_hashes_are_chained_over_the_whole_prompt():
