@@ -30,7 +30,7 @@ from bisect import bisect_right
 
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
-from state.shared import KV_ENTRIES, KvEndpointRow, SharedState
+from state.shared import KvEndpointRow, SharedState
 
 PROBES = 8
 _M64 = (1 << 64) - 1
@@ -52,7 +52,9 @@ def block_key(crc: int, blocks: int) -> int:
     return (crc << 32) | (blocks & 0xFFFFFFFF)
 
 
-def _mixed(key: int, slot: int, epoch: int) -> int:
+def mixed(key: int, slot: int, epoch: int) -> int:
+    """A 64-bit key (or an engine's block hash) as a BlockTable holds it for `slot` in `epoch`: its entries of
+    an earlier epoch match nothing. Never 0 (a free entry)."""
     return (((key ^ ((slot + 1) * _SLOT_MIX + epoch * _EPOCH_MIX)) & _M64) * _ODD) & _M64 or 1
 
 
@@ -118,7 +120,7 @@ class KvIndex:
 
     def add(self, slot: int, key: int) -> None:
         row = self.rows[slot]
-        new, lost = self.table.put(_mixed(key, slot, row.epoch), (row.epoch << 16) | (slot + 1))
+        new, lost = self.table.put(mixed(key, slot, row.epoch), (row.epoch << 16) | (slot + 1))
         if new:
             row.blocks += 1
             if lost >= 0:
@@ -126,7 +128,7 @@ class KvIndex:
 
     def remove(self, slot: int, key: int) -> None:
         row = self.rows[slot]
-        i = self.table.find(_mixed(key, slot, row.epoch))
+        i = self.table.find(mixed(key, slot, row.epoch))
         if i >= 0:
             self.table.drop(i)
             row.blocks -= 1
@@ -140,9 +142,6 @@ class KvIndex:
 
     # -- lookups ---------------------------------------------------------------------------------
 
-    def holds(self, slot: int, key: int) -> bool:
-        return self.table.find(_mixed(key, slot, self.rows[slot].epoch)) >= 0
-
     def cached_blocks(self, slot: int, prompt: PromptKeys) -> int:
         """The leading blocks of the prompt `slot` holds (a binary search: an engine's cache is prefix-closed
         to within its evictions, and vLLM's own match stops at the first block it lacks)."""
@@ -152,11 +151,11 @@ class KvIndex:
             return 0
         lo, hi = 0, prompt.blocks(size)
         find, epoch = self.table.find, row.epoch
-        if hi and find(_mixed(prompt.key(size, 1), slot, epoch)) < 0:  # the head evicted: nothing is a hit
+        if hi and find(mixed(prompt.key(size, 1), slot, epoch)) < 0:  # the head evicted: nothing is a hit
             return 0
         while lo < hi:  # the first lo blocks are held; none past hi
             mid = (lo + hi + 1) // 2
-            if find(_mixed(prompt.key(size, mid), slot, epoch)) >= 0:
+            if find(mixed(prompt.key(size, mid), slot, epoch)) >= 0:
                 lo = mid
             else:
                 hi = mid - 1
@@ -227,6 +226,3 @@ class KvEventSource:
 
     def record(self, hashes: list[int], slot: int) -> None:
         self.estimate.record(hashes, slot)
-
-
-__all__ = ["KV_ENTRIES", "KvEventSource", "KvIndex", "PromptKeys"]
