@@ -51,6 +51,7 @@ from scheduling.kv_index import (
     KvIndex,
     block_key,
     extra_bytes,
+    mixed,
 )
 from scheduling.registry import Registry
 from scheduling.tokens import ids_bytes
@@ -447,7 +448,7 @@ class KvSubscriber:
         if ev.parent_block_hash is None:
             crc, blocks = (zlib.crc32(extra_bytes(ev.lora_name)) if ev.lora_name else 0), 0
         else:
-            i = self.hashes.find(_mixed_hash(engine_hash(ev.parent_block_hash), slot, epoch))
+            i = self.hashes.find(mixed(engine_hash(ev.parent_block_hash), slot, epoch))
             if i < 0:  # its parent is not known (evicted, or before this subscription): it cannot be keyed
                 return
             parent = self.hashes.values[i]
@@ -461,15 +462,14 @@ class KvSubscriber:
         step = size * TOKEN_BYTES
         for j, h in enumerate(ev.block_hashes):
             extra = extras[j] if j < len(extras) else None
+            if extra and ev.lora_name and extra[0] == ev.lora_name:
+                extra = extra[1:]
             if extra:
-                if ev.lora_name and extra and extra[0] == ev.lora_name:
-                    extra = extra[1:]
-                if extra:
-                    crc = zlib.crc32(extra_bytes(list(extra)), crc)
+                crc = zlib.crc32(extra_bytes(list(extra)), crc)
             crc = zlib.crc32(data[j * step : (j + 1) * step], crc)
             blocks += 1
             key = block_key(crc, blocks)
-            self.hashes.put(_mixed_hash(engine_hash(h), slot, epoch), owner, key)
+            self.hashes.put(mixed(engine_hash(h), slot, epoch), owner, key)
             self.index.add(slot, key)
 
     def _removed(self, slot: int, ev: BlockRemoved) -> None:
@@ -477,15 +477,11 @@ class KvSubscriber:
             return
         epoch = self.rows[slot].epoch
         for h in ev.block_hashes:
-            i = self.hashes.find(_mixed_hash(engine_hash(h), slot, epoch))
+            i = self.hashes.find(mixed(engine_hash(h), slot, epoch))
             if i >= 0:
                 key = self.hashes.values[i]
                 self.hashes.drop(i)
                 self.index.remove(slot, key)
-
-
-def _mixed_hash(h: int, slot: int, epoch: int) -> int:
-    return ((((h ^ ((slot + 1) << 40) ^ (epoch << 52)) & ((1 << 64) - 1)) * 0xFF51AFD7ED558CCD) & ((1 << 64) - 1)) or 1
 
 
 def start_subscriber(shared: SharedState, settings: Callable[[], Settings]) -> KvSubscriber | None:
