@@ -32,9 +32,9 @@ from .sections import (
 )
 from .tenancy import DEFAULT_TENANT, TenantConfig, TenantLimits
 
-MAX_BACKOFF_S = 10.0
+MAX_BACKOFF_S = 10.0  # the longest wait before one retry, however many retries and however long retry_delay
 NO_LIMITS = TenantLimits()
-MAX_TENANT_LABELS = 64  # tenants named in metric labels (serving/tenants.py); the others are `other`  # the longest wait before one retry, however many retries and however long retry_delay
+MAX_TENANT_LABELS = 64  # tenants named in metric labels (serving/tenants.py); the others are `other`
 
 
 @dataclass(frozen=True)

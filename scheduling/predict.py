@@ -22,7 +22,7 @@ Error bounds. Every sampled prefill's error (observed minus predicted finish, as
 sent, as a share of the time from then to the predicted finish: a short prompt is not judged by a long
 one's misses) goes into the endpoint's ring of its last ERROR_RING errors (state/shared.py), and the
 endpoint's allowance (`allowance_s`), the share added to a prediction judged against a budget, is the
-`confidence` quantile of that ring (`scheduler_config.slo_confidence`): with the default 0.9, 9 in 10 of
+`confidence` quantile of that ring (`scheduler_config.slo_confidence`): with the default 0.95, 19 in 20 of
 its recent prefills finished within prediction plus allowance. A quantile, not a mean: an engine whose
 predictions are usually right but now and then far off gets the room its misses need; one that is
 always right gets none. Decode streams do the same with their observed seconds per token against the TPOT

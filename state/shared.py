@@ -200,7 +200,7 @@ class KvEndpointRow(Table):
     """One slot's KV-event subscription, written by the subscriber alone."""
 
     _fields_ = [
-        ("state", ctypes.c_int64),  # KV_OFF, KV_LIVE, KV_REPLAYING, KV_LOST (scheduling/kv_events.py)
+        ("state", ctypes.c_int64),  # KV_OFF, KV_LIVE, KV_REPLAYING, KV_LOST (scheduling/kv_index.py)
         ("epoch", ctypes.c_int64),  # bumped when the slot's blocks are all forgotten: older entries are dead
         ("blocks", ctypes.c_int64),  # blocks the index holds for the slot now
         ("block_size", ctypes.c_int64),  # the engine's tokens per block, from its events (0: none seen yet)
