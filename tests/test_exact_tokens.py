@@ -1,5 +1,5 @@
 """Exact prompt ids on a live Coordinator (scheduling/exact.py): a model with a `tokenizer_path`, a chat prompt
-far past the 4 KiB the event loop used to encode, and an engine whose KV events (a raw ZMQ publisher the test
+of 10 to 27 KiB encoded off the event loop, and an engine whose KV events (a raw ZMQ publisher the test
 drives, as vLLM's) say it holds the prompt's leading blocks in the tokenizer's own ids. The Coordinator's
 prediction is only exact when it encoded the whole rendered chat as the engine does."""
 

@@ -221,7 +221,7 @@ def test_exact_ids_off_the_loop_for_any_prompt_size(tmp_path):
 
     meter = make_meter(str(tmp_path), BLOCK)
     assert meter.exact and meter.cut is not None
-    for words in (30, 4000):  # 480 bytes and 64 KiB: past the 4 KiB the loop used to encode
+    for words in (30, 4000):  # 480 bytes and 64 KiB
         body = {
             "messages": [
                 {"role": "system", "content": "the lazy dog"},

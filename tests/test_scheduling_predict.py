@@ -205,8 +205,8 @@ def test_admission_checks_both_budgets_with_the_allowance():
 
 
 def test_a_decode_engine_the_model_does_not_know_yet_does_not_turn_admission_off():
-    """The known engines are judged whatever the others: one new decode engine, busy (so not explored), used to
-    leave every plan unjudged, and so admitted."""
+    """The known engines are judged whatever the others: one new decode engine the model does not know, busy (so
+    not explored), does not leave the plans unjudged (and so admitted)."""
     sched, w, p, (d, new) = pd_scheduler("reject", decodes=2)
     teach_prefill(w.predictor, p.slot, 1000.0)
     teach_decode(w.predictor, d.slot, 0.01, 0.001)
@@ -224,7 +224,7 @@ def test_a_decode_engine_the_model_does_not_know_yet_does_not_turn_admission_off
 
 def test_prefills_sent_before_the_model_knew_the_engine_teach_no_error():
     """A prefill sent while the engine's speed was unknown had no prediction (its finish was 'now'): its wait is
-    no error of the model, and an allowance made of such waits refused nine in ten requests of a family."""
+    no error of the model, and the allowance takes none of it."""
     pred = Predictor(SharedState.create(), 0.95)
     t = time.monotonic() - 100
     early = [pred.start_prefill(1, 1000, t) for _ in range(3)]  # a burst before the model knows the engine
@@ -412,9 +412,9 @@ def test_a_request_late_wherever_it_goes_queues_behind_work_that_is_late_already
 
 def test_a_prefill_behind_others_is_predicted_to_end_with_the_engine_step_that_takes_later_prompts_too():
     """On the recorded bursty trace, a prompt sent behind others finishes at the end of the engine step that
-    computes it, with the prompts sent while it waited: counted, 95 % of prefills finish within prediction and
-    allowance, and the allowance needed is under half the predicted time (a continuous queue: 84 % within an
-    allowance of three quarters)."""
+    computes it, with the prompts sent while it waited: counted, at least 9 in 10 prefills finish within prediction
+    and allowance (the allowance is the default 0.95 quantile of the errors), and the allowance needed is under
+    half the predicted time."""
     w = World("slo_aware")
     results = replay_prefills(w)[WARMUP:]
     held = sum(1 for finish, allowance, observed in results if observed <= finish + allowance)
