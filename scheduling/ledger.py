@@ -118,7 +118,7 @@ class Lease:
         self.engine_uncached = -1  # uncached prompt tokens as the engine reported them (-1: not reported)
         self.batch = 0  # requests on the slot when this one started, itself included
         self.hashes: list[int] = []
-        self.sample = False  # the learned model's fits take this request's timings (the scheduler decides)
+        self.sample = False  # the learned model's fits take this request's timings (the scheduler decides as it leases)
         self.counts = c = ledger.mine[slot]
         _move_area(c, self.started)
         c.requests += 1
@@ -131,7 +131,8 @@ class Lease:
         """The first token arrived: the prompt no longer waits for prefill."""
         if not self.first_at:
             self.first_at = clock.now()
-            self.area0 = self.ledger.area(self.slot, self.first_at)  # where its decode's mean batch starts
+            if self.sample and self.kind != PREFILL:  # a decode the fit takes: where its mean batch starts
+                self.area0 = self.ledger.area(self.slot, self.first_at)
         if self.prefilling and not self.released:
             self.prefilling = False
             c = self.counts

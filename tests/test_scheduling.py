@@ -1113,25 +1113,38 @@ def test_a_long_prompts_hashes_cover_prefixes_sparsely_and_find_a_shared_prefix_
         assert index.last_owner(chained_hashes(other, block), found) == (5 if found else -1)
 
 
-def test_a_streams_mean_batch_counts_the_streams_that_came_and_went():
+def test_a_streams_mean_batch_counts_the_streams_that_came_and_went(monkeypatch):
     """The decode fit's batch is the mean of the requests on the engine over a stream's decode (the ledger's area,
     over every worker's row), not its first and last batch: a stream that ran beside another for a while decoded
-    in a bigger batch."""
+    in a bigger batch. For a decode leg and a whole request alike."""
     t = [100.0]
     clock.use(lambda: t[0])
     try:
-        shared = SharedState.create()
-        mine, theirs = Ledger(shared, 0, 2), Ledger(shared, 1, 2)  # two workers
-        a = mine.lease(2, 0, 10, prefilling=False)
-        a.first_token()
-        t[0] = 101.0
-        b = theirs.lease(2, 0, 10, prefilling=False)  # another worker's stream joins for 2 s
-        t[0] = 103.0
-        b.release()
-        t[0] = 104.0
-        mean = (mine.area(2, t[0]) - a.area0) / (t[0] - a.first_at)
-        assert mean == pytest.approx(1.5)  # alone for 2 s, beside another for 2 s; its first and last batch say 1
-        a.release()
-        assert not load_left(shared)
+        sched, w = scheduler("slo_aware", "off")
+        d = sched.registry.view().pool(MODEL, "decode")[0]
+        theirs = Ledger(w.shared, 1, 2)  # another worker's
+        batches, learn_decode = [], w.predictor.learn_decode
+
+        def spy(*args) -> None:
+            batches.append(args[5])
+            learn_decode(*args)
+
+        monkeypatch.setattr(w.predictor, "learn_decode", spy)
+        for kind in (DECODE, WHOLE):
+            t[0] += 10.0
+            a = sched.lease(d, job(100, max_tokens=10), kind)
+            assert a.sample
+            a.first_token()
+            t[0] += 1.0
+            b = theirs.lease(d.slot, 0, 10, prefilling=False)  # another worker's stream joins for 2 s
+            t[0] += 2.0
+            b.release()
+            t[0] += 1.0
+            a.events = 40
+            a.succeed()
+            a.release()
+        # Alone for 2 s, beside another for 2 s: 1.5 (its first and last batch say 1).
+        assert batches == [pytest.approx(1.5)] * 2
+        assert not load_left(w.shared)
     finally:
         clock.use(time.monotonic)
