@@ -259,8 +259,8 @@ class Scheduler:
         if data is None:  # not in within EXACT_WAIT_S: planned on the estimate
             return
         job.prompt_tokens = len(data) // TOKEN_BYTES
-        if job.prompt_bytes:  # the exact count teaches the estimate (prompts it cannot wait for)
-            meter.learn(job.prompt_bytes, job.prompt_tokens)
+        # The exact count teaches the estimate (prompts it cannot wait for).
+        meter.calibrate(job.prompt_bytes, job.prompt_tokens)
         if seed is not None:
             job.prompt_keys = PromptKeys(data, seed)
 

@@ -268,9 +268,9 @@ class PromptMeter:
         """An engine counted `prompt_tokens` for a prompt whose rendering measured `prompt_bytes` (`count`'s
         learnable bytes; 0: it cannot teach). A few arithmetic operations: it runs when usage arrives."""
         if prompt_bytes >= LEARN_MIN_BYTES and prompt_tokens > 0:
-            self.learn(prompt_bytes, prompt_tokens)
+            self._learn(prompt_bytes, prompt_tokens)
 
-    def learn(self, prompt_bytes: int, prompt_tokens: int) -> None:
+    def _learn(self, prompt_bytes: int, prompt_tokens: int) -> None:
         """Move the tokens per byte toward one count's (an engine's, an exact one), clamped."""
         tpb = self.tokens_per_byte
         if abs(prompt_tokens - prompt_bytes * tpb) <= 1.0:  # right to rounding: an engine that rounds up stays put
