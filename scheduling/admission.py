@@ -54,7 +54,6 @@ class AdmissionQueue:
         tries_per_tick: int = 8,
         worker: int = 0,
         num_workers: int = 1,
-        fair: FairShare | None = None,
     ):
         self.lock = shared.lock
         self.mine = shared.workers[worker]  # this worker's row: its queued count
@@ -64,7 +63,7 @@ class AdmissionQueue:
         self.tries = tries_per_tick
         self.heap: list = []  # [deadline, seq, future, job, plan_fn]
         self.seq = itertools.count()
-        self.fair = fair or FairShare()  # the tenants' counters the list is ordered by
+        self.fair = FairShare()  # the tenants' counters the list is ordered by (this worker's)
         self.waiting = [0, 0, 0]  # requests waiting here, by class
         self.pump: asyncio.Task | None = None
         self.wake = asyncio.Event()

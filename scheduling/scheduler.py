@@ -187,14 +187,13 @@ class Scheduler:
         queue: AdmissionQueue | None = None,
         live: Live | None = None,
         learn_interval_s: float = LEARN_INTERVAL_S,
-        fair: FairShare | None = None,
     ):
         self.registry, self.ledger, self.health, self.policy = registry, ledger, health, policy
         self.predictor: Predictor | None = policy.predictor
         self.index: PrefixSource | None = policy.index
         self.admission = admission
         self.queue = queue
-        self.fair = fair or (queue.fair if queue is not None else FairShare())  # the tenants' counters, this worker's
+        self.fair = queue.fair if queue is not None else FairShare()  # the tenants' counters, this worker's
         self.live = live or Live(Settings())
         self.meters: dict[str, PromptMeter] = {}  # by model id; the estimate's unless its tokenizer_path loads
         self.tokenizers: dict[str, str] = {}  # the tokenizer_path each model's meter was made with
@@ -483,9 +482,9 @@ def build_scheduler(live: Live, shared, registry: Registry, ledger: Ledger, heal
         overload_factor=settings.affinity_overload_factor,
         decode_alone=settings.conditional_disaggregation,
     )
-    queue, fair = None, FairShare()
+    queue = None
     if settings.admission == "queue":
         queue = AdmissionQueue(
-            shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers, fair=fair
+            shared, settings.admission_queue_size, worker=ledger.worker, num_workers=settings.num_workers
         )
-    return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, live=live, fair=fair)
+    return Scheduler(registry, ledger, health, policy, admission=settings.admission, queue=queue, live=live)
