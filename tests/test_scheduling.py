@@ -53,7 +53,6 @@ def load_left(shared: SharedState) -> list[tuple[int, int, str]]:
         (r, k, f)
         for r, row in enumerate(shared.ledger)
         for k, c in enumerate(row.slots)
-        if c.requests or c.prompt_tokens or c.decode_tokens or c.prefilling or c.held
         for f in LOAD_FIELDS
         if getattr(c, f)
     ]
