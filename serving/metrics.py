@@ -387,7 +387,7 @@ class PrometheusObserver(Observer):
         series = self._series(rec.route, self._model(rec.model), rec.status)
         self._add(series, rec)
         self._mark(series)
-        label = self.tenants.counted(rec) if self.tenants is not None else None
+        label = self.tenants.request_label(rec) if self.tenants is not None else None
         if label is not None:
             key = (label, rec.status)
             tenant = self._tenant_children.get(key) or self._tenant_children.setdefault(key, _TenantSeries(*key))

@@ -1,5 +1,5 @@
 """Tenants on the request path: a request's quota (tenant_config's rpm, tpm, max_inflight) taken at the door and
-settled when it ends, the x-ratelimit-* headers of its answer, and the per-tenant counts.
+settled when it ends, the x-ratelimit-* headers of its answer, and its tenant's metric label.
 
 Who a request's tenant is, the key check says (handlers/auth.py, config.Settings.key_owners); this module only
 reads `job.tenant`. The quotas are exact across workers (state/quotas.py: one lock). In cluster mode each replica
@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable
 
-from config import DEFAULT_TENANT, OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
+from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
 from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
@@ -133,26 +133,9 @@ class Tenants:
         `default`, else the keys' own tenants), every other one `other`."""
         return tenant if tenant in self.live.s.tenant_labels else OTHER_TENANT
 
-    def counted(self, rec: RequestRecord) -> str | None:
-        """Count a finished request in the shared per-tenant counters; its tenant's label (None: not a tenant's)."""
-        if rec.tenant == NO_TENANT:
-            return None
-        self.quotas.served(self.quotas.slot(rec.tenant), rec.status >= 400, rec.prompt_tokens, rec.generated_tokens)
-        return self.label(rec.tenant)
-
-    def status(self) -> list[dict]:
-        """Per tenant the config names (and `default`): requests in flight, answered, refused, prompt and output
-        tokens, all workers since start; with its limits. For the status page."""
-        s = self.live.s
-        names = [t.name for t in s.tenants.tenants] if s.tenants is not None else []
-        names += [DEFAULT_TENANT] if s.tenants is not None or not s.api_key.enable_api_key else []
-        names += [tenant for _, tenant in s.key_owners if tenant not in names]
-        out = []
-        for name in names:
-            lim = self.limits(name)
-            limits = {"rpm": lim.rpm, "tpm": lim.tpm, "max_inflight": lim.max_inflight, "weight": lim.weight}
-            out.append({"tenant": name, **self.quotas.counts_of(self.quotas.slot(name)), "limits": limits})
-        return out
+    def request_label(self, rec: RequestRecord) -> str | None:
+        """A finished request's tenant as a metric label (None: not a tenant's, an engine's metaserver call)."""
+        return None if rec.tenant == NO_TENANT else self.label(rec.tenant)
 
 
 def _headers(headers: dict[str, str], taken: Taken, rpm: int, tpm: int) -> None:

@@ -272,15 +272,9 @@ class TenantTable(Table):
 
 
 class TenantCounts(Table):
-    """One worker's counters per tenant row: only that worker writes them, the readers sum the workers'."""
+    """One worker's requests in flight per tenant row: only that worker writes them, the cap sums the workers'."""
 
-    _fields_ = [
-        ("inflight", ctypes.c_int64 * MAX_TENANTS),
-        ("requests", ctypes.c_int64 * MAX_TENANTS),
-        ("refused", ctypes.c_int64 * MAX_TENANTS),
-        ("prompt_tokens", ctypes.c_int64 * MAX_TENANTS),
-        ("output_tokens", ctypes.c_int64 * MAX_TENANTS),
-    ]
+    _fields_ = [("inflight", ctypes.c_int64 * MAX_TENANTS)]
 
 
 # The replicas the cluster-mode sync owner saw at its last sync (serving/cluster.py), for the status page: this one
@@ -378,7 +372,7 @@ class SharedState:
         _clear(self.ledger[worker])
         if self.workers is not None:
             _clear(self.workers[worker])
-        if self.tenant_counts is not None:  # its places in flight come back; what it served stays counted
+        if self.tenant_counts is not None:  # its places in flight come back
             _clear(self.tenant_counts[worker].inflight)
 
 
