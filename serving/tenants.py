@@ -24,7 +24,7 @@ from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
 from serving.observe import RequestRecord
-from state.quotas import Limits, Taken, TenantQuotas
+from state.quotas import Limits, Taken, TenantQuotas, wait_s
 
 
 def reset_text(seconds: float) -> str:
@@ -73,21 +73,6 @@ class Place(Active):
         reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
         served = rec.prompt_tokens + rec.generated_tokens if reached else 0
         self.quotas.leave(self.at, served - self.reserved, self.tpm)
-
-
-class Unlimited:
-    """The place of an engine's metaserver call: its client request holds its tenant's."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> Unlimited:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-UNLIMITED = Unlimited()
 
 
 class Tenants:
@@ -144,12 +129,12 @@ def _headers(headers: dict[str, str], taken: Taken, rpm: int, tpm: int) -> None:
         left = max(0, taken.requests_milli)
         headers["x-ratelimit-limit-requests"] = str(rpm)
         headers["x-ratelimit-remaining-requests"] = str(left // 1000)
-        headers["x-ratelimit-reset-requests"] = reset_text((rpm * 1000 - left) / (1000 * rpm / 60))
+        headers["x-ratelimit-reset-requests"] = reset_text(wait_s(left, rpm * 1000, rpm / 60))
     if tpm:
         left = taken.tokens_milli
         headers["x-ratelimit-limit-tokens"] = str(tpm)
         headers["x-ratelimit-remaining-tokens"] = str(max(0, left) // 1000)
-        headers["x-ratelimit-reset-tokens"] = reset_text((tpm * 1000 - left) / (1000 * tpm / 60))
+        headers["x-ratelimit-reset-tokens"] = reset_text(wait_s(left, tpm * 1000, tpm / 60))
 
 
 def _refusal(taken: Taken, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:
