@@ -11,10 +11,9 @@ places come back, as the door's global count does.
 
 from __future__ import annotations
 
-import hashlib
 from typing import NamedTuple
 
-from state.shared import MAX_TENANTS, SharedState, TenantRow
+from state.shared import MAX_TENANTS, SharedState, TenantRow, tenant_hash
 
 
 def refill(level_milli: int, stamp_us: int, now_us: int, per_s: float, cap_milli: int) -> tuple[int, int]:
@@ -54,10 +53,6 @@ class Taken(NamedTuple):
     tokens_milli: int
 
 
-def _key(tenant: str) -> int:
-    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little") >> 1 | 1
-
-
 class TenantQuotas:
     """One worker's view of the tenants' table (see the module docstring)."""
 
@@ -74,7 +69,7 @@ class TenantQuotas:
         found = self.slots.get(tenant)
         if found is not None:
             return found
-        key, n = _key(tenant), MAX_TENANTS - 1
+        key, n = tenant_hash(tenant) | 1, MAX_TENANTS - 1
         at = n
         with self.lock:
             for i in range(n):

@@ -16,6 +16,7 @@ torn reads impossible; the predictor's multi-field updates take `lock`).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import multiprocessing
 import os
 import time
@@ -269,6 +270,12 @@ class TenantRow(Table):
 
 class TenantTable(Table):
     _fields_ = [("rows", TenantRow * MAX_TENANTS)]
+
+
+def tenant_hash(tenant: str) -> int:
+    """A tenant's name as a number below 2**63, the same in every process and replica: its row's key here (with
+    the low bit set: never a free row's 0) and the owner of its stored responses (state/response_homes.py)."""
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little") >> 1
 
 
 class TenantCounts(Table):
