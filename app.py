@@ -113,15 +113,10 @@ def add_main_process_listeners(app: Sanic, settings: Settings) -> None:
         clear_stale_files()
         if settings.cluster.redis_url:  # one name for this replica, in every worker (spawned: they inherit it)
             os.environ["MOTOR_REPLICA_ID"] = replica_id()
-        shared = SharedState.create(kv_events=settings.kv_events.enable)
-        Registry(shared).apply("set", list(settings.instances))
+        shared = start_shared_state(app, settings)
         for key, value in shared.as_shared_ctx().items():
             setattr(app.shared_ctx, key, value)
         app.ctx.main_shared = shared
-        app.ctx.config_watch = watch_config(settings, shared)
-        # One subscriber to the engines' KV events for the replica, off every worker's loop (scheduling/kv_events.py).
-        app.ctx.kv_events = start_subscriber(shared, lambda: settings)
-        app.ctx.status = status_page(settings, shared, app.ctx.config_watch)
 
     @app.main_process_ready
     async def supervise_workers(app: Sanic):
@@ -136,12 +131,7 @@ def add_main_process_listeners(app: Sanic, settings: Settings) -> None:
 
     @app.main_process_stop
     async def remove_metrics_dir(app: Sanic):
-        if getattr(app.ctx, "config_watch", None) is not None:
-            app.ctx.config_watch.stop()
-        if getattr(app.ctx, "kv_events", None) is not None:
-            app.ctx.kv_events.stop()
-        if getattr(app.ctx, "status", None) is not None:
-            app.ctx.status.stop()
+        stop_shared_state(app)
         if os.environ.get("MOTOR_OWNS_PROM_DIR"):
             shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
@@ -200,9 +190,7 @@ def add_worker_listeners(app: Sanic, settings: Settings) -> None:
 
     @app.after_server_stop
     async def stop_worker(app: Sanic):
-        for own in ("kv_events", "status"):  # Sanic's single_process mode: this process's own threads
-            if getattr(app.ctx, own, None) is not None:
-                getattr(app.ctx, own).stop()
+        stop_shared_state(app)  # Sanic's single_process mode: this process's own threads
         if app.ctx.reloader is not None:
             await app.ctx.reloader.stop()
         await app.ctx.background.stop()
@@ -221,11 +209,7 @@ def build_worker(app: Sanic, settings: Settings) -> None:
     if hasattr(app.shared_ctx, "motor_doc"):
         shared = SharedState.from_shared_ctx(app.shared_ctx)
     else:  # Sanic's single_process mode runs no main_process_* listener: this process's memory will do
-        shared = SharedState.create(kv_events=settings.kv_events.enable)
-        Registry(shared).apply("set", list(settings.instances))
-        app.ctx.config_watch = watch_config(settings, shared)
-        app.ctx.kv_events = start_subscriber(shared, lambda: settings)
-        app.ctx.status = status_page(settings, shared, app.ctx.config_watch)
+        shared = start_shared_state(app, settings)
     worker = worker_index()
     shared.clear_worker(worker)  # a restarted worker starts from zero (the supervisor zeroed it too)
     ctx = app.ctx
@@ -300,6 +284,26 @@ async def render_error(request: Request, exc: Exception):
     err.status = status
     err.openai_type = "server_error" if status >= 500 else "invalid_request_error"
     return error_response(err, api, rid)
+
+
+def start_shared_state(app: Sanic, settings: Settings) -> SharedState:
+    """The shared memory with the configured instances, and the threads one process runs for the whole Coordinator
+    on `app.ctx` (the main process's, or the only process's in Sanic's single_process mode): the config file's
+    watch, the one subscriber to the engines' KV events (off every worker's loop: scheduling/kv_events.py) and the
+    status page's publisher."""
+    shared = SharedState.create(kv_events=settings.kv_events.enable)
+    Registry(shared).apply("set", list(settings.instances))
+    app.ctx.config_watch = watch_config(settings, shared)
+    app.ctx.kv_events = start_subscriber(shared, lambda: settings)
+    app.ctx.status = status_page(settings, shared, app.ctx.config_watch)
+    return shared
+
+
+def stop_shared_state(app: Sanic) -> None:
+    """Stop the threads `start_shared_state` started (none when it did not run in this process)."""
+    for own in ("config_watch", "kv_events", "status"):
+        if getattr(app.ctx, own, None) is not None:
+            getattr(app.ctx, own).stop()
 
 
 def watch_config(settings: Settings, shared: SharedState) -> ConfigWatch | None:

@@ -77,6 +77,11 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
         return owned + tuple((k, DEFAULT_TENANT) for k in self.api_key.valid_keys)
 
     @cached_property
+    def mgmt_key_owners(self) -> tuple[tuple[str, str], ...]:
+        """The management and observability ports' keys (mgmt_api_key_config's), each the `default` tenant's."""
+        return tuple((k, DEFAULT_TENANT) for k in self.mgmt_api_key.valid_keys)
+
+    @cached_property
     def tenant_limits(self) -> dict[str, TenantLimits]:
         """The named tenants' limits; any other tenant has `default_limits`."""
         return {t.name: t for t in self.tenants.tenants} if self.tenants is not None else {}

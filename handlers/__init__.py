@@ -41,7 +41,7 @@ def guard(request: Request) -> Awaitable[None] | None:
     s = request.app.ctx.live.s
     if plane == INFER:
         return check_key(request, s.api_key, api_of(request), s.key_owners)
-    return check_key(request, s.mgmt_api_key, api_of(request))
+    return check_key(request, s.mgmt_api_key, api_of(request), s.mgmt_key_owners)
 
 
 def stamp_request_id(request: Request, response) -> None:

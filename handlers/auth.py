@@ -91,12 +91,12 @@ def _encoded(key: str) -> bytes:
 
 
 def check_key(
-    request: Request, cfg: ApiKeyConfig, api: Api, owners: tuple[tuple[str, str], ...] | None = None
+    request: Request, cfg: ApiKeyConfig, api: Api, owners: tuple[tuple[str, str], ...]
 ) -> Awaitable[None] | None:
     """None when the request may go on (or raises Unauthorized); an awaitable to await when a hashed entry is
     being checked. Either way `request.ctx.tenant` is then the tenant the key names. A path in `cfg.skip_paths`
-    needs no key; an Anthropic client may present it in x-api-key. `owners`: the valid keys with their tenants
-    (Settings.key_owners; by default `cfg.valid_keys`, all `default`'s: the management port's).
+    needs no key; an Anthropic client may present it in x-api-key. `owners`: `cfg`'s valid keys with their
+    tenants (Settings.key_owners, Settings.mgmt_key_owners).
 
     Two callers only, both of which every route passes through: handlers/__init__.py's guard (Sanic awaits what
     a middleware returns) and serve_inference, the guard of the inference routes. No handler calls it."""
@@ -108,7 +108,7 @@ def check_key(
     for header in api.key_headers:  # (Anthropic's clients may present it in x-api-key)
         if request.headers.get(header) is not None:
             presented.append(request.headers[header])
-    check = key_check(owners if owners is not None else tuple((k, DEFAULT_TENANT) for k in cfg.valid_keys))
+    check = key_check(owners)
     encoded = [_encoded(k) for k in presented]
     found = [check.plain_match(p) for p in encoded]
     tenant = next(filter(None, found), None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import nullcontext
 
 from sanic import HTTPResponse, Request
 
@@ -24,7 +25,7 @@ from handlers.sink import SanicSink, error_response
 from serving.families import Family
 from serving.job import job_from_body, parse_body
 from serving.observe import RequestRecord, log_value
-from serving.tenants import NO_TENANT, UNLIMITED
+from serving.tenants import NO_TENANT
 
 log = logging.getLogger("coordinator.handlers")
 # The 4xx statuses the OpenAI and Anthropic SDKs retry by default (besides every 5xx).
@@ -74,7 +75,7 @@ async def serve_inference(request: Request, family: Family, from_client: bool = 
         with ctx.door.admit() if from_client else ctx.door.attend() as place:
             if place.pending is not None:  # cluster mode's cluster-wide cap and rate: one round trip to the store
                 await place.pending
-            with ctx.tenants.admit(job, rec, sink.headers) if from_client else UNLIMITED:
+            with ctx.tenants.admit(job, rec, sink.headers) if from_client else nullcontext():
                 await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()

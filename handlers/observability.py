@@ -45,7 +45,7 @@ async def status_page(request: Request):
     return HTTPResponse(STATUS_PAGE, content_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
 
-@bp.get("/status.json", ctx_plane=OBS, ctx_keyless=True, ctx_self_guarded=True)
+@bp.get("/status.json", ctx_plane=OBS, ctx_self_guarded=True)
 def status_json(request: Request):
     check_plane(request, OBS)
     headers = {"cache-control": "no-store", REQUEST_ID: request_id(request)}  # (constants and a checked id)

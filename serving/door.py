@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from config import Live
 from errors import RateLimited, ServiceUnavailable
-from state.quotas import refill
+from state.quotas import refill, wait_s
 from state.shared import SharedState, worker_rows
 
 
@@ -110,7 +110,7 @@ class Door:
                 g.rate_tokens_milli = tokens - 1000
                 return 0.0
             g.rate_tokens_milli = tokens
-            return (1000 - tokens) / (1000 * rate)
+            return wait_s(tokens, 1000, rate)
 
     def admit(self) -> Admitted:
         """Let one request in, or raise why not: `with door.admit():` holds its place until the block ends."""
@@ -128,9 +128,9 @@ class Door:
             cap = cluster.share(cap) if cap else 0
             rate, burst_milli = rate / cluster.replicas, max(1000, burst_milli // cluster.replicas)
         if rate > 0:
-            wait_s = self._take_rate_token(rate, burst_milli)
-            if wait_s > 0:
-                raise RateLimited.by_rate(s.error_message, s.error_status_code, wait_s)
+            waiting_s = self._take_rate_token(rate, burst_milli)
+            if waiting_s > 0:
+                raise RateLimited.by_rate(s.error_message, s.error_status_code, waiting_s)
         if cap:
             with self.lock:
                 n = 0

@@ -283,6 +283,8 @@ class _Series:
         "decode_leg",
         "dirty",
         "e2e",
+        "kv_outcomes",
+        "model",
         "output_tokens",
         "parts",
         "placements",
@@ -297,7 +299,7 @@ class _Series:
         self.requests = _PendingCount(REQUESTS.labels(route, model, str(status)))
         self.placements = {p: _PendingCount(PLACEMENT.labels(model, p)) for p in PLACEMENTS}
         self.parts: list[_PendingCount | _PendingHistogram] = [self.requests, *self.placements.values()]
-        self.dirty = False
+        self.model, self.dirty = model, False
         if status >= 400:  # failed requests count, nothing more
             return
         self.e2e = _PendingHistogram(E2E.labels(route, model))
@@ -307,6 +309,7 @@ class _Series:
         self.tpot = _PendingHistogram(TPOT.labels(route, model))
         self.prefill_leg = _PendingHistogram(LEG.labels("prefill", model))
         self.decode_leg = _PendingHistogram(LEG.labels("decode", model))
+        self.kv_outcomes: dict[str, _PendingCount] = {}  # made on first use: no series for outcomes never seen
         self.parts += [
             self.e2e,
             self.prompt_tokens,
@@ -316,6 +319,14 @@ class _Series:
             self.prefill_leg,
             self.decode_leg,
         ]
+
+    def kv_outcome(self, outcome: str) -> None:
+        """One request whose cached prompt tokens the KV events predicted, by how the engine's count compared."""
+        count = self.kv_outcomes.get(outcome)
+        if count is None:
+            count = self.kv_outcomes[outcome] = _PendingCount(KV_PREDICTION.labels(self.model, outcome))
+            self.parts.append(count)
+        count.amount += 1
 
     def flush(self) -> None:
         self.dirty = False
@@ -387,7 +398,7 @@ class PrometheusObserver(Observer):
         series = self._series(rec.route, self._model(rec.model), rec.status)
         self._add(series, rec)
         self._mark(series)
-        label = self.tenants.counted(rec) if self.tenants is not None else None
+        label = self.tenants.request_label(rec) if self.tenants is not None else None
         if label is not None:
             key = (label, rec.status)
             tenant = self._tenant_children.get(key) or self._tenant_children.setdefault(key, _TenantSeries(*key))
@@ -414,9 +425,9 @@ class PrometheusObserver(Observer):
         if rec.status >= 400:
             return
         series.e2e.observe(rec.duration_s)
-        outcome = kv_outcome(rec) if rec.info is not None else None
+        outcome = kv_outcome(rec)
         if outcome is not None:
-            KV_PREDICTION.labels(self._model(rec.model), outcome).inc()
+            series.kv_outcome(outcome)
         if (
             rec.family is not None and rec.family.counts_only
         ):  # a count or a tokenization, not an inference: no tokens were served

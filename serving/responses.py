@@ -34,7 +34,8 @@ from serving.job import Job
 from serving.observe import RequestRecord
 from serving.retries import Retries
 from serving.whole import WholeCall
-from state.response_homes import ResponseHomes, owner_key
+from state.response_homes import ResponseHomes
+from state.shared import tenant_hash
 
 NO_DELETE_ROUTE = 405  # vLLM 0.32's answer to DELETE /v1/responses/{id}
 # The values of a query's `stream` that say no: pydantic's false spellings (vLLM's FastAPI reads the parameter as a
@@ -61,7 +62,7 @@ class StoredResponses:
     def home(self, response_id: str, param: str, tenant: str) -> Target:
         """The engine holding `response_id`, or the 404 (`param`: the field that named it); another tenant's
         response is not found, as one never served."""
-        where = self.homes.home(response_id, owner_key(tenant))
+        where = self.homes.home(response_id, tenant_hash(tenant))
         why = "this Coordinator did not serve it to you, or no longer remembers it"
         if where is not None:
             for t in self.scheduler.registry.view().targets:
@@ -82,7 +83,7 @@ class StoredResponses:
         return self._recorded(job, target, flow, rec) if job.request.stored else flow
 
     async def _recorded(self, job: Job, target: Target, flow: Awaitable[None], rec: RequestRecord) -> None:
-        rid, homes, owner = job.response_id, self.homes, owner_key(job.tenant)
+        rid, homes, owner = job.response_id, self.homes, tenant_hash(job.tenant)
         homes.remember(rid, target.instance_id, target.endpoint_id, owner)
         try:
             await flow

@@ -21,14 +21,14 @@ from collections.abc import Callable
 
 import ujson
 
-from config import Settings
+from config import ModelConfig, Settings
 from scheduling import clock
 from scheduling.health import Health
 from scheduling.ledger import Ledger
 from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Topology
 from scheduling.status import instances_json
-from serving.status_history import RATE_S, MetricHistory, Window, quantile, share_within
+from serving.status_history import RATE_S, MetricHistory, Steps, Window, quantile, series, share_within
 from state.shared import STATUS_BYTES, SharedState
 
 log = logging.getLogger("coordinator.status")
@@ -42,15 +42,17 @@ class StatusDocument:
         self.shared, self.settings, self.history = shared, settings, history
         self.registry = Registry(shared)
         self.health = Health(shared)
-        self.predictor = Predictor(shared, settings().slo_confidence)
-        self.ledgers: dict[tuple[int, bool], Ledger] = {}  # (views of the shared rows cost more to make than to read)
+        s = settings()
+        self.predictor = Predictor(shared, s.slo_confidence)
+        # One for the document's life: the workers and cluster mode change only with a restart (and views of the
+        # shared rows cost more to make than to read).
+        self.ledger = Ledger(shared, 0, s.num_workers, bool(s.cluster.redis_url))
 
     def build(self) -> dict:
         s = self.settings()
         clustered = bool(s.cluster.redis_url)
-        shape = (s.num_workers, clustered)
-        ledger = self.ledgers.get(shape) or self.ledgers.setdefault(shape, Ledger(self.shared, 0, *shape))
         view = self.registry.view()
+        whole, steps = self.history.window(0), self.history.steps()  # made once a document
         g, rows = self.shared.globals, [self.shared.workers[i] for i in range(s.num_workers)]
         now = time.time()
         return {
@@ -63,19 +65,15 @@ class StatusDocument:
             "inflight_requests": sum(r.inflight for r in rows),
             "queued_requests": sum(r.queued for r in rows),
             "instances_version": view.version,
-            "instances": self._instances(view, ledger),
-            "models": self._models(s, view),
-            "rejections": self._last(lambda w: w.by("rejections")),
-            "tenants": self._tenants(),
+            "instances": self._instances(view),
+            "models": self._models(s, view, whole, steps),
+            "rejections": whole.by("rejections") if whole is not None else {},
+            "tenants": self._tenants(whole),
             "cluster": self._cluster(now) if clustered else None,
         }
 
-    def _last(self, read: Callable[[Window], dict], default: dict | None = None) -> dict:
-        w = self.history.window(0)
-        return read(w) if w is not None else (default or {})
-
-    def _instances(self, view: Topology, ledger: Ledger) -> list[dict]:
-        out = instances_json(view, ledger, self.health, self.shared.kv_endpoints)
+    def _instances(self, view: Topology) -> list[dict]:
+        out = instances_json(view, self.ledger, self.health, self.shared.kv_endpoints)
         targets = {(t.instance_id, t.endpoint_id): t for t in view.targets}
         now = clock.now()
         for inst in out:
@@ -95,19 +93,19 @@ class StatusDocument:
             tpot = step if step != UNKNOWN else None
         return {"ttft_s": _r(ttft), "tpot_s": _r(tpot)}
 
-    def _models(self, s: Settings, view: Topology) -> list[dict]:
+    def _models(self, s: Settings, view: Topology, whole: Window | None, steps: Steps) -> list[dict]:
         names = list(dict.fromkeys([*(m.id for m in s.models), *view.models(), *sorted(self.history.models())]))
-        whole, recent = self.history.window(0), self.history.window(0, RATE_S)
+        recent = self.history.window(0, RATE_S)
         out = []
         for name in names:
-            cfg = s.model(name)
-            slo_ttft_ms, slo_tpot_ms = (cfg.slo_ttft_ms, cfg.slo_tpot_ms) if cfg else (1000, 50)
+            cfg = s.model(name) or ModelConfig("")
+            slo_ttft_ms, slo_tpot_ms = cfg.slo_ttft_ms, cfg.slo_tpot_ms
             entry = {
                 "id": name,
                 "slo_ttft_ms": slo_ttft_ms,
                 "slo_tpot_ms": slo_tpot_ms,
                 "instances": {role: len(view.pool(name, role)) for role in ("prefill", "decode", "union")},
-                "series": self.history.series(name),
+                "series": series(name, steps),
             }
             if whole is not None:
                 ttft, tpot = whole.buckets("ttft", name), whole.buckets("tpot", name)
@@ -134,9 +132,9 @@ class StatusDocument:
             out.append(entry)
         return out
 
-    def _tenants(self) -> list[dict]:
-        """Per tenant over the window, from the spec's `motor_tenant_*` counters (none without tenants)."""
-        w = self.history.window(0)
+    def _tenants(self, w: Window | None) -> list[dict]:
+        """Per tenant label over the window, from the `motor_tenant_*` counters (with keys off, every request is
+        `default`'s)."""
         if w is None:
             return []
         return [
@@ -153,7 +151,7 @@ class StatusDocument:
     def _cluster(self, now: float) -> dict:
         g = self.shared.globals
         replicas = []
-        for row in self.shared.replicas[: max(1, g.replicas)]:
+        for row in self.shared.replicas:
             if not row.replica:
                 break
             replicas.append(

@@ -5,8 +5,8 @@ histograms the workers already keep (prometheus-client's multiprocess files, sum
 sums them) and keeps the last `WINDOW_S` seconds of these snapshots. A window's numbers are the difference of two
 snapshots: requests per second, TTFT and TPOT quantiles (interpolated in the histograms' buckets, as PromQL's
 `histogram_quantile` does), SLO attainment (the share of observations within the target, interpolated the same way),
-429s, continuations, missed handoffs, refusals by reason, and per tenant the `motor_tenant_*` counters when they
-exist. It runs in the main process (serving/status.py), so no worker's event loop pays for it.
+429s, continuations, missed handoffs, refusals by reason, and per tenant label the `motor_tenant_*` counters. It
+runs in the main process (serving/status.py), so no worker's event loop pays for it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -42,7 +41,7 @@ def _bucket(kind: str) -> Callable[[dict, float, Snapshot], None]:
     return add
 
 
-# The samples read, by name (serving/metrics.py defines them; the tenant ones, the spec's, once they exist).
+# The samples read, by name (serving/metrics.py defines them).
 READ = {
     "motor_requests_total": _by("status", "model", "status"),
     "motor_ttft_seconds_bucket": _bucket("ttft"),
@@ -100,32 +99,45 @@ def share_within(limit: float, buckets: list[tuple[float, float]]) -> float | No
     return 1.0
 
 
-@dataclass
 class Window:
-    """What happened between two snapshots."""
+    """What happened between two snapshots, its counters indexed by (kind, first label) once."""
 
-    seconds: float
-    delta: Snapshot
+    __slots__ = ("delta", "index", "seconds")
+
+    def __init__(self, seconds: float, delta: Snapshot):
+        self.seconds, self.delta = seconds, delta
+        self.index: dict[tuple, list[tuple[tuple, float]]] = defaultdict(list)
+        for k, v in delta.items():
+            self.index[k[:2]].append((k, v))
+
+    def _under(self, kind: str, labels: tuple[str, ...]) -> list[tuple[tuple, float]]:
+        """A kind's (key, value) whose first labels are `labels`."""
+        if not labels:
+            return [(k, v) for k, v in self.delta.items() if k[0] == kind]
+        n = len(labels)
+        return [(k, v) for k, v in self.index.get((kind, labels[0]), ()) if k[1 : 1 + n] == labels]
 
     def total(self, kind: str, *labels: str) -> float:
         """The sum of a kind's counters whose first labels are `labels`."""
-        n = len(labels)
-        return sum(v for k, v in self.delta.items() if k[0] == kind and k[1 : 1 + n] == labels)
+        return sum(v for _, v in self._under(kind, labels))
 
     def by(self, kind: str, *labels: str) -> dict[str, float]:
         """A kind's counters under `labels`, by the next label (non-zero only)."""
         n = len(labels)
         out: dict[str, float] = defaultdict(float)
-        for k, v in self.delta.items():
-            if k[0] == kind and k[1 : 1 + n] == labels and v:
+        for k, v in self._under(kind, labels):
+            if v:
                 out[k[1 + n]] += v
         return dict(out)
 
     def buckets(self, kind: str, model: str) -> list[tuple[float, float]]:
-        return sorted((k[2], v) for k, v in self.delta.items() if k[0] == kind and k[1] == model)
+        return sorted((k[2], v) for k, v in self.index.get((kind, model), ()))
 
     def rate(self, kind: str, *labels: str) -> float:
         return self.total(kind, *labels) / self.seconds if self.seconds > 0 else 0.0
+
+
+Steps = list[tuple[float, Window]]  # one window per STEP_S, oldest first, each with its end time
 
 
 class MetricHistory:
@@ -155,28 +167,35 @@ class MetricHistory:
     def tenants(self) -> set[str]:
         return {k[1] for k in self.snapshots[-1][1] if k[0] == "tenant_requests"} if self.snapshots else set()
 
-    def series(self, model: str) -> dict[str, list]:
-        """One chart point per STEP_S over the window, oldest first: its end time, requests per second and the
-        TTFT and TPOT p50 and p99 (null where nothing was observed)."""
-        cols: dict[str, list] = {k: [] for k in ("t", "rps", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")}
+    def steps(self) -> Steps:
+        """The last WINDOW_S seconds in windows of STEP_S, oldest first (the charts' points)."""
+        out: Steps = []
         for back in range(0, WINDOW_S, STEP_S):
             w = self.window(back, STEP_S)
             if w is None:
                 break
-            ttft, tpot = w.buckets("ttft", model), w.buckets("tpot", model)
-            point = {
-                "t": round(self.snapshots[len(self.snapshots) - 1 - back][0], 1),
-                "rps": round(w.rate("status", model), 3),
-                "ttft_p50": _round(quantile(0.5, ttft)),
-                "ttft_p99": _round(quantile(0.99, ttft)),
-                "tpot_p50": _round(quantile(0.5, tpot)),
-                "tpot_p99": _round(quantile(0.99, tpot)),
-            }
-            for k, v in point.items():
-                cols[k].append(v)
-        for col in cols.values():
-            col.reverse()
-        return cols
+            out.append((self.snapshots[len(self.snapshots) - 1 - back][0], w))
+        out.reverse()
+        return out
+
+
+def series(model: str, steps: Steps) -> dict[str, list]:
+    """One chart point per step, oldest first: its end time, requests per second and the TTFT and TPOT p50 and p99
+    (null where nothing was observed)."""
+    cols: dict[str, list] = {k: [] for k in ("t", "rps", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")}
+    for t, w in steps:
+        ttft, tpot = w.buckets("ttft", model), w.buckets("tpot", model)
+        point = {
+            "t": round(t, 1),
+            "rps": round(w.rate("status", model), 3),
+            "ttft_p50": _round(quantile(0.5, ttft)),
+            "ttft_p99": _round(quantile(0.99, ttft)),
+            "tpot_p50": _round(quantile(0.5, tpot)),
+            "tpot_p99": _round(quantile(0.99, tpot)),
+        }
+        for k, v in point.items():
+            cols[k].append(v)
+    return cols
 
 
 def _round(v: float | None) -> float | None:

@@ -1,5 +1,5 @@
 """Tenants on the request path: a request's quota (tenant_config's rpm, tpm, max_inflight) taken at the door and
-settled when it ends, the x-ratelimit-* headers of its answer, and the per-tenant counts.
+settled when it ends, the x-ratelimit-* headers of its answer, and its tenant's metric label.
 
 Who a request's tenant is, the key check says (handlers/auth.py, config.Settings.key_owners); this module only
 reads `job.tenant`. The quotas are exact across workers (state/quotas.py: one lock). In cluster mode each replica
@@ -19,12 +19,12 @@ import math
 import time
 from collections.abc import Callable
 
-from config import DEFAULT_TENANT, OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
+from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
 from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
 from serving.observe import RequestRecord
-from state.quotas import Limits, Taken, TenantQuotas
+from state.quotas import Limits, Taken, TenantQuotas, wait_s
 
 
 def reset_text(seconds: float) -> str:
@@ -75,21 +75,6 @@ class Place(Active):
         self.quotas.leave(self.at, served - self.reserved, self.tpm)
 
 
-class Unlimited:
-    """The place of an engine's metaserver call: its client request holds its tenant's."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> Unlimited:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-UNLIMITED = Unlimited()
-
-
 class Tenants:
     """One worker's side of the tenants (see the module docstring)."""
 
@@ -133,26 +118,9 @@ class Tenants:
         `default`, else the keys' own tenants), every other one `other`."""
         return tenant if tenant in self.live.s.tenant_labels else OTHER_TENANT
 
-    def counted(self, rec: RequestRecord) -> str | None:
-        """Count a finished request in the shared per-tenant counters; its tenant's label (None: not a tenant's)."""
-        if rec.tenant == NO_TENANT:
-            return None
-        self.quotas.served(self.quotas.slot(rec.tenant), rec.status >= 400, rec.prompt_tokens, rec.generated_tokens)
-        return self.label(rec.tenant)
-
-    def status(self) -> list[dict]:
-        """Per tenant the config names (and `default`): requests in flight, answered, refused, prompt and output
-        tokens, all workers since start; with its limits. For the status page."""
-        s = self.live.s
-        names = [t.name for t in s.tenants.tenants] if s.tenants is not None else []
-        names += [DEFAULT_TENANT] if s.tenants is not None or not s.api_key.enable_api_key else []
-        names += [tenant for _, tenant in s.key_owners if tenant not in names]
-        out = []
-        for name in names:
-            lim = self.limits(name)
-            limits = {"rpm": lim.rpm, "tpm": lim.tpm, "max_inflight": lim.max_inflight, "weight": lim.weight}
-            out.append({"tenant": name, **self.quotas.counts_of(self.quotas.slot(name)), "limits": limits})
-        return out
+    def request_label(self, rec: RequestRecord) -> str | None:
+        """A finished request's tenant as a metric label (None: not a tenant's, an engine's metaserver call)."""
+        return None if rec.tenant == NO_TENANT else self.label(rec.tenant)
 
 
 def _headers(headers: dict[str, str], taken: Taken, rpm: int, tpm: int) -> None:
@@ -161,12 +129,12 @@ def _headers(headers: dict[str, str], taken: Taken, rpm: int, tpm: int) -> None:
         left = max(0, taken.requests_milli)
         headers["x-ratelimit-limit-requests"] = str(rpm)
         headers["x-ratelimit-remaining-requests"] = str(left // 1000)
-        headers["x-ratelimit-reset-requests"] = reset_text((rpm * 1000 - left) / (1000 * rpm / 60))
+        headers["x-ratelimit-reset-requests"] = reset_text(wait_s(left, rpm * 1000, rpm / 60))
     if tpm:
         left = taken.tokens_milli
         headers["x-ratelimit-limit-tokens"] = str(tpm)
         headers["x-ratelimit-remaining-tokens"] = str(max(0, left) // 1000)
-        headers["x-ratelimit-reset-tokens"] = reset_text((tpm * 1000 - left) / (1000 * tpm / 60))
+        headers["x-ratelimit-reset-tokens"] = reset_text(wait_s(left, tpm * 1000, tpm / 60))
 
 
 def _refusal(taken: Taken, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:

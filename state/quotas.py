@@ -1,4 +1,4 @@
-"""Per-tenant quotas and counts held across all workers in shared memory (tenant_config's `rpm`, `tpm`,
+"""Per-tenant quotas held across all workers in shared memory (tenant_config's `rpm`, `tpm`,
 `max_inflight`; serving/tenants.py decides with them).
 
 A tenant's row (`TenantRow`) is found by its name's hash and claimed once, under the lock; each worker keeps the
@@ -11,10 +11,9 @@ places come back, as the door's global count does.
 
 from __future__ import annotations
 
-import hashlib
 from typing import NamedTuple
 
-from state.shared import MAX_TENANTS, SharedState, TenantCounts, TenantRow
+from state.shared import MAX_TENANTS, SharedState, TenantRow, tenant_hash
 
 
 def refill(level_milli: int, stamp_us: int, now_us: int, per_s: float, cap_milli: int) -> tuple[int, int]:
@@ -54,21 +53,15 @@ class Taken(NamedTuple):
     tokens_milli: int
 
 
-def _key(tenant: str) -> int:
-    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little") >> 1 | 1
-
-
 class TenantQuotas:
     """One worker's view of the tenants' table (see the module docstring)."""
 
     def __init__(self, shared: SharedState, worker: int, num_workers: int):
         self.rows: list[TenantRow] = list(shared.tenants.rows)
         self.lock = shared.hot_lock
-        self.counts: list[TenantCounts] = [shared.tenant_counts[i] for i in range(max(num_workers, worker + 1))]
         # Views of the columns, kept: making one costs more than reading through it.
-        self.inflight = [c.inflight for c in self.counts]
-        mine = shared.tenant_counts[worker]
-        self.mine = {name: getattr(mine, name) for name in TenantCounts.names()}
+        self.inflight = [shared.tenant_counts[i].inflight for i in range(max(num_workers, worker + 1))]
+        self.my_inflight = shared.tenant_counts[worker].inflight
         self.slots: dict[str, int] = {}  # tenant -> its row, as found
 
     def slot(self, tenant: str) -> int:
@@ -76,7 +69,7 @@ class TenantQuotas:
         found = self.slots.get(tenant)
         if found is not None:
             return found
-        key, n = _key(tenant), MAX_TENANTS - 1
+        key, n = tenant_hash(tenant) | 1, MAX_TENANTS - 1
         at = n
         with self.lock:
             for i in range(n):
@@ -115,28 +108,14 @@ class TenantQuotas:
             if rpm:
                 requests -= 1000
                 row.requests_milli = requests
-            self.mine["inflight"][at] += 1
+            self.my_inflight[at] += 1
         return Taken("", 0.0, requests, tokens)
 
     def leave(self, at: int, settle_tokens: int, tpm: int) -> None:
         """A request of row `at` ended; `settle_tokens` (served less reserved) are taken from its tpm bucket (a
         refund when negative, never beyond a full bucket)."""
-        self.mine["inflight"][at] -= 1  # only this worker writes its row: no lock
+        self.my_inflight[at] -= 1  # only this worker writes its row: no lock
         if tpm and settle_tokens:
             row = self.rows[at]
             with self.lock:
                 row.tokens_milli = min(tpm * 1000, row.tokens_milli - settle_tokens * 1000)
-
-    def served(self, at: int, refused: bool, prompt_tokens: int, output_tokens: int) -> None:
-        """Count one request of row `at` in this worker's counters."""
-        mine = self.mine
-        if refused:
-            mine["refused"][at] += 1
-            return
-        mine["requests"][at] += 1
-        mine["prompt_tokens"][at] += prompt_tokens
-        mine["output_tokens"][at] += output_tokens
-
-    def counts_of(self, at: int) -> dict[str, int]:
-        """Row `at`'s counters, all workers."""
-        return {name: sum(getattr(c, name)[at] for c in self.counts) for name in TenantCounts.names()}

@@ -1,6 +1,6 @@
 """Where each stored Responses API response was served, and whose it is: vLLM keeps a stored response in the
 memory of the instance that made it, so a follow-up turn (`previous_response_id`), GET, DELETE and cancel must go
-there; and it belongs to the tenant that made it (`owner_key`), to whom alone its id is known.
+there; and it belongs to the tenant that made it (its `state.shared.tenant_hash`), to whom alone its id is known.
 
 `ResponseHomes` is the interface the serving layer uses; `SharedResponseHomes` implements it for one pod in
 shared memory (every worker reads what any worker wrote). Cluster mode (a store shared by replicas) is a
@@ -21,11 +21,6 @@ import time
 from typing import Protocol
 
 from state.shared import RESPONSE_HOME_SETS, ResponseHome, SharedState
-
-
-def owner_key(tenant: str) -> int:
-    """A tenant's name as a response's owner in the table (and in cluster mode's events): stable everywhere."""
-    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little") >> 1
 
 
 class ResponseHomes(Protocol):

@@ -16,6 +16,7 @@ torn reads impossible; the predictor's multi-field updates take `lock`).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import multiprocessing
 import os
 import time
@@ -271,16 +272,16 @@ class TenantTable(Table):
     _fields_ = [("rows", TenantRow * MAX_TENANTS)]
 
 
-class TenantCounts(Table):
-    """One worker's counters per tenant row: only that worker writes them, the readers sum the workers'."""
+def tenant_hash(tenant: str) -> int:
+    """A tenant's name as a number below 2**63, the same in every process and replica: its row's key here (with
+    the low bit set: never a free row's 0) and the owner of its stored responses (state/response_homes.py)."""
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little") >> 1
 
-    _fields_ = [
-        ("inflight", ctypes.c_int64 * MAX_TENANTS),
-        ("requests", ctypes.c_int64 * MAX_TENANTS),
-        ("refused", ctypes.c_int64 * MAX_TENANTS),
-        ("prompt_tokens", ctypes.c_int64 * MAX_TENANTS),
-        ("output_tokens", ctypes.c_int64 * MAX_TENANTS),
-    ]
+
+class TenantCounts(Table):
+    """One worker's requests in flight per tenant row: only that worker writes them, the cap sums the workers'."""
+
+    _fields_ = [("inflight", ctypes.c_int64 * MAX_TENANTS)]
 
 
 # The replicas the cluster-mode sync owner saw at its last sync (serving/cluster.py), for the status page: this one
@@ -378,7 +379,7 @@ class SharedState:
         _clear(self.ledger[worker])
         if self.workers is not None:
             _clear(self.workers[worker])
-        if self.tenant_counts is not None:  # its places in flight come back; what it served stays counted
+        if self.tenant_counts is not None:  # its places in flight come back
             _clear(self.tenant_counts[worker].inflight)
 
 

@@ -13,6 +13,7 @@ import functools
 import json
 import re
 import threading
+import types
 from collections import defaultdict
 
 import httpx
@@ -522,7 +523,7 @@ def test_metrics_reach_the_files_by_the_timer_without_a_scrape():
     from scheduling.health import Health
     from scheduling.ledger import Ledger
     from scheduling.registry import Registry
-    from serving.metrics import REQUESTS, PrometheusObserver
+    from serving.metrics import KV_PREDICTION, REQUESTS, PrometheusObserver
     from serving.observe import RequestRecord
     from state.shared import SharedState
 
@@ -532,15 +533,21 @@ def test_metrics_reach_the_files_by_the_timer_without_a_scrape():
         registry, Ledger(shared, 0, 1), Health(shared, Live(Settings(breaker_open_s=1.0))), flush_s=0.02
     )
     child = REQUESTS.labels("/v1/timer-test", "other", "200")
+    exact = KV_PREDICTION.labels("other", "exact")
 
-    async def scenario() -> tuple[float, float, float]:
-        start = child._value.get()
-        observer.request_done(RequestRecord("rid", "/v1/timer-test", model="nobody"))
-        observer.request_done(RequestRecord("rid2", "/v1/timer-test", model="nobody"))
-        at_once = child._value.get()
+    def predicted(rid: str) -> RequestRecord:  # the KV events predicted its cached tokens, exactly
+        rec = RequestRecord(rid, "/v1/timer-test", model="nobody", cached_tokens=16)
+        rec.info = types.SimpleNamespace(cached_predicted=16)
+        return rec
+
+    async def scenario() -> tuple[tuple[float, float], ...]:
+        start = child._value.get(), exact._value.get()
+        observer.request_done(predicted("rid"))
+        observer.request_done(predicted("rid2"))
+        at_once = child._value.get(), exact._value.get()
         await asyncio.sleep(0.2)
-        return start, at_once, child._value.get()
+        return start, at_once, (child._value.get(), exact._value.get())
 
     start, at_once, later = asyncio.run(scenario())
     assert at_once == start  # batched: nothing written at the request
-    assert later == start + 2  # the timer wrote both, with no scrape and no close
+    assert later == (start[0] + 2, start[1] + 2)  # the timer wrote both, with no scrape and no close

@@ -147,32 +147,3 @@ def test_excess_tenants_fold_into_other(sims):
         text = httpx.get(c.obs + "/metrics", timeout=10).text
         tenants = set(re.findall(r'motor_tenant_requests_total\{status="200",tenant="([^"]+)"\}', text))
         assert len(tenants) == 2 and "other" in tenants and any(t.startswith("key-") for t in tenants)
-
-
-def test_the_status_counts_each_named_tenant_across_workers():
-    """Tenants.status() (the status page's per-tenant figures): two workers' counts summed per tenant, with its
-    limits. In-process over one real shared-memory state, as two workers share it."""
-    from config import Live, settings_from_dict
-    from scheduling.fairness import FairShare
-    from serving.observe import RequestRecord
-    from serving.tenants import Tenants
-    from state.quotas import TenantQuotas
-    from state.shared import SharedState
-
-    s = settings_from_dict(
-        {
-            "api_key_config": api_keys(KEY_B),
-            "tenant_config": {"tenants": [{"name": "team-a", "keys": [KEY_A], "rpm": 5}]},
-        }
-    )
-    shared, live = SharedState.create(), Live(s)
-    workers = [Tenants(live, TenantQuotas(shared, w, 2), FairShare()) for w in (0, 1)]
-    for w in workers:
-        w.counted(RequestRecord("r", "/v1/chat/completions", tenant="team-a", prompt_tokens=5, output_tokens=3))
-    workers[1].counted(RequestRecord("r", "/v1/chat/completions", tenant="team-a", status=429))
-    workers[0].counted(RequestRecord("r", "/v1/chat/completions", prompt_tokens=7, output_tokens=1))
-    status = {t["tenant"]: t for t in workers[1].status()}
-    assert set(status) == {"team-a", "default"}
-    a = status["team-a"]
-    assert (a["requests"], a["refused"], a["prompt_tokens"], a["output_tokens"], a["inflight"]) == (2, 1, 10, 6, 0)
-    assert a["limits"]["rpm"] == 5 and status["default"]["requests"] == 1 and status["default"]["limits"]["rpm"] == 0

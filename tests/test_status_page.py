@@ -158,8 +158,7 @@ def test_the_status_page_in_a_browser(sims, tmp_path):
             wait_for("a row per instance", lambda: set(rows()) == {"1/0", "2/0", "3/0"})
             assert set(rows().values()) == {"healthy"}
             for model in (PD_MODEL, UNION_MODEL):
-                rate = wait_for(f"{model}'s request rate above zero", lambda m=model: seen()["models"][m]["rps"] > 0)
-                assert rate
+                wait_for(f"{model}'s request rate above zero", lambda m=model: seen()["models"][m]["rps"] > 0)
                 charts = wait_for(
                     f"{model}'s request-rate chart with points",
                     lambda m=model: (c := seen()["models"][m]["points"])[0][0] >= 2 and c,
@@ -171,9 +170,7 @@ def test_the_status_page_in_a_browser(sims, tmp_path):
                 coord.mgmt + "/instances/refresh", json={"event": "pause", "instances": [3]}, headers=MGMT, timeout=5
             )
             assert refreshed.status_code == 200, refreshed.text
-            paused_at = time.monotonic()
             wait_for("instance 3 paused on the page", lambda: rows().get("3/0") == "paused", timeout_s=3.0)
-            assert time.monotonic() - paused_at < 3.0
             assert rows()["1/0"] == rows()["2/0"] == "healthy"
             time.sleep(1.5)  # traffic on, the charts drawn again with the latest points
 
