@@ -301,6 +301,27 @@ class Proc(processes.Proc):
         set_autogroup_nice(self.pid)
 
 
+def engine_sims(args: list[list[str]], workdir: str) -> list[tuple[Proc, str]]:
+    """engine_sim processes, one per entry of `args` (its arguments after `--port`), started together on free
+    ports, each answering /health: each with its host:port. When one does not start, all are stopped and its log
+    raised."""
+    procs = []
+    for port, more in zip(free_ports(len(args)), args, strict=True):
+        argv = [sys.executable, "-m", "engine_sim", "--port", str(port), *more]
+        procs.append((Proc(argv, os.path.join(workdir, f"engine_sim-{port}.log")), port))
+    try:
+        for proc, port in procs:
+            try:
+                wait_http(port, "/health", 30, proc)
+            except RuntimeError as e:
+                raise RuntimeError(f"engine_sim on port {port} did not start ({e}):\n{proc.output()}") from None
+    except RuntimeError:
+        for proc, _ in procs:
+            proc.stop(5.0)
+        raise
+    return [(proc, f"127.0.0.1:{port}") for proc, port in procs]
+
+
 def build_fake(workdir: str) -> str:
     exe = os.path.join(workdir, "fastfake")
     subprocess.run(["gcc", "-O2", "-o", exe, os.path.join(HERE, "fastfake.c")], check=True)

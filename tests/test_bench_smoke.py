@@ -222,6 +222,14 @@ def test_instruction_count_of_one_cell():
     assert requests and int(requests[0].split(" chat: ")[1].split()[0]) >= 5, proc.stdout
 
 
+def test_engine_sims_fail_when_one_exits_even_with_status_0(tmp_path):
+    """An engine_sim that exits at once (`--help`: status 0) fails the start of them all, as one that crashes
+    does, and its output is in the error."""
+    with pytest.raises(RuntimeError, match="did not start") as raised:
+        overhead.engine_sims([["--model", "up"], ["--help"]], str(tmp_path))
+    assert "usage:" in str(raised.value)
+
+
 def test_wallclock_replays_a_prefill_engines_chunked_steps():
     """bench/wallclock.py's attribution replays engine_sim's prefill loop: a prompt arriving during a chunked step
     waits for its end, then shares the next step with the rest of the prompt ahead of it."""
