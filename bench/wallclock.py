@@ -175,6 +175,11 @@ def prompt_text(w: Workload, req: Req, key: int) -> str:
     return system + _text(random.Random(key), req.user)
 
 
+def prompt_texts(w: Workload, reqs: list[Req], key0: int) -> list[str]:
+    """The prompts of `reqs`, request k's own part drawn from key `key0 + k`: the same in every process."""
+    return [prompt_text(w, r, key0 + k) for k, r in enumerate(reqs)]
+
+
 # -- engines ---------------------------------------------------------------------------------------
 
 
@@ -282,8 +287,8 @@ async def send(
 
 
 async def replay(session, url: str, w: Workload, reqs: list[Req], speedup: float, tag: str, key0: int) -> list[Outcome]:
-    """`reqs` sent at their times; request k's own prompt text is drawn from key `key0 + k`."""
-    texts = [prompt_text(w, r, key0 + k) for k, r in enumerate(reqs)]  # made before the clock starts
+    """`reqs` sent at their times, with `prompt_texts`' prompts."""
+    texts = prompt_texts(w, reqs, key0)  # made before the clock starts
     start = time.monotonic()
     tasks = []
     for k, r in enumerate(reqs):

@@ -251,6 +251,26 @@ def test_wallclock_replays_a_prefill_engines_chunked_steps():
     assert parts["b"] == pytest.approx((0.4, 0.0, 0.5, 0.0))
 
 
+def test_wallclock_prompts_are_the_same_in_every_process():
+    """A seed's prompts do not depend on the process's hash salt (PYTHONHASHSEED)."""
+    code = (
+        "import zlib; from bench import wallclock as b; w = b.draw(3); "
+        "print(zlib.crc32(''.join(b.prompt_texts(w, b.requests(w, 20, 1.0, 3), 10**6)).encode()))"
+    )
+    out = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONHASHSEED": salt},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for salt in ("0", "1")
+    ]
+    assert out[0].strip() and out[0] == out[1]
+
+
 def test_wallclock_bench_runs_the_coordinator_against_engine_sim(tmp_path):
     """A tiny wall-clock run: the real app.py and engine_sim processes, two policies, its rows and verdicts."""
     out = tmp_path / "wallclock.json"
