@@ -6,13 +6,17 @@ under callgrind."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import math
 import os
 import shutil
+import socketserver
 import subprocess
 import sys
 import tempfile
+import threading
+import types
 
 import anthropic
 import openai
@@ -220,6 +224,39 @@ def test_instruction_count_of_one_cell():
     # under valgrind in 2 s, over one connection.
     requests = [line for line in proc.stdout.splitlines() if " chat: " in line and "requests" in line]
     assert requests and int(requests[0].split(" chat: ")[1].split()[0]) >= 5, proc.stdout
+
+
+class _Quiet(http.server.BaseHTTPRequestHandler):
+    """Answers every request 501 (no GET handler), logging nothing."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _Hangup(socketserver.BaseRequestHandler):
+    """Closes each connection without an answer."""
+
+    def handle(self) -> None:
+        pass
+
+
+@pytest.mark.skipif(not shutil.which("wrk"), reason="needs wrk (apt-get install -y wrk)")
+@pytest.mark.parametrize(("handler", "seen"), [(_Quiet, "Non-2xx"), (_Hangup, "Socket errors")])
+def test_counting_status_polls_fails_on_error_answers_and_socket_errors(monkeypatch, tmp_path, handler, seen):
+    """bench/instructions.py's status-page polls stop the run when wrk sees an error answer or a socket error,
+    as a cell's requests do, naming the tree."""
+    from bench import instructions
+
+    monkeypatch.setattr(instructions, "_counted", lambda worker, out_dir, idle_per_s, run: (run(), 0.0, 1.0))
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        gw = types.SimpleNamespace(obs_port=server.server_address[1])
+        with pytest.raises(RuntimeError, match=rf"/tree status\.json: wrk saw errors: {seen}"):
+            instructions.count_polls(gw, "/tree", 1, str(tmp_path), "0", 0.0)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_engine_sims_fail_when_one_exits_even_with_status_0(tmp_path):
