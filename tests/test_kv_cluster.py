@@ -22,7 +22,22 @@ def trace(seed: int) -> tuple[list[str], list[list[str]], list[int]]:
     """Per conversation: its system prompt, each turn's question, and the engine (0 or 1) that served its first
     OUTSIDE_TURNS turns without a Coordinator (as another gateway's or a direct client's would)."""
     rnd = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "ember", "quartz", "maple", "orbit", "lantern", "harbor", "velvet"]
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "river",
+        "stone",
+        "cloud",
+        "ember",
+        "quartz",
+        "maple",
+        "orbit",
+        "lantern",
+        "harbor",
+        "velvet",
+    ]
 
     def text(n: int) -> str:
         return " ".join(rnd.choice(words) for _ in range(n)) + "\n"
