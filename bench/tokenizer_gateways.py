@@ -8,16 +8,19 @@ engine_sim.
 * **CPU per request** at 0/32/256/1024 KiB of chat prompt: `--times` chats, each new (its own first line, so no
   cache of pieces helps), sent one at a time through each gateway to one engine_sim (union, zero latency, a
   context long enough for a MiB prompt); the gateway's CPU (user + system of its process tree, /proc) over
-  them, less nothing: what the gateway spent on the request, relay included. Gateways: the Coordinator (1
+  them (each thread's CPU in ns, /proc/PID/task/TID/schedstat): what the gateway spent on the request, relay
+  included. Gateways: the Coordinator (1
   worker, `kv_cache_affinity`) with the model's `tokenizer_path` (its chat rendered and encoded off the loop:
   scheduling/exact.py) and with the estimate; vllm-router 0.1.17 with `--policy cache_aware`. vllm-router
   does not tokenize in the router for HTTP workers (its own message: "HTTP worker pools do not tokenize in the
   router"): `cache_aware` keeps a tree of the prompts' characters (`--max-tree-size`, a character budget), and
   `kv_aware` asks the engine's `/v1/chat/completions/render` for the ids, which engine_sim does not serve. So its
   row is what its prompt-dependent routing costs, and the Coordinator's estimate row is the like for like.
-* **Longest wait**: while 4 new chats of 1 MiB go through a gateway together, small chats go through it one at
-  a time; the longest a small one took, less the median small one's time before the burst: what the long
-  prompts' work cost another request (for the Coordinator, its worker's loop stall).
+* **Longest wait** (the Coordinator's loop stall): while 4 new chats of 1 MiB go through the Coordinator together,
+  small chats of another model, served by a second engine_sim, go through it one at a time; the longest a small
+  one took, less the median small one's time before the burst: what the long prompts' work cost another request
+  on the worker. Not for vllm-router: its one pool would put the small chats behind the long ones at the engine
+  (engine_sim's own handling of a MiB prompt), which measures the engine.
 """
 
 from __future__ import annotations
@@ -43,12 +46,29 @@ from harness.loopback import free_ports  # noqa: E402
 from harness.processes import Proc  # noqa: E402
 
 SIZES_KIB = (0, 32, 256, 1024)
-MODEL = "m"
+MODEL, SMALL = "m", "small"
 
 
-def chat(kib: int, salt: str) -> str:
+def chat(kib: int, salt: str, model: str = MODEL) -> str:
     text = salt + "\n" + overhead.padding(kib)
-    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4})
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4})
+
+
+def cpu_s(root: int) -> float:
+    """The CPU of `root`'s process tree, each live thread's from its schedstat (ns; /proc/PID/stat counts ticks)."""
+    total = 0
+    for pid in overhead.tree(root):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total / 1e9
 
 
 def post(port: int, data: str) -> float:
@@ -63,15 +83,15 @@ def cpu_per_request(port: int, pid: int, label: str, times: int) -> list[float]:
     out = []
     for kib in SIZES_KIB:
         post(port, chat(kib, f"warm {label} {kib}"))
-        before = overhead.cpu_seconds(pid)
+        before = cpu_s(pid)
         for i in range(times):
             post(port, chat(kib, f"{label} {kib} {i} {time.time_ns()}"))
-        out.append((overhead.cpu_seconds(pid) - before) / times * 1000)
+        out.append((cpu_s(pid) - before) / times * 1000)
     return out
 
 
 def longest_wait(port: int, label: str) -> float:
-    small = chat(0, "small")
+    small = chat(0, "small", SMALL)
     base = statistics.median(post(port, small) for _ in range(20))
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         burst = [pool.submit(post, port, chat(1024, f"burst {label} {i} {time.time_ns()}")) for i in range(4)]
@@ -108,20 +128,27 @@ def main(argv: list[str] | None = None) -> int:
     opts = ap.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="motor-tokgw-")
     tok = tokenizer_dir(opts.tokenizer, workdir)
-    (engine_port,) = free_ports(1)
-    sim = Proc(
-        [sys.executable, "-m", "engine_sim", "--port", str(engine_port), "--model", MODEL, "--zero-latency"]
-        + ["--max-model-len", str(1 << 22), "--kv-capacity-tokens", str(1 << 23), "--log-level", "WARNING"],
-        os.path.join(workdir, "sim.log"),
-        cwd=os.path.dirname(HERE),
-    )
-    rows: list[tuple[str, list[float], float]] = []
+    engine_port, small_port = free_ports(2)
+    sims = [
+        Proc(
+            [sys.executable, "-m", "engine_sim", "--port", str(port), "--model", model, "--zero-latency"]
+            + ["--max-model-len", str(1 << 22), "--kv-capacity-tokens", str(1 << 23), "--log-level", "WARNING"],
+            os.path.join(workdir, f"sim-{model}.log"),
+            cwd=os.path.dirname(HERE),
+        )
+        for port, model in ((engine_port, MODEL), (small_port, SMALL))
+    ]
+    rows: list[tuple[str, list[float], float | None]] = []
     try:
-        overhead.wait_http(engine_port, "/health", 30, sim)
+        for port, sim in zip((engine_port, small_port), sims, strict=True):
+            overhead.wait_http(port, "/health", 30, sim)
         for label, model in (("Coordinator, tokenizer_path", {"tokenizer_path": tok}), ("Coordinator, estimate", {})):
             cfg = coordinator_config(
-                [instance(1, "union", MODEL, f"127.0.0.1:{engine_port}")],
-                models=[{"id": MODEL, **model}],
+                [
+                    instance(1, "union", MODEL, f"127.0.0.1:{engine_port}"),
+                    instance(2, "union", SMALL, f"127.0.0.1:{small_port}"),
+                ],
+                models=[{"id": MODEL, **model}, {"id": SMALL}],
                 scheduler_config={"scheduler_type": "kv_cache_affinity"},
                 log_config={"log_level": "WARNING"},
             )
@@ -138,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                     (
                         "vllm-router 0.1.17, cache_aware",
                         cpu_per_request(port, proc.pid, "router", opts.times),
-                        longest_wait(port, "router"),
+                        None,
                     )
                 )
             finally:
@@ -147,12 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("vllm-router not installed: pip install -r bench/requirements.txt", file=sys.stderr)
     finally:
-        sim.stop()
+        for sim in sims:
+            sim.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     print("\n| gateway | " + " | ".join(f"CPU ms/request at {k} KiB" for k in SIZES_KIB) + " | longest wait ms |")
     print("|---" + "|---:" * (len(SIZES_KIB) + 1) + "|")
     for label, cpu, wait in rows:
-        print(f"| {label} | " + " | ".join(f"{c:.2f}" for c in cpu) + f" | {wait:.1f} |")
+        shown = "-" if wait is None else f"{wait:.1f}"
+        print(f"| {label} | " + " | ".join(f"{c:.2f}" for c in cpu) + f" | {shown} |")
     return 0
 
 
