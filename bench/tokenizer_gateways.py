@@ -8,8 +8,9 @@ engine_sim.
 * **CPU per request** at 0/32/256/1024 KiB of chat prompt: `--times` chats, each new (its own first line, so no
   cache of pieces helps), sent one at a time through each gateway to one engine_sim (union, zero latency, a
   context long enough for a MiB prompt); the gateway's CPU (user + system of its process tree, /proc) over
-  them (each thread's CPU in ns, /proc/PID/task/TID/schedstat): what the gateway spent on the request, relay
-  included. Gateways: the Coordinator (1
+  them and a second after (a prompt whose encoding outlasts the Coordinator's 0.25 s wait is encoded to the end
+  meanwhile), less an idle second's CPU (each thread's CPU in ns, /proc/PID/task/TID/schedstat): what the
+  gateway spent on the request, relay included. Gateways: the Coordinator (1
   worker, `kv_cache_affinity`) with the model's `tokenizer_path` (its chat rendered and encoded off the loop:
   scheduling/exact.py) and with the estimate; vllm-router 0.1.17 with `--policy cache_aware`. vllm-router
   does not tokenize in the router for HTTP workers (its own message: "HTTP worker pools do not tokenize in the
@@ -47,6 +48,7 @@ from harness.processes import Proc  # noqa: E402
 
 SIZES_KIB = (0, 32, 256, 1024)
 MODEL, SMALL = "m", "small"
+SETTLE_S = 1.0
 
 
 def chat(kib: int, salt: str, model: str = MODEL) -> str:
@@ -83,10 +85,14 @@ def cpu_per_request(port: int, pid: int, label: str, times: int) -> list[float]:
     out = []
     for kib in SIZES_KIB:
         post(port, chat(kib, f"warm {label} {kib}"))
+        t0 = cpu_s(pid)
+        time.sleep(SETTLE_S)
+        idle = cpu_s(pid) - t0  # health checks and scrapes meanwhile, taken off again below
         before = cpu_s(pid)
         for i in range(times):
             post(port, chat(kib, f"{label} {kib} {i} {time.time_ns()}"))
-        out.append((cpu_s(pid) - before) / times * 1000)
+        time.sleep(SETTLE_S)  # an encoding past the Coordinator's bounded wait finishes off the request's path
+        out.append((cpu_s(pid) - before - idle) / times * 1000)
     return out
 
 
