@@ -13,10 +13,11 @@ engine_sim.
   gateway spent on the request, relay included. Gateways: the Coordinator (1
   worker, `kv_cache_affinity`) with the model's `tokenizer_path` (its chat rendered and encoded off the loop:
   scheduling/exact.py) and with the estimate; vllm-router 0.1.17 with `--policy cache_aware`. vllm-router
-  does not tokenize in the router for HTTP workers (its own message: "HTTP worker pools do not tokenize in the
-  router"): `cache_aware` keeps a tree of the prompts' characters (`--max-tree-size`, a character budget), and
-  `kv_aware` asks the engine's `/v1/chat/completions/render` for the ids, which engine_sim does not serve. So its
-  row is what its prompt-dependent routing costs, and the Coordinator's estimate row is the like for like.
+  does not tokenize in the router for HTTP workers (a message in its binary: "... is ignored: HTTP worker pools
+  do not tokenize in the router"; it has no tokenizer flag): `cache_aware` keeps a tree of the prompts'
+  characters (`--max-tree-size`, a character budget), and `kv_aware` takes the ids from the engine (its binary
+  names `/v1/chat/completions/render`, which engine_sim does not serve). So its row is what its prompt-dependent
+  routing costs, and the Coordinator's estimate row is the like for like.
 * **Longest wait** (the Coordinator's loop stall): while 4 new chats of 1 MiB go through the Coordinator together,
   small chats of another model, served by a second engine_sim, go through it one at a time; the longest a small
   one took, less the median small one's time before the burst: what the long prompts' work cost another request
