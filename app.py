@@ -289,18 +289,18 @@ async def render_error(request: Request, exc: Exception):
 def start_shared_state(app: Sanic, settings: Settings) -> SharedState:
     """The shared memory with the configured instances, and the threads one process runs for the whole Coordinator
     on `app.ctx` (the main process's, or the only process's in Sanic's single_process mode): the config file's
-    watch, the one subscriber to the engines' KV events (off every worker's loop: scheduling/kv_events.py) and the
+    watch, the one subscriber to the engines' KV events (a process of its own: scheduling/kv_events.py) and the
     status page's publisher."""
     shared = SharedState.create(kv_events=settings.kv_events.enable)
     Registry(shared).apply("set", list(settings.instances))
     app.ctx.config_watch = watch_config(settings, shared)
-    app.ctx.kv_events = start_subscriber(shared, lambda: settings)
+    app.ctx.kv_events = start_subscriber(shared, settings)
     app.ctx.status = status_page(settings, shared, app.ctx.config_watch)
     return shared
 
 
 def stop_shared_state(app: Sanic) -> None:
-    """Stop the threads `start_shared_state` started (none when it did not run in this process)."""
+    """Stop what `start_shared_state` started (nothing when it did not run in this process)."""
     for own in ("config_watch", "kv_events", "status"):
         if getattr(app.ctx, own, None) is not None:
             getattr(app.ctx, own).stop()

@@ -1,9 +1,12 @@
 """The subscriber to the engines' KV cache events (vLLM's `--kv-events-config` with the ZMQ publisher).
 
-One per replica: a thread of the main process (of the worker, in Sanic's single-process mode) that owns one ZMQ
-SUB socket per engine endpoint and writes what the engines say into the shared index (scheduling/kv_index.py),
-which every worker reads. Decoding and indexing never run on a worker's event loop. Replicas of a cluster each
-subscribe for themselves: a PUB socket serves any number of subscribers, and nothing goes through the store.
+One per replica: a process of its own (`SubscriberProcess`, spawned by the main process, or by the worker in
+Sanic's single-process mode) that owns one ZMQ SUB socket per engine endpoint and writes what the engines say into
+the shared index (scheduling/kv_index.py), which every worker reads. A process, not a thread: decoding and
+indexing a flood of events holds a GIL, and a thread's would be the GIL of the process it shares (the only
+worker's, in single-process mode), stalling that event loop for tens of milliseconds (bench/kv_events.py).
+Replicas of a cluster each subscribe for themselves: a PUB socket serves any number of subscribers, and nothing
+goes through the store.
 
 **The wire** (vLLM's ZmqEventPublisher): multipart messages (topic, 8-byte big-endian sequence number, msgpack
 payload); the payload is a batch `[ts, events, data_parallel_rank?]`, each event a map tagged by `type`:
@@ -24,13 +27,15 @@ engine that publishes nothing from one not there) and while it is disconnected o
 MAXMSGSIZE); at most RCV_HWM messages wait per engine, so what waits is at most RCV_HWM x MAX_MESSAGE_BYTES;
 each engine may spend BUDGET_PER_S units (an event or a block each) a second, beyond which its messages are
 dropped unread (the engine is forgotten, state `lost`, until it is within budget again); each turn of the loop
-handles at most SLICE messages per socket, so engines share the thread.
+handles at most SLICE messages per socket, so engines share the process.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import multiprocessing
+import os
+import signal
 import time
 import zlib
 from collections.abc import Callable
@@ -68,6 +73,7 @@ REPLAY_TIMEOUT_S = 2.0
 FOLLOW_INTERVAL_S = 0.5  # how often the instance set and health are looked at
 POLL_MS = 100
 REOPEN_DELAY_S = 0.2
+STOP_WAIT_S = 2.0  # how long a stop waits for the process to close its sockets before it is killed
 _END = -1
 GPU_MEDIA = (None, "GPU")
 
@@ -186,7 +192,7 @@ class EngineFeed:
 class KvSubscriber:
     """The replica's subscriber: follows the instance set, keeps one EngineFeed per endpoint, applies events."""
 
-    def __init__(self, shared: SharedState, settings: Callable[[], Settings], budget_per_s: float = BUDGET_PER_S):
+    def __init__(self, shared: SharedState, settings: Settings, budget_per_s: float = BUDGET_PER_S):
         self.shared, self.settings, self.budget_per_s = shared, settings, budget_per_s
         self.index = KvIndex(shared)
         self.rows = self.index.rows
@@ -204,35 +210,27 @@ class KvSubscriber:
         self.by_socket: dict[zmq.Socket, tuple[EngineFeed, bool]] = {}
         self.poller = zmq.Poller()
         self.version = -1
-        self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
 
     # -- life ----------------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        if self.thread is not None:
-            self.thread.join(timeout=2.0)
-        for slot in list(self.feeds):
-            self._unsubscribe(slot)
-        self.ctx.term()
-
-    def _run(self) -> None:
+    def run(self, stopping: Callable[[], bool]) -> None:
+        """Follow the instance set and apply events until `stopping()` says so (looked at every POLL_MS)."""
         next_follow = 0.0
-        while not self.stopping.is_set():
+        while not stopping():
             try:
                 now = time.monotonic()
                 if now >= next_follow:
                     self.follow()
                     next_follow = now + FOLLOW_INTERVAL_S
                 self.turn(POLL_MS)
-            except Exception:  # the thread must outlive any one engine's surprise
+            except Exception:  # the subscriber must outlive any one engine's surprise
                 log.exception("kv events: a turn failed")
                 time.sleep(0.1)
+
+    def close(self) -> None:
+        for slot in list(self.feeds):
+            self._unsubscribe(slot)
+        self.ctx.term()
 
     # -- the instance set and health ------------------------------------------------------------------
 
@@ -241,7 +239,7 @@ class KvSubscriber:
         view = self.registry.view()
         if view.version != self.version:
             self.version = view.version
-            settings = self.settings()
+            settings = self.settings
             wanted: dict[int, tuple[str, str]] = {}
             for inst in view.instances.values():
                 for ep, t in zip(inst.endpoints, (t for t in view.targets if t.instance_id == inst.id)):
@@ -328,7 +326,6 @@ class KvSubscriber:
                     self._live(feed, frames, now)
                 if feed.slot not in self.feeds:
                     break
-            time.sleep(0)  # the GIL to any other thread (a single-process worker's loop) between slices
         self._reopen(now)
         for feed in list(self.feeds.values()):
             if feed.replaying_since and now - feed.replaying_since > REPLAY_TIMEOUT_S:
@@ -484,10 +481,46 @@ class KvSubscriber:
                 self.index.remove(slot, key)
 
 
-def start_subscriber(shared: SharedState, settings: Callable[[], Settings]) -> KvSubscriber | None:
+class SubscriberProcess:
+    """The replica's subscriber, running in a spawned process until `stop` (or until the process that started it
+    is gone). It shares only the shared memory: the instance set it follows, the endpoints' health, the index
+    and the subscription rows it writes. kv_event_config needs a restart, so the settings it is given at start
+    are the ones in force."""
+
+    def __init__(self, shared: SharedState, settings: Settings, budget_per_s: float = BUDGET_PER_S):
+        ctx = multiprocessing.get_context("spawn")
+        self.stopping = ctx.Event()
+        self.process = ctx.Process(
+            target=_subscribe,
+            args=(shared, settings, budget_per_s, self.stopping, os.getpid()),
+            name="motor-kv-events",
+            daemon=True,  # ended at this process's exit, should stop() never come
+        )
+        self.process.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.process.join(STOP_WAIT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def _subscribe(shared: SharedState, settings: Settings, budget_per_s: float, stopping, parent: int) -> None:
+    """The subscriber process's life. A terminal's Ctrl-C reaches the whole process group: the parent stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    sub = KvSubscriber(shared, settings, budget_per_s)
+    try:
+        sub.run(lambda: stopping.is_set() or os.getppid() != parent)
+    finally:
+        sub.close()
+
+
+def start_subscriber(
+    shared: SharedState, settings: Settings, budget_per_s: float = BUDGET_PER_S
+) -> SubscriberProcess | None:
     """The replica's subscriber when kv_event_config.enable is set (and the shared table was made for it)."""
-    if not settings().kv_events.enable or len(shared.kv_blocks.key) < KV_ENTRIES:
+    if not settings.kv_events.enable or len(shared.kv_blocks.key) < KV_ENTRIES:
         return None
-    sub = KvSubscriber(shared, settings)
-    sub.start()
-    return sub
+    return SubscriberProcess(shared, settings, budget_per_s)

@@ -17,8 +17,8 @@ from config.sections import EndpointKvEvents, KvEventConfig
 from engine_sim import launch
 from engine_sim.tokens import text_token_ids
 from harness.loopback import free_ports, wait_until
-from scheduling.kv_events import BUDGET_PER_S, MAX_MESSAGE_BYTES, KvSubscriber
-from scheduling.kv_index import KV_LIVE, KV_LOST, KV_OFF, PromptKeys, prompt_seed
+from scheduling.kv_events import BUDGET_PER_S, MAX_MESSAGE_BYTES, start_subscriber
+from scheduling.kv_index import KV_LIVE, KV_LOST, KV_OFF, KvIndex, PromptKeys, prompt_seed
 from scheduling.registry import Registry
 from scheduling.tokens import ids_bytes
 from state.shared import SharedState
@@ -32,7 +32,7 @@ def instance(iid: int, address: str, pub: int, replay: int | None) -> Instance:
 
 
 class Subscribed:
-    """A SharedState with an instance set, and the replica's subscriber on it."""
+    """A SharedState with an instance set, and the replica's subscriber (its process, as app.py starts it) on it."""
 
     def __init__(self, instances: list[Instance], budget_per_s: float = BUDGET_PER_S):
         self.shared = SharedState.create(kv_events=True)
@@ -41,8 +41,10 @@ class Subscribed:
         for t in self.registry.view().targets:
             self.shared.endpoints[t.slot].healthy = 1.0
         settings = Settings(instances=tuple(instances), kv_events=KvEventConfig(enable=True))
-        self.sub = KvSubscriber(self.shared, lambda: settings, budget_per_s)
-        self.sub.start()
+        self.sub = start_subscriber(self.shared, settings, budget_per_s)
+        self.index = KvIndex(self.shared)
+        # Subscribed once the process has made every endpoint's sockets (`lost` until they connect).
+        assert wait_until(lambda: all(self.row(i.id).state != KV_OFF for i in instances), 10)
 
     def slot(self, iid: int) -> int:
         return next(t.slot for t in self.registry.view().targets if t.instance_id == iid)
@@ -51,7 +53,7 @@ class Subscribed:
         return self.shared.kv_endpoints[self.slot(iid)]
 
     def cached(self, iid: int, ids: list[int], salt: str | None = None) -> int:
-        return self.sub.index.cached_tokens_at(self.slot(iid), PromptKeys(ids_bytes(ids), prompt_seed(salt)))
+        return self.index.cached_tokens_at(self.slot(iid), PromptKeys(ids_bytes(ids), prompt_seed(salt)))
 
     def close(self) -> None:
         self.sub.stop()
@@ -207,7 +209,6 @@ def test_refresh_subscribes_and_unsubscribes():
         world.registry.apply("del", [2])
         assert wait_until(lambda: world.shared.kv_endpoints[slot].state == KV_OFF, 3)
         assert world.shared.kv_endpoints[slot].blocks == 0
-        assert slot not in world.sub.feeds
     finally:
         world.close()
         one.stop()
@@ -411,8 +412,8 @@ def flood(publisher: RawPublisher, seconds: float) -> float:
 
 
 def test_a_flood_keeps_the_loop_responsive(raw):
-    """The subscriber thread shares this process with an asyncio loop (Sanic's single-process mode): a flood of
-    events never holds the loop for long (bench/kv_events.py measures how long)."""
+    """The subscriber's process was started by this one, which runs an asyncio loop (as Sanic's single-process
+    mode starts it): a flood of events never holds the loop for long (bench/kv_events.py measures how long)."""
     publisher, world = raw
     worst = flood(publisher, 2.0)
     assert world.row(1).batches > 1000
