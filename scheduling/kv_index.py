@@ -180,7 +180,9 @@ class PromptKeys:
         self.crcs = {start: zlib.crc32(self.data[:start])}
 
     def blocks(self, block_size: int) -> int:
-        return self.n_tokens // block_size
+        """The blocks an engine's cache can serve it: vLLM computes at least the prompt's last token, so its
+        hits are the full blocks of the first n - 1 tokens (a prompt of whole blocks reuses all but its last)."""
+        return max(self.n_tokens - 1, 0) // block_size
 
     def key(self, block_size: int, blocks: int) -> int:
         end = self.offsets[0] + blocks * block_size * TOKEN_BYTES

@@ -321,8 +321,10 @@ class KvCacheAffinity(LoadBalance):
             return super().choose(cands, job)
         target = holders[0]
         if len(holders) > 1:
+            # Equal holders (a shared system prompt on each): the estimate's most recent one, else the least
+            # loaded, so new conversations spread instead of piling onto the first engine's cache.
             last = self.index.last_holder(job, best)
-            target = next((t for t in holders if t.slot == last), holders[0])
+            target = next((t for t in holders if t.slot == last), None) or super().choose(holders, job)
         least = min(self.score(t) for t in cands)
         # "Plus one request" is one like this one, tokens and all: a holder serving a single request of the
         # conversation's size (the previous turn, still closing its stream) is not overloaded.

@@ -230,15 +230,15 @@ def test_an_engine_found_unhealthy_is_forgotten(sim_pair):
 class RawPublisher:
     """vLLM's wire by hand: PUB frames with chosen sequence numbers, a ROUTER that replays chosen batches."""
 
-    def __init__(self, pub: int, replay: int):
+    def __init__(self, pub: int | str, replay: int | str):
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{pub}")
+        self.pub.bind(pub if isinstance(pub, str) else f"tcp://127.0.0.1:{pub}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(f"tcp://127.0.0.1:{replay}")
+        self.router.bind(replay if isinstance(replay, str) else f"tcp://127.0.0.1:{replay}")
         self.kept: dict[int, bytes] = {}
         self.asked: list[int] = []
 
@@ -306,6 +306,28 @@ def test_a_gap_is_filled_from_the_replay_socket(raw):
     assert wait_until(lambda: world.row(1).state == KV_LIVE, 3)  # the replay's end marker came
     assert world.row(1).seq == 2
     assert world.row(1).clears == 0  # the gap was filled: nothing forgotten
+
+
+def test_an_engine_publishing_on_a_unix_socket_is_followed(tmp_path):
+    """vLLM binds its PUB socket only for a wildcard or an ipc:// address (it connects to any other host): an
+    engine on the Coordinator's host that must listen on no network publishes on ipc://, which the config takes."""
+    from config import settings_from_dict
+    from harness.configs import coordinator_config
+
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    ep = {"id": 0, "address": "127.0.0.1:1", "kv_events": {"endpoint": pub, "replay_endpoint": replay}}
+    cfg = coordinator_config([{"id": 1, "role": "union", "model_name": "m", "endpoints": [ep]}])
+    (inst,) = settings_from_dict(cfg).instances
+    publisher = RawPublisher(pub, replay)
+    world = Subscribed([inst])
+    try:
+        time.sleep(0.3)
+        publisher.send(0, [stored(PROMPT_A, 100)])
+        assert wait_until(lambda: world.cached(1, PROMPT_A) == 8 * BLOCK, 3)
+        assert world.row(1).state == KV_LIVE
+    finally:
+        world.close()
+        publisher.close()
 
 
 def test_blocks_are_scoped_by_cache_salt_and_lora(raw):
@@ -484,6 +506,30 @@ def test_the_coordinator_routes_to_the_engine_holding_the_prefix():
     finally:
         for sim in sims:
             sim.stop()
+
+
+def test_a_prompt_of_whole_blocks_is_predicted_to_reuse_all_but_its_last():
+    """vLLM computes at least a prompt's last token, so a prompt of exactly 8 cached blocks reuses 7 (not all but
+    one token): the engine reports it so, and the Coordinator predicts it so."""
+    from harness.configs import coordinator_config
+    from harness.coordinator import Coordinator
+
+    sims, instances = engines_with_events(1, "union")
+    whole = PROMPT_A[: 8 * BLOCK]
+    cfg = coordinator_config(
+        instances, scheduler_config={"scheduler_type": "kv_cache_affinity"}, kv_event_config={"enable": True}
+    )
+    try:
+        with Coordinator(cfg) as coord:
+            assert wait_until(lambda: _kv_states(coord) == ["live"], 10)
+            complete(sims[0], whole)  # straight to the engine
+            assert wait_until(lambda: _kv_blocks(coord)[0] >= 8, 5)
+            r = httpx.post(coord.url + "/v1/completions", json={"model": "m", "prompt": whole, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK
+            assert wait_until(lambda: "cached_tokens_predicted=112 cached_tokens=112" in coord.output(), 5)
+    finally:
+        sims[0].stop()
 
 
 def _kv(coord) -> list[dict]:

@@ -13,7 +13,7 @@ import httpx
 
 from harness.loopback import wait_until
 
-ROLES = ("union", "prefill", "decode")
+ROLES = ("union", "union2", "prefill", "decode")  # union2: a second union engine, for the KV-event trace
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
@@ -33,6 +33,13 @@ class Engine:
     def pid(self) -> int:
         with open(os.path.join(self.run_dir, f"{self.name}.pid")) as f:
             return int(f.read())
+
+    @property
+    def kv_events(self) -> dict:
+        """Where a union engine publishes its KV events: an endpoint's `kv_events` object for the Coordinator."""
+        with open(os.path.join(self.run_dir, f"{self.name}.kv")) as f:
+            pub, replay = f.read().split()
+        return {"endpoint": pub, "replay_endpoint": replay}
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=10).text
