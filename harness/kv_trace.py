@@ -12,6 +12,7 @@ it cached is known only to the engines (and their KV events). The hit rate is th
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 from collections.abc import Callable
@@ -21,6 +22,8 @@ import httpx
 import openai
 
 from harness.bodies import WORDS
+from harness.configs import coordinator_config
+from harness.metrics import by_label
 
 ANSWER_TOKENS = 24
 CONCURRENCY = 4  # chats in flight at once, as several users' would be
@@ -153,3 +156,35 @@ def measure(
     usages = asyncio.run(run(trace, model, url_of, concurrency))
     hits, queries = prefix_counts(engines)
     return RunResult((hits - hits0) / max(queries - queries0, 1.0), usages)
+
+
+def kv_addresses(run_dir: str, name: str) -> dict:
+    """Where vllm_up.sh's union engine `name` publishes its KV events: an endpoint's `kv_events` object."""
+    with open(os.path.join(run_dir, f"{name}.kv")) as f:
+        pub, replay = f.read().split()
+    return {"endpoint": pub, "replay_endpoint": replay}
+
+
+def coordinator_cfg(unions: list[tuple[str, dict]], model: str, model_dir: str, policy: str, kv_events: bool) -> dict:
+    """A Coordinator in front of union engines, given as (address, kv_events object): `policy`, the model's
+    tokenizer from `model_dir` (exact prompt tokens), KV events on or off."""
+    instances = [
+        {"id": k + 1, "role": "union", "model_name": model, "endpoints": [{"id": 0, "address": a, "kv_events": kv}]}
+        for k, (a, kv) in enumerate(unions)
+    ]
+    return coordinator_config(
+        instances,
+        models=[{"id": model, "tokenizer_path": model_dir}],
+        scheduler_config={"scheduler_type": policy, "health_check_interval": 0.5, "metrics_scrape_interval": 1.0},
+        kv_event_config={"enable": kv_events},
+    )
+
+
+def kv_states(coord) -> list[str]:
+    body = httpx.get(coord.mgmt + "/instances").json()
+    return [ep["kv_events"]["state"] for inst in body["instances"] for ep in inst["endpoints"]]
+
+
+def predictions(coord) -> dict[str, float]:
+    """The Coordinator's own comparison of predicted and reported cached tokens: {exact|over|under: requests}."""
+    return by_label(coord, "motor_kv_prediction_total", "outcome")

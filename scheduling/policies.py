@@ -114,6 +114,9 @@ class PrefixSource(Protocol):
         """The engine at `slot` has just computed a prompt with these block hashes (what an estimate learns
         from; a source the engines tell may ignore it)."""
 
+    def placed(self, lease, job: JobInfo) -> None:
+        """`job`'s prompt was just sent to be computed on `lease.slot` (its ledger Lease, released when done)."""
+
 
 class Policy:
     name = "base"

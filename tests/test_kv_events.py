@@ -330,6 +330,36 @@ def test_an_engine_publishing_on_a_unix_socket_is_followed(tmp_path):
         publisher.close()
 
 
+def test_a_prompt_in_flight_counts_as_held_until_its_events_come(raw):
+    """A request's prompt sent to an engine is cached there for the requests after it (vLLM shares its blocks
+    even within one step) before its events arrive: a second turn of it counts those blocks as held, until a
+    moment after the first request is done."""
+    from scheduling.affinity import PrefixIndex
+    from scheduling.kv_index import INFLIGHT_GRACE_S, KvEventSource
+    from scheduling.ledger import Ledger
+    from scheduling.policies import JobInfo
+
+    publisher, world = raw
+    publisher.send(0, [stored(PROMPT_B, 100)])  # the feed is live, its block size known
+    assert wait_until(lambda: world.cached(1, PROMPT_B) == 8 * BLOCK, 3)
+    source = KvEventSource(world.sub.index, PrefixIndex(world.shared, BLOCK))
+    (target,) = world.registry.view().targets
+
+    def job(ids: list[int]) -> JobInfo:
+        return JobInfo("m", len(ids), 1, 1000, 50, prompt_keys=PromptKeys(ids_bytes(ids)))
+
+    turn = PROMPT_A + ids_of(" and the next turn of it")
+    assert source.cached_tokens(job(turn), target) == 0
+    lease = Ledger(world.shared, 0, 1).lease(target.slot, len(PROMPT_A), 1)
+    source.placed(lease, job(PROMPT_A))
+    assert source.cached_tokens(job(turn), target) == 8 * BLOCK
+    assert source.cached_tokens(job(PROMPT_B + PROMPT_A), target) == 8 * BLOCK  # B's own, from the events
+    lease.release()
+    assert source.cached_tokens(job(turn), target) == 8 * BLOCK  # its events may trail its answer
+    time.sleep(INFLIGHT_GRACE_S + 0.1)
+    assert source.cached_tokens(job(turn), target) == 0
+
+
 def test_blocks_are_scoped_by_cache_salt_and_lora(raw):
     """vLLM puts a request's cache_salt in its first block's extra keys and a LoRA's name in every block's: such
     blocks answer only a prompt of the same scope."""
@@ -530,6 +560,33 @@ def test_a_prompt_of_whole_blocks_is_predicted_to_reuse_all_but_its_last():
             assert wait_until(lambda: "cached_tokens_predicted=112 cached_tokens=112" in coord.output(), 5)
     finally:
         sims[0].stop()
+
+
+def test_new_conversations_on_a_prefix_both_engines_hold_are_spread():
+    """Both engines hold a shared system prompt: new conversations on it go to the less loaded, in turn, not
+    all to the first engine (whose cache they would crowd while the other's stays idle)."""
+    from harness.configs import coordinator_config
+    from harness.coordinator import Coordinator
+
+    sims, instances = engines_with_events(2, "union")
+    cfg = coordinator_config(
+        instances, scheduler_config={"scheduler_type": "kv_cache_affinity"}, kv_event_config={"enable": True}
+    )
+    try:
+        with Coordinator(cfg) as coord:
+            assert wait_until(lambda: _kv_states(coord) == ["live", "live"], 10)
+            for sim in sims:
+                complete(sim, PROMPT_A)  # straight to each engine
+            assert wait_until(lambda: min(_kv_blocks(coord)) >= 8, 5)
+            before = [len(s.requests()) for s in sims]
+            for k in range(4):
+                prompt = PROMPT_A + ids_of(f" conversation {k}")
+                r = httpx.post(coord.url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+            assert [len(s.requests()) - b for s, b in zip(sims, before)] == [2, 2]
+    finally:
+        for sim in sims:
+            sim.stop()
 
 
 def _kv(coord) -> list[dict]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from harness.kv_trace import kv_addresses
 from harness.loopback import wait_until
 
 ROLES = ("union", "union2", "prefill", "decode")  # union2: a second union engine, for the KV-event trace
@@ -37,9 +38,7 @@ class Engine:
     @property
     def kv_events(self) -> dict:
         """Where a union engine publishes its KV events: an endpoint's `kv_events` object for the Coordinator."""
-        with open(os.path.join(self.run_dir, f"{self.name}.kv")) as f:
-            pub, replay = f.read().split()
-        return {"endpoint": pub, "replay_endpoint": replay}
+        return kv_addresses(self.run_dir, self.name)
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=10).text

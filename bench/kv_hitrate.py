@@ -1,0 +1,128 @@
+"""Prefix-cache hit rate of real vLLM engines on one multi-turn trace, per way of routing it.
+
+    bash tests/e2e/vllm_up.sh python bench/kv_hitrate.py      # starts the e2e engines, runs, stops them
+
+The trace is harness/kv_trace.py's (the KV-event e2e test's): 16 chats of 5 turns over 3 shared system
+prompts, interleaved, greedy answers carried into the next turn, 4 requests in flight, sent to vllm_up.sh's
+two union engines (prefix caching, KV events, 32-token blocks, 64 blocks of cache each) from empty caches after
+the first engine answered 6 chats' first turns straight. The hit rate is the engines' own
+`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the run. Ways of routing:
+
+* the Coordinator's `round_robin`; `kv_cache_affinity` on its estimate (events off) and on the engines' KV
+  events; `slo_aware` on KV events (with them: the share of requests whose predicted cached tokens equal
+  the engine's, the Coordinator's `motor_kv_prediction_total`);
+* sticky: chat i always straight to engine i mod 2;
+* vllm-router 0.1.17 (`pip install -r bench/requirements-kv-hitrate.txt` into the e2e venv, never the
+  Coordinator's: a Rust wheel with its own dependencies) with `--policy cache_aware`, and `kv_aware` fed the
+  same engines' KV events (`--kv-event-source URL=ENDPOINT`, `--kv-event-replay-source`, block size 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import httpx  # noqa: E402
+
+from harness.coordinator import Coordinator  # noqa: E402
+from harness.kv_trace import (  # noqa: E402
+    coordinator_cfg,
+    kv_addresses,
+    kv_states,
+    make_trace,
+    measure,
+    predictions,
+)
+from harness.loopback import free_ports, wait_until  # noqa: E402
+
+UNIONS = ("union", "union2")
+ROUTER = os.path.join(os.environ.get("MOTOR_E2E_CACHE", os.path.expanduser("~/.cache/motor-e2e")), "vllm-venv/bin/vllm-router")
+
+
+def through_coordinator(env: dict, policy: str, kv_events: bool) -> tuple[float, float | None]:
+    unions = [(env[name], kv_addresses(env["run"], name)) for name in UNIONS]
+    cfg = coordinator_cfg(unions, env["model"], env["model_dir"], policy, kv_events)
+    with Coordinator(cfg, ready_timeout_s=180.0) as coord:
+        if kv_events and not wait_until(lambda: kv_states(coord) == ["live", "live"], 30):
+            raise SystemExit(f"KV events not live: {kv_states(coord)}")
+        result = measure(env["trace"], env["model"], env["urls"], lambda i: coord.url)
+        if not kv_events:
+            return result.hit_rate, None
+        n = len(result.usages)
+        wait_until(lambda: sum(predictions(coord).values()) == n, 10)
+        return result.hit_rate, predictions(coord).get("exact", 0.0) / n
+
+
+def through_router(env: dict, policy: str) -> float:
+    port, prom = free_ports(2)
+    cmd = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *env["urls"]]
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+    if policy == "kv_aware":
+        for name in UNIONS:
+            kv = kv_addresses(env["run"], name)
+            cmd += ["--kv-event-source", f"http://{env[name]}={kv['endpoint']}"]
+            cmd += ["--kv-event-replay-source", f"http://{env[name]}={kv['replay_endpoint']}"]
+        cmd += ["--kv-event-block-size", "32", "--kv-event-model", env["model"]]
+    log = open(os.path.join(env["run"], f"vllm-router-{policy}.log"), "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_until(lambda: _up(url), 120, 0.5):
+            raise SystemExit(f"vllm-router {policy} did not start: see {log.name}")
+        return measure(env["trace"], env["model"], env["urls"], lambda i: url).hit_rate
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-router", action="store_true", help="skip vllm-router (not installed)")
+    args = ap.parse_args()
+    try:
+        env = {name: os.environ[f"MOTOR_E2E_{name.upper()}"] for name in UNIONS}
+        env.update(run=os.environ["MOTOR_E2E_RUN"], model=os.environ["MOTOR_E2E_MODEL"])
+        env["model_dir"] = os.environ["MOTOR_E2E_MODEL_DIR"]
+    except KeyError as e:
+        raise SystemExit(f"{e} unset: run it as `bash tests/e2e/vllm_up.sh python bench/kv_hitrate.py`") from None
+    env["urls"] = [f"http://{env[name]}" for name in UNIONS]
+    env["trace"] = make_trace()
+    rows = []
+
+    def row(name: str, run) -> None:
+        started = time.monotonic()
+        got = run()
+        rate, exact = got if isinstance(got, tuple) else (got, None)
+        rows.append((name, rate, exact))
+        print(f"{name}: hit rate {rate:.3f}" + (f", exact predictions {exact:.3f}" if exact is not None else "")
+              + f" ({time.monotonic() - started:.0f} s)", flush=True)
+
+    row("Coordinator round_robin", lambda: through_coordinator(env, "round_robin", False))
+    row("Coordinator kv_cache_affinity, estimate", lambda: through_coordinator(env, "kv_cache_affinity", False))
+    row("Coordinator kv_cache_affinity, KV events", lambda: through_coordinator(env, "kv_cache_affinity", True))
+    row("Coordinator slo_aware, KV events", lambda: through_coordinator(env, "slo_aware", True))
+    row("sticky (chat i on engine i mod 2, direct)", lambda: measure(env["trace"], env["model"], env["urls"], lambda i: env["urls"][i % 2]).hit_rate)
+    if not args.no_router:
+        row("vllm-router 0.1.17 cache_aware", lambda: through_router(env, "cache_aware"))
+        row("vllm-router 0.1.17 kv_aware", lambda: through_router(env, "kv_aware"))
+    print("\n| routing | hit rate | exact cached-token predictions |\n|---|---:|---:|")
+    for name, rate, exact in rows:
+        print(f"| {name} | {rate:.3f} | {'' if exact is None else f'{exact:.3f}'} |")
+
+
+if __name__ == "__main__":
+    main()
