@@ -14,7 +14,8 @@ the first engine answered 6 chats' first turns straight. The hit rate is the eng
 * sticky: chat i always straight to engine i mod 2;
 * vllm-router 0.1.17 (`pip install -r bench/requirements-kv-hitrate.txt` into the e2e venv, never the
   Coordinator's: a Rust wheel with its own dependencies) with `--policy cache_aware`, and `kv_aware` fed the
-  same engines' KV events (`--kv-event-source URL=ENDPOINT`, `--kv-event-replay-source`, block size 32).
+  same engines' KV events (`--kv-event-source URL=ENDPOINT`, `--kv-event-replay-source`, block size 32;
+  it takes tcp:// addresses only, so the engines' Unix sockets are relayed to 127.0.0.1 ports here).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import httpx  # noqa: E402
+import zmq  # noqa: E402
 
 from harness.coordinator import Coordinator  # noqa: E402
 from harness.kv_trace import (  # noqa: E402
@@ -42,7 +45,9 @@ from harness.kv_trace import (  # noqa: E402
 from harness.loopback import free_ports, wait_until  # noqa: E402
 
 UNIONS = ("union", "union2")
-ROUTER = os.path.join(os.environ.get("MOTOR_E2E_CACHE", os.path.expanduser("~/.cache/motor-e2e")), "vllm-venv/bin/vllm-router")
+ROUTER = os.path.join(
+    os.environ.get("MOTOR_E2E_CACHE", os.path.expanduser("~/.cache/motor-e2e")), "vllm-venv/bin/vllm-router"
+)
 
 
 def through_coordinator(env: dict, policy: str, kv_events: bool) -> tuple[float, float | None]:
@@ -65,21 +70,35 @@ def through_router(env: dict, policy: str) -> float:
     cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
     if policy == "kv_aware":
         for name in UNIONS:
-            kv = kv_addresses(env["run"], name)
-            cmd += ["--kv-event-source", f"http://{env[name]}={kv['endpoint']}"]
-            cmd += ["--kv-event-replay-source", f"http://{env[name]}={kv['replay_endpoint']}"]
+            pub, replay = relay(kv_addresses(env["run"], name))
+            cmd += ["--kv-event-source", f"http://{env[name]}={pub}"]
+            cmd += ["--kv-event-replay-source", f"http://{env[name]}={replay}"]
         cmd += ["--kv-event-block-size", "32", "--kv-event-model", env["model"]]
-    log = open(os.path.join(env["run"], f"vllm-router-{policy}.log"), "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log_path = os.path.join(env["run"], f"vllm-router-{policy}.log")
     url = f"http://127.0.0.1:{port}"
-    try:
-        if not wait_until(lambda: _up(url), 120, 0.5):
-            raise SystemExit(f"vllm-router {policy} did not start: see {log.name}")
-        return measure(env["trace"], env["model"], env["urls"], lambda i: url).hit_rate
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+    with open(log_path, "wb") as log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT) as proc:
+        try:
+            if not wait_until(lambda: _up(url), 120, 0.5):
+                raise SystemExit(f"vllm-router {policy} did not start: see {log_path}")
+            return measure(env["trace"], env["model"], env["urls"], lambda i: url).hit_rate
+        finally:
+            proc.terminate()
+
+
+def relay(kv: dict) -> tuple[str, str]:
+    """tcp://127.0.0.1 addresses relaying an engine's ipc:// KV events (vllm-router takes tcp:// only, and vLLM
+    binds its publisher only on ipc:// or every interface): a PUB relay and a replay relay, in daemon threads."""
+    ctx = zmq.Context.instance()
+    pub_port, replay_port = free_ports(2)
+    xsub, xpub = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
+    xsub.connect(kv["endpoint"])
+    xpub.bind(f"tcp://127.0.0.1:{pub_port}")
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    dealer.connect(kv["replay_endpoint"])
+    for front, back in ((xpub, xsub), (router, dealer)):
+        threading.Thread(target=zmq.proxy, args=(front, back), daemon=True).start()
+    return f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
 
 
 def _up(url: str) -> bool:
@@ -108,14 +127,21 @@ def main() -> None:
         got = run()
         rate, exact = got if isinstance(got, tuple) else (got, None)
         rows.append((name, rate, exact))
-        print(f"{name}: hit rate {rate:.3f}" + (f", exact predictions {exact:.3f}" if exact is not None else "")
-              + f" ({time.monotonic() - started:.0f} s)", flush=True)
+        print(
+            f"{name}: hit rate {rate:.3f}"
+            + (f", exact predictions {exact:.3f}" if exact is not None else "")
+            + f" ({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
 
     row("Coordinator round_robin", lambda: through_coordinator(env, "round_robin", False))
     row("Coordinator kv_cache_affinity, estimate", lambda: through_coordinator(env, "kv_cache_affinity", False))
     row("Coordinator kv_cache_affinity, KV events", lambda: through_coordinator(env, "kv_cache_affinity", True))
     row("Coordinator slo_aware, KV events", lambda: through_coordinator(env, "slo_aware", True))
-    row("sticky (chat i on engine i mod 2, direct)", lambda: measure(env["trace"], env["model"], env["urls"], lambda i: env["urls"][i % 2]).hit_rate)
+    row(
+        "sticky (chat i on engine i mod 2, direct)",
+        lambda: measure(env["trace"], env["model"], env["urls"], lambda i: env["urls"][i % 2]).hit_rate,
+    )
     if not args.no_router:
         row("vllm-router 0.1.17 cache_aware", lambda: through_router(env, "cache_aware"))
         row("vllm-router 0.1.17 kv_aware", lambda: through_router(env, "kv_aware"))
