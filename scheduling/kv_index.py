@@ -205,6 +205,7 @@ def prompt_seed(cache_salt: object = None) -> bytes:
 # How long a finished request's prompt still counts as in flight: its events may trail its answer (the
 # subscriber thread shares the process, and the cores, with the workers).
 INFLIGHT_GRACE_S = 1.0
+INFLIGHT_MAX = 256  # per slot and worker, the latest: what a lookup compares with stays bounded
 
 
 def _flying(lease) -> bool:
@@ -260,7 +261,7 @@ class KvEventSource:
     def placed(self, lease, job: JobInfo) -> None:
         if job.prompt_keys is not None:
             flying = self.inflight.setdefault(lease.slot, [])
-            flying[:] = [f for f in flying if _flying(f[0])]
+            flying[:] = [f for f in flying if _flying(f[0])][-INFLIGHT_MAX + 1 :]
             flying.append((lease, job.prompt_keys))
 
     def last_holder(self, job: JobInfo, tokens: int) -> int:
