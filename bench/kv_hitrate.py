@@ -3,7 +3,7 @@
     bash tests/e2e/vllm_up.sh python bench/kv_hitrate.py      # starts the e2e engines, runs, stops them
 
 The trace is harness/kv_trace.py's (the KV-event e2e test's): 16 chats of 5 turns over 3 shared system
-prompts, interleaved, greedy answers carried into the next turn, 4 requests in flight, sent to vllm_up.sh's
+prompts, interleaved, greedy answers carried into the next turn, 2 requests in flight (`--concurrency`), sent to vllm_up.sh's
 two union engines (prefix caching, KV events, 32-token blocks, 64 blocks of cache each) from empty caches after
 the first engine answered 6 chats' first turns straight. The hit rate is the engines' own
 `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the run. Ways of routing:
@@ -35,6 +35,7 @@ import zmq  # noqa: E402
 
 from harness.coordinator import Coordinator  # noqa: E402
 from harness.kv_trace import (  # noqa: E402
+    CONCURRENCY,
     coordinator_cfg,
     kv_addresses,
     kv_states,
@@ -56,7 +57,7 @@ def through_coordinator(env: dict, policy: str, kv_events: bool) -> tuple[float,
     with Coordinator(cfg, ready_timeout_s=180.0) as coord:
         if kv_events and not wait_until(lambda: kv_states(coord) == ["live", "live"], 30):
             raise SystemExit(f"KV events not live: {kv_states(coord)}")
-        result = measure(env["trace"], env["model"], env["urls"], lambda i: coord.url)
+        result = measure(env["trace"], env["model"], env["urls"], lambda i: coord.url, env["concurrency"])
         if not kv_events:
             return result.hit_rate, None
         n = len(result.usages)
@@ -80,7 +81,7 @@ def through_router(env: dict, policy: str) -> float:
         try:
             if not wait_until(lambda: _up(url), 120, 0.5):
                 raise SystemExit(f"vllm-router {policy} did not start: see {log_path}")
-            return measure(env["trace"], env["model"], env["urls"], lambda i: url).hit_rate
+            return measure(env["trace"], env["model"], env["urls"], lambda i: url, env["concurrency"]).hit_rate
         finally:
             proc.terminate()
 
@@ -111,6 +112,7 @@ def _up(url: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-router", action="store_true", help="skip vllm-router (not installed)")
+    ap.add_argument("--concurrency", type=int, default=CONCURRENCY, help="requests in flight")
     args = ap.parse_args()
     try:
         env = {name: os.environ[f"MOTOR_E2E_{name.upper()}"] for name in UNIONS}
@@ -120,6 +122,7 @@ def main() -> None:
         raise SystemExit(f"{e} unset: run it as `bash tests/e2e/vllm_up.sh python bench/kv_hitrate.py`") from None
     env["urls"] = [f"http://{env[name]}" for name in UNIONS]
     env["trace"] = make_trace()
+    env["concurrency"] = args.concurrency
     rows = []
 
     def row(name: str, run) -> None:
@@ -140,7 +143,9 @@ def main() -> None:
     row("Coordinator slo_aware, KV events", lambda: through_coordinator(env, "slo_aware", True))
     row(
         "sticky (chat i on engine i mod 2, direct)",
-        lambda: measure(env["trace"], env["model"], env["urls"], lambda i: env["urls"][i % 2]).hit_rate,
+        lambda: measure(
+            env["trace"], env["model"], env["urls"], lambda i: env["urls"][i % 2], env["concurrency"]
+        ).hit_rate,
     )
     if not args.no_router:
         row("vllm-router 0.1.17 cache_aware", lambda: through_router(env, "cache_aware"))

@@ -26,7 +26,7 @@ from harness.configs import coordinator_config
 from harness.metrics import by_label
 
 ANSWER_TOKENS = 24
-CONCURRENCY = 4  # chats in flight at once, as several users' would be
+CONCURRENCY = 2  # chats in flight at once, as several users' would be
 # Greedy answers of a fixed length: every policy's run sees the same conversations.
 SAMPLING = {"temperature": 0, "max_tokens": ANSWER_TOKENS, "extra_body": {"ignore_eos": True}}
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
