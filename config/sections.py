@@ -417,8 +417,12 @@ class ClusterConfig:
 
 
 def _zmq_endpoint(url: str) -> str | None:
+    # ipc://: vLLM binds its PUB socket only for a wildcard or ipc address (it connects to any other), so
+    # engines on the Coordinator's own host that must not listen beyond it publish on a Unix socket.
+    if url.startswith("ipc://") and len(url) > len("ipc://"):
+        return None
     if not url.startswith("tcp://") or url.rfind(":") <= len("tcp://"):
-        return "must be tcp://HOST:PORT ({host} stands for each engine endpoint's host)"
+        return "must be tcp://HOST:PORT ({host} stands for each engine endpoint's host) or ipc://PATH"
     return None
 
 

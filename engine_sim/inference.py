@@ -109,8 +109,9 @@ async def _run(sim: SimState, request: web.Request, req: SimRequest, headers: di
     hashes = T.block_hashes(req.prompt_text, cfg.block_size, cfg.bytes_per_token)
     prefix_hit = 0
     if not remote_hit:
-        prefix_hit = eng.prefix_match(hashes) * cfg.block_size
-        prefix_hit = min(prefix_hit, max(req.prompt_tokens - 1, 0))
+        # As vLLM: at least the last prompt token is computed, so a hit is whole blocks of the first n - 1.
+        reusable = max(req.prompt_tokens - 1, 0) // cfg.block_size
+        prefix_hit = eng.prefix_match(hashes[:reusable]) * cfg.block_size
     eng.account_prompt(req.prompt_tokens, prefix_hit if not remote_hit else 0, remote_hit)
     req.cached_tokens = max(prefix_hit, remote_hit)
     out_lens = [len(p) for p in g.pieces]

@@ -56,6 +56,9 @@ class PrefixIndex:
             i = (i + 1) & _MASK
         return -1
 
+    def placed(self, lease, job) -> None:
+        """The estimate learns a prompt when its engine has computed it (`record`), not when it is sent."""
+
     def record(self, hashes: list[int], slot: int) -> None:
         """`slot` has just prefilled a prompt with these block hashes."""
         self.write(hashes, slot)

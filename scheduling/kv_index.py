@@ -28,6 +28,7 @@ import json
 import zlib
 from bisect import bisect_right
 
+from scheduling import clock
 from scheduling.policies import JobInfo
 from scheduling.registry import Target
 from state.shared import KvEndpointRow, SharedState
@@ -180,7 +181,9 @@ class PromptKeys:
         self.crcs = {start: zlib.crc32(self.data[:start])}
 
     def blocks(self, block_size: int) -> int:
-        return self.n_tokens // block_size
+        """The blocks an engine's cache can serve it: vLLM computes at least the prompt's last token, so its
+        hits are the full blocks of the first n - 1 tokens (a prompt of whole blocks reuses all but its last)."""
+        return max(self.n_tokens - 1, 0) // block_size
 
     def key(self, block_size: int, blocks: int) -> int:
         end = self.offsets[0] + blocks * block_size * TOKEN_BYTES
@@ -199,6 +202,16 @@ def prompt_seed(cache_salt: object = None) -> bytes:
     return extra_bytes([cache_salt]) if cache_salt else b""
 
 
+# How long a finished request's prompt still counts as in flight: its events may trail its answer (the
+# subscriber thread shares the process, and the cores, with the workers).
+INFLIGHT_GRACE_S = 1.0
+INFLIGHT_MAX = 256  # per slot and worker, the latest: what a lookup compares with stays bounded
+
+
+def _flying(lease) -> bool:
+    return not lease.released or clock.now() - lease.ended < INFLIGHT_GRACE_S
+
+
 class KvEventSource:
     """The policies' PrefixSource from the engines' KV events, for requests whose prompt ids are known
     (`JobInfo.token_ids`: a model with a tokenizer_path, or a token-id prompt); for the others, and for engines
@@ -206,6 +219,9 @@ class KvEventSource:
 
     def __init__(self, index: KvIndex, estimate):
         self.index, self.estimate = index, estimate
+        # This worker's prompts in flight per slot, (lease, keys): an engine computing a prompt holds its blocks
+        # for the requests after it before its events can say so (vLLM shares them even within one step).
+        self.inflight: dict[int, list[tuple[object, PromptKeys]]] = {}
         self.needs_hashes = estimate.needs_hashes
         self.needs_ids = True
         self.block_tokens = estimate.block_tokens
@@ -218,7 +234,35 @@ class KvEventSource:
         prompt = job.prompt_keys
         if prompt is None or not self._live(target.slot):
             return self.estimate.cached_tokens(job, target)
-        return self.index.cached_tokens_at(target.slot, prompt)
+        held = self.index.cached_tokens_at(target.slot, prompt)
+        return max(held, self._inflight_tokens(target.slot, prompt))
+
+    def _inflight_tokens(self, slot: int, prompt: PromptKeys) -> int:
+        """The leading tokens of `prompt` that a prompt in flight on `slot` shares (whole blocks of it)."""
+        flying = self.inflight.get(slot)
+        size = self.index.rows[slot].block_size
+        if not flying or size <= 0:
+            return 0
+        flying[:] = [f for f in flying if _flying(f[0])]
+        best = 0
+        for _, other in flying:
+            lo, hi = best, min(prompt.blocks(size), other.n_tokens // size)  # all its full blocks get cached
+            if lo >= hi or other.key(size, lo + 1) != prompt.key(size, lo + 1):
+                continue
+            while lo < hi:  # the first lo blocks are shared; none past hi
+                mid = (lo + hi + 1) // 2
+                if other.key(size, mid) == prompt.key(size, mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = lo
+        return best * size
+
+    def placed(self, lease, job: JobInfo) -> None:
+        if job.prompt_keys is not None:
+            flying = self.inflight.setdefault(lease.slot, [])
+            flying[:] = [f for f in flying if _flying(f[0])][-INFLIGHT_MAX + 1 :]
+            flying.append((lease, job.prompt_keys))
 
     def last_holder(self, job: JobInfo, tokens: int) -> int:
         # The events say who holds a block, not who came to hold it last: among equal holders, the policy's order.

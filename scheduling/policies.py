@@ -114,6 +114,9 @@ class PrefixSource(Protocol):
         """The engine at `slot` has just computed a prompt with these block hashes (what an estimate learns
         from; a source the engines tell may ignore it)."""
 
+    def placed(self, lease, job: JobInfo) -> None:
+        """`job`'s prompt was just sent to be computed on `lease.slot` (its ledger Lease, released when done)."""
+
 
 class Policy:
     name = "base"
@@ -321,8 +324,10 @@ class KvCacheAffinity(LoadBalance):
             return super().choose(cands, job)
         target = holders[0]
         if len(holders) > 1:
+            # Equal holders (a shared system prompt on each): the estimate's most recent one, else the least
+            # loaded, so new conversations spread instead of piling onto the first engine's cache.
             last = self.index.last_holder(job, best)
-            target = next((t for t in holders if t.slot == last), holders[0])
+            target = next((t for t in holders if t.slot == last), None) or super().choose(holders, job)
         least = min(self.score(t) for t in cands)
         # "Plus one request" is one like this one, tokens and all: a holder serving a single request of the
         # conversation's size (the previous turn, still closing its stream) is not overloaded.

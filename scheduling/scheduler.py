@@ -345,6 +345,8 @@ class Scheduler:
             idle = not self.ledger.load(t.slot)[3]  # no prefill in flight there: its queue is empty
             lease = self.ledger.lease(t.slot, uncached, 1 if kind == PREFILL else job.max_tokens, kind=kind)
             lease.hashes = job.block_hashes
+            if self.index is not None:
+                self.index.placed(lease, job)
             if kind == WHOLE and job.feasible is not None:
                 lease.predicted_tpot = job.tpot_model_s
             if self.predictor is not None:

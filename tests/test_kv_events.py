@@ -231,15 +231,15 @@ def test_an_engine_found_unhealthy_is_forgotten(sim_pair):
 class RawPublisher:
     """vLLM's wire by hand: PUB frames with chosen sequence numbers, a ROUTER that replays chosen batches."""
 
-    def __init__(self, pub: int, replay: int):
+    def __init__(self, pub: int | str, replay: int | str):
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{pub}")
+        self.pub.bind(pub if isinstance(pub, str) else f"tcp://127.0.0.1:{pub}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(f"tcp://127.0.0.1:{replay}")
+        self.router.bind(replay if isinstance(replay, str) else f"tcp://127.0.0.1:{replay}")
         self.kept: dict[int, bytes] = {}
         self.asked: list[int] = []
 
@@ -307,6 +307,58 @@ def test_a_gap_is_filled_from_the_replay_socket(raw):
     assert wait_until(lambda: world.row(1).state == KV_LIVE, 3)  # the replay's end marker came
     assert world.row(1).seq == 2
     assert world.row(1).clears == 0  # the gap was filled: nothing forgotten
+
+
+def test_an_engine_publishing_on_a_unix_socket_is_followed(tmp_path):
+    """vLLM binds its PUB socket only for a wildcard or an ipc:// address (it connects to any other host): an
+    engine on the Coordinator's host that must listen on no network publishes on ipc://, which the config takes."""
+    from config import settings_from_dict
+    from harness.configs import coordinator_config
+
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    ep = {"id": 0, "address": "127.0.0.1:1", "kv_events": {"endpoint": pub, "replay_endpoint": replay}}
+    cfg = coordinator_config([{"id": 1, "role": "union", "model_name": "m", "endpoints": [ep]}])
+    (inst,) = settings_from_dict(cfg).instances
+    publisher = RawPublisher(pub, replay)
+    world = Subscribed([inst])
+    try:
+        time.sleep(0.3)
+        publisher.send(0, [stored(PROMPT_A, 100)])
+        assert wait_until(lambda: world.cached(1, PROMPT_A) == 8 * BLOCK, 3)
+        assert world.row(1).state == KV_LIVE
+    finally:
+        world.close()
+        publisher.close()
+
+
+def test_a_prompt_in_flight_counts_as_held_until_its_events_come(raw):
+    """A request's prompt sent to an engine is cached there for the requests after it (vLLM shares its blocks
+    even within one step) before its events arrive: a second turn of it counts those blocks as held, until a
+    moment after the first request is done."""
+    from scheduling.affinity import PrefixIndex
+    from scheduling.kv_index import INFLIGHT_GRACE_S, KvEventSource
+    from scheduling.ledger import Ledger
+    from scheduling.policies import JobInfo
+
+    publisher, world = raw
+    publisher.send(0, [stored(PROMPT_B, 100)])  # the feed is live, its block size known
+    assert wait_until(lambda: world.cached(1, PROMPT_B) == 8 * BLOCK, 3)
+    source = KvEventSource(world.sub.index, PrefixIndex(world.shared, BLOCK))
+    (target,) = world.registry.view().targets
+
+    def job(ids: list[int]) -> JobInfo:
+        return JobInfo("m", len(ids), 1, 1000, 50, prompt_keys=PromptKeys(ids_bytes(ids)))
+
+    turn = PROMPT_A + ids_of(" and the next turn of it")
+    assert source.cached_tokens(job(turn), target) == 0
+    lease = Ledger(world.shared, 0, 1).lease(target.slot, len(PROMPT_A), 1)
+    source.placed(lease, job(PROMPT_A))
+    assert source.cached_tokens(job(turn), target) == 8 * BLOCK
+    assert source.cached_tokens(job(PROMPT_B + PROMPT_A), target) == 8 * BLOCK  # B's own, from the events
+    lease.release()
+    assert source.cached_tokens(job(turn), target) == 8 * BLOCK  # its events may trail its answer
+    time.sleep(INFLIGHT_GRACE_S + 0.1)
+    assert source.cached_tokens(job(turn), target) == 0
 
 
 def test_blocks_are_scoped_by_cache_salt_and_lora(raw):
@@ -482,6 +534,57 @@ def test_the_coordinator_routes_to_the_engine_holding_the_prefix():
             metrics = httpx.get(coord.obs + "/metrics").text
             assert 'motor_kv_prediction_total{model="m",outcome="exact"} 6.0' in metrics
             assert "motor_kv_events_blocks{" in metrics
+    finally:
+        for sim in sims:
+            sim.stop()
+
+
+def test_a_prompt_of_whole_blocks_is_predicted_to_reuse_all_but_its_last():
+    """vLLM computes at least a prompt's last token, so a prompt of exactly 8 cached blocks reuses 7 (not all but
+    one token): the engine reports it so, and the Coordinator predicts it so."""
+    from harness.configs import coordinator_config
+    from harness.coordinator import Coordinator
+
+    sims, instances = engines_with_events(1, "union")
+    whole = PROMPT_A[: 8 * BLOCK]
+    cfg = coordinator_config(
+        instances, scheduler_config={"scheduler_type": "kv_cache_affinity"}, kv_event_config={"enable": True}
+    )
+    try:
+        with Coordinator(cfg) as coord:
+            assert wait_until(lambda: _kv_states(coord) == ["live"], 10)
+            complete(sims[0], whole)  # straight to the engine
+            assert wait_until(lambda: _kv_blocks(coord)[0] >= 8, 5)
+            r = httpx.post(coord.url + "/v1/completions", json={"model": "m", "prompt": whole, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK
+            assert wait_until(lambda: "cached_tokens_predicted=112 cached_tokens=112" in coord.output(), 5)
+    finally:
+        sims[0].stop()
+
+
+def test_new_conversations_on_a_prefix_both_engines_hold_are_spread():
+    """Both engines hold a shared system prompt: new conversations on it go to the less loaded, in turn, not
+    all to the first engine (whose cache they would crowd while the other's stays idle)."""
+    from harness.configs import coordinator_config
+    from harness.coordinator import Coordinator
+
+    sims, instances = engines_with_events(2, "union")
+    cfg = coordinator_config(
+        instances, scheduler_config={"scheduler_type": "kv_cache_affinity"}, kv_event_config={"enable": True}
+    )
+    try:
+        with Coordinator(cfg) as coord:
+            assert wait_until(lambda: _kv_states(coord) == ["live", "live"], 10)
+            for sim in sims:
+                complete(sim, PROMPT_A)  # straight to each engine
+            assert wait_until(lambda: min(_kv_blocks(coord)) >= 8, 5)
+            before = [len(s.requests()) for s in sims]
+            for k in range(4):
+                prompt = PROMPT_A + ids_of(f" conversation {k}")
+                r = httpx.post(coord.url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+            assert [len(s.requests()) - b for s, b in zip(sims, before)] == [2, 2]
     finally:
         for sim in sims:
             sim.stop()

@@ -679,7 +679,7 @@ class ReportedPrefixes:
     needs_ids = False
 
     def __init__(self, held: dict[int, int], last: int = -1):
-        self.held, self.last, self.recorded = held, last, []
+        self.held, self.last, self.recorded, self.sent = held, last, [], []
 
     def cached_tokens(self, job: JobInfo, target: Target) -> int:
         return self.held.get(target.slot, 0)
@@ -689,6 +689,9 @@ class ReportedPrefixes:
 
     def record(self, hashes: list[int], slot: int) -> None:
         self.recorded.append((hashes, slot))
+
+    def placed(self, lease, job: JobInfo) -> None:
+        self.sent.append(lease.slot)
 
 
 def test_a_second_prefix_source_takes_the_estimates_place():
@@ -722,6 +725,7 @@ def test_a_second_prefix_source_takes_the_estimates_place():
     assert info.prompt_tokens > 100 and info.block_hashes == []  # none made for a source that reads none
     info.block_hashes = [7, 8]
     lease = sched.lease(target(1, "union"), info, WHOLE)
+    assert reported.sent == [1]  # the prompt is on its way there: the source is told
     lease.first_token()  # the prompt is cached there now: the source is told
     assert reported.recorded == [([7, 8], 1)]
     lease.release()

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import httpx
 
+from harness.kv_trace import kv_addresses
 from harness.loopback import wait_until
 
-ROLES = ("union", "prefill", "decode")
+ROLES = ("union", "union2", "prefill", "decode")  # union2: a second union engine, for the KV-event trace
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
@@ -33,6 +34,11 @@ class Engine:
     def pid(self) -> int:
         with open(os.path.join(self.run_dir, f"{self.name}.pid")) as f:
             return int(f.read())
+
+    @property
+    def kv_events(self) -> dict:
+        """Where a union engine publishes its KV events: an endpoint's `kv_events` object for the Coordinator."""
+        return kv_addresses(self.run_dir, self.name)
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=10).text

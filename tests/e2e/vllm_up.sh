@@ -2,16 +2,17 @@
 # Real vLLM engines for the e2e suite, on loopback only.
 #
 #   tests/e2e/vllm_up.sh CMD [ARGS...]  make sure the pinned vLLM venv and the tiny model exist (both cached
-#                                       under $MOTOR_E2E_CACHE), start a union engine and a NixlConnector
-#                                       prefill + decode pair in parallel, wait for their /health, run CMD with
-#                                       MOTOR_E2E_* set, then stop every engine (also on error or Ctrl-C)
+#                                       under $MOTOR_E2E_CACHE), start two union engines publishing KV events and
+#                                       a NixlConnector prefill + decode pair in parallel, wait for their /health,
+#                                       run CMD with MOTOR_E2E_* set, then stop every engine (also on error or Ctrl-C)
 #   tests/e2e/vllm_up.sh                the same, keeping the engines up until Ctrl-C
 #   tests/e2e/vllm_up.sh install|model  only the venv / only the model
 #
-# What CMD gets: MOTOR_E2E_UNION / _PREFILL / _DECODE (host:port), MOTOR_E2E_MODEL (served name),
+# What CMD gets: MOTOR_E2E_UNION / _UNION2 / _PREFILL / _DECODE (host:port), MOTOR_E2E_MODEL (served name),
 # MOTOR_E2E_MODEL_DIR, MOTOR_E2E_RUN (a folder with NAME.sh, the exact launch command of each engine,
-# NAME.pid and NAME.log; a test that restarts an engine runs NAME.sh and writes NAME.pid, so the stop on
-# exit still finds it). A failed install exits non-zero with the reason: the suite fails, it never skips.
+# NAME.pid, NAME.log and, for a union engine, NAME.kv: its KV-event PUB and replay addresses on one line;
+# a test that restarts an engine runs NAME.sh and writes NAME.pid, so the stop on exit still finds it).
+# A failed install exits non-zero with the reason: the suite fails, it never skips.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,6 +21,10 @@ VENV="$CACHE/vllm-venv"
 LOCK="$HERE/vllm-requirements.txt"
 MODEL_NAME="motor-tiny"
 START_TIMEOUT_S="${MOTOR_E2E_START_TIMEOUT:-600}"
+ENGINES="union union2 prefill decode"
+# A union engine's KV cache in blocks of 32 tokens: small enough that the multi-turn trace
+# (tests/e2e/test_vllm_kv_events.py) evicts blocks, at least one max-model-len prompt (16 blocks).
+KV_BLOCKS="${MOTOR_E2E_KV_BLOCKS:-64}"
 # What makes a venv current: the lock, the fixes below and the interpreter. Bump FIXES when a fix changes.
 FIXES=1
 
@@ -116,12 +121,20 @@ free_port() {
 
 # write_engine NAME ROLE: the launch script $RUN/NAME.sh (its last line execs the engine, so its pid is the engine's).
 write_engine() {
-    local name=$1 role=$2 port side kv=""
+    local name=$1 role=$2 port side kv="" pub replay events=""
     port="$(free_port)"
     side="$(free_port)"
     case "$role" in
         prefill) kv='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}' ;;
         decode) kv='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cpu"}' ;;
+        union)
+            # vLLM binds its PUB socket only for a wildcard (every interface) or an ipc:// address, and connects
+            # to any other: Unix sockets keep the events off the network.
+            pub="ipc://$RUN/$name-kv-pub"
+            replay="ipc://$RUN/$name-kv-replay"
+            events="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"$pub\",\"replay_endpoint\":\"$replay\",\"topic\":\"kv\"}"
+            echo "$pub $replay" >"$RUN/$name.kv"
+            ;;
     esac
     {
         echo "# $name ($role) engine of this e2e run"
@@ -136,6 +149,8 @@ write_engine() {
         echo "export VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1"
         # Cached bytecode makes the next start faster (the outer environment may forbid writing it).
         echo "unset PYTHONDONTWRITEBYTECODE"
+        # POST /reset_prefix_cache (the KV trace empties the caches between policies) exists only in dev mode.
+        [ -z "$events" ] || echo "export VLLM_SERVER_DEV_MODE=1"
         printf 'exec %q -m vllm.entrypoints.openai.api_server --model %q --served-model-name %q' \
             "$VENV/bin/python" "$MODEL_DIR" "$MODEL_NAME"
         # Prompt-token details make D report the KV it received as cached tokens: the usage fix-up is checked on them.
@@ -143,6 +158,11 @@ write_engine() {
         printf ' --enable-prompt-tokens-details'
         printf ' --host 127.0.0.1 --port %s' "$port"
         [ -z "$kv" ] || printf ' --kv-transfer-config %q' "$kv"
+        # Union engines: prefix caching with KV events on loopback, blocks of 32 tokens (the CPU backend takes
+        # multiples of 32) and a cache of KV_BLOCKS blocks (--num-gpu-blocks-override is exact on CPU too;
+        # VLLM_CPU_KVCACHE_SPACE counts whole GiB).
+        [ -z "$events" ] || printf ' --enable-prefix-caching --block-size 32 --num-gpu-blocks-override %s --kv-events-config %q' \
+            "$KV_BLOCKS" "$events"
         echo
     } >"$RUN/$name.sh"
     echo "127.0.0.1:$port" >"$RUN/$name.address"
@@ -179,7 +199,7 @@ stop_engines() {
 
 engine_logs() {
     local name
-    for name in union prefill decode; do
+    for name in $ENGINES; do
         [ -f "$RUN/$name.log" ] || continue
         echo "----- last lines of the $name engine's log ($RUN/$name.log) -----" >&2
         grep -v 'Route: ' "$RUN/$name.log" | tail -n 25 >&2
@@ -203,7 +223,7 @@ wait_healthy() {
     local started=$SECONDS name pending
     while :; do
         pending=""
-        for name in union prefill decode; do
+        for name in $ENGINES; do
             kill -0 "$(cat "$RUN/$name.pid")" 2>/dev/null || die "the $name engine exited during start-up"
             curl -sf -o /dev/null --max-time 2 "http://$(cat "$RUN/$name.address")/health" || pending="$pending $name"
         done
@@ -224,18 +244,19 @@ main() {
     RUN="$(mktemp -d "${TMPDIR:-/tmp}/motor-e2e-run.XXXXXX")"
     trap on_exit EXIT
     trap 'exit 130' INT TERM
-    for pair in union:union prefill:prefill decode:decode; do
+    for pair in union:union union2:union prefill:prefill decode:decode; do
         write_engine "${pair%%:*}" "${pair##*:}"
     done
-    for name in union prefill decode; do
+    for name in $ENGINES; do
         start_engine "$name"
     done
     wait_healthy
     export MOTOR_E2E_RUN="$RUN" MOTOR_E2E_MODEL="$MODEL_NAME" MOTOR_E2E_MODEL_DIR="$MODEL_DIR"
-    export MOTOR_E2E_UNION="$(cat "$RUN/union.address")" MOTOR_E2E_PREFILL="$(cat "$RUN/prefill.address")"
+    export MOTOR_E2E_UNION="$(cat "$RUN/union.address")" MOTOR_E2E_UNION2="$(cat "$RUN/union2.address")"
+    export MOTOR_E2E_PREFILL="$(cat "$RUN/prefill.address")"
     export MOTOR_E2E_DECODE="$(cat "$RUN/decode.address")"
     if [ $# -eq 0 ]; then
-        say "union $MOTOR_E2E_UNION, prefill $MOTOR_E2E_PREFILL, decode $MOTOR_E2E_DECODE; Ctrl-C stops them"
+        say "union $MOTOR_E2E_UNION, union2 $MOTOR_E2E_UNION2, prefill $MOTOR_E2E_PREFILL, decode $MOTOR_E2E_DECODE; Ctrl-C stops them"
         while :; do sleep 3600 & wait $!; done
     fi
     "$@"

@@ -1,0 +1,56 @@
+"""The engines' KV events against real vLLM: what the Coordinator predicts an engine holds is what vLLM reports
+it held, and routing on it finds more of the prompt cached than the rotation or the estimate index.
+
+Two union engines (vllm_up.sh: prefix caching, KV events over ZMQ on Unix sockets, blocks of 32 tokens, 64
+blocks of cache each, so the trace evicts) get the seeded multi-turn trace of harness/kv_trace.py once per
+policy, from empty caches, after the first engine answered some chats' first turns straight (a client the
+Coordinator never saw). The prediction is compared with the engine's own `prompt_tokens_details.cached_tokens`
+by the Coordinator itself (`motor_kv_prediction_total{outcome}`; each request's log line has both); the hit
+rate is the engines' own `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import httpx
+import pytest
+
+from harness.coordinator import Coordinator
+from harness.kv_trace import coordinator_cfg, kv_states, make_trace, measure, predictions
+from harness.loopback import wait_until
+
+pytestmark = pytest.mark.vllm
+
+UNIONS = ("union", "union2")
+_LINE = re.compile(r"cached_tokens_predicted=(\S+) cached_tokens=(\S+)")
+
+
+def run_policy(engines, model: str, policy: str, kv_events: bool) -> dict:
+    """One run of the trace through a Coordinator of `policy`: its hit rate, the Coordinator's prediction
+    outcomes and the (predicted, reported) pairs of its log lines that differ."""
+    unions = [(engines[name].address, engines[name].kv_events) for name in UNIONS]
+    cfg = coordinator_cfg(unions, model, os.environ["MOTOR_E2E_MODEL_DIR"], policy, kv_events)
+    with Coordinator(cfg, ready_timeout_s=180.0) as coord:
+        if kv_events:
+            assert wait_until(lambda: kv_states(coord) == ["live", "live"], 30), kv_states(coord)
+            assert httpx.get(coord.mgmt + "/instances").json()["prompt_tokens"] == {model: "exact"}
+        result = measure(make_trace(), model, [engines[name].url for name in UNIONS], lambda i: coord.url)
+        n = len(result.usages)
+        if kv_events:  # (the Coordinator compares predictions for the prompts whose ids it knows)
+            assert wait_until(lambda: sum(predictions(coord).values()) == n, 10)
+        outcomes = predictions(coord)
+        misses = [m.groups() for m in _LINE.finditer(coord.output()) if m.group(1) != m.group(2)]
+    exact = outcomes.get("exact", 0.0) / n
+    print(f"\n{policy} kv_events={kv_events}: hit rate {result.hit_rate:.3f}, exact predictions {exact:.3f} {outcomes}")
+    return {"hit_rate": result.hit_rate, "exact": exact, "outcomes": outcomes, "misses": misses}
+
+
+def test_kv_events_predict_vllms_cached_tokens_and_find_more_of_it(engines, model):
+    rr = run_policy(engines, model, "round_robin", False)
+    estimate = run_policy(engines, model, "kv_cache_affinity", False)
+    events = run_policy(engines, model, "kv_cache_affinity", True)
+    assert events["exact"] >= 0.95, (events["outcomes"], events["misses"])
+    assert events["hit_rate"] > rr["hit_rate"], (events["hit_rate"], rr["hit_rate"])
+    assert events["hit_rate"] > estimate["hit_rate"], (events["hit_rate"], estimate["hit_rate"])
