@@ -115,6 +115,13 @@ class Cluster:
         # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
         self.admitted = self.ended = self.calls = 0
         self.recount = False
+        # Tenants with a quota (hash -> ...): this worker's requests of each the store counted; ended requests and
+        # tokens still to send ([ended, tokens, tpm]); the store's last word on each one's buckets (`_view`).
+        self.tenant_admitted: dict[str, int] = {}
+        self.settling: dict[str, list[int]] = {}
+        self.views: dict[str, tuple[int, ...]] = {}
+        self.written_epoch = ""  # the store's epoch when this worker last wrote its part (`_rewrite`)
+        self._rewriting: asyncio.Future | None = None
         self._told_at = 0.0
         self._refused_version: int | None = None  # the stored set this replica cannot apply: said once, not each tick
         self.losses_seen = self.shared.globals.store_losses
@@ -130,32 +137,121 @@ class Cluster:
     # -- the request path -------------------------------------------------------------------------------
 
     async def admit(self, place, cap: int, rate: float, burst_milli: int) -> None:
-        """The cluster-wide cap and rate for one request (its door `place`); RateLimited if refused. Without the
-        store: this replica's share of the cap."""
+        """The cluster-wide cap and rate for one request (its door `place`), and its tenant's quota when it has
+        one (`place.tenant`, serving/tenants.py's Ask); RateLimited if refused. Without the store: this replica's
+        share of the cap and of the tenant's quota."""
+        ask = place.tenant
         ended, self.ended = self.ended, 0
+        settle = self._settlements()
         self.calls += 1
         try:
-            verdict, wait_s = await self.store.admit(ended, cap, self.ttl_ms, rate, burst_milli)
+            tenant = ask.args(self.written_epoch) if ask is not None else ()
+            reply = await self.store.admit(ended, cap, self.ttl_ms, rate, burst_milli, tenant, settle)
+            if reply[0] == 3:  # the store lost its data since this worker wrote its part: written again first
+                self._unsettle(settle)
+                await self._rewrite()
+                reply = await self.store.admit(0, cap, self.ttl_ms, rate, burst_milli, ask.args(self.written_epoch))
+                if reply[0] == 3:
+                    raise StoreDown("the store lost its data again")
         except StoreDown as e:
             self.ended += ended
+            self._unsettle(settle)
             self._down(e)
-            return self.share_check(cap)
+            self.share_check(cap)
+            if ask is not None:
+                ask.fallback()
+            return
         finally:
             self.calls -= 1
         self._up()
         self._told_at = time.monotonic()
+        verdict, wait_s = reply[0], reply[1]
+        if ask is not None and len(reply) > 3:
+            self._view(ask, reply[3:])
         if verdict == 0:
             self.admitted += 1
             place.clustered = True
+            if ask is not None:
+                self.tenant_admitted[ask.key] = self.tenant_admitted.get(ask.key, 0) + 1
+                ask.answer("", 0.0, reply[3:])
         elif verdict == 1:
             raise RateLimited(f"too many requests in flight (limit {cap} across the cluster)", reason="inflight_cap")
-        else:
+        elif verdict == 2:
             raise RateLimited.by_rate(self.live.s.error_message, self.live.s.error_status_code, wait_s)
+        else:
+            ask.answer(reply[2].decode(), wait_s, reply[3:])
 
     def left(self) -> None:
         """A request the store counted ended: taken off at the next call or tick."""
         self.admitted -= 1
         self.ended += 1
+
+    def tenant_left(self, key: str, tokens: int, tpm: int) -> None:
+        """A request of tenant `key` the store counted ended, `tokens` served beyond what it took: taken off at
+        this worker's next call or tick."""
+        self.tenant_admitted[key] -= 1
+        pending = self.settling.get(key)
+        if pending is None:
+            self.settling[key] = [1, tokens, tpm]
+        else:
+            pending[0] += 1
+            pending[1] += tokens
+            pending[2] = tpm
+
+    def tenant_charge(self, key: str, tokens: int, tpm: int) -> None:
+        """Tokens tenant `key`'s requests were served beyond what they took (output as it streams): charged at this
+        worker's next call or tick."""
+        pending = self.settling.get(key)
+        if pending is None:
+            self.settling[key] = [0, tokens, tpm]
+        else:
+            pending[1] += tokens
+            pending[2] = tpm
+
+    def _settlements(self) -> tuple:
+        """The batch of ended requests and tokens per tenant to send, flat (the store's `settle`), taken."""
+        if not self.settling:
+            return ()
+        pending, self.settling = self.settling, {}
+        return tuple(v for key, (ended, tokens, tpm) in pending.items() for v in (key, ended, tokens, tpm))
+
+    def _unsettle(self, flat: tuple) -> None:
+        """A batch the store did not take: pending again."""
+        for i in range(0, len(flat), 4):
+            key, ended, tokens, tpm = flat[i : i + 4]
+            pending = self.settling.setdefault(key, [0, 0, tpm])
+            pending[0] += ended
+            pending[1] += tokens
+
+    def _view(self, ask, state: list) -> None:
+        """A tenant's buckets as the store's reply said (rq, rq_at, tk, tk_at, the store's time): what this worker
+        writes back if the store loses them."""
+        view = [int(v) for v in state[:5]]
+        self.views[ask.key] = (*view, ask.rpm, ask.tpm)
+
+    async def _rewrite(self) -> None:
+        """After the store lost its data (or this worker's first call): its count, its tenants' counts and its views
+        of their buckets written again (the pending ended requests are in the counts), and the epoch noted."""
+        if self._rewriting is None:
+            self._rewriting = asyncio.ensure_future(self._write_again())
+        task = self._rewriting
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._rewriting = None
+
+    async def _write_again(self) -> None:
+        self.ended = 0
+        for pending in self.settling.values():
+            pending[0] = 0
+        flat: list = []
+        for key in self.tenant_admitted.keys() | self.views.keys():
+            view = self.views.get(key, (0, 0, 0, 0, 0, 0, 0))
+            flat += (key, self.tenant_admitted.get(key, 0), *view)
+        epoch = await self.store.rewrite(self.admitted, self.ttl_ms, tuple(flat))
+        self.written_epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
+        self.recount = False
 
     def share(self, cap: int) -> int:
         """This replica's share of a cluster-wide cap while the store is away (at least one)."""
@@ -252,17 +348,30 @@ class Cluster:
             self.losses_seen, self.recount = self.shared.globals.store_losses, True
         if self.recount:
             if not self.calls:  # (an admit under way would be counted twice)
-                self.ended = 0
-                await self.store.set_count(self.admitted, self.ttl_ms)
-                self.recount, self._told_at = False, now
-        elif self.ended or now - self._told_at > self.ttl_ms / 3000:
+                await self._rewrite()
+                self._told_at = now
+        elif self.ended or self.settling or now - self._told_at > self.ttl_ms / 3000:
             ended, self.ended = self.ended, 0
+            settle = self._settlements()
             try:
-                await self.store.ended(ended, self.ttl_ms)
+                if settle:
+                    self._settled(await self.store.settle(ended, self.ttl_ms, settle))
+                else:
+                    await self.store.ended(ended, self.ttl_ms)
             except StoreDown:
                 self.ended += ended
+                self._unsettle(settle)
                 raise
             self._told_at = now
+
+    def _settled(self, reply: list) -> None:
+        """The tpm buckets a settlement changed, into this worker's views."""
+        at = int(reply[0])
+        for i in range(1, len(reply), 3):
+            key = reply[i].decode()
+            view = self.views.get(key)
+            if view is not None and view[4] < at:
+                self.views[key] = (view[0], view[1], int(reply[i + 1]), int(reply[i + 2]), at, *view[5:])
 
     async def _first_sync(self) -> None:
         """At start: the stored instance set if there is one (it wins over the static config), else this one's."""

@@ -87,22 +87,40 @@ def test_max_inflight_is_exact_across_workers(coord):
     assert all(s == 200 for s, _, _ in at_once(CAP, lambda: chat(coord, KEY_C)))  # the places came back
 
 
-def test_tpm_counts_prompt_and_output_and_holds_within_one_request(coord):
-    """Concurrent requests each reserve their prompt and output budget (so together they take no more than the
-    quota); what they did not use comes back when they end, and requests one after another then take the rest:
-    in all, the tokens served are the quota's to within one request's."""
-    results = at_once(20, lambda: chat(coord, KEY_T, max_tokens=100))
-    for _ in range(20):
-        results.append(chat(coord, KEY_T, max_tokens=100))
+def reset_s(text: str) -> float:
+    """An x-ratelimit-reset-* header's duration (`20ms`, `1.5s`, `6m0s`) in seconds."""
+    if text.endswith("ms"):
+        return int(text[:-2]) / 1000
+    minutes, _, seconds = text[:-1].rpartition("m")
+    return int(minutes or 0) * 60 + float(seconds)
+
+
+def tpm_burst(coords: list, key: str, tpm: int, n: int = 20) -> tuple[int, float, tuple]:
+    """`n` requests of 100 tokens at once, spread over `coords`, then one at a time until one is refused: the tokens
+    served (the answers' usage), the tokens the refusal's headers say the bucket was charged less its refill (its
+    time to full again, at tpm a minute), and the refusal."""
+    results = at_once(n, lambda i=iter(range(10**6)): chat(coords[next(i) % len(coords)], key, max_tokens=100))
+    for i in range(20):
+        results.append(chat(coords[i % len(coords)], key, max_tokens=100))
         if results[-1][0] == 429:
             break
-    ok = [r[1] for r in results if r[0] == 200]
+    served = sum(a.usage.prompt_tokens + a.usage.completion_tokens for s, a, _ in results if s == 200)
     refused = [r for r in results if r[0] == 429]
-    served = sum(a.usage.prompt_tokens + a.usage.completion_tokens for a in ok)
-    one = max(a.usage.prompt_tokens for a in ok) + 100  # one request's reservation, at most
-    assert refused and TPM - one <= served <= TPM + one, (len(ok), served)
-    status, body, headers = refused[-1]
-    assert body["type"] == "tokens" and body["code"] == "rate_limit_exceeded" and int(headers["retry-after"]) >= 1
+    assert refused, served
+    return served, reset_s(refused[-1][2]["x-ratelimit-reset-tokens"]) * tpm / 60, refused[-1]
+
+
+def test_tpm_charges_what_was_served_and_a_debt_refuses_until_paid(coord):
+    """A request reserves its prompt's estimate when admitted and its output is charged as it streams (and its
+    prompt's count corrected), so requests at once take the bucket into debt by what they were served beyond it;
+    then every request is refused until the debt is paid. The bucket was charged what the answers' usage says, to
+    within what it refilled meanwhile."""
+    started = time.monotonic()
+    served, charged, (status, body, headers) = tpm_burst([coord], KEY_T, TPM)
+    refilled = (time.monotonic() - started) * TPM / 60
+    assert served > TPM and served - refilled - 2 <= charged <= served + 2, (served, charged, refilled)
+    assert body["type"] == "tokens" and body["code"] == "rate_limit_exceeded"
+    assert int(headers["retry-after"]) >= (served - TPM - refilled) * 60 / TPM - 1
     assert headers["x-ratelimit-limit-tokens"] == str(TPM) and headers["x-ratelimit-remaining-tokens"] == "0"
 
 
