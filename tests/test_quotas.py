@@ -99,7 +99,8 @@ def tpm_burst(coords: list, key: str, tpm: int, n: int = 20) -> tuple[int, float
     """`n` requests of 100 tokens at once, spread over `coords`, then one at a time until one is refused: the tokens
     served (the answers' usage), the tokens the refusal's headers say the bucket was charged less its refill (its
     time to full again, at tpm a minute), and the refusal."""
-    results = at_once(n, lambda i=iter(range(10**6)): chat(coords[next(i) % len(coords)], key, max_tokens=100))
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda i: chat(coords[i % len(coords)], key, max_tokens=100), range(n)))
     for i in range(20):
         results.append(chat(coords[i % len(coords)], key, max_tokens=100))
         if results[-1][0] == 429:
