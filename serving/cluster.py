@@ -51,6 +51,7 @@ from state.shared import (
 )
 
 log = logging.getLogger("coordinator.cluster")
+SETTLING_TRIES = 4  # an admit that finds the store lost its data: written again, waited for, asked again
 REFRESH_TRIES = 5  # a refresh that keeps losing the race to other replicas' refreshes is refused (409)
 # What slo_aware learned about an endpoint (scheduling/predict.py): a replica that has learned less of an endpoint
 # (fewer prefill plus decode samples) than another takes the other's whole model of it.
@@ -107,6 +108,10 @@ class Cluster:
         )
         self.interval_s = c.sync_interval_ms / 1000
         self.ttl_ms = int(c.replica_ttl_s * 1000)
+        # After the store lost its data, how long the workers have to write their part again (each does at its
+        # next tick after the sync owner's sync sees the new epoch, or at its next request; and each writes to the
+        # store at least every third of the expiry): no tenant's quota is decided meanwhile.
+        self.settling_ms = 2 * c.sync_interval_ms + self.ttl_ms // 3
         self.connected = True  # until a round trip says otherwise
         self.owner = worker == 0
         self.rows = worker_rows(self.shared, worker, live.s.num_workers)  # as the door's
@@ -147,12 +152,18 @@ class Cluster:
         try:
             tenant = ask.args(self.written_epoch) if ask is not None else ()
             reply = await self.store.admit(ended, cap, self.ttl_ms, rate, burst_milli, tenant, settle)
-            if reply[0] == 3:  # the store lost its data since this worker wrote its part: written again first
-                self._unsettle(settle)
-                await self._rewrite()
+            for _ in range(SETTLING_TRIES):
+                if reply[0] == 3:  # the store lost its data since this worker wrote its part: written again first
+                    self._unsettle(settle)
+                    settle = ()
+                    await self._rewrite()
+                elif reply[0] == 5:  # the workers are writing their part again: the quota is decided after
+                    await asyncio.sleep(reply[1])
+                else:
+                    break
                 reply = await self.store.admit(0, cap, self.ttl_ms, rate, burst_milli, ask.args(self.written_epoch))
-                if reply[0] == 3:
-                    raise StoreDown("the store lost its data again")
+            else:
+                raise StoreDown("the store lost its data again while the workers wrote their part")
         except StoreDown as e:
             self.ended += ended
             self._unsettle(settle)
@@ -249,7 +260,7 @@ class Cluster:
         for key in self.tenant_admitted.keys() | self.views.keys():
             view = self.views.get(key, (0, 0, 0, 0, 0, 0, 0))
             flat += (key, self.tenant_admitted.get(key, 0), *view)
-        epoch = await self.store.rewrite(self.admitted, self.ttl_ms, tuple(flat))
+        epoch = await self.store.rewrite(self.admitted, self.ttl_ms, self.settling_ms, tuple(flat))
         self.written_epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
         self.recount = False
 
@@ -388,7 +399,7 @@ class Cluster:
             self._down(e)
 
     async def _sync(self) -> None:
-        version, reports, epoch = await self.store.sync(self._report(), self.ttl_ms)
+        version, reports, epoch = await self.store.sync(self._report(), self.ttl_ms, self.settling_ms)
         self.shared.globals.synced_at_ms = int(time.time() * 1000)
         self.shared.globals.replicas = len(reports) + 1
         self._apply_reports(reports)

@@ -14,6 +14,8 @@ Each worker process of each replica has one `ClusterStore` (one Redis connection
   rate                      the cluster's token bucket (milli-tokens, its stamp in µs of Redis's clock)
   instances, instances:v    the instance set (JSON) and its version
   events                    a channel: trigger-mode prefill usage and stored responses' homes, for every replica
+  settling                  set for a while when the epoch is new: the workers writing their part again, during
+                            which a tenant's quota is not decided (ADMIT)
   epoch                     a random token, written by the first sync to find none: a store that lost its data
                             (restarted empty, failed over to an empty replica, FLUSHALL) has another, and every
                             replica puts its part back. A key, not INFO's run_id: it goes exactly when the data goes
@@ -98,7 +100,9 @@ end
 # ('': none), its rpm, tpm and max_inflight, the tokens it reserves, the epoch this worker wrote its part under; then
 # its batch of settlements (TENANT's `settle`, from ARGV[13]). Returns {0}: admitted (counted), {1}: over the cap,
 # {2, µs}: no rate token for that long, {3}: the store lost its data since this worker wrote its part (REWRITE first),
-# {4, µs, why}: the tenant's quota refused it (why: requests, tokens or inflight) for that long; with a tenant's
+# {4, µs, why}: the tenant's quota refused it (why: requests, tokens or inflight) for that long, {5, µs}: the workers
+# are still writing their part after a loss (`settling`, a key the first to find the store empty writes): ask again
+# after that long, for until every worker has, a tenant's quota could count only some of its requests; with a tenant's
 # buckets, then their state: {verdict, µs, why, rq, rq_at, tk, tk_at, now}.
 ADMIT = (
     REFILL
@@ -106,7 +110,11 @@ ADMIT = (
     + """
 local ttl = tonumber(ARGV[3])
 local h = ARGV[7]
-if h ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[12] then return {3, 0} end
+if h ~= '' then
+  if redis.call('GET', KEYS[4]) ~= ARGV[12] then return {3, 0} end
+  local settling = redis.call('PTTL', ARGV[6] .. 'settling')
+  if settling > 0 then return {5, settling * 1000} end
+end
 local now = clock()
 local ended = tonumber(ARGV[1])
 if ended > 0 then redis.call('DECRBY', KEYS[2], ended) end
@@ -205,7 +213,8 @@ return out
 )
 
 # After the store lost its data: KEYS: the epoch, the inflight set, this worker's key, its tenants' key. ARGV: a new
-# epoch (written if none is), this worker's count, the keys' expiry (ms), (unused), (unused), the key prefix, then per
+# epoch (written if none is: then the workers have `settling` ms to write their part), this worker's count, the keys'
+# expiry (ms), the settling time (ms), (unused), the key prefix, then per
 # tenant nine values: hash, this worker's requests of it in flight, its view of the buckets (rq, rq_at, tk, tk_at and
 # `at`, the store's time of that view: what the reply of its latest call said), rpm, tpm. Each bucket made since the
 # loss is rebuilt from the latest view any worker had (refilled to now) less what was taken from it since it was made,
@@ -215,7 +224,7 @@ REWRITE = (
     REFILL
     + TENANT
     + """
-redis.call('SET', KEYS[1], ARGV[1], 'NX')
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') then redis.call('SET', ARGV[6] .. 'settling', 1, 'PX', ARGV[4]) end
 local ttl = tonumber(ARGV[3])
 redis.call('SET', KEYS[3], ARGV[2], 'PX', ttl)
 redis.call('SADD', KEYS[2], KEYS[3])
@@ -254,10 +263,11 @@ return redis.call('GET', KEYS[1])
 )
 
 # KEYS: the replicas set, this replica's key, the instance set's version, the epoch. ARGV: this replica's id, its
-# report, the report's expiry (ms), the key prefix, a new epoch (written if none is). Returns {the instance set's
+# report, the report's expiry (ms), the key prefix, a new epoch (written if none is), the time the workers have to
+# write their part again when it is (ms: `settling`, see ADMIT). Returns {the instance set's
 # version, {id, report, id, report, ...}, the epoch}.
 SYNC = """
-redis.call('SET', KEYS[4], ARGV[5], 'NX')
+if redis.call('SET', KEYS[4], ARGV[5], 'NX') then redis.call('SET', ARGV[4] .. 'settling', 1, 'PX', ARGV[6]) end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[1], ARGV[1])
 local out = {}
@@ -368,7 +378,8 @@ class ClusterStore:
     ) -> tuple:
         """(0, 0): admitted (this worker's count is one more, less `ended`); (1, 0): over the cap; (2, s): no
         rate token for s seconds; (3, 0): the store lost its data since this worker's last `rewrite`; (4, s, why):
-        the tenant's quota refused it. `tenant`: (hash, rpm, tpm, max_inflight, tokens reserved, the epoch of this
+        the tenant's quota refused it; (5, s): ask again in s seconds (the workers are writing their part after a
+        loss). `tenant`: (hash, rpm, tpm, max_inflight, tokens reserved, the epoch of this
         worker's last rewrite); then the reply ends with the tenant's buckets (rq, rq_at, tk, tk_at, the store's
         time). `settle`: this worker's batch of (hash, ended, tokens, tpm), flat."""
         args = (
@@ -417,19 +428,19 @@ class ClusterStore:
         else:
             await self._counted(*expire)
 
-    async def rewrite(self, count: int, ttl_ms: int, tenants: tuple) -> bytes:
+    async def rewrite(self, count: int, ttl_ms: int, settling_ms: int, tenants: tuple) -> bytes:
         """After the store lost its data: this worker's count, its tenants' counts and its views of their buckets
         (`tenants`: per tenant nine values, see REWRITE); the store's epoch."""
         args = (4, self.k_epoch, self.k_inflight, self.k_mine, self.k_tenants, os.urandom(8).hex(), count, ttl_ms)
-        return await self._script(self._rewrite, REWRITE, *args, 0, 0, self.prefix, *tenants)
+        return await self._script(self._rewrite, REWRITE, *args, settling_ms, 0, self.prefix, *tenants)
 
-    async def sync(self, report: bytes, ttl_ms: int) -> tuple[int, dict[str, bytes], bytes]:
+    async def sync(self, report: bytes, ttl_ms: int, settling_ms: int) -> tuple[int, dict[str, bytes], bytes]:
         """Publish this replica's report; (the instance set's version, the other live replicas' reports, the
         store's epoch)."""
         version, flat, epoch = await self._call(
             self._sync(
                 keys=(self.k_replicas, self.k_replica, self.k_version, self.k_epoch),
-                args=(self.replica, report, ttl_ms, self.prefix, os.urandom(8).hex()),
+                args=(self.replica, report, ttl_ms, self.prefix, os.urandom(8).hex(), settling_ms),
             )
         )
         return int(version), {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}, epoch

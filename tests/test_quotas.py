@@ -4,9 +4,11 @@ x-ratelimit-* headers the SDKs read, one tenant's quota never another's, and the
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -42,12 +44,23 @@ def coord(module_sims):
         yield c
 
 
-def chat(coord, key: str, model: str = MODEL, max_tokens: int = 2):
-    """(status, the error body or None, the answer's headers) of one chat request through the openai SDK."""
-    sdk = openai_client(coord, key)
+@functools.cache
+def sdk_for(url: str, key: str) -> openai.OpenAI:
+    """One SDK client per Coordinator and key, shared by the threads (making one per request cost a burst of 200
+    some seconds of the test process's CPU)."""
+    return openai_client(SimpleNamespace(url=url), key)
+
+
+def chat(coord, key: str, model: str = MODEL, max_tokens: int = 2, whole: bool = False):
+    """(status, the error body or None, the answer's headers) of one chat request through the openai SDK; `whole`:
+    its output is all `max_tokens` (the simulator's `ignore_eos`)."""
+    sdk = sdk_for(coord.url, key)
     try:
         raw = sdk.chat.completions.with_raw_response.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=max_tokens,
+            extra_body={"ignore_eos": True} if whole else None,
         )
     except openai.RateLimitError as e:
         return 429, e.body, e.response.headers

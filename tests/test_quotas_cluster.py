@@ -1,0 +1,125 @@
+"""Tenant quotas across replicas: three Coordinator replicas of two workers each share a real redis-server; 200
+requests at once, spread over the replicas through the openai SDK, meet each tenant's rpm and max_inflight exactly
+and its tpm to within what was served, and the same holds after the store is emptied mid-window (its epoch)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from harness.configs import api_keys, coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import wait_until
+from harness.redis import RedisServer
+from tests.conftest import MODEL
+from tests.test_quotas import chat, reset_s, tpm_burst
+
+KEY_R, KEY_T, KEY_C, KEY_OTHER = "sk-cq-r", "sk-cq-t", "sk-cq-c", "sk-cq-other"
+RPM, TPM, CAP = 24, 1500, 5
+N = 200  # requests at once
+
+
+@pytest.fixture(scope="module")
+def redis():
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(redis, module_sims):
+    fast = module_sims("union")
+    slow = module_sims("union", model="slow", speedup=1.0)  # 10 ms a token
+    prefix = f"motor:tq-{uuid.uuid4().hex[:8]}:"
+
+    def config() -> dict:  # each replica's own (its ports)
+        cfg = coordinator_config(
+            [instance(1, "union", MODEL, fast.address), instance(2, "union", "slow", slow.address)],
+            inference_workers_config={"num_workers": 2},
+            api_key_config=api_keys(KEY_OTHER),
+            cluster_config={"redis_url": redis.url, "key_prefix": prefix},
+        )
+        cfg["tenant_config"] = {
+            "tenants": [
+                {"name": "team-r", "keys": [KEY_R], "rpm": RPM},
+                {"name": "team-t", "keys": [KEY_T], "tpm": TPM},
+                {"name": "team-c", "keys": [KEY_C], "max_inflight": CAP},
+            ]
+        }
+        return cfg
+
+    with ThreadPoolExecutor(3) as pool:
+        started = list(pool.map(lambda _: Coordinator(config()), range(3)))
+    yield started
+    for coord in started:
+        coord.stop()
+
+
+def spread(replicas: list, n: int, call) -> list:
+    """`n` calls at once, the i-th to replica i mod 3."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: call(replicas[i % len(replicas)]), range(n)))
+
+
+def emptied(redis: RedisServer, replicas: list) -> None:
+    """The store loses its data (as a restart with no persistence, without the outage): every replica sees it."""
+    redis.command(b"FLUSHALL")
+    assert wait_until(lambda: all("lost its data" in r.output() for r in replicas), timeout_s=5)
+
+
+def test_rpm_is_exact_across_replicas_and_after_the_store_is_emptied(replicas, redis):
+    started = time.monotonic()
+    first = spread(replicas, N, lambda r: chat(r, KEY_R)[0])
+    assert RPM <= first.count(200) <= RPM + int((time.monotonic() - started) * RPM / 60), first.count(200)
+    assert set(first) == {200, 429}
+    emptied(redis, replicas)
+    second = spread(replicas, N, lambda r: chat(r, KEY_R)[0])
+    # Both bursts together: the bucket's minute and what it refilled since its first request, no fresh minute.
+    refill = int((time.monotonic() - started) * RPM / 60)
+    total = first.count(200) + second.count(200)
+    assert RPM + refill - 1 <= total <= RPM + refill, (first.count(200), second.count(200), refill)
+    assert all(chat(r, KEY_OTHER)[0] == 200 for r in replicas)  # another tenant is not refused
+
+
+def test_max_inflight_is_exact_across_replicas_and_after_the_store_is_emptied(replicas, redis):
+    results: list = []
+    done = threading.Event()
+
+    def timed(coord) -> tuple[int, float, float]:
+        started = time.monotonic()
+        status = chat(coord, KEY_C, model="slow", max_tokens=600, whole=True)[0]
+        return status, started, time.monotonic()
+
+    def long_burst():  # requests of 6 s: the admitted ones hold their places through the loss and the next burst
+        results.extend(spread(replicas, N, timed))
+        done.set()
+
+    threading.Thread(target=long_burst, daemon=True).start()
+    time.sleep(2.5)  # the refusals are answered at once
+    emptied(redis, replicas)
+    during = spread(replicas, N, lambda r: chat(r, KEY_C, max_tokens=2)[0])
+    assert done.wait(30)
+    admitted = [r for r in results if r[0] == 200]
+    assert len(admitted) == CAP and sum(r[0] == 429 for r in results) == N - CAP, admitted
+    # (every request was sent before the first admitted one ended: they were all there at once)
+    assert max(r[1] for r in results) < min(r[2] for r in admitted)
+    assert during.count(200) == 0, during.count(200)  # the places held before the loss are still counted
+    after = spread(replicas, CAP, lambda r: chat(r, KEY_C, max_tokens=2)[0])
+    assert after.count(200) == CAP  # and given back when they ended
+
+
+def test_tpm_charges_across_replicas_what_was_served_and_after_the_store_is_emptied(replicas, redis):
+    started = time.monotonic()
+    served, charged, (_, body, headers) = tpm_burst(replicas, KEY_T, TPM, n=N)
+    refilled = (time.monotonic() - started) * TPM / 60
+    assert body["type"] == "tokens" and served - refilled - 2 <= charged <= served + 2, (served, charged)
+    emptied(redis, replicas)
+    # The debt is still there: the next request is refused, and the bucket still says what it was charged.
+    status, body, headers = chat(replicas[1], KEY_T, max_tokens=100)
+    refilled = (time.monotonic() - started) * TPM / 60
+    again = reset_s(headers["x-ratelimit-reset-tokens"]) * TPM / 60
+    assert status == 429 and served - refilled - 2 <= again <= served + 2, (served, again, refilled)
