@@ -4,16 +4,20 @@ and its tpm to within what was served, and the same holds after the store is emp
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
-from harness.loopback import wait_until
+from harness.loopback import free_port, wait_until
+from harness.processes import Proc
 from harness.redis import RedisServer
 from tests.conftest import MODEL
 from tests.test_quotas import chat, reset_s, tpm_burst
@@ -30,10 +34,28 @@ def redis():
     server.stop()
 
 
+class SimProcess(Proc):
+    """An engine_sim union engine in a process of its own (in the test's process, 200 client threads would starve
+    its health answers)."""
+
+    def __init__(self, model: str, speedup: float, log_dir: str):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "engine_sim", "--port", str(self.port), "--role", "union", "--model", model]
+        super().__init__([*args, "--speedup", str(speedup)], os.path.join(log_dir, f"sim-{model}.log"))
+        assert wait_until(lambda: self._healthy(), timeout_s=20), self.output()
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"http://{self.address}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
 @pytest.fixture(scope="module")
-def replicas(redis, module_sims):
-    fast = module_sims("union")
-    slow = module_sims("union", model="slow", speedup=1.0)  # 10 ms a token
+def replicas(redis, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("sims"))
+    fast, slow = SimProcess(MODEL, 50.0, logs), SimProcess("slow", 1.0, logs)  # slow: 10 ms a token
     prefix = f"motor:tq-{uuid.uuid4().hex[:8]}:"
 
     def config() -> dict:  # each replica's own (its ports)
@@ -55,8 +77,8 @@ def replicas(redis, module_sims):
     with ThreadPoolExecutor(3) as pool:
         started = list(pool.map(lambda _: Coordinator(config()), range(3)))
     yield started
-    for coord in started:
-        coord.stop()
+    for proc in (*started, fast, slow):
+        proc.stop()
 
 
 def spread(replicas: list, n: int, call) -> list:
