@@ -1,11 +1,14 @@
 """Cluster mode: this replica's side of what the replicas share through the store (state/cluster.py).
 
 Nothing here is on a request's path except the one round trip a request makes when a cluster-wide limit
-(`max_inflight_requests`, the rate limit) is configured: `admit`. The rest runs on a timer every
-`sync_interval_ms`:
+(`max_inflight_requests`, the rate limit) is configured or its tenant has a quota (tenant_config's rpm, tpm,
+max_inflight; serving/tenants.py asks, serving/cluster_quotas.py keeps the worker's books): `admit`. The rest runs
+on a timer every `sync_interval_ms`:
 
-- every worker writes its requests in flight (an absolute count) when it changed, and at least every third
-  of `replica_ttl_s` so that the key lives;
+- every worker tells the store its requests ended (and its tenants' ended requests and tokens served, in one
+  batch) when there are any, and at least every third of `replica_ttl_s` so that its keys live; after the store
+  lost its data it writes its counts and its last word on its tenants' buckets again (the store decides no
+  tenant's quota until the workers have had time to: `settling_ms`);
 - the sync owner (worker 0) publishes this replica's report (load per endpoint address; the endpoints its
   breakers or health checks found broken; what slo_aware learned) and reads the others' in the same round trip:
   their load becomes the ledger's remote row, their broken endpoints are avoided here until they say otherwise,
@@ -39,6 +42,7 @@ from scheduling.affinity import PrefixIndex
 from scheduling.ledger import LOAD_FIELDS
 from scheduling.policies import PrefixSource
 from scheduling.registry import RefreshError, RefreshResult, Registry
+from serving.cluster_quotas import StoreQuotas
 from serving.metrics import store_calls
 from state.cluster import ClusterStore, StoreDown
 from state.shared import (
@@ -120,11 +124,7 @@ class Cluster:
         # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
         self.admitted = self.ended = self.calls = 0
         self.recount = False
-        # Tenants with a quota (hash -> ...): this worker's requests of each the store counted; ended requests and
-        # tokens still to send ([ended, tokens, tpm]); the store's last word on each one's buckets (`_view`).
-        self.tenant_admitted: dict[str, int] = {}
-        self.settling: dict[str, list[int]] = {}
-        self.views: dict[str, tuple[int, ...]] = {}
+        self.quotas = StoreQuotas()  # its tenants' quotas (serving/tenants.py charges them here)
         self.written_epoch = ""  # the store's epoch when this worker last wrote its part (`_rewrite`)
         self._rewriting: asyncio.Future | None = None
         self._told_at = 0.0
@@ -147,14 +147,14 @@ class Cluster:
         share of the cap and of the tenant's quota."""
         ask = place.tenant
         ended, self.ended = self.ended, 0
-        settle = self._settlements()
+        settle = self.quotas.batch()
         self.calls += 1
         try:
             tenant = ask.args(self.written_epoch) if ask is not None else ()
             reply = await self.store.admit(ended, cap, self.ttl_ms, rate, burst_milli, tenant, settle)
             for _ in range(SETTLING_TRIES):
                 if reply[0] == 3:  # the store lost its data since this worker wrote its part: written again first
-                    self._unsettle(settle)
+                    self.quotas.restore(settle)
                     settle = ()
                     await self._rewrite()
                 elif reply[0] == 5:  # the workers are writing their part again: the quota is decided after
@@ -166,7 +166,7 @@ class Cluster:
                 raise StoreDown("the store lost its data again while the workers wrote their part")
         except StoreDown as e:
             self.ended += ended
-            self._unsettle(settle)
+            self.quotas.restore(settle)
             self._down(e)
             self.share_check(cap)
             if ask is not None:
@@ -178,12 +178,12 @@ class Cluster:
         self._told_at = time.monotonic()
         verdict, wait_s = reply[0], reply[1]
         if ask is not None and len(reply) > 3:
-            self._view(ask, reply[3:])
+            self.quotas.seen(ask.key, reply[3:], ask.rpm, ask.tpm)
         if verdict == 0:
             self.admitted += 1
             place.clustered = True
             if ask is not None:
-                self.tenant_admitted[ask.key] = self.tenant_admitted.get(ask.key, 0) + 1
+                self.quotas.admit(ask.key)
                 ask.answer("", 0.0, reply[3:])
         elif verdict == 1:
             raise RateLimited(f"too many requests in flight (limit {cap} across the cluster)", reason="inflight_cap")
@@ -196,49 +196,6 @@ class Cluster:
         """A request the store counted ended: taken off at the next call or tick."""
         self.admitted -= 1
         self.ended += 1
-
-    def tenant_left(self, key: str, tokens: int, tpm: int) -> None:
-        """A request of tenant `key` the store counted ended, `tokens` served beyond what it took: taken off at
-        this worker's next call or tick."""
-        self.tenant_admitted[key] -= 1
-        pending = self.settling.get(key)
-        if pending is None:
-            self.settling[key] = [1, tokens, tpm]
-        else:
-            pending[0] += 1
-            pending[1] += tokens
-            pending[2] = tpm
-
-    def tenant_charge(self, key: str, tokens: int, tpm: int) -> None:
-        """Tokens tenant `key`'s requests were served beyond what they took (output as it streams): charged at this
-        worker's next call or tick."""
-        pending = self.settling.get(key)
-        if pending is None:
-            self.settling[key] = [0, tokens, tpm]
-        else:
-            pending[1] += tokens
-            pending[2] = tpm
-
-    def _settlements(self) -> tuple:
-        """The batch of ended requests and tokens per tenant to send, flat (the store's `settle`), taken."""
-        if not self.settling:
-            return ()
-        pending, self.settling = self.settling, {}
-        return tuple(v for key, (ended, tokens, tpm) in pending.items() for v in (key, ended, tokens, tpm))
-
-    def _unsettle(self, flat: tuple) -> None:
-        """A batch the store did not take: pending again."""
-        for i in range(0, len(flat), 4):
-            key, ended, tokens, tpm = flat[i : i + 4]
-            pending = self.settling.setdefault(key, [0, 0, tpm])
-            pending[0] += ended
-            pending[1] += tokens
-
-    def _view(self, ask, state: list) -> None:
-        """A tenant's buckets as the store's reply said (rq, rq_at, tk, tk_at, the store's time): what this worker
-        writes back if the store loses them."""
-        view = [int(v) for v in state[:5]]
-        self.views[ask.key] = (*view, ask.rpm, ask.tpm)
 
     async def _rewrite(self) -> None:
         """After the store lost its data (or this worker's first call): its count, its tenants' counts and its views
@@ -254,13 +211,7 @@ class Cluster:
 
     async def _write_again(self) -> None:
         self.ended = 0
-        for pending in self.settling.values():
-            pending[0] = 0
-        flat: list = []
-        for key in self.tenant_admitted.keys() | self.views.keys():
-            view = self.views.get(key, (0, 0, 0, 0, 0, 0, 0))
-            flat += (key, self.tenant_admitted.get(key, 0), *view)
-        epoch = await self.store.rewrite(self.admitted, self.ttl_ms, self.settling_ms, tuple(flat))
+        epoch = await self.store.rewrite(self.admitted, self.ttl_ms, self.settling_ms, self.quotas.written())
         self.written_epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
         self.recount = False
 
@@ -361,28 +312,19 @@ class Cluster:
             if not self.calls:  # (an admit under way would be counted twice)
                 await self._rewrite()
                 self._told_at = now
-        elif self.ended or self.settling or now - self._told_at > self.ttl_ms / 3000:
+        elif self.ended or self.quotas.pending or now - self._told_at > self.ttl_ms / 3000:
             ended, self.ended = self.ended, 0
-            settle = self._settlements()
+            settle = self.quotas.batch()
             try:
                 if settle:
-                    self._settled(await self.store.settle(ended, self.ttl_ms, settle))
+                    self.quotas.settled(await self.store.settle(ended, self.ttl_ms, settle))
                 else:
                     await self.store.ended(ended, self.ttl_ms)
             except StoreDown:
                 self.ended += ended
-                self._unsettle(settle)
+                self.quotas.restore(settle)
                 raise
             self._told_at = now
-
-    def _settled(self, reply: list) -> None:
-        """The tpm buckets a settlement changed, into this worker's views."""
-        at = int(reply[0])
-        for i in range(1, len(reply), 3):
-            key = reply[i].decode()
-            view = self.views.get(key)
-            if view is not None and view[4] < at:
-                self.views[key] = (view[0], view[1], int(reply[i + 1]), int(reply[i + 2]), at, *view[5:])
 
     async def _first_sync(self) -> None:
         """At start: the stored instance set if there is one (it wins over the static config), else this one's."""

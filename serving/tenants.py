@@ -2,15 +2,16 @@
 settled when it ends, the x-ratelimit-* headers of its answer, and its tenant's metric label.
 
 Who a request's tenant is, the key check says (handlers/auth.py, config.Settings.key_owners); this module only
-reads `job.tenant`. The quotas are exact across workers (state/quotas.py: one lock). In cluster mode each replica
-holds its share of a tenant's limits (a limit divided by the live replicas, rounded down, at least 1): together
-never more than the limit (when it is at least the number of replicas), though a tenant whose requests reach one
-replica only gets that replica's share.
+reads `job.tenant`. The quotas are exact across workers (state/quotas.py: one lock) and, in cluster mode, across
+replicas: the quota is asked in the door's one round trip to the cluster store (serving/cluster.py `admit`, `Ask`
+here). While the store is away each replica holds its share of a tenant's limits (a limit divided by the live
+replicas, rounded down, at least 1), in its own table.
 
-`tpm` counts prompt plus output tokens: a request reserves its prompt's estimate (a quarter of its body's bytes)
-plus its output budget (`max_tokens`, or the route's default) when admitted, and the difference to what it was
-served is settled when it ends (given back, or taken beyond). A tenant whose bucket is in debt waits until the
-debt is paid, so the tokens served in any minute exceed `tpm` by at most one request's.
+`tpm` counts prompt plus output tokens. A request reserves its prompt's estimate (a quarter of its body's bytes:
+the exact count, from the model's tokenizer when it has one, is made later, by the scheduler) when admitted; every
+`CHARGE_S` the tokens its requests were served since (the output as it streams, the prompt's count once made) are
+charged in one batch (one lock, or the store's next call or tick), and what is left is settled when it ends. A
+bucket in debt refuses until the debt is paid.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class Tenants:
                 if place.side == LOCAL:
                     batch.append((place.key, used - place.charged, place.limits.tpm))
                 else:
-                    self.cluster.tenant_charge(place.key, used - place.charged, place.limits.tpm)
+                    self.cluster.quotas.charge(place.key, used - place.charged, place.limits.tpm)
                 place.charged = used
         if batch:
             self.quotas.charge(batch)
@@ -207,7 +208,7 @@ class Tenants:
         if place.side == LOCAL:
             self.quotas.leave(place.key, rest, tpm)
         else:
-            self.cluster.tenant_left(place.key, rest if tpm else 0, tpm)
+            self.cluster.quotas.left(place.key, rest if tpm else 0, tpm)
 
     def label(self, tenant: str) -> str:
         """The tenant as a metric label: the first MAX_TENANT_LABELS the config names (tenant_config's tenants and
