@@ -8,10 +8,11 @@ here). While the store is away each replica holds its share of a tenant's limits
 replicas, rounded down, at least 1), in its own table.
 
 `tpm` counts prompt plus output tokens. A request reserves its prompt's estimate (a quarter of its body's bytes:
-the exact count, from the model's tokenizer when it has one, is made later, by the scheduler) when admitted; every
-`CHARGE_S` the tokens its requests were served since (the output as it streams, the prompt's count once made) are
-charged in one batch (one lock, or the store's next call or tick), and what is left is settled when it ends. A
-bucket in debt refuses until the debt is paid.
+the exact count, from the model's tokenizer when it has one, is made later, by the scheduler) and its tenant's
+mean output (at most its max_tokens; all of max_tokens until one of the tenant's requests has ended here) when
+admitted; every `CHARGE_S` what its requests were served beyond what they took (the output as it streams, the
+prompt's count once made) is charged in one batch (one lock, or the store's next call or tick), and the rest is
+settled when it ends. A bucket in debt refuses until the debt is paid.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def reset_text(seconds: float) -> str:
 CLASSES = {name: i for i, name in enumerate(PRIORITIES)}  # x-priority's values: the class (vLLM's `priority`)
 NO_TENANT = "-"  # an engine's metaserver call: part of a client request, which is its tenant's
 CHARGE_S = 0.05  # how often the tokens of streams under way are charged to their tenants' tpm buckets
+EXPECTED_WEIGHT = 0.125  # a finished request's weight in its tenant's mean output
 
 
 class Active:
@@ -66,20 +68,21 @@ class Place(Active):
     """An admitted request's quota too: its tokens charged as it is served (`Tenants.charge`), given back and
     settled when the block ends. `side` 0 while the cluster store has not answered (or refused it): nothing held."""
 
-    __slots__ = ("charged", "key", "limits", "reserved", "side", "tenants")
+    __slots__ = ("charged", "key", "limits", "prompt", "reserved", "side", "tenants")
 
-    def __init__(self, tenants: Tenants, job: Job, rec: RequestRecord, limits: Limits, reserved: int):
+    def __init__(self, tenants: Tenants, job: Job, rec: RequestRecord, limits: Limits, prompt: int, output: int):
         super().__init__(tenants.fair, job, rec)
-        self.tenants, self.limits, self.reserved = tenants, limits, reserved
+        self.tenants, self.limits, self.prompt = tenants, limits, prompt
+        self.reserved = prompt + output  # taken from its tpm bucket when admitted: the prompt's estimate and output's
         self.key: int | str = 0  # its tenant's row (LOCAL) or hash (STORE)
         self.side = 0
-        self.charged = reserved  # tokens taken from its tpm bucket so far
+        self.charged = self.reserved  # tokens taken from its tpm bucket so far
 
     def used(self) -> int:
         """Tokens served so far: its prompt (the scheduler's count once made, exact with the model's tokenizer;
-        until then the estimate reserved) and its output so far."""
+        until then the estimate) and its output so far."""
         rec = self.rec
-        return (rec.prompt_tokens or self.reserved) + rec.generated_tokens
+        return (rec.prompt_tokens or self.prompt) + rec.generated_tokens
 
     def __exit__(self, *exc) -> None:
         if self.side:
@@ -125,6 +128,9 @@ class Tenants:
         self.live, self.quotas, self.fair, self.clock = live, quotas, fair, clock
         self.cluster = None  # cluster mode's serving/cluster.py Cluster: quotas held across the replicas
         self.streaming: set[Place] = set()  # admitted requests with a tpm: their tokens charged as they are served
+        # tenant -> the output its requests were served, on average (this worker's, recent ones weigh more): what a
+        # request of it reserves for its output, at most its max_tokens (unknown: all of max_tokens)
+        self.expected: dict[str, float] = {}
         self._timer = FlushTimer(self.charge, CHARGE_S)
 
     def limits(self, tenant: str) -> TenantLimits:
@@ -148,7 +154,12 @@ class Tenants:
         if not (lim.rpm or lim.tpm or lim.max_inflight):
             self.fair.arrive(job.tenant, job.priority)
             return Active(self.fair, job, rec)
-        place = Place(self, job, rec, Limits(lim.rpm, lim.tpm, lim.max_inflight), len(job.raw) // 4 if lim.tpm else 0)
+        limits = Limits(lim.rpm, lim.tpm, lim.max_inflight)
+        if lim.tpm:
+            output = min(job.max_tokens, math.ceil(self.expected.get(job.tenant, job.max_tokens)))
+            place = Place(self, job, rec, limits, len(job.raw) // 4, output)
+        else:
+            place = Place(self, job, rec, limits, 0, 0)
         cluster = self.cluster
         if cluster is not None and cluster.connected and door is not None:
             door.tenant = Ask(place, headers)
@@ -186,7 +197,7 @@ class Tenants:
         batch = []
         for place in self.streaming:
             used = place.used()
-            if used != place.charged:
+            if used > place.charged:  # (what it reserved beyond what it used so far is settled when it ends)
                 if place.side == LOCAL:
                     batch.append((place.key, used - place.charged, place.limits.tpm))
                 else:
@@ -205,6 +216,11 @@ class Tenants:
         reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
         rest = (rec.prompt_tokens + rec.generated_tokens if reached else 0) - place.charged
         tpm = place.limits.tpm
+        if tpm and reached:
+            tenant = place.job.tenant
+            mean = self.expected.get(tenant)
+            out = rec.generated_tokens
+            self.expected[tenant] = out if mean is None else mean + (out - mean) * EXPECTED_WEIGHT
         if place.side == LOCAL:
             self.quotas.leave(place.key, rest, tpm)
         else:

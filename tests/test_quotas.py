@@ -20,7 +20,7 @@ from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
 from tests.conftest import MODEL
 
-KEY_A, KEY_B, KEY_T, KEY_C = "sk-quota-a", "sk-quota-b", "sk-quota-t", "sk-quota-c"
+KEY_A, KEY_B, KEY_T, KEY_C, KEY_S = "sk-quota-a", "sk-quota-b", "sk-quota-t", "sk-quota-c", "sk-quota-s"
 RPM, TPM, CAP = 20, 1000, 3
 
 
@@ -38,6 +38,7 @@ def coord(module_sims):
             {"name": "team-a", "keys": [KEY_A], "rpm": RPM},
             {"name": "team-t", "keys": [KEY_T], "tpm": TPM},
             {"name": "team-c", "keys": [KEY_C], "max_inflight": CAP},
+            {"name": "team-s", "keys": [KEY_S], "tpm": TPM},
         ]
     }
     with Coordinator(cfg, workers=2) as c:
@@ -108,34 +109,63 @@ def reset_s(text: str) -> float:
     return int(minutes or 0) * 60 + float(seconds)
 
 
-def tpm_burst(coords: list, key: str, tpm: int, n: int = 20) -> tuple[int, float, tuple]:
-    """`n` requests of 100 tokens at once, spread over `coords`, then one at a time until one is refused: the tokens
-    served (the answers' usage), the tokens the refusal's headers say the bucket was charged less its refill (its
-    time to full again, at tpm a minute), and the refusal."""
+def tpm_burst(coords: list, key: str, tpm: int, n: int = 20) -> tuple[int, int, float, tuple]:
+    """`n` requests of at most 100 tokens at once, spread over `coords`, then one at a time until one is refused:
+    the tokens served (the answers' usage), one request's most (its prompt and 100), the tokens the refusal's headers
+    say the bucket was charged less its refill (its time to full again, at `tpm` a minute), and the refusal."""
     with ThreadPoolExecutor(n) as pool:
         results = list(pool.map(lambda i: chat(coords[i % len(coords)], key, max_tokens=100), range(n)))
-    for i in range(20):
+    for i in range(40):
         results.append(chat(coords[i % len(coords)], key, max_tokens=100))
         if results[-1][0] == 429:
             break
-    served = sum(a.usage.prompt_tokens + a.usage.completion_tokens for s, a, _ in results if s == 200)
+    answers = [a for s, a, _ in results if s == 200]
+    served = sum(a.usage.prompt_tokens + a.usage.completion_tokens for a in answers)
     refused = [r for r in results if r[0] == 429]
     assert refused, served
-    return served, reset_s(refused[-1][2]["x-ratelimit-reset-tokens"]) * tpm / 60, refused[-1]
+    one = max(a.usage.prompt_tokens for a in answers) + 100
+    return served, one, reset_s(refused[-1][2]["x-ratelimit-reset-tokens"]) * tpm / 60, refused[-1]
 
 
-def test_tpm_charges_what_was_served_and_a_debt_refuses_until_paid(coord):
-    """A request reserves its prompt's estimate when admitted and its output is charged as it streams (and its
-    prompt's count corrected), so requests at once take the bucket into debt by what they were served beyond it;
-    then every request is refused until the debt is paid. The bucket was charged what the answers' usage says, to
-    within what it refilled meanwhile."""
+def test_tpm_holds_within_one_request_and_charges_what_was_served(coord):
+    """Requests at once each reserve their prompt and their tenant's mean output (all of max_tokens before it has
+    one), so together they take no more than the quota; what each was served is charged as it is served and settled
+    when it ends, and requests one after another then take the rest: the tokens served are the quota's to within one
+    request's, and the bucket was charged what the answers' usage says, to within what it refilled meanwhile."""
     started = time.monotonic()
-    served, charged, (status, body, headers) = tpm_burst([coord], KEY_T, TPM)
+    served, one, charged, (status, body, headers) = tpm_burst([coord], KEY_T, TPM)
     refilled = (time.monotonic() - started) * TPM / 60
-    assert served > TPM and served - refilled - 2 <= charged <= served + 2, (served, charged, refilled)
-    assert body["type"] == "tokens" and body["code"] == "rate_limit_exceeded"
-    assert int(headers["retry-after"]) >= (served - TPM - refilled) * 60 / TPM - 1
+    assert TPM - one <= served <= TPM + one, served
+    assert served - refilled - 2 <= charged <= served + 2, (served, charged, refilled)
+    assert body["type"] == "tokens" and body["code"] == "rate_limit_exceeded" and int(headers["retry-after"]) >= 1
     assert headers["x-ratelimit-limit-tokens"] == str(TPM) and headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_tpm_counts_the_output_as_it_streams(coord):
+    """A tenant whose requests were short reserves little for its next one's output; a long stream's tokens are then
+    taken from the bucket while it streams (the bucket says less left a second later), not when it ends."""
+    for _ in range(4):
+        assert chat(coord, KEY_S, max_tokens=2, whole=True)[0] == 200
+    def stream() -> int:  # 300 tokens, 10 ms each
+        chunks = sdk_for(coord.url, KEY_S).chat.completions.create(
+            model="slow",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=300,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return sum(1 for _ in chunks)
+
+    with ThreadPoolExecutor(1) as pool:
+        streamed = pool.submit(stream)
+        time.sleep(0.8)
+        first = chat(coord, KEY_S, max_tokens=1)[2]  # (on another connection: whichever worker, the bucket is one)
+        time.sleep(1.2)
+        second = chat(coord, KEY_S, max_tokens=1)[2]
+        assert streamed.result() > 300
+    left = [int(h["x-ratelimit-remaining-tokens"]) for h in (first, second)]
+    # 120 tokens streamed in between, less the 20 the bucket refilled and the probe's own: at least 60 fewer
+    assert left[0] - left[1] >= 60, left
 
 
 def test_anthropic_routes_refuse_in_their_envelope(coord):
