@@ -135,7 +135,7 @@ def test_tpm_holds_within_one_request_and_charges_what_was_served(coord):
     started = time.monotonic()
     served, one, charged, (status, body, headers) = tpm_burst([coord], KEY_T, TPM)
     refilled = (time.monotonic() - started) * TPM / 60
-    assert TPM - one <= served <= TPM + one, served
+    assert TPM - one <= served <= TPM + refilled + one, served
     assert served - refilled - 2 <= charged <= served + 2, (served, charged, refilled)
     assert body["type"] == "tokens" and body["code"] == "rate_limit_exceeded" and int(headers["retry-after"]) >= 1
     assert headers["x-ratelimit-limit-tokens"] == str(TPM) and headers["x-ratelimit-remaining-tokens"] == "0"
@@ -146,6 +146,7 @@ def test_tpm_counts_the_output_as_it_streams(coord):
     taken from the bucket while it streams (the bucket says less left a second later), not when it ends."""
     for _ in range(4):
         assert chat(coord, KEY_S, max_tokens=2, whole=True)[0] == 200
+
     def stream() -> int:  # 300 tokens, 10 ms each
         chunks = sdk_for(coord.url, KEY_S).chat.completions.create(
             model="slow",

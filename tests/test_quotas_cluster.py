@@ -99,11 +99,13 @@ def test_rpm_is_exact_across_replicas_and_after_the_store_is_emptied(replicas, r
     assert RPM <= first.count(200) <= RPM + int((time.monotonic() - started) * RPM / 60), first.count(200)
     assert set(first) == {200, 429}
     emptied(redis, replicas)
+    before = int((time.monotonic() - started) * RPM / 60)  # refilled by the time the second burst starts
     second = spread(replicas, N, lambda r: chat(r, KEY_R)[0])
-    # Both bursts together: the bucket's minute and what it refilled since its first request, no fresh minute.
+    # Both bursts together: the bucket's minute and what it refilled since its first request, no fresh minute (and
+    # what it had refilled before the loss is not lost either).
     refill = int((time.monotonic() - started) * RPM / 60)
     total = first.count(200) + second.count(200)
-    assert RPM + refill - 1 <= total <= RPM + refill, (first.count(200), second.count(200), refill)
+    assert RPM + before - 1 <= total <= RPM + refill, (first.count(200), second.count(200), before, refill)
     assert all(chat(r, KEY_OTHER)[0] == 200 for r in replicas)  # another tenant is not refused
 
 
@@ -139,11 +141,13 @@ def test_tpm_holds_across_replicas_within_one_request_and_after_the_store_is_emp
     served, one, charged, (_, body, headers) = tpm_burst(replicas, KEY_T, TPM, n=N)
     refilled = (time.monotonic() - started) * TPM / 60
     assert body["type"] == "tokens" and headers["x-ratelimit-limit-tokens"] == str(TPM)
-    assert TPM - one <= served <= TPM + one, (served, one)
+    assert TPM - one <= served <= TPM + refilled + one, (served, one)
     assert served - refilled - 2 <= charged <= served + 2, (served, charged)  # the one bucket charged what was served
     emptied(redis, replicas)
-    # Still spent: the next request is refused, and the bucket says what it was charged.
-    status, body, headers = chat(replicas[1], KEY_T, max_tokens=100)
+    # Still spent: the bucket the next request finds (its answer's headers, after it took its own reservation, at
+    # most one request's) was charged what was served before the loss, less its refill; a fresh one would say ~0.
+    status, body, headers = chat(replicas[1], KEY_T, max_tokens=1)
     refilled = (time.monotonic() - started) * TPM / 60
     again = reset_s(headers["x-ratelimit-reset-tokens"]) * TPM / 60
-    assert status == 429 and served - refilled - 2 <= again <= served + 2, (served, again, refilled)
+    assert served - refilled - 2 <= again <= served + one, (status, served, again, refilled)
+    assert status == 429 or refilled >= served - TPM  # refused until the debt is paid
