@@ -185,9 +185,13 @@ def count_cell(
 ) -> dict:
     """One cell's requests and the worker's instructions for them (less its idle rate, `idle_per_s`, if counted)."""
     data = gw.body(cell)
-    overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir)  # warm-up, not counted
+    wrk_to = (overhead.cell_path(cell), overhead.cell_headers(cell))  # its route, and the key with --tenants
+    overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir, *wrk_to)  # warm-up, not counted
     res, instructions, _ = _counted(
-        worker, out_dir, idle_per_s, lambda: overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
+        worker,
+        out_dir,
+        idle_per_s,
+        lambda: overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir, *wrk_to),
     )
     errors = overhead.wrk_errors(res)
     if any(errors.values()):
