@@ -231,7 +231,7 @@ def build_worker(app: Sanic, settings: Settings) -> None:
     if clustered:  # replicas act as one (serving/cluster.py)
         replica = os.environ.setdefault("MOTOR_REPLICA_ID", replica_id())
         ctx.cluster = ctx.door.cluster = Cluster(live, shared, worker, replica, ctx.registry)
-        ctx.tenants.replicas = lambda: ctx.cluster.replicas  # each replica holds its share of a tenant's quota
+        ctx.tenants.cluster = ctx.cluster  # tenants' quotas across the replicas, through the store
         homes = ClusterResponseHomes(homes, ctx.cluster)
         # Replicas share the estimate (the KV events' source wraps it: each replica subscribes to the engines itself).
         prefixes = ctx.scheduler.index

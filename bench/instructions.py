@@ -4,6 +4,7 @@
     python bench/instructions.py --tree /tmp/base         # the same, then another checkout, side by side
     python bench/instructions.py --cells chat --seconds 5
     python bench/instructions.py --status-poll            # each cell without, then with a browser on the status page
+    python bench/instructions.py --tenants --tree /tmp/base  # each tree with keys, then with tenant quotas not reached
 
 CPU time per request on a shared machine moves by 10-30 % between runs (bench/overhead.py's figures);
 instruction counts do not. Each tree's Coordinator (1 worker, log INFO, the configuration bench/overhead.py
@@ -95,8 +96,11 @@ def measure_tree(
     workdir: str,
     no_background: bool = False,
     status_poll: bool = False,
+    sections: dict | None = None,
+    label: str = "",
 ) -> dict[str, dict]:
-    """Per cell its requests and instructions; with `status_poll` also per `cell + POLLED`, a browser polling."""
+    """Per cell its requests and instructions; with `status_poll` also per `cell + POLLED`, a browser polling.
+    `sections`: more config sections (`label` names them)."""
     out_dir = tempfile.mkdtemp(prefix="callgrind-", dir=workdir)
     launcher = (
         "valgrind",
@@ -114,6 +118,8 @@ def measure_tree(
         root=root,
         launcher=launcher,
         start_timeout_s=START_TIMEOUT_S,
+        python_label=label,
+        sections=sections,
     )
     results = {}
     try:
@@ -179,9 +185,13 @@ def count_cell(
 ) -> dict:
     """One cell's requests and the worker's instructions for them (less its idle rate, `idle_per_s`, if counted)."""
     data = gw.body(cell)
-    overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir)  # warm-up, not counted
+    wrk_to = (overhead.cell_path(cell), overhead.cell_headers(cell))  # its route, and the key with --tenants
+    overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir, *wrk_to)  # warm-up, not counted
     res, instructions, _ = _counted(
-        worker, out_dir, idle_per_s, lambda: overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
+        worker,
+        out_dir,
+        idle_per_s,
+        lambda: overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir, *wrk_to),
     )
     errors = overhead.wrk_errors(res)
     if any(errors.values()):
@@ -203,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--status-poll", action="store_true", help="count each cell again with a browser polling the status page"
     )
+    ap.add_argument(
+        "--tenants",
+        action="store_true",
+        help="count each tree with keys (no tenant_config), then with a tenant_config whose quotas are not reached",
+    )
     opts = ap.parse_args(argv)
     cells = [c for c in opts.cells.split(",") if c]
     unknown = set(cells) - set(overhead.CELLS)
@@ -212,13 +227,22 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"missing: {', '.join(missing)}. Install with: apt-get install -y valgrind wrk gcc", file=sys.stderr)
         return 2
-    trees = [overhead.ROOT] + [os.path.abspath(t) for t in opts.tree]
+    roots = [overhead.ROOT] + [os.path.abspath(t) for t in opts.tree]
+    variants: list[tuple[str, dict | None]] = [("", None)]
+    if opts.tenants:  # (bench/overhead.py --tenants' Coordinators; every request presents the tenant's key)
+        overhead.KEY_HEADERS["Authorization"] = f"Bearer {overhead.BENCH_KEY}"
+        variants = list(overhead.tenant_variants())
+    # A variant's trees one after the other, so that they are counted as close together as can be.
+    runs = [(label, sections, root) for label, sections in variants for root in roots]
+    trees = [f"{root} ({label})" if label else root for label, _, root in runs]
     workdir = tempfile.mkdtemp(prefix="motor-instructions-")
     try:
         with overhead.fakes(overhead.build_fake(workdir), None, workdir) as engines:
             results = [
-                measure_tree(root, engines, cells, opts.seconds, workdir, opts.no_background, opts.status_poll)
-                for root in trees
+                measure_tree(
+                    root, engines, cells, opts.seconds, workdir, opts.no_background, opts.status_poll, sections, label
+                )
+                for label, sections, root in runs
             ]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -226,13 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| cell | "
         + " | ".join(f"k instructions/request: {t}" for t in trees)
-        + (" | first / second |" if len(trees) > 1 else " |")
+        + " | first / second" * len(variants) * (len(roots) > 1)
+        + " |"
     )
-    print("|---" * (len(trees) + 1 + (len(trees) > 1)) + "|")
+    print("|---" * (len(trees) + 1 + len(variants) * (len(roots) > 1)) + "|")
     for cell in cells:
         per = [r[cell]["per_request"] for r in results]
-        ratio = f" | {per[0] / per[1]:.3f}" if len(per) > 1 and per[1] else ""
-        print(f"| {cell} | " + " | ".join(f"{p / 1000:.1f}" for p in per) + ratio + " |")
+        pairs = [per[i : i + len(roots)] for i in range(0, len(per), len(roots))] if len(roots) > 1 else []
+        ratios = "".join(f" | {p[0] / p[1]:.3f}" if p[1] else " | -" for p in pairs)  # each variant's first two trees
+        print(f"| {cell} | " + " | ".join(f"{p / 1000:.1f}" for p in per) + ratios + " |")
     if opts.status_poll:
         # A browser polling every second costs each request one poll's instructions over the requests served in a
         # second: the share below, at the rate each cell ran at here. The count with the poller running is the same

@@ -192,6 +192,17 @@ BENCH_KEY = "sk-bench-tenant"
 KEY_HEADERS: dict[str, str] = {}  # --tenants: every request presents BENCH_KEY (gateways without keys ignore it)
 
 
+def tenant_variants() -> list[tuple[str, dict]]:
+    """--tenants' Coordinators beside the plain one: with keys (each key its own tenant, no quota), and with a
+    tenant_config whose quotas are never reached (BENCH_KEY's tenant)."""
+    quota = {"rpm": 10**9, "tpm": 10**12, "max_inflight": 10**6}
+    tenants = {
+        "api_key_config": api_keys("sk-bench-other"),
+        "tenant_config": {"tenants": [{"name": "bench", "keys": [BENCH_KEY], **quota}]},
+    }
+    return [("keys", {"api_key_config": api_keys(BENCH_KEY)}), ("keys + tenant quotas", tenants)]
+
+
 def cell_headers(cell: str) -> dict[str, str]:
     return {**(ANTHROPIC_HEADERS if cell in MESSAGES_CELLS else {}), **KEY_HEADERS}
 
@@ -1362,12 +1373,7 @@ def main(argv: list[str] | None = None) -> int:
                     cap = {"rate_limit_config": {"max_inflight_requests": 100_000}}
                     variants += [("cluster", cluster), ("cluster + cap", {**cluster, **cap})]
                 if opts.tenants:
-                    quota = {"rpm": 10**9, "tpm": 10**12, "max_inflight": 10**6}
-                    tenants = {
-                        "api_key_config": api_keys("sk-bench-other"),
-                        "tenant_config": {"tenants": [{"name": "bench", "keys": [BENCH_KEY], **quota}]},
-                    }
-                    variants += [("keys", {"api_key_config": api_keys(BENCH_KEY)}), ("keys + tenant quotas", tenants)]
+                    variants += tenant_variants()
                 for label, sections in variants:
                     pair.append(
                         Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir, python_label=label, sections=sections)

@@ -73,9 +73,11 @@ async def serve_inference(request: Request, family: Family, from_client: bool = 
         if job.stream and family.usage_chunk_option and job.include_usage:
             rec.usage_event = True
         with ctx.door.admit() if from_client else ctx.door.attend() as place:
-            if place.pending is not None:  # cluster mode's cluster-wide cap and rate: one round trip to the store
-                await place.pending
-            with ctx.tenants.admit(job, rec, sink.headers) if from_client else nullcontext():
+            with ctx.tenants.admit(job, rec, sink.headers, place) if from_client else nullcontext():
+                if (
+                    place.pending is not None
+                ):  # cluster mode: the cap, the rate and the tenant's quota in one round trip
+                    await place.pending
                 await ctx.dispatcher.serve(job, sink, rec)
         if sink.started:
             await sink.response.eof()

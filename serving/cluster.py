@@ -1,11 +1,14 @@
 """Cluster mode: this replica's side of what the replicas share through the store (state/cluster.py).
 
 Nothing here is on a request's path except the one round trip a request makes when a cluster-wide limit
-(`max_inflight_requests`, the rate limit) is configured: `admit`. The rest runs on a timer every
-`sync_interval_ms`:
+(`max_inflight_requests`, the rate limit) is configured or its tenant has a quota (tenant_config's rpm, tpm,
+max_inflight; serving/tenants.py asks, serving/cluster_quotas.py keeps the worker's books): `admit`. The rest runs
+on a timer every `sync_interval_ms`:
 
-- every worker writes its requests in flight (an absolute count) when it changed, and at least every third
-  of `replica_ttl_s` so that the key lives;
+- every worker tells the store its requests ended (and its tenants' ended requests and tokens served, in one
+  batch) when there are any, and at least every third of `replica_ttl_s` so that its keys live; after the store
+  lost its data it writes its counts and its last word on its tenants' buckets again (the store decides no
+  tenant's quota until the workers have had time to: `settling_ms`);
 - the sync owner (worker 0) publishes this replica's report (load per endpoint address; the endpoints its
   breakers or health checks found broken; what slo_aware learned) and reads the others' in the same round trip:
   their load becomes the ledger's remote row, their broken endpoints are avoided here until they say otherwise,
@@ -39,6 +42,7 @@ from scheduling.affinity import PrefixIndex
 from scheduling.ledger import LOAD_FIELDS
 from scheduling.policies import PrefixSource
 from scheduling.registry import RefreshError, RefreshResult, Registry
+from serving.cluster_quotas import StoreQuotas
 from serving.metrics import store_calls
 from state.cluster import ClusterStore, StoreDown
 from state.shared import (
@@ -51,6 +55,7 @@ from state.shared import (
 )
 
 log = logging.getLogger("coordinator.cluster")
+SETTLING_TRIES = 4  # an admit that finds the store lost its data: written again, waited for, asked again
 REFRESH_TRIES = 5  # a refresh that keeps losing the race to other replicas' refreshes is refused (409)
 # What slo_aware learned about an endpoint (scheduling/predict.py): a replica that has learned less of an endpoint
 # (fewer prefill plus decode samples) than another takes the other's whole model of it.
@@ -107,6 +112,10 @@ class Cluster:
         )
         self.interval_s = c.sync_interval_ms / 1000
         self.ttl_ms = int(c.replica_ttl_s * 1000)
+        # After the store lost its data, how long the workers have to write their part again (each does at its
+        # next tick after the sync owner's sync sees the new epoch, or at its next request; and each writes to the
+        # store at least every third of the expiry): no tenant's quota is decided meanwhile.
+        self.settling_ms = 2 * c.sync_interval_ms + self.ttl_ms // 3
         self.connected = True  # until a round trip says otherwise
         self.owner = worker == 0
         self.rows = worker_rows(self.shared, worker, live.s.num_workers)  # as the door's
@@ -115,6 +124,9 @@ class Cluster:
         # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
         self.admitted = self.ended = self.calls = 0
         self.recount = False
+        self.quotas = StoreQuotas()  # its tenants' quotas (serving/tenants.py charges them here)
+        self.written_epoch = ""  # the store's epoch when this worker last wrote its part (`_rewrite`)
+        self._rewriting: asyncio.Future | None = None
         self._told_at = 0.0
         self._refused_version: int | None = None  # the stored set this replica cannot apply: said once, not each tick
         self.losses_seen = self.shared.globals.store_losses
@@ -130,32 +142,78 @@ class Cluster:
     # -- the request path -------------------------------------------------------------------------------
 
     async def admit(self, place, cap: int, rate: float, burst_milli: int) -> None:
-        """The cluster-wide cap and rate for one request (its door `place`); RateLimited if refused. Without the
-        store: this replica's share of the cap."""
+        """The cluster-wide cap and rate for one request (its door `place`), and its tenant's quota when it has
+        one (`place.tenant`, serving/tenants.py's Ask); RateLimited if refused. Without the store: this replica's
+        share of the cap and of the tenant's quota."""
+        ask = place.tenant
         ended, self.ended = self.ended, 0
+        settle = self.quotas.batch()
         self.calls += 1
         try:
-            verdict, wait_s = await self.store.admit(ended, cap, self.ttl_ms, rate, burst_milli)
+            tenant = ask.args(self.written_epoch) if ask is not None else ()
+            reply = await self.store.admit(ended, cap, self.ttl_ms, rate, burst_milli, tenant, settle)
+            for _ in range(SETTLING_TRIES):
+                if reply[0] == 3:  # the store lost its data since this worker wrote its part: written again first
+                    self.quotas.restore(settle)
+                    settle = ()
+                    await self._rewrite()
+                elif reply[0] == 5:  # the workers are writing their part again: the quota is decided after
+                    await asyncio.sleep(reply[1])
+                else:
+                    break
+                reply = await self.store.admit(0, cap, self.ttl_ms, rate, burst_milli, ask.args(self.written_epoch))
+            else:
+                raise StoreDown("the store lost its data again while the workers wrote their part")
         except StoreDown as e:
             self.ended += ended
+            self.quotas.restore(settle)
             self._down(e)
-            return self.share_check(cap)
+            self.share_check(cap)
+            if ask is not None:
+                ask.fallback()
+            return
         finally:
             self.calls -= 1
         self._up()
         self._told_at = time.monotonic()
+        verdict, wait_s = reply[0], reply[1]
+        if ask is not None and len(reply) > 3:
+            self.quotas.seen(ask.key, reply[3:], ask.rpm, ask.tpm)
         if verdict == 0:
             self.admitted += 1
             place.clustered = True
+            if ask is not None:
+                self.quotas.admit(ask.key)
+                ask.answer("", 0.0, reply[3:])
         elif verdict == 1:
             raise RateLimited(f"too many requests in flight (limit {cap} across the cluster)", reason="inflight_cap")
-        else:
+        elif verdict == 2:
             raise RateLimited.by_rate(self.live.s.error_message, self.live.s.error_status_code, wait_s)
+        else:
+            ask.answer(reply[2].decode(), wait_s, reply[3:])
 
     def left(self) -> None:
         """A request the store counted ended: taken off at the next call or tick."""
         self.admitted -= 1
         self.ended += 1
+
+    async def _rewrite(self) -> None:
+        """After the store lost its data (or this worker's first call): its count, its tenants' counts and its views
+        of their buckets written again (the pending ended requests are in the counts), and the epoch noted."""
+        if self._rewriting is None:
+            self._rewriting = asyncio.ensure_future(self._write_again())
+        task = self._rewriting
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._rewriting = None
+
+    async def _write_again(self) -> None:
+        self.ended = 0
+        epoch = await self.store.rewrite(self.admitted, self.ttl_ms, self.settling_ms, self.quotas.written())
+        self.written_epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
+        self.recount = False
 
     def share(self, cap: int) -> int:
         """This replica's share of a cluster-wide cap while the store is away (at least one)."""
@@ -252,15 +310,19 @@ class Cluster:
             self.losses_seen, self.recount = self.shared.globals.store_losses, True
         if self.recount:
             if not self.calls:  # (an admit under way would be counted twice)
-                self.ended = 0
-                await self.store.set_count(self.admitted, self.ttl_ms)
-                self.recount, self._told_at = False, now
-        elif self.ended or now - self._told_at > self.ttl_ms / 3000:
+                await self._rewrite()
+                self._told_at = now
+        elif self.ended or self.quotas.pending or now - self._told_at > self.ttl_ms / 3000:
             ended, self.ended = self.ended, 0
+            settle = self.quotas.batch()
             try:
-                await self.store.ended(ended, self.ttl_ms)
+                if settle:
+                    self.quotas.settled(await self.store.settle(ended, self.ttl_ms, settle))
+                else:
+                    await self.store.ended(ended, self.ttl_ms)
             except StoreDown:
                 self.ended += ended
+                self.quotas.restore(settle)
                 raise
             self._told_at = now
 
@@ -279,7 +341,7 @@ class Cluster:
             self._down(e)
 
     async def _sync(self) -> None:
-        version, reports, epoch = await self.store.sync(self._report(), self.ttl_ms)
+        version, reports, epoch = await self.store.sync(self._report(), self.ttl_ms, self.settling_ms)
         self.shared.globals.synced_at_ms = int(time.time() * 1000)
         self.shared.globals.replicas = len(reports) + 1
         self._apply_reports(reports)

@@ -29,12 +29,13 @@ from state.shared import SharedState, worker_rows
 class Admitted:
     """An admitted request's place: counted in flight, and known to this worker's drain, until released."""
 
-    __slots__ = ("clustered", "door", "pending", "task")
+    __slots__ = ("clustered", "door", "pending", "task", "tenant")
 
     def __init__(self, door: Door):
         # pending: the cluster-wide check still to await inside the block (cluster mode), which raises if refused
-        # or sets `clustered`: the place is counted in the store too
-        self.door, self.pending, self.task, self.clustered = door, None, None, False
+        # or sets `clustered`: the place is counted in the store too; `tenant`: its tenant's quota, asked in the
+        # same round trip (serving/tenants.py's Ask)
+        self.door, self.pending, self.task, self.clustered, self.tenant = door, None, None, False, None
 
     # A plain (not async) context manager: entering and leaving never wait, so they need no coroutines.
     def __enter__(self) -> Admitted:

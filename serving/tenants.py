@@ -2,15 +2,17 @@
 settled when it ends, the x-ratelimit-* headers of its answer, and its tenant's metric label.
 
 Who a request's tenant is, the key check says (handlers/auth.py, config.Settings.key_owners); this module only
-reads `job.tenant`. The quotas are exact across workers (state/quotas.py: one lock). In cluster mode each replica
-holds its share of a tenant's limits (a limit divided by the live replicas, rounded down, at least 1): together
-never more than the limit (when it is at least the number of replicas), though a tenant whose requests reach one
-replica only gets that replica's share.
+reads `job.tenant`. The quotas are exact across workers (state/quotas.py: one lock) and, in cluster mode, across
+replicas: the quota is asked in the door's one round trip to the cluster store (serving/cluster.py `admit`, `Ask`
+here). While the store is away each replica holds its share of a tenant's limits (a limit divided by the live
+replicas, rounded down, at least 1), in its own table.
 
-`tpm` counts prompt plus output tokens: a request reserves its prompt's estimate (a quarter of its body's bytes)
-plus its output budget (`max_tokens`, or the route's default) when admitted, and the difference to what it was
-served is settled when it ends (given back, or taken beyond). A tenant whose bucket is in debt waits until the
-debt is paid, so the tokens served in any minute exceed `tpm` by at most one request's.
+`tpm` counts prompt plus output tokens. A request reserves its prompt's estimate (a quarter of its body's bytes:
+the exact count, from the model's tokenizer when it has one, is made later, by the scheduler) and its tenant's
+mean output (at most its max_tokens; all of max_tokens until one of the tenant's requests has ended here) when
+admitted; every `CHARGE_S` what its requests were served beyond what they took (the output as it streams, the
+prompt's count once made) is charged in one batch (one lock, or the store's next call or tick), and the rest is
+settled when it ends. A bucket in debt refuses until the debt is paid.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
 from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
-from serving.observe import RequestRecord
+from serving.observe import FlushTimer, RequestRecord
 from state.quotas import Limits, Taken, TenantQuotas, wait_s
+from state.shared import tenant_hash
 
 
 def reset_text(seconds: float) -> str:
@@ -38,6 +41,8 @@ def reset_text(seconds: float) -> str:
 
 CLASSES = {name: i for i, name in enumerate(PRIORITIES)}  # x-priority's values: the class (vLLM's `priority`)
 NO_TENANT = "-"  # an engine's metaserver call: part of a client request, which is its tenant's
+CHARGE_S = 0.05  # how often the tokens of streams under way are charged to their tenants' tpm buckets
+EXPECTED_WEIGHT = 0.125  # a finished request's weight in its tenant's mean output
 
 
 class Active:
@@ -56,23 +61,64 @@ class Active:
         self.fair.leave(self.job.tenant, self.rec.generated_tokens, self.job.weight)
 
 
+LOCAL, STORE = 1, 2  # where a request's quota was taken: this Coordinator's table, or the cluster store
+
+
 class Place(Active):
-    """An admitted request's quota too: given back, and its tokens settled, when the block ends."""
+    """An admitted request's quota too: its tokens charged as it is served (`Tenants.charge`), given back and
+    settled when the block ends. `side` 0 while the cluster store has not answered (or refused it): nothing held."""
 
-    __slots__ = ("at", "quotas", "reserved", "tpm")
+    __slots__ = ("charged", "key", "limits", "prompt", "reserved", "side", "tenants")
 
-    def __init__(
-        self, fair: FairShare, job: Job, rec: RequestRecord, quotas: TenantQuotas, at: int, reserved: int, tpm: int
-    ):
-        super().__init__(fair, job, rec)
-        self.quotas, self.at, self.reserved, self.tpm = quotas, at, reserved, tpm
+    def __init__(self, tenants: Tenants, job: Job, rec: RequestRecord, limits: Limits, prompt: int, output: int):
+        super().__init__(tenants.fair, job, rec)
+        self.tenants, self.limits, self.prompt = tenants, limits, prompt
+        self.reserved = prompt + output  # taken from its tpm bucket when admitted: the prompt's estimate and output's
+        self.key: int | str = 0  # its tenant's row (LOCAL) or hash (STORE)
+        self.side = 0
+        self.charged = self.reserved  # tokens taken from its tpm bucket so far
+
+    def used(self) -> int:
+        """Tokens served so far: its prompt (the scheduler's count once made, exact with the model's tokenizer;
+        until then the estimate) and its output so far."""
+        rec = self.rec
+        return (rec.prompt_tokens or self.prompt) + rec.generated_tokens
 
     def __exit__(self, *exc) -> None:
-        super().__exit__()
-        rec = self.rec
-        reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
-        served = rec.prompt_tokens + rec.generated_tokens if reached else 0
-        self.quotas.leave(self.at, served - self.reserved, self.tpm)
+        if self.side:
+            super().__exit__()
+            self.tenants.settle(self)
+
+
+class Ask:
+    """A tenant's part of a request's one round trip to the cluster store (serving/cluster.py `admit`)."""
+
+    __slots__ = ("headers", "key", "place", "rpm", "tpm")
+
+    def __init__(self, place: Place, headers: dict[str, str]):
+        self.place, self.headers = place, headers
+        self.rpm, self.tpm, _ = place.limits
+        self.key = str(tenant_hash(place.job.tenant))
+
+    def args(self, epoch: str) -> tuple:
+        rpm, tpm, cap = self.place.limits
+        return (self.key, rpm, tpm, cap, self.place.reserved, epoch)
+
+    def answer(self, refused: str, wait: float, state: list) -> None:
+        """The store's verdict (`refused` "" when admitted) and the tenant's buckets after it: the headers, and
+        RateLimited when refused."""
+        place = self.place
+        requests, tokens = (int(state[0]), int(state[2])) if len(state) > 2 else (0, 0)
+        taken = Taken(refused, wait, requests, tokens)
+        _headers(self.headers, taken, self.rpm, self.tpm)
+        if refused:
+            raise _refusal(taken, place.tenants.limits(place.job.tenant), self.headers)
+        place.key, place.side = self.key, STORE
+        place.tenants.held(place)
+
+    def fallback(self) -> None:
+        """The store is away: this replica's share of the quota, in its own table."""
+        self.place.tenants.take_local(self.place, self.headers)
 
 
 class Tenants:
@@ -80,7 +126,12 @@ class Tenants:
 
     def __init__(self, live: Live, quotas: TenantQuotas, fair: FairShare, clock: Callable[[], float] = time.monotonic):
         self.live, self.quotas, self.fair, self.clock = live, quotas, fair, clock
-        self.replicas: Callable[[], int] = lambda: 1  # cluster mode: the live replicas (serving/cluster.py)
+        self.cluster = None  # cluster mode's serving/cluster.py Cluster: quotas held across the replicas
+        self.streaming: set[Place] = set()  # admitted requests with a tpm: their tokens charged as they are served
+        # tenant -> the output its requests were served, on average (this worker's, recent ones weigh more): what a
+        # request of it reserves for its output, at most its max_tokens (unknown: all of max_tokens)
+        self.expected: dict[str, float] = {}
+        self._timer = FlushTimer(self.charge, CHARGE_S)
 
     def limits(self, tenant: str) -> TenantLimits:
         s = self.live.s
@@ -95,23 +146,85 @@ class Tenants:
         lim = self.limits(job.tenant)
         job.priority, job.weight = max(asked, CLASSES[lim.max_priority]), lim.weight
 
-    def admit(self, job: Job, rec: RequestRecord, headers: dict[str, str]) -> Active:
+    def admit(self, job: Job, rec: RequestRecord, headers: dict[str, str], door=None) -> Active:
         """`with tenants.admit(...)`: the request's quota held until the block ends, or RateLimited. The answer's
-        x-ratelimit-* headers go into `headers` (a tenant with rpm or tpm only)."""
+        x-ratelimit-* headers go into `headers` (a tenant with rpm or tpm only). In cluster mode, with the store
+        reachable, the quota is asked in the door's round trip (`door`, its place: awaited in the block)."""
         lim = self.limits(job.tenant)
         if not (lim.rpm or lim.tpm or lim.max_inflight):
             self.fair.arrive(job.tenant, job.priority)
             return Active(self.fair, job, rec)
-        n = self.replicas()
-        rpm, tpm, cap = (max(1, v // n) if v else 0 for v in (lim.rpm, lim.tpm, lim.max_inflight))
-        reserved = len(job.raw) // 4 + job.max_tokens if tpm else 0
-        at = self.quotas.slot(job.tenant)
-        taken = self.quotas.take(at, int(self.clock() * 1e6), Limits(rpm, tpm, cap), reserved)
+        limits = Limits(lim.rpm, lim.tpm, lim.max_inflight)
+        if lim.tpm:
+            output = min(job.max_tokens, math.ceil(self.expected.get(job.tenant, job.max_tokens)))
+            place = Place(self, job, rec, limits, len(job.raw) // 4, output)
+        else:
+            place = Place(self, job, rec, limits, 0, 0)
+        cluster = self.cluster
+        if cluster is not None and cluster.connected and door is not None:
+            door.tenant = Ask(place, headers)
+            if door.pending is None:
+                door.pending = cluster.admit(door, 0, 0.0, 0)
+            return place
+        self.take_local(place, headers)
+        return place
+
+    def take_local(self, place: Place, headers: dict[str, str]) -> None:
+        """The quota from this Coordinator's table: exact across its workers; in cluster mode (the store away) this
+        replica's share of each limit (divided by the live replicas, rounded down, at least 1)."""
+        n = self.cluster.replicas if self.cluster is not None else 1
+        rpm, tpm, cap = (max(1, v // n) if v else 0 for v in place.limits)
+        at = self.quotas.slot(place.job.tenant)
+        taken = self.quotas.take(at, int(self.clock() * 1e6), Limits(rpm, tpm, cap), place.reserved)
         _headers(headers, taken, rpm, tpm)
         if taken.refused:
-            raise _refusal(taken, lim, headers)
-        self.fair.arrive(job.tenant, job.priority)
-        return Place(self.fair, job, rec, self.quotas, at, reserved, tpm)
+            raise _refusal(taken, self.limits(place.job.tenant), headers)
+        place.key, place.side, place.limits = at, LOCAL, Limits(rpm, tpm, cap)
+        self.held(place)
+
+    def held(self, place: Place) -> None:
+        """An admitted request's quota is held: its tenant is active, its tokens charged as they are served."""
+        self.fair.arrive(place.job.tenant, place.job.priority)
+        if place.limits.tpm:
+            self.streaming.add(place)
+            self._timer.arm()
+
+    def charge(self) -> None:
+        """Every `CHARGE_S`: the tokens served since the last charge (the output as it streams, the prompt's count
+        once the scheduler made it) taken from the tenants' tpm buckets, in one batch: this Coordinator's table
+        under one lock, or the cluster store at this worker's next call or tick."""
+        self._timer.disarm()
+        batch = []
+        for place in self.streaming:
+            used = place.used()
+            if used > place.charged:  # (what it reserved beyond what it used so far is settled when it ends)
+                if place.side == LOCAL:
+                    batch.append((place.key, used - place.charged, place.limits.tpm))
+                else:
+                    self.cluster.quotas.charge(place.key, used - place.charged, place.limits.tpm)
+                place.charged = used
+        if batch:
+            self.quotas.charge(batch)
+        if self.streaming:
+            self._timer.arm()
+
+    def settle(self, place: Place) -> None:
+        """A request ended: its place given back, the tokens it was served beyond those charged taken (or those
+        charged beyond them given back: a request no engine served is charged nothing)."""
+        self.streaming.discard(place)
+        rec = place.rec
+        reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
+        rest = (rec.prompt_tokens + rec.generated_tokens if reached else 0) - place.charged
+        tpm = place.limits.tpm
+        if tpm and reached:
+            tenant = place.job.tenant
+            mean = self.expected.get(tenant)
+            out = rec.generated_tokens
+            self.expected[tenant] = out if mean is None else mean + (out - mean) * EXPECTED_WEIGHT
+        if place.side == LOCAL:
+            self.quotas.leave(place.key, rest, tpm)
+        else:
+            self.cluster.quotas.left(place.key, rest if tpm else 0, tpm)
 
     def label(self, tenant: str) -> str:
         """The tenant as a metric label: the first MAX_TENANT_LABELS the config names (tenant_config's tenants and

@@ -119,3 +119,11 @@ class TenantQuotas:
             row = self.rows[at]
             with self.lock:
                 row.tokens_milli = min(tpm * 1000, row.tokens_milli - settle_tokens * 1000)
+
+    def charge(self, batch: list[tuple[int, int, int]]) -> None:
+        """Tokens served beyond those taken, per row: (row, tokens, its tpm), all under one lock (a refund when
+        negative, never beyond a full bucket)."""
+        with self.lock:
+            for at, tokens, tpm in batch:
+                row = self.rows[at]
+                row.tokens_milli = min(tpm * 1000, row.tokens_milli - tokens * 1000)

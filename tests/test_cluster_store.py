@@ -86,7 +86,7 @@ def test_a_store_that_is_away_raises_store_down():
         with pytest.raises(StoreDown):
             await store.admit(0, 1, 1000, 0.0, 0)
         with pytest.raises(StoreDown):
-            await store.sync(b"{}", 1000)
+            await store.sync(b"{}", 1000, 100)
         await store.close()
 
     run(go())

@@ -4,9 +4,11 @@ x-ratelimit-* headers the SDKs read, one tenant's quota never another's, and the
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -18,7 +20,7 @@ from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
 from tests.conftest import MODEL
 
-KEY_A, KEY_B, KEY_T, KEY_C = "sk-quota-a", "sk-quota-b", "sk-quota-t", "sk-quota-c"
+KEY_A, KEY_B, KEY_T, KEY_C, KEY_S = "sk-quota-a", "sk-quota-b", "sk-quota-t", "sk-quota-c", "sk-quota-s"
 RPM, TPM, CAP = 20, 1000, 3
 
 
@@ -36,18 +38,30 @@ def coord(module_sims):
             {"name": "team-a", "keys": [KEY_A], "rpm": RPM},
             {"name": "team-t", "keys": [KEY_T], "tpm": TPM},
             {"name": "team-c", "keys": [KEY_C], "max_inflight": CAP},
+            {"name": "team-s", "keys": [KEY_S], "tpm": TPM},
         ]
     }
     with Coordinator(cfg, workers=2) as c:
         yield c
 
 
-def chat(coord, key: str, model: str = MODEL, max_tokens: int = 2):
-    """(status, the error body or None, the answer's headers) of one chat request through the openai SDK."""
-    sdk = openai_client(coord, key)
+@functools.cache
+def sdk_for(url: str, key: str) -> openai.OpenAI:
+    """One SDK client per Coordinator and key, shared by the threads (making one per request cost a burst of 200
+    some seconds of the test process's CPU)."""
+    return openai_client(SimpleNamespace(url=url), key)
+
+
+def chat(coord, key: str, model: str = MODEL, max_tokens: int = 2, whole: bool = False):
+    """(status, the error body or None, the answer's headers) of one chat request through the openai SDK; `whole`:
+    its output is all `max_tokens` (the simulator's `ignore_eos`)."""
+    sdk = sdk_for(coord.url, key)
     try:
         raw = sdk.chat.completions.with_raw_response.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=max_tokens,
+            extra_body={"ignore_eos": True} if whole else None,
         )
     except openai.RateLimitError as e:
         return 429, e.body, e.response.headers
@@ -87,23 +101,72 @@ def test_max_inflight_is_exact_across_workers(coord):
     assert all(s == 200 for s, _, _ in at_once(CAP, lambda: chat(coord, KEY_C)))  # the places came back
 
 
-def test_tpm_counts_prompt_and_output_and_holds_within_one_request(coord):
-    """Concurrent requests each reserve their prompt and output budget (so together they take no more than the
-    quota); what they did not use comes back when they end, and requests one after another then take the rest:
-    in all, the tokens served are the quota's to within one request's."""
-    results = at_once(20, lambda: chat(coord, KEY_T, max_tokens=100))
-    for _ in range(20):
-        results.append(chat(coord, KEY_T, max_tokens=100))
+def reset_s(text: str) -> float:
+    """An x-ratelimit-reset-* header's duration (`20ms`, `1.5s`, `6m0s`) in seconds."""
+    if text.endswith("ms"):
+        return int(text[:-2]) / 1000
+    minutes, _, seconds = text[:-1].rpartition("m")
+    return int(minutes or 0) * 60 + float(seconds)
+
+
+def tpm_burst(coords: list, key: str, tpm: int, n: int = 20) -> tuple[int, int, float, tuple]:
+    """`n` requests of at most 100 tokens at once, spread over `coords`, then one at a time until one is refused:
+    the tokens served (the answers' usage), one request's most (its prompt and 100), the tokens the refusal's headers
+    say the bucket was charged less its refill (its time to full again, at `tpm` a minute), and the refusal."""
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda i: chat(coords[i % len(coords)], key, max_tokens=100), range(n)))
+    for i in range(40):
+        results.append(chat(coords[i % len(coords)], key, max_tokens=100))
         if results[-1][0] == 429:
             break
-    ok = [r[1] for r in results if r[0] == 200]
+    answers = [a for s, a, _ in results if s == 200]
+    served = sum(a.usage.prompt_tokens + a.usage.completion_tokens for a in answers)
     refused = [r for r in results if r[0] == 429]
-    served = sum(a.usage.prompt_tokens + a.usage.completion_tokens for a in ok)
-    one = max(a.usage.prompt_tokens for a in ok) + 100  # one request's reservation, at most
-    assert refused and TPM - one <= served <= TPM + one, (len(ok), served)
-    status, body, headers = refused[-1]
+    assert refused, served
+    one = max(a.usage.prompt_tokens for a in answers) + 100
+    return served, one, reset_s(refused[-1][2]["x-ratelimit-reset-tokens"]) * tpm / 60, refused[-1]
+
+
+def test_tpm_holds_within_one_request_and_charges_what_was_served(coord):
+    """Requests at once each reserve their prompt and their tenant's mean output (all of max_tokens before it has
+    one), so together they take no more than the quota; what each was served is charged as it is served and settled
+    when it ends, and requests one after another then take the rest: the tokens served are the quota's to within one
+    request's, and the bucket was charged what the answers' usage says, to within what it refilled meanwhile."""
+    started = time.monotonic()
+    served, one, charged, (status, body, headers) = tpm_burst([coord], KEY_T, TPM)
+    refilled = (time.monotonic() - started) * TPM / 60
+    assert TPM - one <= served <= TPM + refilled + one, served
+    assert served - refilled - 2 <= charged <= served + 2, (served, charged, refilled)
     assert body["type"] == "tokens" and body["code"] == "rate_limit_exceeded" and int(headers["retry-after"]) >= 1
     assert headers["x-ratelimit-limit-tokens"] == str(TPM) and headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_tpm_counts_the_output_as_it_streams(coord):
+    """A tenant whose requests were short reserves little for its next one's output; a long stream's tokens are then
+    taken from the bucket while it streams (the bucket says less left a second later), not when it ends."""
+    for _ in range(4):
+        assert chat(coord, KEY_S, max_tokens=2, whole=True)[0] == 200
+
+    def stream() -> int:  # 300 tokens, 10 ms each
+        chunks = sdk_for(coord.url, KEY_S).chat.completions.create(
+            model="slow",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=300,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return sum(1 for _ in chunks)
+
+    with ThreadPoolExecutor(1) as pool:
+        streamed = pool.submit(stream)
+        time.sleep(0.8)
+        first = chat(coord, KEY_S, max_tokens=1)[2]  # (on another connection: whichever worker, the bucket is one)
+        time.sleep(1.2)
+        second = chat(coord, KEY_S, max_tokens=1)[2]
+        assert streamed.result() > 300
+    left = [int(h["x-ratelimit-remaining-tokens"]) for h in (first, second)]
+    # 120 tokens streamed in between, less the 20 the bucket refilled and the probe's own: at least 60 fewer
+    assert left[0] - left[1] >= 60, left
 
 
 def test_anthropic_routes_refuse_in_their_envelope(coord):

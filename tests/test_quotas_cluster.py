@@ -1,0 +1,153 @@
+"""Tenant quotas across replicas: three Coordinator replicas of two workers each share a real redis-server; 200
+requests at once, spread over the replicas through the openai SDK, meet each tenant's rpm and max_inflight exactly
+and its tpm to within what was served, and the same holds after the store is emptied mid-window (its epoch)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from harness.configs import api_keys, coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import free_port, wait_until
+from harness.processes import Proc
+from harness.redis import RedisServer
+from tests.conftest import MODEL
+from tests.test_quotas import chat, reset_s, tpm_burst
+
+KEY_R, KEY_T, KEY_C, KEY_OTHER = "sk-cq-r", "sk-cq-t", "sk-cq-c", "sk-cq-other"
+RPM, TPM, CAP = 20, 1500, 5  # (not multiples of 3: the replicas' shares would add up to them)
+N = 200  # requests at once
+
+
+@pytest.fixture(scope="module")
+def redis():
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+class SimProcess(Proc):
+    """An engine_sim union engine in a process of its own (in the test's process, 200 client threads would starve
+    its health answers)."""
+
+    def __init__(self, model: str, speedup: float, log_dir: str):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "engine_sim", "--port", str(self.port), "--role", "union", "--model", model]
+        super().__init__([*args, "--speedup", str(speedup)], os.path.join(log_dir, f"sim-{model}.log"))
+        assert wait_until(lambda: self._healthy(), timeout_s=20), self.output()
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"http://{self.address}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+@pytest.fixture(scope="module")
+def replicas(redis, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("sims"))
+    fast, slow = SimProcess(MODEL, 50.0, logs), SimProcess("slow", 1.0, logs)  # slow: 10 ms a token
+    prefix = f"motor:tq-{uuid.uuid4().hex[:8]}:"
+
+    def config() -> dict:  # each replica's own (its ports)
+        cfg = coordinator_config(
+            [instance(1, "union", MODEL, fast.address), instance(2, "union", "slow", slow.address)],
+            inference_workers_config={"num_workers": 2},
+            api_key_config=api_keys(KEY_OTHER),
+            cluster_config={"redis_url": redis.url, "key_prefix": prefix},
+        )
+        cfg["tenant_config"] = {
+            "tenants": [
+                {"name": "team-r", "keys": [KEY_R], "rpm": RPM},
+                {"name": "team-t", "keys": [KEY_T], "tpm": TPM},
+                {"name": "team-c", "keys": [KEY_C], "max_inflight": CAP},
+            ]
+        }
+        return cfg
+
+    with ThreadPoolExecutor(3) as pool:
+        started = list(pool.map(lambda _: Coordinator(config()), range(3)))
+    yield started
+    for proc in (*started, fast, slow):
+        proc.stop()
+
+
+def spread(replicas: list, n: int, call) -> list:
+    """`n` calls at once, the i-th to replica i mod 3."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: call(replicas[i % len(replicas)]), range(n)))
+
+
+def emptied(redis: RedisServer, replicas: list) -> None:
+    """The store loses its data (as a restart with no persistence, without the outage): every replica sees it."""
+    redis.command(b"FLUSHALL")
+    assert wait_until(lambda: all("lost its data" in r.output() for r in replicas), timeout_s=5)
+
+
+def test_rpm_is_exact_across_replicas_and_after_the_store_is_emptied(replicas, redis):
+    started = time.monotonic()
+    first = spread(replicas, N, lambda r: chat(r, KEY_R)[0])
+    assert RPM <= first.count(200) <= RPM + int((time.monotonic() - started) * RPM / 60), first.count(200)
+    assert set(first) == {200, 429}
+    emptied(redis, replicas)
+    before = int((time.monotonic() - started) * RPM / 60)  # refilled by the time the second burst starts
+    second = spread(replicas, N, lambda r: chat(r, KEY_R)[0])
+    # Both bursts together: the bucket's minute and what it refilled since its first request, no fresh minute (and
+    # what it had refilled before the loss is not lost either).
+    refill = int((time.monotonic() - started) * RPM / 60)
+    total = first.count(200) + second.count(200)
+    assert RPM + before - 1 <= total <= RPM + refill, (first.count(200), second.count(200), before, refill)
+    assert all(chat(r, KEY_OTHER)[0] == 200 for r in replicas)  # another tenant is not refused
+
+
+def test_max_inflight_is_exact_across_replicas_and_after_the_store_is_emptied(replicas, redis):
+    results: list = []
+    done = threading.Event()
+
+    def timed(coord) -> tuple[int, float, float]:
+        started = time.monotonic()
+        status = chat(coord, KEY_C, model="slow", max_tokens=600, whole=True)[0]
+        return status, started, time.monotonic()
+
+    def long_burst():  # requests of 6 s: the admitted ones hold their places through the loss and the next burst
+        results.extend(spread(replicas, N, timed))
+        done.set()
+
+    threading.Thread(target=long_burst, daemon=True).start()
+    time.sleep(2.5)  # the refusals are answered at once
+    emptied(redis, replicas)
+    during = spread(replicas, N, lambda r: chat(r, KEY_C, max_tokens=2)[0])
+    assert done.wait(30)
+    admitted = [r for r in results if r[0] == 200]
+    assert len(admitted) == CAP and sum(r[0] == 429 for r in results) == N - CAP, admitted
+    # (every request was sent before the first admitted one ended: they were all there at once)
+    assert max(r[1] for r in results) < min(r[2] for r in admitted)
+    assert during.count(200) == 0, during.count(200)  # the places held before the loss are still counted
+    after = spread(replicas, CAP, lambda r: chat(r, KEY_C, max_tokens=2)[0])
+    assert after.count(200) == CAP  # and given back when they ended
+
+
+def test_tpm_holds_across_replicas_within_one_request_and_after_the_store_is_emptied(replicas, redis):
+    started = time.monotonic()
+    served, one, charged, (_, body, headers) = tpm_burst(replicas, KEY_T, TPM, n=N)
+    refilled = (time.monotonic() - started) * TPM / 60
+    assert body["type"] == "tokens" and headers["x-ratelimit-limit-tokens"] == str(TPM)
+    assert TPM - one <= served <= TPM + refilled + one, (served, one)
+    assert served - refilled - 2 <= charged <= served + 2, (served, charged)  # the one bucket charged what was served
+    emptied(redis, replicas)
+    # Still spent: the bucket the next request finds (its answer's headers, after it took its own reservation, at
+    # most one request's) was charged what was served before the loss, less its refill; a fresh one would say ~0.
+    status, body, headers = chat(replicas[1], KEY_T, max_tokens=1)
+    refilled = (time.monotonic() - started) * TPM / 60
+    again = reset_s(headers["x-ratelimit-reset-tokens"]) * TPM / 60
+    assert served - refilled - 2 <= again <= served + one, (status, served, again, refilled)
+    assert status == 429 or refilled >= served - TPM  # refused until the debt is paid
