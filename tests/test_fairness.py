@@ -10,11 +10,12 @@ import pytest
 
 from scheduling.admission import OverBudget
 from scheduling.fairness import BATCH, INTERACTIVE, STANDARD, FairShare
+from state.shared import MAX_FAIR_TENANTS, SharedState
 from tests.test_scheduling import admit, job, queue_work, scheduler, slots, teach_decode, teach_prefill
 
 
 def test_a_tenant_that_was_idle_is_lifted_to_the_least_active_counter():
-    fair = FairShare()
+    fair = FairShare(SharedState.create())
     fair.arrive("a", STANDARD)
     fair.arrive("b", STANDARD)
     fair.charge("a", 500, 1.0)
@@ -31,7 +32,41 @@ def test_a_tenant_that_was_idle_is_lifted_to_the_least_active_counter():
     fair.arrive("b", STANDARD)  # a counter above the least active one is kept (its debt stands)
     assert fair.counter("b") == 1500
     fair.arrive("b", BATCH)  # b is active already: nothing lifted
-    assert fair.active["b"] == 2
+    assert fair.requests("b") == 2 and fair.counter("b") == 1500
+
+
+def test_the_counters_are_the_workers_together():
+    """Two workers' views of one shared table: what one serves the other reads; a tenant active in one worker is
+    active for the other (no lift); a dead worker's requests stop counting as active, its tokens served do not."""
+    shared = SharedState.create()
+    one, two = FairShare(shared, 0, 2), FairShare(shared, 1, 2)
+    one.arrive("a", STANDARD)
+    two.arrive("b", STANDARD)
+    one.charge("a", 900, 1.0)
+    two.charge("b", 300, 3.0)  # weight 3: 100
+    assert (two.counter("a"), one.counter("b")) == (900, 100)
+    two.arrive("a", STANDARD)  # a is active (in worker one): its counter stands
+    two.charge("a", 100, 1.0)
+    assert one.counter("a") == 1000 and one.requests("a") == two.requests("a") == 2
+    one.leave("a", 0, 1.0)
+    two.leave("a", 0, 1.0)
+    one.arrive("c", STANDARD)  # new: lifted to the least active counter, b's 100 (served by the other worker)
+    assert two.counter("c") == 100
+    one.arrive("a", STANDARD)  # back from idle above the least: its counter stands
+    assert two.counter("a") == 1000
+    shared.clear_worker(0)  # worker one died: a's and c's requests there are gone, what they were served is not
+    assert two.requests("a") == two.requests("c") == 0 and two.counter("a") == 1000
+    one.arrive("d", INTERACTIVE)
+    assert two.higher_class_seen(STANDARD) and not two.higher_class_seen(INTERACTIVE)
+
+
+def test_tenants_beyond_the_table_share_its_last_row():
+    fair = FairShare(SharedState.create())
+    rows = {fair.row(f"t{i}") for i in range(MAX_FAIR_TENANTS + 5)}
+    assert len(rows) == MAX_FAIR_TENANTS
+    fair.charge(f"t{MAX_FAIR_TENANTS + 3}", 7, 1.0)
+    assert fair.counter(f"t{MAX_FAIR_TENANTS - 1}") == fair.counter(f"t{MAX_FAIR_TENANTS + 1}") == 7
+    assert fair.counter("t0") == 0
 
 
 def loaded(admission: str, queue_size: int = 16):
