@@ -4,6 +4,7 @@
     python bench/instructions.py --tree /tmp/base         # the same, then another checkout, side by side
     python bench/instructions.py --cells chat --seconds 5
     python bench/instructions.py --status-poll            # each cell without, then with a browser on the status page
+    python bench/instructions.py --tenants --tree /tmp/base  # each tree with a key, then a tenant_config tenant's
 
 CPU time per request on a shared machine moves by 10-30 % between runs (bench/overhead.py's figures);
 instruction counts do not. Each tree's Coordinator (1 worker, log INFO, the configuration bench/overhead.py
@@ -25,6 +26,9 @@ connection, as a browser's polls come), which gives one poll's instructions; the
 turn, without and then with a browser showing the page (overhead.StatusPoller: a poll every second). A poll a
 second costs each request one poll's instructions over the requests served in that second: the table gives that
 share at each cell's rate here, and the count with the poller running beside it.
+
+With `--tenants` each tree runs twice, as bench/overhead.py --tenants runs it: every request with an API key, once
+in `valid_keys` and once a `tenant_config` tenant's with quotas never reached.
 
 Under callgrind the Coordinator runs some 50 times slower: a tree takes about 2.5 minutes. Needs valgrind
 (with callgrind_control), wrk and gcc. Compare trees with a git worktree: `git worktree add /tmp/base HEAD~3`.
@@ -91,6 +95,8 @@ def measure_tree(
     workdir: str,
     quiet: bool = False,
     status_poll: bool = False,
+    label: str = "",
+    sections: dict | None = None,
 ) -> dict[str, dict]:
     """Per cell its requests and instructions; with `status_poll` also per `cell + POLLED`, a browser polling."""
     out_dir = tempfile.mkdtemp(prefix="callgrind-", dir=workdir)
@@ -110,6 +116,8 @@ def measure_tree(
         root=root,
         launcher=launcher,
         start_timeout_s=START_TIMEOUT_S,
+        python_label=label,
+        sections=sections,
     )
     results = {}
     try:
@@ -192,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--status-poll", action="store_true", help="count each cell again with a browser polling the status page"
     )
+    ap.add_argument(
+        "--tenants", action="store_true", help="each tree with an API key in valid_keys, then a tenant_config tenant's"
+    )
     opts = ap.parse_args(argv)
     cells = [c for c in opts.cells.split(",") if c]
     unknown = set(cells) - set(overhead.CELLS)
@@ -201,26 +212,30 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"missing: {', '.join(missing)}. Install with: apt-get install -y valgrind wrk gcc", file=sys.stderr)
         return 2
-    trees = [overhead.ROOT] + [os.path.abspath(t) for t in opts.tree]
+    runs = overhead.tenant_runs() if opts.tenants else (("", None),)
+    roots = [overhead.ROOT] + [os.path.abspath(t) for t in opts.tree]
+    trees = [f"{root} {label}".strip() for root in roots for label, _ in runs]
     workdir = tempfile.mkdtemp(prefix="motor-instructions-")
     try:
         with overhead.fakes(overhead.build_fake(workdir), None, workdir) as engines:
             results = [
-                measure_tree(root, engines, cells, opts.seconds, workdir, opts.no_background, opts.status_poll)
-                for root in trees
+                measure_tree(
+                    root, engines, cells, opts.seconds, workdir, opts.no_background, opts.status_poll, label, sections
+                )
+                for root in roots
+                for label, sections in runs
             ]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print()
-    print(
-        "| cell | "
-        + " | ".join(f"k instructions/request: {t}" for t in trees)
-        + (" | first / second |" if len(trees) > 1 else " |")
-    )
-    print("|---" * (len(trees) + 1 + (len(trees) > 1)) + "|")
+    # Two runs: the first over the second; more: each of the others over the first.
+    ratios = ["first / second"] if len(trees) == 2 else [f"{t} / first" for t in trees[1:]]
+    print("| cell | " + " | ".join([f"k instructions/request: {t}" for t in trees] + ratios) + " |")
+    print("|---" * (len(trees) + 1 + len(ratios)) + "|")
     for cell in cells:
         per = [r[cell]["per_request"] for r in results]
-        ratio = f" | {per[0] / per[1]:.3f}" if len(per) > 1 and per[1] else ""
+        shares = [per[0] / per[1]] if len(per) == 2 else [p / per[0] for p in per[1:]]
+        ratio = "".join(f" | {x:.3f}" for x in shares) if len(per) > 1 and all(per) else ""
         print(f"| {cell} | " + " | ".join(f"{p / 1000:.1f}" for p in per) + ratio + " |")
     if opts.status_poll:
         # A browser polling every second costs each request one poll's instructions over the requests served in a

@@ -192,6 +192,19 @@ BENCH_KEY = "sk-bench-tenant"
 KEY_HEADERS: dict[str, str] = {}  # --tenants: every request presents BENCH_KEY (gateways without keys ignore it)
 
 
+def tenant_runs() -> tuple[tuple[str, dict], ...]:
+    """--tenants' two Coordinators, (label, config sections): BENCH_KEY in valid_keys (its own tenant), and BENCH_KEY a
+    tenant_config tenant's with rpm, tpm and max_inflight never reached. Every request presents the key."""
+    KEY_HEADERS["Authorization"] = f"Bearer {BENCH_KEY}"
+    keys = {"api_key_config": {"enable_api_key": True, "valid_keys": [BENCH_KEY]}}
+    quota = {"rpm": 10**9, "tpm": 10**12, "max_inflight": 10**6}
+    tenants = {
+        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-bench-other"]},
+        "tenant_config": {"tenants": [{"name": "bench", "keys": [BENCH_KEY], **quota}]},
+    }
+    return (("keys", keys), ("keys + tenant quotas", tenants))
+
+
 def cell_headers(cell: str) -> dict[str, str]:
     return {**(ANTHROPIC_HEADERS if cell in MESSAGES_CELLS else {}), **KEY_HEADERS}
 
@@ -1268,8 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
     global NICE
     NICE = opts.nice
     PAD["text"] = padding(opts.prompt_kib)
-    if opts.tenants:
-        KEY_HEADERS["Authorization"] = f"Bearer {BENCH_KEY}"
+    runs = tenant_runs() if opts.tenants else ()
     set_autogroup_nice("self")  # wrk runs in the bench's own session
     opts.duration = opts.duration or (2.0 if opts.quick else 6.0)
     opts.latency = opts.latency if opts.latency is not None else (1.0 if opts.quick else 3.0)
@@ -1343,14 +1355,8 @@ def main(argv: list[str] | None = None) -> int:
                                 engines, 1, "INFO", gw_core_sets[1], workdir, python_label=label, sections=sections
                             )
                         )
-                if opts.tenants:
-                    keys = {"api_key_config": {"enable_api_key": True, "valid_keys": [BENCH_KEY]}}
-                    quota = {"rpm": 10**9, "tpm": 10**12, "max_inflight": 10**6}
-                    tenants = {
-                        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-bench-other"]},
-                        "tenant_config": {"tenants": [{"name": "bench", "keys": [BENCH_KEY], **quota}]},
-                    }
-                    for label, sections in (("keys", keys), ("keys + tenant quotas", tenants)):
+                if runs:
+                    for label, sections in runs:
                         pair.append(
                             Coordinator(
                                 engines, 1, "INFO", gw_core_sets[1], workdir, python_label=label, sections=sections
