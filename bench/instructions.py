@@ -45,6 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -54,18 +56,7 @@ from bench import overhead  # noqa: E402
 START_TIMEOUT_S = 600  # Python's imports under valgrind
 POLLED = "+status"  # a cell counted while a browser polls the status page
 POLL = "status.json"  # the polls alone
-
-
-def _counting(worker: str) -> float:
-    """Start counting in the worker; when it started."""
-    subprocess.run(["callgrind_control", "-i", "on", worker], check=True, capture_output=True)
-    return time.monotonic()
-
-
-def _dumped(worker: str) -> None:
-    """The worker's counts dumped, and counting stopped (the dump is written by the worker meanwhile)."""
-    subprocess.run(["callgrind_control", "-d", worker], check=True, capture_output=True)
-    subprocess.run(["callgrind_control", "-i", "off", worker], check=True, capture_output=True)
+T = TypeVar("T")
 
 
 def count(out_dir: str, pid: int) -> int:
@@ -78,6 +69,19 @@ def count(out_dir: str, pid: int) -> int:
                     total += int(line.split()[1])
         os.unlink(path)
     return total
+
+
+def _counted(worker: str, out_dir: str, idle_per_s: float, run: Callable[[], T]) -> tuple[T, float, float]:
+    """`run()` with the worker counted: its result, the worker's instructions meanwhile less `idle_per_s` for each
+    second counted, and those seconds."""
+    subprocess.run(["callgrind_control", "-i", "on", worker], check=True, capture_output=True)
+    started = time.monotonic()
+    result = run()
+    subprocess.run(["callgrind_control", "-d", worker], check=True, capture_output=True)
+    subprocess.run(["callgrind_control", "-i", "off", worker], check=True, capture_output=True)
+    seconds = time.monotonic() - started
+    time.sleep(0.5)  # the dump is written by the worker
+    return result, count(out_dir, int(worker)) - idle_per_s * seconds, seconds
 
 
 # `--no-background`: what the worker does without requests (health checks, scrapes, the heartbeat, the event loop's
@@ -93,7 +97,7 @@ def measure_tree(
     cells: list[str],
     seconds: float,
     workdir: str,
-    quiet: bool = False,
+    no_background: bool = False,
     status_poll: bool = False,
     label: str = "",
     sections: dict | None = None,
@@ -123,23 +127,18 @@ def measure_tree(
     try:
         worker = str(gw.worker_pids()[0])
         idle_per_s = 0.0
-        if quiet:
-            started = _counting(worker)
-            time.sleep(IDLE_S)
-            _dumped(worker)
-            idle_s = time.monotonic() - started
-            time.sleep(0.5)
-            idle_per_s = count(out_dir, int(worker)) / idle_s
+        if no_background:
+            _, idle, idle_s = _counted(worker, out_dir, 0.0, lambda: time.sleep(IDLE_S))
+            idle_per_s = idle / idle_s
             print(f"  {root} idle: {idle_per_s / 1000:.1f} k instructions a second, left out", flush=True)
         if status_poll:  # what one poll of the page costs the worker, counted over many
-            results[POLL] = count_polls(gw, seconds, workdir, out_dir, worker, idle_per_s)
+            results[POLL] = count_polls(gw, root, seconds, out_dir, worker, idle_per_s)
             print(f"  {root} {POLL}: {results[POLL]['per_request'] / 1000:.1f} k instructions each", flush=True)
         for cell in cells:
             for polled in (False, True) if status_poll else (False,):
                 with overhead.StatusPoller(gw.obs_port) if polled else contextlib.nullcontext() as poller:
                     name = cell + POLLED if polled else cell
-                    results[name] = count_cell(gw, cell, seconds, workdir, out_dir, worker, idle_per_s)
-                results[name]["seconds"] = seconds
+                    results[name] = count_cell(gw, root, cell, seconds, workdir, out_dir, worker, idle_per_s)
                 if poller is not None:
                     results[name]["polls"] = poller.polls
                 print(
@@ -152,38 +151,50 @@ def measure_tree(
     return results
 
 
+def wrk_failures(stdout: str) -> list[str]:
+    """The lines of wrk's summary that count socket errors or error answers (wrk prints them only when not 0)."""
+    return [line.strip() for line in stdout.splitlines() if "Socket errors:" in line or "Non-2xx" in line]
+
+
 def count_polls(
-    gw: overhead.Coordinator, seconds: float, workdir: str, out_dir: str, worker: str, idle_per_s: float
+    gw: overhead.Coordinator, root: str, seconds: float, out_dir: str, worker: str, idle_per_s: float
 ) -> dict:
     """GET /status.json back to back on one connection, as a browser's polls come: instructions per poll."""
     url = f"http://127.0.0.1:{gw.obs_port}/status.json"
-    subprocess.run(["wrk", "-t1", "-c1", "-d2s", url], check=True, capture_output=True)  # warm-up
-    started = _counting(worker)
-    out = subprocess.run(["wrk", "-t1", "-c1", f"-d{seconds:g}s", url], check=True, capture_output=True, text=True)
-    _dumped(worker)
-    counted_s = time.monotonic() - started
-    time.sleep(0.5)
-    polls = int(next(line for line in out.stdout.splitlines() if "requests in" in line).split()[0])
-    instructions = count(out_dir, int(worker)) - idle_per_s * counted_s
+
+    def wrk(duration: str) -> str:
+        out = subprocess.run(["wrk", "-t1", "-c1", f"-d{duration}", url], check=True, capture_output=True, text=True)
+        failures = wrk_failures(out.stdout)
+        if failures:
+            raise RuntimeError(f"{root} {POLL}: wrk saw errors: {'; '.join(failures)}")
+        return out.stdout
+
+    wrk("2s")  # warm-up
+    stdout, instructions, _ = _counted(worker, out_dir, idle_per_s, lambda: wrk(f"{seconds:g}s"))
+    polls = int(next(line for line in stdout.splitlines() if "requests in" in line).split()[0])
     return {"requests": polls, "instructions": instructions, "per_request": instructions / max(polls, 1)}
 
 
 def count_cell(
-    gw: overhead.Coordinator, cell: str, seconds: float, workdir: str, out_dir: str, worker: str, idle_per_s: float
+    gw: overhead.Coordinator,
+    root: str,
+    cell: str,
+    seconds: float,
+    workdir: str,
+    out_dir: str,
+    worker: str,
+    idle_per_s: float,
 ) -> dict:
     """One cell's requests and the worker's instructions for them (less its idle rate, `idle_per_s`, if counted)."""
     data = gw.body(cell)
     overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir)  # warm-up, not counted
-    started = _counting(worker)
-    res = overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
-    _dumped(worker)
-    counted_s = time.monotonic() - started
-    time.sleep(0.5)  # the dump is written by the worker
+    res, instructions, _ = _counted(
+        worker, out_dir, idle_per_s, lambda: overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir)
+    )
     errors = overhead.wrk_errors(res)
     if any(errors.values()):
-        raise RuntimeError(f"{gw.label} {cell}: wrk saw errors {errors}")
+        raise RuntimeError(f"{root} {cell}: wrk saw errors {errors}")
     requests = res["requests"]
-    instructions = count(out_dir, int(worker)) - idle_per_s * counted_s
     return {"requests": requests, "instructions": instructions, "per_request": instructions / max(requests, 1)}
 
 
@@ -251,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             poll = r[POLL]["per_request"]
             for cell in cells:
                 bare, polled = r[cell], r[cell + POLLED]
-                rate = bare["requests"] / bare["seconds"]
+                rate = bare["requests"] / opts.seconds
                 share = poll / rate / bare["per_request"]
                 print(
                     f"| {cell} | {root} | {bare['per_request'] / 1000:.1f} | {rate:.0f} | {poll / 1000:.1f} |"

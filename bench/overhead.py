@@ -64,7 +64,7 @@ sys.path.insert(0, ROOT)
 
 from harness import processes  # noqa: E402
 from harness.bodies import chat_body  # noqa: E402
-from harness.configs import api_config, instance  # noqa: E402
+from harness.configs import api_config, api_keys, instance  # noqa: E402
 from harness.loopback import free_port, free_ports  # noqa: E402
 from harness.processes import tree  # noqa: E402
 from harness.redis import RedisServer  # noqa: E402
@@ -192,17 +192,16 @@ BENCH_KEY = "sk-bench-tenant"
 KEY_HEADERS: dict[str, str] = {}  # --tenants: every request presents BENCH_KEY (gateways without keys ignore it)
 
 
-def tenant_runs() -> tuple[tuple[str, dict], ...]:
+def tenant_runs() -> list[tuple[str, dict]]:
     """--tenants' two Coordinators, (label, config sections): BENCH_KEY in valid_keys (its own tenant), and BENCH_KEY a
-    tenant_config tenant's with rpm, tpm and max_inflight never reached. Every request presents the key."""
+    tenant_config tenant's with rpm, tpm and max_inflight never reached. Every request presents the key from now on."""
     KEY_HEADERS["Authorization"] = f"Bearer {BENCH_KEY}"
-    keys = {"api_key_config": {"enable_api_key": True, "valid_keys": [BENCH_KEY]}}
     quota = {"rpm": 10**9, "tpm": 10**12, "max_inflight": 10**6}
     tenants = {
-        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-bench-other"]},
+        "api_key_config": api_keys("sk-bench-other"),
         "tenant_config": {"tenants": [{"name": "bench", "keys": [BENCH_KEY], **quota}]},
     }
-    return (("keys", keys), ("keys + tenant quotas", tenants))
+    return [("keys", {"api_key_config": api_keys(BENCH_KEY)}), ("keys + tenant quotas", tenants)]
 
 
 def cell_headers(cell: str) -> dict[str, str]:
@@ -312,6 +311,27 @@ class Proc(processes.Proc):
     def __init__(self, args: list[str], log_path: str, env: dict | None = None):
         super().__init__(args, log_path, env=env)
         set_autogroup_nice(self.pid)
+
+
+def engine_sims(args: list[list[str]], workdir: str) -> list[tuple[Proc, str]]:
+    """engine_sim processes, one per entry of `args` (its arguments after `--port`), started together on free
+    ports, each answering /health: each with its host:port. When one does not start, all are stopped and its log
+    raised."""
+    procs = []
+    for port, more in zip(free_ports(len(args)), args, strict=True):
+        argv = [sys.executable, "-m", "engine_sim", "--port", str(port), *more]
+        procs.append((Proc(argv, os.path.join(workdir, f"engine_sim-{port}.log")), port))
+    try:
+        for proc, port in procs:
+            try:
+                wait_http(port, "/health", 30, proc)
+            except RuntimeError as e:
+                raise RuntimeError(f"engine_sim on port {port} did not start ({e}):\n{proc.output()}") from None
+    except RuntimeError:
+        for proc, _ in procs:
+            proc.stop(5.0)
+        raise
+    return [(proc, f"127.0.0.1:{port}") for proc, port in procs]
 
 
 def build_fake(workdir: str) -> str:
@@ -1281,7 +1301,7 @@ def main(argv: list[str] | None = None) -> int:
     global NICE
     NICE = opts.nice
     PAD["text"] = padding(opts.prompt_kib)
-    runs = tenant_runs() if opts.tenants else ()
+    tenants = tenant_runs() if opts.tenants else []
     set_autogroup_nice("self")  # wrk runs in the bench's own session
     opts.duration = opts.duration or (2.0 if opts.quick else 6.0)
     opts.latency = opts.latency if opts.latency is not None else (1.0 if opts.quick else 3.0)
@@ -1345,23 +1365,18 @@ def main(argv: list[str] | None = None) -> int:
                             engines, 1, "INFO", gw_core_sets[1], workdir, root=root, python=python, python_label=label
                         )
                     )
+                # Coordinators with more config sections, each labelled.
+                variants: list[tuple[str, dict]] = []
                 if opts.cluster:
                     redis = stack.enter_context(redis_server(load_cores))
                     cluster = {"cluster_config": {"redis_url": redis.url}}
                     cap = {"rate_limit_config": {"max_inflight_requests": 100_000}}
-                    for label, sections in (("cluster", cluster), ("cluster + cap", {**cluster, **cap})):
-                        pair.append(
-                            Coordinator(
-                                engines, 1, "INFO", gw_core_sets[1], workdir, python_label=label, sections=sections
-                            )
-                        )
-                if runs:
-                    for label, sections in runs:
-                        pair.append(
-                            Coordinator(
-                                engines, 1, "INFO", gw_core_sets[1], workdir, python_label=label, sections=sections
-                            )
-                        )
+                    variants += [("cluster", cluster), ("cluster + cap", {**cluster, **cap})]
+                variants += tenants
+                for label, sections in variants:
+                    pair.append(
+                        Coordinator(engines, 1, "INFO", gw_core_sets[1], workdir, python_label=label, sections=sections)
+                    )
                 if not opts.no_floor:
                     pair.append(SanicFloor(engines, gw_core_sets[1], workdir, python=opts.python))
                 if not opts.no_router and shutil.which("vllm-router"):

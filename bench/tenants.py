@@ -30,8 +30,9 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.overhead import engine_sims
 from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
 
@@ -173,17 +175,6 @@ async def capacity(url: str, seconds: float = 16.0, settle_s: float = 6.0, strea
     return done / (seconds - settle_s)
 
 
-def start_engine(role: str) -> tuple[subprocess.Popen, str]:
-    """An engine_sim process of `role`, and its host:port."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_sim", "--port", "0", "--role", role, "--model", MODEL, *SIM_ARGS],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    return proc, line.split("listening on http://")[1].split()[0]
-
-
 def config(prefill: str, decode: str, admission: str) -> dict:
     tenants = [{"name": name, "keys": [key], "weight": WEIGHTS.get(name, 1.0)} for name, key in KEYS.items()]
     return coordinator_config(
@@ -212,7 +203,9 @@ def main() -> int:
     ap.add_argument("--admission", default="queue", choices=("queue", "reject"))
     ap.add_argument("--seed", type=int, default=1)
     opts = ap.parse_args()
-    (p_proc, prefill), (d_proc, decode) = start_engine("prefill"), start_engine("decode")
+    workdir = tempfile.mkdtemp(prefix="motor-tenants-")
+    engines = engine_sims([["--role", role, "--model", MODEL, *SIM_ARGS] for role in ("prefill", "decode")], workdir)
+    (_, prefill), (_, decode) = engines
     try:
         with Coordinator(config(prefill, decode, "off")) as probe:
             raw = asyncio.run(capacity(probe.url))
@@ -271,9 +264,9 @@ def main() -> int:
         print("targets met" if ok else "targets NOT met")
         return 0 if ok else 1
     finally:
-        for proc in (p_proc, d_proc):
-            proc.terminate()
-            proc.wait(10)
+        for proc, _ in engines:
+            proc.stop(10.0)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from state.shared import SharedState
 def test_the_prefix_index_sees_a_shared_system_prompt_as_the_coordinator_hashes_it():
     """A prompt sharing a hot system prompt with one prefilled on a slot is cached there up to that system prompt
     (within the index's 1/8 granularity), never beyond: the bench's index hashes are the Coordinator's sparse
-    prefix hashes, not the engine's per-block ones (which the index read as far longer prefixes: c36f767)."""
+    prefix hashes, not the engine's per-block ones (which the index would read as far longer prefixes)."""
     fam = next(f for f in (bench.make_family(i, 1) for i in range(13)) if f.systems)
     system = fam.systems[0]
     first, second = bench.Req(0.0, 0, 700, 50), bench.Req(0.0, 0, 900, 50)

@@ -6,13 +6,17 @@ under callgrind."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import math
 import os
 import shutil
+import socketserver
 import subprocess
 import sys
 import tempfile
+import threading
+import types
 
 import anthropic
 import openai
@@ -222,6 +226,47 @@ def test_instruction_count_of_one_cell():
     assert requests and int(requests[0].split(" chat: ")[1].split()[0]) >= 5, proc.stdout
 
 
+class _Quiet(http.server.BaseHTTPRequestHandler):
+    """Answers every request 501 (no GET handler), logging nothing."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _Hangup(socketserver.BaseRequestHandler):
+    """Closes each connection without an answer."""
+
+    def handle(self) -> None:
+        pass
+
+
+@pytest.mark.skipif(not shutil.which("wrk"), reason="needs wrk (apt-get install -y wrk)")
+@pytest.mark.parametrize(("handler", "seen"), [(_Quiet, "Non-2xx"), (_Hangup, "Socket errors")])
+def test_counting_status_polls_fails_on_error_answers_and_socket_errors(monkeypatch, tmp_path, handler, seen):
+    """bench/instructions.py's status-page polls stop the run when wrk sees an error answer or a socket error,
+    as a cell's requests do, naming the tree."""
+    from bench import instructions
+
+    monkeypatch.setattr(instructions, "_counted", lambda worker, out_dir, idle_per_s, run: (run(), 0.0, 1.0))
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        gw = types.SimpleNamespace(obs_port=server.server_address[1])
+        with pytest.raises(RuntimeError, match=rf"/tree status\.json: wrk saw errors: {seen}"):
+            instructions.count_polls(gw, "/tree", 1, str(tmp_path), "0", 0.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_engine_sims_fail_when_one_exits_even_with_status_0(tmp_path):
+    """An engine_sim that exits at once (`--help`: status 0) fails the start of them all, as one that crashes
+    does, and its output is in the error."""
+    with pytest.raises(RuntimeError, match="did not start") as raised:
+        overhead.engine_sims([["--model", "up"], ["--help"]], str(tmp_path))
+    assert "usage:" in str(raised.value)
+
+
 def test_wallclock_replays_a_prefill_engines_chunked_steps():
     """bench/wallclock.py's attribution replays engine_sim's prefill loop: a prompt arriving during a chunked step
     waits for its end, then shares the next step with the rest of the prompt ahead of it."""
@@ -241,6 +286,26 @@ def test_wallclock_replays_a_prefill_engines_chunked_steps():
     # A prompt arriving while another's step runs waits for its end, as the continuous queue says it does.
     parts = wallclock.p_schedule(rate, [(0.0, 4096, 0, -1, "a"), (0.1, 4096, 0, -1, "b")])
     assert parts["b"] == pytest.approx((0.4, 0.0, 0.5, 0.0))
+
+
+def test_wallclock_prompts_are_the_same_in_every_process():
+    """A seed's prompts do not depend on the process's hash salt (PYTHONHASHSEED)."""
+    code = (
+        "import zlib; from bench import wallclock as b; w = b.draw(3); "
+        "print(zlib.crc32(''.join(b.prompt_texts(w, b.requests(w, 20, 1.0, 3), 10**6)).encode()))"
+    )
+    out = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONHASHSEED": salt},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for salt in ("0", "1")
+    ]
+    assert out[0].strip() and out[0] == out[1]
 
 
 def test_wallclock_bench_runs_the_coordinator_against_engine_sim(tmp_path):
