@@ -27,6 +27,9 @@ turn, without and then with a browser showing the page (overhead.StatusPoller: a
 second costs each request one poll's instructions over the requests served in that second: the table gives that
 share at each cell's rate here, and the count with the poller running beside it.
 
+With `--tenants` each tree runs twice, as bench/overhead.py --tenants runs it: every request with an API key, once
+in `valid_keys` and once a `tenant_config` tenant's with quotas never reached.
+
 Under callgrind the Coordinator runs some 50 times slower: a tree takes about 2.5 minutes. Needs valgrind
 (with callgrind_control), wrk and gcc. Compare trees with a git worktree: `git worktree add /tmp/base HEAD~3`.
 """

@@ -8,7 +8,8 @@ leaves the list when a plan meets the budget that is left, or with `OverBudget` 
 the budget left is below the predicted TTFT on empty queues (no wait can help any more).
 
 The list is served in order of x-priority class (interactive, standard, batch), within a class by tenant,
-the least virtual counter of tokens served first (scheduling/fairness.py), and within a tenant earliest
+the least virtual counter of tokens served first (scheduling/fairness.py: the Coordinator's counters, so a
+tenant served much by another worker waits behind one served little), and within a tenant earliest
 deadline (arrival + TTFT budget) first. A request that arrives while one of its class or a higher one waits
 here joins the list rather than pass it, and in a tick no request of a model is let in after one of a
 higher class of that model was not.
@@ -63,7 +64,7 @@ class AdmissionQueue:
         self.tries = tries_per_tick
         self.heap: list = []  # [deadline, seq, future, job, plan_fn]
         self.seq = itertools.count()
-        self.fair = FairShare()  # the tenants' counters the list is ordered by (this worker's)
+        self.fair = FairShare(shared, worker, num_workers)  # the tenants' counters the list is ordered by
         self.waiting = [0, 0, 0]  # requests waiting here, by class
         self.pump: asyncio.Task | None = None
         self.wake = asyncio.Event()
@@ -99,7 +100,14 @@ class AdmissionQueue:
 
     def _order(self) -> list:
         """The waiting entries in the order they are served: class, tenant's counter, deadline."""
-        counter = self.fair.counter
+        counters: dict[str, float] = {}  # each tenant's counter read once (a sum over the workers)
+
+        def counter(tenant: str) -> float:
+            found = counters.get(tenant)
+            if found is None:
+                found = counters[tenant] = self.fair.counter(tenant)
+            return found
+
         return sorted(
             (e for e in self.heap if not e[2].done()),
             key=lambda e: (e[3].priority, counter(e[3].tenant), e[0], e[1]),

@@ -193,8 +193,11 @@ class Scheduler:
         self.index: PrefixSource | None = policy.index
         self.admission = admission
         self.queue = queue
-        self.fair = queue.fair if queue is not None else FairShare()  # the tenants' counters, this worker's
         self.live = live or Live(Settings())
+        # The tenants' counters (the Coordinator's, in shared memory): the queue's when there is one.
+        self.fair = (
+            queue.fair if queue is not None else FairShare(registry.shared, ledger.worker, self.live.s.num_workers)
+        )
         self.meters: dict[str, PromptMeter] = {}  # by model id; the estimate's unless its tokenizer_path loads
         self.tokenizers: dict[str, str] = {}  # the tokenizer_path each model's meter was made with
         self.models: tuple = ()  # the live `models` the meters follow

@@ -55,8 +55,7 @@ class PrefillCall(Call[dict]):
                 raise UpstreamProtocolError("prefill engine answered a non-object", detail=t.url)
             usage = resp.get("usage")
             lease.succeed(engine_uncached(usage))
-            if rec.info is not None:
-                rec.engine_cached(data)
+            rec.engine_cached(data)
             self.leg.calibrate(engine_prompt(usage))  # P counted the whole prompt: the model's estimate learns
         finally:
             lease.release()

@@ -101,7 +101,9 @@ TENANT_REQUESTS = Counter(
     ["tenant", "status"],
 )
 TENANT_TOKENS = Counter(
-    "motor_tenant_tokens_total", "Tokens of successful requests by tenant and kind (prompt, output)", ["tenant", "kind"]
+    "motor_tenant_tokens_total",
+    "Tokens of successful requests by tenant and kind (prompt, output, cached: the prompt tokens the engine had cached)",
+    ["tenant", "kind"],
 )
 KV_PREDICTION = Counter(
     "motor_kv_prediction_total",
@@ -337,13 +339,14 @@ class _Series:
 class _TenantSeries:
     """What requests of one (tenant label, status) add to the tenant metrics, made on first use."""
 
-    __slots__ = ("dirty", "output_tokens", "parts", "prompt_tokens", "requests")
+    __slots__ = ("cached_tokens", "dirty", "output_tokens", "parts", "prompt_tokens", "requests")
 
     def __init__(self, tenant: str, status: int):
         self.requests = _PendingCount(TENANT_REQUESTS.labels(tenant, str(status)))
         self.prompt_tokens = _PendingCount(TENANT_TOKENS.labels(tenant, "prompt"))
         self.output_tokens = _PendingCount(TENANT_TOKENS.labels(tenant, "output"))
-        self.parts = (self.requests, self.prompt_tokens, self.output_tokens)
+        self.cached_tokens = _PendingCount(TENANT_TOKENS.labels(tenant, "cached"))  # written only when not 0
+        self.parts = (self.requests, self.prompt_tokens, self.output_tokens, self.cached_tokens)
         self.dirty = False
 
     def flush(self) -> None:
@@ -406,6 +409,8 @@ class PrometheusObserver(Observer):
             if rec.status < 400 and not (rec.family is not None and rec.family.counts_only):
                 tenant.prompt_tokens.amount += rec.prompt_tokens
                 tenant.output_tokens.amount += rec.generated_tokens
+                if rec.cached_tokens > 0:
+                    tenant.cached_tokens.amount += rec.cached_tokens
             self._mark(tenant)
 
     def _mark(self, series: _Series | _TenantSeries) -> None:

@@ -102,8 +102,9 @@ class RequestRecord:
     usage_event: bool = False  # the client asked for a usage chunk (stream_options.include_usage)
     family: Family | None = None  # the endpoint family it came in by (None: a call of no family's)
     duration_s: float = 0.0  # set when the request is done
-    # With KV events: the request's JobInfo (what its plan predicted the engine held: `cached_predicted`), and
-    # what the engine that computed its prompt reported it held (`prompt_tokens_details.cached_tokens`; -1: not said)
+    # With KV events: the request's JobInfo (what its plan predicted the engine held: `cached_predicted`). What the
+    # engine that computed its prompt reported it held (`prompt_tokens_details.cached_tokens`, Anthropic's cache
+    # reads; -1: not said), for the tenant metrics and, with KV events, the prediction's outcome
     info: object = None
     cached_tokens: int = -1
 
@@ -117,8 +118,7 @@ class RequestRecord:
         prompt = _last_int(body, _INPUT_KEYS)
         if prompt is not None:
             self.prompt_tokens = prompt
-        if self.info is not None:
-            self.engine_cached(body)
+        self.engine_cached(body)
 
     def engine_cached(self, usage: bytes) -> None:
         """The cached tokens an engine's usage (an answer, or events holding it) reports, if it says."""

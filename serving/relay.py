@@ -41,13 +41,14 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
     fix_block = fix.events if fix is not None else None
     route, body = (family.route, call.body) if cont is None else cont.request(family.route, call.body)
     body = ranked(body, job, target)
+    usage = family.usage_in_stream or job.include_usage  # the stream carries a usage (and its cached count)
     # The engine computed this prompt and will say its count (a decode leg's is P's, unless D computed it; a
     # continuation's prompt is token ids): the blocks are searched for it until it is found.
     learn = (
         (fix is None or fix.own_counts)
         and call.leg.job.prompt_bytes > 0
         and (cont is None or not cont.resuming)
-        and (family.usage_in_stream or job.include_usage)
+        and usage
     )
     lease = call.leg.lease()
     try:
@@ -77,7 +78,7 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
                         block = fix_block(block)
                     if final_usage is not None and final_usage in block:
                         rec.message_delta(block)
-                    if rec.info is not None and b"cache" in block:  # KV events' prediction: what the engine held
+                    if usage and b"cache" in block:  # what the engine held (tenant metrics, KV events' prediction)
                         rec.engine_cached(block)
                     if learn and (prompt := answer_prompt_tokens(block, family)) > 0:
                         call.leg.calibrate(prompt)

@@ -1,6 +1,6 @@
 """Cross-worker state in shared memory: the instance document, the load ledger, the per-endpoint table and the
 smaller tables of single features (the prefix index, trigger mode's prefill usage, stored responses' homes,
-the tenants' quotas and counts, the engines' KV blocks and their subscriptions, the replicas a cluster-mode sync
+the tenants' quotas and counts, the tenants' fair share, the engines' KV blocks and their subscriptions, the replicas a cluster-mode sync
 saw, the status page's document).
 
 Everything here is made once, in the main process (Sanic's `main_process_start`), and handed to every
@@ -284,6 +284,33 @@ class TenantCounts(Table):
     _fields_ = [("inflight", ctypes.c_int64 * MAX_TENANTS)]
 
 
+# The tenants' fair share (scheduling/fairness.py): a row per tenant, claimed in order under the lock (a table full of
+# tenants puts the rest in its last row, together). A tenant's virtual counter is its row's `lift` plus every
+# worker's `served` of it; it is active while any worker's `active` of it is not 0.
+MAX_FAIR_TENANTS = 256
+
+
+class FairTable(Table):
+    """The Coordinator's side of the tenants' fair share."""
+
+    _fields_ = [
+        ("key", ctypes.c_int64 * MAX_FAIR_TENANTS),  # each row's tenant: tenant_hash(name) | 1 (0: a free row)
+        ("lift", ctypes.c_double * MAX_FAIR_TENANTS),  # weighted tokens its idle lifts added (written under the lock)
+        ("used", ctypes.c_int64),  # rows claimed (written under the lock)
+        ("seen", ctypes.c_double * 3),  # when a request of each x-priority class last came (scheduling.clock; 0: never)
+    ]
+
+
+class FairCounts(Table):
+    """One worker's part of the tenants' fair share: only that worker writes it, readers sum the workers'. The main
+    process zeroes a dead worker's `active` (its requests are gone), never its `served` (tokens it did serve)."""
+
+    _fields_ = [
+        ("served", ctypes.c_double * MAX_FAIR_TENANTS),  # weighted tokens (tokens / weight) it served each row
+        ("active", ctypes.c_int64 * MAX_FAIR_TENANTS),  # each row's requests waiting or being served by it
+    ]
+
+
 # The replicas the cluster-mode sync owner saw at its last sync (serving/cluster.py), for the status page: this one
 # first; `Globals.replicas` of them are valid.
 MAX_REPLICAS = 64
@@ -318,6 +345,8 @@ class SharedState:
     kv_blocks: Any = None  # RawValue of KvBlockTable: the engines' KV blocks (KvBlockTableOff when off)
     replicas: Any = None  # RawArray of ReplicaRow [MAX_REPLICAS]: the replicas the last cluster sync saw
     status: Any = None  # RawArray of bytes: the status page's JSON (`globals.status_len` of them)
+    fair: Any = None  # RawValue of FairTable: the tenants' fair share
+    fair_counts: Any = None  # RawArray of FairCounts [MAX_WORKERS]: each worker's part of it
 
     @classmethod
     def create(cls, kv_events: bool = False) -> SharedState:
@@ -339,6 +368,8 @@ class SharedState:
             kv_blocks=ctx.RawValue(KvBlockTable if kv_events else KvBlockTableOff),
             replicas=ctx.RawArray(ReplicaRow, MAX_REPLICAS),
             status=ctx.RawArray(ctypes.c_char, STATUS_BYTES),
+            fair=ctx.RawValue(FairTable),
+            fair_counts=ctx.RawArray(FairCounts, MAX_WORKERS),
         )
         shared.globals.started_ms = int(time.time() * 1000)
         return shared
@@ -381,6 +412,8 @@ class SharedState:
             _clear(self.workers[worker])
         if self.tenant_counts is not None:  # its places in flight come back
             _clear(self.tenant_counts[worker].inflight)
+        if self.fair_counts is not None:  # its requests are no longer active (what it served stays counted)
+            _clear(self.fair_counts[worker].active)
 
 
 def _clear(row: ctypes.Structure) -> None:
@@ -414,6 +447,8 @@ _FIELDS = (
     "kv_blocks",
     "replicas",
     "status",
+    "fair",
+    "fair_counts",
 )
 
 

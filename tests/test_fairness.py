@@ -5,16 +5,27 @@ batch request leaves to the higher classes. The scheduler runs on real shared st
 from __future__ import annotations
 
 import asyncio
+import re
+import sys
+import time
 
+import httpx
+import openai
 import pytest
 
+from harness.configs import api_keys, coordinator_config, instance
+from harness.coordinator import Coordinator
+from harness.loopback import free_port, wait_until
+from harness.processes import Proc
 from scheduling.admission import OverBudget
 from scheduling.fairness import BATCH, INTERACTIVE, STANDARD, FairShare
+from state.shared import MAX_FAIR_TENANTS, SharedState
+from tests.conftest import MODEL
 from tests.test_scheduling import admit, job, queue_work, scheduler, slots, teach_decode, teach_prefill
 
 
 def test_a_tenant_that_was_idle_is_lifted_to_the_least_active_counter():
-    fair = FairShare()
+    fair = FairShare(SharedState.create())
     fair.arrive("a", STANDARD)
     fair.arrive("b", STANDARD)
     fair.charge("a", 500, 1.0)
@@ -31,7 +42,41 @@ def test_a_tenant_that_was_idle_is_lifted_to_the_least_active_counter():
     fair.arrive("b", STANDARD)  # a counter above the least active one is kept (its debt stands)
     assert fair.counter("b") == 1500
     fair.arrive("b", BATCH)  # b is active already: nothing lifted
-    assert fair.active["b"] == 2
+    assert fair.requests("b") == 2 and fair.counter("b") == 1500
+
+
+def test_the_counters_are_the_workers_together():
+    """Two workers' views of one shared table: what one serves the other reads; a tenant active in one worker is
+    active for the other (no lift); a dead worker's requests stop counting as active, its tokens served do not."""
+    shared = SharedState.create()
+    one, two = FairShare(shared, 0, 2), FairShare(shared, 1, 2)
+    one.arrive("a", STANDARD)
+    two.arrive("b", STANDARD)
+    one.charge("a", 900, 1.0)
+    two.charge("b", 300, 3.0)  # weight 3: 100
+    assert (two.counter("a"), one.counter("b")) == (900, 100)
+    two.arrive("a", STANDARD)  # a is active (in worker one): its counter stands
+    two.charge("a", 100, 1.0)
+    assert one.counter("a") == 1000 and one.requests("a") == two.requests("a") == 2
+    one.leave("a", 0, 1.0)
+    two.leave("a", 0, 1.0)
+    one.arrive("c", STANDARD)  # new: lifted to the least active counter, b's 100 (served by the other worker)
+    assert two.counter("c") == 100
+    one.arrive("a", STANDARD)  # back from idle above the least: its counter stands
+    assert two.counter("a") == 1000
+    shared.clear_worker(0)  # worker one died: a's and c's requests there are gone, what they were served is not
+    assert two.requests("a") == two.requests("c") == 0 and two.counter("a") == 1000
+    one.arrive("d", INTERACTIVE)
+    assert two.higher_class_seen(STANDARD) and not two.higher_class_seen(INTERACTIVE)
+
+
+def test_tenants_beyond_the_table_share_its_last_row():
+    fair = FairShare(SharedState.create())
+    rows = {fair.row(f"t{i}") for i in range(MAX_FAIR_TENANTS + 5)}
+    assert len(rows) == MAX_FAIR_TENANTS
+    fair.charge(f"t{MAX_FAIR_TENANTS + 3}", 7, 1.0)
+    assert fair.counter(f"t{MAX_FAIR_TENANTS - 1}") == fair.counter(f"t{MAX_FAIR_TENANTS + 1}") == 7
+    assert fair.counter("t0") == 0
 
 
 def loaded(admission: str, queue_size: int = 16):
@@ -116,3 +161,159 @@ def test_a_batch_request_is_refused_first_while_higher_classes_come():
     assert asyncio.run(admit(sched, request(INTERACTIVE, "u"))) is not None
     busy.release()
     assert asyncio.run(admit(sched, request(BATCH, "t"))) is not None  # idle enough again
+
+
+# -- a two-worker Coordinator ------------------------------------------------------------------------------------
+
+KEYS = {"a": "sk-fair-a", "b": "sk-fair-b", "probe": "sk-fair-probe"}
+WEIGHTS = {"a": 1.0, "b": 3.0}  # a's weighted share: 1/4
+LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO coordinator\.request\[(\d+)\]: request_id=(\S+) .*?"
+    r" tenant=(\S+) .*? status=(\d+) .*? prompt_tokens=(\d+) output_tokens=(\d+)",
+    re.M,
+)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def request_lines(coord) -> list[tuple[float, str, str, str, int, int]]:
+    """(wall-clock time, worker pid, request id, tenant, status, tokens) of every request line logged so far."""
+    out = []
+    for stamp, ms, pid, rid, tenant, status, prompt, output in LINE.findall(coord.output()):
+        t = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
+        out.append((t, pid, rid, tenant, int(status), int(prompt) + int(output)))
+    return out
+
+
+async def pinned_clients(coord, most: int, least: int) -> dict[str, list[openai.AsyncOpenAI]]:
+    """HTTP/1.1 connections (one per SDK client) grouped by the worker that accepted each, at least `most` on one of
+    two workers and `least` on the other: a keep-alive connection's requests are all its worker's. Each is asked
+    once (a request line names its worker's pid)."""
+    clients: list[tuple[str, httpx.AsyncClient]] = []
+    by_worker: dict[str, list[httpx.AsyncClient]] = {}
+    for _ in range(8):
+        fresh = [
+            (
+                f"probe-{len(clients) + i}",
+                httpx.AsyncClient(limits=httpx.Limits(max_connections=1, keepalive_expiry=None)),
+            )
+            for i in range(24)
+        ]
+        await asyncio.gather(
+            *(
+                http.post(
+                    coord.url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": HI, "max_tokens": 1},
+                    headers={"Authorization": f"Bearer {KEYS['probe']}", "X-Request-Id": rid},
+                    timeout=30,
+                )
+                for rid, http in fresh
+            )
+        )
+        clients += fresh
+        await asyncio.sleep(0.3)  # the request lines are written within 50 ms
+        pids = {rid: pid for _, pid, rid, *_ in request_lines(coord)}
+        by_worker = {}
+        for rid, http in clients:
+            by_worker.setdefault(pids[rid], []).append(http)
+        counts = sorted(len(v) for v in by_worker.values())
+        if len(counts) == 2 and counts[0] >= least and counts[1] >= most:
+            break
+    assert len(by_worker) == 2, by_worker.keys()
+    return {
+        pid: [openai.AsyncOpenAI(base_url=coord.url + "/v1", api_key="-", http_client=h, max_retries=0) for h in https]
+        for pid, https in by_worker.items()
+    }
+
+
+def test_a_tenants_weighted_share_holds_across_two_workers(tmp_path):
+    """Saturation through a two-worker Coordinator (`admission: queue`): tenant a (weight 1) sends only through
+    worker one, tenant b (weight 3) floods through both; each keeps requests waiting (closed loops: a 8, b 8 through
+    worker one and 16 through worker two). a's share of the tokens served is its weighted share, 1/4, within 0.06.
+
+    Why it holds: worker one's queue serves a first whenever a's counter (every worker's tokens served to it) is the
+    lower, and b when b's is; worker one, with half the connections, is let in about half of the requests, more
+    than a's share, so a's share is what the counters allow. With each worker's own counters worker one sees only
+    what it served b and splits its half 1:3: a gets about 1/8 (0.128 and 0.161 in two runs of main's tree; 0.235
+    to 0.25 in four of this one). The bound: a backlogged VTC keeps the two counters within one request's tokens of
+    each other (under 1 % of the ~120-170 requests measured); the window's edges cut through the ~12 requests the
+    TPOT budget lets in at once, about 3 of them a's at each edge: 2 x 3 / 120 = 0.05, and 0.06 with the counters'
+    own step. (a at half its share, the issue's case, cannot tell the two apart here: worker one's half of the
+    engine, split 1:3, is a's share of the whole, exactly a's demand.)"""
+    # The engine in a process of its own: its steps keep their time while this process's clients are busy.
+    port = free_port()
+    engine = Proc(
+        [sys.executable, "-m", "engine_sim", "--port", str(port), "--model", MODEL, "--prefill-tokens-per-s", "40000"]
+        + ["--decode-step-ms", "10", "--decode-per-seq-ms", "2", "--max-num-seqs", "64"],
+        str(tmp_path / "engine.log"),
+    )
+    try:
+        assert wait_until(lambda: healthy(port), timeout_s=30), engine.output()
+        share, served = saturated(port)
+    finally:
+        engine.stop()
+    assert abs(share - 0.25) <= 0.06, (share, served)
+
+
+def healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def saturated(port: int) -> tuple[float, int]:
+    """a's share of the tokens served in the measured window, and the requests served in it."""
+    tenants = [{"name": name, "keys": [key], "weight": WEIGHTS.get(name, 1.0)} for name, key in KEYS.items()]
+    cfg = coordinator_config(
+        [instance(1, "union", MODEL, f"127.0.0.1:{port}")],
+        models=[{"id": MODEL, "slo_ttft": 20000, "slo_tpot": 40}],  # the TPOT budget limits the batch to about 12
+        inference_workers_config={"num_workers": 2},
+        api_key_config=api_keys(),
+        scheduler_config={"scheduler_type": "slo_aware", "admission": "queue"},
+        tenant_config={"tenants": tenants},
+    )
+    warm_s, measured_s = 6.0, 12.0
+
+    async def load(coord) -> tuple[float, float, str]:
+        clients = await pinned_clients(coord, 16, 16)
+        one, two = sorted(clients, key=lambda pid: -len(clients[pid]))
+        plan = [("a", c) for c in clients[one][:8]] + [("b", c) for c in clients[one][8:16] + clients[two][:16]]
+        start = time.time()
+        end = start + warm_s + measured_s
+
+        async def loop(tenant: str, sdk: openai.AsyncOpenAI, k: int) -> None:
+            n = 0
+            while time.time() < end:
+                n += 1
+                text = f"{tenant} {k} {n} " + "lorem ipsum dolor sit amet " * 30  # ~200 tokens, each its own
+                try:
+                    stream = await sdk.chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": text}],
+                        max_tokens=16,
+                        stream=True,  # the scheduler learns the engine's TPOT from streams
+                        extra_body={"ignore_eos": True},
+                        extra_headers={"Authorization": f"Bearer {KEYS[tenant]}", "X-Request-Id": f"{tenant}-{k}-{n}"},
+                    )
+                    async for _ in stream:
+                        pass
+                except openai.RateLimitError:  # the queue gave up on it: ask again
+                    await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(loop(tenant, sdk, k) for k, (tenant, sdk) in enumerate(plan)))
+        return start + warm_s, end, one
+
+    with Coordinator(cfg, workers=2) as coord:
+        since, until, one = asyncio.run(load(coord))
+        time.sleep(0.3)
+        lines = [ln for ln in request_lines(coord) if since <= ln[0] <= until and ln[3] in ("a", "b")]
+    served = [ln for ln in lines if ln[4] == 200]
+    assert len(served) >= 100, len(served)
+    # The scenario held: a's requests all came through worker one, b's through both (worker one serves few of b's:
+    # b was served much more by worker two).
+    assert {pid for _, pid, _, tenant, *_ in lines if tenant == "a"} == {one}
+    assert len({pid for _, pid, _, tenant, *_ in lines if tenant == "b"}) == 2
+    tokens = {t: sum(ln[5] for ln in served if ln[3] == t) for t in ("a", "b")}
+    return tokens["a"] / (tokens["a"] + tokens["b"]), len(served)

@@ -18,9 +18,11 @@ import pytest
 from harness.clients import anthropic_client, openai_client
 from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
+from harness.loopback import wait_until
 from tests.conftest import MODEL
 
-KEY_A, KEY_B, KEY_T, KEY_C, KEY_S = "sk-quota-a", "sk-quota-b", "sk-quota-t", "sk-quota-c", "sk-quota-s"
+KEY_A, KEY_B, KEY_T, KEY_C = "sk-quota-a", "sk-quota-b", "sk-quota-t", "sk-quota-c"
+KEY_S, KEY_K = "sk-quota-s", "sk-quota-k"
 RPM, TPM, CAP = 20, 1000, 3
 
 
@@ -39,6 +41,7 @@ def coord(module_sims):
             {"name": "team-t", "keys": [KEY_T], "tpm": TPM},
             {"name": "team-c", "keys": [KEY_C], "max_inflight": CAP},
             {"name": "team-s", "keys": [KEY_S], "tpm": TPM},
+            {"name": "team-k", "keys": [KEY_K]},
         ]
     }
     with Coordinator(cfg, workers=2) as c:
@@ -197,6 +200,31 @@ def test_the_tenant_metrics_count_each_tenant(coord):
 
     assert 'motor_tenant_tokens_total{kind="output",tenant="team-t"}' in httpx.get(coord.obs + "/metrics").text
     assert value("team-a", "429") >= 1 and value("team-a", "200") >= RPM and value("default", "200") >= 10
+
+
+def test_the_cached_kind_counts_the_prompt_tokens_the_engines_said_they_held(coord):
+    """motor_tenant_tokens_total{kind="cached"}: the engines' prompt_tokens_details.cached_tokens, of JSON answers and
+    of a stream's usage chunk, whichever worker served them (no KV events: nothing predicted them)."""
+
+    def cached() -> float:
+        text = httpx.get(coord.obs + "/metrics", timeout=10).text
+        m = re.search(r'motor_tenant_tokens_total\{kind="cached",tenant="team-k"\} (\S+)', text)
+        return float(m[1]) if m else 0.0
+
+    sdk = openai_client(coord, KEY_K)
+    prompt = [{"role": "user", "content": "the same long prompt, cached after its first time " * 40}]
+    said = 0
+    for _ in range(3):
+        said += sdk.chat.completions.create(
+            model=MODEL, messages=prompt, max_tokens=2
+        ).usage.prompt_tokens_details.cached_tokens
+    for chunk in sdk.chat.completions.create(
+        model=MODEL, messages=prompt, max_tokens=2, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage:
+            said += chunk.usage.prompt_tokens_details.cached_tokens
+    assert said > 300
+    assert wait_until(lambda: cached() == said, timeout_s=3), (cached(), said)
 
 
 def test_excess_tenants_fold_into_other(sims):
