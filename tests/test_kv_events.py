@@ -343,7 +343,7 @@ def test_a_prompt_in_flight_counts_as_held_until_its_events_come(raw):
     publisher, world = raw
     publisher.send(0, [stored(PROMPT_B, 100)])  # the feed is live, its block size known
     assert wait_until(lambda: world.cached(1, PROMPT_B) == 8 * BLOCK, 3)
-    source = KvEventSource(world.sub.index, PrefixIndex(world.shared, BLOCK))
+    source = KvEventSource(world.index, PrefixIndex(world.shared, BLOCK))
     (target,) = world.registry.view().targets
 
     def job(ids: list[int]) -> JobInfo:
