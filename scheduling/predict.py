@@ -7,8 +7,9 @@ first come, first served, chunking long prompts). Its *virtual queue* `queue_unt
 prefill work sent so far should be done: a new prefill of `u` uncached tokens starts at
 max(now, queue end) and takes `base + u / rate`; behind queued work its predicted finish is later by what
 joins its engine step while it waits (`batch_wait_s`). When a prefill completes, the gap between its
-observed and predicted finish moves the queue end (requests behind it are late or early by the same
-amount), counting each correction once: a lease remembers the sum of corrections when it started.
+observed finish and its end in the continuous queue moves the queue end (requests behind it are late or
+early by the same amount), counting each correction once: a lease remembers the sum of corrections when it
+started. The batch wait is not a correction: the later prompts that joined its step were computed early.
 The fit's samples are groups of completions: those within `GROUP_S` of each other finished in one engine
 step (a chunked batch), so their tokens add up; the group's service time runs from max(its first
 member's start, the previous group's last completion) to its last completion. `rate` and `base` are a
@@ -138,9 +139,12 @@ class Predictor:
     # -- writing (once per request, under the shared lock) -------------------------------------
 
     def start_prefill(self, slot: int, tokens: int, now: float, idle: bool = False) -> tuple[float, float]:
-        """Queue a prefill of `tokens` uncached tokens: (its predicted finish, the correction sum now).
+        """Queue a prefill of `tokens` uncached tokens: (its predicted finish, its correction baseline).
 
         `idle`: nothing else is prefilling there (the ledger says so), whatever the virtual queue holds.
+        The baseline is the correction sum now plus its batch wait, so that its completion corrects the
+        queue against the continuous queue's end (see `learn_prefill`), while its error is measured against
+        the predicted finish.
         """
         e = self.rows[slot]
         with self.lock:
@@ -158,7 +162,7 @@ class Predictor:
             else:
                 end = now
             e.queue_until = end
-            return end + batch, e.queue_shift_s
+            return end + batch, e.queue_shift_s + batch
 
     def batch_wait_s(self, slot: int, wait_s: float, now: float) -> float:
         """What a prompt that waits `wait_s` behind work already on the endpoint loses to the engine's batching.
@@ -192,6 +196,13 @@ class Predictor:
 
         `fit`: also a sample for the fit and the allowance; without it only the virtual queue and the last
         completion time move (every completion must move them, or later predictions drift).
+
+        The queue moves by how late it finished against the continuous queue's end, not against its predicted
+        finish: the prompts that joined its last engine step (its batch wait) were sent after it, and their
+        tokens computed in that step are work the engine did early, not a delay of the queue. Corrected
+        against the predicted finish, a prompt whose step took fewer later prompts than predicted moved the
+        queue's end earlier than the engine was, and a prompt sent then was predicted to wait less than it
+        did (with admission: let in, and late).
         """
         e = self.rows[slot]
         with self.lock:
