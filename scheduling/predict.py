@@ -9,7 +9,9 @@ max(now, queue end) and takes `base + u / rate`; behind queued work its predicte
 joins its engine step while it waits (`batch_wait_s`). When a prefill completes, the gap between its
 observed finish and its end in the continuous queue moves the queue end (requests behind it are late or
 early by the same amount), counting each correction once: a lease remembers the sum of corrections when it
-started. The batch wait is not a correction: the later prompts that joined its step were computed early.
+started. So after a completion the queue end is that completion plus the work sent after it; when later
+prompts joined its engine step, they are partly done by then and the end is later than the engine's by
+their part (at most one step, until the next completion corrects it), never earlier.
 The fit's samples are groups of completions: those within `GROUP_S` of each other finished in one engine
 step (a chunked batch), so their tokens add up; the group's service time runs from max(its first
 member's start, the previous group's last completion) to its last completion. `rate` and `base` are a
@@ -197,12 +199,13 @@ class Predictor:
         `fit`: also a sample for the fit and the allowance; without it only the virtual queue and the last
         completion time move (every completion must move them, or later predictions drift).
 
-        The queue moves by how late it finished against the continuous queue's end, not against its predicted
-        finish: the prompts that joined its last engine step (its batch wait) were sent after it, and their
-        tokens computed in that step are work the engine did early, not a delay of the queue. Corrected
-        against the predicted finish, a prompt whose step took fewer later prompts than predicted moved the
-        queue's end earlier than the engine was, and a prompt sent then was predicted to wait less than it
-        did (with admission: let in, and late).
+        The queue moves by how late it finished against its end in the continuous queue, not against its
+        predicted finish (which adds the batch wait, what later prompts add to its last step). Corrected by
+        the prediction, a step that took fewer later prompts than the batch wait counted (bursts end: the
+        recent rate of prompts sent overstates what comes next) moved the queue's end earlier than the
+        engine's, and the next prompt was predicted to wait less than it did; with admission, let in and
+        late. This way a step that took more leaves the end late by their part instead: a wait predicted
+        long, at most one step, corrected by the next completion.
         """
         e = self.rows[slot]
         with self.lock:
