@@ -7,8 +7,11 @@ first come, first served, chunking long prompts). Its *virtual queue* `queue_unt
 prefill work sent so far should be done: a new prefill of `u` uncached tokens starts at
 max(now, queue end) and takes `base + u / rate`; behind queued work its predicted finish is later by what
 joins its engine step while it waits (`batch_wait_s`). When a prefill completes, the gap between its
-observed and predicted finish moves the queue end (requests behind it are late or early by the same
-amount), counting each correction once: a lease remembers the sum of corrections when it started.
+observed finish and its end in the continuous queue moves the queue end (requests behind it are late or
+early by the same amount), counting each correction once: a lease remembers the sum of corrections when it
+started. So after a completion the queue end is that completion plus the work sent after it; when later
+prompts joined its engine step, they are partly done by then and the end is later than the engine's by
+their part (at most one step, until the next completion corrects it), never earlier.
 The fit's samples are groups of completions: those within `GROUP_S` of each other finished in one engine
 step (a chunked batch), so their tokens add up; the group's service time runs from max(its first
 member's start, the previous group's last completion) to its last completion. `rate` and `base` are a
@@ -138,9 +141,12 @@ class Predictor:
     # -- writing (once per request, under the shared lock) -------------------------------------
 
     def start_prefill(self, slot: int, tokens: int, now: float, idle: bool = False) -> tuple[float, float]:
-        """Queue a prefill of `tokens` uncached tokens: (its predicted finish, the correction sum now).
+        """Queue a prefill of `tokens` uncached tokens: (its predicted finish, its correction baseline).
 
         `idle`: nothing else is prefilling there (the ledger says so), whatever the virtual queue holds.
+        The baseline is the correction sum now plus its batch wait, so that its completion corrects the
+        queue against the continuous queue's end (see `learn_prefill`), while its error is measured against
+        the predicted finish.
         """
         e = self.rows[slot]
         with self.lock:
@@ -158,7 +164,7 @@ class Predictor:
             else:
                 end = now
             e.queue_until = end
-            return end + batch, e.queue_shift_s
+            return end + batch, e.queue_shift_s + batch
 
     def batch_wait_s(self, slot: int, wait_s: float, now: float) -> float:
         """What a prompt that waits `wait_s` behind work already on the endpoint loses to the engine's batching.
@@ -192,6 +198,14 @@ class Predictor:
 
         `fit`: also a sample for the fit and the allowance; without it only the virtual queue and the last
         completion time move (every completion must move them, or later predictions drift).
+
+        The queue moves by how late it finished against its end in the continuous queue, not against its
+        predicted finish (which adds the batch wait, what later prompts add to its last step). Corrected by
+        the prediction, a step that took fewer later prompts than the batch wait counted (bursts end: the
+        recent rate of prompts sent overstates what comes next) moved the queue's end earlier than the
+        engine's, and the next prompt was predicted to wait less than it did; with admission, let in and
+        late. This way a step that took more leaves the end late by their part instead: a wait predicted
+        long, at most one step, corrected by the next completion.
         """
         e = self.rows[slot]
         with self.lock:

@@ -473,11 +473,12 @@ def test_predictor_learns_prefill_speed_and_queues_work():
         assert queued + 0.1 < end - now <= queued + step + 0.1
     assert pred.queue_wait_s(0, now) == pytest.approx(3.15, abs=0.1)
     # The first finishes 0.5 s late: the two behind it are late by as much, and when the second finishes
-    # at its (corrected) time, nothing more moves.
+    # at its (corrected) end in the continuous queue, nothing more moves.
     (p1, s1), (p2, s2), _ = ends
     pred.learn_prefill(0, now, p1 + 0.5, 2000, p1, s1)
     assert pred.queue_wait_s(0, now) == pytest.approx(3.65, abs=0.1)
-    pred.learn_prefill(0, now, p2 + 0.5, 2000, p2, s2)
+    second_end = now + pred.queue_wait_s(0, now) - pred.prefill_s(0, 2000)
+    pred.learn_prefill(0, now, second_end, 2000, p2, s2)
     assert pred.queue_wait_s(0, now) == pytest.approx(3.65, abs=0.1)
 
 

@@ -70,12 +70,13 @@ def test_prefill_predictions_hold_on_a_recorded_bursty_trace():
     results = replay_prefills(w)[WARMUP:]
     assert len(results) > 100
     errors = [abs(observed - finish) / max(observed, 0.05) for finish, _, observed in results]
-    # Through bursts of short and long prompts the median error is a third of the time to finish, where
-    # ignoring the queue (the service time alone) is off by more than twice as much.
+    # Through bursts of short and long prompts the median error is about 40 % of the time to finish (mostly
+    # over: the queue end after a completion counts the later prompts that joined its step as still to do),
+    # where ignoring the queue (the service time alone) is off by nearly twice as much.
     tokens = [t for _, t, _ in load_trace()["prefills"]][WARMUP:]
     naive = [abs(o - w.predictor.prefill_s(0, t)) / max(o, 0.05) for (_, _, o), t in zip(results, tokens)]
-    assert statistics.median(errors) < 0.4
-    assert statistics.median(errors) < 0.5 * statistics.median(naive)
+    assert statistics.median(errors) < 0.45
+    assert statistics.median(errors) < 0.55 * statistics.median(naive)
     # The allowance covers most misses: at least 3 in 4 finish by the predicted time plus the allowance
     # (admission adds its margin of 15 % of the budget on top), and it is no blanket margin: it is a
     # fraction of the prediction.
@@ -428,3 +429,22 @@ def test_a_prefill_behind_others_is_predicted_to_end_with_the_engine_step_that_t
     assert finish == pytest.approx(now + fresh.predictor.prefill_s(0, 8000))
     behind, _ = fresh.predictor.start_prefill(0, 800, now + 0.1)
     assert behind > finish + fresh.predictor.prefill_s(0, 800)
+
+
+def test_a_prefill_whose_step_took_no_later_prompts_leaves_the_queue_where_the_engine_is():
+    """A prompt predicted to end with a step stretched by later prompts (its batch wait) that ends at the
+    continuous queue's end instead (nothing joined its step) did exactly the engine's expected work: the
+    prompt queued behind it still has all its own work ahead. Its completion moves the queue end by how
+    much later than the continuous queue it ended, never earlier by the batch wait that did not come (a
+    queue end that drifts early is a wait predicted too short: admitted, and late)."""
+    w = World("slo_aware")
+    teach_prefill(w.predictor, 0, 1000.0, base_s=0.0)
+    now = time.monotonic()
+    first, s1 = w.predictor.start_prefill(0, 1000, now, idle=True)
+    second, s2 = w.predictor.start_prefill(0, 1000, now)
+    third, _ = w.predictor.start_prefill(0, 1000, now)
+    service = w.predictor.prefill_s(0, 1000)
+    assert second > now + 2 * service  # behind the first, stretched by what joins its step
+    w.predictor.learn_prefill(0, now, now + service, 1000, first, s1)  # on time
+    w.predictor.learn_prefill(0, now, now + 2 * service, 1000, second, s2)  # at the continuous end: no one joined
+    assert w.predictor.queue_wait_s(0, now + 2 * service) == pytest.approx(service, rel=0.01)
