@@ -59,7 +59,9 @@ def logged_prompt_tokens(c: Coordinator, rid: str) -> int:
     """The prompt_tokens of request `rid`'s log line: the Coordinator's count when the engine's answer had no usage."""
 
     def line() -> str | None:
-        return next((ln for ln in c.output().splitlines() if f"request_id={rid} " in ln and "status=" in ln), None)
+        out = c.output()
+        whole = out[: out.rfind("\n") + 1]  # the output is read in chunks: a last line may be cut short
+        return next((ln for ln in whole.splitlines() if f"request_id={rid} " in ln and "status=" in ln), None)
 
     assert wait_until(lambda: line() is not None)
     return int(re.search(r" prompt_tokens=(\d+) ", line()).group(1))
