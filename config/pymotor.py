@@ -7,7 +7,7 @@ honour (a ConfigError naming the key and why), and moves `motor_deploy_config.tl
 sections as PyMotor does. `finish` runs after: it reads PyMotor's spellings of the Coordinator's keys
 (circuit_config, prometheus_metrics_config, logging_config, rate_limit_config's bucket, transport_max_retry)
 into Settings, refusing a pair of spellings that disagree, and adds the `aigw` model (its id and max seqlens
-from the engine sections where `aigw` leaves them out). The README's "Moving from MindIE-PyMotor" says the
+from the engine sections where `aigw` leaves them out). docs/pymotor.md says the
 same key by key.
 """
 

@@ -1,6 +1,6 @@
 """MindIE-PyMotor's user_config.json moves over unchanged: four real PyMotor-shaped configs started as `python
 app.py --config FILE`, each key they set checked over HTTP against what ../shared/spec/pymotor-config.md says it
-does (or the README's stated difference), and the keys that cannot be honoured refused at start in one line.
+does (or the difference docs/pymotor.md states), and the keys that cannot be honoured refused at start in one line.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_aigw_limits_and_hashed_keys(sims, tmp_path):
         assert httpx.get(coord.mgmt + "/instances", headers={"X-Motor-Management-Key": "op-key-2"}).status_code == 401
         assert httpx.get(coord.mgmt + "/instances", headers={"X-Motor-Management-Key": "op-key-1"}).status_code == 200
         assert httpx.get(coord.mgmt + "/readiness").status_code == 200
-        # Keys: the hashed entry and the plain one admit; a wrong key and none are 401 (the README says so).
+        # Keys: the hashed entry and the plain one admit; a wrong key and none are 401 (docs/pymotor.md says so).
         msg = [{"role": "user", "content": "hi"}]
         for key in ("sk-hashed-7", "sk-hashed-7", "sk-plain-3"):
             client = openai_client(coord, key=key).with_options(max_retries=0)

@@ -33,7 +33,7 @@ class ResponsesRequest(Request):
     max_output_tokens: MaxTokens = None
     previous_response_id: Annotated[
         ResponseId,
-        Field(description="continue a stored response: served by the instance that holds it (see README)"),
+        Field(description="continue a stored response: served by the instance that holds it (see docs/responses.md)"),
     ] = None
     store: read(bool) = True
     background: read(bool) = False
