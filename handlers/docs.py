@@ -530,7 +530,11 @@ def mount(app: Sanic) -> None:
     stored = {k: v for k, v in openai_route.items() if k != "stream"}
     for handler, summary, ok in (
         (responses.retrieve_response, "A stored response, from the instance that holds it", ResponseObject),
-        (responses.delete_response, "Delete a stored response (see docs/responses.md: vLLM 0.32 keeps it)", ResponseDeleted),
+        (
+            responses.delete_response,
+            "Delete a stored response (see docs/responses.md: vLLM 0.32 keeps it)",
+            ResponseDeleted,
+        ),
         (responses.cancel_response, "Cancel a background response on the instance that holds it", ResponseObject),
     ):
         _document(handler, summary, ok=answer(ok), statuses=(400, 401, 404, 429, 502, 503, 504), **stored)
