@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine_sim import SimConfig, launch
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator
+from harness.redis import RedisServer
 
 MODEL = "qwen3"
 
@@ -31,6 +32,15 @@ class Sims:
     def stop(self):
         for h in self.handles:
             h.stop()
+
+
+@pytest.fixture(scope="module")
+def redis():
+    """A real redis-server on a free loopback port for the module's cluster-mode tests (no password, no
+    persistence); a module that needs another kind defines its own `redis`."""
+    server = RedisServer()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

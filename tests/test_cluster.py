@@ -29,13 +29,6 @@ from tests.conftest import MODEL
 REPLICAS = 3
 
 
-@pytest.fixture(scope="module")
-def redis():
-    server = RedisServer()
-    yield server
-    server.stop()
-
-
 class Replicas(list):
     """Coordinator replicas of one cluster (one key prefix), started together, stopped at teardown."""
 

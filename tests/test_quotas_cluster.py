@@ -27,13 +27,6 @@ RPM, TPM, CAP = 20, 1500, 5  # (not multiples of 3: the replicas' shares would a
 N = 200  # requests at once
 
 
-@pytest.fixture(scope="module")
-def redis():
-    server = RedisServer()
-    yield server
-    server.stop()
-
-
 class SimProcess(Proc):
     """An engine_sim union engine in a process of its own (in the test's process, 200 client threads would starve
     its health answers)."""
