@@ -113,6 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-router", action="store_true", help="skip vllm-router (not installed)")
     ap.add_argument("--concurrency", type=int, default=CONCURRENCY, help="requests in flight")
+    ap.add_argument("--only", default="", help="only the rows whose name contains one of these, comma-separated")
     args = ap.parse_args()
     try:
         env = {name: os.environ[f"MOTOR_E2E_{name.upper()}"] for name in UNIONS}
@@ -125,7 +126,11 @@ def main() -> None:
     env["concurrency"] = args.concurrency
     rows = []
 
+    only = [word for word in args.only.split(",") if word]
+
     def row(name: str, run) -> None:
+        if only and not any(word in name for word in only):
+            return
         started = time.monotonic()
         got = run()
         rate, exact = got if isinstance(got, tuple) else (got, None)

@@ -37,6 +37,15 @@ def render(server) -> str:
         [f"vllm:kv_cache_usage_perc{{{lab}}} {eng.kv_usage()}"],
     )
     metric(
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the LLMEngine CacheConfig",
+        [
+            f'vllm:cache_config_info{{block_size="{server.cfg.block_size}",enable_prefix_caching="True",'
+            f'engine="0",num_gpu_blocks="{eng.prefix_cap}"}} 1.0'
+        ],
+    )
+    metric(
         "vllm:prefix_cache_queries_total",
         "counter",
         "Prefix cache queries, in terms of number of queried tokens.",

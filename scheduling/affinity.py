@@ -118,5 +118,8 @@ class PrefixIndex:
     def cached_tokens(self, job: JobInfo, target: Target) -> int:
         return self.cached_blocks(job.block_hashes, target.slot) * self.block_tokens
 
+    def cache_fill(self, target: Target) -> tuple[int, int]:
+        return 0, 0  # it never sees an eviction, so it cannot tell a full cache from one with room
+
     def last_holder(self, job: JobInfo, tokens: int) -> int:
         return self.last_owner(job.block_hashes, tokens // self.block_tokens)

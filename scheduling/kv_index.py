@@ -124,6 +124,7 @@ class KvIndex:
         new, lost = self.table.put(mixed(key, slot, row.epoch), (row.epoch << 16) | (slot + 1))
         if new:
             row.blocks += 1
+            row.peak = max(row.peak, row.blocks)
             if lost >= 0:
                 self.rows[lost].blocks -= 1
 
@@ -133,12 +134,13 @@ class KvIndex:
         if i >= 0:
             self.table.drop(i)
             row.blocks -= 1
+            row.evicted += 1
 
     def forget(self, slot: int) -> None:
         """Every block of `slot` is gone: its epoch moves on (its entries are dead, reused by later writes)."""
         row = self.rows[slot]
         row.epoch = (row.epoch + 1) & 0xFFFFFFFFFFFF
-        row.blocks = 0
+        row.blocks = row.peak = row.evicted = 0
         row.clears += 1
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -263,6 +265,12 @@ class KvEventSource:
             flying = self.inflight.setdefault(lease.slot, [])
             flying[:] = [f for f in flying if _flying(f[0])][-INFLIGHT_MAX + 1 :]
             flying.append((lease, job.prompt_keys))
+
+    def cache_fill(self, target: Target) -> tuple[int, int]:
+        if not self._live(target.slot):
+            return 0, 0
+        row = self.index.rows[target.slot]
+        return row.blocks, row.peak if row.evicted else 0
 
     def last_holder(self, job: JobInfo, tokens: int) -> int:
         # The events say who holds a block, not who came to hold it last: among equal holders, the policy's order.

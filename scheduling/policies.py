@@ -9,8 +9,8 @@ A policy gets the usable candidates of one role and the request's `JobInfo` and 
 * `load_balance`: least load: our in-flight requests and tokens plus the engine's own queue and KV use.
 * `kv_cache_affinity`: the prefill goes to the instance that most recently came to hold the prompt's longest
   cached prefix (as its `PrefixSource` says: the Coordinator's estimate, by chained block hashes over the whole
-  rendered prompt, or the engines' own KV events, scheduling/kv_index.py), unless that instance's load exceeds `affinity_overload_factor` times the least
-  loaded one's plus one request like this one; decode by load.
+  rendered prompt, or the engines' own KV events, scheduling/kv_index.py), unless that instance's load exceeds `affinity_overload_factor` times what the
+  least loaded one's would be with this request; decode by load.
 * `slo_aware`: predicts each candidate's TTFT (queue wait + uncached prefill + the decode engine's first
   step) and TPOT (the decode engine's step time with the batch it will have when this request joins)
   from the learned model (scheduling/predict.py), and takes the decode engine with the lowest predicted
@@ -55,6 +55,9 @@ ALONE_STALL_TOKENS = 2
 # ... and it goes there only with a prompt at most this many times the mean of those computed there so far:
 # a speed learned from short prompts says little about a long one's.
 ALONE_EXTRAPOLATION = 4.0
+# `kv_cache_affinity` counts a full prefix cache as this much load: the weight `load_balance` gives the
+# engine's KV use (the same memory).
+CACHE_FILL_WEIGHT = 4.0
 
 
 def _clearly_less(a: float, b: float, absolute: float) -> bool:
@@ -109,6 +112,10 @@ class PrefixSource(Protocol):
 
     def last_holder(self, job: JobInfo, tokens: int) -> int:
         """The slot that most recently came to hold the first `tokens` prompt tokens of `job` (-1: unknown)."""
+
+    def cache_fill(self, target: Target) -> tuple[int, int]:
+        """The blocks `target`'s prefix cache holds now and its size in blocks (0: not known: its engine has not
+        evicted yet, or the source sees no evictions)."""
 
     def record(self, hashes: list[int], slot: int) -> None:
         """The engine at `slot` has just computed a prompt with these block hashes (what an estimate learns
@@ -289,6 +296,10 @@ class LoadBalance(Policy):
         return 1.0 + job.prompt_tokens / 2048.0 + job.max_tokens / 8192.0
 
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
+        return self.least(cands, self.score)
+
+    def least(self, cands: list[Target], score) -> Target:
+        """The candidate with the lowest `score(target)`; ties go to the first from a rotating offset."""
         if len(cands) == 1:
             return cands[0]
         g = self.shared.globals
@@ -298,7 +309,7 @@ class LoadBalance(Policy):
         best, best_score = None, float("inf")
         for k in range(n):  # start at a rotating offset so ties spread evenly
             t = cands[(start + k) % n]
-            s = self.score(t)
+            s = score(t)
             if s < best_score:
                 best, best_score = t, s
         return best
@@ -313,6 +324,23 @@ class KvCacheAffinity(LoadBalance):
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
         if len(cands) == 1 or self.index is None:
             return super().choose(cands, job)
+        # A full prefix cache evicts some conversation's history for each block it stores, one with room
+        # nothing: each engine's cache fill weighs like its KV use does. Its size is what the engine's /metrics
+        # says, else what it held when it first evicted, else the largest known (engines of a role alike).
+        fills = {}
+        for t in cands:
+            held, size = self.index.cache_fill(t)
+            fills[t.slot] = held, int(self.health.get(t.slot, "cache_blocks")) or size
+        largest = max(size for _, size in fills.values())
+        load = {}
+        for t in cands:
+            held, size = fills[t.slot]
+            size = size or largest
+            load[t.slot] = self.score(t) + (CACHE_FILL_WEIGHT * min(held / size, 1.0) if size else 0.0)
+
+        def score(t: Target) -> float:
+            return load[t.slot]
+
         best, holders = 0, []
         for t in cands:
             tokens = self.index.cached_tokens(job, t)
@@ -321,18 +349,18 @@ class KvCacheAffinity(LoadBalance):
             elif tokens == best and tokens:
                 holders.append(t)
         if not holders:
-            return super().choose(cands, job)
+            return self.least(cands, score)
         target = holders[0]
         if len(holders) > 1:
             # Equal holders (a shared system prompt on each): the estimate's most recent one, else the least
             # loaded, so new conversations spread instead of piling onto the first engine's cache.
             last = self.index.last_holder(job, best)
-            target = next((t for t in holders if t.slot == last), None) or super().choose(holders, job)
-        least = min(self.score(t) for t in cands)
-        # "Plus one request" is one like this one, tokens and all: a holder serving a single request of the
-        # conversation's size (the previous turn, still closing its stream) is not overloaded.
-        if self.score(target) > self.overload_factor * least + self.weight(job):
-            return super().choose(cands, job)
+            target = next((t for t in holders if t.slot == last), None) or self.least(holders, score)
+        # Leaving the holder recomputes the prefix elsewhere, and an engine batching continuously serves a few
+        # requests about as soon as one: the holder is overloaded only when its load exceeds the factor times
+        # what the least loaded engine would carry with this request on it (at idle, that many requests like it).
+        if load[target.slot] > self.overload_factor * (min(load.values()) + self.weight(job)):
+            return self.least(cands, score)
         return target
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:

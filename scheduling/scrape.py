@@ -23,6 +23,20 @@ WANTED = {
 }
 
 
+# An info gauge: its labels are the engine's cache config, among them the KV cache's size in blocks.
+CACHE_INFO = "vllm:cache_config_info"
+
+
+def _label(line: str, name: str) -> str:
+    start = line.find(f',{name}="')
+    if start < 0:
+        start = line.find(f'{{{name}="')
+    if start < 0:
+        return ""
+    start += len(name) + 3
+    return line[start : line.find('"', start)]
+
+
 def parse_engine_metrics(text: str) -> dict[str, float]:
     """Sum each wanted sample over its label sets (one engine may report several model or engine labels)."""
     out: dict[str, float] = {}
@@ -34,7 +48,13 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             i = line.find(sep)
             if 0 < i < name_end:
                 name_end = i
-        key = WANTED.get(line[:name_end])
+        name = line[:name_end]
+        if name == CACHE_INFO:
+            blocks = _label(line, "num_gpu_blocks")
+            if blocks.isdigit():
+                out["cache_blocks"] = out.get("cache_blocks", 0.0) + float(blocks)
+            continue
+        key = WANTED.get(name)
         if key is None:
             continue
         try:
@@ -54,6 +74,7 @@ class EngineScrapes:
 
     def update(self, slot: int, m: dict[str, float]) -> None:
         self.health.set_engine_load(slot, m.get("running", 0.0), m.get("waiting", 0.0), m.get("kv_usage", 0.0))
+        self.health.put(slot, "cache_blocks", m.get("cache_blocks", 0.0))
         prev = self.last.get(slot)
         self.last[slot] = m
         if prev is None:

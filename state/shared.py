@@ -85,6 +85,7 @@ class EndpointRow(Table):
         "running",  # engine's vllm:num_requests_running
         "waiting",  # engine's vllm:num_requests_waiting
         "kv_usage",  # engine's vllm:kv_cache_usage_perc (0..1)
+        "cache_blocks",  # its KV cache's size in blocks (vllm:cache_config_info's num_gpu_blocks; 0: not said)
         "scraped_at",  # when the metrics above were read
         "prefill_tps",  # uncached prompt tokens prefilled per second
         "decode_step_s",  # seconds per decode step with an empty batch (intercept)
@@ -209,6 +210,8 @@ class KvEndpointRow(Table):
         ("batches", ctypes.c_int64),  # batches applied
         ("dropped", ctypes.c_int64),  # messages refused: malformed, oversized, over the rate budget
         ("clears", ctypes.c_int64),  # times its blocks were all forgotten (AllBlocksCleared, restart, loss)
+        ("peak", ctypes.c_int64),  # the most blocks held since they were last forgotten
+        ("evicted", ctypes.c_int64),  # blocks the engine evicted since then: once it has, `peak` is its cache's size
     ]
 
 

@@ -633,6 +633,19 @@ def test_kv_cache_affinity_follows_the_prefix_until_overloaded():
     assert w.policy.choose(ps, job(700, hashes=chained_hashes(b"q" * 64 * 40, 64))).slot in (0, 1)
 
 
+def test_kv_cache_affinity_keeps_a_conversation_on_an_engine_serving_one_request_like_it():
+    """Against an idle engine, a holder serving the conversation's previous turn (with the KV it uses) is not
+    overloaded: moving would recompute the history where one more request in the batch costs about nothing."""
+    w = World("kv_cache_affinity")
+    ps = [target(0, "union"), target(1, "union")]
+    hashes = chained_hashes(b"p" * 64 * 40, 64)
+    w.index.record(hashes[:30], 1)
+    previous = w.ledger.lease(1, 700, 256)
+    w.health.set_engine_load(1, running=1, waiting=0, kv_usage=0.2)
+    assert [w.policy.choose(ps, job(700, hashes=hashes)).slot for _ in range(4)] == [1] * 4
+    previous.release()
+
+
 def slo_world() -> tuple[World, list[Target], list[Target]]:
     """P0 fast (2000 tokens/s), P1 half as fast; D2 fast (20 ms + 5 ms/seq), D3 twice as slow."""
     w = World("slo_aware")
@@ -681,12 +694,16 @@ class ReportedPrefixes:
 
     def __init__(self, held: dict[int, int], last: int = -1):
         self.held, self.last, self.recorded, self.sent = held, last, [], []
+        self.fills: dict[int, tuple[int, int]] = {}  # slot -> (blocks held, cache size in blocks)
 
     def cached_tokens(self, job: JobInfo, target: Target) -> int:
         return self.held.get(target.slot, 0)
 
     def last_holder(self, job: JobInfo, tokens: int) -> int:
         return self.last
+
+    def cache_fill(self, target: Target) -> tuple[int, int]:
+        return self.fills.get(target.slot, (0, 0))
 
     def record(self, hashes: list[int], slot: int) -> None:
         self.recorded.append((hashes, slot))
@@ -730,6 +747,25 @@ def test_a_second_prefix_source_takes_the_estimates_place():
     lease.first_token()  # the prompt is cached there now: the source is told
     assert reported.recorded == [([7, 8], 1)]
     lease.release()
+
+
+def test_kv_cache_affinity_leaves_a_full_cache_for_one_with_room():
+    """A holder whose prefix cache is full evicts some conversation's history for what it stores; an engine with
+    room evicts nothing. Its size comes from its /metrics, or from what it held when it first evicted."""
+    reported = ReportedPrefixes({0: 128})
+    w = World()
+    affinity = make_policy("kv_cache_affinity", w.shared, w.ledger, w.health, index=reported, block_tokens=BLOCK)
+    ps = [target(0, "union"), target(1, "union")]
+    previous = w.ledger.lease(0, 200, 24)
+    assert affinity.choose(ps, job(200)).slot == 0  # no size known: the holder, serving one request
+    reported.fills = {0: (64, 64), 1: (10, 0)}  # the holder evicted at 64 blocks; the other's size is taken alike
+    assert affinity.choose(ps, job(200)).slot == 1
+    reported.fills = {0: (64, 0), 1: (10, 0)}
+    w.health.put(0, "cache_blocks", 64.0)
+    assert affinity.choose(ps, job(200)).slot == 1
+    w.health.put(0, "cache_blocks", 1024.0)  # a large cache with room: the holder again
+    assert affinity.choose(ps, job(200)).slot == 0
+    previous.release()
 
 
 def test_slo_aware_keeps_each_decode_engine_within_the_tpot_budget():
@@ -1076,6 +1112,7 @@ METRICS = """# HELP vllm:num_requests_running x
 vllm:num_requests_running{{model_name="m"}} {running}
 vllm:num_requests_waiting{{model_name="m"}} 2.0
 vllm:kv_cache_usage_perc{{model_name="m"}} 0.25
+vllm:cache_config_info{{block_size="32",engine="0",num_gpu_blocks="64",prefix_caching_hash_algo="sha256"}} 1.0
 vllm:time_to_first_token_seconds_sum{{model_name="m"}} {ttft_sum}
 vllm:time_to_first_token_seconds_count{{model_name="m"}} {ttft_count}
 vllm:inter_token_latency_seconds_bucket{{model_name="m",le="0.1"}} 3.0
@@ -1091,6 +1128,7 @@ def test_scrape_keeps_gauges_and_interval_means():
         4, parse_engine_metrics(METRICS.format(running=3, ttft_sum=10.0, ttft_count=10, itl_sum=1.0, itl_count=100))
     )
     assert health.engine_load(4) == (3.0, 2.0, 0.25) and health.get(4, "engine_ttft_s") == 0.0
+    assert health.get(4, "cache_blocks") == 64.0  # the info gauge's label
     scrapes.update(
         4, parse_engine_metrics(METRICS.format(running=5, ttft_sum=16.0, ttft_count=12, itl_sum=5.0, itl_count=200))
     )
