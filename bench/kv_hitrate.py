@@ -36,6 +36,7 @@ import zmq  # noqa: E402
 from harness.coordinator import Coordinator  # noqa: E402
 from harness.kv_trace import (  # noqa: E402
     CONCURRENCY,
+    caught_up,
     coordinator_cfg,
     kv_addresses,
     kv_states,
@@ -55,7 +56,7 @@ def through_coordinator(env: dict, policy: str, kv_events: bool) -> tuple[float,
     unions = [(env[name], kv_addresses(env["run"], name)) for name in UNIONS]
     cfg = coordinator_cfg(unions, env["model"], env["model_dir"], policy, kv_events)
     with Coordinator(cfg, ready_timeout_s=180.0) as coord:
-        if kv_events and not wait_until(lambda: kv_states(coord) == ["live", "live"], 30):
+        if kv_events and not caught_up(coord, env["model"], env["urls"]):
             raise SystemExit(f"KV events not live: {kv_states(coord)}")
         result = measure(env["trace"], env["model"], env["urls"], lambda i: coord.url, env["concurrency"])
         if not kv_events:

@@ -23,6 +23,7 @@ import openai
 
 from harness.bodies import WORDS
 from harness.configs import coordinator_config
+from harness.loopback import wait_until
 from harness.metrics import by_label
 
 ANSWER_TOKENS = 24
@@ -181,8 +182,22 @@ def coordinator_cfg(unions: list[tuple[str, dict]], model: str, model_dir: str, 
 
 
 def kv_states(coord) -> list[str]:
+    return [kv["state"] for kv in _kv_rows(coord)]
+
+
+def _kv_rows(coord) -> list[dict]:
     body = httpx.get(coord.mgmt + "/instances").json()
-    return [ep["kv_events"]["state"] for inst in body["instances"] for ep in inst["endpoints"]]
+    return [ep["kv_events"] for inst in body["instances"] for ep in inst["endpoints"]]
+
+
+def caught_up(coord, model: str, engines: list[str], timeout_s: float = 60.0) -> bool:
+    """Each engine computes a prompt of a few blocks straight, and the Coordinator's subscriptions take its events
+    in. A subscriber that joins an engine which served before replays the engine's history at its first message
+    (`replaying`: predictions fall back to the estimate meanwhile); that start-up is not what a trace measures."""
+    prompt = "Warm up. " + " ".join(WORDS[k % len(WORDS)] for k in range(120))
+    for url in engines:
+        httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1}, timeout=120)
+    return wait_until(lambda: all(kv["state"] == "live" and kv["blocks"] > 0 for kv in _kv_rows(coord)), timeout_s)
 
 
 def predictions(coord) -> dict[str, float]:

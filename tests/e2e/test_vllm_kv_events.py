@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from harness.coordinator import Coordinator
-from harness.kv_trace import coordinator_cfg, kv_states, make_trace, measure, predictions
+from harness.kv_trace import caught_up, coordinator_cfg, kv_states, make_trace, measure, predictions
 from harness.loopback import wait_until
 
 pytestmark = pytest.mark.vllm
@@ -36,6 +36,7 @@ def run_policy(engines, model: str, policy: str, kv_events: bool) -> dict:
         if kv_events:
             assert wait_until(lambda: kv_states(coord) == ["live", "live"], 30), kv_states(coord)
             assert httpx.get(coord.mgmt + "/instances").json()["prompt_tokens"] == {model: "exact"}
+            assert caught_up(coord, model, [engines[name].url for name in UNIONS]), kv_states(coord)
         result = measure(make_trace(), model, [engines[name].url for name in UNIONS], lambda i: coord.url)
         n = len(result.usages)
         if kv_events:  # (the Coordinator compares predictions for the prompts whose ids it knows)
