@@ -172,15 +172,17 @@ class Policy:
         `t` (prefilling now) start decoding at times spread over the next `delay` seconds, so min(1, L /
         delay) of them are still running when this one joins.
         """
-        requests, _, decode_tokens, _ = self.ledger.load(t.slot)
+        ours, _, decode_tokens, _ = self.ledger.load(t.slot)
         held = self.ledger.held(t.slot)
         running, waiting, _ = self.health.engine_load(t.slot)
-        if running + waiting > requests:  # the engine serves more than we sent it (other clients, lost counts)
-            requests = int(running + waiting)
+        # The engine may serve more than we sent it (other clients, a scrape older than our last completions).
+        requests = int(running + waiting) if running + waiting > ours else ours
         if delay <= 0.0 or not (requests or held):
             return requests + held + 1.0
         step = self.predictor.step_s(t.slot, requests + held)
-        length = (decode_tokens / requests if requests else 256.0) * step
+        # The mean output of our own requests there (those the engine runs beyond ours: like ours); without any,
+        # a typical one, never none (that would end the promised requests' decodes before they start).
+        length = (decode_tokens / ours if ours else 256.0) * step
         running = requests * (1.0 - delay / length) if delay < length else 0.0
         promised = held * (length / delay) if delay > length else float(held)
         return running + promised + 1.0
