@@ -140,10 +140,14 @@ class Predictor:
 
     # -- writing (once per request, under the shared lock) -------------------------------------
 
-    def start_prefill(self, slot: int, tokens: int, now: float, idle: bool = False) -> tuple[float, float]:
+    def start_prefill(
+        self, slot: int, tokens: int, now: float, idle: bool = False, slack_s: float = UNKNOWN
+    ) -> tuple[float, float]:
         """Queue a prefill of `tokens` uncached tokens: (its predicted finish, its correction baseline).
 
         `idle`: nothing else is prefilling there (the ledger says so), whatever the virtual queue holds.
+        `slack_s`: how much later than predicted it may finish within its budget (UNKNOWN: it was not judged):
+        the promise later prompts must keep (`breaks_promise`).
         The baseline is the correction sum now plus its batch wait, so that its completion corrects the
         queue against the continuous queue's end (see `learn_prefill`), while its error is measured against
         the predicted finish.
@@ -161,10 +165,36 @@ class Predictor:
                 end = start + service
                 e.prefill_busy = self.prefill_busy(slot, now) + service / BUSY_WINDOW_S
                 e.prefill_busy_at = now
+                finish = end + batch
+                if slack_s != UNKNOWN and (
+                    idle or finish + slack_s < e.promise_due or not self._in_reach(e, slot, now, end)
+                ):
+                    e.promise_due, e.promise_start, e.promise_end = finish + slack_s, start, finish
+                    e.promise_shift_s = e.queue_shift_s
             else:
                 end = now
             e.queue_until = end
             return end + batch, e.queue_shift_s + batch
+
+    def breaks_promise(self, slot: int, start: float, finish: float, now: float) -> bool:
+        """Would a prompt sent now, starting at `start` and finishing at `finish`, make an admitted prefill there
+        late? Its tokens join the last engine step of the prompts just ahead whose last step has not begun (a
+        chunked batch), so such a prompt finishes no sooner than it does, and no later than `finish`."""
+        e = self.rows[slot]
+        due = e.promise_due
+        return due > 0.0 and finish > due and self._in_reach(e, slot, now, start)
+
+    def _in_reach(self, e, slot: int, now: float, start: float) -> bool:
+        """Can a prompt sent now that starts at `start` still join the last step of the promise's prefill? That
+        step has not begun, and at most one mean step of work lies between its end and `start`. A prefill of at
+        most a mean step is one step, begun at its start (a prompt sent within GROUP_S of it joins it all the
+        same); a longer one takes several, and the engine's token budget a step, which says when its last
+        begins, is not known here: until its end. Both as the queue's corrections since its prediction move it."""
+        step = self.prefill_s(slot, int(self.mean_prefill_tokens(slot)))
+        moved = e.queue_shift_s - e.promise_shift_s
+        begins, end = e.promise_start + moved, e.promise_end + moved
+        last_step = begins + GROUP_S if end - begins <= step else end
+        return now <= last_step and start - end <= step
 
     def batch_wait_s(self, slot: int, wait_s: float, now: float) -> float:
         """What a prompt that waits `wait_s` behind work already on the endpoint loses to the engine's batching.
@@ -325,8 +355,8 @@ class Predictor:
             prior = my / (mx + 4.0)
             weight = 0.5
         b = (cxy + weight * prior) / (vx + weight) if vx + weight > 0 else prior
-        if b < 0.0:
-            b = 0.0
+        if b <= 0.0:  # noise (steps shared with other work) says more is free: no model claims that, the prior holds
+            b = prior
         a = my - b * mx
         if a < 0.0:
             a, b = 0.0, (my / mx if mx > 0 else 0.0)
