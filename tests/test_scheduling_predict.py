@@ -497,3 +497,22 @@ def test_a_prompt_goes_where_it_makes_no_admitted_prefill_late():
     p, _ = w.policy.choose_pair(ps, ds, info)
     assert p.slot == 1 and info.feasible is True  # P0: done in 1.15 s (past the first's 0.6 s), P1: 1.44 s
     lease.release()
+
+
+def test_a_fit_whose_samples_say_more_is_free_keeps_its_prior():
+    """Prefill groups on a decode engine share steps with its streams: a few long prompts timed like short ones
+    must not teach that tokens cost nothing (a 3,000-token prompt sent alone there, predicted as fast as 300)."""
+    pred = Predictor(SharedState.create(), 0.95)
+    t = time.monotonic() - 200
+    for k in range(12):
+        tokens = 300 if k % 2 else 3000
+        predicted, shift = pred.start_prefill(0, tokens, t)
+        done = t + (0.13 if tokens == 300 else 0.12)  # the long ones a little faster: noise, not a free token
+        pred.learn_prefill(0, t, done, tokens, predicted, shift)
+        t = done + 1.0
+    assert pred.prefill_s(0, 3000) > 5 * pred.prefill_s(0, 300)
+    for b in range(1, 13):  # the same for a decode engine: a bigger batch is never free
+        first = t + 0.02
+        pred.learn_decode(1, t, first, first + (0.02 - 0.0005 * b) * 40, 43, float(b))
+        t = first + 2.0
+    assert pred.step_s(1, 12) > pred.step_s(1, 1)
