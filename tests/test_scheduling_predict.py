@@ -465,18 +465,18 @@ def test_the_decode_batch_keeps_promised_places_when_the_engine_reports_more_tha
 
 
 def test_a_prompt_that_would_make_an_admitted_prefill_late_is_not_let_in():
-    """Its tokens would join the last engine step of the prefill admitted just before it: that one finishes no
-    sooner than it would. Loose budget of its own or not, it is refused while it would push that one past its
-    budget; a prompt short enough for that step's room is let in."""
+    """Its tokens would join the last engine step of the prefill admitted before it (one of several steps: it
+    may until that one ends): that one finishes no sooner than it would. Loose budget of its own or not, it is
+    refused while it would push that one past its budget; a prompt short enough for its room is let in."""
     sched, w = scheduler("slo_aware", "reject")
     p, d = slots(sched)
-    teach_prefill(w.predictor, p, 1000.0)
+    teach_prefill(w.predictor, p, 1000.0)  # its mean step: about 1,000 tokens
     teach_decode(w.predictor, d, 0.02, 0.005)
-    first = job(500, ttft_ms=1000)  # about 0.51 s of prefill: 0.3 s of its budget to spare
+    first = job(1500, ttft_ms=4000)  # about 1.5 s of prefill: 1.9 s of its budget (with the margin) to spare
     lease = asyncio.run(admit(sched, first)).leg(PREFILL).lease()
     assert first.feasible is True
-    with pytest.raises(OverBudget, match="prefill saturated"):
-        asyncio.run(admit(sched, job(600, ttft_ms=30_000)))
+    with pytest.raises(OverBudget, match="prefill saturated"):  # done in 1.5 s + its batch wait + 1.5 s
+        asyncio.run(admit(sched, job(1500, ttft_ms=30_000)))
     short = job(100, ttft_ms=30_000)
     assert asyncio.run(admit(sched, short)).prefill.slot == p and short.feasible is True
     lease.release()
@@ -487,15 +487,15 @@ def test_a_prompt_goes_where_it_makes_no_admitted_prefill_late():
     prompt would finish there first."""
     w = World("slo_aware")
     teach_prefill(w.predictor, 0, 2000.0)
-    teach_prefill(w.predictor, 1, 700.0)
+    teach_prefill(w.predictor, 1, 450.0)
     teach_decode(w.predictor, 2, 0.02, 0.005)
     ps, ds = [target(0, "prefill"), target(1, "prefill")], [target(2, "decode")]
     now = time.monotonic()
-    lease = w.ledger.lease(0, 1000, 1)
-    lease.predicted, lease.shift = w.predictor.start_prefill(0, 1000, now, idle=True, slack_s=0.1)
+    lease = w.ledger.lease(0, 2000, 1)
+    lease.predicted, lease.shift = w.predictor.start_prefill(0, 2000, now, idle=True, slack_s=0.1)
     info = job(1000, ttft_ms=30_000)
     p, _ = w.policy.choose_pair(ps, ds, info)
-    assert p.slot == 1 and info.feasible is True  # P0: done in 1.15 s (past the first's 0.6 s), P1: 1.44 s
+    assert p.slot == 1 and info.feasible is True  # P0: done in 2.0 s (past the first's 1.1 s), P1: 2.2 s
     lease.release()
 
 
