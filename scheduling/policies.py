@@ -215,7 +215,7 @@ class Policy:
             wait = min(pred.queue_wait_s(slot, now), pred.prefill_s(slot, tokens))
         foreign = self.health.engine_load(slot)[1] - prefilling  # waiting there beyond ours (as last scraped)
         if foreign >= 1.0:
-            wait += foreign * pred.prefill_s(slot, int(pred.mean_prefill_tokens(slot)))
+            wait += foreign * pred.mean_step_s(slot)
         # Its own step counted even behind others (an engine step may just have begun), and stretched by the
         # prompts that join it while it waits.
         finish = wait + pred.batch_wait_s(slot, wait, now) + service

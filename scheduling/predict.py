@@ -167,7 +167,9 @@ class Predictor:
                 e.prefill_busy_at = now
                 finish = end + batch
                 if slack_s != UNKNOWN and (
-                    idle or finish + slack_s < e.promise_due or not self._in_reach(e, slot, now, end)
+                    idle
+                    or finish + slack_s < e.promise_due
+                    or not self._in_reach(e, now, end, self._promise_end(e), self.mean_step_s(slot))
                 ):
                     e.promise_due, e.promise_start, e.promise_end = finish + slack_s, start, finish
                     e.promise_shift_s = e.queue_shift_s
@@ -179,20 +181,32 @@ class Predictor:
     def breaks_promise(self, slot: int, start: float, finish: float, now: float) -> bool:
         """Would a prompt sent now, starting at `start` and finishing at `finish`, make an admitted prefill there
         late? Its tokens join the last engine step of the prompts just ahead whose last step has not begun (a
-        chunked batch), so such a prompt finishes no sooner than it does, and no later than `finish`."""
+        chunked batch), and make that step longer: the promise's prefill then ends when this one does, at most
+        one mean step after its predicted end (what joins a step, as `batch_wait_s` counts it)."""
         e = self.rows[slot]
         due = e.promise_due
-        return due > 0.0 and finish > due and self._in_reach(e, slot, now, start)
+        if due <= 0.0 or finish <= due:
+            return False
+        end, step = self._promise_end(e), self.mean_step_s(slot)
+        return self._in_reach(e, now, start, end, step) and end + min(finish - end, step) > due
 
-    def _in_reach(self, e, slot: int, now: float, start: float) -> bool:
-        """Can a prompt sent now that starts at `start` still join the last step of the promise's prefill? That
-        step has not begun, and at most one mean step of work lies between its end and `start`. A prefill of at
-        most a mean step is one step, begun at its start (a prompt sent within GROUP_S of it joins it all the
-        same); a longer one takes several, and the engine's token budget a step, which says when its last
-        begins, is not known here: until its end. Both as the queue's corrections since its prediction move it."""
-        step = self.prefill_s(slot, int(self.mean_prefill_tokens(slot)))
-        moved = e.queue_shift_s - e.promise_shift_s
-        begins, end = e.promise_start + moved, e.promise_end + moved
+    def mean_step_s(self, slot: int) -> float:
+        """The mean engine step of prefill there (the fit's samples are steps)."""
+        return self.prefill_s(slot, int(self.mean_prefill_tokens(slot)))
+
+    @staticmethod
+    def _promise_end(e) -> float:
+        """The promise's predicted prefill end, moved by the queue's corrections since it was predicted."""
+        return e.promise_end + e.queue_shift_s - e.promise_shift_s
+
+    @staticmethod
+    def _in_reach(e, now: float, start: float, end: float, step: float) -> bool:
+        """Can a prompt sent now that starts at `start` still join the last step of the promise's prefill (ending
+        at `end`)? That step has not begun, and at most one mean `step` of work lies between `end` and `start`.
+        A prefill of at most a mean step is one step, begun at its start (a prompt sent within GROUP_S of it
+        joins it all the same); a longer one takes several, and the engine's token budget a step, which says
+        when its last begins, is not known here: until its end."""
+        begins = e.promise_start + end - e.promise_end
         last_step = begins + GROUP_S if end - begins <= step else end
         return now <= last_step and start - end <= step
 
@@ -209,7 +223,7 @@ class Predictor:
         busy = self.prefill_busy(slot, now)
         if busy <= 0.0:
             return 0.0
-        step = self.prefill_s(slot, int(self.mean_prefill_tokens(slot)))
+        step = self.mean_step_s(slot)
         extra = busy * wait_s
         return extra if extra < step else step
 

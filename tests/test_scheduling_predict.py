@@ -466,20 +466,20 @@ def test_the_decode_batch_keeps_promised_places_when_the_engine_reports_more_tha
 
 def test_a_prompt_that_would_make_an_admitted_prefill_late_is_not_let_in():
     """Its tokens would join the last engine step of the prefill admitted before it (one of several steps: it
-    may until that one ends): that one finishes no sooner than it would. Loose budget of its own or not, it is
-    refused while it would push that one past its budget; a prompt short enough for its room is let in."""
+    may until that one ends), making it longer. Loose budget of its own or not, it is refused while that would
+    push that prefill past its budget, and let in once that prefill is done."""
     sched, w = scheduler("slo_aware", "reject")
     p, d = slots(sched)
-    teach_prefill(w.predictor, p, 1000.0)  # its mean step: about 1,000 tokens
+    teach_prefill(w.predictor, p, 1000.0)  # its mean step: about 1,000 tokens, 1 s
     teach_decode(w.predictor, d, 0.02, 0.005)
-    first = job(1500, ttft_ms=4000)  # about 1.5 s of prefill: 1.9 s of its budget (with the margin) to spare
+    first = job(1500, ttft_ms=2500)  # about 1.5 s of prefill, 0.56 s of its budget (with the margin) to spare
     lease = asyncio.run(admit(sched, first)).leg(PREFILL).lease()
     assert first.feasible is True
-    with pytest.raises(OverBudget, match="prefill saturated"):  # done in 1.5 s + its batch wait + 1.5 s
+    with pytest.raises(OverBudget, match="prefill saturated"):  # it would end up to a step (1 s) later
         asyncio.run(admit(sched, job(1500, ttft_ms=30_000)))
-    short = job(100, ttft_ms=30_000)
-    assert asyncio.run(admit(sched, short)).prefill.slot == p and short.feasible is True
     lease.release()
+    later = job(1500, ttft_ms=30_000)
+    assert asyncio.run(admit(sched, later)).prefill.slot == p and later.feasible is True
 
 
 def test_a_prompt_goes_where_it_makes_no_admitted_prefill_late():
