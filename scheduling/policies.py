@@ -17,7 +17,9 @@ A policy gets the usable candidates of one role and the request's `JobInfo` and 
   TPOT (preferring those within budget) and the prefill engine that finishes soonest, each with its
   learned allowance for prediction errors. A cached prefix lowers a candidate's uncached tokens, so
   affinity is a lower prefill cost, not a rule; a faster or less busy engine is a sooner finish, so the
-  pair chosen is also the one that spends the least capacity on the request. Before the model knows a
+  pair chosen is also the one that spends the least capacity on the request. A prefill engine where the
+  prompt would make a prefill admitted before it late (scheduling/predict.py's promises) is chosen only when
+  every one is, and then the plan is over budget. Before the model knows a
   candidate it is tried once while idle, else load balancing decides. A request late on every prefill
   engine goes to the one that finishes last (behind work that is late already). With `decode_alone`
   (`conditional_disaggregation`) each decode engine is also judged serving the request alone, computing

@@ -34,6 +34,13 @@ batch. After `ALLOWANCE_QUIET_S` without any evidence an allowance halves every 
 and so do the errors in its ring when the next one comes (so a bad moment cannot shut admission for good:
 the requests it lets in again are the evidence, and the old misses weigh less beside them).
 
+Promises. With admission, a prefill admitted on its verdict may finish later than predicted by what its plan
+left of its budget (`start_prefill`'s `slack_s`). A prompt sent behind it joins its last engine step while
+that step has not begun, making it longer, so a later plan must not break that promise (`breaks_promise`):
+each endpoint keeps the tightest promise among the prefills in flight that a prompt sent now can still
+reach, and a prompt that would take that step past it is judged over budget there (it waits, is refused,
+or goes where it breaks none).
+
 Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
 a least-squares line through (mean batch during a request, its observed seconds per token) pairs. The
 wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean. Prompts
@@ -44,7 +51,8 @@ The fits use exponentially decayed sums (the last ~`1/decay` samples dominate), 
 shared lock from finished requests that are samples: at most one per slot every `LEARN_INTERVAL_S` from
 each worker (scheduling/scheduler.py), while the virtual queue takes every completion. With too little
 spread in x, a slope is shrunk toward a prior (through the origin for prefill, a fixed part worth 4
-sequences for decode), so a fresh model never claims that a bigger batch is free. An endpoint is
+sequences for decode), and a slope the samples put at zero or below is the prior, so no model claims that
+more tokens or a bigger batch are free. An endpoint is
 "known" after `min_samples` observations; before that the policies fall back to load balancing (and
 the engine's own mean inter-token latency, from /metrics, stands in for an unknown decode model).
 """
