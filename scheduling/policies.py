@@ -17,7 +17,9 @@ A policy gets the usable candidates of one role and the request's `JobInfo` and 
   TPOT (preferring those within budget) and the prefill engine that finishes soonest, each with its
   learned allowance for prediction errors. A cached prefix lowers a candidate's uncached tokens, so
   affinity is a lower prefill cost, not a rule; a faster or less busy engine is a sooner finish, so the
-  pair chosen is also the one that spends the least capacity on the request. Before the model knows a
+  pair chosen is also the one that spends the least capacity on the request. A prefill engine where the
+  prompt would make a prefill admitted before it late (scheduling/predict.py's promises) is chosen only when
+  every one is, and then the plan is over budget. Before the model knows a
   candidate it is tried once while idle, else load balancing decides. A request late on every prefill
   engine goes to the one that finishes last (behind work that is late already). With `decode_alone`
   (`conditional_disaggregation`) each decode engine is also judged serving the request alone, computing
@@ -179,15 +181,17 @@ class Policy:
         `t` (prefilling now) start decoding at times spread over the next `delay` seconds, so min(1, L /
         delay) of them are still running when this one joins.
         """
-        requests, _, decode_tokens, _ = self.ledger.load(t.slot)
+        ours, _, decode_tokens, _ = self.ledger.load(t.slot)
         held = self.ledger.held(t.slot)
         running, waiting, _ = self.health.engine_load(t.slot)
-        if running + waiting > requests:  # the engine serves more than we sent it (other clients, lost counts)
-            requests = int(running + waiting)
+        # The engine may serve more than we sent it (other clients, a scrape older than our last completions).
+        requests = int(running + waiting) if running + waiting > ours else ours
         if delay <= 0.0 or not (requests or held):
             return requests + held + 1.0
         step = self.predictor.step_s(t.slot, requests + held)
-        length = (decode_tokens / requests if requests else 256.0) * step
+        # The mean output of our own requests there (those the engine runs beyond ours: like ours); without any,
+        # a typical one, never none (that would end the promised requests' decodes before they start).
+        length = (decode_tokens / ours if ours else 256.0) * step
         running = requests * (1.0 - delay / length) if delay < length else 0.0
         promised = held * (length / delay) if delay > length else float(held)
         return running + promised + 1.0
@@ -204,14 +208,14 @@ class Policy:
             tpot /= 1.0 - busy if busy < 0.9 else 0.1
         return tpot, pred.first_wait_s(d.slot) + tpot
 
-    def predict_prefill(self, p: Target, job: JobInfo, now: float) -> tuple[float, float, float]:
+    def predict_prefill(self, p: Target, job: JobInfo, now: float) -> tuple[float, float, float, bool]:
         """(seconds until `p` would finish this prompt's prefill, the same without queueing, the engine's
-        allowance for prediction errors): the first two are expected values, the allowance is what a
-        judgement against a budget adds to them."""
+        allowance for prediction errors, whether it would make a prefill admitted there late): the first two
+        are expected values, the allowance is what a judgement against a budget adds to them."""
         pred, slot = self.predictor, p.slot
         service = pred.prefill_s(slot, self.uncached(p, job))
         if service == UNKNOWN:
-            return UNKNOWN, UNKNOWN, 0.0
+            return UNKNOWN, UNKNOWN, 0.0, False
         _, tokens, _, prefilling = self.ledger.load(slot)
         wait = 0.0  # no prefill of ours in flight there: whatever the virtual queue says, nothing of ours waits
         if prefilling:
@@ -220,11 +224,12 @@ class Policy:
             wait = min(pred.queue_wait_s(slot, now), pred.prefill_s(slot, tokens))
         foreign = self.health.engine_load(slot)[1] - prefilling  # waiting there beyond ours (as last scraped)
         if foreign >= 1.0:
-            wait += foreign * pred.prefill_s(slot, int(pred.mean_prefill_tokens(slot)))
+            wait += foreign * pred.mean_step_s(slot)
         # Its own step counted even behind others (an engine step may just have begun), and stretched by the
         # prompts that join it while it waits.
         finish = wait + pred.batch_wait_s(slot, wait, now) + service
-        return finish, service, pred.allowance_s(slot, finish, now)
+        breaks = prefilling > 0 and pred.breaks_promise(slot, now + wait, now + finish, now)
+        return finish, service, pred.allowance_s(slot, finish, now), breaks
 
     def judge(self, p: Target | None, d: Target, job: JobInfo) -> None:
         """Set the job's verdict for this plan (p None: one engine serves the request whole)."""
@@ -232,24 +237,27 @@ class Policy:
         if self.predictor is None:
             return
         now = clock.now()
-        finish, service, allowance = self.predict_prefill(p or d, job, now)
+        finish, service, allowance, breaks = self.predict_prefill(p or d, job, now)
         if finish == UNKNOWN:
             return
         tpot, first = self.predict_decode(d, finish if p is not None else 0.0)
         if tpot == UNKNOWN:
             return
         extra = tpot if p is None else first
-        self._verdict(
-            job, finish + allowance + extra, tpot, service + extra, self.predictor.tpot_allowance_s(d.slot, tpot, now)
-        )
+        tpot_allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
+        self._verdict(job, finish + allowance + extra, tpot, service + extra, tpot_allowance, breaks)
 
-    def _verdict(self, job: JobInfo, ttft: float, tpot: float, floor: float, tpot_allowance: float = 0.0) -> None:
+    def _verdict(
+        self, job: JobInfo, ttft: float, tpot: float, floor: float, tpot_allowance: float = 0.0, breaks: bool = False
+    ) -> None:
+        """`breaks`: the prefill would make one admitted before it late (a plan over its TTFT budget, as far as
+        admission goes: it waits or is refused until that prefill's last step has begun)."""
         ttft_budget = job.slo_ttft_ms / 1000.0 - (clock.now() - job.arrived)
         tpot_budget = job.slo_tpot_ms / 1000.0
         job.tpot_model_s = tpot
         tpot += tpot_allowance
         job.ttft_s, job.tpot_s, job.floor_s = ttft, tpot, floor
-        late, slow = ttft > MARGIN * ttft_budget, tpot > TPOT_MARGIN * tpot_budget
+        late, slow = breaks or ttft > MARGIN * ttft_budget, tpot > TPOT_MARGIN * tpot_budget
         job.feasible = not late and not slow
         job.over = "prefill and decode" if late and slow else "prefill" if late else "decode" if slow else ""
         job.hopeless = floor > ttft_budget or job.tpot_model_s > tpot_budget
@@ -410,22 +418,27 @@ class SloAware(LoadBalance):
 
     def _pick_prefill(
         self, ps: list[Target], job: JobInfo, now: float, start: int
-    ) -> tuple[Target, float, float, float] | None:
-        """The prefill target that finishes first, allowance included: (it, its expected finish, its allowance,
-        the least expected service time of any). When even the first would finish after the TTFT budget,
-        the one that finishes last: there it delays only requests that are late already."""
+    ) -> tuple[Target, float, float, float, bool] | None:
+        """The prefill target that finishes first, allowance included, preferring those where it makes no prefill
+        admitted before it late: (it, its expected finish, its allowance, the least expected service time of
+        any, whether it makes one late). When even the first would finish after the TTFT budget, the one that
+        finishes last: there it delays only requests that are late already."""
         best = latest = None
         floor = UNKNOWN
         n = len(ps)
         for k in range(n):
             p = ps[(start + k) % n]
-            finish, service, allowance = self.predict_prefill(p, job, now)
+            finish, service, allowance, breaks = self.predict_prefill(p, job, now)
             if finish == UNKNOWN:
                 continue
-            if best is None or _clearly_less(finish + allowance, best[1] + best[2], 0.002):
-                best = (p, finish, allowance)
+            if (
+                best is None
+                or breaks < best[3]
+                or (breaks == best[3] and _clearly_less(finish + allowance, best[1] + best[2], 0.002))
+            ):
+                best = (p, finish, allowance, breaks)
             if latest is None or finish > latest[1]:
-                latest = (p, finish, allowance)
+                latest = (p, finish, allowance, breaks)
             floor = min(floor, service)
         if best is None:
             return None
@@ -433,7 +446,7 @@ class SloAware(LoadBalance):
             # Late wherever it goes: where it delays the fewest requests that can still be on time, behind
             # the work that is late already (without admission it is served all the same).
             best = latest
-        return best[0], best[1], best[2], floor
+        return best[0], best[1], best[2], floor, best[3]
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
         pred = self.predictor
@@ -450,7 +463,7 @@ class SloAware(LoadBalance):
             return p_new or LoadBalance.choose(self, ps, job), d
         if not judged:
             return p_pick[0], d
-        p, finish, allowance, floor = p_pick
+        p, finish, allowance, floor, breaks = p_pick
         _, tpot, first, tpot_allowance = d_pick
         ttft = finish + allowance + first
         if self.decode_alone:
@@ -462,7 +475,7 @@ class SloAware(LoadBalance):
                     return p, d
                 self._verdict(job, ttft_alone, tpot, floor, tpot_allowance)
                 return p, d
-        self._verdict(job, ttft, tpot, floor + first, tpot_allowance)
+        self._verdict(job, ttft, tpot, floor + first, tpot_allowance, breaks)
         return p, d
 
     def _pick_alone(self, ds: list[Target], job: JobInfo, now: float, start: int, ttft_pd: float) -> tuple | None:
@@ -491,7 +504,9 @@ class SloAware(LoadBalance):
                 d.slot
             ):  # its prefill speed there is known for prompts of the sizes computed there so far
                 continue
-            finish, service, allowance = self.predict_prefill(d, job, now)
+            finish, service, allowance, breaks = self.predict_prefill(d, job, now)
+            if breaks:  # it would make a prompt admitted there before it late
+                continue
             # What its streams lose: the prompt's tokens (the fixed part of a prefill there is mostly the step
             # it shares with them, which they take anyway).
             stall = service - pred.base_s(d.slot)
@@ -533,15 +548,15 @@ class SloAware(LoadBalance):
         n, start = len(cands), self._rotation()
         for k in range(n):
             t = cands[(start + k) % n]
-            finish, service, allowance = self.predict_prefill(t, job, now)
+            finish, service, allowance, breaks = self.predict_prefill(t, job, now)
             tpot = pred.step_s(t.slot, self.decode_batch(t, 0.0)) if finish != UNKNOWN else UNKNOWN
             if tpot == UNKNOWN:
                 return self._explore(cands, self._whole_known, start) or super().choose(cands, job)
-            over, ttft = tpot > budget, finish + allowance + tpot
+            over, ttft = tpot > budget or breaks, finish + allowance + tpot
             if best is None or over < best[0] or (over == best[0] and _clearly_less(ttft, best[1], 0.002)):
-                best = (over, ttft, t, tpot, service + tpot)
-        _, ttft, t, tpot, floor = best
-        self._verdict(job, ttft, tpot, floor)
+                best = (over, ttft, t, tpot, service + tpot, breaks)
+        _, ttft, t, tpot, floor, breaks = best
+        self._verdict(job, ttft, tpot, floor, breaks=breaks)
         return t
 
 

@@ -34,6 +34,13 @@ batch. After `ALLOWANCE_QUIET_S` without any evidence an allowance halves every 
 and so do the errors in its ring when the next one comes (so a bad moment cannot shut admission for good:
 the requests it lets in again are the evidence, and the old misses weigh less beside them).
 
+Promises. With admission, a prefill admitted on its verdict may finish later than predicted by what its plan
+left of its budget (`start_prefill`'s `slack_s`). A prompt sent behind it joins its last engine step while
+that step has not begun, making it longer, so a later plan must not break that promise (`breaks_promise`):
+each endpoint keeps the tightest promise among the prefills in flight that a prompt sent now can still
+reach, and a prompt that would take that step past it is judged over budget there (it waits, is refused,
+or goes where it breaks none).
+
 Decode (D and union endpoints). Seconds per output token grows with the batch: `step + per_seq * B`,
 a least-squares line through (mean batch during a request, its observed seconds per token) pairs. The
 wait from a decode leg's start to its first step (KV pull, engine admission) is a running mean. Prompts
@@ -44,7 +51,8 @@ The fits use exponentially decayed sums (the last ~`1/decay` samples dominate), 
 shared lock from finished requests that are samples: at most one per slot every `LEARN_INTERVAL_S` from
 each worker (scheduling/scheduler.py), while the virtual queue takes every completion. With too little
 spread in x, a slope is shrunk toward a prior (through the origin for prefill, a fixed part worth 4
-sequences for decode), so a fresh model never claims that a bigger batch is free. An endpoint is
+sequences for decode), and a slope the samples put at zero or below is the prior, so no model claims that
+more tokens or a bigger batch are free. An endpoint is
 "known" after `min_samples` observations; before that the policies fall back to load balancing (and
 the engine's own mean inter-token latency, from /metrics, stands in for an unknown decode model).
 """
@@ -140,10 +148,14 @@ class Predictor:
 
     # -- writing (once per request, under the shared lock) -------------------------------------
 
-    def start_prefill(self, slot: int, tokens: int, now: float, idle: bool = False) -> tuple[float, float]:
+    def start_prefill(
+        self, slot: int, tokens: int, now: float, idle: bool = False, slack_s: float = UNKNOWN
+    ) -> tuple[float, float]:
         """Queue a prefill of `tokens` uncached tokens: (its predicted finish, its correction baseline).
 
         `idle`: nothing else is prefilling there (the ledger says so), whatever the virtual queue holds.
+        `slack_s`: how much later than predicted it may finish within its budget (UNKNOWN: it was not judged):
+        the promise later prompts must keep (`breaks_promise`).
         The baseline is the correction sum now plus its batch wait, so that its completion corrects the
         queue against the continuous queue's end (see `learn_prefill`), while its error is measured against
         the predicted finish.
@@ -161,10 +173,50 @@ class Predictor:
                 end = start + service
                 e.prefill_busy = self.prefill_busy(slot, now) + service / BUSY_WINDOW_S
                 e.prefill_busy_at = now
+                finish = end + batch
+                if slack_s != UNKNOWN and (
+                    idle
+                    or finish + slack_s < e.promise_due
+                    or not self._in_reach(e, now, end, self._promise_end(e), self.mean_step_s(slot))
+                ):
+                    e.promise_due, e.promise_start, e.promise_end = finish + slack_s, start, finish
+                    e.promise_shift_s = e.queue_shift_s
             else:
                 end = now
             e.queue_until = end
             return end + batch, e.queue_shift_s + batch
+
+    def breaks_promise(self, slot: int, start: float, finish: float, now: float) -> bool:
+        """Would a prompt sent now, starting at `start` and finishing at `finish`, make an admitted prefill there
+        late? Its tokens join the last engine step of the prompts just ahead whose last step has not begun (a
+        chunked batch), and make that step longer: the promise's prefill then ends when this one does, at most
+        one mean step after its predicted end (what joins a step, as `batch_wait_s` counts it)."""
+        e = self.rows[slot]
+        due = e.promise_due
+        if due <= 0.0 or finish <= due:
+            return False
+        end, step = self._promise_end(e), self.mean_step_s(slot)
+        return self._in_reach(e, now, start, end, step) and end + min(finish - end, step) > due
+
+    def mean_step_s(self, slot: int) -> float:
+        """The mean engine step of prefill there (the fit's samples are steps)."""
+        return self.prefill_s(slot, int(self.mean_prefill_tokens(slot)))
+
+    @staticmethod
+    def _promise_end(e) -> float:
+        """The promise's predicted prefill end, moved by the queue's corrections since it was predicted."""
+        return e.promise_end + e.queue_shift_s - e.promise_shift_s
+
+    @staticmethod
+    def _in_reach(e, now: float, start: float, end: float, step: float) -> bool:
+        """Can a prompt sent now that starts at `start` still join the last step of the promise's prefill (ending
+        at `end`)? That step has not begun, and at most one mean `step` of work lies between `end` and `start`.
+        A prefill of at most a mean step is one step, begun at its start (a prompt sent within GROUP_S of it
+        joins it all the same); a longer one takes several, and the engine's token budget a step, which says
+        when its last begins, is not known here: until its end."""
+        begins = e.promise_start + end - e.promise_end
+        last_step = begins + GROUP_S if end - begins <= step else end
+        return now <= last_step and start - end <= step
 
     def batch_wait_s(self, slot: int, wait_s: float, now: float) -> float:
         """What a prompt that waits `wait_s` behind work already on the endpoint loses to the engine's batching.
@@ -179,7 +231,7 @@ class Predictor:
         busy = self.prefill_busy(slot, now)
         if busy <= 0.0:
             return 0.0
-        step = self.prefill_s(slot, int(self.mean_prefill_tokens(slot)))
+        step = self.mean_step_s(slot)
         extra = busy * wait_s
         return extra if extra < step else step
 
@@ -325,8 +377,8 @@ class Predictor:
             prior = my / (mx + 4.0)
             weight = 0.5
         b = (cxy + weight * prior) / (vx + weight) if vx + weight > 0 else prior
-        if b < 0.0:
-            b = 0.0
+        if b <= 0.0:  # noise (steps shared with other work) says more is free: no model claims that, the prior holds
+            b = prior
         a = my - b * mx
         if a < 0.0:
             a, b = 0.0, (my / mx if mx > 0 else 0.0)

@@ -25,7 +25,7 @@ from scheduling.health import Health
 from scheduling.kv_index import TOKEN_BYTES, KvEventSource, KvIndex, PromptKeys, prompt_seed
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Hold, Lease, Ledger
 from scheduling.policies import MARGIN, TPOT_MARGIN, JobInfo, Policy, PrefixSource, make_policy
-from scheduling.predict import Predictor
+from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
 from scheduling.tokens import PromptMeter
 
@@ -353,7 +353,15 @@ class Scheduler:
             if kind == WHOLE and job.feasible is not None:
                 lease.predicted_tpot = job.tpot_model_s
             if self.predictor is not None:
-                lease.predicted, lease.shift = self.predictor.start_prefill(t.slot, uncached, lease.started, idle)
+                # A prefill admitted on its verdict may finish as much later as its plan left of its budget (a
+                # promise that admission keeps; without admission nothing is promised).
+                slack = UNKNOWN
+                if job.feasible and self.admission != OFF:
+                    left = job.slo_ttft_ms / 1000.0 - (lease.started - job.arrived)
+                    slack = MARGIN * left - job.ttft_s
+                lease.predicted, lease.shift = self.predictor.start_prefill(
+                    t.slot, uncached, lease.started, idle, slack
+                )
         lease.batch = self.ledger.requests(t.slot)
         if learn:
             lease.sample = self._sample(t.slot, lease.started)

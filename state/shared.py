@@ -113,6 +113,12 @@ class EndpointRow(Table):
         "group_start",  # when the current group's work started
         "group_fit",  # 1.0: a member of the current group is a sample for the fit
         "avoid_until",  # cluster mode: wall-clock time until which another replica finds it broken (0: none)
+        # The tightest promise among the prefills in flight whose last engine step a prompt sent now may join:
+        # by when it must finish (0: none), its predicted start and finish, and queue_shift_s when predicted.
+        "promise_due",
+        "promise_start",
+        "promise_end",
+        "promise_shift_s",
     ) + [
         # The last ERROR_RING errors of the predictions made for this endpoint, each observed / predicted - 1
         # (scheduling/predict.py): prefill finish times, and decode streams' seconds per token.

@@ -819,7 +819,7 @@ def test_an_idle_engine_has_no_queue_whatever_the_virtual_queue_says():
     w, ps, ds = slo_world()
     w.predictor.start_prefill(0, 100_000, time.monotonic())  # 50 s of phantom work (a lost response, say)
     assert w.predictor.queue_wait_s(0, time.monotonic()) > 40
-    finish, service, _ = w.policy.predict_prefill(ps[0], job(1000), time.monotonic())
+    finish, service, _, _ = w.policy.predict_prefill(ps[0], job(1000), time.monotonic())
     assert finish == service
     lease = w.ledger.lease(0, 1000, 1)
     predicted, _ = w.predictor.start_prefill(0, 1000, lease.started, idle=True)

@@ -25,7 +25,7 @@ from scheduling.predict import ALLOWANCE_HALF_LIFE_S, ALLOWANCE_QUIET_S, Predict
 from scheduling.registry import Registry
 from scheduling.scheduler import NoCapacity, Scheduler
 from state.shared import SharedState
-from tests.test_scheduling import MODEL, World, admit, target
+from tests.test_scheduling import MODEL, World, admit, job, scheduler, slots, target
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "engine_sim_trace.json")
 WARMUP = 30  # prefills the model learns from before its predictions are judged
@@ -52,7 +52,7 @@ def replay_prefills(w: World) -> list[tuple[float, float, float]]:
         sent, tokens, done = prefills[i]
         now = base + t
         if kind == 0:
-            finish, _, allowance = w.policy.predict_prefill(p, JobInfo(MODEL, tokens, 1, 1e9, 1e9, arrived=now), now)
+            finish, _, allowance, _ = w.policy.predict_prefill(p, JobInfo(MODEL, tokens, 1, 1e9, 1e9, arrived=now), now)
             idle = not w.ledger.load(0)[3]
             lease = w.ledger.lease(0, tokens, 1)
             predicted, shift = w.predictor.start_prefill(0, tokens, now, idle)
@@ -108,9 +108,9 @@ def test_an_engines_scraped_queue_beyond_ours_delays_the_prediction():
     w = World("slo_aware")
     teach_prefill(w.predictor, 0, 1000.0)
     p, now = target(0, "prefill"), time.monotonic()
-    alone, _, _ = w.policy.predict_prefill(p, JobInfo(MODEL, 500, 1, 1e9, 1e9), now)
+    alone, _, _, _ = w.policy.predict_prefill(p, JobInfo(MODEL, 500, 1, 1e9, 1e9), now)
     w.health.set_engine_load(0, 0.0, 4.0, 0.0)  # four requests of others waiting there
-    behind, _, _ = w.policy.predict_prefill(p, JobInfo(MODEL, 500, 1, 1e9, 1e9), now)
+    behind, _, _, _ = w.policy.predict_prefill(p, JobInfo(MODEL, 500, 1, 1e9, 1e9), now)
     mean = w.predictor.prefill_s(0, int(w.predictor.mean_prefill_tokens(0)))
     assert behind == pytest.approx(alone + 4 * mean)
     assert w.health.get(0, "waiting") == 4.0
@@ -124,7 +124,7 @@ def test_the_virtual_queue_never_exceeds_the_work_in_flight():
     lease = w.ledger.lease(0, 1000, 1)
     w.predictor.start_prefill(0, 1000, now, idle=True)
     w.predictor.rows[0].queue_until = now + 50.0  # the queue's end drifted 50 s ahead
-    finish, service, _ = w.policy.predict_prefill(p, JobInfo(MODEL, 500, 1, 1e9, 1e9), now)
+    finish, service, _, _ = w.policy.predict_prefill(p, JobInfo(MODEL, 500, 1, 1e9, 1e9), now)
     wait = w.predictor.prefill_s(0, 1000)
     assert finish == pytest.approx(wait + w.predictor.batch_wait_s(0, wait, now) + service, rel=0.01)
     lease.release()
@@ -448,3 +448,71 @@ def test_a_prefill_whose_step_took_no_later_prompts_leaves_the_queue_where_the_e
     w.predictor.learn_prefill(0, now, now + service, 1000, first, s1)  # on time
     w.predictor.learn_prefill(0, now, now + 2 * service, 1000, second, s2)  # at the continuous end: no one joined
     assert w.predictor.queue_wait_s(0, now + 2 * service) == pytest.approx(service, rel=0.01)
+
+
+def test_the_decode_batch_keeps_promised_places_when_the_engine_reports_more_than_we_sent():
+    """A scrape older than our last completions (one still running there, none of ours) must not erase the
+    places promised to requests still prefilling: a burst let in at once would all see an empty batch."""
+    w = World("slo_aware")
+    teach_decode(w.predictor, 2, 0.01, 0.002)
+    d = target(2, "decode")
+    holds = [w.ledger.hold(2) for _ in range(4)]
+    assert w.policy.decode_batch(d, 0.3) == pytest.approx(5.0)
+    w.health.set_engine_load(2, 1.0, 0.0, 0.0)  # the engine still reports one running
+    assert w.policy.decode_batch(d, 0.3) == pytest.approx(6.0, rel=0.01)
+    for h in holds:
+        h.release()
+
+
+def test_a_prompt_that_would_make_an_admitted_prefill_late_is_not_let_in():
+    """Its tokens would join the last engine step of the prefill admitted before it (one of several steps: it
+    may until that one ends), making it longer. Loose budget of its own or not, it is refused while that would
+    push that prefill past its budget, and let in once that prefill is done."""
+    sched, w = scheduler("slo_aware", "reject")
+    p, d = slots(sched)
+    teach_prefill(w.predictor, p, 1000.0)  # its mean step: about 1,000 tokens, 1 s
+    teach_decode(w.predictor, d, 0.02, 0.005)
+    first = job(1500, ttft_ms=2500)  # about 1.5 s of prefill, 0.56 s of its budget (with the margin) to spare
+    lease = asyncio.run(admit(sched, first)).leg(PREFILL).lease()
+    assert first.feasible is True
+    with pytest.raises(OverBudget, match="prefill saturated"):  # it would end up to a step (1 s) later
+        asyncio.run(admit(sched, job(1500, ttft_ms=30_000)))
+    lease.release()
+    later = job(1500, ttft_ms=30_000)
+    assert asyncio.run(admit(sched, later)).prefill.slot == p and later.feasible is True
+
+
+def test_a_prompt_goes_where_it_makes_no_admitted_prefill_late():
+    """Of two prefill engines, the one whose admitted prefill it would make late is passed over, though the
+    prompt would finish there first."""
+    w = World("slo_aware")
+    teach_prefill(w.predictor, 0, 2000.0)
+    teach_prefill(w.predictor, 1, 450.0)
+    teach_decode(w.predictor, 2, 0.02, 0.005)
+    ps, ds = [target(0, "prefill"), target(1, "prefill")], [target(2, "decode")]
+    now = time.monotonic()
+    lease = w.ledger.lease(0, 2000, 1)
+    lease.predicted, lease.shift = w.predictor.start_prefill(0, 2000, now, idle=True, slack_s=0.1)
+    info = job(1000, ttft_ms=30_000)
+    p, _ = w.policy.choose_pair(ps, ds, info)
+    assert p.slot == 1 and info.feasible is True  # P0: done in 2.0 s (past the first's 1.1 s), P1: 2.2 s
+    lease.release()
+
+
+def test_a_fit_whose_samples_say_more_is_free_keeps_its_prior():
+    """Prefill groups on a decode engine share steps with its streams: a few long prompts timed like short ones
+    must not teach that tokens cost nothing (a 3,000-token prompt sent alone there, predicted as fast as 300)."""
+    pred = Predictor(SharedState.create(), 0.95)
+    t = time.monotonic() - 200
+    for k in range(12):
+        tokens = 300 if k % 2 else 3000
+        predicted, shift = pred.start_prefill(0, tokens, t)
+        done = t + (0.13 if tokens == 300 else 0.12)  # the long ones a little faster: noise, not a free token
+        pred.learn_prefill(0, t, done, tokens, predicted, shift)
+        t = done + 1.0
+    assert pred.prefill_s(0, 3000) > 5 * pred.prefill_s(0, 300)
+    for b in range(1, 13):  # the same for a decode engine: a bigger batch is never free
+        first = t + 0.02
+        pred.learn_decode(1, t, first, first + (0.02 - 0.0005 * b) * 40, 43, float(b))
+        t = first + 2.0
+    assert pred.step_s(1, 12) > pred.step_s(1, 1)
