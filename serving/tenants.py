@@ -231,12 +231,12 @@ class Tenants:
         self.streaming.discard(place)
         rec = place.rec
         reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
-        rest = (rec.prompt_tokens + rec.generated_tokens if reached else 0) - place.charged
+        out = rec.generated_tokens if reached else 0
+        rest = (rec.prompt_tokens + out if reached else 0) - place.charged
         tpm = place.limits.tpm
         if tpm and reached:
             tenant = place.job.tenant
             mean = self.expected.get(tenant)
-            out = rec.generated_tokens
             self.expected[tenant] = out if mean is None else mean + (out - mean) * EXPECTED_WEIGHT
         if place.side == LOCAL:
             self.quotas.leave(place.key, rest, tpm)
