@@ -35,7 +35,7 @@ def reset_text(short_milli: int, per_min: int) -> str:
     x-ratelimit-reset-* headers write it: `20ms`, `1.5s`, `6m0s`."""
     if short_milli <= 0:
         return "0ms"
-    seconds = short_milli / (1000 * (per_min / 60))  # (state/quotas.py wait_s's sum)
+    seconds = short_milli / (1000 * (per_min / 60))  # (wait_s's division, in its order: the same float)
     if seconds < 1:
         return f"{math.ceil(seconds * 1000)}ms"
     minutes, rest = divmod(seconds, 60)
