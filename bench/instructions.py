@@ -5,6 +5,7 @@
     python bench/instructions.py --cells chat --seconds 5
     python bench/instructions.py --status-poll            # each cell without, then with a browser on the status page
     python bench/instructions.py --tenants --tree /tmp/base  # each tree with keys, then with tenant quotas not reached
+    python bench/instructions.py --keep /tmp/cg           # each cell's callgrind dumps kept, for callgrind_annotate
 
 CPU time per request on a shared machine moves by 10-30 % between runs (bench/overhead.py's figures);
 instruction counts do not. Each tree's Coordinator (1 worker, log INFO, the configuration bench/overhead.py
@@ -57,23 +58,38 @@ START_TIMEOUT_S = 600  # Python's imports under valgrind
 POLLED = "+status"  # a cell counted while a browser polls the status page
 POLL = "status.json"  # the polls alone
 T = TypeVar("T")
+# Runs app.py (the argument after the interpreter's) with Sanic's wait for its workers' first ack raised from 30 s to
+# START_TIMEOUT_S: under callgrind on a loaded machine a worker takes longer to start, and Sanic then kills the whole
+# process group.
+STARTER = (
+    "import os, runpy, sys; from sanic.worker.manager import WorkerManager; "
+    f"WorkerManager.THRESHOLD = {START_TIMEOUT_S * 10}; "
+    "sys.argv = sys.argv[2:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
-def count(out_dir: str, pid: int) -> int:
-    """The instructions in the worker's dumps since the last call (the dump files are removed)."""
+def count(out_dir: str, pid: int, keep: str = "") -> int:
+    """The instructions in the worker's dumps since the last call (the dump files are removed, or moved to `keep`
+    + a number, for callgrind_annotate)."""
     total = 0
-    for path in glob.glob(os.path.join(out_dir, f"callgrind.{pid}.*")):
+    for n, path in enumerate(sorted(glob.glob(os.path.join(out_dir, f"callgrind.{pid}.*")))):
         with open(path) as f:
             for line in f:
                 if line.startswith("totals:"):
                     total += int(line.split()[1])
-        os.unlink(path)
+        if keep:
+            shutil.move(path, f"{keep}.{n}")
+        else:
+            os.unlink(path)
     return total
 
 
-def _counted(worker: str, out_dir: str, idle_per_s: float, run: Callable[[], T]) -> tuple[T, float, float]:
+def _counted(
+    worker: str, out_dir: str, idle_per_s: float, run: Callable[[], T], keep: str = ""
+) -> tuple[T, float, float]:
     """`run()` with the worker counted: its result, the worker's instructions meanwhile less `idle_per_s` for each
-    second counted, and those seconds."""
+    second counted, and those seconds (the dumps kept at `keep`, if given)."""
     subprocess.run(["callgrind_control", "-i", "on", worker], check=True, capture_output=True)
     started = time.monotonic()
     result = run()
@@ -81,7 +97,7 @@ def _counted(worker: str, out_dir: str, idle_per_s: float, run: Callable[[], T])
     subprocess.run(["callgrind_control", "-i", "off", worker], check=True, capture_output=True)
     seconds = time.monotonic() - started
     time.sleep(0.5)  # the dump is written by the worker
-    return result, count(out_dir, int(worker)) - idle_per_s * seconds, seconds
+    return result, count(out_dir, int(worker), keep) - idle_per_s * seconds, seconds
 
 
 # `--no-background`: what the worker does without requests (health checks, scrapes, the heartbeat, the event loop's
@@ -101,9 +117,10 @@ def measure_tree(
     status_poll: bool = False,
     sections: dict | None = None,
     label: str = "",
+    keep: str = "",
 ) -> dict[str, dict]:
     """Per cell its requests and instructions; with `status_poll` also per `cell + POLLED`, a browser polling.
-    `sections`: more config sections (`label` names them)."""
+    `sections`: more config sections (`label` names them); `keep`: a directory where each cell's dumps are kept."""
     out_dir = tempfile.mkdtemp(prefix="callgrind-", dir=workdir)
     launcher = (
         "valgrind",
@@ -111,6 +128,9 @@ def measure_tree(
         "--trace-children=yes",
         "--instr-atstart=no",
         f"--callgrind-out-file={out_dir}/callgrind.%p",
+        sys.executable,
+        "-c",
+        STARTER,
     )
     gw = overhead.Coordinator(
         engines,
@@ -139,7 +159,8 @@ def measure_tree(
             for polled in (False, True) if status_poll else (False,):
                 with overhead.StatusPoller(gw.obs_port) if polled else contextlib.nullcontext() as poller:
                     name = cell + POLLED if polled else cell
-                    results[name] = count_cell(gw, root, cell, seconds, workdir, out_dir, worker, idle_per_s)
+                    kept = os.path.join(keep, slug(f"{root}-{label}-{name}")) if keep else ""
+                    results[name] = count_cell(gw, root, cell, seconds, workdir, out_dir, worker, idle_per_s, kept)
                 if poller is not None:
                     results[name]["polls"] = poller.polls
                 print(
@@ -150,6 +171,11 @@ def measure_tree(
     finally:
         gw.stop()
     return results
+
+
+def slug(text: str) -> str:
+    """`text` as a file name: its letters and digits, every other run of characters one `-`."""
+    return "-".join("".join(ch if ch.isalnum() else " " for ch in text).split())
 
 
 def wrk_failures(stdout: str) -> list[str]:
@@ -185,8 +211,10 @@ def count_cell(
     out_dir: str,
     worker: str,
     idle_per_s: float,
+    keep: str = "",
 ) -> dict:
-    """One cell's requests and the worker's instructions for them (less its idle rate, `idle_per_s`, if counted)."""
+    """One cell's requests and the worker's instructions for them (less its idle rate, `idle_per_s`, if counted; its
+    dumps kept at `keep`, if given)."""
     data = gw.body(cell)
     wrk_to = (overhead.cell_path(cell), overhead.cell_headers(cell))  # its route, and the key with --tenants
     overhead.run_wrk(gw.infer_port, [data], 3, 1, 1, None, workdir, *wrk_to)  # warm-up, not counted
@@ -195,6 +223,7 @@ def count_cell(
         out_dir,
         idle_per_s,
         lambda: overhead.run_wrk(gw.infer_port, [data], seconds, 1, 1, None, workdir, *wrk_to),
+        keep,
     )
     errors = overhead.wrk_errors(res)
     if any(errors.values()):
@@ -221,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="count each tree with keys (no tenant_config), then with a tenant_config whose quotas are not reached",
     )
+    ap.add_argument(
+        "--keep",
+        default="",
+        help="a directory to keep each cell's callgrind dumps in (for callgrind_annotate --inclusive=yes)",
+    )
     opts = ap.parse_args(argv)
     cells = [c for c in opts.cells.split(",") if c]
     unknown = set(cells) - set(overhead.CELLS)
@@ -238,12 +272,23 @@ def main(argv: list[str] | None = None) -> int:
     # A variant's trees one after the other, so that they are counted as close together as can be.
     runs = [(label, sections, root) for label, sections in variants for root in roots]
     trees = [f"{root} ({label})" if label else root for label, _, root in runs]
+    if opts.keep:
+        os.makedirs(opts.keep, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="motor-instructions-")
     try:
         with overhead.fakes(overhead.build_fake(workdir), None, workdir) as engines:
             results = [
                 measure_tree(
-                    root, engines, cells, opts.seconds, workdir, opts.no_background, opts.status_poll, sections, label
+                    root,
+                    engines,
+                    cells,
+                    opts.seconds,
+                    workdir,
+                    opts.no_background,
+                    opts.status_poll,
+                    sections,
+                    label,
+                    opts.keep,
                 )
                 for label, sections, root in runs
             ]

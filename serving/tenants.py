@@ -26,12 +26,16 @@ from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
 from serving.observe import FlushTimer, RequestRecord
-from state.quotas import Limits, Taken, TenantQuotas, wait_s
+from state.quotas import Limits, Taken, TenantQuotas
 from state.shared import tenant_hash
 
 
-def reset_text(seconds: float) -> str:
-    """A duration as OpenAI's x-ratelimit-reset-* headers write it: `20ms`, `1.5s`, `6m0s`."""
+def reset_text(short_milli: int, per_min: int) -> str:
+    """When a bucket `short_milli` below full, filled at `per_min` a minute, is full again, as OpenAI's
+    x-ratelimit-reset-* headers write it: `20ms`, `1.5s`, `6m0s`."""
+    if short_milli <= 0:
+        return "0ms"
+    seconds = short_milli / (1000 * (per_min / 60))  # (wait_s's division, in its order: the same float)
     if seconds < 1:
         return f"{math.ceil(seconds * 1000)}ms"
     minutes, rest = divmod(seconds, 60)
@@ -71,7 +75,7 @@ class Place(Active):
     __slots__ = ("charged", "key", "limits", "prompt", "reserved", "side", "tenants")
 
     def __init__(self, tenants: Tenants, job: Job, rec: RequestRecord, limits: Limits, prompt: int, output: int):
-        super().__init__(tenants.fair, job, rec)
+        self.fair, self.job, self.rec = tenants.fair, job, rec  # (Active's, without a call of its __init__)
         self.tenants, self.limits, self.prompt = tenants, limits, prompt
         self.reserved = prompt + output  # taken from its tpm bucket when admitted: the prompt's estimate and output's
         self.key: int | str = 0  # its tenant's row (LOCAL) or hash (STORE)
@@ -86,7 +90,7 @@ class Place(Active):
 
     def __exit__(self, *exc) -> None:
         if self.side:
-            super().__exit__()
+            self.fair.leave(self.job.tenant, self.rec.generated_tokens, self.job.weight)  # (Active's, without a call)
             self.tenants.settle(self)
 
 
@@ -132,10 +136,22 @@ class Tenants:
         # request of it reserves for its output, at most its max_tokens (unknown: all of max_tokens)
         self.expected: dict[str, float] = {}
         self._timer = FlushTimer(self.charge, CHARGE_S)
+        # tenant -> (its limits, as `limits` gives them, and its quota from them: None without one), made once per
+        # tenant and config (a reload's limits are other objects)
+        self._quotas: dict[str, tuple[TenantLimits, Limits | None]] = {}
 
     def limits(self, tenant: str) -> TenantLimits:
         s = self.live.s
         return s.tenant_limits.get(tenant) or s.default_limits
+
+    def quota(self, tenant: str) -> Limits | None:
+        """The tenant's rpm, tpm and max_inflight; None when it has none of them."""
+        lim = self.limits(tenant)
+        known = self._quotas.get(tenant)
+        if known is None or known[0] is not lim:
+            quota = Limits(lim.rpm, lim.tpm, lim.max_inflight) if lim.rpm or lim.tpm or lim.max_inflight else None
+            known = self._quotas[tenant] = (lim, quota)
+        return known[1]
 
     def classify(self, job: Job, header: str | None) -> None:
         """The request's x-priority class (`header`; absent: standard), capped at its tenant's max_priority, and its
@@ -150,12 +166,11 @@ class Tenants:
         """`with tenants.admit(...)`: the request's quota held until the block ends, or RateLimited. The answer's
         x-ratelimit-* headers go into `headers` (a tenant with rpm or tpm only). In cluster mode, with the store
         reachable, the quota is asked in the door's round trip (`door`, its place: awaited in the block)."""
-        lim = self.limits(job.tenant)
-        if not (lim.rpm or lim.tpm or lim.max_inflight):
+        limits = self.quota(job.tenant)
+        if limits is None:
             self.fair.arrive(job.tenant, job.priority)
             return Active(self.fair, job, rec)
-        limits = Limits(lim.rpm, lim.tpm, lim.max_inflight)
-        if lim.tpm:
+        if limits.tpm:
             output = min(job.max_tokens, math.ceil(self.expected.get(job.tenant, job.max_tokens)))
             place = Place(self, job, rec, limits, len(job.raw) // 4, output)
         else:
@@ -172,14 +187,16 @@ class Tenants:
     def take_local(self, place: Place, headers: dict[str, str]) -> None:
         """The quota from this Coordinator's table: exact across its workers; in cluster mode (the store away) this
         replica's share of each limit (divided by the live replicas, rounded down, at least 1)."""
-        n = self.cluster.replicas if self.cluster is not None else 1
-        rpm, tpm, cap = (max(1, v // n) if v else 0 for v in place.limits)
+        limits = place.limits
+        if self.cluster is not None and self.cluster.replicas > 1:
+            n = self.cluster.replicas
+            limits = Limits(*(max(1, v // n) if v else 0 for v in limits))
         at = self.quotas.slot(place.job.tenant)
-        taken = self.quotas.take(at, int(self.clock() * 1e6), Limits(rpm, tpm, cap), place.reserved)
-        _headers(headers, taken, rpm, tpm)
+        taken = self.quotas.take(at, int(self.clock() * 1e6), limits, place.reserved)
+        _headers(headers, taken, limits.rpm, limits.tpm)
         if taken.refused:
             raise _refusal(taken, self.limits(place.job.tenant), headers)
-        place.key, place.side, place.limits = at, LOCAL, Limits(rpm, tpm, cap)
+        place.key, place.side, place.limits = at, LOCAL, limits
         self.held(place)
 
     def held(self, place: Place) -> None:
@@ -214,12 +231,12 @@ class Tenants:
         self.streaming.discard(place)
         rec = place.rec
         reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
-        rest = (rec.prompt_tokens + rec.generated_tokens if reached else 0) - place.charged
+        out = rec.generated_tokens if reached else 0
+        rest = (rec.prompt_tokens + out if reached else 0) - place.charged
         tpm = place.limits.tpm
         if tpm and reached:
             tenant = place.job.tenant
             mean = self.expected.get(tenant)
-            out = rec.generated_tokens
             self.expected[tenant] = out if mean is None else mean + (out - mean) * EXPECTED_WEIGHT
         if place.side == LOCAL:
             self.quotas.leave(place.key, rest, tpm)
@@ -239,15 +256,17 @@ class Tenants:
 def _headers(headers: dict[str, str], taken: Taken, rpm: int, tpm: int) -> None:
     """OpenAI's x-ratelimit-* headers: each quota's limit, what is left of it, and when it is whole again."""
     if rpm:
-        left = max(0, taken.requests_milli)
+        left = taken.requests_milli
+        if left < 0:
+            left = 0
         headers["x-ratelimit-limit-requests"] = str(rpm)
         headers["x-ratelimit-remaining-requests"] = str(left // 1000)
-        headers["x-ratelimit-reset-requests"] = reset_text(wait_s(left, rpm * 1000, rpm / 60))
+        headers["x-ratelimit-reset-requests"] = reset_text(rpm * 1000 - left, rpm)
     if tpm:
-        left = taken.tokens_milli
+        left = taken.tokens_milli  # (a debt's reset counts the debt too)
         headers["x-ratelimit-limit-tokens"] = str(tpm)
-        headers["x-ratelimit-remaining-tokens"] = str(max(0, left) // 1000)
-        headers["x-ratelimit-reset-tokens"] = reset_text(wait_s(left, tpm * 1000, tpm / 60))
+        headers["x-ratelimit-remaining-tokens"] = str(left // 1000 if left > 0 else 0)
+        headers["x-ratelimit-reset-tokens"] = reset_text(tpm * 1000 - left, tpm)
 
 
 def _refusal(taken: Taken, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:

@@ -19,6 +19,7 @@ from harness.clients import anthropic_client, openai_client
 from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.loopback import wait_until
+from serving.tenants import reset_text
 from tests.conftest import MODEL
 
 KEY_A, KEY_B, KEY_T, KEY_C = "sk-quota-a", "sk-quota-b", "sk-quota-t", "sk-quota-c"
@@ -110,6 +111,24 @@ def reset_s(text: str) -> float:
         return int(text[:-2]) / 1000
     minutes, _, seconds = text[:-1].rpartition("m")
     return int(minutes or 0) * 60 + float(seconds)
+
+
+@pytest.mark.parametrize(
+    ("short_milli", "per_min", "text"),
+    [
+        (0, 20, "0ms"),  # a full bucket
+        (1000, 10**9, "1ms"),  # a part of a millisecond is one
+        (1000, 3000, "20ms"),
+        (1000, 40, "1.5s"),
+        (1000, 20, "3s"),
+        (6000, 1, "6m0s"),
+        (60_500, 60, "1m0.5s"),  # a debt of half a token is waited for too
+    ],
+)
+def test_reset_texts_are_openais(short_milli, per_min, text):
+    """x-ratelimit-reset-*: the time until the bucket is full again, written as OpenAI writes it."""
+    assert reset_text(short_milli, per_min) == text
+    assert reset_s(text) == pytest.approx(short_milli * 60 / per_min / 1000, abs=1e-3)
 
 
 def tpm_burst(coords: list, key: str, tpm: int, n: int = 20) -> tuple[int, int, float, tuple]:
