@@ -21,7 +21,7 @@ from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.loopback import wait_until
 from tests.conftest import MODEL
-from tests.test_cluster import cluster, redis  # noqa: F401 (fixtures)
+from tests.test_cluster import cluster  # noqa: F401 (a fixture)
 
 PD = "qwen3-pd"
 KEY_A, KEY_B, KEY_D = "sk-team-a-1", "sk-team-b-1", "sk-default-1"
