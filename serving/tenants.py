@@ -75,7 +75,7 @@ class Place(Active):
     __slots__ = ("charged", "key", "limits", "prompt", "reserved", "side", "tenants")
 
     def __init__(self, tenants: Tenants, job: Job, rec: RequestRecord, limits: Limits, prompt: int, output: int):
-        self.fair, self.job, self.rec = tenants.fair, job, rec  # (Active's, without a call of its __init__)
+        super().__init__(tenants.fair, job, rec)
         self.tenants, self.limits, self.prompt = tenants, limits, prompt
         self.reserved = prompt + output  # taken from its tpm bucket when admitted: the prompt's estimate and output's
         self.key: int | str = 0  # its tenant's row (LOCAL) or hash (STORE)
@@ -90,7 +90,7 @@ class Place(Active):
 
     def __exit__(self, *exc) -> None:
         if self.side:
-            self.fair.leave(self.job.tenant, self.rec.generated_tokens, self.job.weight)  # (Active's, without a call)
+            super().__exit__()
             self.tenants.settle(self)
 
 
