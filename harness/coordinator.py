@@ -17,6 +17,7 @@ import time
 import httpx
 
 from harness import ROOT
+from harness.loopback import CLIENT
 from harness.processes import Proc, children, cmdline, sanic_server_name
 
 ROUTE_TABLE = """
@@ -150,7 +151,7 @@ class Coordinator:
         return [tuple(row) for row in json.loads(out.stdout.strip().splitlines()[-1])]
 
     def refresh(self, event: str, instances: list) -> httpx.Response:
-        return httpx.post(self.mgmt + "/instances/refresh", json={"event": event, "instances": instances}, timeout=5)
+        return CLIENT.post(self.mgmt + "/instances/refresh", json={"event": event, "instances": instances})
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         code = self.proc.stop(timeout_s)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import httpx
+from harness.loopback import CLIENT
 
 # The columns a request adds to while it is in flight (held decode slots are a separate count).
 IN_FLIGHT = ("inflight_requests", "inflight_prompt_tokens", "inflight_decode_tokens", "prefilling_requests")
@@ -11,7 +11,7 @@ IN_FLIGHT = ("inflight_requests", "inflight_prompt_tokens", "inflight_decode_tok
 
 def ledger(coord) -> list[dict]:
     """The `load` object of every endpoint of every instance, in /instances order."""
-    doc = httpx.get(coord.mgmt + "/instances", timeout=5).json()
+    doc = CLIENT.get(coord.mgmt + "/instances").json()
     return [ep["load"] for inst in doc["instances"] for ep in inst["endpoints"]]
 
 

@@ -7,6 +7,12 @@ import time
 from collections.abc import Callable
 from contextlib import closing
 
+import httpx
+
+# One keep-alive client for the harness's own calls (polls above all): a fresh httpx client sets up TLS, which
+# takes 0.05-0.15 s on a loaded 2-core machine, so a poll of three replicas could outlast its deadline by itself.
+CLIENT = httpx.Client(timeout=10)
+
 
 def free_port() -> int:
     """A port of 127.0.0.1 free just now (two calls may return one port: use free_ports for several)."""

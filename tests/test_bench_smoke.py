@@ -10,6 +10,7 @@ import http.server
 import json
 import math
 import os
+import re
 import shutil
 import socketserver
 import subprocess
@@ -198,6 +199,22 @@ def test_pick_bench_times_every_policy_on_every_cluster(tmp_path):
     for r in rows:
         assert math.isfinite(r["pick_us"]) and r["pick_us"] > 0, r
         assert math.isfinite(r["full_us"]) and r["full_us"] > 0, r
+
+
+def test_cluster_sync_bench_times_refreshes_reaching_every_replica():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "cluster_sync.py"), "--replicas", "2", "--refreshes", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("2 replicas x 2 workers, sync every 50 ms, 2 refreshes"), proc.stdout
+    for name, line in zip(("refresh answered", "every replica shows it"), lines[1:], strict=True):
+        figures = [float(f) for f in re.findall(r"([0-9.]+) ms", line)]
+        assert line.strip().startswith(name) and len(figures) == 3 and 0 < figures[0] <= figures[2], line
 
 
 @pytest.mark.skipif(
