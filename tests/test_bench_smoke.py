@@ -27,6 +27,12 @@ from bench import overhead
 from harness import ROOT
 
 
+def bench_run(script: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """bench/<script>.py with `args`, run from the repository's root; its exit status and output."""
+    path = os.path.join(ROOT, "bench", script + ".py")
+    return subprocess.run([sys.executable, path, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+
 @pytest.fixture(scope="module")
 def bench_cluster():
     if not shutil.which("gcc"):
@@ -163,13 +169,18 @@ def test_one_short_wrk_cell(bench_cluster):
     not all(shutil.which(t) for t in ("wrk", "gcc")), reason="needs wrk and gcc (apt-get install -y wrk gcc)"
 )
 def test_the_memory_bench_reports_a_workers_growth_over_its_bytes_in_flight():
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "memory.py"), "--kib", "64", "--connections", "4"]
-        + ["--duration", "1", "--cells", "pd_chat,messages", "--no-router"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
+    proc = bench_run(
+        "memory",
+        "--kib",
+        "64",
+        "--connections",
+        "4",
+        "--duration",
+        "1",
+        "--cells",
+        "pd_chat,messages",
+        "--no-router",
+        timeout_s=180,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| coordinator |")]
@@ -182,13 +193,7 @@ def test_the_memory_bench_reports_a_workers_growth_over_its_bytes_in_flight():
 
 def test_pick_bench_times_every_policy_on_every_cluster(tmp_path):
     out = tmp_path / "pick.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "pick.py"), "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = bench_run("pick", "--quick", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "| policy | cluster | prompt | pick µs (prepare+plan) | full µs (with leases) |" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
@@ -202,13 +207,7 @@ def test_pick_bench_times_every_policy_on_every_cluster(tmp_path):
 
 
 def test_cluster_sync_bench_times_refreshes_reaching_every_replica():
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "cluster_sync.py"), "--replicas", "2", "--refreshes", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = bench_run("cluster_sync", "--replicas", "2", "--refreshes", "2")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("2 replicas x 2 workers, sync every 50 ms, 2 refreshes"), proc.stdout
@@ -223,13 +222,7 @@ def test_cluster_sync_bench_times_refreshes_reaching_every_replica():
 )
 def test_instruction_count_of_one_cell():
     """bench/instructions.py runs the Coordinator under callgrind and counts one cell's requests and instructions."""
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "instructions.py"), "--cells", "chat", "--seconds", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = bench_run("instructions", "--cells", "chat", "--seconds", "2", timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = [line for line in proc.stdout.splitlines() if line.startswith("| chat |")]
     assert len(row) == 1, proc.stdout
@@ -328,13 +321,21 @@ def test_wallclock_prompts_are_the_same_in_every_process():
 def test_wallclock_bench_runs_the_coordinator_against_engine_sim(tmp_path):
     """A tiny wall-clock run: the real app.py and engine_sim processes, two policies, its rows and verdicts."""
     out = tmp_path / "wallclock.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "wallclock.py"), "--seed", "3", "--requests", "10"]
-        + ["--warmup", "4", "--rate", "6", "--runs", "round_robin:off,slo_aware:reject", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    proc = bench_run(
+        "wallclock",
+        "--seed",
+        "3",
+        "--requests",
+        "10",
+        "--warmup",
+        "4",
+        "--rate",
+        "6",
+        "--runs",
+        "round_robin:off,slo_aware:reject",
+        "--json",
+        str(out),
+        timeout_s=240,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
