@@ -30,7 +30,8 @@ its recent prefills finished within prediction plus allowance. A quantile, not a
 predictions are usually right but now and then far off gets the room its misses need; one that is
 always right gets none. Decode streams do the same with their observed seconds per token against the TPOT
 predicted when the request was planned (`tpot_allowance_s`), which also covers errors in the predicted
-batch. After `ALLOWANCE_QUIET_S` without any evidence an allowance halves every `ALLOWANCE_HALF_LIFE_S`,
+batch; with admission, less what the requests let in after it added to its batch (each was judged with it
+there: `learn_decode`). After `ALLOWANCE_QUIET_S` without any evidence an allowance halves every `ALLOWANCE_HALF_LIFE_S`,
 and so do the errors in its ring when the next one comes (so a bad moment cannot shut admission for good:
 the requests it lets in again are the evidence, and the old misses weigh less beside them).
 
@@ -311,16 +312,33 @@ class Predictor:
                 e.queue_shift_s = shift - early
 
     def learn_decode(
-        self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0
+        self,
+        slot: int,
+        started: float,
+        first: float,
+        done: float,
+        events: int,
+        batch: float,
+        predicted: float = 0.0,
+        joined: float = 0.0,
     ) -> None:
-        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, and
-        the seconds per token predicted when it was planned (0: none)."""
+        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, the
+        seconds per token predicted when it was planned (0: none) and the requests on the engine when it started.
+
+        Its error leaves out what the requests that joined after it added: a batch that grew past the one it
+        joined (mean `batch` over `joined`) lengthened its steps by step(batch) / step(joined), and each of those
+        requests was judged with it in the batch (with admission), so that growth stays within the budget without
+        any allowance; counted, a burst let in after a stream predicted alone made its prediction look several
+        times too short, and every plan after it was judged with that share added."""
         e = self.rows[slot]
         with self.lock:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
-                    error = per_token / predicted - 1.0
+                    grown = 1.0
+                    if batch > joined > 0.0 and e.dc_n >= self.min_samples:
+                        grown = self.step_s(slot, batch) / self.step_s(slot, joined)
+                    error = per_token / grown / predicted - 1.0
                     e.tpot_late_share = self._record(e.tpot_errors, e.tpot_count, e.tpot_late_at, error, done)
                     e.tpot_count, e.tpot_late_at = e.tpot_count + 1, done
                 sums, line = self._add_and_fit(

@@ -422,7 +422,11 @@ class Scheduler:
                 else:
                     batch = (lease.batch + self.ledger.requests(slot)) / 2.0
                 started = lease.started if lease.kind == DECODE else lease.first_at
-                pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot)
+                # With admission, what joined its batch after it was judged with it there (see learn_decode).
+                joined = lease.batch if self.admission != OFF else 0.0
+                pred.learn_decode(
+                    slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot, joined
+                )
         except Exception:  # learning must never fail a request
             log.exception("learning from a finished request failed")
         if self.queue is not None:
