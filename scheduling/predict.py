@@ -31,8 +31,8 @@ predictions are usually right but now and then far off gets the room its misses 
 always right gets none. Decode streams do the same with their observed seconds per token against the TPOT
 predicted when the request was planned (`tpot_allowance_s`), which also covers errors in the predicted
 batch; with admission, less what the requests let in after it added to its batch (each was judged with it
-there: `learn_decode`). After `ALLOWANCE_QUIET_S` without any evidence an allowance halves every `ALLOWANCE_HALF_LIFE_S`,
-and so do the errors in its ring when the next one comes (so a bad moment cannot shut admission for good:
+there: `learn_decode`). After `ALLOWANCE_QUIET_S` without any evidence an allowance halves every
+`ALLOWANCE_HALF_LIFE_S`, and so do the errors in its ring when the next one comes (so a bad moment cannot shut admission for good:
 the requests it lets in again are the evidence, and the old misses weigh less beside them).
 
 Promises. With admission, a prefill admitted on its verdict may finish later than predicted by what its plan
@@ -328,8 +328,8 @@ class Predictor:
         Its error leaves out what the requests that joined after it added: a batch that grew past the one it
         joined (mean `batch` over `joined`) lengthened its steps by step(batch) / step(joined), and each of those
         requests was judged with it in the batch (with admission), so that growth stays within the budget without
-        any allowance; counted, a burst let in after a stream predicted alone made its prediction look several
-        times too short, and every plan after it was judged with that share added."""
+        any allowance; counted, a burst let in after a stream predicted alone would make its prediction look
+        several times too short, and every plan after it would be judged with that share added."""
         e = self.rows[slot]
         with self.lock:
             if events >= 5 and done > first:
@@ -399,8 +399,8 @@ class Predictor:
         b = (cxy + weight * prior) / (vx + weight) if vx + weight > 0 else prior
         # The prior holds where the line claims that more is free (noise: steps shared with other work) or that
         # the fixed part costs less than nothing (a decode stream timed while its batch drained runs faster than
-        # its mean batch says, so samples from bursts alone tilt the line: it predicted a batch of one at 1.2 ms
-        # where the engine took 10).
+        # its mean batch says, so samples from bursts alone tilt the line, and a lone stream would be predicted
+        # nearly free).
         if b <= 0.0 or my - b * mx < 0.0:
             b = prior
         return sums, (my - b * mx, b)
