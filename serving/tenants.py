@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
 from errors import InvalidRequest, RateLimited, clip
@@ -47,15 +48,17 @@ CLASSES = {name: i for i, name in enumerate(PRIORITIES)}  # x-priority's values:
 NO_TENANT = "-"  # an engine's metaserver call: part of a client request, which is its tenant's
 CHARGE_S = 0.05  # how often the tokens of streams under way are charged to their tenants' tpm buckets
 EXPECTED_WEIGHT = 0.125  # a finished request's weight in its tenant's mean output
+UNCOUNTED = nullcontext()  # the place of a request without a quota when there is no fair share to count it in
 
 
 class Active:
     """An admitted request of a tenant without a quota: its output counted in its tenant's fair share (which its
-    prompt was when the scheduler let it in), and the tenant no longer active for it, when the block ends."""
+    prompt was when the scheduler let it in), and the tenant no longer active for it, when the block ends. Without
+    admission (`fair` None) there is no fair share to count in: a Place's base only."""
 
     __slots__ = ("fair", "job", "rec")
 
-    def __init__(self, fair: FairShare, job: Job, rec: RequestRecord):
+    def __init__(self, fair: FairShare | None, job: Job, rec: RequestRecord):
         self.fair, self.job, self.rec = fair, job, rec
 
     def __enter__(self) -> Active:
@@ -90,7 +93,8 @@ class Place(Active):
 
     def __exit__(self, *exc) -> None:
         if self.side:
-            super().__exit__()
+            if self.fair is not None:
+                super().__exit__()
             self.tenants.settle(self)
 
 
@@ -128,7 +132,10 @@ class Ask:
 class Tenants:
     """One worker's side of the tenants (see the module docstring)."""
 
-    def __init__(self, live: Live, quotas: TenantQuotas, fair: FairShare, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, live: Live, quotas: TenantQuotas, fair: FairShare | None, clock: Callable[[], float] = time.monotonic
+    ):
+        # `fair`: the scheduler's tenants' counters (None without admission: nothing reads them)
         self.live, self.quotas, self.fair, self.clock = live, quotas, fair, clock
         self.cluster = None  # cluster mode's serving/cluster.py Cluster: quotas held across the replicas
         self.streaming: set[Place] = set()  # admitted requests with a tpm: their tokens charged as they are served
@@ -162,14 +169,17 @@ class Tenants:
         lim = self.limits(job.tenant)
         job.priority, job.weight = max(asked, CLASSES[lim.max_priority]), lim.weight
 
-    def admit(self, job: Job, rec: RequestRecord, headers: dict[str, str], door=None) -> Active:
+    def admit(self, job: Job, rec: RequestRecord, headers: dict[str, str], door=None) -> AbstractContextManager:
         """`with tenants.admit(...)`: the request's quota held until the block ends, or RateLimited. The answer's
         x-ratelimit-* headers go into `headers` (a tenant with rpm or tpm only). In cluster mode, with the store
         reachable, the quota is asked in the door's round trip (`door`, its place: awaited in the block)."""
         limits = self.quota(job.tenant)
         if limits is None:
-            self.fair.arrive(job.tenant, job.priority)
-            return Active(self.fair, job, rec)
+            fair = self.fair
+            if fair is None:
+                return UNCOUNTED
+            fair.arrive(job.tenant, job.priority)
+            return Active(fair, job, rec)
         if limits.tpm:
             output = min(job.max_tokens, math.ceil(self.expected.get(job.tenant, job.max_tokens)))
             place = Place(self, job, rec, limits, len(job.raw) // 4, output)
@@ -201,7 +211,8 @@ class Tenants:
 
     def held(self, place: Place) -> None:
         """An admitted request's quota is held: its tenant is active, its tokens charged as they are served."""
-        self.fair.arrive(place.job.tenant, place.job.priority)
+        if self.fair is not None:
+            self.fair.arrive(place.job.tenant, place.job.priority)
         if place.limits.tpm:
             self.streaming.add(place)
             self._timer.arm()
