@@ -21,16 +21,20 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import lru_cache
 
 from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
 from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
 from serving.observe import FlushTimer, RequestRecord
-from state.quotas import Limits, Taken, TenantQuotas
+from state.quotas import Limits, TenantQuotas
 from state.shared import tenant_hash
 
 
+# Cached: a bucket that refills between a tenant's requests leaves the same short (one request, one reservation)
+# request after request, and the text is a pure function of it.
+@lru_cache(maxsize=4096)
 def reset_text(short_milli: int, per_min: int) -> str:
     """When a bucket `short_milli` below full, filled at `per_min` a minute, is full again, as OpenAI's
     x-ratelimit-reset-* headers write it: `20ms`, `1.5s`, `6m0s`."""
@@ -117,10 +121,9 @@ class Ask:
         RateLimited when refused."""
         place = self.place
         requests, tokens = (int(state[0]), int(state[2])) if len(state) > 2 else (0, 0)
-        taken = Taken(refused, wait, requests, tokens)
-        _headers(self.headers, taken, self.rpm, self.tpm)
+        _headers(self.headers, requests, tokens, self.rpm, self.tpm)
         if refused:
-            raise _refusal(taken, place.tenants.limits(place.job.tenant), self.headers)
+            raise _refusal(refused, wait, place.tenants.limits(place.job.tenant), self.headers)
         place.key, place.side = self.key, STORE
         place.tenants.held(place)
 
@@ -202,10 +205,10 @@ class Tenants:
             n = self.cluster.replicas
             limits = Limits(*(max(1, v // n) if v else 0 for v in limits))
         at = self.quotas.slot(place.job.tenant)
-        taken = self.quotas.take(at, int(self.clock() * 1e6), limits, place.reserved)
-        _headers(headers, taken, limits.rpm, limits.tpm)
-        if taken.refused:
-            raise _refusal(taken, self.limits(place.job.tenant), headers)
+        refused, wait, requests, tokens = self.quotas.take(at, int(self.clock() * 1e6), limits, place.reserved)
+        _headers(headers, requests, tokens, limits.rpm, limits.tpm)
+        if refused:
+            raise _refusal(refused, wait, self.limits(place.job.tenant), headers)
         place.key, place.side, place.limits = at, LOCAL, limits
         self.held(place)
 
@@ -264,30 +267,31 @@ class Tenants:
         return None if rec.tenant == NO_TENANT else self.label(rec.tenant)
 
 
-def _headers(headers: dict[str, str], taken: Taken, rpm: int, tpm: int) -> None:
-    """OpenAI's x-ratelimit-* headers: each quota's limit, what is left of it, and when it is whole again."""
+def _headers(headers: dict[str, str], requests_milli: int, tokens_milli: int, rpm: int, tpm: int) -> None:
+    """OpenAI's x-ratelimit-* headers: each quota's limit, what is left of it (the buckets' levels after the
+    admission, in milli-units), and when it is whole again."""
     if rpm:
-        left = taken.requests_milli
+        left = requests_milli
         if left < 0:
             left = 0
         headers["x-ratelimit-limit-requests"] = str(rpm)
         headers["x-ratelimit-remaining-requests"] = str(left // 1000)
         headers["x-ratelimit-reset-requests"] = reset_text(rpm * 1000 - left, rpm)
     if tpm:
-        left = taken.tokens_milli  # (a debt's reset counts the debt too)
+        left = tokens_milli  # (a debt's reset counts the debt too)
         headers["x-ratelimit-limit-tokens"] = str(tpm)
         headers["x-ratelimit-remaining-tokens"] = str(left // 1000 if left > 0 else 0)
         headers["x-ratelimit-reset-tokens"] = reset_text(tpm * 1000 - left, tpm)
 
 
-def _refusal(taken: Taken, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:
-    kind = taken.refused
+def _refusal(refused: str, wait_s: float, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:
+    kind = refused
     if kind == "inflight":
         message, kind = f"too many requests in flight for this tenant (limit {lim.max_inflight})", "requests"
     elif kind == "requests":
         message = f"rate limit reached for requests: limit {lim.rpm} per minute"
     else:
         message = f"rate limit reached for tokens: limit {lim.tpm} per minute (prompt plus output)"
-    err = RateLimited.by_quota(kind, message, taken.wait_s, reason="tenant_" + taken.refused)
+    err = RateLimited.by_quota(kind, message, wait_s, reason="tenant_" + refused)
     err.headers.update(headers)
     return err
