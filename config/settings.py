@@ -94,7 +94,7 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
             list(dict.fromkeys([*named, DEFAULT_TENANT, *(t for _, t in self.key_owners)]))[:MAX_TENANT_LABELS]
         )
 
-    @property
+    @cached_property  # (read for every request of a tenant tenant_config does not name)
     def default_limits(self) -> TenantLimits:
         return self.tenants.default if self.tenants is not None else NO_LIMITS
 

@@ -194,10 +194,11 @@ class Scheduler:
         self.admission = admission
         self.queue = queue
         self.live = live or Live(Settings())
-        # The tenants' counters (the Coordinator's, in shared memory): the queue's when there is one.
-        self.fair = (
-            queue.fair if queue is not None else FairShare(registry.shared, ledger.worker, self.live.s.num_workers)
-        )
+        # The tenants' counters (the Coordinator's, in shared memory): the queue's when there is one. Without
+        # admission nothing reads them, nor the classes seen: None, and no request counts itself in them.
+        self.fair: FairShare | None = queue.fair if queue is not None else None
+        if self.fair is None and admission != OFF:
+            self.fair = FairShare(registry.shared, ledger.worker, self.live.s.num_workers)
         self.meters: dict[str, PromptMeter] = {}  # by model id; the estimate's unless its tokenizer_path loads
         self.tokenizers: dict[str, str] = {}  # the tokenizer_path each model's meter was made with
         self.models: tuple = ()  # the live `models` the meters follow
@@ -287,7 +288,8 @@ class Scheduler:
             return None
         plan = self.judged(job)
         if job.feasible is not False or self.admission == OFF or (self._idle(plan) and not job.hopeless):
-            self.fair.admitted(job)
+            if self.fair is not None:
+                self.fair.admitted(job)
             return plan
         log.debug(
             "over budget: model=%s ttft=%.3f/%.3f s tpot=%.4f/%.4f s floor=%.3f",

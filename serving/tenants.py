@@ -20,16 +20,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from functools import lru_cache
 
 from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
 from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
 from serving.observe import FlushTimer, RequestRecord
-from state.quotas import Limits, Taken, TenantQuotas
+from state.quotas import Limits, TenantQuotas
 from state.shared import tenant_hash
 
 
+# Cached: a bucket that refills between a tenant's requests leaves the same short (one request, one reservation)
+# request after request, and the text is a pure function of it.
+@lru_cache(maxsize=4096)
 def reset_text(short_milli: int, per_min: int) -> str:
     """When a bucket `short_milli` below full, filled at `per_min` a minute, is full again, as OpenAI's
     x-ratelimit-reset-* headers write it: `20ms`, `1.5s`, `6m0s`."""
@@ -47,15 +52,17 @@ CLASSES = {name: i for i, name in enumerate(PRIORITIES)}  # x-priority's values:
 NO_TENANT = "-"  # an engine's metaserver call: part of a client request, which is its tenant's
 CHARGE_S = 0.05  # how often the tokens of streams under way are charged to their tenants' tpm buckets
 EXPECTED_WEIGHT = 0.125  # a finished request's weight in its tenant's mean output
+UNCOUNTED = nullcontext()  # the place of a request without a quota when there is no fair share to count it in
 
 
 class Active:
     """An admitted request of a tenant without a quota: its output counted in its tenant's fair share (which its
-    prompt was when the scheduler let it in), and the tenant no longer active for it, when the block ends."""
+    prompt was when the scheduler let it in), and the tenant no longer active for it, when the block ends. Without
+    admission (`fair` None) there is no fair share to count in: a Place's base only."""
 
     __slots__ = ("fair", "job", "rec")
 
-    def __init__(self, fair: FairShare, job: Job, rec: RequestRecord):
+    def __init__(self, fair: FairShare | None, job: Job, rec: RequestRecord):
         self.fair, self.job, self.rec = fair, job, rec
 
     def __enter__(self) -> Active:
@@ -90,7 +97,8 @@ class Place(Active):
 
     def __exit__(self, *exc) -> None:
         if self.side:
-            super().__exit__()
+            if self.fair is not None:
+                super().__exit__()
             self.tenants.settle(self)
 
 
@@ -113,10 +121,9 @@ class Ask:
         RateLimited when refused."""
         place = self.place
         requests, tokens = (int(state[0]), int(state[2])) if len(state) > 2 else (0, 0)
-        taken = Taken(refused, wait, requests, tokens)
-        _headers(self.headers, taken, self.rpm, self.tpm)
+        _headers(self.headers, requests, tokens, self.rpm, self.tpm)
         if refused:
-            raise _refusal(taken, place.tenants.limits(place.job.tenant), self.headers)
+            raise _refusal(refused, wait, place.tenants.limits(place.job.tenant), self.headers)
         place.key, place.side = self.key, STORE
         place.tenants.held(place)
 
@@ -128,7 +135,10 @@ class Ask:
 class Tenants:
     """One worker's side of the tenants (see the module docstring)."""
 
-    def __init__(self, live: Live, quotas: TenantQuotas, fair: FairShare, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, live: Live, quotas: TenantQuotas, fair: FairShare | None, clock: Callable[[], float] = time.monotonic
+    ):
+        # `fair`: the scheduler's tenants' counters (None without admission: nothing reads them)
         self.live, self.quotas, self.fair, self.clock = live, quotas, fair, clock
         self.cluster = None  # cluster mode's serving/cluster.py Cluster: quotas held across the replicas
         self.streaming: set[Place] = set()  # admitted requests with a tpm: their tokens charged as they are served
@@ -162,14 +172,17 @@ class Tenants:
         lim = self.limits(job.tenant)
         job.priority, job.weight = max(asked, CLASSES[lim.max_priority]), lim.weight
 
-    def admit(self, job: Job, rec: RequestRecord, headers: dict[str, str], door=None) -> Active:
+    def admit(self, job: Job, rec: RequestRecord, headers: dict[str, str], door=None) -> AbstractContextManager:
         """`with tenants.admit(...)`: the request's quota held until the block ends, or RateLimited. The answer's
         x-ratelimit-* headers go into `headers` (a tenant with rpm or tpm only). In cluster mode, with the store
         reachable, the quota is asked in the door's round trip (`door`, its place: awaited in the block)."""
         limits = self.quota(job.tenant)
         if limits is None:
-            self.fair.arrive(job.tenant, job.priority)
-            return Active(self.fair, job, rec)
+            fair = self.fair
+            if fair is None:
+                return UNCOUNTED
+            fair.arrive(job.tenant, job.priority)
+            return Active(fair, job, rec)
         if limits.tpm:
             output = min(job.max_tokens, math.ceil(self.expected.get(job.tenant, job.max_tokens)))
             place = Place(self, job, rec, limits, len(job.raw) // 4, output)
@@ -192,16 +205,17 @@ class Tenants:
             n = self.cluster.replicas
             limits = Limits(*(max(1, v // n) if v else 0 for v in limits))
         at = self.quotas.slot(place.job.tenant)
-        taken = self.quotas.take(at, int(self.clock() * 1e6), limits, place.reserved)
-        _headers(headers, taken, limits.rpm, limits.tpm)
-        if taken.refused:
-            raise _refusal(taken, self.limits(place.job.tenant), headers)
+        refused, wait, requests, tokens = self.quotas.take(at, int(self.clock() * 1e6), limits, place.reserved)
+        _headers(headers, requests, tokens, limits.rpm, limits.tpm)
+        if refused:
+            raise _refusal(refused, wait, self.limits(place.job.tenant), headers)
         place.key, place.side, place.limits = at, LOCAL, limits
         self.held(place)
 
     def held(self, place: Place) -> None:
         """An admitted request's quota is held: its tenant is active, its tokens charged as they are served."""
-        self.fair.arrive(place.job.tenant, place.job.priority)
+        if self.fair is not None:
+            self.fair.arrive(place.job.tenant, place.job.priority)
         if place.limits.tpm:
             self.streaming.add(place)
             self._timer.arm()
@@ -253,30 +267,31 @@ class Tenants:
         return None if rec.tenant == NO_TENANT else self.label(rec.tenant)
 
 
-def _headers(headers: dict[str, str], taken: Taken, rpm: int, tpm: int) -> None:
-    """OpenAI's x-ratelimit-* headers: each quota's limit, what is left of it, and when it is whole again."""
+def _headers(headers: dict[str, str], requests_milli: int, tokens_milli: int, rpm: int, tpm: int) -> None:
+    """OpenAI's x-ratelimit-* headers: each quota's limit, what is left of it (the buckets' levels after the
+    admission, in milli-units), and when it is whole again."""
     if rpm:
-        left = taken.requests_milli
+        left = requests_milli
         if left < 0:
             left = 0
         headers["x-ratelimit-limit-requests"] = str(rpm)
         headers["x-ratelimit-remaining-requests"] = str(left // 1000)
         headers["x-ratelimit-reset-requests"] = reset_text(rpm * 1000 - left, rpm)
     if tpm:
-        left = taken.tokens_milli  # (a debt's reset counts the debt too)
+        left = tokens_milli  # (a debt's reset counts the debt too)
         headers["x-ratelimit-limit-tokens"] = str(tpm)
         headers["x-ratelimit-remaining-tokens"] = str(left // 1000 if left > 0 else 0)
         headers["x-ratelimit-reset-tokens"] = reset_text(tpm * 1000 - left, tpm)
 
 
-def _refusal(taken: Taken, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:
-    kind = taken.refused
+def _refusal(refused: str, wait_s: float, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:
+    kind = refused
     if kind == "inflight":
         message, kind = f"too many requests in flight for this tenant (limit {lim.max_inflight})", "requests"
     elif kind == "requests":
         message = f"rate limit reached for requests: limit {lim.rpm} per minute"
     else:
         message = f"rate limit reached for tokens: limit {lim.tpm} per minute (prompt plus output)"
-    err = RateLimited.by_quota(kind, message, taken.wait_s, reason="tenant_" + taken.refused)
+    err = RateLimited.by_quota(kind, message, wait_s, reason="tenant_" + refused)
     err.headers.update(headers)
     return err

@@ -43,14 +43,10 @@ class Limits(NamedTuple):
     max_inflight: int
 
 
-class Taken(NamedTuple):
-    """An admission's verdict: `refused` "" (admitted), "requests", "tokens" or "inflight", how long until it would
-    not be, and the buckets' levels after it (milli-units) for the client's headers."""
-
-    refused: str
-    wait_s: float
-    requests_milli: int
-    tokens_milli: int
+# An admission's verdict: (refused: "" when admitted, else "requests", "tokens" or "inflight"; seconds until it would
+# not be; the requests' and tokens' buckets' levels after it, in milli-units, for the client's headers). A plain
+# tuple: making a NamedTuple costs more than the rest of an admission's arithmetic.
+Taken = tuple[str, float, int, int]
 
 
 class TenantQuotas:
@@ -91,7 +87,7 @@ class TenantQuotas:
                 for column in self.inflight:  # (a loop: sum() over a generator costs twice as much)
                     n += column[at]
                 if n >= cap:
-                    return Taken("inflight", 1.0, row.requests_milli, row.tokens_milli)
+                    return "inflight", 1.0, row.requests_milli, row.tokens_milli
             requests = tokens = 0
             # (each bucket's level written once: a field's write costs more than the arithmetic)
             if rpm:
@@ -100,7 +96,7 @@ class TenantQuotas:
                 )
                 if requests < 1000:
                     row.requests_milli = requests
-                    return Taken("requests", wait_s(requests, 1000, rpm / 60), requests, row.tokens_milli)
+                    return "requests", wait_s(requests, 1000, rpm / 60), requests, row.tokens_milli
             if tpm:
                 tokens, row.tokens_stamp_us = refill(
                     row.tokens_milli, row.tokens_stamp_us, now_us, tpm / 60, tpm * 1000
@@ -109,14 +105,14 @@ class TenantQuotas:
                     row.tokens_milli = tokens
                     if rpm:
                         row.requests_milli = requests
-                    return Taken("tokens", wait_s(tokens, 1000, tpm / 60), requests, tokens)
+                    return "tokens", wait_s(tokens, 1000, tpm / 60), requests, tokens
                 tokens -= reserve_tokens * 1000
                 row.tokens_milli = tokens
             if rpm:
                 requests -= 1000
                 row.requests_milli = requests
             self.my_inflight[at] += 1
-        return Taken("", 0.0, requests, tokens)
+        return "", 0.0, requests, tokens
 
     def leave(self, at: int, settle_tokens: int, tpm: int) -> None:
         """A request of row `at` ended; `settle_tokens` (served less reserved) are taken from its tpm bucket (a

@@ -13,12 +13,19 @@ import httpx
 import openai
 import pytest
 
+from config.load import settings_from_dict
+from config.settings import Live
 from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.loopback import free_port, wait_until
 from harness.processes import Proc
 from scheduling.admission import OverBudget
 from scheduling.fairness import BATCH, INTERACTIVE, STANDARD, FairShare
+from serving.families.chat import CHAT
+from serving.job import job_from_body, parse_body
+from serving.observe import RequestRecord
+from serving.tenants import Tenants
+from state.quotas import TenantQuotas
 from state.shared import MAX_FAIR_TENANTS, SharedState
 from tests.conftest import MODEL
 from tests.test_scheduling import admit, job, queue_work, scheduler, slots, teach_decode, teach_prefill
@@ -161,6 +168,31 @@ def test_a_batch_request_is_refused_first_while_higher_classes_come():
     assert asyncio.run(admit(sched, request(INTERACTIVE, "u"))) is not None
     busy.release()
     assert asyncio.run(admit(sched, request(BATCH, "t"))) is not None  # idle enough again
+
+
+def test_without_admission_no_request_is_counted_in_the_fair_share():
+    """Nothing reads the tenants' counters or the classes seen without admission: the scheduler keeps none, and a
+    request, with a quota or without, is served its headers and settled without writing the shared fair table."""
+    sched, w = scheduler("slo_aware", "off")
+    config = {
+        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-other"]},
+        "tenant_config": {"tenants": [{"name": "q", "keys": ["sk-q"], "rpm": 60}]},
+    }
+    live = Live(settings_from_dict(config))
+    quotas = TenantQuotas(w.shared, 0, 1)
+    tenants = Tenants(live, quotas, sched.fair)
+    for tenant in ("q", "default"):
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
+        one = job_from_body(CHAT, body, parse_body(body), "r")
+        one.tenant = tenant
+        tenants.classify(one, "interactive")
+        headers: dict[str, str] = {}
+        with tenants.admit(one, RequestRecord("r", "/v1/chat/completions", tenant=tenant), headers):
+            pass
+        assert ("x-ratelimit-remaining-requests" in headers) is (tenant == "q")
+    assert quotas.my_inflight[quotas.slot("q")] == 0  # the quota's place was given back
+    fair, counts = w.shared.fair, w.shared.fair_counts[0]
+    assert fair.used == 0 and not any(fair.seen) and not any(counts.active) and not any(counts.served)
 
 
 # -- a two-worker Coordinator ------------------------------------------------------------------------------------
