@@ -30,9 +30,8 @@ its recent prefills finished within prediction plus allowance. A quantile, not a
 predictions are usually right but now and then far off gets the room its misses need; one that is
 always right gets none. Decode streams do the same with their observed seconds per token against the TPOT
 predicted when the request was planned (`tpot_allowance_s`), which also covers errors in the predicted
-batch; with admission, less what the requests let in after it added to its batch (each was judged with it
-there: `learn_decode`). After `ALLOWANCE_QUIET_S` without any evidence an allowance halves every
-`ALLOWANCE_HALF_LIFE_S`, and so do the errors in its ring when the next one comes (so a bad moment cannot shut admission for good:
+batch. After `ALLOWANCE_QUIET_S` without any evidence an allowance halves every `ALLOWANCE_HALF_LIFE_S`,
+and so do the errors in its ring when the next one comes (so a bad moment cannot shut admission for good:
 the requests it lets in again are the evidence, and the old misses weigh less beside them).
 
 Promises. With admission, a prefill admitted on its verdict may finish later than predicted by what its plan
@@ -52,9 +51,8 @@ The fits use exponentially decayed sums (the last ~`1/decay` samples dominate), 
 shared lock from finished requests that are samples: at most one per slot every `LEARN_INTERVAL_S` from
 each worker (scheduling/scheduler.py), while the virtual queue takes every completion. With too little
 spread in x, a slope is shrunk toward a prior (through the origin for prefill, a fixed part worth 4
-sequences for decode), and a line the samples put at a slope of zero or below, or a fixed part below zero,
-is the prior, so no model claims that more tokens or a bigger batch are free, or a step costs nothing of its
-own. An endpoint is
+sequences for decode), and a slope the samples put at zero or below is the prior, so no model claims that
+more tokens or a bigger batch are free. An endpoint is
 "known" after `min_samples` observations; before that the policies fall back to load balancing (and
 the engine's own mean inter-token latency, from /metrics, stands in for an unknown decode model).
 """
@@ -251,8 +249,7 @@ class Predictor:
         """A prefill queued at `started` (see start_prefill) completed at `done` after `tokens` uncached tokens.
 
         `fit`: also a sample for the fit and the allowance; without it only the virtual queue and the last
-        completion time move (every completion must move them, or later predictions drift). Completions come in
-        the order they ended: the step groups are formed from the time since the last one.
+        completion time move (every completion must move them, or later predictions drift).
 
         The queue moves by how late it finished against its end in the continuous queue, not against its
         predicted finish (which adds the batch wait, what later prompts add to its last step). Corrected by
@@ -312,33 +309,16 @@ class Predictor:
                 e.queue_shift_s = shift - early
 
     def learn_decode(
-        self,
-        slot: int,
-        started: float,
-        first: float,
-        done: float,
-        events: int,
-        batch: float,
-        predicted: float = 0.0,
-        joined: float = 0.0,
+        self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0
     ) -> None:
-        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, the
-        seconds per token predicted when it was planned (0: none) and the requests on the engine when it started.
-
-        Its error leaves out what the requests that joined after it added: a batch that grew past the one it
-        joined (mean `batch` over `joined`) lengthened its steps by step(batch) / step(joined), and each of those
-        requests was judged with it in the batch (with admission), so that growth stays within the budget without
-        any allowance; counted, a burst let in after a stream predicted alone would make its prediction look
-        several times too short, and every plan after it would be judged with that share added."""
+        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, and
+        the seconds per token predicted when it was planned (0: none)."""
         e = self.rows[slot]
         with self.lock:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
-                    grown = 1.0
-                    if batch > joined > 0.0 and e.dc_n >= self.min_samples:
-                        grown = self.step_s(slot, batch) / self.step_s(slot, joined)
-                    error = per_token / grown / predicted - 1.0
+                    error = per_token / predicted - 1.0
                     e.tpot_late_share = self._record(e.tpot_errors, e.tpot_count, e.tpot_late_at, error, done)
                     e.tpot_count, e.tpot_late_at = e.tpot_count + 1, done
                 sums, line = self._add_and_fit(
@@ -397,10 +377,9 @@ class Predictor:
             prior = my / (mx + 4.0)
             weight = 0.5
         b = (cxy + weight * prior) / (vx + weight) if vx + weight > 0 else prior
-        # The prior holds where the line claims that more is free (noise: steps shared with other work) or that
-        # the fixed part costs less than nothing (a decode stream timed while its batch drained runs faster than
-        # its mean batch says, so samples from bursts alone tilt the line, and a lone stream would be predicted
-        # nearly free).
-        if b <= 0.0 or my - b * mx < 0.0:
+        if b <= 0.0:  # noise (steps shared with other work) says more is free: no model claims that, the prior holds
             b = prior
-        return sums, (my - b * mx, b)
+        a = my - b * mx
+        if a < 0.0:
+            a, b = 0.0, (my / mx if mx > 0 else 0.0)
+        return sums, (a, b)

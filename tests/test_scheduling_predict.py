@@ -18,9 +18,8 @@ import pytest
 
 from config import ConfigError, Endpoint, Instance, Live, Settings, settings_from_dict
 from harness.predictor import teach_decode, teach_prefill
-from scheduling import clock
 from scheduling.admission import OverBudget
-from scheduling.ledger import DECODE, PREFILL, WHOLE
+from scheduling.ledger import PREFILL, WHOLE
 from scheduling.policies import JobInfo
 from scheduling.predict import ALLOWANCE_HALF_LIFE_S, ALLOWANCE_QUIET_S, Predictor
 from scheduling.registry import Registry
@@ -363,35 +362,6 @@ def test_served_alone_the_decode_engine_learns_its_prefill_speed():
     assert w.predictor.prefill_known(d.slot)
 
 
-def test_a_prompt_computed_on_an_engine_is_learned_at_its_first_token_whatever_order_the_streams_end_in():
-    """Prompts a decode engine computes itself (D alone, whole requests) are done at their first token, and their
-    streams end in another order (a long answer after a short one begun later). Learned when the streams ended,
-    the prefills came to the model out of order, each one ending before the last seen lumped into that one's
-    engine step: in a benchmark family (seed 1968650217, f08) two of three decode engines never became known
-    and every prompt sent there alone went unjudged. Learned at the first token, the speed is known and right."""
-    t = [100.0]
-    clock.use(lambda: t[0])
-    try:
-        sched, w, _, (d,) = pd_scheduler("off", alone=True)
-        leases = []
-        for k in range(8):
-            tokens = 200 + 150 * k
-            lease = sched.lease(d, JobInfo(MODEL, tokens, 30, 2000, 100), WHOLE)
-            t[0] += 0.01 + tokens / 4000.0  # its prompt computed at 4,000 tokens a second
-            lease.first_token()
-            leases.append(lease)
-            t[0] += 0.5
-        for lease in reversed(leases):  # the first streams have the longest answers
-            lease.events = 33
-            lease.succeed(lease.prompt_tokens)
-            lease.release()
-            t[0] += 0.2
-        assert w.predictor.prefill_known(d.slot)
-        assert w.predictor.prefill_s(d.slot, 2000) == pytest.approx(0.01 + 2000 / 4000.0, rel=0.1)
-    finally:
-        clock.use(time.monotonic)
-
-
 def test_without_a_usable_pair_fallback_to_hybrid_serves_whole_else_refuses():
     sched, w, p, (d,) = pd_scheduler("off", fallback=True)
     w.health.set_healthy(d.slot, False)
@@ -527,58 +497,6 @@ def test_a_prompt_goes_where_it_makes_no_admitted_prefill_late():
     p, _ = w.policy.choose_pair(ps, ds, info)
     assert p.slot == 1 and info.feasible is True  # P0: done in 2.0 s (past the first's 1.1 s), P1: 2.2 s
     lease.release()
-
-
-def test_a_decode_fit_from_bursts_alone_keeps_a_fixed_part_to_its_steps():
-    """Streams timed while a burst drained ran faster than their mean batch says (their steps were mostly the
-    smaller batches'), so a fit from bursts alone tilts: through batches of 20-32 its line met zero before a
-    batch of one, and a lone stream on that engine (10 ms a token) was predicted at 1.2 ms. A fixed part below
-    zero takes the prior (a fixed part worth 4 sequences), so a batch of one is not predicted nearly free."""
-    pred = Predictor(SharedState.create(), 0.95)
-    t = time.monotonic() - 200
-    for b, per_token_ms in ((32.0, 37.6), (30.7, 37.6), (28.7, 35.8), (29.4, 35.9), (26.2, 31.5), (20.4, 22.5)):
-        first = t + 0.02
-        pred.learn_decode(1, t, first, first + per_token_ms / 1000 * 40, 43, b)
-        t = first + 2.0
-    row = pred.rows[1]
-    assert row.decode_step_s == pytest.approx(4 * row.decode_per_seq_s)
-    assert pred.step_s(1, 1) > 0.004  # (a line through these samples: 0.0 s + 1.2 ms a sequence)
-    assert pred.step_s(1, 30) == pytest.approx(0.0355, rel=0.05)  # where the samples are, still them
-
-
-@pytest.mark.parametrize("admission", ["reject", "off"])
-def test_with_admission_a_streams_tpot_error_leaves_out_the_batch_let_in_after_it(admission):
-    """A stream predicted alone (11 ms a token), then a burst of 19 let in beside it: it decoded at 30 ms a
-    token, as the model says for that batch. With admission each of the 19 was judged with it in the batch (so
-    that growth is held within the budget by their verdicts), and its error is what the model missed for the
-    batch it joined: none. Counted as an error of 170 %, it made every plan after it add 170 % to its TPOT and
-    refused most of a bursty family (seed 1020834079, f02). Without admission nothing held the growth: it is
-    the error."""
-    t = [100.0]
-    clock.use(lambda: t[0])
-    try:
-        sched, w = scheduler("slo_aware", admission)
-        d = sched.registry.view().pool(MODEL, "decode")[0]
-        teach_decode(w.predictor, d.slot, 0.01, 0.001)
-        info = job(100, max_tokens=40)
-        info.feasible, info.tpot_model_s = True, w.predictor.step_s(d.slot, 1)
-        stream = sched.lease(d, info, DECODE)
-        stream.first_token()
-        t[0] += 0.01
-        burst = [w.ledger.lease(d.slot, 0, 40, prefilling=False) for _ in range(19)]
-        t[0] += 40 * w.predictor.step_s(d.slot, 20)
-        stream.events = 43
-        stream.succeed()
-        stream.release()
-        share = w.predictor.rows[d.slot].tpot_late_share
-        if admission == "off":
-            assert share == pytest.approx(w.predictor.step_s(d.slot, 20) / info.tpot_model_s - 1.0, rel=0.05)
-        else:
-            assert share < 0.02
-        for lease in burst:
-            lease.release()
-    finally:
-        clock.use(time.monotonic)
 
 
 def test_a_fit_whose_samples_say_more_is_free_keeps_its_prior():
