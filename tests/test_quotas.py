@@ -98,7 +98,7 @@ def test_rpm_is_exact_across_workers_under_concurrent_requests_and_costs_no_othe
 
 
 def test_max_inflight_is_exact_across_workers(coord):
-    results = at_once(30, lambda: chat(coord, KEY_C, model="slow", max_tokens=200))
+    results = at_once(30, lambda: chat(coord, KEY_C, model="slow", max_tokens=200, whole=True))
     assert sum(s == 200 for s, _, _ in results) == CAP
     refused = [b for s, b, _ in results if s == 429]
     assert refused and all(b["code"] == "rate_limit_exceeded" and b["type"] == "requests" for b in refused)
@@ -195,7 +195,13 @@ def test_anthropic_routes_refuse_in_their_envelope(coord):
     sdk = anthropic_client(coord, api_key=KEY_C)
     with ThreadPoolExecutor(12) as pool:
         futures = [
-            pool.submit(sdk.messages.create, model="slow", max_tokens=200, messages=[{"role": "user", "content": "x"}])
+            pool.submit(
+                sdk.messages.create,
+                model="slow",
+                max_tokens=200,
+                messages=[{"role": "user", "content": "x"}],
+                extra_body={"ignore_eos": True},
+            )
             for _ in range(12)
         ]
         errors = []
