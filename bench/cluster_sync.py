@@ -25,14 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine_sim import SimConfig, launch
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator
-from harness.loopback import CLIENT
 from harness.redis import RedisServer
 
 MODEL = "bench"
 
 
 def paused(coord: Coordinator) -> list[int]:
-    rows = CLIENT.get(coord.mgmt + "/instances").json()["instances"]
+    rows = coord.instances()["instances"]
     return sorted(i["id"] for i in rows if i.get("paused"))
 
 

@@ -150,6 +150,10 @@ class Coordinator:
             )
         return [tuple(row) for row in json.loads(out.stdout.strip().splitlines()[-1])]
 
+    def instances(self) -> dict:
+        """GET /instances on the management port: the instance table, and cluster mode's status."""
+        return CLIENT.get(self.mgmt + "/instances").json()
+
     def refresh(self, event: str, instances: list) -> httpx.Response:
         return CLIENT.post(self.mgmt + "/instances/refresh", json={"event": event, "instances": instances})
 

@@ -23,7 +23,7 @@ import openai
 
 from harness.bodies import WORDS
 from harness.configs import coordinator_config
-from harness.loopback import CLIENT, wait_until
+from harness.loopback import wait_until
 from harness.metrics import by_label
 
 ANSWER_TOKENS = 24
@@ -186,7 +186,7 @@ def kv_states(coord) -> list[str]:
 
 
 def _kv_rows(coord) -> list[dict]:
-    body = CLIENT.get(coord.mgmt + "/instances").json()
+    body = coord.instances()
     return [ep["kv_events"] for inst in body["instances"] for ep in inst["endpoints"]]
 
 

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-from harness.loopback import CLIENT
-
 # The columns a request adds to while it is in flight (held decode slots are a separate count).
 IN_FLIGHT = ("inflight_requests", "inflight_prompt_tokens", "inflight_decode_tokens", "prefilling_requests")
 
 
 def ledger(coord) -> list[dict]:
     """The `load` object of every endpoint of every instance, in /instances order."""
-    doc = CLIENT.get(coord.mgmt + "/instances").json()
+    doc = coord.instances()
     return [ep["load"] for inst in doc["instances"] for ep in inst["endpoints"]]
 
 

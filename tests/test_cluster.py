@@ -75,7 +75,7 @@ def cluster(redis):
 
 
 def listed(coord: Coordinator) -> dict:
-    return CLIENT.get(coord.mgmt + "/instances").json()
+    return coord.instances()
 
 
 def ids(coord: Coordinator) -> list[int]:
