@@ -1,6 +1,6 @@
 """Wall-clock scheduling benchmark: the real Coordinator (`python app.py`) over HTTP against engine_sim processes.
 
-    python bench/wallclock.py [--seed N] [--requests 100] [--warmup 24] [--runs ...] [--check]
+    python bench/wallclock.py [--seed N] [--requests 100] [--warmup 24] [--runs ...] [--load 1.0] [--check]
 
 Each seed draws one workload (`draw`): 2-5 prefill engines and 1-4 decode engines up to 4x apart in speed,
 an arrival process (Poisson, bursty on/off, a ramp, a diurnal swell), a prompt mix (narrow, bimodal,
@@ -598,12 +598,20 @@ def main(argv=None) -> int:
     parser.add_argument("--rate", type=float, default=4.0, help="wall-clock arrivals a second to aim at")
     parser.add_argument("--runs", default=DEFAULT_RUNS, help="policy:admission runs, comma-separated")
     parser.add_argument("--workers", type=int, default=0, help="Coordinator workers (default: the seed's draw)")
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=0.0,
+        help="arrivals as a share of the capacity, 1.0 = 100 %% (default: the seed's draw)",
+    )
     add_args(parser)
     parser.add_argument("--json", default="", help="write the rows and late requests' parts here")
     args = parser.parse_args(argv)
     w = draw(args.seed)
     if args.workers:
         w.workers = args.workers
+    if args.load:
+        w.load = args.load
     cap = capacity(w)
     speedup = speedup_for(w, cap, args.rate)
     print(f"seed {args.seed}: {w.describe()}", flush=True)
