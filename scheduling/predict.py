@@ -381,8 +381,8 @@ class Predictor:
         b = (cxy + weight * prior) / (vx + weight) if vx + weight > 0 else prior
         # The prior holds where the line claims that more is free (noise: steps shared with other work) or that
         # the fixed part costs less than nothing (a decode stream timed while its batch drained runs faster than
-        # its mean batch says, so samples from bursts alone tilt the line: it predicted a batch of one at 1.2 ms
-        # where the engine took 10).
+        # its mean batch says, so samples from bursts alone tilt the line, and a lone stream would be predicted
+        # nearly free).
         if b <= 0.0 or my - b * mx < 0.0:
             b = prior
         return sums, (my - b * mx, b)
