@@ -35,7 +35,7 @@ class Ledger:
             tuple(ledger[row].slots[slot] for row in self.rows) for slot in range(MAX_SLOTS)
         ]
         self.observer: Callable[[Lease], None] | None = None
-        self.on_prefilled: Callable[[Lease], None] | None = None  # a stream's first token came (Lease.first_token)
+        self.on_prefilled: Callable[[Lease], None] | None = None  # a lease's prompt is in its engine's cache now
 
     def lease(
         self, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool = True, kind: str = ""
@@ -141,11 +141,9 @@ class Lease:
 
     def first_token(self) -> None:
         """A stream's first token arrived: its prompt is in the engine's prefix cache from now on (a client may
-        send the next turn as soon as it has read the last event, before this lease is released), and its
-        prefill is done: `on_prefilled` hears of it once, now."""
-        first = not self.first_at
+        send the next turn as soon as it has read the last event, before this lease is released)."""
         self.prefill_done()
-        if first and self.ledger.on_prefilled is not None:
+        if self.hashes and self.ledger.on_prefilled is not None:
             self.ledger.on_prefilled(self)
 
     def succeed(self, engine_uncached: int = -1) -> None:

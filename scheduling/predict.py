@@ -250,8 +250,7 @@ class Predictor:
         """A prefill queued at `started` (see start_prefill) completed at `done` after `tokens` uncached tokens.
 
         `fit`: also a sample for the fit and the allowance; without it only the virtual queue and the last
-        completion time move (every completion must move them, or later predictions drift). Completions come in
-        the order they ended: the step groups are formed from the time since the last one.
+        completion time move (every completion must move them, or later predictions drift).
 
         The queue moves by how late it finished against its end in the continuous queue, not against its
         predicted finish (which adds the batch wait, what later prompts add to its last step). Corrected by

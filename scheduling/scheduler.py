@@ -381,27 +381,10 @@ class Scheduler:
         return self.ledger.hold(t.slot)
 
     def _prefilled(self, lease: Lease) -> None:
-        """A stream's first token arrived: its prompt's blocks are cached on its engine, and a whole request's
-        prefill is done. That prefill is learned from now, in the order prefills end: at the lease's release,
-        after its decode, the model would take them in the order decodes end (a prefill that ended after another
-        seen before it), and the fit's engine steps, grouped by their completion times, would be lost."""
-        if self.index is not None and lease.hashes:
+        """A stream's first token arrived: its prompt's blocks are cached on its engine (recorded once)."""
+        if self.index is not None:
             self.index.record(lease.hashes, lease.slot)
         lease.hashes = []
-        if lease.kind != WHOLE or not lease.predicted or self.predictor is None:
-            return
-        try:  # its uncached tokens as predicted: the engine says its count only when the stream ends
-            self.predictor.learn_prefill(
-                lease.slot,
-                lease.started,
-                lease.first_at,
-                lease.prompt_tokens,
-                lease.predicted,
-                lease.shift,
-                lease.sample,
-            )
-        except Exception:  # learning must never fail a request
-            log.exception("learning from a first token failed")
 
     def _observe(self, lease: Lease) -> None:
         """A lease marked successful is being released: learn from its timings."""
@@ -409,12 +392,12 @@ class Scheduler:
             pred, slot, fit = self.predictor, lease.slot, lease.sample
             if lease.kind == PREFILL or lease.kind == WHOLE:
                 if pred is not None and lease.predicted:
-                    if lease.kind == PREFILL:
+                    if lease.kind == PREFILL or lease.first_at:
+                        done = lease.ended if lease.kind == PREFILL else lease.first_at
                         tokens = lease.engine_uncached if lease.engine_uncached >= 0 else lease.prompt_tokens
-                        pred.learn_prefill(slot, lease.started, lease.ended, tokens, lease.predicted, lease.shift, fit)
-                    elif not lease.first_at:  # a JSON answer: its prefill was done by the time the answer was
+                        pred.learn_prefill(slot, lease.started, done, tokens, lease.predicted, lease.shift, fit)
+                    else:  # a JSON answer: its prefill was done by the time the answer was
                         pred.settle_prefill(slot, lease.ended, lease.predicted, lease.shift)
-                    # (a stream's prefill was learned from at its first token: _prefilled)
                 if self.index is not None and lease.hashes:
                     self.index.record(lease.hashes, slot)
             if fit and pred is not None and lease.kind != PREFILL and lease.first_at:

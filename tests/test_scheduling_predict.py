@@ -18,7 +18,6 @@ import pytest
 
 from config import ConfigError, Endpoint, Instance, Live, Settings, settings_from_dict
 from harness.predictor import teach_decode, teach_prefill
-from scheduling import clock
 from scheduling.admission import OverBudget
 from scheduling.ledger import PREFILL, WHOLE
 from scheduling.policies import JobInfo
@@ -361,35 +360,6 @@ def test_served_alone_the_decode_engine_learns_its_prefill_speed():
         sched._learn_after.clear()  # each of these is a sample (they are LEARN_INTERVAL_S apart in life)
         lease.release()
     assert w.predictor.prefill_known(d.slot)
-
-
-def test_a_prompt_computed_on_an_engine_is_learned_at_its_first_token_whatever_order_the_streams_end_in():
-    """Prompts a decode engine computes itself (D alone, whole requests) are done at their first token, and their
-    streams end in another order (a long answer after a short one begun later). Learned when the streams ended,
-    the prefills came to the model out of order, each one ending before the last seen lumped into that one's
-    engine step: in a benchmark family (seed 1968650217, f08) two of three decode engines never became known
-    and every prompt sent there alone went unjudged. Learned at the first token, the speed is known and right."""
-    t = [100.0]
-    clock.use(lambda: t[0])
-    try:
-        sched, w, _, (d,) = pd_scheduler("off", alone=True)
-        leases = []
-        for k in range(8):
-            tokens = 200 + 150 * k
-            lease = sched.lease(d, JobInfo(MODEL, tokens, 30, 2000, 100), WHOLE)
-            t[0] += 0.01 + tokens / 4000.0  # its prompt computed at 4,000 tokens a second
-            lease.first_token()
-            leases.append(lease)
-            t[0] += 0.5
-        for lease in reversed(leases):  # the first streams have the longest answers
-            lease.events = 33
-            lease.succeed(lease.prompt_tokens)
-            lease.release()
-            t[0] += 0.2
-        assert w.predictor.prefill_known(d.slot)
-        assert w.predictor.prefill_s(d.slot, 2000) == pytest.approx(0.01 + 2000 / 4000.0, rel=0.1)
-    finally:
-        clock.use(time.monotonic)
 
 
 def test_without_a_usable_pair_fallback_to_hybrid_serves_whole_else_refuses():
