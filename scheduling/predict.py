@@ -51,8 +51,9 @@ The fits use exponentially decayed sums (the last ~`1/decay` samples dominate), 
 shared lock from finished requests that are samples: at most one per slot every `LEARN_INTERVAL_S` from
 each worker (scheduling/scheduler.py), while the virtual queue takes every completion. With too little
 spread in x, a slope is shrunk toward a prior (through the origin for prefill, a fixed part worth 4
-sequences for decode), and a slope the samples put at zero or below is the prior, so no model claims that
-more tokens or a bigger batch are free. An endpoint is
+sequences for decode), and a line the samples put at a slope of zero or below, or a fixed part below zero,
+is the prior, so no model claims that more tokens or a bigger batch are free, or a step costs nothing of its
+own. An endpoint is
 "known" after `min_samples` observations; before that the policies fall back to load balancing (and
 the engine's own mean inter-token latency, from /metrics, stands in for an unknown decode model).
 """
@@ -377,9 +378,10 @@ class Predictor:
             prior = my / (mx + 4.0)
             weight = 0.5
         b = (cxy + weight * prior) / (vx + weight) if vx + weight > 0 else prior
-        if b <= 0.0:  # noise (steps shared with other work) says more is free: no model claims that, the prior holds
+        # The prior holds where the line claims that more is free (noise: steps shared with other work) or that
+        # the fixed part costs less than nothing (a decode stream timed while its batch drained runs faster than
+        # its mean batch says, so samples from bursts alone tilt the line, and a lone stream would be predicted
+        # nearly free).
+        if b <= 0.0 or my - b * mx < 0.0:
             b = prior
-        a = my - b * mx
-        if a < 0.0:
-            a, b = 0.0, (my / mx if mx > 0 else 0.0)
-        return sums, (a, b)
+        return sums, (my - b * mx, b)

@@ -499,6 +499,23 @@ def test_a_prompt_goes_where_it_makes_no_admitted_prefill_late():
     lease.release()
 
 
+def test_a_decode_fit_from_bursts_alone_keeps_a_fixed_part_to_its_steps():
+    """Streams timed while a burst drained ran faster than their mean batch says (their steps were mostly the
+    smaller batches'), so a fit from bursts alone tilts: through batches of 20-32 its line met zero before a
+    batch of one, and a lone stream on that engine (10 ms a token) was predicted at 1.2 ms. A fixed part below
+    zero takes the prior (a fixed part worth 4 sequences), so a batch of one is not predicted nearly free."""
+    pred = Predictor(SharedState.create(), 0.95)
+    t = time.monotonic() - 200
+    for b, per_token_ms in ((32.0, 37.6), (30.7, 37.6), (28.7, 35.8), (29.4, 35.9), (26.2, 31.5), (20.4, 22.5)):
+        first = t + 0.02
+        pred.learn_decode(1, t, first, first + per_token_ms / 1000 * 40, 43, b)
+        t = first + 2.0
+    row = pred.rows[1]
+    assert row.decode_step_s == pytest.approx(4 * row.decode_per_seq_s)
+    assert pred.step_s(1, 1) > 0.004  # (a line through these samples: 0.0 s + 1.2 ms a sequence)
+    assert pred.step_s(1, 30) == pytest.approx(0.0355, rel=0.05)  # where the samples are, still them
+
+
 def test_a_fit_whose_samples_say_more_is_free_keeps_its_prior():
     """Prefill groups on a decode engine share steps with its streams: a few long prompts timed like short ones
     must not teach that tokens cost nothing (a 3,000-token prompt sent alone there, predicted as fast as 300)."""
