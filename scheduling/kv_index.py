@@ -81,9 +81,8 @@ class BlockTable:
             i = (i + 1) % size
         return -1
 
-    def put(self, tag: int, owner: int, value: int = 0) -> tuple[bool, int]:
-        """Store `tag` (True if it was not there); the second value is the slot whose live entry it displaced
-        (-1: none)."""
+    def put(self, tag: int, owner: int, value: int = 0) -> tuple[int, bool, int]:
+        """Store `tag`: (its entry, True if it was not there, the slot whose live entry it displaced or -1)."""
         keys, owners, size = self.keys, self.owners, self.size
         i = tag >> self.shift if self.shift < 64 else 0
         free = -1
@@ -92,7 +91,7 @@ class BlockTable:
             if k == tag:
                 if self.values is not None:
                     self.values[i] = value
-                return False, -1
+                return i, False, -1
             if free < 0 and (k == 0 or not self._live(owners[i])):
                 free = i
             i = (i + 1) % size
@@ -103,44 +102,66 @@ class BlockTable:
         keys[free], owners[free] = tag, owner
         if self.values is not None:
             self.values[free] = value
-        return True, lost
+        return free, True, lost
 
     def drop(self, i: int) -> None:
         self.keys[i], self.owners[i] = 0, 0
 
 
 class KvIndex:
-    """The shared table of the engines' blocks (state/shared.py), by slot."""
+    """The shared table of the engines' blocks (state/shared.py), by slot, with each block's count of the slot's
+    blocks that extend it: a block none extends (a leaf) ends a chain, one conversation's history or a prompt
+    computed once; a slot's `leaves` count its chains."""
 
     def __init__(self, shared: SharedState):
         table = shared.kv_blocks
         self.rows: list[KvEndpointRow] = [shared.kv_endpoints[s] for s in range(len(shared.kv_endpoints))]
         self.table = BlockTable(table.key, table.owner, epochs=self.rows)
+        self.children = table.children
 
     # -- the subscriber's writes ---------------------------------------------------------------------
 
-    def add(self, slot: int, key: int) -> None:
+    def add(self, slot: int, key: int, parent: int = 0) -> None:
+        """`slot` stored the block `key`, extending the block `parent` (0: it starts a chain)."""
         row = self.rows[slot]
-        new, lost = self.table.put(mixed(key, slot, row.epoch), (row.epoch << 16) | (slot + 1))
-        if new:
-            row.blocks += 1
-            row.peak = max(row.peak, row.blocks)
-            if lost >= 0:
-                self.rows[lost].blocks -= 1
+        i, new, lost = self.table.put(mixed(key, slot, row.epoch), (row.epoch << 16) | (slot + 1))
+        if not new:
+            return
+        row.blocks += 1
+        row.peak = max(row.peak, row.blocks)
+        row.leaves += 1
+        if lost >= 0:  # the entry was another block's, dropped for want of room
+            self.rows[lost].blocks -= 1
+            if self.children[i] == 0:
+                self.rows[lost].leaves -= 1
+        self.children[i] = 0
+        p = self.table.find(mixed(parent, slot, row.epoch)) if parent else -1
+        if p >= 0:
+            if self.children[p] == 0:
+                row.leaves -= 1
+            self.children[p] += 1
 
-    def remove(self, slot: int, key: int) -> None:
+    def remove(self, slot: int, key: int, parent: int = 0) -> None:
         row = self.rows[slot]
         i = self.table.find(mixed(key, slot, row.epoch))
-        if i >= 0:
-            self.table.drop(i)
-            row.blocks -= 1
-            row.evicted += 1
+        if i < 0:
+            return
+        if self.children[i] == 0:
+            row.leaves -= 1
+        self.table.drop(i)
+        row.blocks -= 1
+        row.evicted += 1
+        p = self.table.find(mixed(parent, slot, row.epoch)) if parent else -1
+        if p >= 0 and self.children[p] > 0:
+            self.children[p] -= 1
+            if self.children[p] == 0:
+                row.leaves += 1
 
     def forget(self, slot: int) -> None:
         """Every block of `slot` is gone: its epoch moves on (its entries are dead, reused by later writes)."""
         row = self.rows[slot]
         row.epoch = (row.epoch + 1) & 0xFFFFFFFFFFFF
-        row.blocks = row.peak = row.evicted = 0
+        row.blocks = row.peak = row.evicted = row.leaves = 0
         row.clears += 1
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -166,6 +187,13 @@ class KvIndex:
 
     def cached_tokens_at(self, slot: int, prompt: PromptKeys) -> int:
         return self.cached_blocks(slot, prompt) * self.rows[slot].block_size
+
+    def extended(self, slot: int, prompt: PromptKeys, blocks: int) -> bool:
+        """Whether other blocks `slot` holds extend the prompt's first `blocks` blocks (a prefix other prompts
+        share, such as a system prompt) rather than end there (the prompt's own history)."""
+        row = self.rows[slot]
+        i = self.table.find(mixed(prompt.key(row.block_size, blocks), slot, row.epoch)) if blocks > 0 else -1
+        return i >= 0 and self.children[i] > 0
 
 
 class PromptKeys:
@@ -221,9 +249,10 @@ class KvEventSource:
 
     def __init__(self, index: KvIndex, estimate):
         self.index, self.estimate = index, estimate
-        # This worker's prompts in flight per slot, (lease, keys): an engine computing a prompt holds its blocks
-        # for the requests after it before its events can say so (vLLM shares them even within one step).
-        self.inflight: dict[int, list[tuple[object, PromptKeys]]] = {}
+        # This worker's prompts in flight per slot, (lease, keys, whether it was placed as a new conversation): an
+        # engine computing a prompt holds its blocks for the requests after it before its events can say so (vLLM
+        # shares them even within one step), and a new conversation's chain is there before its events.
+        self.inflight: dict[int, list[tuple[object, PromptKeys, bool]]] = {}
         self.needs_hashes = estimate.needs_hashes
         self.needs_ids = True
         self.block_tokens = estimate.block_tokens
@@ -231,6 +260,13 @@ class KvEventSource:
     def _live(self, slot: int) -> bool:
         row = self.index.rows[slot]
         return row.state == KV_LIVE or row.state == KV_REPLAYING
+
+    def _in_flight(self, slot: int) -> list[tuple[object, PromptKeys, bool]]:
+        flying = self.inflight.get(slot)
+        if not flying:
+            return []
+        flying[:] = [f for f in flying if _flying(f[0])]
+        return flying
 
     def cached_tokens(self, job: JobInfo, target: Target) -> int:
         prompt = job.prompt_keys
@@ -241,13 +277,11 @@ class KvEventSource:
 
     def _inflight_tokens(self, slot: int, prompt: PromptKeys) -> int:
         """The leading tokens of `prompt` that a prompt in flight on `slot` shares (whole blocks of it)."""
-        flying = self.inflight.get(slot)
         size = self.index.rows[slot].block_size
-        if not flying or size <= 0:
+        if size <= 0:
             return 0
-        flying[:] = [f for f in flying if _flying(f[0])]
         best = 0
-        for _, other in flying:
+        for _, other, _ in self._in_flight(slot):
             lo, hi = best, min(prompt.blocks(size), other.n_tokens // size)  # all its full blocks get cached
             if lo >= hi or other.key(size, lo + 1) != prompt.key(size, lo + 1):
                 continue
@@ -264,7 +298,43 @@ class KvEventSource:
         if job.prompt_keys is not None:
             flying = self.inflight.setdefault(lease.slot, [])
             flying[:] = [f for f in flying if _flying(f[0])][-INFLIGHT_MAX + 1 :]
-            flying.append((lease, job.prompt_keys))
+            flying.append((lease, job.prompt_keys, job.opens))
+
+    def starts(self, job: JobInfo, target: Target, tokens: int) -> bool | None:
+        """Whether `job` starts a conversation rather than continues one, judged where it holds `tokens` (its
+        longest cached prefix): nothing held, or a prefix that other blocks there extend (a shared system prompt),
+        starts one; a prefix nothing extends (its own history) continues one. None: not known (no exact ids, or
+        the engine's events are not live)."""
+        prompt, slot = job.prompt_keys, target.slot
+        size = self.index.rows[slot].block_size
+        if prompt is None or not self._live(slot) or size <= 0:
+            return None
+        blocks = tokens // size
+        if blocks > self.index.cached_blocks(slot, prompt):
+            # Held through a prompt in flight there, its events not in yet: a conversation's next turn comes after
+            # its last one is answered, so it continues only a finished prompt whose full blocks it shares all of.
+            return not any(
+                lease.released
+                and other.n_tokens // size == blocks
+                and other.key(size, blocks) == prompt.key(size, blocks)
+                for lease, other, _ in self._in_flight(slot)
+            )
+        return blocks == 0 or self.index.extended(slot, prompt, blocks)
+
+    def chains(self, target: Target) -> int:
+        """The conversations `target` holds: its chains' ends from the events, and the new conversations this
+        worker placed there whose blocks the events do not show yet (-1: not known)."""
+        slot = target.slot
+        if not self._live(slot):
+            return -1
+        row = self.index.rows[slot]
+        size, epoch, find = row.block_size, row.epoch, self.index.table.find
+        n = row.leaves
+        for _, keys, opens in self._in_flight(slot):
+            full = keys.n_tokens // size if size > 0 else 0
+            if opens and full and find(mixed(keys.key(size, full), slot, epoch)) < 0:
+                n += 1
+        return n
 
     def cache_fill(self, target: Target) -> tuple[int, int]:
         if not self._live(target.slot):

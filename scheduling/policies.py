@@ -85,6 +85,7 @@ class JobInfo:
     arrived: float = field(default_factory=lambda: clock.now())
     cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
     cached_predicted: int = -1  # what the engine of its last prefill or whole lease was predicted to hold
+    opens: bool = False  # the last plan placed it as a new conversation (kv_cache_affinity on KV events)
     failed: set[int] = field(default_factory=set)  # slots whose engine failed it: a continuation goes to none of them
     # The verdict of the last plan: can the chosen engines meet the budgets? (None: cannot tell.)
     feasible: bool | None = None
@@ -118,6 +119,13 @@ class PrefixSource(Protocol):
     def cache_fill(self, target: Target) -> tuple[int, int]:
         """The blocks `target`'s prefix cache holds now and its size in blocks (0: not known: its engine has not
         evicted yet, or the source sees no evictions)."""
+
+    def starts(self, job: JobInfo, target: Target, tokens: int) -> bool | None:
+        """Whether `job` starts a conversation (True) or continues one (False), judged on `target`, which holds its
+        first `tokens` prompt tokens (None: the source cannot tell)."""
+
+    def chains(self, target: Target) -> int:
+        """How many conversations (chains of blocks) `target` holds (-1: not known)."""
 
     def record(self, hashes: list[int], slot: int) -> None:
         """The engine at `slot` has just computed a prompt with these block hashes (what an estimate learns
@@ -340,10 +348,10 @@ class KvCacheAffinity(LoadBalance):
             held, size = self.index.cache_fill(t)
             fills[t.slot] = held, int(self.health.get(t.slot, "cache_blocks")) or size
         largest = max(size for _, size in fills.values())
+        fills = {slot: (held, size or largest) for slot, (held, size) in fills.items()}
         load = {}
         for t in cands:
             held, size = fills[t.slot]
-            size = size or largest
             load[t.slot] = self.score(t) + (CACHE_FILL_WEIGHT * min(held / size, 1.0) if size else 0.0)
 
         def score(t: Target) -> float:
@@ -356,20 +364,49 @@ class KvCacheAffinity(LoadBalance):
                 best, holders = tokens, [t]
             elif tokens == best and tokens:
                 holders.append(t)
-        if not holders:
-            return self.least(cands, score)
-        target = holders[0]
+        target = holders[0] if holders else None
         if len(holders) > 1:
             # Equal holders (a shared system prompt on each): the estimate's most recent one, else the least
             # loaded, so new conversations spread instead of piling onto the first engine's cache.
             last = self.index.last_holder(job, best)
             target = next((t for t in holders if t.slot == last), None) or self.least(holders, score)
+        job.opens = False
+        opens = self.index.starts(job, target or cands[0], best)
+        if opens is not None:
+            chains = {t.slot: self.index.chains(t) for t in cands}
+            if opens and min(chains.values()) >= 0:
+                job.opens = True
+                return self._open(cands, job, chains, fills)
+            if target is not None and not opens:
+                # A running conversation stays with its history unless its engine is overloaded by requests: its
+                # cache's fill does not move it (new conversations are placed by where their future fits, and a
+                # move recomputes the whole history).
+                if self.score(target) > self.overload_factor * (min(map(self.score, cands)) + self.weight(job)):
+                    return self.least(cands, score)
+                return target
+        if target is None:
+            return self.least(cands, score)
         # Leaving the holder recomputes the prefix elsewhere, and an engine batching continuously serves a few
         # requests about as soon as one: the holder is overloaded only when its load exceeds the factor times
         # what the least loaded engine would carry with this request on it (at idle, that many requests like it).
         if load[target.slot] > self.overload_factor * (min(load.values()) + self.weight(job)):
             return self.least(cands, score)
         return target
+
+    def _open(self, cands: list[Target], job: JobInfo, chains: dict[int, int], fills: dict) -> Target:
+        """A new conversation goes where its future turns fit: each engine's load, its prefill of the prompt
+        (what it holds of it is free) and the fill its cache will have with one more conversation, as the
+        conversations it holds predict it (their mean blocks each, over the cache's size)."""
+        total_chains = sum(chains.values())
+        total_held = sum(held for held, _ in fills.values())
+        per_chain = total_held / total_chains if total_chains else 0.0
+
+        def future(t: Target) -> float:
+            held, size = fills[t.slot]
+            fill = (chains[t.slot] + 1) * per_chain / (size or total_held or 1)
+            return self.score(t) + self.uncached(t, job) / 2048.0 + CACHE_FILL_WEIGHT * fill
+
+        return self.least(cands, future)
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
         p, d = self.choose(ps, job), LoadBalance.choose(self, ds, job)
