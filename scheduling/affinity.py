@@ -129,3 +129,6 @@ class PrefixIndex:
 
     def chains(self, target: Target) -> int:
         return -1
+
+    def kept(self, job: JobInfo, target: Target, tokens: int) -> None:
+        pass

@@ -188,12 +188,14 @@ class KvIndex:
     def cached_tokens_at(self, slot: int, prompt: PromptKeys) -> int:
         return self.cached_blocks(slot, prompt) * self.rows[slot].block_size
 
-    def extended(self, slot: int, prompt: PromptKeys, blocks: int) -> bool:
-        """Whether other blocks `slot` holds extend the prompt's first `blocks` blocks (a prefix other prompts
-        share, such as a system prompt) rather than end there (the prompt's own history)."""
+    def children_at(self, slot: int, prompt: PromptKeys, blocks: int) -> int:
+        """How many of `slot`'s blocks extend the prompt's first `blocks` blocks (-1: it does not hold them)."""
+        return self.children_of(slot, prompt.key(self.rows[slot].block_size, blocks))
+
+    def children_of(self, slot: int, key: int) -> int:
         row = self.rows[slot]
-        i = self.table.find(mixed(prompt.key(row.block_size, blocks), slot, row.epoch)) if blocks > 0 else -1
-        return i >= 0 and self.children[i] > 0
+        i = self.table.find(mixed(key, slot, row.epoch))
+        return self.children[i] if i >= 0 else -1
 
 
 class PromptKeys:
@@ -236,6 +238,7 @@ def prompt_seed(cache_salt: object = None) -> bytes:
 # subscriber thread shares the process, and the cores, with the workers).
 INFLIGHT_GRACE_S = 1.0
 INFLIGHT_MAX = 256  # per slot and worker, the latest: what a lookup compares with stays bounded
+BRANCHES_MAX = 1024  # side branches remembered per slot and worker, the latest
 
 
 def _flying(lease) -> bool:
@@ -253,6 +256,10 @@ class KvEventSource:
         # engine computing a prompt holds its blocks for the requests after it before its events can say so (vLLM
         # shares them even within one step), and a new conversation's chain is there before its events.
         self.inflight: dict[int, list[tuple[object, PromptKeys, bool]]] = {}
+        # Per slot, the keys of blocks where a conversation this worker kept there left a side branch: the engine
+        # cached a turn's answer as it generated it, and the next prompt rendered it otherwise. That branch's end
+        # is a leaf of no conversation of its own once the next turn's blocks are stored beside it.
+        self.branches: dict[int, dict[int, None]] = {}
         self.needs_hashes = estimate.needs_hashes
         self.needs_ids = True
         self.block_tokens = estimate.block_tokens
@@ -302,9 +309,10 @@ class KvEventSource:
 
     def starts(self, job: JobInfo, target: Target, tokens: int) -> bool | None:
         """Whether `job` starts a conversation rather than continues one, judged where it holds `tokens` (its
-        longest cached prefix): nothing held, or a prefix that other blocks there extend (a shared system prompt),
-        starts one; a prefix nothing extends (its own history) continues one. None: not known (no exact ids, or
-        the engine's events are not live)."""
+        longest cached prefix): nothing held, or a prefix that at least two chains go on from (a shared system
+        prompt), starts one; a prefix that no chain or one goes on from is a conversation's own history (one:
+        the engine cached the last answer as it generated it, which the next prompt may render otherwise).
+        None: not known (no exact ids, or the engine's events are not live)."""
         prompt, slot = job.prompt_keys, target.slot
         size = self.index.rows[slot].block_size
         if prompt is None or not self._live(slot) or size <= 0:
@@ -319,22 +327,43 @@ class KvEventSource:
                 and other.key(size, blocks) == prompt.key(size, blocks)
                 for lease, other, _ in self._in_flight(slot)
             )
-        return blocks == 0 or self.index.extended(slot, prompt, blocks)
+        return blocks == 0 or self.index.children_at(slot, prompt, blocks) > 1
+
+    def kept(self, job: JobInfo, target: Target, tokens: int) -> None:
+        """`job` continues its conversation on `target`, which holds its first `tokens` tokens: a branch there
+        off its history is its last answer as generated, to be counted as no conversation of its own."""
+        size = self.index.rows[target.slot].block_size
+        if job.prompt_keys is None or size <= 0 or tokens < size:
+            return
+        key = job.prompt_keys.key(size, tokens // size)
+        if self.index.children_of(target.slot, key) == 1:
+            branches = self.branches.setdefault(target.slot, {})
+            branches[key] = None
+            if len(branches) > BRANCHES_MAX:
+                del branches[next(iter(branches))]
 
     def chains(self, target: Target) -> int:
-        """The conversations `target` holds: its chains' ends from the events, and the new conversations this
-        worker placed there whose blocks the events do not show yet (-1: not known)."""
+        """The conversations `target` holds: its chains' ends from the events less the side branches its
+        conversations left, and the new conversations this worker placed there whose blocks the events do not
+        show yet (-1: not known)."""
         slot = target.slot
         if not self._live(slot):
             return -1
         row = self.index.rows[slot]
         size, epoch, find = row.block_size, row.epoch, self.index.table.find
         n = row.leaves
+        branches = self.branches.get(slot, {})
+        for key in list(branches):
+            children = self.index.children_of(slot, key)
+            if children < 1:  # gone, or what went on from it is
+                del branches[key]
+            elif children > 1:  # the next turn's blocks beside the answer as generated
+                n -= 1
         for _, keys, opens in self._in_flight(slot):
             full = keys.n_tokens // size if size > 0 else 0
             if opens and full and find(mixed(keys.key(size, full), slot, epoch)) < 0:
                 n += 1
-        return n
+        return max(n, 0)
 
     def cache_fill(self, target: Target) -> tuple[int, int]:
         if not self._live(target.slot):

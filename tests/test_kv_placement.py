@@ -27,8 +27,9 @@ def _removed(*hashes: int) -> dict:
 
 def test_chains_are_counted_under_stored_removed_and_cleared_events(raw):
     """A block's children are the stored blocks extending it; an engine's chains are its blocks with none. Two
-    conversations on one system prompt are two chains, and the system prompt's end is extended (what makes a
-    prompt ending there a new conversation); removals walk it back, AllBlocksCleared empties it."""
+    conversations on one system prompt are two chains, and two chains go on from the system prompt's end (what
+    makes a prompt whose cached prefix ends there a new conversation); removals walk it back, AllBlocksCleared
+    empties it."""
     publisher, world = raw
     index, slot = world.index, world.slot(1)
     x = ids_of(" the first conversation asks about rivers and their stones" * 4)[: 2 * BLOCK]
@@ -38,24 +39,24 @@ def test_chains_are_counted_under_stored_removed_and_cleared_events(raw):
     publisher.send(0, [stored(SYSTEM, 100)])
     assert wait_until(lambda: world.row(1).blocks == 3, 3)
     assert world.row(1).leaves == 1  # the system prompt alone: one chain, ending at its last block
-    assert not index.extended(slot, opening, 3)
+    assert index.children_at(slot, opening, 3) == 0
     publisher.send(1, [stored(x, 200, parent=102)])
     assert wait_until(lambda: world.row(1).blocks == 5, 3)
-    assert world.row(1).leaves == 1 and index.extended(slot, opening, 3)  # x continues the system prompt's chain
+    assert world.row(1).leaves == 1 and index.children_at(slot, opening, 3) == 1  # x goes on from its end
     publisher.send(2, [stored(y, 300, parent=102)])
     assert wait_until(lambda: world.row(1).blocks == 7, 3)
-    assert world.row(1).leaves == 2
-    assert not index.extended(slot, PromptKeys(ids_bytes(SYSTEM + x + [7])), 5)  # x's history ends a chain
+    assert world.row(1).leaves == 2 and index.children_at(slot, opening, 3) == 2  # two chains share it
+    assert index.children_at(slot, PromptKeys(ids_bytes(SYSTEM + x + [7])), 5) == 0  # x's history ends a chain
 
     publisher.send(3, [_removed(301)])  # a tail evicted: its chain ends a block earlier
     assert wait_until(lambda: world.row(1).blocks == 6, 3)
     assert world.row(1).leaves == 2
     publisher.send(4, [_removed(300)])  # y gone: the system prompt still extended by x
     assert wait_until(lambda: world.row(1).blocks == 5, 3)
-    assert world.row(1).leaves == 1 and index.extended(slot, opening, 3)
+    assert world.row(1).leaves == 1 and index.children_at(slot, opening, 3) == 1
     publisher.send(5, [_removed(201, 200)])  # x gone: the system prompt's end is a chain's end again
     assert wait_until(lambda: world.row(1).blocks == 3, 3)
-    assert world.row(1).leaves == 1 and not index.extended(slot, opening, 3)
+    assert world.row(1).leaves == 1 and index.children_at(slot, opening, 3) == 0
     publisher.send(6, [stored(x, 200, parent=102), stored(y, 300, parent=102), _removed(100, 101, 102)])
     assert wait_until(lambda: world.row(1).blocks == 4, 3)
     assert world.row(1).leaves == 2  # its head evicted under them: x and y still two chains
