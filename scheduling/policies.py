@@ -336,8 +336,10 @@ class KvCacheAffinity(LoadBalance):
         per_chain = total_held / total_chains if total_chains else 0.0
 
         def future(t: Target) -> float:
-            size = fills[t.slot][1] or total_held or 1
-            return self.uncached(t, job) / 2048.0 + CACHE_FILL_WEIGHT * (chains[t.slot] + 1) * per_chain / size
+            held, size = fills[t.slot]
+            n = chains[t.slot]
+            mean = held / n if n else per_chain
+            return self.uncached(t, job) / 2048.0 + CACHE_FILL_WEIGHT * (n + 1) * mean / (size or total_held or 1)
 
         target = self.least(cands, future)
         return self.least(cands, self.score) if self._overloaded(target, cands, job) else target
