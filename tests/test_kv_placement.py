@@ -12,7 +12,9 @@ import httpx
 from harness.configs import coordinator_config
 from harness.coordinator import Coordinator
 from harness.loopback import wait_until
-from scheduling.kv_index import PromptKeys
+from scheduling.affinity import PrefixIndex
+from scheduling.job import JobInfo
+from scheduling.kv_index import KvEventSource, PromptKeys
 from scheduling.tokens import ids_bytes
 from tests.test_kv_events import BLOCK, _kv_blocks, _kv_states, complete, engines_with_events, ids_of, raw, stored
 
@@ -63,6 +65,32 @@ def test_chains_are_counted_under_stored_removed_and_cleared_events(raw):
     publisher.send(7, [stored(x, 400, parent=201), {"type": "AllBlocksCleared"}])
     assert wait_until(lambda: world.row(1).clears == 1, 3)
     assert world.row(1).blocks == 0 and world.row(1).leaves == 0
+
+
+def test_the_answer_as_generated_is_no_conversation_of_its_own(raw):
+    """The engine caches a turn's answer as it generated it; the next prompt may render it otherwise and go on
+    from the block before it: two chain ends, one conversation. Its next turn is judged a running conversation
+    (one branch goes on from its history), and once it is kept there the branch is not counted as a conversation."""
+    publisher, world = raw
+    source = KvEventSource(world.index, PrefixIndex(world.shared, BLOCK))
+    (target,) = world.registry.view().targets
+    history = SYSTEM + ids_of(" the first conversation asks about rivers and their stones" * 4)[: 2 * BLOCK]
+    generated = ids_of(" an answer as the engine generated it, token by token" * 4)[:BLOCK]
+    rendered = ids_of(" an answer as the next prompt renders it, from its text" * 4)[:BLOCK]
+    publisher.send(0, [stored(history, 100), stored(generated, 200, parent=104)])
+    assert wait_until(lambda: world.row(1).blocks == 6, 3)
+    turn = history + rendered + ids_of(" and the next question")
+    job = JobInfo("m", len(turn), 1, 1000, 50, prompt_keys=PromptKeys(ids_bytes(turn)))
+    assert source.cached_tokens(job, target) == 5 * BLOCK and source.chains(target) == 1
+    assert source.starts(job, target, 5 * BLOCK) is False
+    source.kept(job, target, 5 * BLOCK)
+    publisher.send(1, [stored(rendered, 300, parent=104)])  # the turn's blocks, beside the generated one
+    assert wait_until(lambda: world.row(1).blocks == 7, 3)
+    assert world.row(1).leaves == 2 and source.chains(target) == 1
+    opening = JobInfo("m", 60, 1, 1000, 50, prompt_keys=PromptKeys(ids_bytes(SYSTEM + ids_of(" a new one"))))
+    publisher.send(2, [stored(SYSTEM + rendered, 400)])  # another conversation on the system prompt
+    assert wait_until(lambda: world.row(1).blocks == 8, 3)
+    assert source.starts(opening, target, 3 * BLOCK) is True and source.chains(target) == 2
 
 
 def _send(coord, sims, ids: list[int]) -> int:
