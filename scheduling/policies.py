@@ -312,18 +312,10 @@ class KvCacheAffinity(LoadBalance):
             if min(chains.values()) >= 0:
                 return self._open(cands, job, chains, fills)
             job.opens = False
-        elif None not in verdicts:
-            # Its cache's fill does not move it (a move recomputes the whole history): load alone may.
-            if self._overloaded(target, cands, job):
-                return self.least(cands, score)
-            self.index.kept(job, target, best)
+        elif None not in verdicts and not self._overloaded(target, cands, job, score):
+            self.index.kept(job, target, best)  # a running conversation stays with its history
             return target
-        if target is None:
-            return self.least(cands, score)
-        # Leaving the holder recomputes the prefix elsewhere, and an engine batching continuously serves a few
-        # requests about as soon as one: the holder is overloaded only when its load exceeds the factor times
-        # what the least loaded engine would carry with this request on it (at idle, that many requests like it).
-        if load[target.slot] > self.overload_factor * (min(load.values()) + self.weight(job)):
+        if target is None or self._overloaded(target, cands, job, score):
             return self.least(cands, score)
         return target
 
@@ -342,11 +334,13 @@ class KvCacheAffinity(LoadBalance):
             return self.uncached(t, job) / 2048.0 + CACHE_FILL_WEIGHT * (n + 1) * mean / (size or total_held or 1)
 
         target = self.least(cands, future)
-        return self.least(cands, self.score) if self._overloaded(target, cands, job) else target
+        return self.least(cands, self.score) if self._overloaded(target, cands, job, self.score) else target
 
-    def _overloaded(self, target: Target, cands: list[Target], job: JobInfo) -> bool:
-        """The overload rule (below) on the engines' load alone."""
-        return self.score(target) > self.overload_factor * (min(map(self.score, cands)) + self.weight(job))
+    def _overloaded(self, target: Target, cands: list[Target], job: JobInfo, load) -> bool:
+        """Leaving the holder recomputes the prefix elsewhere, and an engine batching continuously serves a few
+        requests about as soon as one: the holder is overloaded only when its `load` exceeds the factor times what
+        the least loaded engine would carry with this request on it (at idle, that many requests like it)."""
+        return load(target) > self.overload_factor * (min(map(load, cands)) + self.weight(job))
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
         p, d = self.choose(ps, job), LoadBalance.choose(self, ds, job)

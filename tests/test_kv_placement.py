@@ -125,16 +125,12 @@ def _primed(cache_blocks: int):
             sim.stop()
 
 
-def test_a_new_conversation_goes_where_fewer_chains_live():
+def test_a_new_conversation_goes_where_fewer_chains_live_and_a_running_one_stays():
     """The first engine holds three conversations on a system prompt and has room for many more; the second holds
     nothing. New conversations on that system prompt go to the second engine (where their future turns will not
-    crowd the first's), each until it holds as many: the cached system prompt alone does not hold them."""
+    crowd the first's), each until it holds as many: the cached system prompt alone does not hold them. Each
+    running conversation's next turn stays where its history is."""
     with _primed(64) as (sims, coord, chats):
         assert [_send(coord, sims, chat) for chat in chats[3:]] == [1, 1, 1]
-
-
-def test_a_running_conversation_stays_with_its_history_although_the_cache_is_full():
-    """The first engine's prefix cache is three quarters full with three conversations, the second's empty: each
-    conversation's next turn stays where its history is (a move would recompute it)."""
-    with _primed(12) as (sims, coord, chats):
-        assert [_send(coord, sims, chat + ids_of(" and a next turn of it")) for chat in chats[:3]] == [0, 0, 0]
+        turns = [chat + ids_of(" and a next turn of it") for chat in chats]
+        assert [_send(coord, sims, turn) for turn in turns] == [0, 0, 0, 1, 1, 1]
