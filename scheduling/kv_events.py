@@ -459,7 +459,7 @@ class KvSubscriber:
             return
         extras = ev.extra_keys or ()
         step = size * TOKEN_BYTES
-        parent = block_key(crc, blocks) if blocks else 0
+        parent, at = (block_key(crc, blocks) if blocks else 0), -1
         for j, h in enumerate(ev.block_hashes):
             extra = extras[j] if j < len(extras) else None
             if extra and ev.lora_name and extra[0] == ev.lora_name:
@@ -471,7 +471,7 @@ class KvSubscriber:
             key = block_key(crc, blocks)
             e, _, _ = self.hashes.put(mixed(engine_hash(h), slot, epoch), owner, key)
             self.parents[e] = parent
-            self.index.add(slot, key, parent)
+            at = self.index.add(slot, key, parent, at)
             parent = key
 
     def _removed(self, slot: int, ev: BlockRemoved) -> None:

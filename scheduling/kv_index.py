@@ -121,25 +121,28 @@ class KvIndex:
 
     # -- the subscriber's writes ---------------------------------------------------------------------
 
-    def add(self, slot: int, key: int, parent: int = 0) -> None:
-        """`slot` stored the block `key`, extending the block `parent` (0: it starts a chain)."""
+    def add(self, slot: int, key: int, parent: int = 0, parent_at: int = -1) -> int:
+        """`slot` stored the block `key`, extending the block `parent` (0: it starts a chain; `parent_at`: its
+        entry, when the caller has just added it): the block's entry."""
         row = self.rows[slot]
         i, new, lost = self.table.put(mixed(key, slot, row.epoch), (row.epoch << 16) | (slot + 1))
         if not new:
-            return
+            return i
         row.blocks += 1
         row.peak = max(row.peak, row.blocks)
         row.leaves += 1
-        if lost >= 0:  # the entry was another block's, dropped for want of room
+        if lost >= 0:  # the entry was another block's, dropped for want of room (perhaps the parent's)
             self.rows[lost].blocks -= 1
             if self.children[i] == 0:
                 self.rows[lost].leaves -= 1
         self.children[i] = 0
-        p = self.table.find(mixed(parent, slot, row.epoch)) if parent else -1
-        if p >= 0:
-            if self.children[p] == 0:
+        if parent_at < 0 and parent:
+            parent_at = self.table.find(mixed(parent, slot, row.epoch))
+        if parent_at >= 0 and parent_at != i:
+            if self.children[parent_at] == 0:
                 row.leaves -= 1
-            self.children[p] += 1
+            self.children[parent_at] += 1
+        return i
 
     def remove(self, slot: int, key: int, parent: int = 0) -> None:
         row = self.rows[slot]
