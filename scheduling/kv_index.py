@@ -16,7 +16,8 @@ multimodal blocks cannot be keyed here, so a prompt's prediction stops before it
 
 **The table.** One open-addressed table in shared memory (state/shared.py `KvBlockTable`, KV_ENTRIES
 entries), written by the replica's one subscriber and read by every worker: an entry is a key mixed with its
-slot and that slot's epoch. Forgetting an engine's blocks (AllBlocksCleared, a restart, lost events) bumps its
+slot and that slot's epoch, and the count of the slot's blocks that extend it (what tells a prefix several
+conversations share from one conversation's own history). Forgetting an engine's blocks (AllBlocksCleared, a restart, lost events) bumps its
 epoch: its old entries match nothing and count as free for the next writes, so clearing costs nothing. A key
 whose probe window is full takes the entry of a victim (whose slot's count goes down): the table is a cap, and
 what it drops only makes a prediction low. Readers take no lock; a torn or stale entry makes one hint wrong.
