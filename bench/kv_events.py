@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import os
 import subprocess
 import sys
@@ -136,7 +137,8 @@ def memory_and_ingest() -> None:
             sub._apply(feed, seq, batch(first, ids, None))
             seq += 1
     held = sum(rows[f.slot].blocks for f in fs)
-    table = 2 * 8 * KV_ENTRIES + 3 * 8 * len(sub.hashes.keys)
+    mine = (sub.hashes.keys, sub.hashes.owners, sub.hashes.values, sub.parents)
+    table = ctypes.sizeof(shared.kv_blocks) + sum(column.nbytes for column in mine)
     grown = rss_bytes() - before
     print(
         f"memory: {held:,} blocks held by {ENGINES} engines in {table / 2**20:.0f} MiB of tables: "

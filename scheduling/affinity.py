@@ -123,3 +123,12 @@ class PrefixIndex:
 
     def last_holder(self, job: JobInfo, tokens: int) -> int:
         return self.last_owner(job.block_hashes, tokens // self.block_tokens)
+
+    def starts(self, job: JobInfo, target: Target, tokens: int) -> bool | None:
+        return None  # it knows what was sent where, not which prompts other prompts extend
+
+    def chains(self, target: Target) -> int:
+        return -1
+
+    def kept(self, job: JobInfo, target: Target, tokens: int) -> None:
+        pass

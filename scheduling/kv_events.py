@@ -197,7 +197,8 @@ class KvSubscriber:
         self.index = KvIndex(shared)
         self.rows = self.index.rows
         self.registry = Registry(shared)
-        # The engines' block hashes -> keys, per slot and epoch: what BlockRemoved and a parent hash are read by.
+        # The engines' block hashes -> keys, per slot and epoch: what BlockRemoved and a parent hash are read by;
+        # `parents` (by entry) the key of the block each one extends, whose count of children a removal lowers.
         size = len(shared.kv_blocks.key)
         self.hashes = BlockTable(
             memoryview(bytearray(8 * size)).cast("Q"),
@@ -205,6 +206,7 @@ class KvSubscriber:
             memoryview(bytearray(8 * size)).cast("Q"),
             epochs=self.rows,
         )
+        self.parents = memoryview(bytearray(8 * size)).cast("Q")
         self.ctx = zmq.Context()
         self.feeds: dict[int, EngineFeed] = {}
         self.by_socket: dict[zmq.Socket, tuple[EngineFeed, bool]] = {}
@@ -457,6 +459,7 @@ class KvSubscriber:
             return
         extras = ev.extra_keys or ()
         step = size * TOKEN_BYTES
+        parent, at = (block_key(crc, blocks) if blocks else 0), -1
         for j, h in enumerate(ev.block_hashes):
             extra = extras[j] if j < len(extras) else None
             if extra and ev.lora_name and extra[0] == ev.lora_name:
@@ -466,8 +469,10 @@ class KvSubscriber:
             crc = zlib.crc32(data[j * step : (j + 1) * step], crc)
             blocks += 1
             key = block_key(crc, blocks)
-            self.hashes.put(mixed(engine_hash(h), slot, epoch), owner, key)
-            self.index.add(slot, key)
+            e, _, _ = self.hashes.put(mixed(engine_hash(h), slot, epoch), owner, key)
+            self.parents[e] = parent
+            at = self.index.add(slot, key, parent, at)
+            parent = key
 
     def _removed(self, slot: int, ev: BlockRemoved) -> None:
         if ev.medium not in GPU_MEDIA:
@@ -476,9 +481,9 @@ class KvSubscriber:
         for h in ev.block_hashes:
             i = self.hashes.find(mixed(engine_hash(h), slot, epoch))
             if i >= 0:
-                key = self.hashes.values[i]
+                key, parent = self.hashes.values[i], self.parents[i]
                 self.hashes.drop(i)
-                self.index.remove(slot, key)
+                self.index.remove(slot, key, parent)
 
 
 class SubscriberProcess:

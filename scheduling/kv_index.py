@@ -16,7 +16,8 @@ multimodal blocks cannot be keyed here, so a prompt's prediction stops before it
 
 **The table.** One open-addressed table in shared memory (state/shared.py `KvBlockTable`, KV_ENTRIES
 entries), written by the replica's one subscriber and read by every worker: an entry is a key mixed with its
-slot and that slot's epoch. Forgetting an engine's blocks (AllBlocksCleared, a restart, lost events) bumps its
+slot and that slot's epoch, and the count of the slot's blocks that extend it (what tells a prefix several
+conversations share from one conversation's own history). Forgetting an engine's blocks (AllBlocksCleared, a restart, lost events) bumps its
 epoch: its old entries match nothing and count as free for the next writes, so clearing costs nothing. A key
 whose probe window is full takes the entry of a victim (whose slot's count goes down): the table is a cap, and
 what it drops only makes a prediction low. Readers take no lock; a torn or stale entry makes one hint wrong.
@@ -81,9 +82,8 @@ class BlockTable:
             i = (i + 1) % size
         return -1
 
-    def put(self, tag: int, owner: int, value: int = 0) -> tuple[bool, int]:
-        """Store `tag` (True if it was not there); the second value is the slot whose live entry it displaced
-        (-1: none)."""
+    def put(self, tag: int, owner: int, value: int = 0) -> tuple[int, bool, int]:
+        """Store `tag`: (its entry, True if it was not there, the slot whose live entry it displaced or -1)."""
         keys, owners, size = self.keys, self.owners, self.size
         i = tag >> self.shift if self.shift < 64 else 0
         free = -1
@@ -92,7 +92,7 @@ class BlockTable:
             if k == tag:
                 if self.values is not None:
                     self.values[i] = value
-                return False, -1
+                return i, False, -1
             if free < 0 and (k == 0 or not self._live(owners[i])):
                 free = i
             i = (i + 1) % size
@@ -103,44 +103,69 @@ class BlockTable:
         keys[free], owners[free] = tag, owner
         if self.values is not None:
             self.values[free] = value
-        return True, lost
+        return free, True, lost
 
     def drop(self, i: int) -> None:
         self.keys[i], self.owners[i] = 0, 0
 
 
 class KvIndex:
-    """The shared table of the engines' blocks (state/shared.py), by slot."""
+    """The shared table of the engines' blocks (state/shared.py), by slot, with each block's count of the slot's
+    blocks that extend it: a block none extends (a leaf) ends a chain, one conversation's history or a prompt
+    computed once; a slot's `leaves` count its chains."""
 
     def __init__(self, shared: SharedState):
         table = shared.kv_blocks
         self.rows: list[KvEndpointRow] = [shared.kv_endpoints[s] for s in range(len(shared.kv_endpoints))]
         self.table = BlockTable(table.key, table.owner, epochs=self.rows)
+        self.children = table.children
 
     # -- the subscriber's writes ---------------------------------------------------------------------
 
-    def add(self, slot: int, key: int) -> None:
+    def add(self, slot: int, key: int, parent: int = 0, parent_at: int = -1) -> int:
+        """`slot` stored the block `key`, extending the block `parent` (0: it starts a chain; `parent_at`: its
+        entry, when the caller has just added it): the block's entry."""
         row = self.rows[slot]
-        new, lost = self.table.put(mixed(key, slot, row.epoch), (row.epoch << 16) | (slot + 1))
-        if new:
-            row.blocks += 1
-            row.peak = max(row.peak, row.blocks)
-            if lost >= 0:
-                self.rows[lost].blocks -= 1
+        i, new, lost = self.table.put(mixed(key, slot, row.epoch), (row.epoch << 16) | (slot + 1))
+        if not new:
+            return i
+        row.blocks += 1
+        row.peak = max(row.peak, row.blocks)
+        row.leaves += 1
+        if lost >= 0:  # the entry was another block's, dropped for want of room (perhaps the parent's)
+            self.rows[lost].blocks -= 1
+            if self.children[i] == 0:
+                self.rows[lost].leaves -= 1
+        self.children[i] = 0
+        if parent_at < 0 and parent:
+            parent_at = self.table.find(mixed(parent, slot, row.epoch))
+        if parent_at >= 0 and parent_at != i:
+            if self.children[parent_at] == 0:
+                row.leaves -= 1
+            self.children[parent_at] += 1
+        return i
 
-    def remove(self, slot: int, key: int) -> None:
+    def remove(self, slot: int, key: int, parent: int = 0) -> None:
         row = self.rows[slot]
         i = self.table.find(mixed(key, slot, row.epoch))
-        if i >= 0:
-            self.table.drop(i)
-            row.blocks -= 1
-            row.evicted += 1
+        if i < 0:
+            return
+        if self.children[i] == 0:
+            row.leaves -= 1
+        self.table.drop(i)
+        row.blocks -= 1
+        row.evicted += 1
+        p = self.table.find(mixed(parent, slot, row.epoch)) if parent else -1
+        if p >= 0 and self.children[p] > 0:
+            self.children[p] -= 1
+            if self.children[p] == 0:
+                row.leaves += 1
 
     def forget(self, slot: int) -> None:
         """Every block of `slot` is gone: its epoch moves on (its entries are dead, reused by later writes)."""
         row = self.rows[slot]
         row.epoch = (row.epoch + 1) & 0xFFFFFFFFFFFF
-        row.blocks = row.peak = row.evicted = 0
+        row.blocks = row.peak = row.evicted = row.leaves = 0
         row.clears += 1
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -166,6 +191,15 @@ class KvIndex:
 
     def cached_tokens_at(self, slot: int, prompt: PromptKeys) -> int:
         return self.cached_blocks(slot, prompt) * self.rows[slot].block_size
+
+    def children_at(self, slot: int, prompt: PromptKeys, blocks: int) -> int:
+        """How many of `slot`'s blocks extend the prompt's first `blocks` blocks (-1: it does not hold them)."""
+        return self.children_of(slot, prompt.key(self.rows[slot].block_size, blocks))
+
+    def children_of(self, slot: int, key: int) -> int:
+        row = self.rows[slot]
+        i = self.table.find(mixed(key, slot, row.epoch))
+        return self.children[i] if i >= 0 else -1
 
 
 class PromptKeys:
@@ -208,6 +242,7 @@ def prompt_seed(cache_salt: object = None) -> bytes:
 # subscriber thread shares the process, and the cores, with the workers).
 INFLIGHT_GRACE_S = 1.0
 INFLIGHT_MAX = 256  # per slot and worker, the latest: what a lookup compares with stays bounded
+BRANCHES_MAX = 1024  # side branches remembered per slot and worker, the latest
 
 
 def _flying(lease) -> bool:
@@ -221,9 +256,14 @@ class KvEventSource:
 
     def __init__(self, index: KvIndex, estimate):
         self.index, self.estimate = index, estimate
-        # This worker's prompts in flight per slot, (lease, keys): an engine computing a prompt holds its blocks
-        # for the requests after it before its events can say so (vLLM shares them even within one step).
-        self.inflight: dict[int, list[tuple[object, PromptKeys]]] = {}
+        # This worker's prompts in flight per slot, (lease, keys, whether it was placed as a new conversation): an
+        # engine computing a prompt holds its blocks for the requests after it before its events can say so (vLLM
+        # shares them even within one step), and a new conversation's chain is there before its events.
+        self.inflight: dict[int, list[tuple[object, PromptKeys, bool]]] = {}
+        # Per slot, the keys of blocks where a conversation this worker kept there left a side branch: the engine
+        # cached a turn's answer as it generated it, and the next prompt rendered it otherwise. That branch's end
+        # is a leaf of no conversation of its own once the next turn's blocks are stored beside it.
+        self.branches: dict[int, dict[int, None]] = {}
         self.needs_hashes = estimate.needs_hashes
         self.needs_ids = True
         self.block_tokens = estimate.block_tokens
@@ -231,6 +271,13 @@ class KvEventSource:
     def _live(self, slot: int) -> bool:
         row = self.index.rows[slot]
         return row.state == KV_LIVE or row.state == KV_REPLAYING
+
+    def _in_flight(self, slot: int) -> list[tuple[object, PromptKeys, bool]]:
+        flying = self.inflight.get(slot)
+        if not flying:
+            return []
+        flying[:] = [f for f in flying if _flying(f[0])]
+        return flying
 
     def cached_tokens(self, job: JobInfo, target: Target) -> int:
         prompt = job.prompt_keys
@@ -241,13 +288,11 @@ class KvEventSource:
 
     def _inflight_tokens(self, slot: int, prompt: PromptKeys) -> int:
         """The leading tokens of `prompt` that a prompt in flight on `slot` shares (whole blocks of it)."""
-        flying = self.inflight.get(slot)
         size = self.index.rows[slot].block_size
-        if not flying or size <= 0:
+        if size <= 0:
             return 0
-        flying[:] = [f for f in flying if _flying(f[0])]
         best = 0
-        for _, other in flying:
+        for _, other, _ in self._in_flight(slot):
             lo, hi = best, min(prompt.blocks(size), other.n_tokens // size)  # all its full blocks get cached
             if lo >= hi or other.key(size, lo + 1) != prompt.key(size, lo + 1):
                 continue
@@ -264,7 +309,65 @@ class KvEventSource:
         if job.prompt_keys is not None:
             flying = self.inflight.setdefault(lease.slot, [])
             flying[:] = [f for f in flying if _flying(f[0])][-INFLIGHT_MAX + 1 :]
-            flying.append((lease, job.prompt_keys))
+            flying.append((lease, job.prompt_keys, job.opens))
+
+    def starts(self, job: JobInfo, target: Target, tokens: int) -> bool | None:
+        """Whether `job` starts a conversation rather than continues one, judged where it holds `tokens` (its
+        longest cached prefix): nothing held, or a prefix that at least two chains go on from (a shared system
+        prompt), starts one; a prefix that no chain or one goes on from is a conversation's own history (one:
+        the engine cached the last answer as it generated it, which the next prompt may render otherwise).
+        None: not known (no exact ids, or the engine's events are not live)."""
+        prompt, slot = job.prompt_keys, target.slot
+        size = self.index.rows[slot].block_size
+        if prompt is None or not self._live(slot) or size <= 0:
+            return None
+        blocks = tokens // size
+        if blocks > self.index.cached_blocks(slot, prompt):
+            # Held through a prompt in flight there, its events not in yet: a conversation's next turn comes after
+            # its last one is answered, so it continues only a finished prompt whose full blocks it shares all of.
+            return not any(
+                lease.released
+                and other.n_tokens // size == blocks
+                and other.key(size, blocks) == prompt.key(size, blocks)
+                for lease, other, _ in self._in_flight(slot)
+            )
+        return blocks == 0 or self.index.children_at(slot, prompt, blocks) > 1
+
+    def kept(self, job: JobInfo, target: Target, tokens: int) -> None:
+        """`job` continues its conversation on `target`, which holds its first `tokens` tokens: a branch there
+        off its history is its last answer as generated, to be counted as no conversation of its own."""
+        size = self.index.rows[target.slot].block_size
+        if job.prompt_keys is None or size <= 0 or tokens < size:
+            return
+        key = job.prompt_keys.key(size, tokens // size)
+        if self.index.children_of(target.slot, key) == 1:
+            branches = self.branches.setdefault(target.slot, {})
+            branches[key] = None
+            if len(branches) > BRANCHES_MAX:
+                del branches[next(iter(branches))]
+
+    def chains(self, target: Target) -> int:
+        """The conversations `target` holds: its chains' ends from the events less the side branches its
+        conversations left, and the new conversations this worker placed there whose blocks the events do not
+        show yet (-1: not known)."""
+        slot = target.slot
+        if not self._live(slot):
+            return -1
+        row = self.index.rows[slot]
+        size, epoch, find = row.block_size, row.epoch, self.index.table.find
+        n = row.leaves
+        branches = self.branches.get(slot, {})
+        for key in list(branches):
+            children = self.index.children_of(slot, key)
+            if children < 1:  # gone, or what went on from it is
+                del branches[key]
+            elif children > 1:  # the next turn's blocks beside the answer as generated
+                n -= 1
+        for _, keys, opens in self._in_flight(slot):
+            full = keys.n_tokens // size if size > 0 else 0
+            if opens and full and find(mixed(keys.key(size, full), slot, epoch)) < 0:
+                n += 1
+        return max(n, 0)
 
     def cache_fill(self, target: Target) -> tuple[int, int]:
         if not self._live(target.slot):

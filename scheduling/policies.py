@@ -9,8 +9,11 @@ A policy gets the usable candidates of one role and the request's `JobInfo` and 
 * `load_balance`: least load: our in-flight requests and tokens plus the engine's own queue and KV use.
 * `kv_cache_affinity`: the prefill goes to the instance that most recently came to hold the prompt's longest
   cached prefix (as its `PrefixSource` says: the Coordinator's estimate, by chained block hashes over the whole
-  rendered prompt, or the engines' own KV events, scheduling/kv_index.py), unless that instance's load exceeds `affinity_overload_factor` times what the
-  least loaded one's would be with this request; decode by load.
+  rendered prompt, or the engines' own KV events, scheduling/kv_index.py), unless that instance's load exceeds
+  `affinity_overload_factor` times what the least loaded one's would be with this request; decode by load. On
+  the engines' events it tells a conversation's next turn (its cached prefix its own history) from a new one
+  (a prefix other conversations share, or none): the first stays with its history unless load alone says
+  otherwise, the second goes where fewer conversations' futures will fill the cache.
 * `slo_aware`: predicts each candidate's TTFT (queue wait + uncached prefill + the decode engine's first
   step) and TPOT (the decode engine's step time with the batch it will have when this request joins)
   from the learned model (scheduling/predict.py), and takes the decode engine with the lowest predicted
@@ -31,11 +34,9 @@ pair against the budgets, None when it cannot yet; SLO admission (scheduling/adm
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
-
 from scheduling import clock
 from scheduling.health import Health
+from scheduling.job import JobInfo, PrefixSource
 from scheduling.ledger import Ledger
 from scheduling.predict import BUSY_WINDOW_S, UNKNOWN, Predictor
 from scheduling.registry import Target
@@ -64,67 +65,6 @@ CACHE_FILL_WEIGHT = 4.0
 
 def _clearly_less(a: float, b: float, absolute: float) -> bool:
     return a < b - TIE * b - absolute
-
-
-@dataclass
-class JobInfo:
-    """What the scheduler knows about one request."""
-
-    model: str
-    prompt_tokens: int
-    max_tokens: int
-    slo_ttft_ms: float
-    slo_tpot_ms: float
-    block_hashes: list[int] = field(default_factory=list)
-    prompt_keys: object = None  # the prompt's block keys from its exact ids (scheduling/kv_index.PromptKeys), if known
-    prompt_bytes: int = 0  # its rendering's length, when an engine's count of it may calibrate the meter (else 0)
-    engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
-    priority: int = 1  # its x-priority class: 0 interactive, 1 standard, 2 batch (scheduling/fairness.py)
-    tenant: str = ""  # whose it is, and the tenant's weight: the admission queue's fair share
-    weight: float = 1.0
-    arrived: float = field(default_factory=lambda: clock.now())
-    cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
-    cached_predicted: int = -1  # what the engine of its last prefill or whole lease was predicted to hold
-    failed: set[int] = field(default_factory=set)  # slots whose engine failed it: a continuation goes to none of them
-    # The verdict of the last plan: can the chosen engines meet the budgets? (None: cannot tell.)
-    feasible: bool | None = None
-    ttft_s: float = 0.0  # predicted for the chosen engines, with their allowances for errors
-    tpot_s: float = 0.0
-    tpot_model_s: float = 0.0  # the decode model's own TPOT prediction (its errors are learned)
-    floor_s: float = 0.0  # expected TTFT with empty queues (no allowance): below this budget no wait can help
-    hopeless: bool = False  # even that floor, or the expected TPOT, is over the budget
-    # Which stage the last plan's verdict found saturated: "prefill" (its TTFT is over budget: the prefill
-    # engine's queue and speed, with the decode engine's first step), "decode" (its TPOT: the decode batch it
-    # would join), both, or "" (neither).
-    over: str = ""
-    alone: bool = False  # the last plan serves a P/D pair's request on its decode engine alone (no prefill leg)
-    retry_after_s: float = 1.0
-
-
-class PrefixSource(Protocol):
-    """Where the policies learn which engine holds how much of a prompt in its prefix cache: the Coordinator's
-    own estimate (scheduling/affinity.py: the prompts it had each engine compute), or the engines' own KV cache
-    events (scheduling/kv_index.py), through these calls alone."""
-
-    needs_hashes: bool  # it reads the prompt's block hashes (JobInfo.block_hashes: Scheduler.prepare makes them)
-    needs_ids: bool  # it reads the prompt's exact token ids (JobInfo.prompt_keys: Scheduler.prepare makes them)
-
-    def cached_tokens(self, job: JobInfo, target: Target) -> int:
-        """The leading prompt tokens of `job` that `target` is believed to hold (0: none)."""
-
-    def last_holder(self, job: JobInfo, tokens: int) -> int:
-        """The slot that most recently came to hold the first `tokens` prompt tokens of `job` (-1: unknown)."""
-
-    def cache_fill(self, target: Target) -> tuple[int, int]:
-        """The blocks `target`'s prefix cache holds now and its size in blocks (0: not known: its engine has not
-        evicted yet, or the source sees no evictions)."""
-
-    def record(self, hashes: list[int], slot: int) -> None:
-        """The engine at `slot` has just computed a prompt with these block hashes (what an estimate learns
-        from; a source the engines tell may ignore it)."""
-
-    def placed(self, lease, job: JobInfo) -> None:
-        """`job`'s prompt was just sent to be computed on `lease.slot` (its ledger Lease, released when done)."""
 
 
 class Policy:
@@ -324,7 +264,8 @@ class LoadBalance(Policy):
 
 
 class KvCacheAffinity(LoadBalance):
-    """Prefill where the prompt's longest prefix was prefilled last, unless that instance is overloaded."""
+    """Prefill where the prompt's longest prefix was prefilled last, unless that instance is overloaded; on the
+    engines' KV events, a new conversation where its future turns fit."""
 
     name = "kv_cache_affinity"
     uses_prefix = True
@@ -340,10 +281,10 @@ class KvCacheAffinity(LoadBalance):
             held, size = self.index.cache_fill(t)
             fills[t.slot] = held, int(self.health.get(t.slot, "cache_blocks")) or size
         largest = max(size for _, size in fills.values())
+        fills = {slot: (held, size or largest) for slot, (held, size) in fills.items()}
         load = {}
         for t in cands:
             held, size = fills[t.slot]
-            size = size or largest
             load[t.slot] = self.score(t) + (CACHE_FILL_WEIGHT * min(held / size, 1.0) if size else 0.0)
 
         def score(t: Target) -> float:
@@ -356,20 +297,50 @@ class KvCacheAffinity(LoadBalance):
                 best, holders = tokens, [t]
             elif tokens == best and tokens:
                 holders.append(t)
-        if not holders:
-            return self.least(cands, score)
-        target = holders[0]
+        target = holders[0] if holders else None
         if len(holders) > 1:
             # Equal holders (a shared system prompt on each): the estimate's most recent one, else the least
             # loaded, so new conversations spread instead of piling onto the first engine's cache.
             last = self.index.last_holder(job, best)
             target = next((t for t in holders if t.slot == last), None) or self.least(holders, score)
-        # Leaving the holder recomputes the prefix elsewhere, and an engine batching continuously serves a few
-        # requests about as soon as one: the holder is overloaded only when its load exceeds the factor times
-        # what the least loaded engine would carry with this request on it (at idle, that many requests like it).
-        if load[target.slot] > self.overload_factor * (min(load.values()) + self.weight(job)):
+        # On the engines' events, a conversation's next turn stays with its history, and a new one (nothing held
+        # but a prefix several chains share) goes where its future turns fit. A history is on one engine at most.
+        verdicts = [self.index.starts(job, t, best) for t in holders or cands[:1]]
+        job.opens = None not in verdicts and any(verdicts)
+        if job.opens:
+            chains = {t.slot: self.index.chains(t) for t in cands}
+            if min(chains.values()) >= 0:
+                return self._open(cands, job, chains, fills)
+            job.opens = False
+        elif None not in verdicts and not self._overloaded(target, cands, job, score):
+            self.index.kept(job, target, best)  # a running conversation stays with its history
+            return target
+        if target is None or self._overloaded(target, cands, job, score):
             return self.least(cands, score)
         return target
+
+    def _open(self, cands: list[Target], job: JobInfo, chains: dict[int, int], fills: dict) -> Target:
+        """A new conversation goes where its future turns fit: the fill each engine's cache will have with one
+        more conversation, as the conversations it holds predict it (their mean blocks each, over the cache's
+        size), and its prefill of the prompt (what it holds of it is free); then the overload rule, on load."""
+        total_chains = sum(chains.values())
+        total_held = sum(held for held, _ in fills.values())
+        per_chain = total_held / total_chains if total_chains else 0.0
+
+        def future(t: Target) -> float:
+            held, size = fills[t.slot]
+            n = chains[t.slot]
+            mean = held / n if n else per_chain
+            return self.uncached(t, job) / 2048.0 + CACHE_FILL_WEIGHT * (n + 1) * mean / (size or total_held or 1)
+
+        target = self.least(cands, future)
+        return self.least(cands, self.score) if self._overloaded(target, cands, job, self.score) else target
+
+    def _overloaded(self, target: Target, cands: list[Target], job: JobInfo, load) -> bool:
+        """Leaving the holder recomputes the prefix elsewhere, and an engine batching continuously serves a few
+        requests about as soon as one: the holder is overloaded only when its `load` exceeds the factor times what
+        the least loaded engine would carry with this request on it (at idle, that many requests like it)."""
+        return load(target) > self.overload_factor * (min(map(load, cands)) + self.weight(job))
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
         p, d = self.choose(ps, job), LoadBalance.choose(self, ds, job)

@@ -187,7 +187,8 @@ class PrefixTable(Table):
 
 # The engines' KV facts (scheduling/kv_index.py, written by the one subscriber of a replica, scheduling/kv_events.py):
 # open-addressed entries of (a block's key mixed with its slot and that slot's epoch, the slot + 1 and epoch
-# that own it), a column per field. KV_ENTRIES entries (8 MiB) only when kv_event_config.enable is set.
+# that own it, how many of the slot's blocks extend it), a column per field. KV_ENTRIES entries (10 MiB) only when
+# kv_event_config.enable is set.
 KV_ENTRIES = 1 << 19
 
 
@@ -195,13 +196,14 @@ class KvBlockTable(Table):
     _fields_ = [
         ("key", ctypes.c_uint64 * KV_ENTRIES),
         ("owner", ctypes.c_uint64 * KV_ENTRIES),  # (epoch << 16) | (slot + 1); 0: never used
+        ("children", ctypes.c_uint32 * KV_ENTRIES),  # the slot's stored blocks that extend this one (0: a leaf)
     ]
 
 
 class KvBlockTableOff(Table):
     """The table's stand-in while KV events are off: one entry, never written."""
 
-    _fields_ = [("key", ctypes.c_uint64 * 1), ("owner", ctypes.c_uint64 * 1)]
+    _fields_ = [("key", ctypes.c_uint64 * 1), ("owner", ctypes.c_uint64 * 1), ("children", ctypes.c_uint32 * 1)]
 
 
 class KvEndpointRow(Table):
@@ -218,6 +220,7 @@ class KvEndpointRow(Table):
         ("clears", ctypes.c_int64),  # times its blocks were all forgotten (AllBlocksCleared, restart, loss)
         ("peak", ctypes.c_int64),  # the most blocks held since they were last forgotten
         ("evicted", ctypes.c_int64),  # blocks the engine evicted since then: once it has, `peak` is its cache's size
+        ("leaves", ctypes.c_int64),  # blocks it holds that none of its blocks extend: the ends of its chains
     ]
 
 

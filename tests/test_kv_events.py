@@ -603,10 +603,11 @@ def _kv_blocks(coord) -> list[int]:
     return [k["blocks"] for k in _kv(coord)]
 
 
-def engines_with_events(n: int, role: str) -> tuple[list, list[dict]]:
-    """`n` engines of `role` publishing KV events, and their instances (ids 1..n), each with its own addresses."""
+def engines_with_events(n: int, role: str, **cfg) -> tuple[list, list[dict]]:
+    """`n` engines of `role` (engine_sim `cfg` beside) publishing KV events, and their instances (ids 1..n), each
+    with its own addresses."""
     ports = free_ports(2 * n)
-    sims = [sim_with_events(ports[2 * i], ports[2 * i + 1], role=role) for i in range(n)]
+    sims = [sim_with_events(ports[2 * i], ports[2 * i + 1], role=role, **cfg) for i in range(n)]
     instances = [
         {
             "id": i + 1,

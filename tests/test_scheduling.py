@@ -705,6 +705,15 @@ class ReportedPrefixes:
     def cache_fill(self, target: Target) -> tuple[int, int]:
         return self.fills.get(target.slot, (0, 0))
 
+    def starts(self, job: JobInfo, target: Target, tokens: int) -> bool | None:
+        return None  # whether a prompt opens a conversation: not told
+
+    def chains(self, target: Target) -> int:
+        return -1
+
+    def kept(self, job: JobInfo, target: Target, tokens: int) -> None:
+        pass
+
     def record(self, hashes: list[int], slot: int) -> None:
         self.recorded.append((hashes, slot))
 
