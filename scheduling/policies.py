@@ -58,6 +58,10 @@ ALONE_STALL_TOKENS = 2
 # ... and it goes there only with a prompt at most this many times the mean of those computed there so far:
 # a speed learned from short prompts says little about a long one's.
 ALONE_EXTRAPOLATION = 4.0
+# A load score's units: one request, or this many prompt tokens to prefill, or this many output tokens to
+# decode (the engine's own queue counts in requests, its KV use up to 4.0).
+PROMPT_TOKENS_PER_LOAD = 2048.0
+OUTPUT_TOKENS_PER_LOAD = 8192.0
 # `kv_cache_affinity` counts a full prefix cache as this much load: the weight `load_balance` gives the
 # engine's KV use (the same memory).
 CACHE_FILL_WEIGHT = 4.0
@@ -236,12 +240,18 @@ class LoadBalance(Policy):
         running, waiting, kv_usage = self.health.engine_load(t.slot)
         # Our own in-flight count is exact and fresh; the engine's waiting queue covers traffic that
         # does not come through this Coordinator. Prompt tokens weigh the prefill work ahead.
-        return requests + waiting + prompt_tokens / 2048.0 + decode_tokens / 8192.0 + 4.0 * kv_usage
+        return (
+            requests
+            + waiting
+            + prompt_tokens / PROMPT_TOKENS_PER_LOAD
+            + decode_tokens / OUTPUT_TOKENS_PER_LOAD
+            + 4.0 * kv_usage
+        )
 
     @staticmethod
     def weight(job: JobInfo) -> float:
         """What `job` itself would add to a score."""
-        return 1.0 + job.prompt_tokens / 2048.0 + job.max_tokens / 8192.0
+        return 1.0 + job.prompt_tokens / PROMPT_TOKENS_PER_LOAD + job.max_tokens / OUTPUT_TOKENS_PER_LOAD
 
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
         return self.least(cands, self.score)
@@ -331,7 +341,9 @@ class KvCacheAffinity(LoadBalance):
             held, size = fills[t.slot]
             n = chains[t.slot]
             mean = held / n if n else per_chain
-            return self.uncached(t, job) / 2048.0 + CACHE_FILL_WEIGHT * (n + 1) * mean / (size or total_held or 1)
+            return self.uncached(t, job) / PROMPT_TOKENS_PER_LOAD + CACHE_FILL_WEIGHT * (n + 1) * mean / (
+                size or total_held or 1
+            )
 
         target = self.least(cands, future)
         return self.least(cands, self.score) if self._overloaded(target, cands, job, self.score) else target
