@@ -145,7 +145,7 @@ def memory_and_ingest() -> None:
         f"{table / held:.0f} bytes per block (process RSS grew {grown / 2**20:.0f} MiB, {grown / held:.0f} bytes "
         f"per block; {made / 2**20:.0f} MiB of it at start)"
     )
-    sub.ctx.term()
+    sub.close()
 
 
 def lookup() -> None:
@@ -178,7 +178,7 @@ def lookup() -> None:
             f"lookup at {kib} KiB ({len(ids):,} tokens), {ENGINES} engines: {look_s / runs * 1000:.3f} ms from the "
             f"tokenizer's bytes; a token-id prompt's ids to bytes {bytes_s / runs * 1000:.3f} ms more"
         )
-    sub.ctx.term()
+    sub.close()
 
 
 def flood_stall(subscribed: bool) -> tuple[float, int, int]:
