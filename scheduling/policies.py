@@ -316,17 +316,17 @@ class KvCacheAffinity(LoadBalance):
         # On the engines' events, a conversation's next turn stays with its history, and a new one (nothing held
         # but a prefix several chains share) goes where its future turns fit. A history is on one engine at most.
         verdicts = [self.index.starts(job, t, best) for t in holders or cands[:1]]
-        job.opens = None not in verdicts and any(verdicts)
-        if job.opens:
+        known = None not in verdicts
+        job.opens = False
+        if known and any(verdicts):
             chains = {t.slot: self.index.chains(t) for t in cands}
             if min(chains.values()) >= 0:
+                job.opens = True
                 return self._open(cands, job, chains, fills)
-            job.opens = False
-        elif None not in verdicts and not self._overloaded(target, cands, job, score):
-            self.index.kept(job, target, best)  # a running conversation stays with its history
-            return target
         if target is None or self._overloaded(target, cands, job, score):
             return self.least(cands, score)
+        if known and not any(verdicts):
+            self.index.kept(job, target, best)  # a running conversation stays with its history
         return target
 
     def _open(self, cands: list[Target], job: JobInfo, chains: dict[int, int], fills: dict) -> Target:

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import httpx
-
 from harness.configs import coordinator_config
 from harness.coordinator import Coordinator
-from harness.loopback import wait_until
+from harness.loopback import CLIENT, wait_until
 from scheduling.affinity import PrefixIndex
 from scheduling.job import JobInfo
 from scheduling.kv_index import KvEventSource, PromptKeys
@@ -96,7 +94,7 @@ def test_the_answer_as_generated_is_no_conversation_of_its_own(raw):
 def _send(coord, sims, ids: list[int]) -> int:
     """Completes `ids` through the Coordinator; the index of the engine that served it."""
     before = [len(s.requests()) for s in sims]
-    r = httpx.post(coord.url + "/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 1}, timeout=10)
+    r = CLIENT.post(coord.url + "/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 1})
     assert r.status_code == 200, r.text
     served = [i for i, s in enumerate(sims) if len(s.requests()) > before[i]]
     assert len(served) == 1
