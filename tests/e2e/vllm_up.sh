@@ -115,15 +115,34 @@ prepare() {
 
 # -- engines ------------------------------------------------------------------------------------------------
 
-free_port() {
-    "$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+# reserve_ports N: N distinct free ports below the kernel's ephemeral range, into PORTS. A port bind(0) handed
+# out can be taken again before the engine binds it (minutes later, for NIXL's side channel) by any outgoing
+# connection or by vLLM's own bind(0) sockets; none of those reach below the ephemeral range.
+reserve_ports() {
+    mapfile -t PORTS < <("$VENV/bin/python" - "$1" <<'PY'
+import random, socket, sys
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+candidates = list(range(10000, low))
+random.shuffle(candidates)
+found = []
+for port in candidates:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    found.append(port)
+    if len(found) == int(sys.argv[1]):
+        break
+print("\n".join(map(str, found)))
+PY
+)
+    [ "${#PORTS[@]}" = "$1" ] || die "could not find $1 free ports below the ephemeral range"
 }
 
 # write_engine NAME ROLE: the launch script $RUN/NAME.sh (its last line execs the engine, so its pid is the engine's).
 write_engine() {
-    local name=$1 role=$2 port side kv="" pub replay events=""
-    port="$(free_port)"
-    side="$(free_port)"
+    local name=$1 role=$2 port=$3 side=$4 kv="" pub replay events=""
     case "$role" in
         prefill) kv='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}' ;;
         decode) kv='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cpu"}' ;;
@@ -244,8 +263,11 @@ main() {
     RUN="$(mktemp -d "${TMPDIR:-/tmp}/motor-e2e-run.XXXXXX")"
     trap on_exit EXIT
     trap 'exit 130' INT TERM
+    reserve_ports 8
+    local i=0
     for pair in union:union union2:union prefill:prefill decode:decode; do
-        write_engine "${pair%%:*}" "${pair##*:}"
+        write_engine "${pair%%:*}" "${pair##*:}" "${PORTS[$i]}" "${PORTS[$((i + 1))]}"
+        i=$((i + 2))
     done
     for name in $ENGINES; do
         start_engine "$name"
