@@ -247,18 +247,25 @@ class Cluster:
             if doc is not None and version != self.shared.globals.cluster_version:
                 self._adopt(version, doc)
             result = self.registry.apply(event, items)
-            # Until stored, this replica's set is not the cluster's: the next sync adopts the stored one, whatever
-            # its version, unless the store below takes this one.
-            self.shared.globals.cluster_version = -1
+            # The version stays the one read while the store below runs: a sync meanwhile then adopts only a set
+            # another replica stored after it (this one's store then fails and is tried again on top of it), never
+            # the set this refresh changed.
             try:
                 stored = await self.store.store_instances(version, ujson.dumps(self.registry.export()).encode())
             except StoreDown as e:
+                self._unstored()
                 self._down(e)
                 raise RefreshError("the cluster store failed while storing the refresh: retry", 503) from None
             if stored >= 0:
                 self.shared.globals.cluster_version = stored
                 return result
+        self._unstored()
         raise RefreshError("other replicas' refreshes kept coming first: retry", 409)
+
+    def _unstored(self) -> None:
+        """This replica's set is a refresh the store did not take: the next sync adopts the stored one, whatever
+        its version."""
+        self.shared.globals.cluster_version = -1
 
     def status(self) -> dict:
         return {

@@ -121,6 +121,24 @@ def test_a_refresh_on_one_replica_routes_every_replica_and_outlives_them_all(clu
     assert chat(replicas[0]).status_code == 200 and a.stats()["completed"] == 0
 
 
+def test_a_refresh_is_not_undone_by_the_sync_that_runs_while_it_is_stored(cluster, sims):
+    """The replica that takes a refresh keeps it: its own sync, running while the refresh is being stored, must not
+    adopt the set stored before it (the refresh's replica would keep the old set while every other had the new)."""
+    a, b = sims("union"), sims("union")
+    replicas = cluster(
+        [instance(1, "union", MODEL, a.address), instance(2, "union", MODEL, b.address)],
+        2,
+        cluster_config={"sync_interval_ms": 10},  # many syncs in each refresh's round trips
+    )
+    for i in range(40):
+        want = [2] if i % 2 == 0 else []
+        assert replicas[i % 2].refresh("pause" if want else "resume", [2]).status_code == 200
+        assert wait_until(lambda want=want: all(paused(r) == want for r in replicas), timeout_s=2.0), (
+            i,
+            [paused(r) for r in replicas],
+        )
+
+
 def test_an_instance_set_outside_the_bounds_reaches_no_replica(cluster, sims, redis):
     """Ids beyond 2^63-1 and a prefill that is not vLLM: refused by the refresh, and not adopted from the store
     (where a replica of another version could have written them)."""
