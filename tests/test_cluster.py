@@ -285,7 +285,8 @@ def test_redis_down_fails_no_request_and_state_converges_when_it_returns(cluster
     assert metric(replicas[0], "motor_cluster_store_round_trips_total") > metric(
         replicas[0], "motor_cluster_store_errors_total"
     )
-    assert metric(replicas[0], "motor_cluster_replicas") == REPLICAS
+    # Each replica counts the others at its own next sync: "connected" can come first (a request's round trip).
+    assert wait_until(lambda: metric(replicas[0], "motor_cluster_replicas") == REPLICAS, 5)
     assert replicas[0].refresh("add", [instance(2, "union", MODEL, b.address)]).status_code == 200
     assert wait_until(lambda: all(ids(r) == [1, 2] for r in replicas), timeout_s=5.0)
     for r in replicas:
