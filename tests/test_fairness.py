@@ -218,20 +218,21 @@ def request_lines(coord) -> list[tuple[float, str, str, str, int, int]]:
     return out
 
 
-async def pinned_clients(coord, most: int, least: int) -> dict[str, list[openai.AsyncOpenAI]]:
-    """HTTP/1.1 connections (one per SDK client) grouped by the worker that accepted each, at least `most` on one of
-    two workers and `least` on the other: a keep-alive connection's requests are all its worker's. Each is asked
-    once (a request line names its worker's pid)."""
-    clients: list[tuple[str, httpx.AsyncClient]] = []
+async def pinned_clients(coord, per_worker: int) -> dict[str, list[openai.AsyncOpenAI]]:
+    """HTTP/1.1 connections (one per SDK client), `per_worker` on each of the two workers, grouped by the worker that
+    accepted each: a keep-alive connection's requests are all its worker's. Each is asked once (a request line names
+    its worker's pid). They are opened in small bursts until both workers have enough: a worker's loop accepts every
+    connection pending when it wakes, so a whole burst goes to one worker, and on a loaded machine the same one can
+    win many bursts in a row."""
     by_worker: dict[str, list[httpx.AsyncClient]] = {}
-    for _ in range(8):
+    opened = 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         fresh = [
-            (
-                f"probe-{len(clients) + i}",
-                httpx.AsyncClient(limits=httpx.Limits(max_connections=1, keepalive_expiry=None)),
-            )
-            for i in range(24)
+            (f"probe-{opened + i}", httpx.AsyncClient(limits=httpx.Limits(max_connections=1, keepalive_expiry=None)))
+            for i in range(8)
         ]
+        opened += len(fresh)
         await asyncio.gather(
             *(
                 http.post(
@@ -243,16 +244,23 @@ async def pinned_clients(coord, most: int, least: int) -> dict[str, list[openai.
                 for rid, http in fresh
             )
         )
-        clients += fresh
-        await asyncio.sleep(0.3)  # the request lines are written within 50 ms
-        pids = {rid: pid for _, pid, rid, *_ in request_lines(coord)}
-        by_worker = {}
-        for rid, http in clients:
-            by_worker.setdefault(pids[rid], []).append(http)
-        counts = sorted(len(v) for v in by_worker.values())
-        if len(counts) == 2 and counts[0] >= least and counts[1] >= most:
+        pids: dict[str, str] = {}
+        for _ in range(50):  # the request lines are written within 50 ms, later on a loaded machine
+            await asyncio.sleep(0.1)
+            pids = {rid: pid for _, pid, rid, *_ in request_lines(coord)}
+            if all(rid in pids for rid, _ in fresh):
+                break
+        for rid, http in fresh:
+            mine = by_worker.setdefault(pids[rid], [])
+            if len(mine) < per_worker:
+                mine.append(http)
+            else:
+                await http.aclose()  # that worker has its share
+        if len(by_worker) == 2 and all(len(v) == per_worker for v in by_worker.values()):
             break
-    assert len(by_worker) == 2, by_worker.keys()
+    assert sorted(len(v) for v in by_worker.values()) == [per_worker, per_worker], {
+        pid: len(v) for pid, v in by_worker.items()
+    }
     return {
         pid: [openai.AsyncOpenAI(base_url=coord.url + "/v1", api_key="-", http_client=h, max_retries=0) for h in https]
         for pid, https in by_worker.items()
@@ -309,7 +317,7 @@ def saturated(port: int) -> tuple[float, int]:
     warm_s, measured_s = 6.0, 12.0
 
     async def load(coord) -> tuple[float, float, str]:
-        clients = await pinned_clients(coord, 16, 16)
+        clients = await pinned_clients(coord, 16)
         one, two = sorted(clients, key=lambda pid: -len(clients[pid]))
         plan = [("a", c) for c in clients[one][:8]] + [("b", c) for c in clients[one][8:16] + clients[two][:16]]
         start = time.time()
