@@ -110,8 +110,7 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
         await sink.send(tail, True)  # (nothing when the last block ended the stream)
     finally:
         if usage:  # what the engine held (tenant metrics, KV events' prediction), however the stream ended
-            rec.engine_cached(before)
-            rec.engine_cached(held)  # (the later block's count, when both have one)
+            rec.engine_cached(before + held)  # (its last count: the later block's, when both have one)
         if not lease.released:
             _decode_time(lease, rec)
             lease.release()
