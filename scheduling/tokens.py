@@ -358,6 +358,16 @@ def engine_prompt(usage: object) -> int:
     return prompt
 
 
+def engine_cached(usage: object) -> int:
+    """The prompt tokens an engine's cache held, from its OpenAI (`prompt_tokens_details`), Responses
+    (`input_tokens_details`) or Anthropic usage (`cache_read_input_tokens`); -1 when absent."""
+    if not isinstance(usage, dict):
+        return -1
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens")
+    return cached if isinstance(cached, int) and cached >= 0 else -1
+
+
 def engine_uncached(usage: object) -> int:
     """The prompt tokens an engine computed (prompt minus cached), from its OpenAI, Responses or Anthropic usage; -1 when
     absent. vLLM's Anthropic `input_tokens` is the prompt less the tokens its cache held and those it wrote to

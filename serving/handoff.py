@@ -19,7 +19,7 @@ from errors import EngineStatusError, UpstreamError, UpstreamProtocolError, json
 from scheduling.ledger import DECODE, PREFILL, Lease
 from scheduling.registry import Target
 from scheduling.scheduler import Leg, Plan
-from scheduling.tokens import engine_prompt, engine_uncached
+from scheduling.tokens import engine_cached, engine_prompt, engine_uncached
 from serving.call import Call, Sink, Upstream
 from serving.job import Job
 from serving.legs import decode_wire, prefill_wire, ranked
@@ -55,7 +55,9 @@ class PrefillCall(Call[dict]):
                 raise UpstreamProtocolError("prefill engine answered a non-object", detail=t.url)
             usage = resp.get("usage")
             lease.succeed(engine_uncached(usage))
-            rec.engine_cached(data)
+            cached = engine_cached(usage)  # (from the usage parsed here, not another search of P's answer)
+            if cached >= 0:
+                rec.cached_tokens = cached
             self.leg.calibrate(engine_prompt(usage))  # P counted the whole prompt: the model's estimate learns
         finally:
             lease.release()

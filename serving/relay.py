@@ -41,7 +41,11 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
     fix_block = fix.events if fix is not None else None
     route, body = (family.route, call.body) if cont is None else cont.request(family.route, call.body)
     body = ranked(body, job, target)
-    usage = family.usage_in_stream or job.include_usage  # the stream carries a usage (and its cached count)
+    # The stream carries a usage, and in it the cached count: in its last event or the one before it (chat's and
+    # completions' usage chunk before `[DONE]`, Messages' message_delta before message_stop, Responses'
+    # response.completed), so only the last two blocks relayed are read for it, once, not every block.
+    usage = family.usage_in_stream or job.include_usage
+    before = held = b""  # the last two blocks relayed
     # The engine computed this prompt and will say its count (a decode leg's is P's, unless D computed it; a
     # continuation's prompt is token ids): the blocks are searched for it until it is found.
     learn = (
@@ -78,8 +82,7 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
                         block = fix_block(block)
                     if final_usage is not None and final_usage in block:
                         rec.message_delta(block)
-                    if usage and b"cache" in block:  # what the engine held (tenant metrics, KV events' prediction)
-                        rec.engine_cached(block)
+                    before, held = held, block
                     if learn and (prompt := answer_prompt_tokens(block, family)) > 0:
                         call.leg.calibrate(prompt)
                         learn = False
@@ -106,6 +109,8 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
                 raise cont.broken
         await sink.send(tail, True)  # (nothing when the last block ended the stream)
     finally:
+        if usage:  # what the engine held (tenant metrics, KV events' prediction), however the stream ended
+            rec.engine_cached(before + held)  # (its last count: the later block's, when both have one)
         if not lease.released:
             _decode_time(lease, rec)
             lease.release()

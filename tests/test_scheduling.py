@@ -35,6 +35,7 @@ from scheduling.tokens import (
     PromptMeter,
     blocks_covered,
     chained_hashes,
+    engine_cached,
     engine_prompt,
     engine_uncached,
     hashes_covering,
@@ -201,6 +202,15 @@ def test_engine_uncached_reads_vllms_anthropic_usage():
     assert engine_uncached({"input_tokens": 36, "cache_read_input_tokens": 64}) == 36
     assert engine_uncached({"input_tokens": 20, "cache_read_input_tokens": 64, "cache_creation_input_tokens": 16}) == 36
     assert engine_uncached({"input_tokens": 100, "output_tokens": 1}) == 100
+
+
+def test_engine_cached_reads_each_usages_cached_tokens():
+    assert engine_cached({"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}}) == 64
+    assert engine_cached({"input_tokens": 100, "input_tokens_details": {"cached_tokens": 32}}) == 32  # Responses
+    assert engine_cached({"input_tokens": 20, "cache_read_input_tokens": 64, "cache_creation_input_tokens": 16}) == 64
+    assert engine_cached({"prompt_tokens": 100, "prompt_tokens_details": None}) == -1
+    assert engine_cached({"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": None}}) == -1
+    assert engine_cached({"input_tokens": 36}) == -1 and engine_cached(None) == -1
 
 
 def test_engine_prompt_reads_the_whole_prompt_from_each_usage():
