@@ -453,8 +453,8 @@ class PrometheusObserver(Observer):
         super().retry(job, target, err)
         RETRIES.labels(self._model(job.model), type(err).__name__).inc()
 
-    def continuation(self, job, target, err) -> None:
-        super().continuation(job, target, err)
+    def continuation(self, job, target, err, kept: int) -> None:
+        super().continuation(job, target, err, kept)
         CONTINUATIONS.labels(self._model(job.model), type(err).__name__).inc()
 
     def continuation_refused(self, job, target, reason: str, err) -> None:

@@ -272,11 +272,13 @@ class Observer:
             "request_id=%s retrying after=%s on %s", log_value(job.request_id), log_value(str(err)), _name(target)
         )
 
-    def continuation(self, job, target: Target, err: Exception) -> None:
+    def continuation(self, job, target: Target, err: Exception, kept: int) -> None:
+        """`kept`: the generated tokens the client has seen, which the continuation goes on from."""
         log.warning(
-            "request_id=%s stream continued on %s after=%s",
+            "request_id=%s stream continued on %s kept_tokens=%d after=%s",
             log_value(job.request_id),
             _name(target),
+            kept,
             log_value(str(err)),
         )
 

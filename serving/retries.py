@@ -109,9 +109,9 @@ class Retries:
             target = leg.target
             rec.continuations += 1
             rec.target = target
-            obs.continuation(call.job, target, err)
-            self.health.attempt(target.slot)
             cont.next_try()
+            obs.continuation(call.job, target, err, cont.before)
+            self.health.attempt(target.slot)
             try:
                 await relay(call, f"{call.job.request_id}-c{n}", None, cont)
             except UpstreamError as e:

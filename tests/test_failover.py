@@ -262,11 +262,15 @@ def test_a_token_whose_text_the_client_has_not_seen_is_generated_again(c, api):
     ref = ask(c, api, UNION)
     for s in c.sims["union"]:
         s.set_faults(held_text_token=K, mid_stream_fault="reset", mid_stream_fault_after_tokens=K)
-    got = ask(c, api, UNION)
+    rid = uuid.uuid4().hex
+    got = ask(c, api, UNION, rid=rid)
     assert (got.text, got.finish, got.usage) == (ref.text, ref.finish, ref.usage)
     sent = continuations_sent(c.sims["union"])
     assert len(sent) == 1 and sent[0]["max_tokens"] == N - K + 1
     assert len(sent[0]["prompt"]) == ref.usage[0] + K - 1
+    # The warning names the tokens kept: where the client's text and the continuation's meet.
+    warned = [ln for ln in c.output().splitlines() if f"request_id={rid} stream continued on " in ln]
+    assert len(warned) == 1 and f" kept_tokens={K - 1} " in warned[0], warned
 
 
 def broken_chat(c, model: str) -> tuple[str, dict]:

@@ -156,7 +156,7 @@ def test_decode_engine_killed_mid_answer_the_stream_goes_on_with_the_unbroken_te
         assert got.killed
         reference, ref_usage = unbroken(engines["union"], model, got.attempt)
         assert ref_usage[1] == ANSWER_TOKENS
-        assert got.text == reference  # token for token: nothing repeated, nothing missing
+        assert got.text == reference, diverged(failover, got, reference)  # token for token: nothing repeated or lost
         assert got.finish == "length" and len(got.ids) == 1
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == ref_usage
         assert wait_until(lambda: _request_line(failover, got.rid), timeout_s=10)
@@ -192,6 +192,15 @@ def test_the_only_decode_engine_killed_mid_answer_the_stream_goes_on_on_the_unio
         finally:
             if got.killed:
                 back_up(coord, engines)
+
+
+def diverged(coord, got: Streamed, reference: str) -> str:
+    """Where the client's text leaves the unbroken one, beside the Coordinator's warning naming the tokens kept
+    before the continuation (a difference at the splice is the Coordinator's; one well after it, the continuation
+    engine's greedy answer from a prompt it computed in one pass, where D had decoded token by token)."""
+    at = next((i for i, (a, b) in enumerate(zip(got.text, reference)) if a != b), min(len(got.text), len(reference)))
+    warned = [ln for ln in coord.output().splitlines() if f"request_id={got.rid} stream continued on " in ln]
+    return f"the texts ({len(got.text)} and {len(reference)} characters) differ from character {at}; {warned}"
 
 
 def _request_line(coord, rid: str) -> str:
