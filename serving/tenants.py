@@ -10,9 +10,9 @@ replicas, rounded down, at least 1), in its own table.
 `tpm` counts prompt plus output tokens. A request reserves its prompt's estimate (a quarter of its body's bytes:
 the exact count, from the model's tokenizer when it has one, is made later, by the scheduler) and its tenant's
 mean output (at most its max_tokens; all of max_tokens until one of the tenant's requests has ended here) when
-admitted; every `CHARGE_S` what its requests were served beyond what they took (the output as it streams, the
-prompt's count once made) is charged in one batch (one lock, or the store's next call or tick), and the rest is
-settled when it ends. A bucket in debt refuses until the debt is paid.
+admitted; at each of the worker's ticks (serving/observe.py `Tick`, 50 ms) what its requests were served beyond
+what they took (the output as it streams, the prompt's count once made) is charged in one batch (one lock, or the
+store's next call or tick), and the rest is settled when it ends. A bucket in debt refuses until the debt is paid.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
 from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
-from serving.observe import FlushTimer, RequestRecord
+from serving.observe import RequestRecord, Tick
 from state.quotas import Limits, TenantQuotas
 from state.shared import tenant_hash
 
@@ -50,7 +50,6 @@ def reset_text(short_milli: int, per_min: int) -> str:
 
 CLASSES = {name: i for i, name in enumerate(PRIORITIES)}  # x-priority's values: the class (vLLM's `priority`)
 NO_TENANT = "-"  # an engine's metaserver call: part of a client request, which is its tenant's
-CHARGE_S = 0.05  # how often the tokens of streams under way are charged to their tenants' tpm buckets
 EXPECTED_WEIGHT = 0.125  # a finished request's weight in its tenant's mean output
 UNCOUNTED = nullcontext()  # the place of a request without a quota when there is no fair share to count it in
 
@@ -136,7 +135,12 @@ class Tenants:
     """One worker's side of the tenants (see the module docstring)."""
 
     def __init__(
-        self, live: Live, quotas: TenantQuotas, fair: FairShare | None, clock: Callable[[], float] = time.monotonic
+        self,
+        live: Live,
+        quotas: TenantQuotas,
+        fair: FairShare | None,
+        tick: Tick,
+        clock: Callable[[], float] = time.monotonic,
     ):
         # `fair`: the scheduler's tenants' counters (None without admission: nothing reads them)
         self.live, self.quotas, self.fair, self.clock = live, quotas, fair, clock
@@ -145,7 +149,7 @@ class Tenants:
         # tenant -> the output its requests were served, on average (this worker's, recent ones weigh more): what a
         # request of it reserves for its output, at most its max_tokens (unknown: all of max_tokens)
         self.expected: dict[str, float] = {}
-        self._timer = FlushTimer(self.charge, CHARGE_S)
+        self._timer = tick.timer(self.charge)  # the tokens served by streams under way, charged
         # tenant -> (its limits, as `limits` gives them, and its quota from them: None without one), made once per
         # tenant and config (a reload's limits are other objects)
         self._quotas: dict[str, tuple[TenantLimits, Limits | None]] = {}
@@ -221,7 +225,7 @@ class Tenants:
             self._timer.arm()
 
     def charge(self) -> None:
-        """Every `CHARGE_S`: the tokens served since the last charge (the output as it streams, the prompt's count
+        """At each tick: the tokens served since the last charge (the output as it streams, the prompt's count
         once the scheduler made it) taken from the tenants' tpm buckets, in one batch: this Coordinator's table
         under one lock, or the cluster store at this worker's next call or tick."""
         self._timer.disarm()

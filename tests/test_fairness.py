@@ -23,7 +23,7 @@ from scheduling.admission import OverBudget
 from scheduling.fairness import BATCH, INTERACTIVE, STANDARD, FairShare
 from serving.families.chat import CHAT
 from serving.job import job_from_body, parse_body
-from serving.observe import RequestRecord
+from serving.observe import RequestRecord, Tick
 from serving.tenants import Tenants
 from state.quotas import TenantQuotas
 from state.shared import MAX_FAIR_TENANTS, SharedState
@@ -180,7 +180,7 @@ def test_without_admission_no_request_is_counted_in_the_fair_share():
     }
     live = Live(settings_from_dict(config))
     quotas = TenantQuotas(w.shared, 0, 1)
-    tenants = Tenants(live, quotas, sched.fair)
+    tenants = Tenants(live, quotas, sched.fair, Tick())
     for tenant in ("q", "default"):
         body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
         one = job_from_body(CHAT, body, parse_body(body), "r")
