@@ -273,19 +273,44 @@ class Tenants:
 
 def _headers(headers: dict[str, str], requests_milli: int, tokens_milli: int, rpm: int, tpm: int) -> None:
     """OpenAI's x-ratelimit-* headers: each quota's limit, what is left of it (the buckets' levels after the
-    admission, in milli-units), and when it is whole again."""
+    admission, in milli-units), and when it is whole again.
+
+    They go out as one pre-formatted block: the first header's value carries the others' lines. The answer's
+    writer (handlers/sink.py `RelayResponse`) writes values as they are, and six headers cost six encodings and
+    six formattings there; a refusal's answer takes them apart again (`_ordinary`): Sanic's writes it."""
     if rpm:
-        left = requests_milli
-        if left < 0:
-            left = 0
-        headers["x-ratelimit-limit-requests"] = str(rpm)
-        headers["x-ratelimit-remaining-requests"] = str(left // 1000)
-        headers["x-ratelimit-reset-requests"] = reset_text(rpm * 1000 - left, rpm)
-    if tpm:
-        left = tokens_milli  # (a debt's reset counts the debt too)
-        headers["x-ratelimit-limit-tokens"] = str(tpm)
-        headers["x-ratelimit-remaining-tokens"] = str(left // 1000 if left > 0 else 0)
-        headers["x-ratelimit-reset-tokens"] = reset_text(tpm * 1000 - left, tpm)
+        left = requests_milli if requests_milli > 0 else 0
+        requests = (
+            f"{rpm}\r\nx-ratelimit-remaining-requests: {left // 1000}"
+            f"\r\nx-ratelimit-reset-requests: {reset_text(rpm * 1000 - left, rpm)}"
+        )
+        if not tpm:
+            headers["x-ratelimit-limit-requests"] = requests
+            return
+    elif not tpm:
+        return
+    left = tokens_milli  # (a debt's reset counts the debt too)
+    tokens = (
+        f"{tpm}\r\nx-ratelimit-remaining-tokens: {left // 1000 if left > 0 else 0}"
+        f"\r\nx-ratelimit-reset-tokens: {reset_text(tpm * 1000 - left, tpm)}"
+    )
+    if rpm:
+        headers["x-ratelimit-limit-requests"] = f"{requests}\r\nx-ratelimit-limit-tokens: {tokens}"
+    else:
+        headers["x-ratelimit-limit-tokens"] = tokens
+
+
+def _ordinary(headers: dict[str, str]) -> dict[str, str]:
+    """`headers` with `_headers`' block as the headers it holds."""
+    out = {}
+    for name, value in headers.items():
+        if name.startswith("x-ratelimit-limit-"):
+            for line in f"{name}: {value}".split("\r\n"):
+                name, _, value = line.partition(": ")
+                out[name] = value
+        else:
+            out[name] = value
+    return out
 
 
 def _refusal(refused: str, wait_s: float, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:
@@ -297,5 +322,5 @@ def _refusal(refused: str, wait_s: float, lim: TenantLimits, headers: dict[str, 
     else:
         message = f"rate limit reached for tokens: limit {lim.tpm} per minute (prompt plus output)"
     err = RateLimited.by_quota(kind, message, wait_s, reason="tenant_" + refused)
-    err.headers.update(headers)
+    err.headers.update(_ordinary(headers))
     return err

@@ -189,7 +189,7 @@ def test_without_admission_no_request_is_counted_in_the_fair_share():
         headers: dict[str, str] = {}
         with tenants.admit(one, RequestRecord("r", "/v1/chat/completions", tenant=tenant), headers):
             pass
-        assert ("x-ratelimit-remaining-requests" in headers) is (tenant == "q")
+        assert ("x-ratelimit-limit-requests" in headers) is (tenant == "q")
     assert quotas.my_inflight[quotas.slot("q")] == 0  # the quota's place was given back
     fair, counts = w.shared.fair, w.shared.fair_counts[0]
     assert fair.used == 0 and not any(fair.seen) and not any(counts.active) and not any(counts.served)
