@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
 
@@ -81,7 +80,8 @@ class Place(Active):
     __slots__ = ("charged", "key", "limits", "prompt", "reserved", "side", "tenants")
 
     def __init__(self, tenants: Tenants, job: Job, rec: RequestRecord, limits: Limits, prompt: int, output: int):
-        super().__init__(tenants.fair, job, rec)
+        # (Active's fields set here: a call to its __init__ cost more than the line)
+        self.fair, self.job, self.rec = tenants.fair, job, rec
         self.tenants, self.limits, self.prompt = tenants, limits, prompt
         self.reserved = prompt + output  # taken from its tpm bucket when admitted: the prompt's estimate and output's
         self.key: int | str = 0  # its tenant's row (LOCAL) or hash (STORE)
@@ -140,10 +140,9 @@ class Tenants:
         quotas: TenantQuotas,
         fair: FairShare | None,
         tick: Tick,
-        clock: Callable[[], float] = time.monotonic,
     ):
         # `fair`: the scheduler's tenants' counters (None without admission: nothing reads them)
-        self.live, self.quotas, self.fair, self.clock = live, quotas, fair, clock
+        self.live, self.quotas, self.fair = live, quotas, fair
         self.cluster = None  # cluster mode's serving/cluster.py Cluster: quotas held across the replicas
         self.streaming: set[Place] = set()  # admitted requests with a tpm: their tokens charged as they are served
         # tenant -> the output its requests were served, on average (this worker's, recent ones weigh more): what a
@@ -160,7 +159,8 @@ class Tenants:
 
     def quota(self, tenant: str) -> Limits | None:
         """The tenant's rpm, tpm and max_inflight; None when it has none of them."""
-        lim = self.limits(tenant)
+        s = self.live.s  # (`limits`, inlined: read for every request)
+        lim = s.tenant_limits.get(tenant) or s.default_limits
         known = self._quotas.get(tenant)
         if known is None or known[0] is not lim:
             quota = Limits(lim.rpm, lim.tpm, lim.max_inflight) if lim.rpm or lim.tpm or lim.max_inflight else None
@@ -209,7 +209,9 @@ class Tenants:
             n = self.cluster.replicas
             limits = Limits(*(max(1, v // n) if v else 0 for v in limits))
         at = self.quotas.slot(place.job.tenant)
-        refused, wait, requests, tokens = self.quotas.take(at, int(self.clock() * 1e6), limits, place.reserved)
+        # (the door's monotonic clock, one for every process on the host, in integers: no float to make and round)
+        now_us = time.monotonic_ns() // 1000
+        refused, wait, requests, tokens = self.quotas.take(at, now_us, limits, place.reserved)
         _headers(headers, requests, tokens, limits.rpm, limits.tpm)
         if refused:
             raise _refusal(refused, wait, self.limits(place.job.tenant), headers)

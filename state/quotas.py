@@ -23,19 +23,19 @@ def refill(
     level_milli: int, stamp_us: int, now_us: int, per: float, cap_milli: int, period_us: int = 1000
 ) -> tuple[int, int]:
     """A token bucket's (level, stamp) at `now_us`: filled at `per` milli-tokens every `period_us` up to `cap_milli`
-    (`per` tokens a second by default, the door's float rate; a tenant's rpm or tpm with `PER_MINUTE`, in integers
-    alone). The stamp moves only by the time turned into whole milli-tokens, so callers coming more often than one
+    (`per` tokens a second by default, the door's float rate, whose level and stamp come back as whole floats for
+    the caller to make ints; a tenant's rpm or tpm with `PER_MINUTE`, in integers alone). The stamp moves only by the time turned into whole milli-tokens, so callers coming more often than one
     milli-token's time lose no refill; a stamp ahead of this clock starts from now (no debt); a full bucket loses
     the time beyond it."""
     if not stamp_us:
         return cap_milli, now_us
     if now_us < stamp_us:
         stamp_us = now_us
-    gained = int((now_us - stamp_us) * per // period_us)
+    gained = (now_us - stamp_us) * per // period_us
     if level_milli + gained >= cap_milli:
         return cap_milli, now_us
     if gained:
-        return level_milli + gained, stamp_us + int(gained * period_us // per)
+        return level_milli + gained, stamp_us + gained * period_us // per
     return level_milli, stamp_us
 
 
