@@ -173,7 +173,10 @@ class Tick:
             timer.queued = False
             if timer.armed:
                 timer.armed = False
-                timer.flush()
+                try:
+                    timer.flush()
+                except Exception:  # one writer's failure is its own: the others flush, and it is armed again later
+                    log.exception("a batching writer's flush failed")
 
 
 class FlushTimer:

@@ -605,3 +605,26 @@ def test_one_tick_flushes_each_writer_that_armed_it(caplog, capsys, monkeypatch,
     assert counted == 1  # the metrics
     assert charged == 100_000  # the tenant's tpm, in milli-tokens
     assert "request_id=tick-log " in capsys.readouterr().out  # the request log
+
+
+def test_a_writer_whose_flush_fails_stops_no_other():
+    """A tick flushes every writer armed since the last one, even after one's flush raised; and that one is
+    flushed again at a later tick (not left armed for good)."""
+    from serving.observe import Tick
+
+    tick, calls = Tick(0.01), []
+
+    def failing() -> None:
+        calls.append("failing")
+        raise OSError("disk full")
+
+    first, second = tick.timer(failing), tick.timer(lambda: calls.append("second"))
+
+    async def scenario() -> None:
+        for _ in range(2):
+            first.arm()
+            second.arm()
+            await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    assert calls == ["failing", "second", "failing", "second"]
