@@ -63,6 +63,7 @@ from serving.cluster import Cluster, ClusterResponseHomes, replica_id, shared_ev
 from serving.dispatch import Dispatcher
 from serving.door import Door
 from serving.metrics import PrometheusObserver, clear_stale_files
+from serving.observe import Tick
 from serving.status import StatusPublisher, StatusReader
 from serving.tenants import Tenants
 from serving.usage import PrefillUsages
@@ -222,8 +223,9 @@ def build_worker(app: Sanic, settings: Settings) -> None:
     ctx.health = Health(shared, live)
     ctx.scheduler = build_scheduler(live, shared, ctx.registry, ctx.ledger, ctx.health)
     ctx.client = EngineClient(live)
-    ctx.tenants = Tenants(live, TenantQuotas(shared, worker, settings.num_workers), ctx.scheduler.fair)
-    ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health, ctx.tenants)
+    tick = Tick()  # one timer for the worker's batching writers
+    ctx.tenants = Tenants(live, TenantQuotas(shared, worker, settings.num_workers), ctx.scheduler.fair, tick)
+    ctx.observer = PrometheusObserver(ctx.registry, ctx.ledger, ctx.health, tick, ctx.tenants)
     ctx.door = Door(live, shared, worker)
     ctx.status_reader = StatusReader(shared)
     usages, homes = PrefillUsages(shared, worker, settings.num_workers), SharedResponseHomes(shared)

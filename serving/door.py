@@ -106,7 +106,7 @@ class Door:
         now_us = int(self.clock() * 1e6)
         with self.lock:
             tokens, stamp = refill(g.rate_tokens_milli, g.rate_stamp_us, now_us, rate, burst_milli)
-            g.rate_stamp_us = stamp
+            tokens, g.rate_stamp_us = int(tokens), int(stamp)  # (a float rate's whole floats)
             if tokens >= 1000:
                 g.rate_tokens_milli = tokens - 1000
                 return 0.0

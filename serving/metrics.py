@@ -29,7 +29,7 @@ from scheduling.kv_index import STATE_NAMES
 from scheduling.ledger import Ledger
 from scheduling.registry import Registry
 from scheduling.status import endpoint_status
-from serving.observe import PLACEMENTS, FlushTimer, Observer, RequestRecord, kv_outcome
+from serving.observe import PLACEMENTS, Observer, RequestRecord, Tick, kv_outcome
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -356,22 +356,22 @@ class _TenantSeries:
 
 
 class PrometheusObserver(Observer):
-    """Per-request metrics, written to prometheus-client's files at most `flush_s` after the request.
+    """Per-request metrics, written to prometheus-client's files at the worker's next `Tick` after the request.
 
     Each value written in multiprocess mode takes a lock and a write into the worker's mmap file (a
     streamed request made about ten: 38 µs of CPU in a loaded worker). A request adds to plain numbers
-    instead, and a timer writes what all requests of the last `flush_s` added (flushing once per loop pass
+    instead, and the tick writes what all requests since the last one added (flushing once per loop pass
     still cost a loaded worker a flush every three or four requests). A scrape this worker answers flushes
-    first; another worker's last `flush_s` of requests may be missing from it.
+    first; another worker's last `TICK_S` of requests may be missing from it.
     """
 
-    def __init__(self, registry: Registry, ledger: Ledger, health: Health, tenants=None, flush_s: float = 0.05):
-        super().__init__()
+    def __init__(self, registry: Registry, ledger: Ledger, health: Health, tick: Tick, tenants=None):
+        super().__init__(tick)
         self.registry, self.tenants = registry, tenants  # tenants: serving/tenants.py's Tenants (None: not counted)
         self._children: dict[tuple[str, str, int], _Series] = {}
         self._tenant_children: dict[tuple[str, int], _TenantSeries] = {}
         self._dirty: list[_Series | _TenantSeries] = []
-        self._timer = FlushTimer(self.flush, flush_s)
+        self._timer = tick.timer(self.flush)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             self.exposition_registry = CollectorRegistry()
             MultiProcessCollector(self.exposition_registry)

@@ -10,16 +10,15 @@ replicas, rounded down, at least 1), in its own table.
 `tpm` counts prompt plus output tokens. A request reserves its prompt's estimate (a quarter of its body's bytes:
 the exact count, from the model's tokenizer when it has one, is made later, by the scheduler) and its tenant's
 mean output (at most its max_tokens; all of max_tokens until one of the tenant's requests has ended here) when
-admitted; every `CHARGE_S` what its requests were served beyond what they took (the output as it streams, the
-prompt's count once made) is charged in one batch (one lock, or the store's next call or tick), and the rest is
-settled when it ends. A bucket in debt refuses until the debt is paid.
+admitted; at each of the worker's ticks (serving/observe.py `Tick`, 50 ms) what its requests were served beyond
+what they took (the output as it streams, the prompt's count once made) is charged in one batch (one lock, or the
+store's next call or tick), and the rest is settled when it ends. A bucket in debt refuses until the debt is paid.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
 
@@ -27,7 +26,7 @@ from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
 from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
-from serving.observe import FlushTimer, RequestRecord
+from serving.observe import RequestRecord, Tick
 from state.quotas import Limits, TenantQuotas
 from state.shared import tenant_hash
 
@@ -50,7 +49,6 @@ def reset_text(short_milli: int, per_min: int) -> str:
 
 CLASSES = {name: i for i, name in enumerate(PRIORITIES)}  # x-priority's values: the class (vLLM's `priority`)
 NO_TENANT = "-"  # an engine's metaserver call: part of a client request, which is its tenant's
-CHARGE_S = 0.05  # how often the tokens of streams under way are charged to their tenants' tpm buckets
 EXPECTED_WEIGHT = 0.125  # a finished request's weight in its tenant's mean output
 UNCOUNTED = nullcontext()  # the place of a request without a quota when there is no fair share to count it in
 
@@ -82,7 +80,8 @@ class Place(Active):
     __slots__ = ("charged", "key", "limits", "prompt", "reserved", "side", "tenants")
 
     def __init__(self, tenants: Tenants, job: Job, rec: RequestRecord, limits: Limits, prompt: int, output: int):
-        super().__init__(tenants.fair, job, rec)
+        # (Active's fields set here: a call to its __init__ cost more than the line)
+        self.fair, self.job, self.rec = tenants.fair, job, rec
         self.tenants, self.limits, self.prompt = tenants, limits, prompt
         self.reserved = prompt + output  # taken from its tpm bucket when admitted: the prompt's estimate and output's
         self.key: int | str = 0  # its tenant's row (LOCAL) or hash (STORE)
@@ -136,16 +135,20 @@ class Tenants:
     """One worker's side of the tenants (see the module docstring)."""
 
     def __init__(
-        self, live: Live, quotas: TenantQuotas, fair: FairShare | None, clock: Callable[[], float] = time.monotonic
+        self,
+        live: Live,
+        quotas: TenantQuotas,
+        fair: FairShare | None,
+        tick: Tick,
     ):
         # `fair`: the scheduler's tenants' counters (None without admission: nothing reads them)
-        self.live, self.quotas, self.fair, self.clock = live, quotas, fair, clock
+        self.live, self.quotas, self.fair = live, quotas, fair
         self.cluster = None  # cluster mode's serving/cluster.py Cluster: quotas held across the replicas
         self.streaming: set[Place] = set()  # admitted requests with a tpm: their tokens charged as they are served
         # tenant -> the output its requests were served, on average (this worker's, recent ones weigh more): what a
         # request of it reserves for its output, at most its max_tokens (unknown: all of max_tokens)
         self.expected: dict[str, float] = {}
-        self._timer = FlushTimer(self.charge, CHARGE_S)
+        self._timer = tick.timer(self.charge)  # the tokens served by streams under way, charged
         # tenant -> (its limits, as `limits` gives them, and its quota from them: None without one), made once per
         # tenant and config (a reload's limits are other objects)
         self._quotas: dict[str, tuple[TenantLimits, Limits | None]] = {}
@@ -156,7 +159,8 @@ class Tenants:
 
     def quota(self, tenant: str) -> Limits | None:
         """The tenant's rpm, tpm and max_inflight; None when it has none of them."""
-        lim = self.limits(tenant)
+        s = self.live.s  # (`limits`, inlined: read for every request)
+        lim = s.tenant_limits.get(tenant) or s.default_limits
         known = self._quotas.get(tenant)
         if known is None or known[0] is not lim:
             quota = Limits(lim.rpm, lim.tpm, lim.max_inflight) if lim.rpm or lim.tpm or lim.max_inflight else None
@@ -205,7 +209,9 @@ class Tenants:
             n = self.cluster.replicas
             limits = Limits(*(max(1, v // n) if v else 0 for v in limits))
         at = self.quotas.slot(place.job.tenant)
-        refused, wait, requests, tokens = self.quotas.take(at, int(self.clock() * 1e6), limits, place.reserved)
+        # (the door's monotonic clock, one for every process on the host, in integers: no float to make and round)
+        now_us = time.monotonic_ns() // 1000
+        refused, wait, requests, tokens = self.quotas.take(at, now_us, limits, place.reserved)
         _headers(headers, requests, tokens, limits.rpm, limits.tpm)
         if refused:
             raise _refusal(refused, wait, self.limits(place.job.tenant), headers)
@@ -221,7 +227,7 @@ class Tenants:
             self._timer.arm()
 
     def charge(self) -> None:
-        """Every `CHARGE_S`: the tokens served since the last charge (the output as it streams, the prompt's count
+        """At each tick: the tokens served since the last charge (the output as it streams, the prompt's count
         once the scheduler made it) taken from the tenants' tpm buckets, in one batch: this Coordinator's table
         under one lock, or the cluster store at this worker's next call or tick."""
         self._timer.disarm()
@@ -269,19 +275,44 @@ class Tenants:
 
 def _headers(headers: dict[str, str], requests_milli: int, tokens_milli: int, rpm: int, tpm: int) -> None:
     """OpenAI's x-ratelimit-* headers: each quota's limit, what is left of it (the buckets' levels after the
-    admission, in milli-units), and when it is whole again."""
+    admission, in milli-units), and when it is whole again.
+
+    They go out as one pre-formatted block: the first header's value carries the others' lines. The answer's
+    writer (handlers/sink.py `RelayResponse`) writes values as they are, and six headers cost six encodings and
+    six formattings there; a refusal's answer takes them apart again (`_ordinary`): Sanic's writes it."""
     if rpm:
-        left = requests_milli
-        if left < 0:
-            left = 0
-        headers["x-ratelimit-limit-requests"] = str(rpm)
-        headers["x-ratelimit-remaining-requests"] = str(left // 1000)
-        headers["x-ratelimit-reset-requests"] = reset_text(rpm * 1000 - left, rpm)
-    if tpm:
-        left = tokens_milli  # (a debt's reset counts the debt too)
-        headers["x-ratelimit-limit-tokens"] = str(tpm)
-        headers["x-ratelimit-remaining-tokens"] = str(left // 1000 if left > 0 else 0)
-        headers["x-ratelimit-reset-tokens"] = reset_text(tpm * 1000 - left, tpm)
+        left = requests_milli if requests_milli > 0 else 0
+        requests = (
+            f"{rpm}\r\nx-ratelimit-remaining-requests: {left // 1000}"
+            f"\r\nx-ratelimit-reset-requests: {reset_text(rpm * 1000 - left, rpm)}"
+        )
+        if not tpm:
+            headers["x-ratelimit-limit-requests"] = requests
+            return
+    elif not tpm:
+        return
+    left = tokens_milli  # (a debt's reset counts the debt too)
+    tokens = (
+        f"{tpm}\r\nx-ratelimit-remaining-tokens: {left // 1000 if left > 0 else 0}"
+        f"\r\nx-ratelimit-reset-tokens: {reset_text(tpm * 1000 - left, tpm)}"
+    )
+    if rpm:
+        headers["x-ratelimit-limit-requests"] = f"{requests}\r\nx-ratelimit-limit-tokens: {tokens}"
+    else:
+        headers["x-ratelimit-limit-tokens"] = tokens
+
+
+def _ordinary(headers: dict[str, str]) -> dict[str, str]:
+    """`headers` with `_headers`' block as the headers it holds."""
+    out = {}
+    for name, value in headers.items():
+        if name.startswith("x-ratelimit-limit-"):
+            for line in f"{name}: {value}".split("\r\n"):
+                name, _, value = line.partition(": ")
+                out[name] = value
+        else:
+            out[name] = value
+    return out
 
 
 def _refusal(refused: str, wait_s: float, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:
@@ -293,5 +324,5 @@ def _refusal(refused: str, wait_s: float, lim: TenantLimits, headers: dict[str, 
     else:
         message = f"rate limit reached for tokens: limit {lim.tpm} per minute (prompt plus output)"
     err = RateLimited.by_quota(kind, message, wait_s, reason="tenant_" + refused)
-    err.headers.update(headers)
+    err.headers.update(_ordinary(headers))
     return err

@@ -15,20 +15,27 @@ from typing import NamedTuple
 
 from state.shared import MAX_TENANTS, SharedState, TenantRow, tenant_hash
 
+# `refill`'s period (µs) for a rate a minute: N a minute is N milli-tokens every 60,000 µs
+PER_MINUTE = 60_000
 
-def refill(level_milli: int, stamp_us: int, now_us: int, per_s: float, cap_milli: int) -> tuple[int, int]:
-    """A token bucket's (level, stamp) at `now_us`: filled at `per_s` a second up to `cap_milli`. The stamp moves
-    only by the time turned into whole milli-tokens, so callers coming more often than one milli-token's time lose
-    no refill; a stamp ahead of this clock starts from now (no debt); a full bucket loses the time beyond it."""
+
+def refill(
+    level_milli: int, stamp_us: int, now_us: int, per: float, cap_milli: int, period_us: int = 1000
+) -> tuple[int, int]:
+    """A token bucket's (level, stamp) at `now_us`: filled at `per` milli-tokens every `period_us` up to `cap_milli`
+    (`per` tokens a second by default, the door's float rate, whose level and stamp come back as whole floats for
+    the caller to make ints; a tenant's rpm or tpm with `PER_MINUTE`, in integers alone). The stamp moves only by the time turned into whole milli-tokens, so callers coming more often than one
+    milli-token's time lose no refill; a stamp ahead of this clock starts from now (no debt); a full bucket loses
+    the time beyond it."""
     if not stamp_us:
         return cap_milli, now_us
     if now_us < stamp_us:
         stamp_us = now_us
-    gained = int((now_us - stamp_us) * per_s / 1000)
+    gained = (now_us - stamp_us) * per // period_us
     if level_milli + gained >= cap_milli:
         return cap_milli, now_us
     if gained:
-        return level_milli + gained, stamp_us + int(gained * 1000 / per_s)
+        return level_milli + gained, stamp_us + gained * period_us // per
     return level_milli, stamp_us
 
 
@@ -92,14 +99,14 @@ class TenantQuotas:
             # (each bucket's level written once: a field's write costs more than the arithmetic)
             if rpm:
                 requests, row.requests_stamp_us = refill(
-                    row.requests_milli, row.requests_stamp_us, now_us, rpm / 60, rpm * 1000
+                    row.requests_milli, row.requests_stamp_us, now_us, rpm, rpm * 1000, PER_MINUTE
                 )
                 if requests < 1000:
                     row.requests_milli = requests
                     return "requests", wait_s(requests, 1000, rpm / 60), requests, row.tokens_milli
             if tpm:
                 tokens, row.tokens_stamp_us = refill(
-                    row.tokens_milli, row.tokens_stamp_us, now_us, tpm / 60, tpm * 1000
+                    row.tokens_milli, row.tokens_stamp_us, now_us, tpm, tpm * 1000, PER_MINUTE
                 )
                 if tokens < 1000:  # a debt (or less than a token): the next request waits until it is paid
                     row.tokens_milli = tokens

@@ -23,7 +23,7 @@ from scheduling.admission import OverBudget
 from scheduling.fairness import BATCH, INTERACTIVE, STANDARD, FairShare
 from serving.families.chat import CHAT
 from serving.job import job_from_body, parse_body
-from serving.observe import RequestRecord
+from serving.observe import RequestRecord, Tick
 from serving.tenants import Tenants
 from state.quotas import TenantQuotas
 from state.shared import MAX_FAIR_TENANTS, SharedState
@@ -180,7 +180,7 @@ def test_without_admission_no_request_is_counted_in_the_fair_share():
     }
     live = Live(settings_from_dict(config))
     quotas = TenantQuotas(w.shared, 0, 1)
-    tenants = Tenants(live, quotas, sched.fair)
+    tenants = Tenants(live, quotas, sched.fair, Tick())
     for tenant in ("q", "default"):
         body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
         one = job_from_body(CHAT, body, parse_body(body), "r")
@@ -189,7 +189,7 @@ def test_without_admission_no_request_is_counted_in_the_fair_share():
         headers: dict[str, str] = {}
         with tenants.admit(one, RequestRecord("r", "/v1/chat/completions", tenant=tenant), headers):
             pass
-        assert ("x-ratelimit-remaining-requests" in headers) is (tenant == "q")
+        assert ("x-ratelimit-limit-requests" in headers) is (tenant == "q")
     assert quotas.my_inflight[quotas.slot("q")] == 0  # the quota's place was given back
     fair, counts = w.shared.fair, w.shared.fair_counts[0]
     assert fair.used == 0 and not any(fair.seen) and not any(counts.active) and not any(counts.served)

@@ -519,19 +519,19 @@ def test_batched_histogram_writes_what_observe_would():
 
 
 def test_metrics_reach_the_files_by_the_timer_without_a_scrape():
-    """A request's counts are written within `flush_s` by the worker's own timer, not only when it answers a scrape."""
+    """A request's counts are written at the worker's next tick, not only when it answers a scrape."""
     from config import Live, Settings
     from scheduling.health import Health
     from scheduling.ledger import Ledger
     from scheduling.registry import Registry
     from serving.metrics import KV_PREDICTION, REQUESTS, PrometheusObserver
-    from serving.observe import RequestRecord
+    from serving.observe import RequestRecord, Tick
     from state.shared import SharedState
 
     shared = SharedState.create()
     registry = Registry(shared)
     observer = PrometheusObserver(
-        registry, Ledger(shared, 0, 1), Health(shared, Live(Settings(breaker_open_s=1.0))), flush_s=0.02
+        registry, Ledger(shared, 0, 1), Health(shared, Live(Settings(breaker_open_s=1.0))), Tick(0.02)
     )
     child = REQUESTS.labels("/v1/timer-test", "other", "200")
     exact = KV_PREDICTION.labels("other", "exact")
@@ -552,3 +552,79 @@ def test_metrics_reach_the_files_by_the_timer_without_a_scrape():
     start, at_once, later = asyncio.run(scenario())
     assert at_once == start  # batched: nothing written at the request
     assert later == (start[0] + 2, start[1] + 2)  # the timer wrote both, with no scrape and no close
+
+
+def test_one_tick_flushes_each_writer_that_armed_it(caplog, capsys, monkeypatch, tmp_path):
+    """A worker's batching writers share one timer: the request log, the metrics and the tenants' tpm charge each
+    arm it, one timer is pending for the three, and its one tick writes what each of them held."""
+    from config import Live, Settings
+    from config.load import settings_from_dict
+    from scheduling.health import Health
+    from scheduling.ledger import Ledger
+    from scheduling.registry import Registry
+    from serving.families.chat import CHAT
+    from serving.job import job_from_body, parse_body
+    from serving.metrics import REQUESTS, PrometheusObserver
+    from serving.observe import RequestRecord, Tick
+    from serving.tenants import Tenants
+    from state.quotas import TenantQuotas
+    from state.shared import SharedState
+
+    caplog.set_level("INFO", logger="coordinator.request")  # (the request log writes its lines at INFO)
+    # (an exposition registry of its own: the default one takes one observer's collector per process)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    shared, tick = SharedState.create(), Tick(0.02)
+    observer = PrometheusObserver(
+        Registry(shared), Ledger(shared, 0, 1), Health(shared, Live(Settings(breaker_open_s=1.0))), tick
+    )
+    quotas = TenantQuotas(shared, 0, 1)
+    config = {
+        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-other"]},
+        "tenant_config": {"tenants": [{"name": "t", "keys": ["sk-tick"], "tpm": 100_000}]},
+    }
+    tenants = Tenants(Live(settings_from_dict(config)), quotas, None, tick)
+    child = REQUESTS.labels("/v1/tick-test", "other", "200")
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
+    job = job_from_body(CHAT, body, parse_body(body), "streaming")
+    job.tenant = "t"
+
+    async def scenario() -> tuple[int, float, int]:
+        streaming = RequestRecord("streaming", "/v1/tick-test", tenant="t")
+        with tenants.admit(job, streaming, {}) as place:  # its tokens charged at each tick while it streams
+            row = quotas.rows[place.key]
+            taken = row.tokens_milli
+            streaming.output_tokens = 104  # 100 beyond the 4 it reserved
+            before = child._value.get()
+            observer.request_done(RequestRecord("tick-log", "/v1/tick-test", model="nobody"))
+            pending = len(asyncio.get_running_loop()._scheduled)  # the timers the three writers armed
+            await asyncio.sleep(0.2)
+            return pending, child._value.get() - before, taken - row.tokens_milli
+
+    pending, counted, charged = asyncio.run(scenario())
+    assert pending == 1
+    assert counted == 1  # the metrics
+    assert charged == 100_000  # the tenant's tpm, in milli-tokens
+    assert "request_id=tick-log " in capsys.readouterr().out  # the request log
+
+
+def test_a_writer_whose_flush_fails_stops_no_other():
+    """A tick flushes every writer armed since the last one, even after one's flush raised; and that one is
+    flushed again at a later tick (not left armed for good)."""
+    from serving.observe import Tick
+
+    tick, calls = Tick(0.01), []
+
+    def failing() -> None:
+        calls.append("failing")
+        raise OSError("disk full")
+
+    first, second = tick.timer(failing), tick.timer(lambda: calls.append("second"))
+
+    async def scenario() -> None:
+        for _ in range(2):
+            first.arm()
+            second.arm()
+            await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    assert calls == ["failing", "second", "failing", "second"]

@@ -23,8 +23,11 @@ from serving.tenants import reset_text
 from tests.conftest import MODEL
 
 KEY_A, KEY_B, KEY_T, KEY_C = "sk-quota-a", "sk-quota-b", "sk-quota-t", "sk-quota-c"
-KEY_S, KEY_K = "sk-quota-s", "sk-quota-k"
+KEY_S, KEY_K, KEY_BOTH = "sk-quota-s", "sk-quota-k", "sk-quota-both"
 RPM, TPM, CAP = 20, 1000, 3
+RATELIMIT_HEADERS = [
+    f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens") for what in ("limit", "remaining", "reset")
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,7 @@ def coord(module_sims):
             {"name": "team-c", "keys": [KEY_C], "max_inflight": CAP},
             {"name": "team-s", "keys": [KEY_S], "tpm": TPM},
             {"name": "team-k", "keys": [KEY_K]},
+            {"name": "team-both", "keys": [KEY_BOTH], "rpm": 1000, "tpm": 1_000_000},
         ]
     }
     with Coordinator(cfg, workers=2) as c:
@@ -103,6 +107,35 @@ def test_max_inflight_is_exact_across_workers(coord):
     refused = [b for s, b, _ in results if s == 429]
     assert refused and all(b["code"] == "rate_limit_exceeded" and b["type"] == "requests" for b in refused)
     assert all(s == 200 for s, _, _ in at_once(CAP, lambda: chat(coord, KEY_C)))  # the places came back
+
+
+def test_an_answer_tells_both_quotas_in_six_headers(coord):
+    """A tenant with rpm and tpm: its JSON and streamed answers carry the six x-ratelimit-* headers, each once (they
+    go out as one pre-formatted block: serving/tenants.py `_headers`), as the SDK reads them."""
+    sdk = sdk_for(coord.url, KEY_BOTH)
+    plain = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    ).headers
+    with sdk.chat.completions.with_streaming_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+    ) as streamed:
+        streamed_headers = streamed.headers
+        assert sum(1 for _ in streamed.iter_lines()) > 2
+    for headers in (plain, streamed_headers):
+        got = [(k, v) for k, v in headers.multi_items() if k.startswith("x-ratelimit-")]
+        assert sorted(k for k, _ in got) == sorted(RATELIMIT_HEADERS), got
+        assert headers["x-ratelimit-limit-requests"] == "1000" and headers["x-ratelimit-limit-tokens"] == "1000000"
+        assert 990 <= int(headers["x-ratelimit-remaining-requests"]) < 1000
+        assert 990_000 <= int(headers["x-ratelimit-remaining-tokens"]) < 1_000_000
+        for kind in ("requests", "tokens"):
+            assert re.fullmatch(r"\d+ms|\d+(\.\d+)?s", headers[f"x-ratelimit-reset-{kind}"])
+
+
+def test_a_tenant_with_max_inflight_alone_is_told_no_rate(coord):
+    """max_inflight is no rate: a tenant with it alone gets no x-ratelimit-* header, admitted or refused."""
+    results = at_once(12, lambda: chat(coord, KEY_C, model="slow", max_tokens=200, whole=True))
+    assert {s for s, _, _ in results} == {200, 429}
+    assert all(not any(k.startswith("x-ratelimit-") for k in h) for _, _, h in results)
 
 
 def reset_s(text: str) -> float:
