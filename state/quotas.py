@@ -24,9 +24,9 @@ def refill(
 ) -> tuple[int, int]:
     """A token bucket's (level, stamp) at `now_us`: filled at `per` milli-tokens every `period_us` up to `cap_milli`
     (`per` tokens a second by default, the door's float rate, whose level and stamp come back as whole floats for
-    the caller to make ints; a tenant's rpm or tpm with `PER_MINUTE`, in integers alone). The stamp moves only by the time turned into whole milli-tokens, so callers coming more often than one
-    milli-token's time lose no refill; a stamp ahead of this clock starts from now (no debt); a full bucket loses
-    the time beyond it."""
+    the caller to make ints; a tenant's rpm or tpm with `PER_MINUTE`, in integers alone). The stamp moves only by
+    the time turned into whole milli-tokens, so callers coming more often than one milli-token's time lose no
+    refill; a stamp ahead of this clock starts from now (no debt); a full bucket loses the time beyond it."""
     if not stamp_us:
         return cap_milli, now_us
     if now_us < stamp_us:
