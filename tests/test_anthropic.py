@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import aiohttp
 import anthropic
@@ -22,6 +21,7 @@ from harness.clients import anthropic_client as sdk, async_anthropic_client as a
 from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.loopback import free_port, wait_until
+from harness.threaded_app import ThreadedApp
 from serving.legs import PREFILL_TICKET
 from tests.conftest import MODEL
 
@@ -467,7 +467,7 @@ def test_pd_stream_legs_and_event_order(pd):
     assert names[:2] == ["message_start", "content_block_start"] and names[-2:] == ["message_delta", "message_stop"]
 
 
-class DecodeRelay:
+class DecodeRelay(ThreadedApp):
     """A decode engine that reports usage the way Anthropic's own API does, in front of a real decode sim.
 
     It counts the transferred prompt as cache reads (`input_tokens` 0, `cache_read_input_tokens` the
@@ -479,14 +479,13 @@ class DecodeRelay:
 
     def __init__(self, upstream: str):
         self.upstream = upstream
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.url = f"http://{self.address}"
-        self._loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(started,), daemon=True)
-        self._thread.start()
-        assert started.wait(10)
+        super().__init__()
+
+    async def _started(self) -> None:
+        self.session = aiohttp.ClientSession()
+
+    async def _stopping(self) -> None:
+        await self.session.close()
 
     @classmethod
     def rewrite(cls, obj: dict) -> dict:
@@ -526,30 +525,6 @@ class DecodeRelay:
                     await resp.write(self._rewrite_event(event) + b"\n\n")
             await resp.write_eof()
             return resp
-
-    def _main(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-
-        async def start():
-            self.session = aiohttp.ClientSession()
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", self._handle)
-            self.runner = web.AppRunner(app)
-            await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-        self._loop.run_until_complete(start())
-        started.set()
-        self._loop.run_forever()
-
-    def stop(self) -> None:
-        async def shutdown():
-            await self.runner.cleanup()
-            await self.session.close()
-
-        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 def test_pd_usage_is_prefills_and_tickets_never_reach_the_client(sims):

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import json
 import re
-import threading
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from aiohttp import web
 from harness.configs import coordinator_config
 from harness.coordinator import Coordinator
 from harness.loopback import free_ports, wait_until
+from harness.threaded_app import ThreadedApp
 from harness.tokenizer import tiny_tokenizer
 from tests.logfmt import fields
 from tests.test_kv_events import sim_with_events
@@ -213,18 +213,9 @@ HELD_STREAMS = {
 }
 
 
-class HeldBack:
+class HeldBack(ThreadedApp):
     """A union engine (its own thread and loop) that streams HELD_STREAMS, holding each stream's last event back
     a moment after the others (so that the relay reads them in two blocks); /health and /metrics answer."""
-
-    def __init__(self):
-        self.port = free_ports(1)[0]
-        self.address = f"127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(started,), daemon=True)
-        self._thread.start()
-        assert started.wait(10)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if request.path not in HELD_STREAMS:
@@ -237,25 +228,6 @@ class HeldBack:
         await resp.write(last.encode() + b"\n\n")
         await resp.write_eof()
         return resp
-
-    def _main(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-
-        async def start():
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", self._handle)
-            self.runner = web.AppRunner(app)
-            await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-        self._loop.run_until_complete(start())
-        started.set()
-        self._loop.run_forever()
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @pytest.mark.parametrize("route", list(HELD_STREAMS))
