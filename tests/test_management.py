@@ -640,15 +640,22 @@ def test_probes_while_draining_say_not_ready_but_alive(sims):
         coord.proc.send_signal(signal.SIGTERM)
         readiness, liveness = [], []
 
+        failed: list[str] = []
+
         def drained() -> bool:
             try:
                 readiness.append(httpx.get(coord.mgmt + "/readiness", timeout=2))
                 liveness.append(httpx.get(coord.mgmt + "/liveness", timeout=2))
-            except httpx.TransportError:
-                pass
+            except httpx.TransportError as e:
+                failed.append(repr(e))
             return bool(readiness) and readiness[-1].status_code == 503
 
-        assert wait_until(drained, timeout_s=10)
+        # (what the probes got, and the Coordinator's last words, for a run where draining never showed)
+        assert wait_until(drained, timeout_s=10), (
+            [r.status_code for r in readiness],
+            failed[-3:],
+            coord.output()[-3000:],
+        )
         assert readiness[-1].json()["ready"] is False
         assert liveness[-1].status_code == 200 and liveness[-1].json()["status"] == "ok"
         assert u.stats()["running"] == 1  # the stream is still being served
