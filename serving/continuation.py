@@ -220,7 +220,10 @@ class Continuation:
         if b.get("min_tokens"):
             body["min_tokens"] = max(0, b["min_tokens"] - generated)
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        body["stream_options"] = options = {"include_usage": True}
+        asked = b.get("stream_options")
+        if isinstance(asked, dict) and asked.get("continuous_usage_stats"):  # each chunk's running counts, as asked
+            options["continuous_usage_stats"] = True
         body["return_token_ids"] = True
         return json_bytes(body)
 

@@ -520,3 +520,31 @@ def test_an_engine_that_failed_the_request_before_its_first_token_gets_no_contin
         lambda: counter(od, "motor_stream_continuation_refusals_total", reason="no_instance") == before + 1, 5
     )
     assert wait_until(lambda: settled(od), 5), ledger(od)
+
+
+@pytest.mark.parametrize("where", ["union", "pd"])
+def test_running_usage_on_every_chunk_counts_across_the_break_as_the_unbroken_run(c, where):
+    """vLLM's `continuous_usage_stats`: each chunk carries the running counts. Across a continuation they go on
+    from the tokens before the break (the continuation's own count is added to them), the prompt counted once."""
+    model, sims = model_for(where), engines_for(c, where)
+
+    def running() -> list[tuple[int, int, int]]:
+        stream = openai_client(c).chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=N,
+            seed=SEED,
+            temperature=TEMPERATURE,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+        return [(u.prompt_tokens, u.completion_tokens, u.total_tokens) for ch in stream if (u := ch.usage)]
+
+    ref = running()
+    counts = [u[1] for u in ref]  # the role's chunk (0), each token's, then the usage chunk's
+    assert counts == sorted(counts) and set(counts) == set(range(N + 1)), ref
+    for s in sims:
+        s.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=K)
+    assert running() == ref
+    assert len(continuations_sent(sims)) == 1
