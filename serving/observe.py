@@ -182,16 +182,18 @@ class Tick:
 class FlushTimer:
     """One writer's part of its worker's `Tick`: `flush` called at the next tick after `arm()`.
 
-    With no running event loop (nothing would call back later) `arm()` flushes at once. The writer's
+    With no running event loop (nothing would call back later) `arm()` flushes at once; an `arm()` from within
+    that flush (the tpm charge arms again while requests stream) waits for the next one. The writer's
     `flush` calls `disarm()` first, so a flush for another reason (a full batch, a scrape, shutdown)
     leaves nothing for the tick.
     """
 
-    __slots__ = ("armed", "flush", "queued", "tick")
+    __slots__ = ("armed", "flush", "flushing", "queued", "tick")
 
     def __init__(self, flush: Callable[[], None], tick: Tick):
         self.flush, self.tick = flush, tick
         self.armed = self.queued = False  # queued: in the tick's `due` (armed or not since)
+        self.flushing = False  # in a flush `arm()` made at once (no loop)
 
     def arm(self) -> None:
         if self.armed:
@@ -201,7 +203,12 @@ class FlushTimer:
             try:
                 tick.handle = asyncio.get_running_loop().call_later(tick.delay_s, tick._run)
             except RuntimeError:
-                self.flush()
+                if not self.flushing:
+                    self.flushing = True
+                    try:
+                        self.flush()
+                    finally:
+                        self.flushing = False
                 return
         self.armed = True
         if not self.queued:

@@ -628,3 +628,33 @@ def test_a_writer_whose_flush_fails_stops_no_other():
 
     asyncio.run(scenario())
     assert calls == ["failing", "second", "failing", "second"]
+
+
+def test_a_tpm_quota_admits_and_charges_without_an_event_loop():
+    """With no running loop a batching writer flushes when armed; the tpm charge arms itself again while requests
+    stream, and that must wait for the next arm, not flush again from within the flush (it recursed until Python's
+    limit)."""
+    from config import Live
+    from config.load import settings_from_dict
+    from serving.families.chat import CHAT
+    from serving.job import job_from_body, parse_body
+    from serving.observe import RequestRecord, Tick
+    from serving.tenants import Tenants
+    from state.quotas import TenantQuotas
+    from state.shared import SharedState
+
+    config = {
+        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-other"]},
+        "tenant_config": {"tenants": [{"name": "t", "keys": ["sk-t"], "tpm": 100_000}]},
+    }
+    quotas = TenantQuotas(SharedState.create(), 0, 1)
+    tenants = Tenants(Live(settings_from_dict(config)), quotas, None, Tick())
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
+    job = job_from_body(CHAT, body, parse_body(body), "no-loop")
+    job.tenant = "t"
+    rec = RequestRecord("no-loop", "/v1/chat/completions", tenant="t")
+    with tenants.admit(job, rec, {}) as place:
+        rec.output_tokens = 104  # 100 beyond what it reserved for its output
+        taken = quotas.rows[place.key].tokens_milli
+        tenants._timer.arm()  # (what the next request's admission would do)
+        assert taken - quotas.rows[place.key].tokens_milli == 100_000
