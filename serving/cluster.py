@@ -8,7 +8,8 @@ on a timer every `sync_interval_ms`:
 - every worker tells the store its requests ended (and its tenants' ended requests and tokens served, in one
   batch) when there are any, and at least every third of `replica_ttl_s` so that its keys live; after the store
   lost its data it writes its counts and its last word on its tenants' buckets again (the store decides no
-  tenant's quota until the workers have had time to: `settling_ms`);
+  tenant's quota until every worker of the live replicas has, or, one silent, until it would count as gone:
+  `settling_ms`);
 - the sync owner (worker 0) publishes this replica's report (load per endpoint address; the endpoints its
   breakers or health checks found broken; what slo_aware learned) and reads the others' in the same round trip:
   their load becomes the ledger's remote row, their broken endpoints are avoided here until they say otherwise,
@@ -55,7 +56,7 @@ from state.shared import (
 )
 
 log = logging.getLogger("coordinator.cluster")
-SETTLING_TRIES = 4  # an admit that finds the store lost its data: written again, waited for, asked again
+SETTLING_TRIES = 4  # an admit that finds the store lost its data: written again and asked again, this many times
 REFRESH_TRIES = 5  # a refresh that keeps losing the race to other replicas' refreshes is refused (409)
 # What slo_aware learned about an endpoint (scheduling/predict.py): a replica that has learned less of an endpoint
 # (fewer prefill plus decode samples) than another takes the other's whole model of it.
@@ -113,9 +114,12 @@ class Cluster:
         self.interval_s = c.sync_interval_ms / 1000
         self.ttl_ms = int(c.replica_ttl_s * 1000)
         # After the store lost its data, how long the workers have to write their part again (each does at its
-        # next tick after the sync owner's sync sees the new epoch, or at its next request; and each writes to the
-        # store at least every third of the expiry): no tenant's quota is decided meanwhile.
-        self.settling_ms = 2 * c.sync_interval_ms + self.ttl_ms // 3
+        # next tick after the sync owner's sync sees the new epoch, or at its next request): no tenant's quota is
+        # decided meanwhile, unless every worker of the live replicas has written (the store counts them). A worker
+        # silent for longer would count as gone (its keys expire): the expiry, and the sync owner's tick to see it.
+        self.settling_ms = self.ttl_ms + 2 * c.sync_interval_ms
+        if not shared.globals.cluster_workers:  # before the first sync: this replica's (a fresh store holds nothing)
+            shared.globals.cluster_workers = live.s.num_workers
         self.connected = True  # until a round trip says otherwise
         self.owner = worker == 0
         self.rows = worker_rows(self.shared, worker, live.s.num_workers)  # as the door's
@@ -123,7 +127,7 @@ class Cluster:
         # This worker's requests the store counted: in flight, ended and not yet taken off there, and the admit
         # calls under way; `recount`: the store may have lost or mistaken the count (it was away), set it again.
         self.admitted = self.ended = self.calls = 0
-        self.recount = False
+        self.recount = True  # (at start too: after a loss the store waits for every worker's part, this one's too)
         self.quotas = StoreQuotas()  # its tenants' quotas (serving/tenants.py charges them here)
         self.written_epoch = ""  # the store's epoch when this worker last wrote its part (`_rewrite`)
         self._rewriting: asyncio.Future | None = None
@@ -131,6 +135,7 @@ class Cluster:
         self._refused_version: int | None = None  # the stored set this replica cannot apply: said once, not each tick
         self.losses_seen = self.shared.globals.store_losses
         self.epoch: bytes | None = None  # the sync owner's: the store's epoch as its last sync saw it
+        self._lost_at_ms = 0  # the sync owner's: when it found the store had lost its data (wall-clock ms)
         self.prefixes: list[tuple[str, list[int]]] = []  # (engine address, block hashes) prefilled, to publish
         self._publishing: set[asyncio.Task] = set()
 
@@ -152,18 +157,18 @@ class Cluster:
         try:
             tenant = ask.args(self.written_epoch) if ask is not None else ()
             reply = await self.store.admit(ended, cap, self.ttl_ms, rate, burst_milli, tenant, settle)
-            for _ in range(SETTLING_TRIES):
+            rewrites = 0
+            while reply[0] in (3, 5):
                 if reply[0] == 3:  # the store lost its data since this worker wrote its part: written again first
+                    rewrites += 1
+                    if rewrites > SETTLING_TRIES:
+                        raise StoreDown("the store lost its data again while the workers wrote their part")
                     self.quotas.restore(settle)
                     settle = ()
                     await self._rewrite()
-                elif reply[0] == 5:  # the workers are writing their part again: the quota is decided after
-                    await asyncio.sleep(reply[1])
-                else:
-                    break
+                else:  # the workers are writing their part again: asked again at each tick until all have
+                    await asyncio.sleep(min(reply[1], self.interval_s))
                 reply = await self.store.admit(0, cap, self.ttl_ms, rate, burst_milli, ask.args(self.written_epoch))
-            else:
-                raise StoreDown("the store lost its data again while the workers wrote their part")
         except StoreDown as e:
             self.ended += ended
             self.quotas.restore(settle)
@@ -211,9 +216,21 @@ class Cluster:
 
     async def _write_again(self) -> None:
         self.ended = 0
-        epoch = await self.store.rewrite(self.admitted, self.ttl_ms, self.settling_ms, self.quotas.written())
+        epoch = await self.store.rewrite(
+            self.admitted,
+            self.ttl_ms,
+            self.settling_ms,
+            self._expected_writers(),
+            self.quotas.written(),
+        )
         self.written_epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
         self.recount = False
+
+    def _expected_writers(self) -> int:
+        """The workers the store should wait for after a loss: the live replicas' before it (0: unknown). A worker
+        may write before its sync owner found the loss: then the replicas as last seen are still those before it."""
+        g = self.shared.globals
+        return int(max(g.cluster_workers, g.workers_at_loss))
 
     def share(self, cap: int) -> int:
         """This replica's share of a cluster-wide cap while the store is away (at least one)."""
@@ -349,13 +366,17 @@ class Cluster:
 
     async def _sync(self) -> None:
         version, reports, epoch = await self.store.sync(self._report(), self.ttl_ms, self.settling_ms)
-        self.shared.globals.synced_at_ms = int(time.time() * 1000)
-        self.shared.globals.replicas = len(reports) + 1
-        self._apply_reports(reports)
-        if epoch != self.epoch:
+        g = self.shared.globals
+        g.synced_at_ms = now_ms = int(time.time() * 1000)
+        if epoch != self.epoch:  # (before the reports: those of replicas that have not written since are gone)
             if self.epoch is not None:
                 self._lost()
+                g.workers_at_loss, self._lost_at_ms = g.cluster_workers, now_ms
             self.epoch = epoch
+        elif g.workers_at_loss and now_ms - self._lost_at_ms > self.settling_ms:
+            g.workers_at_loss = 0
+        g.replicas = len(reports) + 1
+        self._apply_reports(reports)
         if version == 0:  # nothing stored (the store was emptied, or unreachable at start)
             await self._first_sync()
         elif version > self.shared.globals.cluster_version:
@@ -403,7 +424,14 @@ class Cluster:
             if e.pf_n or e.dc_n:
                 learned[address_key(t.address)] = [getattr(e, f) for f in LEARNED]
         started = self.shared.globals.started_ms
-        report = {"load": load, "avoid": avoid, "learned": learned, "started": started, "at": int(now * 1000)}
+        report = {
+            "load": load,
+            "avoid": avoid,
+            "learned": learned,
+            "started": started,
+            "at": int(now * 1000),
+            "workers": self.live.s.num_workers,
+        }
         return ujson.dumps(report).encode()
 
     def _apply_reports(self, reports: dict[str, bytes]) -> None:
@@ -413,10 +441,13 @@ class Cluster:
         learned: dict[str, list[float]] = {}  # the most samples another replica has of each endpoint
         n_pf, n_dc = LEARNED.index("pf_n"), LEARNED.index("dc_n")
         replicas = [(self.replica, self.shared.globals.started_ms, int(time.time() * 1000))]
+        workers = self.live.s.num_workers  # the live replicas' (0 once one does not say: unknown)
         for replica, raw in reports.items():
             try:
                 report = ujson.loads(raw)
                 replicas.append((replica, int(report.get("started", 0)), int(report.get("at", 0))))
+                told = report.get("workers")
+                workers = workers + told if workers and isinstance(told, int) and told > 0 else 0
                 for addr, model in report.get("learned", {}).items():
                     if len(model) == len(LEARNED) and (
                         addr not in learned or model[n_pf] + model[n_dc] > learned[addr][n_pf] + learned[addr][n_dc]
@@ -429,8 +460,10 @@ class Cluster:
                 for addr, until in report.get("avoid", {}).items():
                     avoid[addr] = max(avoid.get(addr, 0.0), float(until))
             except (ValueError, TypeError, AttributeError):
+                workers = 0
                 continue  # a report this version cannot read
         self._seen(replicas)
+        self.shared.globals.cluster_workers = workers
         remote = self.shared.ledger[REMOTE_ROW].slots
         for t in self.registry.view().targets:
             addr, theirs = address_key(t.address), remote[t.slot]

@@ -15,7 +15,9 @@ Each worker process of each replica has one `ClusterStore` (one Redis connection
   instances, instances:v    the instance set (JSON) and its version
   events                    a channel: trigger-mode prefill usage and stored responses' homes, for every replica
   settling                  set for a while when the epoch is new: the workers writing their part again, during
-                            which a tenant's quota is not decided (ADMIT)
+                            which a tenant's quota is not decided (ADMIT) until every worker expected has
+  rewritten, expected       the workers that wrote their part under this epoch (their keys), and how many the live
+                            replicas have, as the writers saw them before the loss (REWRITE)
   epoch                     a random token, written by the first sync to find none: a store that lost its data
                             (restarted empty, failed over to an empty replica, FLUSHALL) has another, and every
                             replica puts its part back. A key, not INFO's run_id: it goes exactly when the data goes
@@ -101,8 +103,9 @@ end
 # its batch of settlements (TENANT's `settle`, from ARGV[13]). Returns {0}: admitted (counted), {1}: over the cap,
 # {2, µs}: no rate token for that long, {3}: the store lost its data since this worker wrote its part (REWRITE first),
 # {4, µs, why}: the tenant's quota refused it (why: requests, tokens or inflight) for that long, {5, µs}: the workers
-# are still writing their part after a loss (`settling`, a key the first to find the store empty writes): ask again
-# after that long, for until every worker has, a tenant's quota could count only some of its requests; with a tenant's
+# are still writing their part after a loss (`settling`, a key the first to find the store empty writes, ended early
+# once the `expected` workers are `rewritten`): ask again within that long, for until every worker has, a tenant's
+# quota could count only some of its requests; with a tenant's
 # buckets, then their state: {verdict, µs, why, rq, rq_at, tk, tk_at, now}.
 ADMIT = (
     REFILL
@@ -113,7 +116,11 @@ local h = ARGV[7]
 if h ~= '' then
   if redis.call('GET', KEYS[4]) ~= ARGV[12] then return {3, 0} end
   local settling = redis.call('PTTL', ARGV[6] .. 'settling')
-  if settling > 0 then return {5, settling * 1000} end
+  if settling > 0 then
+    local expected = tonumber(redis.call('GET', ARGV[6] .. 'expected') or '0')
+    if expected == 0 or redis.call('SCARD', ARGV[6] .. 'rewritten') < expected then return {5, settling * 1000} end
+    redis.call('DEL', ARGV[6] .. 'settling')
+  end
 end
 local now = clock()
 local ended = tonumber(ARGV[1])
@@ -214,7 +221,8 @@ return out
 
 # After the store lost its data: KEYS: the epoch, the inflight set, this worker's key, its tenants' key. ARGV: a new
 # epoch (written if none is: then the workers have `settling` ms to write their part), this worker's count, the keys'
-# expiry (ms), the settling time (ms), (unused), the key prefix, then per
+# expiry (ms), the settling time (ms), the workers of the live replicas as this one last saw them (0: unknown; the
+# most any writer saw is `expected`), the key prefix, then per
 # tenant nine values: hash, this worker's requests of it in flight, its view of the buckets (rq, rq_at, tk, tk_at and
 # `at`, the store's time of that view: what the reply of its latest call said), rpm, tpm. Each bucket made since the
 # loss is rebuilt from the latest view any worker had (refilled to now) less what was taken from it since it was made,
@@ -228,6 +236,11 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX') then redis.call('SET', ARGV[6] .. '
 local ttl = tonumber(ARGV[3])
 redis.call('SET', KEYS[3], ARGV[2], 'PX', ttl)
 redis.call('SADD', KEYS[2], KEYS[3])
+redis.call('SADD', ARGV[6] .. 'rewritten', KEYS[3])
+redis.call('PEXPIRE', ARGV[6] .. 'rewritten', ARGV[4])
+if tonumber(ARGV[5]) > tonumber(redis.call('GET', ARGV[6] .. 'expected') or '0') then
+  redis.call('SET', ARGV[6] .. 'expected', ARGV[5], 'PX', ARGV[4])
+end
 redis.call('DEL', KEYS[4])
 local now = clock()
 local i = 7
@@ -428,11 +441,12 @@ class ClusterStore:
         else:
             await self._counted(*expire)
 
-    async def rewrite(self, count: int, ttl_ms: int, settling_ms: int, tenants: tuple) -> bytes:
+    async def rewrite(self, count: int, ttl_ms: int, settling_ms: int, workers: int, tenants: tuple) -> bytes:
         """After the store lost its data: this worker's count, its tenants' counts and its views of their buckets
-        (`tenants`: per tenant nine values, see REWRITE); the store's epoch."""
+        (`tenants`: per tenant nine values, see REWRITE), and the workers it expects to write theirs (0: unknown);
+        the store's epoch."""
         args = (4, self.k_epoch, self.k_inflight, self.k_mine, self.k_tenants, os.urandom(8).hex(), count, ttl_ms)
-        return await self._script(self._rewrite, REWRITE, *args, settling_ms, 0, self.prefix, *tenants)
+        return await self._script(self._rewrite, REWRITE, *args, settling_ms, workers, self.prefix, *tenants)
 
     async def sync(self, report: bytes, ttl_ms: int, settling_ms: int) -> tuple[int, dict[str, bytes], bytes]:
         """Publish this replica's report; (the instance set's version, the other live replicas' reports, the

@@ -145,13 +145,17 @@ class Globals(Table):
         ("config_len", ctypes.c_int64),
         # Cluster mode (serving/cluster.py): the stored instance set's version this replica applied, whether the
         # store answered the sync owner's last round trip (1) or not (0), the live replicas it saw, and when
-        # (wall-clock ms).
+        # (wall-clock ms), and their workers (0: unknown, a replica did not say).
         ("cluster_version", ctypes.c_int64),
         ("store_up", ctypes.c_int64),
         ("replicas", ctypes.c_int64),
         ("synced_at_ms", ctypes.c_int64),
-        # The times the sync owner found the store had lost its data: each worker re-publishes its count.
+        ("cluster_workers", ctypes.c_int64),
+        # The times the sync owner found the store had lost its data: each worker re-publishes its count. And the
+        # workers of the live replicas as it saw them before the latest loss (the store lost their reports too): the
+        # writers the store waits for (0 once that wait is over).
         ("store_losses", ctypes.c_int64),
+        ("workers_at_loss", ctypes.c_int64),
         # The status page's JSON document (serving/status.py): odd while it is being written, and its length.
         ("status_gen", ctypes.c_int64),
         ("status_len", ctypes.c_int64),

@@ -5,6 +5,7 @@ and its tpm to within what was served, and the same holds after the store is emp
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -38,6 +39,9 @@ class SimProcess(Proc):
         super().__init__([*args, "--speedup", str(speedup)], os.path.join(log_dir, f"sim-{model}.log"))
         assert wait_until(lambda: self._healthy(), timeout_s=20), self.output()
 
+    def stats(self) -> dict:
+        return httpx.get(f"http://{self.address}/sim/stats", timeout=5).json()
+
     def _healthy(self) -> bool:
         try:
             return httpx.get(f"http://{self.address}/health", timeout=1).status_code == 200
@@ -69,6 +73,8 @@ def replicas(redis, tmp_path_factory):
 
     with ThreadPoolExecutor(3) as pool:
         started = list(pool.map(lambda _: Coordinator(config()), range(3)))
+    for coord in started:
+        coord.slow = slow  # (the engine of the long requests)
     yield started
     for proc in (*started, fast, slow):
         proc.stop()
@@ -151,6 +157,49 @@ def test_max_inflight_is_exact_across_replicas_and_after_the_store_is_emptied(re
     time.sleep(1.0)
     after = spread(replicas, CAP, lambda r: chat(r, KEY_C, max_tokens=2)[0])
     assert after.count(200) == CAP  # and given back when they ended
+
+
+def test_a_replica_stalled_through_the_loss_is_waited_for_and_its_places_still_count(replicas, redis):
+    """A replica's workers whose event loops stall (SIGSTOP) through the store's loss write their places back only when
+    they run again: until every worker of the live replicas has written (or it would count as gone), the others
+    decide no request of the tenant, so the places it holds still count. (A fixed settling time, 1.1 s, let the
+    others admit `CAP` more once it had passed.)"""
+    stalled, others = replicas[0], replicas[1:]
+    assert all(chat(r, KEY_C)[0] == 200 for r in replicas)  # (the store waits for no worker: a place each is free)
+    time.sleep(0.5)  # (their ends told at the workers' next ticks)
+    held: list[int] = []
+    holders = [
+        threading.Thread(target=lambda: held.append(chat(stalled, KEY_C, model="slow", max_tokens=900, whole=True)[0]))
+        for _ in range(CAP)
+    ]
+    for t in holders:
+        t.start()
+    assert wait_until(lambda: stalled.slow.stats()["running"] == CAP, timeout_s=5), (stalled.slow.stats(), held)
+    workers = list(stalled.server_workers().values())
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        seen = [r.output().count("lost its data") for r in others]
+        redis.command(b"FLUSHALL")
+        lost = time.monotonic()
+        assert wait_until(lambda: all(r.output().count("lost its data") > n for r, n in zip(others, seen)), 5)
+        time.sleep(max(0.0, lost + 1.4 - time.monotonic()))  # past the 1.1 s a fixed settling time gave
+        with ThreadPoolExecutor(6) as pool:
+            during = [pool.submit(chat, others[i % 2], KEY_C, max_tokens=2) for i in range(6)]
+            time.sleep(0.4)
+            early = [f.result()[0] for f in during if f.done()]
+            assert not early, early  # waiting for the stalled workers, not decided
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+            statuses = [f.result()[0] for f in during]
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+    assert statuses.count(200) == 0, statuses  # the stalled replica's places counted
+    for t in holders:
+        t.join(30)
+    assert held == [200] * CAP
+    time.sleep(1.0)  # (the stalled replica tells the store its ended requests at its next tick)
 
 
 def test_tpm_holds_across_replicas_within_one_request_and_after_the_store_is_emptied(replicas, redis):
