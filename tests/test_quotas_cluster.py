@@ -165,8 +165,9 @@ def test_a_replica_stalled_through_the_loss_is_waited_for_and_its_places_still_c
     decide no request of the tenant, so the places it holds still count. (A fixed settling time, 1.1 s, let the
     others admit `CAP` more once it had passed.)"""
     stalled, others = replicas[0], replicas[1:]
-    assert all(chat(r, KEY_C)[0] == 200 for r in replicas)  # (the store waits for no worker: a place each is free)
-    time.sleep(0.5)  # (their ends told at the workers' next ticks)
+    # (the places of the tests before given back: their ends are told at the workers' next ticks)
+    assert wait_until(lambda: all(chat(r, KEY_C)[0] == 200 for r in replicas), timeout_s=5)
+    time.sleep(0.5)  # (and these)
     held: list[int] = []
     holders = [
         threading.Thread(target=lambda: held.append(chat(stalled, KEY_C, model="slow", max_tokens=900, whole=True)[0]))
