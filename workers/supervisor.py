@@ -196,6 +196,7 @@ class Supervisor:
         return self.ready
 
     def _run(self) -> None:
+        announced = False
         while not self.stopping:
             time.sleep(self.interval_s)
             if self.stopping or self.shared.globals.draining or getattr(self.manager, "_shutting_down", False):
@@ -203,6 +204,9 @@ class Supervisor:
                 return
             if not self._startup_over():
                 continue
+            if not announced:  # from here a stop signal drains (before it, the Coordinator exits at once)
+                announced = True
+                log.info("every worker started: a stop signal now drains")
             try:
                 self._check()
             except Exception:
