@@ -121,6 +121,16 @@ class Coordinator:
     def output(self) -> str:
         return self.proc.output()
 
+    def every_worker_started(self, timeout_s: float = 20) -> bool:
+        """The main process has seen every worker start (its supervisor's INFO line): a stop signal before that
+        exits at once, undrained, and workers can answer requests some tenths of a second before it."""
+        deadline = time.monotonic() + timeout_s
+        while "every worker started" not in self.output():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def worker_pids(self) -> list[int]:
         """The Sanic worker processes of this Coordinator (spawned children of its main process)."""
         return [

@@ -635,9 +635,7 @@ def test_probes_while_draining_say_not_ready_but_alive(sims):
         assert wait_until(
             lambda: chat(coord).status_code == 200 and len(worker_pids(coord, mark)) == WORKERS, timeout_s=20
         )
-        # And the main process has seen them all start: a stop signal before that exits at once, undrained (a
-        # loaded machine can serve requests some tenths of a second before it sees that).
-        assert wait_until(lambda: "every worker started" in coord.output(), timeout_s=20)
+        assert coord.every_worker_started()
         stream.start()
         assert wait_until(lambda: u.stats()["running"] == 1, timeout_s=10)
         coord.proc.send_signal(signal.SIGTERM)

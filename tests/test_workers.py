@@ -203,7 +203,7 @@ def test_a_worker_hung_when_the_coordinator_stops_is_killed_and_the_coordinator_
     with Coordinator(cfg) as coord:
         workers = coord.server_workers()
         victim = "Sanic-Server-1-0"
-        time.sleep(1.0)  # Sanic's monitor loop acknowledges the workers' start (a stop before that exits at once)
+        assert coord.every_worker_started()
         os.kill(workers[victim], signal.SIGSTOP)
         try:
             started = time.monotonic()
@@ -275,7 +275,7 @@ def test_sigterm_to_the_whole_process_group_stops_cleanly(sims):
     with Coordinator(cfg) as coord:
         servers = set(coord.server_workers().values())
         [state_manager] = [pid for pid in coord.worker_pids() if pid not in servers]
-        time.sleep(1.0)  # Sanic's monitor loop acknowledges the workers' start (a stop before that exits at once)
+        assert coord.every_worker_started()
         os.kill(state_manager, signal.SIGTERM)
         # The main process's monitor loop reads the state manager's table every 0.1 s: time to find it gone.
         wait_until(lambda: coord.proc.poll() is not None, timeout_s=3)
