@@ -7,9 +7,8 @@ on a timer every `sync_interval_ms`:
 
 - every worker tells the store its requests ended (and its tenants' ended requests and tokens served, in one
   batch) when there are any, and at least every third of `replica_ttl_s` so that its keys live; after the store
-  lost its data it writes its counts and its last word on its tenants' buckets again (the store decides no
-  tenant's quota until every worker of the live replicas has, or, one silent, until it would count as gone:
-  `settling_ms`);
+  lost its data it writes its counts and its last word on its tenants' buckets again (no tenant's quota is
+  decided until every worker of the live replicas has, or one silent would count as gone: `settling_ms`);
 - the sync owner (worker 0) publishes this replica's report (load per endpoint address; the endpoints its
   breakers or health checks found broken; what slo_aware learned) and reads the others' in the same round trip:
   their load becomes the ledger's remote row, their broken endpoints are avoided here until they say otherwise,
@@ -113,10 +112,8 @@ class Cluster:
         )
         self.interval_s = c.sync_interval_ms / 1000
         self.ttl_ms = int(c.replica_ttl_s * 1000)
-        # After the store lost its data, how long the workers have to write their part again (each does at its
-        # next tick after the sync owner's sync sees the new epoch, or at its next request): no tenant's quota is
-        # decided meanwhile, unless every worker of the live replicas has written (the store counts them). A worker
-        # silent for longer would count as gone (its keys expire): the expiry, and the sync owner's tick to see it.
+        # After the store lost its data, no tenant's quota is decided until every worker of the live replicas wrote
+        # its part again (the store counts them), or for at most this: a worker silent longer would count as gone.
         self.settling_ms = self.ttl_ms + 2 * c.sync_interval_ms
         if not shared.globals.cluster_workers:  # before the first sync: this replica's (a fresh store holds nothing)
             shared.globals.cluster_workers = live.s.num_workers
@@ -216,21 +213,13 @@ class Cluster:
 
     async def _write_again(self) -> None:
         self.ended = 0
-        epoch = await self.store.rewrite(
-            self.admitted,
-            self.ttl_ms,
-            self.settling_ms,
-            self._expected_writers(),
-            self.quotas.written(),
-        )
+        # The workers the store waits for: the live replicas' before the loss (0: unknown). A worker may write before
+        # its sync owner found the loss: then the replicas as last seen are still those before it.
+        g = self.shared.globals
+        workers, tenants = int(max(g.cluster_workers, g.workers_at_loss)), self.quotas.written()
+        epoch = await self.store.rewrite(self.admitted, self.ttl_ms, self.settling_ms, workers, tenants)
         self.written_epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
         self.recount = False
-
-    def _expected_writers(self) -> int:
-        """The workers the store should wait for after a loss: the live replicas' before it (0: unknown). A worker
-        may write before its sync owner found the loss: then the replicas as last seen are still those before it."""
-        g = self.shared.globals
-        return int(max(g.cluster_workers, g.workers_at_loss))
 
     def share(self, cap: int) -> int:
         """This replica's share of a cluster-wide cap while the store is away (at least one)."""
@@ -424,14 +413,8 @@ class Cluster:
             if e.pf_n or e.dc_n:
                 learned[address_key(t.address)] = [getattr(e, f) for f in LEARNED]
         started = self.shared.globals.started_ms
-        report = {
-            "load": load,
-            "avoid": avoid,
-            "learned": learned,
-            "started": started,
-            "at": int(now * 1000),
-            "workers": self.live.s.num_workers,
-        }
+        report = {"load": load, "avoid": avoid, "learned": learned, "started": started, "at": int(now * 1000)}
+        report["workers"] = self.live.s.num_workers  # (what the store waits for after a loss: `_write_again`)
         return ujson.dumps(report).encode()
 
     def _apply_reports(self, reports: dict[str, bytes]) -> None:
