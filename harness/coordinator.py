@@ -17,7 +17,7 @@ import time
 import httpx
 
 from harness import ROOT
-from harness.loopback import CLIENT
+from harness.loopback import CLIENT, wait_until
 from harness.processes import Proc, children, cmdline, sanic_server_name
 
 ROUTE_TABLE = """
@@ -124,12 +124,7 @@ class Coordinator:
     def every_worker_started(self, timeout_s: float = 20) -> bool:
         """The main process has seen every worker start (its supervisor's INFO line): a stop signal before that
         exits at once, undrained, and workers can answer requests some tenths of a second before it."""
-        deadline = time.monotonic() + timeout_s
-        while "every worker started" not in self.output():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
+        return wait_until(lambda: "every worker started" in self.output(), timeout_s)
 
     def worker_pids(self) -> list[int]:
         """The Sanic worker processes of this Coordinator (spawned children of its main process)."""
