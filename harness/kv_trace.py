@@ -201,5 +201,5 @@ def caught_up(coord, model: str, engines: list[str], timeout_s: float = 60.0) ->
 
 
 def predictions(coord) -> dict[str, float]:
-    """The Coordinator's own comparison of predicted and reported cached tokens: {exact|over|under: requests}."""
+    """The Coordinator's own comparison of predicted and reported cached tokens: {exact|over|under|unpredicted: requests}."""
     return by_label(coord, "motor_kv_prediction_total", "outcome")

@@ -22,6 +22,9 @@ class JobInfo:
     slo_tpot_ms: float
     block_hashes: list[int] = field(default_factory=list)
     prompt_keys: object = None  # the prompt's block keys from its exact ids (scheduling/kv_index.PromptKeys), if known
+    # The engines' KV events are asked about it (its ids are exact, or meant to be): its prediction is counted,
+    # as unpredicted when the ids were not had (not in within EXACT_WAIT_S, an image, the encoding queue full).
+    kv_predicted: bool = False
     prompt_bytes: int = 0  # its rendering's length, when an engine's count of it may calibrate the meter (else 0)
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
     priority: int = 1  # its x-priority class: 0 interactive, 1 standard, 2 batch (scheduling/fairness.py)

@@ -250,6 +250,7 @@ class Scheduler:
             job.prompt_tokens, job.block_hashes, job.prompt_bytes, data = meter.count_ids(kind, body, hashes)
             if data:  # the engines' KV events can answer for this prompt (scheduling/kv_index.py)
                 job.prompt_keys = PromptKeys(data, prompt_seed(body.get("cache_salt")))
+            job.kv_predicted = bool(data) or meter.exact
         if not meter.exact or job.prompt_keys is not None:
             return None
         future = meter.submit(kind, body)

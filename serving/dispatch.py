@@ -118,7 +118,7 @@ class Dispatcher:
 
     def _serve_info(self, job: Job, info: JobInfo, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
         rec.prompt_tokens, family = info.prompt_tokens, job.family
-        if info.prompt_keys is not None:  # the engines' KV events predict its cached tokens: the line says how well
+        if info.kv_predicted:  # the engines' KV events predict its cached tokens: the line says how well
             rec.info = info
         if family.vllm_only:
             self._require_vllm(job)

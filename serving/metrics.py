@@ -108,7 +108,7 @@ TENANT_TOKENS = Counter(
 KV_PREDICTION = Counter(
     "motor_kv_prediction_total",
     "Requests whose cached prompt tokens the engines' KV events predicted, by how the engine's count compared: "
-    "exact, over (predicted more than it held), under",
+    "exact, over (predicted more than it held), under, unpredicted (its exact ids not had in time: the estimate's)",
     ["model", "outcome"],
 )
 REJECTIONS = Counter("motor_rejections_total", "Requests refused before reaching an engine, by reason", ["reason"])

@@ -128,7 +128,8 @@ class RequestRecord:
 
     @property
     def cached_tokens_predicted(self) -> int:
-        return self.info.cached_predicted if self.info is not None else -1
+        info = self.info
+        return info.cached_predicted if info is not None and info.prompt_keys is not None else -1
 
     def message_delta(self, block: bytes) -> None:
         """Relayed events that hold its family's `final_usage_event` (Messages' message_delta, Responses'
@@ -264,9 +265,14 @@ def _kv_fields(rec: RequestRecord) -> str:
 
 
 def kv_outcome(rec: RequestRecord) -> str | None:
-    """How the prediction of a request's cached tokens went (exact, over, under), when both sides are known."""
+    """How the prediction of a request's cached tokens went, when the engine said what it held: exact, over,
+    under, or unpredicted (its exact ids were not had in time: planned on the estimate)."""
     predicted, reported = rec.cached_tokens_predicted, rec.cached_tokens
-    if rec.info is None or predicted < 0 or reported < 0:
+    if rec.info is None or reported < 0:
+        return None
+    if rec.info.prompt_keys is None:
+        return "unpredicted"
+    if predicted < 0:  # never leased to an engine that computes prompts
         return None
     return "exact" if predicted == reported else "over" if predicted > reported else "under"
 

@@ -74,3 +74,48 @@ def test_a_long_conversation_is_predicted_from_its_exact_ids(tmp_path):
     finally:
         publisher.close()
         sim.stop()
+
+
+def test_a_prompt_without_exact_ids_is_counted_unpredicted(tmp_path):
+    """A chat with an image cannot be rendered to ids here (the engine expands it): the events cannot predict it,
+    and the Coordinator says so, in its line and in `motor_kv_prediction_total{outcome="unpredicted"}`, rather
+    than leave it out of the count (which read as fewer requests than were served)."""
+    pytest.importorskip("tokenizers")
+    tiny_tokenizer(str(tmp_path))
+    pub, replay = free_ports(2)
+    sim = sim_with_events(pub, replay)
+    kv = {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    instances = [
+        {"id": 1, "role": "union", "model_name": "m", "endpoints": [{"id": 0, "address": sim.address, "kv_events": kv}]}
+    ]
+    cfg = coordinator_config(
+        instances,
+        models=[{"id": "m", "tokenizer_path": str(tmp_path)}],
+        scheduler_config={"scheduler_type": "kv_cache_affinity"},
+        kv_event_config={"enable": True},
+    )
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    chats = [
+        [{"role": "user", "content": LINE * 20}],
+        [{"role": "user", "content": [{"type": "text", "text": LINE * 20}, image]}],
+    ]
+    try:
+        with Coordinator(cfg) as coord:
+            for messages in chats:
+                r = httpx.post(
+                    coord.url + "/v1/chat/completions",
+                    json={"model": "m", "messages": messages, "max_tokens": 1},
+                    timeout=30,
+                )
+                assert r.status_code == 200, r.text
+            assert wait_until(lambda: coord.output().count(" cached_tokens=") == 2, 5), coord.output()
+            lines = [line for line in coord.output().splitlines() if " cached_tokens=" in line]
+            assert "cached_tokens_predicted=0 " in lines[0] and "cached_tokens_predicted=- " in lines[1], lines
+
+            def outcomes() -> str:
+                return httpx.get(coord.obs + "/metrics").text
+
+            assert wait_until(lambda: 'motor_kv_prediction_total{model="m",outcome="unpredicted"} 1.0' in outcomes(), 5)
+            assert 'motor_kv_prediction_total{model="m",outcome="exact"} 1.0' in outcomes()
+    finally:
+        sim.stop()

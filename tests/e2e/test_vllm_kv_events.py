@@ -39,16 +39,29 @@ def run_policy(engines, model: str, policy: str, kv_events: bool) -> dict:
             assert caught_up(coord, model, [engines[name].url for name in UNIONS]), kv_states(coord)
         result = measure(make_trace(), model, [engines[name].url for name in UNIONS], lambda i: coord.url)
         n = len(result.usages)
-        if kv_events:  # (the Coordinator compares predictions for the prompts whose ids it knows)
-            assert wait_until(lambda: sum(predictions(coord).values()) == n, 10)
+        if kv_events:  # every request is counted, unpredicted when its exact ids were late on a loaded worker
+            assert wait_until(lambda: sum(predictions(coord).values()) == n, 10), (n, predictions(coord))
         outcomes = predictions(coord)
         misses = [m.groups() for m in _LINE.finditer(coord.output()) if m.group(1) != m.group(2)]
-    exact = outcomes.get("exact", 0.0) / n
-    print(f"\n{policy} kv_events={kv_events}: hit rate {result.hit_rate:.3f}, exact predictions {exact:.3f} {outcomes}")
-    return {"hit_rate": result.hit_rate, "exact": exact, "outcomes": outcomes, "misses": misses}
+    unpredicted = outcomes.get("unpredicted", 0.0)
+    exact = outcomes.get("exact", 0.0) / max(n - unpredicted, 1.0)
+    print(
+        f"\n{policy} kv_events={kv_events}: hit rate {result.hit_rate:.3f}, exact predictions {exact:.3f} of the "
+        f"{n - unpredicted:.0f} predicted {outcomes}"
+    )
+    return {
+        "hit_rate": result.hit_rate,
+        "exact": exact,
+        "unpredicted": unpredicted / n,
+        "outcomes": outcomes,
+        "misses": misses,
+    }
 
 
 EXACT_FLOOR = 0.95  # the figure
+# Requests planned on the estimate because their ids took over EXACT_WAIT_S (0.25 s): none on a quiet machine;
+# CI's run, its cores shared with the vLLM engines, had some (motor_kv_prediction_total counted them nowhere then).
+UNPREDICTED_CEILING = 0.25
 
 
 def test_kv_events_predict_vllms_cached_tokens_and_find_more_of_it(engines, model):
@@ -58,5 +71,6 @@ def test_kv_events_predict_vllms_cached_tokens_and_find_more_of_it(engines, mode
     # Runs on 2 loaded cores gave 96.3-100 % once the subscriptions had caught up (the misses: blocks cached on
     # the engine before their events were applied).
     assert events["exact"] >= EXACT_FLOOR, (events["outcomes"], events["misses"])
+    assert events["unpredicted"] <= UNPREDICTED_CEILING, events["outcomes"]
     assert events["hit_rate"] > rr["hit_rate"], (events["hit_rate"], rr["hit_rate"])
     assert events["hit_rate"] > estimate["hit_rate"], (events["hit_rate"], estimate["hit_rate"])
