@@ -188,6 +188,14 @@ def chained_hashes(data: bytes, block_bytes: int) -> list[int]:
     return out
 
 
+def salted_hashes(hashes: list[int], salt: object) -> list[int]:
+    """A prompt's prefix hashes in the scope of its `cache_salt` (vLLM's, which enters its first block's hash):
+    each hash's CRC half mixed with the salt's CRC-32, so that the same prompt under another salt shares none of
+    them (a hash keeps its block count, and stays non-zero)."""
+    mix = zlib.crc32(str(salt).encode("utf-8", "surrogatepass")) << 32
+    return [h ^ mix for h in hashes]
+
+
 def blocks_covered(held: int) -> int:
     """The blocks of prompt covered by its first `held` hashes."""
     return BOUNDARIES[held - 1] if held > 0 else 0
