@@ -119,10 +119,13 @@ def test_a_client_salt_is_a_scope_inside_its_tenant_and_cannot_name_another(worl
 
 
 def test_counting_routes_compute_no_kv_and_carry_no_salt(world):
+    """/tokenize, /detokenize and count_tokens compute no KV: nothing is added, and a client's own salt (however
+    long) goes to the engine as it is."""
     u = world.engines[MODEL][0]
     salts_sent(u)
+    long_salt = "x" * (CLIENT_SALT_MAX + 1)
     count = anthropic_client(world, api_key=KEY_A).messages.count_tokens(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"cache_salt": long_salt}
     )
     assert count.input_tokens > 0
     for route, body in (
@@ -131,7 +134,7 @@ def test_counting_routes_compute_no_kv_and_carry_no_salt(world):
     ):
         r = httpx.post(world.url + route, json=body, headers={"Authorization": f"Bearer {KEY_A}"})
         assert r.status_code == 200, r.text
-    assert salts_sent(u) == [None, None, None]
+    assert salts_sent(u) == [long_salt, None, None]
 
 
 def test_shared_prefix_cache_shares_and_keys_off_adds_nothing(sims):
