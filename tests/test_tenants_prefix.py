@@ -28,9 +28,9 @@ SALT_A, SALT_B = tenant_salt("team-a"), tenant_salt("team-b")
 FAMILIES = ("chat", "completions", "responses", "messages")
 
 
-def prompt(tag: str) -> str:
+def prompt(tag: str, sentences: int = 40) -> str:
     """A prompt of many blocks, its own for each `tag` (the engines' caches outlive a test)."""
-    return f"[{tag}] " + "The tenants' secrets stay their own, however long the prompt. " * 40
+    return f"[{tag}] " + "The tenants' secrets stay their own, however long the prompt. " * sentences
 
 
 def cached(coord: Coordinator, key: str, family: str, model: str, text: str, salt: str | None = None) -> int:
