@@ -291,9 +291,6 @@ def _headers(headers: dict[str, str], requests_milli: int, tokens_milli: int, rp
         headers[name] = block
 
 
-# Cached: a bucket that refills between a tenant's requests is left at the same level (full less one request and
-# its reservation) request after request, and the block is a pure function of the levels and limits. (Formatting
-# it was a fifth of what a quota costs a request.)
 # The label a tenant's digest starts from: a constant, so that every worker and replica salts a tenant alike.
 _SALT_LABEL = b"motor-coordinator/prefix-cache/"
 SALT_DIGITS = 32  # hex digits of a tenant's digest: 128 bits
@@ -317,12 +314,15 @@ def effective_salt(tenant: str, client: object) -> str:
     if not isinstance(client, str) or not 0 < len(client) <= CLIENT_SALT_MAX:
         raise InvalidRequest(
             f"cache_salt must be a non-empty string of at most {CLIENT_SALT_MAX} characters (the Coordinator puts "
-            f"its tenant's scope in front of it, and vLLM takes 128)",
+            "its tenant's scope in front of it, and vLLM takes 128)",
             param="cache_salt",
         )
     return f"{digest}:{client}"
 
 
+# Cached: a bucket that refills between a tenant's requests is left at the same level (full less one request and
+# its reservation) request after request, and the block is a pure function of the levels and limits. (Formatting
+# it was a fifth of what a quota costs a request.)
 @lru_cache(maxsize=4096)
 def _block(requests_milli: int, tokens_milli: int, rpm: int, tpm: int) -> tuple[str, str]:
     """`_headers`' block: the first header's name and its value, which carries the others' lines."""
