@@ -10,6 +10,8 @@ the tenant's prefix-cache salt and the x-priority class as it goes to its engine
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from engines import Body, parts_of
 from errors import json_bytes
 from scheduling.registry import Target
@@ -80,11 +82,20 @@ def engine_body(body: Body, job: Job, target: Target) -> Body:
     ranked = target.priority and job.family.priority_field and job.metaserver is None
     if salt is None and not ranked:
         return body
-    added = b',"cache_salt":' + json_bytes(salt) if salt is not None else b""
+    added = _salt_field(salt) if salt is not None else b""
     if ranked:
         added += b',"priority":%d' % job.priority
     parts = parts_of(body)
     last = parts[-1]
-    tail = bytes(last[-64:])  # the closing brace, and any whitespace after it
-    cut = len(last) - len(tail) + tail.rindex(b"}")
+    if isinstance(last, bytes):  # (found from the end at once: the closing brace, and any whitespace after it)
+        cut = last.rindex(b"}")
+    else:
+        tail = bytes(last[-64:])
+        cut = len(last) - len(tail) + tail.rindex(b"}")
     return (*parts[:-1], memoryview(last)[:cut], added + b"}")
+
+
+@lru_cache(maxsize=4096)
+def _salt_field(salt: str) -> bytes:
+    """`,"cache_salt":...` as JSON writes it: made once per tenant (a client's own salt, once per salt)."""
+    return b',"cache_salt":' + json_bytes(salt)

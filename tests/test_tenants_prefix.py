@@ -5,6 +5,8 @@ the client sent; the Coordinator's KV-event predictions follow the salt. Real SD
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import httpx
@@ -153,6 +155,33 @@ def test_shared_prefix_cache_shares_and_keys_off_adds_nothing(sims):
         assert cached(coord, "none", "chat", MODEL, text) > 0
         assert cached(coord, "none", "messages", MODEL, text, salt="own") == 0
         assert salts_sent(u) == [None, None, "own"]
+
+
+def test_a_reload_switches_prefix_cache_and_a_bad_value_changes_nothing(sims):
+    """tenant_config is live: a reloaded file's prefix_cache takes effect from the next requests on; one whose value
+    is neither is refused in one line naming the key, and the Coordinator runs on as it did."""
+    u = sims("union")
+    cfg = coordinator_config([instance(1, "union", MODEL, u.address)], api_key_config=api_keys(), tenant_config=TENANTS)
+    turns = iter(range(1000))
+
+    def b_reads_as(want_shared: bool) -> bool:
+        text = prompt(f"reload-{next(turns)}")
+        cached(coord, KEY_A, "completions", MODEL, text)
+        return (cached(coord, KEY_B, "completions", MODEL, text) > 0) == want_shared
+
+    def reload(prefix_cache: str) -> None:
+        whole = {"motor_coordinator_config": {**cfg, "tenant_config": {**TENANTS, "prefix_cache": prefix_cache}}}
+        with open(coord.config_path + ".new", "w") as f:
+            json.dump(whole, f)
+        os.replace(coord.config_path + ".new", coord.config_path)
+
+    with Coordinator(cfg) as coord:
+        assert b_reads_as(want_shared=False)
+        reload("shared")
+        assert wait_until(lambda: b_reads_as(want_shared=True), 10)
+        reload("open")
+        assert wait_until(lambda: "tenant_config.prefix_cache: must be one of isolated, shared" in coord.output(), 10)
+        assert b_reads_as(want_shared=True)  # as before
 
 
 def test_prefix_cache_takes_isolated_or_shared_only():
