@@ -21,6 +21,7 @@ from harness.coordinator import Coordinator
 from harness.loopback import wait_until
 from serving.tenants import CLIENT_SALT_MAX, tenant_salt
 from tests.conftest import MODEL
+from tests.test_failover import continuations_sent
 from tests.test_kv_events import BLOCK, PROMPT_A, _kv_blocks, _kv_states, engines_with_events, ids_of
 
 PD = "qwen3-pd"
@@ -118,6 +119,31 @@ def test_a_client_salt_is_a_scope_inside_its_tenant_and_cannot_name_another(worl
     with pytest.raises(openai.BadRequestError) as e:
         cached(world, KEY_A, "chat", model, text, salt="x" * (CLIENT_SALT_MAX + 1))
     assert e.value.body["param"] == "cache_salt"
+
+
+def test_a_broken_streams_continuation_carries_its_tenants_salt(sims):
+    """A stream whose engine fails after its first tokens goes on on the other engine (reschedule_config) as a
+    completions request of token ids: that body is salted as the first was."""
+    engines = [sims("union", speedup=5) for _ in range(2)]
+    cfg = coordinator_config(
+        [instance(i + 1, "union", MODEL, e.address) for i, e in enumerate(engines)],
+        exception_config={"reschedule_config": {"enable": True}, "retry_delay": 0.01},
+        api_key_config=api_keys(),
+        tenant_config=TENANTS,
+    )
+    with Coordinator(cfg) as coord:
+        for e in engines:
+            e.set_faults(mid_stream_fault="reset", mid_stream_fault_after_tokens=4)
+        stream = openai_client(coord, KEY_A).chat.completions.create(
+            model=MODEL,
+            max_tokens=8,
+            messages=[{"role": "user", "content": "Tell me about rivers."}],
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        assert sum(len(ch.choices[0].delta.content or "") > 0 for ch in stream if ch.choices) > 4
+        assert len(continuations_sent(engines)) == 1
+        assert salts_sent(*engines) == [SALT_A, SALT_A]  # the first engine's request, and the continuation
 
 
 def test_counting_routes_compute_no_kv_and_carry_no_salt(world):
