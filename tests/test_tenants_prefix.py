@@ -121,6 +121,25 @@ def test_a_client_salt_is_a_scope_inside_its_tenant_and_cannot_name_another(worl
     assert e.value.body["param"] == "cache_salt"
 
 
+def test_in_trigger_mode_p_is_salted_through_the_metaserver_call(sims):
+    """Trigger mode (MindIE's metaserver protocol): D gets the salt in its body, and P's leg, which is D's call to
+    the Coordinator's /v1/metaserver (the engine's rewrite of the body: engine_sim's carries only the model and
+    the prompt), gets it from the ticket's metaserver URL."""
+    p, d = sims("prefill", model=PD), sims("decode", model=PD)
+    cfg = coordinator_config(
+        [instance(1, "prefill", PD, p.address), instance(2, "decode", PD, d.address)],
+        scheduler_config={"pd_dispatch": "trigger"},
+        api_key_config=api_keys(),
+        tenant_config=TENANTS,
+    )
+    with Coordinator(cfg) as coord:
+        text = prompt("trigger")
+        assert cached(coord, KEY_A, "chat", PD, text) == 0
+        assert cached(coord, KEY_A, "chat", PD, text) > 0
+        assert cached(coord, KEY_B, "chat", PD, text) == 0
+        assert salts_sent(p) == [SALT_A, SALT_A, SALT_B] and salts_sent(d) == [SALT_A, SALT_A, SALT_B]
+
+
 def test_a_broken_streams_continuation_carries_its_tenants_salt(sims):
     """A stream whose engine fails after its first tokens goes on on the other engine (reschedule_config) as a
     completions request of token ids: that body is salted as the first was."""
