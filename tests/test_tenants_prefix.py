@@ -1,7 +1,8 @@
 """Tenants and the engines' prefix cache (tenant_config.prefix_cache): with keys on, a tenant's prompts carry its
 own `cache_salt`, so no tenant reads from `cached_tokens` what another asked. On every family that computes KV, on
-union engines and on both legs of PD; a client's own salt stays inside its tenant; "shared" and keys off send what
-the client sent; the Coordinator's KV-event predictions follow the salt. Real SDKs, engine_sim engines."""
+union engines and on both legs of PD (handoff and trigger mode), and on a broken stream's continuation; a client's
+own salt stays inside its tenant; "shared" and keys off send what the client sent, and a reload switches between
+them; the Coordinator's KV-event predictions follow the salt. Real SDKs, engine_sim engines."""
 
 from __future__ import annotations
 
