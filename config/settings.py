@@ -94,6 +94,13 @@ class Settings(LogConfig, ShutdownConfig, RateLimitConfig, ExceptionConfig, Sche
             list(dict.fromkeys([*named, DEFAULT_TENANT, *(t for _, t in self.key_owners)]))[:MAX_TENANT_LABELS]
         )
 
+    @cached_property
+    def isolated_prefixes(self) -> bool:
+        """Each tenant's prompts get their own prefix-cache scope (serving/tenants.py `effective_salt`): keys are on
+        (more than one tenant is possible) and tenant_config's prefix_cache is "isolated" (its default, and
+        without tenant_config)."""
+        return self.api_key.enable_api_key and (self.tenants is None or self.tenants.prefix_cache == "isolated")
+
     @cached_property  # (read for every request of a tenant tenant_config does not name)
     def default_limits(self) -> TenantLimits:
         return self.tenants.default if self.tenants is not None else NO_LIMITS

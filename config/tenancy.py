@@ -14,6 +14,8 @@ PRIORITIES = ("interactive", "standard", "batch")  # x-priority's classes, first
 STANDARD = 1  # a request's class without x-priority
 DEFAULT_TENANT, OTHER_TENANT = "default", "other"  # the tenant of api_key_config's keys; the metrics' fold
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # safe in a log line and a metric label as it is
+# Whether tenants share the engines' prefix cache: "isolated" salts each tenant's prompts (serving/tenants.py).
+PREFIX_CACHE = ("isolated", "shared")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class TenantConfig:
 
     tenants: tuple[Tenant, ...] = ()
     default: TenantLimits = TenantLimits()
+    prefix_cache: Annotated[Str, one_of(PREFIX_CACHE)] = "isolated"
 
 
 def tenants_apart(cfg: TenantConfig) -> TenantConfig:

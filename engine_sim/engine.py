@@ -76,6 +76,7 @@ class Seq:
         "aborted",
         "arrival",
         "block_hashes",
+        "cache_salt",
         "cached_tokens",
         "done",
         "emitted",
@@ -114,6 +115,7 @@ class Seq:
         self.token_ids = token_ids  # the prompt's ids, kept only when KV events are published
         self.kv_tokens = 0
         self.priority = 0  # vLLM's `priority`: read under --scheduling-policy priority
+        self.cache_salt: str | None = None  # vLLM's `cache_salt`: in its first block's KV event
 
     @property
     def max_len(self) -> int:
@@ -223,9 +225,10 @@ class Engine:
             self.prefix.move_to_end(h)
         return n
 
-    def prefix_insert(self, hashes, token_ids=None):
+    def prefix_insert(self, hashes, token_ids=None, salt=None):
         """The prompt's blocks are cached (the least recently used ones beyond the cap are evicted); with a KV
-        event publisher, the blocks new to the cache are published as stored and the evicted ones as removed."""
+        event publisher, the blocks new to the cache are published as stored (the first one's extra keys carry
+        the prompt's cache `salt`) and the evicted ones as removed."""
         new = [i for i, h in enumerate(hashes) if h not in self.prefix]
         for h in reversed(hashes):
             self.prefix[h] = None
@@ -239,7 +242,7 @@ class Engine:
                 if start is None:
                     start = i
                 if j + 1 == len(new) or new[j + 1] != i + 1:
-                    events.append(kv_events.stored(hashes, token_ids, start, i + 1, self.cfg.block_size))
+                    events.append(kv_events.stored(hashes, token_ids, start, i + 1, self.cfg.block_size, salt))
                     start = None
             if evicted:
                 events.append(kv_events.removed(evicted))
@@ -404,7 +407,7 @@ class Engine:
             now = time.monotonic()
             for s in finishing_prefill:
                 if s.block_hashes:
-                    self.prefix_insert(s.block_hashes, s.token_ids)
+                    self.prefix_insert(s.block_hashes, s.token_ids, s.cache_salt)
             for s in finishing_prefill + decoders:
                 if s.done:
                     continue

@@ -106,7 +106,7 @@ async def _run(sim: SimState, request: web.Request, req: SimRequest, headers: di
         raise ApiError(400, f"Got priority {req.priority} but Priority scheduling is not enabled.", "BadRequestError")
     g = eos_at_once(req) if is_prefill_leg(sim, req) and sim.faults.eos_on_prefill else generate(req)
     remote_hit = await pull_remote_prefill(sim, req) if is_decode_leg(sim, req) else 0
-    hashes = T.block_hashes(req.prompt_text, cfg.block_size, cfg.bytes_per_token)
+    hashes = T.block_hashes(req.prompt_text, cfg.block_size, cfg.bytes_per_token, req.cache_salt)
     prefix_hit = 0
     if not remote_hit:
         # As vLLM: at least the last prompt token is computed, so a hit is whole blocks of the first n - 1.
@@ -117,13 +117,13 @@ async def _run(sim: SimState, request: web.Request, req: SimRequest, headers: di
     out_lens = [len(p) for p in g.pieces]
     ids = T.text_token_ids(req.prompt_text, cfg.bytes_per_token) if eng.kv_events is not None and hashes else None
     seq = Seq(req.id, req.prompt_tokens, req.cached_tokens, out_lens, hashes, ids)
-    seq.priority = req.priority
+    seq.priority, seq.cache_salt = req.priority, req.cache_salt
     if cfg.zero_latency:
         seq.emitted = seq.max_len
         seq.done = True
         eng.stats["generation_tokens"] += sum(out_lens)
         if hashes:
-            eng.prefix_insert(hashes, ids)
+            eng.prefix_insert(hashes, ids, req.cache_salt)
     else:
         eng.submit(seq)
     serving = SERVING[req.kind]

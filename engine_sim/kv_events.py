@@ -82,8 +82,13 @@ class KvEventPublisher:
         self.ctx.term()
 
 
-def stored(hashes: list[bytes], ids: list[int], start: int, end: int, block_size: int) -> dict:
-    """BlockStored for blocks start..end-1 of a prompt (its parent the block before, if any)."""
+def stored(hashes: list[bytes], ids: list[int], start: int, end: int, block_size: int, salt: str | None) -> dict:
+    """BlockStored for blocks start..end-1 of a prompt (its parent the block before, if any). Its `extra_keys`
+    has one entry per block, as vLLM 0.32 publishes them: the prompt's cache salt in the first block's, None
+    for a block without extra keys."""
+    extra: list[list[str] | None] = [None] * (end - start)
+    if salt and start == 0:
+        extra[0] = [salt]
     return {
         "type": "BlockStored",
         "block_hashes": [block_hash_int(h) for h in hashes[start:end]],
@@ -93,6 +98,7 @@ def stored(hashes: list[bytes], ids: list[int], start: int, end: int, block_size
         "lora_id": None,
         "medium": "GPU",
         "lora_name": None,
+        "extra_keys": extra,
     }
 
 

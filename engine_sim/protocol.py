@@ -69,6 +69,19 @@ def _stop_sequences(v: Any) -> tuple[str, ...]:
     return _strings(v, "list_type", "Input should be a valid list")
 
 
+def _cache_salt(v: Any) -> Any:
+    """vLLM's validate_cache_salt: a non-empty string of at most 128 characters, none of '@', '/', '\\', NUL."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(v) > 128 or any(c in "@/\\\x00" for c in v):
+        raise ValueError(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
+        )
+    return v
+
+
 def _tool_choice(v: Any) -> Any:
     if v is None:
         return None
@@ -110,6 +123,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int = 0
     ignore_eos: Any = False
     kv_transfer_params: Any = None
+    cache_salt: Annotated[Any, BeforeValidator(_cache_salt)] = None  # enters the prompt's first block hash
 
 
 class OpenAIRequest(SamplingRequest):

@@ -51,6 +51,7 @@ class SimRequest:
     log_id: str = ""  # the X-Request-Id, else the response id
     cached_tokens: int = 0
     priority: int = 0  # vLLM's `priority` (the Anthropic route has none)
+    cache_salt: str | None = None  # vLLM's: in the prompt's first block hash, and in its KV event's extra keys
     responses: Any = None  # /v1/responses: what its answer echoes and stores (responses_serving)
 
     def prompt_token_ids(self) -> list[int]:
@@ -132,6 +133,7 @@ def _new_request(
         kv_transfer_params=kvp if isinstance(kvp, dict) else None,
         bytes_per_token=bpt,
         priority=getattr(r, "priority", 0),
+        cache_salt=r.cache_salt,
     )
 
 

@@ -343,11 +343,19 @@ def generate(
     return tuple(pieces), acc, finish, stop_reason, tuple(ids)
 
 
-def block_hashes(text: str, block_tokens: int = 16, bytes_per_token: int = BYTES_PER_TOKEN) -> list:
-    """Chained hashes of full blocks of the prompt (block = block_tokens * bytes_per_token utf-8 bytes)."""
+def block_hashes(
+    text: str, block_tokens: int = 16, bytes_per_token: int = BYTES_PER_TOKEN, salt: str | None = None
+) -> list:
+    """Chained hashes of full blocks of the prompt (block = block_tokens * bytes_per_token utf-8 bytes). A cache
+    `salt` enters the first block's hash, as vLLM's does (its extra keys): prompts of other salts share none."""
     data = text.encode("utf-8")
     step = block_tokens * bytes_per_token
-    out, prev = [], b""
+    out = []
+    prev = (
+        hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=12, person=b"cache_salt").digest()
+        if salt
+        else b""
+    )
     for off in range(0, len(data) - step + 1, step):
         prev = hashlib.blake2b(prev + data[off : off + step], digest_size=12).digest()
         out.append(prev)

@@ -67,6 +67,8 @@ async def serve_inference(request: Request, family: Family, from_client: bool = 
         job.tenant = rec.tenant
         if from_client:
             ctx.tenants.classify(job, request.headers.get("x-priority"))
+        else:  # an engine's call: the salt its trigger-mode ticket's URL gave (serving/trigger.py `salted_url`)
+            job.cache_salt = request.args.get("cache_salt")
         job.slo_ttft_ms = slo_header(request, "x-slo-ttft-ms")
         job.slo_tpot_ms = slo_header(request, "x-slo-tpot-ms")
         rec.model, rec.stream = clip(job.model), job.stream  # the log line's: a name can be megabytes

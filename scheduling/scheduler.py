@@ -27,7 +27,7 @@ from scheduling.ledger import DECODE, PREFILL, WHOLE, Hold, Lease, Ledger
 from scheduling.policies import MARGIN, TPOT_MARGIN, JobInfo, Policy, PrefixSource, make_policy
 from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
-from scheduling.tokens import PromptMeter
+from scheduling.tokens import PromptMeter, salted_hashes
 
 log = logging.getLogger("coordinator.scheduler")
 
@@ -235,11 +235,12 @@ class Scheduler:
         events can be asked about) or "estimate"."""
         return {m: "exact" if self.meter(m).exact else "estimate" for m in models}
 
-    def prepare(self, job: JobInfo, kind: str, body: dict) -> Awaitable[None] | None:
+    def prepare(self, job: JobInfo, kind: str, body: dict, salt: object = None) -> Awaitable[None] | None:
         """Count the prompt and hash its blocks (the policy uses them). The count is the estimate's, or exact for a
         token-id prompt; a model with a tokenizer has its prompt encoded off the loop (scheduling/exact.py), and
         the awaitable returned puts the exact count and ids in `job` once they are in, to await before planning
-        (None: nothing to wait for)."""
+        (None: nothing to wait for). `salt`: the `cache_salt` its engines see, which scopes its blocks in their
+        prefix caches, and so in both indexes (a prompt of another scope holds none of them)."""
         meter = self.meter(job.model)
         index = self.index if self.policy.uses_prefix else None
         hashes = index is not None and index.needs_hashes
@@ -249,14 +250,16 @@ class Scheduler:
         else:
             job.prompt_tokens, job.block_hashes, job.prompt_bytes, data = meter.count_ids(kind, body, hashes)
             if data:  # the engines' KV events can answer for this prompt (scheduling/kv_index.py)
-                job.prompt_keys = PromptKeys(data, prompt_seed(body.get("cache_salt")))
+                job.prompt_keys = PromptKeys(data, prompt_seed(salt))
             job.kv_predicted = bool(data) or meter.exact
+        if salt and job.block_hashes:
+            job.block_hashes = salted_hashes(job.block_hashes, salt)
         if not meter.exact or job.prompt_keys is not None:
             return None
         future = meter.submit(kind, body)
         if future is None:
             return None
-        return self._exact(job, meter, future, prompt_seed(body.get("cache_salt")) if wants_ids else None)
+        return self._exact(job, meter, future, prompt_seed(salt) if wants_ids else None)
 
     async def _exact(self, job: JobInfo, meter, future, seed: bytes | None) -> None:
         data = await meter.wait(future)

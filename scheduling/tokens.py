@@ -53,6 +53,7 @@ import math
 import zlib
 from array import array
 from bisect import bisect_right
+from functools import lru_cache
 from itertools import repeat
 
 BYTES_PER_TOKEN = 4
@@ -186,6 +187,20 @@ def chained_hashes(data: bytes, block_bytes: int) -> list[int]:
         out.append((crc << 32) | count)
         start = end
     return out
+
+
+def salted_hashes(hashes: list[int], salt: object) -> list[int]:
+    """A prompt's prefix hashes in the scope of its `cache_salt` (vLLM's, which enters its first block's hash):
+    each hash's CRC half mixed with the salt's CRC-32, so that the same prompt under another salt shares none of
+    them (a hash keeps its block count, and stays non-zero)."""
+    mix = _salt_mix(str(salt))
+    return [h ^ mix for h in hashes]
+
+
+@lru_cache(maxsize=4096)
+def _salt_mix(salt: str) -> int:
+    """A salt's CRC-32 above a hash's block count: made once per salt (per tenant)."""
+    return zlib.crc32(salt.encode("utf-8", "surrogatepass")) << 32
 
 
 def blocks_covered(held: int) -> int:

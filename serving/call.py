@@ -22,7 +22,7 @@ from scheduling.ledger import DECODE, Lease
 from scheduling.scheduler import Leg
 from serving.continuation import Continuation
 from serving.job import Job
-from serving.legs import ranked
+from serving.legs import engine_body
 from serving.observe import Observer, RequestRecord
 from serving.usage import PrefillUsages
 
@@ -84,7 +84,7 @@ class Call(Generic[T]):
         try:
             _, data = await up.client.post(
                 self.leg.target.url + self.job.family.route,
-                ranked(self.body, self.job, self.leg.target),
+                engine_body(self.body, self.job, self.leg.target),
                 rid,
                 timeout_s=up.live.s.infer_timeout_s,
             )

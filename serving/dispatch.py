@@ -96,7 +96,7 @@ class Dispatcher:
         exact = None
         if family.prompt_kind is not None:  # how the scheduler reads its prompt
             try:
-                exact = self.scheduler.prepare(info, family.prompt_kind, job.prompt_body)
+                exact = self.scheduler.prepare(info, family.prompt_kind, job.prompt_body, job.salt)
             except RecursionError:  # counting walks the body's nesting, which JSON lets go 1,000 deep
                 raise InvalidRequest("the request body is nested too deeply") from None
         return info, exact

@@ -22,7 +22,7 @@ from scheduling.scheduler import Leg, Plan
 from scheduling.tokens import engine_cached, engine_prompt, engine_uncached
 from serving.call import Call, Sink, Upstream
 from serving.job import Job
-from serving.legs import decode_wire, prefill_wire, ranked
+from serving.legs import decode_wire, engine_body, prefill_wire
 from serving.observe import RequestRecord, log_value
 from serving.relay import relay
 from serving.retries import Retries
@@ -45,7 +45,7 @@ class PrefillCall(Call[dict]):
         try:
             _, data = await up.client.post(
                 t.url + self.job.family.route,
-                ranked(self.body, self.job, t),
+                engine_body(self.body, self.job, t),
                 rid,
                 timeout_s=up.live.s.first_token_timeout_s,
             )

@@ -35,6 +35,14 @@ class Job:
     tenant: str = DEFAULT_TENANT  # who sent it, as its API key says (handlers/auth.py)
     priority: int = STANDARD  # its x-priority class, capped at its tenant's max_priority (serving/tenants.py)
     weight: float = 1.0  # its tenant's share of the tokens served when requests wait (tenant_config's weight)
+    # The `cache_salt` its engine-bound bodies carry (serving/tenants.py: its tenant's prefix-cache scope); None:
+    # the body's own, if any, goes as it is
+    cache_salt: str | None = None
+
+    @property
+    def salt(self) -> str | None:
+        """The salt its engines see (`cache_salt`, else the body's own): what its prompt's blocks are keyed by."""
+        return self.cache_salt if self.cache_salt is not None else self.body.get("cache_salt")
 
     @property
     def prompt_body(self) -> dict:

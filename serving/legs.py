@@ -4,10 +4,13 @@ The prefill leg must finish *because of the length cap*, or vLLM returns no `kv_
 silently recomputes the prompt: one token, `ignore_eos`, no stop conditions, no `min_tokens`, `n` 1,
 non-streaming, no `stream_options` (each dropped field set to what the engine reads when it is absent). What
 differs by family (the Responses API's cap, Messages' tool choice) is its family's `cap_prefill`
-(serving/families/). The decode leg is the client's own body plus P's ticket, unchanged.
+(serving/families/). The decode leg is the client's own body plus P's ticket, unchanged. Every leg's body gets
+the tenant's prefix-cache salt and the x-priority class as it goes to its engine (`engine_body`).
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 from engines import Body, parts_of
 from errors import json_bytes
@@ -68,15 +71,31 @@ def decode_wire(job: Job, ticket: dict | None) -> Body:
     return json_bytes(body)
 
 
-def ranked(body: Body, job: Job, target: Target) -> Body:
-    """`body` as it goes to `target`: with the request's x-priority class as vLLM's `priority` field (0 interactive,
-    1 standard, 2 batch) when the engine runs vLLM's priority scheduling and the family's route reads the field;
-    else as it is (an FCFS engine refuses a non-zero one). Appended, as the last of a key is what JSON readers keep:
-    a client's own `priority` never outranks its class. An engine's metaserver call carries what its engine sent."""
-    if not target.priority or not job.family.priority_field or job.metaserver is not None:
+def engine_body(body: Body, job: Job, target: Target) -> Body:
+    """`body` as it goes to `target`, with what the Coordinator sets appended, as the last of a key is what JSON
+    readers keep (a client's own field never wins): its tenant's `cache_salt` (`job.cache_salt`, serving/tenants.py)
+    when it has one, and the request's x-priority class as vLLM's `priority` field (0 interactive, 1 standard,
+    2 batch) when the engine runs vLLM's priority scheduling and the family's route reads the field (an FCFS engine
+    refuses a non-zero one). Else as it is. An engine's metaserver call carries what its engine sent (salted when
+    its client request was)."""
+    salt = job.cache_salt
+    ranked = target.priority and job.family.priority_field and job.metaserver is None
+    if salt is None and not ranked:
         return body
+    added = _salt_field(salt) if salt is not None else b""
+    if ranked:
+        added += b',"priority":%d' % job.priority
     parts = parts_of(body)
     last = parts[-1]
-    tail = bytes(last[-64:])  # the closing brace, and any whitespace after it
-    cut = len(last) - len(tail) + tail.rindex(b"}")
-    return (*parts[:-1], memoryview(last)[:cut], b',"priority":%d}' % job.priority)
+    if isinstance(last, bytes):  # (found from the end at once: the closing brace, and any whitespace after it)
+        cut = last.rindex(b"}")
+    else:
+        tail = bytes(last[-64:])
+        cut = len(last) - len(tail) + tail.rindex(b"}")
+    return (*parts[:-1], memoryview(last)[:cut], added + b"}")
+
+
+@lru_cache(maxsize=4096)
+def _salt_field(salt: str) -> bytes:
+    """`,"cache_salt":...` as JSON writes it: made once per tenant (a client's own salt, once per salt)."""
+    return b',"cache_salt":' + json_bytes(salt)

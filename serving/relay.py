@@ -21,7 +21,7 @@ from errors import UpstreamProtocolError
 from scheduling.ledger import DECODE, Lease
 from serving.call import Call
 from serving.continuation import Continuation
-from serving.legs import ranked
+from serving.legs import engine_body
 from serving.observe import RequestRecord, answer_prompt_tokens
 from serving.usage import EventSplitter, UsageFix
 
@@ -40,7 +40,7 @@ async def relay(call: Call[None], rid: str, fix: UsageFix | None, cont: Continua
     last_event = family.last_event
     fix_block = fix.events if fix is not None else None
     route, body = (family.route, call.body) if cont is None else cont.request(family.route, call.body)
-    body = ranked(body, job, target)
+    body = engine_body(body, job, target)
     # The stream carries a usage, and in it the cached count: in its last event or the one before it (chat's and
     # completions' usage chunk before `[DONE]`, Messages' message_delta before message_stop, Responses'
     # response.completed), so only the last two blocks relayed are read for it, once, not every block.

@@ -13,10 +13,16 @@ mean output (at most its max_tokens; all of max_tokens until one of the tenant's
 admitted; at each of the worker's ticks (serving/observe.py `Tick`, 50 ms) what its requests were served beyond
 what they took (the output as it streams, the prompt's count once made) is charged in one batch (one lock, or the
 store's next call or tick), and the rest is settled when it ends. A bucket in debt refuses until the debt is paid.
+
+Each tenant's prompts have their own scope in the engines' prefix cache (tenant_config's prefix_cache "isolated",
+with keys on): vLLM's `cache_salt`, which enters a prompt's first block hash, is the tenant's digest on every body
+bound for an engine (serving/legs.py `engine_body`), or the digest, ':' and the client's own salt, so no tenant
+learns from `cached_tokens` (or its TTFT) what another asked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -165,13 +171,16 @@ class Tenants:
         return known[1]
 
     def classify(self, job: Job, header: str | None) -> None:
-        """The request's x-priority class (`header`; absent: standard), capped at its tenant's max_priority, and its
-        tenant's weight. An unknown class is the client's error."""
+        """The request's x-priority class (`header`; absent: standard), capped at its tenant's max_priority, its
+        tenant's weight, and its prompt's prefix-cache scope (`job.cache_salt`). An unknown class is the client's
+        error."""
         asked = STANDARD if header is None else CLASSES.get(header.strip().lower())
         if asked is None:
             raise InvalidRequest(f"header x-priority must be one of {', '.join(PRIORITIES)} (got {clip(header)!r})")
         lim = self.limits(job.tenant)
         job.priority, job.weight = max(asked, CLASSES[lim.max_priority]), lim.weight
+        if self.live.s.isolated_prefixes and not job.family.counts_only:  # (a count computes no KV)
+            job.cache_salt = effective_salt(job.tenant, job.body.get("cache_salt"))
 
     def admit(self, job: Job, rec: RequestRecord, headers: dict[str, str], door=None) -> AbstractContextManager:
         """`with tenants.admit(...)`: the request's quota held until the block ends, or RateLimited. The answer's
@@ -280,6 +289,35 @@ def _headers(headers: dict[str, str], requests_milli: int, tokens_milli: int, rp
     if rpm or tpm:
         name, block = _block(requests_milli if rpm else 0, tokens_milli if tpm else 0, rpm, tpm)
         headers[name] = block
+
+
+# The label a tenant's digest starts from: a constant, so that every worker and replica salts a tenant alike.
+_SALT_LABEL = b"motor-coordinator/prefix-cache/"
+SALT_DIGITS = 32  # hex digits of a tenant's digest: 128 bits
+# vLLM takes a cache_salt of at most 128 characters: the client's own comes after the digest and ':'.
+CLIENT_SALT_MAX = 128 - SALT_DIGITS - 1
+
+
+@lru_cache(maxsize=4096)
+def tenant_salt(tenant: str) -> str:
+    """The tenant's prefix-cache scope: the first 32 hex digits of SHA-256 over a constant label and its name."""
+    return hashlib.sha256(_SALT_LABEL + tenant.encode()).hexdigest()[:SALT_DIGITS]
+
+
+def effective_salt(tenant: str, client: object) -> str:
+    """The `cache_salt` a tenant's request carries to its engines: the tenant's digest, then ':' and the client's
+    own salt when it sent one. The digest's fixed length makes it injective: no client salt gives another
+    tenant's scope."""
+    digest = tenant_salt(tenant)
+    if client is None:
+        return digest
+    if not isinstance(client, str) or not 0 < len(client) <= CLIENT_SALT_MAX:
+        raise InvalidRequest(
+            f"cache_salt must be a non-empty string of at most {CLIENT_SALT_MAX} characters (the Coordinator puts "
+            "its tenant's scope in front of it, and vLLM takes 128)",
+            param="cache_salt",
+        )
+    return f"{digest}:{client}"
 
 
 # Cached: a bucket that refills between a tenant's requests is left at the same level (full less one request and

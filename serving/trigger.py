@@ -13,6 +13,7 @@ import os
 import socket
 from collections.abc import Awaitable
 from secrets import token_hex
+from urllib.parse import quote
 
 from config import Settings, split_address
 from errors import Forbidden, json_bytes
@@ -66,7 +67,7 @@ class Trigger:
             "remote_engine_id": str(p.instance_id),
             "remote_host": host,
             "remote_port": str(port),
-            "metaserver": self.url,
+            "metaserver": self.url if job.cache_salt is None else salted_url(self.url, job.cache_salt),
         }
         rec.prefill = p
         fix = UsageFix.from_trigger(self.up.usages, ticket_id, job.family)
@@ -142,6 +143,12 @@ def shown(value: object) -> str:
     many more there were (a 1 MB host name is not echoed whole into each 403 and its log line)."""
     text = str(value)
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}...[{len(text) - SHOWN_CHARS} more characters]"
+
+
+def salted_url(url: str, salt: str) -> str:
+    """The metaserver URL of a tenant's ticket: D calls it as it is, and its query gives P's leg the request's
+    `cache_salt` (D's call is the engine's own rewrite of the body, which need not carry it)."""
+    return f"{url}{'&' if '?' in url else '?'}cache_salt={quote(salt, safe='')}"
 
 
 def metaserver_url(s: Settings) -> str:

@@ -265,6 +265,24 @@ def test_prefix_cache_hits(union):
     assert cached > 0 and cached % 16 == 0 and cached < b.usage.prompt_tokens
 
 
+def test_a_cache_salt_scopes_the_prefix_cache_as_vllms(union):
+    """vLLM's cache_salt enters a prompt's first block hash: the same prompt under another salt, or none, hits
+    nothing; under its own it hits. A salt vLLM refuses (empty, over 128 characters, '/') is refused so."""
+    long = [{"role": "user", "content": "salted system context " * 40}]
+
+    def hit(salt):
+        extra = {"cache_salt": salt} if salt else None
+        r = oa(union).chat.completions.create(model="m", messages=long, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert hit("tenant-a") == 0
+    assert hit(None) == 0 and hit("tenant-b") == 0
+    assert hit("tenant-a") > 0 and hit(None) > 0
+    for bad in ("", "x" * 129, "a/b", 7):
+        r = httpx.post(union.url + "/v1/completions", json={"model": "m", "prompt": "hi", "cache_salt": bad})
+        assert r.status_code == 400 and "cache_salt" in r.text, (bad, r.text)
+
+
 # ---------------------------------------------------------------------------- Anthropic
 def test_messages_json_and_stream_sdk(union):
     cl = an(union)

@@ -66,8 +66,9 @@ def sim_with_events(pub: int, replay: int | None, **cfg):
     return launch(**{"role": "union", "model": "m", "zero_latency": True, "block_size": BLOCK, "kv_events": kv, **cfg})
 
 
-def complete(sim, ids: list[int]) -> dict:
-    r = httpx.post(sim.url + "/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 1}, timeout=10)
+def complete(sim, ids: list[int], salt: str | None = None) -> dict:
+    body = {"model": "m", "prompt": ids, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+    r = httpx.post(sim.url + "/v1/completions", json=body, timeout=10)
     r.raise_for_status()
     return r.json()["usage"]
 
@@ -105,6 +106,21 @@ def test_stored_blocks_predict_the_engines_cached_tokens(sim_pair):
     assert world.cached(1, PROMPT_B) == 0
     # A cache salt is another scope: the same ids under it are not held.
     assert world.cached(1, PROMPT_A, salt="tenant-x") == 0
+
+
+def test_a_salted_prompts_blocks_are_stored_in_its_scope(sim_pair):
+    """engine_sim as vLLM 0.32: a request's cache_salt is in its first block's hash and in that block's extra keys
+    of BlockStored, so the index keys the blocks by the salt: the same ids under another salt, or none, are not
+    held, at the engine as in the index."""
+    sim, world = sim_pair
+    assert wait_until(lambda: world.row(1).state == KV_LIVE, 3)
+    complete(sim, PROMPT_A, salt="tenant-x")
+    assert wait_until(lambda: world.cached(1, PROMPT_A, salt="tenant-x") == 8 * BLOCK, 3)
+    assert world.cached(1, PROMPT_A) == 0 and world.cached(1, PROMPT_A, salt="tenant-y") == 0
+    assert complete(sim, PROMPT_A)["prompt_tokens_details"]["cached_tokens"] == 0
+    assert complete(sim, PROMPT_A, salt="tenant-x")["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
+    assert wait_until(lambda: world.cached(1, PROMPT_A) == 8 * BLOCK, 3)  # the unsalted copy, stored since
+    assert world.row(1).blocks == 16
 
 
 def test_all_blocks_cleared_forgets_the_engine(sim_pair):

@@ -449,6 +449,25 @@ def test_prefix_index_finds_each_slots_longest_cached_prefix():
     assert index.cached_blocks(first, 3) == blocks_covered(len(first))
 
 
+def test_the_estimate_keys_a_prompt_by_its_cache_salt():
+    """The cache_salt its engines see (a tenant's) scopes a prompt's prefix hashes as it scopes the engines' blocks:
+    the estimate predicts nothing of a prompt computed under one salt for the same prompt under another, or none."""
+    w = World("kv_cache_affinity")
+    sched = Scheduler(Registry(w.shared), w.ledger, w.health, w.policy)
+    body = {"messages": [{"role": "user", "content": "hello " * 400}]}
+
+    def prepared(salt: str | None) -> JobInfo:
+        info = job()
+        assert sched.prepare(info, CHAT, body, salt) is None
+        return info
+
+    t = target(3, "union")
+    w.index.record(prepared("team-a").block_hashes, t.slot)
+    assert w.index.cached_tokens(prepared("team-a"), t) > 0
+    assert w.index.cached_tokens(prepared("team-b"), t) == 0
+    assert w.index.cached_tokens(prepared(None), t) == 0
+
+
 def test_prefix_index_survives_more_keys_than_entries():
     index = PrefixIndex(SharedState.create())
     keys = [(k * 0x9E3779B97F4A7C15) & (2**64 - 1) for k in range(1, 300_000)]
