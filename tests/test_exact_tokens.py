@@ -31,22 +31,28 @@ def _rendered(messages: list[dict]) -> str:
     return "<s>" + body + "<|im_start|>assistant\n"
 
 
+def _config(tmp_path, sim, pub: int, replay: int) -> dict:
+    """A Coordinator routing on KV events published at `pub` (replayed at `replay`) for its one union engine `sim`,
+    with the model's tokenizer in `tmp_path`."""
+    kv = {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    instances = [
+        {"id": 1, "role": "union", "model_name": "m", "endpoints": [{"id": 0, "address": sim.address, "kv_events": kv}]}
+    ]
+    return coordinator_config(
+        instances,
+        models=[{"id": "m", "tokenizer_path": str(tmp_path)}],
+        scheduler_config={"scheduler_type": "kv_cache_affinity"},
+        kv_event_config={"enable": True},
+    )
+
+
 def test_a_long_conversation_is_predicted_from_its_exact_ids(tmp_path):
     pytest.importorskip("tokenizers")
     tok = tiny_tokenizer(str(tmp_path))
     pub, replay, sim_pub = free_ports(3)
     publisher = RawPublisher(pub, replay)
     sim = sim_with_events(sim_pub, None)  # its own events go nowhere: the raw publisher speaks for it
-    kv = {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
-    instances = [
-        {"id": 1, "role": "union", "model_name": "m", "endpoints": [{"id": 0, "address": sim.address, "kv_events": kv}]}
-    ]
-    cfg = coordinator_config(
-        instances,
-        models=[{"id": "m", "tokenizer_path": str(tmp_path)}],
-        scheduler_config={"scheduler_type": "kv_cache_affinity"},
-        kv_event_config={"enable": True},
-    )
+    cfg = _config(tmp_path, sim, pub, replay)
     try:
         with Coordinator(cfg) as coord:
             assert httpx.get(coord.mgmt + "/instances").json()["prompt_tokens"] == {"m": "exact"}
@@ -84,16 +90,7 @@ def test_a_prompt_without_exact_ids_is_counted_unpredicted(tmp_path):
     tiny_tokenizer(str(tmp_path))
     pub, replay = free_ports(2)
     sim = sim_with_events(pub, replay)
-    kv = {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
-    instances = [
-        {"id": 1, "role": "union", "model_name": "m", "endpoints": [{"id": 0, "address": sim.address, "kv_events": kv}]}
-    ]
-    cfg = coordinator_config(
-        instances,
-        models=[{"id": "m", "tokenizer_path": str(tmp_path)}],
-        scheduler_config={"scheduler_type": "kv_cache_affinity"},
-        kv_event_config={"enable": True},
-    )
+    cfg = _config(tmp_path, sim, pub, replay)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     chats = [
         [{"role": "user", "content": LINE * 20}],
