@@ -538,7 +538,7 @@ def test_metrics_reach_the_files_by_the_timer_without_a_scrape():
 
     def predicted(rid: str) -> RequestRecord:  # the KV events predicted its cached tokens, exactly
         rec = RequestRecord(rid, "/v1/timer-test", model="nobody", cached_tokens=16)
-        rec.info = types.SimpleNamespace(cached_predicted=16)
+        rec.info = types.SimpleNamespace(cached_predicted=16, prompt_keys=b"")  # (its keys were made)
         return rec
 
     async def scenario() -> tuple[tuple[float, float], ...]:
