@@ -267,11 +267,12 @@ def _kv_fields(rec: RequestRecord) -> str:
 def kv_outcome(rec: RequestRecord) -> str | None:
     """How the prediction of a request's cached tokens went, when the engine said what it held: exact, over,
     under, or unpredicted (its exact ids were not had in time: planned on the estimate)."""
-    predicted, reported = rec.cached_tokens_predicted, rec.cached_tokens
-    if rec.info is None or reported < 0:
+    info, reported = rec.info, rec.cached_tokens
+    if info is None or reported < 0:
         return None
-    if rec.info.prompt_keys is None:
+    if info.prompt_keys is None:
         return "unpredicted"
+    predicted = info.cached_predicted
     if predicted < 0:  # never leased to an engine that computes prompts
         return None
     return "exact" if predicted == reported else "over" if predicted > reported else "under"
