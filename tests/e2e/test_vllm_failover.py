@@ -102,6 +102,10 @@ def spliced(coord, engine, model: str, got: Streamed) -> tuple[str, tuple]:
         if len(ids) < kept:
             ids += ch.get("token_ids") or []
             seen += ch["delta"].get("content") or ""
+    if len(ids) > kept:  # vLLM merged the chunks of a reader it ran ahead of: the kept tokens' text, decoded whole
+        ids = ids[:kept]
+        r = httpx.post(engine.url + "/detokenize", json={"model": model, "tokens": ids}, timeout=60)
+        seen = r.json()["prompt"]
     assert len(ids) == kept, (len(ids), kept)
     usage = unbroken[-1]["usage"]
     cold(engine)
