@@ -27,7 +27,11 @@ __all__ = ["FAULT_KNOBS", "SimConfig", "SimHandle", "SimServer", "launch", "serv
 async def serve(config: SimConfig) -> SimServer:
     """Start a sim inside the running event loop; ``await server.stop()`` to end it."""
     srv = SimServer(config)
-    await srv.start()
+    try:
+        await srv.start()
+    except BaseException:
+        await srv.stop()  # what started before the failure (its port, its client session) is not left open
+        raise
     return srv
 
 
@@ -53,6 +57,7 @@ class SimHandle:
             self._server = self._loop.run_until_complete(serve(self.config))
         except BaseException as e:
             self._error = e
+            self._loop.close()
             self._ready.set()
             return
         self._ready.set()

@@ -31,22 +31,28 @@ class KvEventPublisher:
     def __init__(self, config: dict):
         self.ctx = zmq.Context()
         self.topic = str(config.get("topic") or "").encode()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(config.get("endpoint") or "tcp://*:5557")
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=int(config.get("buffer_steps") or 10_000))
         self.seqs = count()
         self.encode = msgspec.msgpack.Encoder().encode
         self.stopping = threading.Event()
         self.replay = None
         self.thread = None
-        if config.get("replay_endpoint"):
-            self.replay = self.ctx.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.bind(config["replay_endpoint"])
+        self.published = 0
+        try:
+            self.pub = self.ctx.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.pub.bind(config.get("endpoint") or "tcp://*:5557")
+            if config.get("replay_endpoint"):
+                self.replay = self.ctx.socket(zmq.ROUTER)
+                self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay.bind(config["replay_endpoint"])
+        except BaseException:
+            # A context left to the garbage collector with a socket that failed to bind blocks in term() forever.
+            self.ctx.destroy(linger=0)
+            raise
+        if self.replay is not None:
             self.thread = threading.Thread(target=self._serve_replay, name="kv-replay", daemon=True)
             self.thread.start()
-        self.published = 0
 
     def publish(self, events: list[dict]) -> None:
         if not events:

@@ -18,6 +18,7 @@ import config
 from deployer import render as R
 from deployer.sections import REDIS_AUTH_DIR
 from deployer.settings import COORDINATOR_MOUNTS, ENGINE_MOUNTS, ConfigError, DeployConfig, EngineConfig, key_docs, load
+from harness.loopback import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "deployer" / "user_config.json"
@@ -785,9 +786,7 @@ def test_the_rendered_redis_command_and_probes_work_on_a_real_redis_server(tmp_p
     [c] = find(bundle(EDGE_CONFIGS["cluster_rendered_redis"]), "StatefulSet", R.REDIS_NAME)["spec"]["template"]["spec"][
         "containers"
     ]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     args = [a.replace("$(REDIS_PASSWORD)", "pw-0123") for a in c["args"]]
     args[args.index("--port") + 1] = str(port)
     args[args.index("--dir") + 1] = str(tmp_path)

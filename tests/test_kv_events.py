@@ -5,6 +5,7 @@ huge batches, floods), and the index it fills (scheduling/kv_index.py)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
@@ -153,6 +154,20 @@ def test_evictions_are_applied():
     finally:
         world.close()
         sim.stop()
+
+
+def test_a_sim_that_cannot_bind_its_replay_socket_releases_what_it_bound():
+    """A sim whose replay port is taken fails to start, and gives back its HTTP and publisher ports: a context left
+    holding a socket blocks the garbage collector's term() forever (CI's run stalled 300 s on one)."""
+    http, pub = free_ports(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(zmq.ZMQError):
+            sim_with_events(pub, taken.getsockname()[1], port=http)
+    for port in (http, pub):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_a_late_subscriber_recovers_history_through_the_replay_socket():
