@@ -194,7 +194,8 @@ class Tenants:
             fair.arrive(job.tenant, job.priority)
             return Active(fair, job, rec)
         if limits.tpm:
-            output = min(job.max_tokens, math.ceil(self.expected.get(job.tenant, job.max_tokens)))
+            # (at most a minute's tokens: a max_tokens of 10**30 would not fit the bucket's clock, and reserves no more)
+            output = min(job.max_tokens, math.ceil(self.expected.get(job.tenant, job.max_tokens)), limits.tpm)
             place = Place(self, job, rec, limits, len(job.raw) // 4, output)
         else:
             place = Place(self, job, rec, limits, 0, 0)
@@ -216,8 +217,7 @@ class Tenants:
             limits = Limits(*(max(1, v // n) if v else 0 for v in limits))
         at = self.quotas.slot(place.job.tenant)
         # (the door's monotonic clock, one for every process on the host, in integers: no float to make and round)
-        now_us = time.monotonic_ns() // 1000
-        refused, wait, requests, tokens = self.quotas.take(at, now_us, limits, place.reserved)
+        refused, wait, requests, tokens = self.quotas.take(at, time.monotonic_ns(), limits, place.reserved)
         _headers(headers, requests, tokens, limits.rpm, limits.tpm)
         if refused:
             raise _refusal(refused, wait, self.limits(place.job.tenant), headers)

@@ -2,40 +2,42 @@
 `max_inflight`; serving/tenants.py decides with them).
 
 A tenant's row (`TenantRow`) is found by its name's hash and claimed once, under the lock; each worker keeps the
-rows it found. Its two token buckets (requests and tokens, in milli-units, refilled continuously at a minute's
-worth a minute, holding at most a minute's worth) change under the shared lock, so N workers admit what the
-configuration says, not N times it. Its requests in flight are counted per worker (`TenantCounts`, each worker
+rows it found. Its two buckets (requests and tokens, refilled continuously at a minute's worth a minute, holding
+at most a minute's worth) change under the shared lock, so N workers admit what the configuration says, not N
+times it. Each bucket is one number, the time it is full again (a generic cell rate algorithm): a unit of a rate
+of N a minute is `PER_MINUTE_NS / N` ns of it (rounded up), what is taken moves that time later and what is given back
+earlier, and a time already past is a full bucket; so a request reads and writes one field a bucket and no
+refill is computed. Its requests in flight are counted per worker (`TenantCounts`, each worker
 writes only its own row, the cap sums them under the lock), so the main process can zero a dead worker's and the
 places come back, as the door's global count does.
 """
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 from state.shared import MAX_TENANTS, SharedState, TenantRow, tenant_hash
 
-# `refill`'s period (µs) for a rate a minute: N a minute is N milli-tokens every 60,000 µs
-PER_MINUTE = 60_000
+# A minute in the monotonic clock's ns. One unit of a rate of N a minute refills in PER_MINUTE_NS / N ns, rounded up
+# (never faster than configured; within 0.1 % up to a million a second, at least 1 ns a unit); a bucket holds N.
+PER_MINUTE_NS = 60_000_000_000
 
 
-def refill(
-    level_milli: int, stamp_us: int, now_us: int, per: float, cap_milli: int, period_us: int = 1000
-) -> tuple[int, int]:
-    """A token bucket's (level, stamp) at `now_us`: filled at `per` milli-tokens every `period_us` up to `cap_milli`
-    (`per` tokens a second by default, the door's float rate, whose level and stamp come back as whole floats for
-    the caller to make ints; a tenant's rpm or tpm with `PER_MINUTE`, in integers alone). The stamp moves only by
+def refill(level_milli: int, stamp_us: int, now_us: int, per: float, cap_milli: int) -> tuple[int, int]:
+    """The door's rate-limit bucket's (level, stamp) at `now_us`: filled at `per` tokens a second (a float rate)
+    up to `cap_milli`; level and stamp come back as whole floats for the caller to make ints. The stamp moves only by
     the time turned into whole milli-tokens, so callers coming more often than one milli-token's time lose no
     refill; a stamp ahead of this clock starts from now (no debt); a full bucket loses the time beyond it."""
     if not stamp_us:
         return cap_milli, now_us
     if now_us < stamp_us:
         stamp_us = now_us
-    gained = (now_us - stamp_us) * per // period_us
+    gained = (now_us - stamp_us) * per // 1000
     if level_milli + gained >= cap_milli:
         return cap_milli, now_us
     if gained:
-        return level_milli + gained, stamp_us + gained * period_us // per
+        return level_milli + gained, stamp_us + gained * 1000 // per
     return level_milli, stamp_us
 
 
@@ -84,40 +86,44 @@ class TenantQuotas:
         self.slots[tenant] = at
         return at
 
-    def take(self, at: int, now_us: int, limits: Limits, reserve_tokens: int) -> Taken:
+    def take(self, at: int, now_ns: int, limits: Limits, reserve_tokens: int) -> Taken:
         """Admit one request of the tenant at row `at`, reserving `reserve_tokens` of its tpm, or say why not."""
         rpm, tpm, cap = limits
         row = self.rows[at]
+        requests = tokens = 0
         with self.lock:
             if cap:
                 n = 0
                 for column in self.inflight:  # (a loop: sum() over a generator costs twice as much)
                     n += column[at]
                 if n >= cap:
-                    return "inflight", 1.0, row.requests_milli, row.tokens_milli
-            requests = tokens = 0
-            # (each bucket's level written once: a field's write costs more than the arithmetic)
+                    requests = level_milli(row.requests_full_ns, now_ns, rpm)
+                    return "inflight", 1.0, requests, level_milli(row.tokens_full_ns, now_ns, tpm)
             if rpm:
-                requests, row.requests_stamp_us = refill(
-                    row.requests_milli, row.requests_stamp_us, now_us, rpm, rpm * 1000, PER_MINUTE
-                )
-                if requests < 1000:
-                    row.requests_milli = requests
-                    return "requests", wait_s(requests, 1000, rpm / 60), requests, row.tokens_milli
+                per = -(-PER_MINUTE_NS // rpm)  # (unit_ns, inlined: twice a request)
+                full = row.requests_full_ns
+                ahead = (full - now_ns if full > now_ns else 0) + per  # with this request's
+                requests = rpm * 1000 - ahead * 1000 // per
+                if ahead > per * rpm:
+                    tokens = level_milli(row.tokens_full_ns, now_ns, tpm)
+                    return "requests", (ahead - per * rpm) / 1e9, requests + 1000, tokens
             if tpm:
-                tokens, row.tokens_stamp_us = refill(
-                    row.tokens_milli, row.tokens_stamp_us, now_us, tpm, tpm * 1000, PER_MINUTE
-                )
-                if tokens < 1000:  # a debt (or less than a token): the next request waits until it is paid
-                    row.tokens_milli = tokens
-                    if rpm:
-                        row.requests_milli = requests
-                    return "tokens", wait_s(tokens, 1000, tpm / 60), requests, tokens
-                tokens -= reserve_tokens * 1000
-                row.tokens_milli = tokens
+                per_token = -(-PER_MINUTE_NS // tpm)
+                full = row.tokens_full_ns
+                ahead_tokens = full - now_ns if full > now_ns else 0
+                # a debt (or less than a token left): the next request waits until it is paid
+                if ahead_tokens + per_token > per_token * tpm:
+                    return (
+                        "tokens",
+                        (ahead_tokens + per_token - per_token * tpm) / 1e9,
+                        requests + 1000 if rpm else 0,
+                        tpm * 1000 - ahead_tokens * 1000 // per_token,
+                    )
+                ahead_tokens += reserve_tokens * per_token
+                row.tokens_full_ns = now_ns + ahead_tokens
+                tokens = tpm * 1000 - ahead_tokens * 1000 // per_token
             if rpm:
-                requests -= 1000
-                row.requests_milli = requests
+                row.requests_full_ns = now_ns + ahead
             self.my_inflight[at] += 1
         return "", 0.0, requests, tokens
 
@@ -126,14 +132,32 @@ class TenantQuotas:
         refund when negative, never beyond a full bucket)."""
         self.my_inflight[at] -= 1  # only this worker writes its row: no lock
         if tpm and settle_tokens:
+            now_ns = time.monotonic_ns()
             row = self.rows[at]
             with self.lock:
-                row.tokens_milli = min(tpm * 1000, row.tokens_milli - settle_tokens * 1000)
+                full = row.tokens_full_ns
+                row.tokens_full_ns = (full if full > now_ns else now_ns) + settle_tokens * unit_ns(tpm)
 
     def charge(self, batch: list[tuple[int, int, int]]) -> None:
         """Tokens served beyond those taken, per row: (row, tokens, its tpm), all under one lock (a refund when
         negative, never beyond a full bucket)."""
+        now_ns = time.monotonic_ns()
         with self.lock:
             for at, tokens, tpm in batch:
                 row = self.rows[at]
-                row.tokens_milli = min(tpm * 1000, row.tokens_milli - tokens * 1000)
+                full = row.tokens_full_ns
+                row.tokens_full_ns = (full if full > now_ns else now_ns) + tokens * unit_ns(tpm)
+
+
+def unit_ns(per_minute: int) -> int:
+    """The ns one unit of a rate of `per_minute` a minute takes to refill."""
+    return -(-PER_MINUTE_NS // per_minute)
+
+
+def level_milli(full_ns: int, now_ns: int, per_minute: int) -> int:
+    """What a bucket of a rate of `per_minute` full again at `full_ns` holds at `now_ns`, in milli-units (below 0: a
+    debt; 0 without a rate)."""
+    if not per_minute:
+        return 0
+    per = unit_ns(per_minute)
+    return per_minute * 1000 - ((full_ns - now_ns) * 1000 // per if full_ns > now_ns else 0)

@@ -277,10 +277,10 @@ class TenantRow(Table):
 
     _fields_ = [
         ("key", ctypes.c_int64),  # the name's hash (0: a free row)
-        ("requests_milli", ctypes.c_int64),  # rpm's bucket: milli-requests left, and when it was last filled (µs)
-        ("requests_stamp_us", ctypes.c_int64),
-        ("tokens_milli", ctypes.c_int64),  # tpm's bucket (below 0: a debt the tokens served beyond it left)
-        ("tokens_stamp_us", ctypes.c_int64),
+        # When each bucket is full again, on the monotonic clock (ns; past: full): rpm's, and tpm's (more than a
+        # minute ahead: a debt the tokens served beyond it left). state/quotas.py
+        ("requests_full_ns", ctypes.c_int64),
+        ("tokens_full_ns", ctypes.c_int64),
     ]
 
 

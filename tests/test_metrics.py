@@ -13,6 +13,7 @@ import functools
 import json
 import re
 import threading
+import time
 import types
 from collections import defaultdict
 
@@ -558,16 +559,12 @@ def test_one_tick_flushes_each_writer_that_armed_it(caplog, capsys, monkeypatch,
     """A worker's batching writers share one timer: the request log, the metrics and the tenants' tpm charge each
     arm it, one timer is pending for the three, and its one tick writes what each of them held."""
     from config import Live, Settings
-    from config.load import settings_from_dict
     from scheduling.health import Health
     from scheduling.ledger import Ledger
     from scheduling.registry import Registry
-    from serving.families.chat import CHAT
-    from serving.job import job_from_body, parse_body
     from serving.metrics import REQUESTS, PrometheusObserver
     from serving.observe import RequestRecord, Tick
-    from serving.tenants import Tenants
-    from state.quotas import TenantQuotas
+    from state.quotas import unit_ns
     from state.shared import SharedState
 
     caplog.set_level("INFO", logger="coordinator.request")  # (the request log writes its lines at INFO)
@@ -577,34 +574,49 @@ def test_one_tick_flushes_each_writer_that_armed_it(caplog, capsys, monkeypatch,
     observer = PrometheusObserver(
         Registry(shared), Ledger(shared, 0, 1), Health(shared, Live(Settings(breaker_open_s=1.0))), tick
     )
-    quotas = TenantQuotas(shared, 0, 1)
-    config = {
-        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-other"]},
-        "tenant_config": {"tenants": [{"name": "t", "keys": ["sk-tick"], "tpm": 100_000}]},
-    }
-    tenants = Tenants(Live(settings_from_dict(config)), quotas, None, tick)
+    # (a tpm of 1,000: the reservation keeps the bucket a second past full while the test looks)
+    quotas, tenants, job = tpm_tenant(shared, tick, 1000)
     child = REQUESTS.labels("/v1/tick-test", "other", "200")
-    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
-    job = job_from_body(CHAT, body, parse_body(body), "streaming")
-    job.tenant = "t"
 
     async def scenario() -> tuple[int, float, int]:
         streaming = RequestRecord("streaming", "/v1/tick-test", tenant="t")
         with tenants.admit(job, streaming, {}) as place:  # its tokens charged at each tick while it streams
             row = quotas.rows[place.key]
-            taken = row.tokens_milli
+            taken = row.tokens_full_ns
             streaming.output_tokens = 104  # 100 beyond the 4 it reserved
             before = child._value.get()
             observer.request_done(RequestRecord("tick-log", "/v1/tick-test", model="nobody"))
             pending = len(asyncio.get_running_loop()._scheduled)  # the timers the three writers armed
             await asyncio.sleep(0.2)
-            return pending, child._value.get() - before, taken - row.tokens_milli
+            return pending, child._value.get() - before, row.tokens_full_ns - taken
 
     pending, counted, charged = asyncio.run(scenario())
     assert pending == 1
     assert counted == 1  # the metrics
-    assert charged == 100_000  # the tenant's tpm, in milli-tokens
+    assert charged == 100 * unit_ns(1000)  # the tenant's tpm bucket, full 100 tokens' time later
     assert "request_id=tick-log " in capsys.readouterr().out  # the request log
+
+
+def tpm_tenant(shared, tick, tpm: int, max_tokens: int = 4):
+    """A worker's tenants (`tick` their timer) with one tenant "t" of `tpm`, its quotas in `shared`, and a chat job of
+    that tenant asking for `max_tokens`: (quotas, tenants, job)."""
+    from config import Live
+    from config.load import settings_from_dict
+    from serving.families.chat import CHAT
+    from serving.job import job_from_body, parse_body
+    from serving.tenants import Tenants
+    from state.quotas import TenantQuotas
+
+    config = {
+        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-other"]},
+        "tenant_config": {"tenants": [{"name": "t", "keys": ["sk-t"], "tpm": tpm}]},
+    }
+    quotas = TenantQuotas(shared, 0, 1)
+    tenants = Tenants(Live(settings_from_dict(config)), quotas, None, tick)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": %d}' % max_tokens
+    job = job_from_body(CHAT, body, parse_body(body), "tpm-test")
+    job.tenant = "t"
+    return quotas, tenants, job
 
 
 def test_a_writer_whose_flush_fails_stops_no_other():
@@ -634,27 +646,28 @@ def test_a_tpm_quota_admits_and_charges_without_an_event_loop():
     """With no running loop a batching writer flushes when armed; the tpm charge arms itself again while requests
     stream, and that must wait for the next arm, not flush again from within the flush (it recursed until Python's
     limit)."""
-    from config import Live
-    from config.load import settings_from_dict
-    from serving.families.chat import CHAT
-    from serving.job import job_from_body, parse_body
     from serving.observe import RequestRecord, Tick
-    from serving.tenants import Tenants
-    from state.quotas import TenantQuotas
+    from state.quotas import unit_ns
     from state.shared import SharedState
 
-    config = {
-        "api_key_config": {"enable_api_key": True, "valid_keys": ["sk-other"]},
-        "tenant_config": {"tenants": [{"name": "t", "keys": ["sk-t"], "tpm": 100_000}]},
-    }
-    quotas = TenantQuotas(SharedState.create(), 0, 1)
-    tenants = Tenants(Live(settings_from_dict(config)), quotas, None, Tick())
-    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
-    job = job_from_body(CHAT, body, parse_body(body), "no-loop")
-    job.tenant = "t"
+    quotas, tenants, job = tpm_tenant(SharedState.create(), Tick(), 1000)
     rec = RequestRecord("no-loop", "/v1/chat/completions", tenant="t")
     with tenants.admit(job, rec, {}) as place:
         rec.output_tokens = 104  # 100 beyond what it reserved for its output
-        taken = quotas.rows[place.key].tokens_milli
+        taken = quotas.rows[place.key].tokens_full_ns
         tenants._timer.arm()  # (what the next request's admission would do)
-        assert taken - quotas.rows[place.key].tokens_milli == 100_000
+        assert quotas.rows[place.key].tokens_full_ns - taken == 100 * unit_ns(1000)
+
+
+def test_a_giant_max_tokens_reserves_at_most_a_minutes_tokens():
+    """A request's output reservation is at most its tenant's tpm: a max_tokens of 10**30 (which vLLM refuses, after
+    the quota was taken) holds a minute's tokens while it runs, not a number the bucket's clock cannot hold (the
+    shared row's 64 bits would wrap, and the tenant's bucket read as anything, full included)."""
+    from serving.observe import RequestRecord, Tick
+    from state.quotas import level_milli
+    from state.shared import SharedState
+
+    quotas, tenants, job = tpm_tenant(SharedState.create(), Tick(), 1000, max_tokens=10**30)
+    with tenants.admit(job, RequestRecord("giant", "/v1/chat/completions", tenant="t"), {}) as place:
+        left = level_milli(quotas.rows[place.key].tokens_full_ns, time.monotonic_ns(), 1000)
+        assert -place.prompt * 1000 - 1000 <= left <= 0, left
