@@ -87,12 +87,22 @@ def engine_body(body: Body, job: Job, target: Target) -> Body:
         added += b',"priority":%d' % job.priority
     parts = parts_of(body)
     last = parts[-1]
-    if isinstance(last, bytes):  # (found from the end at once: the closing brace, and any whitespace after it)
-        cut = last.rindex(b"}")
-    else:
-        tail = bytes(last[-64:])
-        cut = len(last) - len(tail) + tail.rindex(b"}")
-    return (*parts[:-1], memoryview(last)[:cut], added + b"}")
+    return (*parts[:-1], memoryview(last)[: closing_brace(last)], added + b"}")
+
+
+def closing_brace(part: bytes | memoryview) -> int:
+    """Where the last `}` of a body's last part is: searched in a window from the end that grows until it holds one
+    (JSON lets any whitespace follow the object; a view's bytes are copied a window at a time, never all at once
+    for a long prompt)."""
+    window = 64
+    while True:
+        tail = bytes(part[-window:])
+        at = tail.rfind(b"}")
+        if at >= 0:
+            return len(part) - len(tail) + at
+        if window >= len(part):
+            raise ValueError("a body's last part without its object's closing brace")
+        window *= 64
 
 
 @lru_cache(maxsize=4096)

@@ -102,6 +102,29 @@ def test_a_tenant_reads_nothing_of_anothers_prompt_from_the_prefix_cache(world, 
 
 
 @pytest.mark.parametrize("model", [MODEL, PD], ids=["union", "pd"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_body_with_whitespace_after_its_object_is_salted_and_served(world, family, model):
+    """JSON lets any whitespace follow the object: the salt goes in before the closing brace however much follows
+    it (a decode leg's body is the client's bytes, whitespace and all; past 64 bytes of it every PD request was a
+    500)."""
+    route, body = {
+        "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        "completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+        "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    }[family]
+    engines = world.engines[model]
+    salts_sent(*engines)
+    for trailing in (b" " * 65, b"\r\n" * 3000):
+        for stream in (False, True):
+            raw = json.dumps({"model": model, "stream": stream, **body}).encode() + trailing
+            headers = {"authorization": f"Bearer {KEY_A}", "x-api-key": KEY_A, "content-type": "application/json"}
+            r = httpx.post(world.url + route, content=raw, headers=headers, timeout=10)
+            assert r.status_code == 200, r.text
+    assert salts_sent(*engines) == [SALT_A] * 4 * len(engines)
+
+
+@pytest.mark.parametrize("model", [MODEL, PD], ids=["union", "pd"])
 def test_a_client_salt_is_a_scope_inside_its_tenant_and_cannot_name_another(world, model):
     text, engines = prompt(f"client-salt-{model}"), world.engines[model]
     assert cached(world, KEY_A, "chat", model, text) == 0
