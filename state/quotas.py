@@ -133,10 +133,8 @@ class TenantQuotas:
         self.my_inflight[at] -= 1  # only this worker writes its row: no lock
         if tpm and settle_tokens:
             now_ns = time.monotonic_ns()
-            row = self.rows[at]
             with self.lock:
-                full = row.tokens_full_ns
-                row.tokens_full_ns = (full if full > now_ns else now_ns) + settle_tokens * unit_ns(tpm)
+                _take_tokens(self.rows[at], settle_tokens, tpm, now_ns)
 
     def charge(self, batch: list[tuple[int, int, int]]) -> None:
         """Tokens served beyond those taken, per row: (row, tokens, its tpm), all under one lock (a refund when
@@ -144,9 +142,14 @@ class TenantQuotas:
         now_ns = time.monotonic_ns()
         with self.lock:
             for at, tokens, tpm in batch:
-                row = self.rows[at]
-                full = row.tokens_full_ns
-                row.tokens_full_ns = (full if full > now_ns else now_ns) + tokens * unit_ns(tpm)
+                _take_tokens(self.rows[at], tokens, tpm, now_ns)
+
+
+def _take_tokens(row: TenantRow, tokens: int, tpm: int, now_ns: int) -> None:
+    """`tokens` taken from the row's tpm bucket at `now_ns` (given back when negative: a time past is a full bucket,
+    so never beyond it). Under the lock."""
+    full = row.tokens_full_ns
+    row.tokens_full_ns = (full if full > now_ns else now_ns) + tokens * unit_ns(tpm)
 
 
 def unit_ns(per_minute: int) -> int:
