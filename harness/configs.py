@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from harness.loopback import free_ports
 
+# The checks of a Coordinator in front of real vLLM engines. A killed engine refuses connections and is dropped at
+# the next check; one that answers /health late is kept through 40 late answers in a row (about a minute): three
+# vLLM engines (one maybe restarting), the Coordinator and the tests share 2 cores, and a CI run saw a live P answer
+# nothing for 17 s. Dropped, P's requests are served on D alone, which the PD tests count as a missed handoff.
+REAL_ENGINE_CHECKS = {"health_check_interval": 0.5, "health_check_timeout_failures": 40, "metrics_scrape_interval": 1.0}
+
 
 def instance(iid: int, role: str, model: str, *addresses: str, **extra) -> dict:
     """One `instances[]` entry: endpoint k listens at addresses[k]."""

@@ -22,7 +22,7 @@ import httpx
 import openai
 
 from harness.bodies import WORDS
-from harness.configs import coordinator_config
+from harness.configs import REAL_ENGINE_CHECKS, coordinator_config
 from harness.loopback import wait_until
 from harness.metrics import by_label
 
@@ -176,7 +176,7 @@ def coordinator_cfg(unions: list[tuple[str, dict]], model: str, model_dir: str, 
     return coordinator_config(
         instances,
         models=[{"id": model, "tokenizer_path": model_dir}],
-        scheduler_config={"scheduler_type": policy, "health_check_interval": 0.5, "metrics_scrape_interval": 1.0},
+        scheduler_config={"scheduler_type": policy, **REAL_ENGINE_CHECKS},
         kv_event_config={"enable": kv_events},
     )
 

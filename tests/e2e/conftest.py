@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.configs import coordinator_config, instance
+from harness.configs import REAL_ENGINE_CHECKS, coordinator_config, instance
 from harness.coordinator import Coordinator
 from tests.e2e.engines import ROLES, Engine
 
@@ -51,7 +51,7 @@ def pd(engines, model) -> Cluster:
             instance(2, "decode", model, engines["decode"].address),
         ],
         models=[{"id": model, "p_max_seqlen": 512, "d_max_seqlen": 512}],
-        scheduler_config={"health_check_interval": 0.5, "metrics_scrape_interval": 1.0},
+        scheduler_config=REAL_ENGINE_CHECKS,
     )
     # Three vLLM engines share the 2 cores with the Coordinator here: its workers may take longer than 30 s to start.
     with Coordinator(cfg, ready_timeout_s=180.0) as coord:

@@ -30,7 +30,7 @@ import httpx
 import openai
 import pytest
 
-from harness.configs import coordinator_config, instance
+from harness.configs import REAL_ENGINE_CHECKS, coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.loopback import wait_until
 
@@ -52,7 +52,7 @@ def coordinator(engines, model: str, union_role: str) -> Coordinator:
         ],
         models=[{"id": model, "p_max_seqlen": 512, "d_max_seqlen": 512}],
         exception_config={"reschedule_config": {"enable": True}, "stream_idle_timeout": 60},
-        scheduler_config={"health_check_interval": 0.5, "metrics_scrape_interval": 1.0},
+        scheduler_config=REAL_ENGINE_CHECKS,
     )
     return Coordinator(cfg, ready_timeout_s=180.0)
 

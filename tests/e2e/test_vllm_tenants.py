@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from harness.configs import api_keys, coordinator_config, instance
+from harness.configs import REAL_ENGINE_CHECKS, api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
 from tests.test_tenants_prefix import FAMILIES, KEY_A, KEY_B, TENANTS, cached, prompt
 
@@ -22,7 +22,7 @@ def tenants(engines, model) -> Coordinator:
     cfg = coordinator_config(
         [instance(1, "union", model, engines["union"].address)],
         models=[{"id": model, "p_max_seqlen": 512, "d_max_seqlen": 512}],
-        scheduler_config={"health_check_interval": 0.5, "metrics_scrape_interval": 1.0},
+        scheduler_config=REAL_ENGINE_CHECKS,
         api_key_config=api_keys(),
         tenant_config=TENANTS,
     )
