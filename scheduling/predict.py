@@ -14,7 +14,9 @@ prompts joined its engine step, they are partly done by then and the end is late
 their part (at most one step, until the next completion corrects it), never earlier.
 The fit's samples are groups of completions: those within `GROUP_S` of each other finished in one engine
 step (a chunked batch), so their tokens add up; the group's service time runs from max(its first
-member's start, the previous group's last completion) to its last completion. `rate` and `base` are a
+member's start, the previous group's last completion) to its last completion. A completion whose prompt was
+sent before the group's last completion may have had chunks computed in the group's steps, so it joins the
+group's sample (at most `MERGE_STEPS` groups a sample). `rate` and `base` are a
 least-squares line through (uncached tokens, service time) pairs, each group fitted when the next begins.
 When none of our prefills is in flight on the endpoint (the ledger says so), its queue is empty, whatever
 the virtual queue held (a lost or aborted request leaves phantom work there otherwise). A JSON answer
@@ -74,6 +76,10 @@ ALLOWANCE_QUIET_S, ALLOWANCE_HALF_LIFE_S = 5.0, 2.0
 # Prefill completions this close to the previous one finished in the same engine step (a chunked batch):
 # their tokens and the time since the step's work started make one sample of the fit.
 GROUP_S = 0.003
+# A completion whose prompt was sent before the last group's completions joins that group's sample (its first
+# chunks may have shared the group's steps), up to this many groups in one sample: a queue that never empties
+# would otherwise merge them all, and the fit would learn nothing while it lasts.
+MERGE_STEPS = 2
 # The window over which an endpoint's share of time spent prefilling is measured (an exponential decay).
 BUSY_WINDOW_S = 2.0
 
@@ -280,6 +286,16 @@ class Predictor:
                     e.last_done = done
                 return
             group_tokens, group_start = e.group_tokens, e.group_start
+            if started < last and e.group_steps < MERGE_STEPS:
+                # Sent before the group ended, it may have shared the group's steps: a short prompt that completed
+                # in the step which also computed a long one's first chunk took that chunk's time, and the long
+                # one's own sample then looks as fast as its last chunk. Their tokens over their time is the rate.
+                e.group_tokens += tokens
+                e.group_steps += 1.0
+                if fit:
+                    e.group_fit = 1.0
+                e.last_done = done
+                return
             if e.group_fit and group_tokens and last > group_start:
                 sums, line = self._add_and_fit(
                     (e.pf_n, e.pf_sx, e.pf_sy, e.pf_sxx, e.pf_sxy), group_tokens, last - group_start, ratio_prior=True
@@ -288,7 +304,7 @@ class Predictor:
                 if line is not None:
                     e.prefill_base_s = line[0]
                     e.prefill_tps = 1.0 / line[1] if line[1] > 0.0 else 1e12
-            e.group_tokens, e.group_fit = float(tokens), 1.0 if fit else 0.0
+            e.group_tokens, e.group_fit, e.group_steps = float(tokens), 1.0 if fit else 0.0, 1.0
             e.group_start = started if started > last else last
             e.last_done = done
 

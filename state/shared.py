@@ -112,6 +112,7 @@ class EndpointRow(Table):
         "group_tokens",  # uncached tokens of the prefills completed in the current group (one engine step, about)
         "group_start",  # when the current group's work started
         "group_fit",  # 1.0: a member of the current group is a sample for the fit
+        "group_steps",  # groups of completions (engine steps) merged into the current group's sample
         "avoid_until",  # cluster mode: wall-clock time until which another replica finds it broken (0: none)
         # The tightest promise among the prefills in flight whose last engine step a prompt sent now may join:
         # by when it must finish (0: none), its predicted start and finish, and queue_shift_s when predicted.
