@@ -286,7 +286,7 @@ class Predictor:
                     e.last_done = done
                 return
             group_tokens, group_start = e.group_tokens, e.group_start
-            if started < last and e.group_steps < MERGE_STEPS:
+            if started < last and e.group_steps < MERGE_STEPS and e.pf_n >= self.min_samples:
                 # Sent before the group ended, it may have shared the group's steps: a short prompt that completed
                 # in the step which also computed a long one's first chunk took that chunk's time, and the long
                 # one's own sample then looks as fast as its last chunk. Their tokens over their time is the rate.

@@ -85,6 +85,37 @@ def test_prefill_predictions_hold_on_a_recorded_bursty_trace():
     assert statistics.median(a / f for f, a, _ in results if f > 0) < 1.0
 
 
+def test_a_short_prompt_sharing_a_long_ones_first_chunk_does_not_skew_the_fit():
+    """A chunked engine (8,192 tokens a step, 5,000 tokens a second) learned from five prompts computed alone gets a
+    short prompt and, just after it, a long one: the first step computes the short one and the long one's first
+    chunk, so the short one completes with that whole step's time, and the long one a short step later. Taken
+    apart, the two samples say short prompts are slow and long ones fast (seed 235636789's fast engine learned
+    61k tokens a second and 0.73 s a prefill from such a pair, and its long prompts were admitted and late); the
+    long one, sent before the short one's group ended, joins its sample, and the fit keeps the engine's rate."""
+    pred = Predictor(SharedState.create(), confidence=0.95)
+    rate, chunk = 5000.0, 8192
+    t = time.monotonic() - 500
+
+    def alone(tokens: int) -> None:
+        nonlocal t
+        predicted, shift = pred.start_prefill(0, tokens, t)
+        pred.learn_prefill(0, t, t + tokens / rate, tokens, predicted, shift)
+        t += tokens / rate + 1.0
+
+    for tokens in (226, 741, 3588, 7071, 5118):
+        alone(tokens)
+    short, long = 482, 9775
+    p1, s1 = pred.start_prefill(0, short, t)
+    p2, s2 = pred.start_prefill(0, long, t + 0.001)
+    first_step_end = t + chunk / rate
+    pred.learn_prefill(0, t, first_step_end, short, p1, s1)
+    pred.learn_prefill(0, t + 0.001, first_step_end + (short + long - chunk) / rate, long, p2, s2)
+    t = first_step_end + 1.0
+    alone(400)  # (its completion closes the pair's sample)
+    for tokens in (500, 10_000):
+        assert pred.prefill_s(0, tokens) == pytest.approx(tokens / rate, rel=0.1), tokens
+
+
 def test_decode_predictions_hold_on_a_recorded_trace():
     w = World("slo_aware")
     base = time.monotonic() - 1000.0
