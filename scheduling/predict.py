@@ -5,8 +5,10 @@ Nothing here knows how fast an engine is: every figure comes from timings the di
 Prefill (P and union endpoints). Each endpoint is modelled as one FIFO server (vLLM schedules prefill
 first come, first served, chunking long prompts). Its *virtual queue* `queue_until` is when the
 prefill work sent so far should be done: a new prefill of `u` uncached tokens starts at
-max(now, queue end) and takes `base + u / rate`; behind queued work its predicted finish is later by what
-joins its engine step while it waits (`batch_wait_s`). When a prefill completes, the gap between its
+max(now, queue end) and takes `u / rate`, plus the fixed part `base` when it opens an engine step: sent to an
+idle engine, or after the last step the queue opened has begun (`step_open_at`); sent before, it joins that
+step (the engine takes every waiting prompt into its next step). Behind queued work its predicted finish is
+later by what joins its engine step while it waits (`batch_wait_s`). When a prefill completes, the gap between its
 observed finish and its end in the continuous queue moves the queue end (requests behind it are late or
 early by the same amount), counting each correction once: a lease remembers the sum of corrections when it
 started. So after a completion the queue end is that completion plus the work sent after it; when later
@@ -173,9 +175,16 @@ class Predictor:
             rate = e.prefill_tps
             batch = 0.0
             if rate > 0.0:
-                service = e.prefill_base_s + tokens / rate
-                # Behind queued work it shares their engine steps (a chunked batch): its tokens, no step of its own.
-                start = now if end < now or idle else end
+                if end < now or idle:
+                    start = e.step_open_at = now
+                    service = e.prefill_base_s + tokens / rate
+                elif now < e.step_open_at:
+                    # Behind queued work, while the engine step that will take it has not begun: it joins that
+                    # step (a chunked batch), its tokens and no step of its own.
+                    start, service = end, tokens / rate
+                else:  # the last step opened has begun: the engine takes it in a step after that one's work
+                    start = e.step_open_at = end
+                    service = e.prefill_base_s + tokens / rate
                 batch = self.batch_wait_s(slot, start - now, now)
                 end = start + service
                 e.prefill_busy = self.prefill_busy(slot, now) + service / BUSY_WINDOW_S
@@ -276,6 +285,7 @@ class Predictor:
                 e.late_share = self._record(e.late_errors, e.late_count, e.late_at, error, done)
                 e.late_count, e.late_at = e.late_count + 1, done
             e.queue_until += late
+            e.step_open_at += late
             e.queue_shift_s = shift + late
             last = e.last_done
             if last and done - last <= GROUP_S:  # the same engine step as the last completion: one sample
@@ -323,6 +333,7 @@ class Predictor:
             early = predicted + shift - shift0 - done_by
             if early > 0.0:
                 e.queue_until -= early
+                e.step_open_at -= early
                 e.queue_shift_s = shift - early
 
     def learn_decode(

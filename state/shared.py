@@ -93,6 +93,7 @@ class EndpointRow(Table):
         "queue_delay_s",  # decode leg: wait from its start to its first step (KV pull, engine admission)
         "prefill_base_s",  # fixed seconds per prefill (HTTP, one step), on top of tokens / prefill_tps
         "queue_until",  # virtual time (time.monotonic) when the prefill work sent so far should be done
+        "step_open_at",  # virtual time the last engine step the virtual queue opened (one with a fixed part) begins
         "queue_shift_s",  # sum of corrections applied to queue_until from observed completions
         "last_done",  # time (monotonic) of the last observed prefill completion
         # decayed sums: prefill seconds vs uncached tokens

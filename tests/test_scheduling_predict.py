@@ -564,3 +564,21 @@ def test_a_fit_whose_samples_say_more_is_free_keeps_its_prior():
         pred.learn_decode(1, t, first, first + (0.02 - 0.0005 * b) * 40, 43, float(b))
         t = first + 2.0
     assert pred.step_s(1, 12) > pred.step_s(1, 1)
+
+
+def test_prompts_queued_before_the_next_engine_step_begins_share_its_fixed_part():
+    """The engine takes every prompt that waits when a step begins into that step: a prompt sent while the first one
+    computes opens the next step (its fixed part), one sent before that step begins joins it (its tokens only), and
+    one sent after it began opens the step after. (Read from the queue's end: a finish adds the batch wait.)"""
+    pred = Predictor(SharedState.create(), confidence=0.95)
+    e = pred.rows[0]
+    e.prefill_tps, e.prefill_base_s = 1000.0, 0.1
+    t = time.monotonic()
+    pred.start_prefill(0, 100, t)  # idle: a step now, 0.1 + 0.1 s
+    assert e.queue_until == pytest.approx(t + 0.2)
+    pred.start_prefill(0, 100, t + 0.01)  # the first's step has begun: the next one, after it
+    assert e.queue_until == pytest.approx(t + 0.4)
+    pred.start_prefill(0, 100, t + 0.02)  # that step has not begun: it joins it
+    assert e.queue_until == pytest.approx(t + 0.5)
+    pred.start_prefill(0, 100, t + 0.21)  # the second's step has begun: one more step
+    assert e.queue_until == pytest.approx(t + 0.7)
