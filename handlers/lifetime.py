@@ -25,7 +25,7 @@ from handlers.sink import SanicSink, error_response
 from serving.families import Family
 from serving.job import job_from_body, parse_body
 from serving.observe import RequestRecord, log_value
-from serving.tenants import NO_TENANT
+from serving.tenants import NO_TENANT, quota_headers
 
 log = logging.getLogger("coordinator.handlers")
 # The 4xx statuses the OpenAI and Anthropic SDKs retry by default (besides every 5xx).
@@ -108,7 +108,8 @@ async def serve_inference(request: Request, family: Family, from_client: bool = 
 
 
 async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api: Api, rid: str) -> HTTPResponse | None:
-    """An error answer: the error response, or one SSE error event once the stream has started."""
+    """An error answer: the error response (with the x-ratelimit-* headers of a request its tenant's quota counted),
+    or one SSE error event once the stream has started."""
     rec.status, rec.error = client_status(err), str(err)  # what its error says, and for the log which engine
     if rec.target is None and rec.prefill is None:  # refused before reaching an engine
         rec.reject_reason = getattr(err, "reason", "")
@@ -130,4 +131,8 @@ async def _fail(sink: SanicSink, rec: RequestRecord, err: CoordinatorError, api:
     if getattr(err, "reason", "") == "draining":
         # The client's retry must take a new connection, which the Service sends to a pod still serving.
         sink.request.stream.keep_alive = False
-    return error_response(err, api, rid)
+    response = error_response(err, api, rid)
+    # A request its tenant's quota counted (admitted, or refused by it) is told the quota's levels whatever its
+    # answer, as OpenAI tells them: the levels its admission left, which its 200 would have carried.
+    response.headers.update(quota_headers(sink.headers))
+    return response

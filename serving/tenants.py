@@ -125,7 +125,7 @@ class Ask:
         requests, tokens = (int(state[0]), int(state[2])) if len(state) > 2 else (0, 0)
         _headers(self.headers, requests, tokens, self.rpm, self.tpm)
         if refused:
-            raise _refusal(refused, wait, place.tenants.limits(place.job.tenant), self.headers)
+            raise _refusal(refused, wait, place.tenants.limits(place.job.tenant))
         place.key, place.side = self.key, STORE
         place.tenants.held(place)
 
@@ -220,7 +220,7 @@ class Tenants:
         refused, wait, requests, tokens = self.quotas.take(at, time.monotonic_ns(), limits, place.reserved)
         _headers(headers, requests, tokens, limits.rpm, limits.tpm)
         if refused:
-            raise _refusal(refused, wait, self.limits(place.job.tenant), headers)
+            raise _refusal(refused, wait, self.limits(place.job.tenant))
         place.key, place.side, place.limits = at, LOCAL, limits
         self.held(place)
 
@@ -285,7 +285,8 @@ def _headers(headers: dict[str, str], requests_milli: int, tokens_milli: int, rp
 
     They go out as one pre-formatted block: the first header's value carries the others' lines. The answer's
     writer (handlers/sink.py `RelayResponse`) writes values as they are, and six headers cost six encodings and
-    six formattings there; a refusal's answer takes them apart again (`_ordinary`): Sanic's writes it."""
+    six formattings there. An error answer (the quota's refusal, or an admitted request's error) takes them apart
+    again (`quota_headers`): Sanic's writer writes it."""
     if rpm or tpm:
         name, block = _block(requests_milli if rpm else 0, tokens_milli if tpm else 0, rpm, tpm)
         headers[name] = block
@@ -344,20 +345,19 @@ def _block(requests_milli: int, tokens_milli: int, rpm: int, tpm: int) -> tuple[
     return "x-ratelimit-limit-tokens", tokens
 
 
-def _ordinary(headers: dict[str, str]) -> dict[str, str]:
-    """`headers` with `_headers`' block as the headers it holds."""
-    out = {}
-    for name, value in headers.items():
-        if name.startswith("x-ratelimit-limit-"):
-            for line in f"{name}: {value}".split("\r\n"):
-                name, _, value = line.partition(": ")
-                out[name] = value
-        else:
-            out[name] = value
-    return out
+def quota_headers(headers: dict[str, str]) -> dict[str, str]:
+    """The x-ratelimit-* headers in an answer's `headers`, `_headers`' block taken apart into the headers it holds
+    (for Sanic's own writer, which an error answer goes through); none when its request took no quota."""
+    for name in ("x-ratelimit-limit-requests", "x-ratelimit-limit-tokens"):  # (the block's name: `_block`)
+        block = headers.get(name)
+        if block is not None:
+            return dict(line.split(": ", 1) for line in f"{name}: {block}".split("\r\n"))
+    return {}
 
 
-def _refusal(refused: str, wait_s: float, lim: TenantLimits, headers: dict[str, str]) -> RateLimited:
+def _refusal(refused: str, wait_s: float, lim: TenantLimits) -> RateLimited:
+    """A quota's refusal. Its answer's x-ratelimit-* headers, which `_headers` wrote before it, the handler adds
+    (handlers/lifetime.py `_fail`), as it does to every error answer of a request its tenant's quota counted."""
     kind = refused
     if kind == "inflight":
         message, kind = f"too many requests in flight for this tenant (limit {lim.max_inflight})", "requests"
@@ -365,6 +365,4 @@ def _refusal(refused: str, wait_s: float, lim: TenantLimits, headers: dict[str, 
         message = f"rate limit reached for requests: limit {lim.rpm} per minute"
     else:
         message = f"rate limit reached for tokens: limit {lim.tpm} per minute (prompt plus output)"
-    err = RateLimited.by_quota(kind, message, wait_s, reason="tenant_" + refused)
-    err.headers.update(_ordinary(headers))
-    return err
+    return RateLimited.by_quota(kind, message, wait_s, reason="tenant_" + refused)

@@ -5,6 +5,7 @@ and its tpm to within what was served, and the same holds after the store is emp
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -13,8 +14,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
+from harness.clients import openai_client
 from harness.configs import api_keys, coordinator_config, instance
 from harness.coordinator import Coordinator
 from harness.loopback import free_port, wait_until
@@ -23,7 +26,7 @@ from harness.redis import RedisServer
 from tests.conftest import MODEL
 from tests.test_quotas import chat, reset_s, tpm_burst
 
-KEY_R, KEY_T, KEY_C, KEY_OTHER = "sk-cq-r", "sk-cq-t", "sk-cq-c", "sk-cq-other"
+KEY_R, KEY_T, KEY_C, KEY_OTHER, KEY_E = "sk-cq-r", "sk-cq-t", "sk-cq-c", "sk-cq-other", "sk-cq-e"
 RPM, TPM, CAP = 20, 1500, 5  # (not multiples of 3: the replicas' shares would add up to them)
 N = 200  # requests at once
 
@@ -67,6 +70,7 @@ def replicas(redis, tmp_path_factory):
                 {"name": "team-r", "keys": [KEY_R], "rpm": RPM},
                 {"name": "team-t", "keys": [KEY_T], "tpm": TPM},
                 {"name": "team-c", "keys": [KEY_C], "max_inflight": CAP},
+                {"name": "team-e", "keys": [KEY_E], "rpm": 1000},
             ]
         }
         return cfg
@@ -104,6 +108,19 @@ def one_at_a_time(replicas: list, key: str) -> tuple[int, float]:
         if chat(replicas[n % len(replicas)], key)[0] == 429:
             break
     return n, sent
+
+
+def test_an_error_after_the_stores_admission_tells_the_quota(replicas):
+    """The store admitted the request (its quota taken in the door's round trip), then the engine refused it
+    (vLLM's 400 for a max_tokens beyond the context): the error carries the levels the store answered."""
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client(replicas[0], KEY_E).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10_000
+        )
+    headers = e.value.response.headers
+    assert headers["x-ratelimit-limit-requests"] == "1000"
+    assert 900 <= int(headers["x-ratelimit-remaining-requests"]) < 1000
+    assert re.fullmatch(r"\d+ms|\d+(\.\d+)?s", headers["x-ratelimit-reset-requests"])
 
 
 def test_rpm_is_exact_across_replicas_and_after_the_store_is_emptied(replicas, redis):
