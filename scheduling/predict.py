@@ -175,15 +175,14 @@ class Predictor:
             rate = e.prefill_tps
             batch = 0.0
             if rate > 0.0:
-                if end < now or idle:
-                    start = e.step_open_at = now
-                    service = e.prefill_base_s + tokens / rate
-                elif now < e.step_open_at:
+                queued = not (end < now or idle)
+                start = end if queued else now
+                if queued and now < e.step_open_at:
                     # Behind queued work, while the engine step that will take it has not begun: it joins that
                     # step (a chunked batch), its tokens and no step of its own.
-                    start, service = end, tokens / rate
-                else:  # the last step opened has begun: the engine takes it in a step after that one's work
-                    start = e.step_open_at = end
+                    service = tokens / rate
+                else:  # it opens a step: now on an idle engine, else after the work of the step that has begun
+                    e.step_open_at = start
                     service = e.prefill_base_s + tokens / rate
                 batch = self.batch_wait_s(slot, start - now, now)
                 end = start + service
