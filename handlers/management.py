@@ -37,6 +37,9 @@ async def readiness(request: Request):
     ctx = request.app.ctx
     if ctx.door.draining:
         return json({"status": "ok", "message": "draining", "ready": False}, status=503)
+    if ctx.cluster is not None and not ctx.cluster.first_synced:
+        message = "starting: the cluster store's instance set is not read yet"
+        return json({"status": "ok", "message": message, "ready": False}, status=503)
     view = ctx.registry.view()
     servable = _servable_models(view, ctx.health)
     n = len(view.instances)

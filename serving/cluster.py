@@ -352,6 +352,12 @@ class Cluster:
             self._up()
         except StoreDown as e:
             self._down(e)
+        finally:
+            self.shared.globals.first_synced = 1
+
+    @property
+    def first_synced(self) -> bool:
+        return bool(self.shared.globals.first_synced)
 
     async def _sync(self) -> None:
         version, reports, epoch = await self.store.sync(self._report(), self.ttl_ms, self.settling_ms)

@@ -153,6 +153,9 @@ class Globals(Table):
         ("replicas", ctypes.c_int64),
         ("synced_at_ms", ctypes.c_int64),
         ("cluster_workers", ctypes.c_int64),
+        # The sync owner's first round trip at start has ended (1): it adopted the stored instance set, seeded it,
+        # or found the store down. Not ready before it: this replica would route by its static config.
+        ("first_synced", ctypes.c_int64),
         # The times the sync owner found the store had lost its data: each worker re-publishes its count. And the
         # workers of the live replicas as it saw them before the latest loss (the store lost their reports too): the
         # writers the store waits for (0 once that wait is over).

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -119,6 +120,44 @@ def test_a_refresh_on_one_replica_routes_every_replica_and_outlives_them_all(clu
     replicas.start(2)
     assert all(ids(r) == [2, 3] and paused(r) == [3] for r in replicas)
     assert chat(replicas[0]).status_code == 200 and a.stats()["completed"] == 0
+
+
+def test_a_replica_is_not_ready_before_its_first_sync_has_read_the_stored_set(sims):
+    """Readiness waits for the first round trip to the store: a replica ready before it would route by its
+    static instances, which the stored set replaces. The store here accepts and never answers, so that round
+    trip lasts `redis_timeout_ms`; then the replica serves its static set, and is ready."""
+    a = sims("union")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nothing answers
+    cluster = {"redis_url": "redis://127.0.0.1:%d" % silent.getsockname()[1], "redis_timeout_ms": 4000}
+    config = coordinator_config([instance(1, "union", MODEL, a.address)], cluster_config=cluster)
+    mgmt = "http://%s:%d" % (
+        config["api_config"]["coordinator_api_host"],
+        config["api_config"]["coordinator_api_mgmt_port"],
+    )
+    started: list[Coordinator] = []
+    starting = threading.Thread(target=lambda: started.append(Coordinator(config)))
+    starting.start()
+    answers = []
+    try:
+        while starting.is_alive():
+            try:
+                r = httpx.get(mgmt + "/readiness", timeout=1.0)
+                answers.append((r.status_code, r.json()["ready"], r.json()["message"]))
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        starting.join()
+        coord = started[0]
+        assert answers and answers[0][:2] == (503, False) and "not read yet" in answers[0][2], answers[:3]
+        assert answers[-1][:2] == (200, True), answers[-3:]
+        assert "cluster store unreachable" in coord.output()
+        assert chat(coord).status_code == 200 and a.stats()["completed"] == 1
+    finally:
+        for coord in started:
+            coord.stop()
+        silent.close()
 
 
 def test_a_refresh_is_not_undone_by_the_sync_that_runs_while_it_is_stored(cluster, sims):
