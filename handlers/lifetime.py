@@ -74,6 +74,7 @@ async def serve_inference(request: Request, family: Family, from_client: bool = 
         rec.model, rec.stream = clip(job.model), job.stream  # the log line's: a name can be megabytes
         if job.stream and family.usage_chunk_option and job.include_usage:
             rec.usage_event = True
+        ctx.dispatcher.check(job, rec)
         with ctx.door.admit() if from_client else ctx.door.attend() as place:
             with ctx.tenants.admit(job, rec, sink.headers, place) if from_client else nullcontext():
                 if (

@@ -75,11 +75,7 @@ class Dispatcher:
     def job_info(self, job: Job) -> tuple[JobInfo, Awaitable[None] | None]:
         """What the scheduler reads of the request, and what to await before planning it (its exact token
         count, made off the loop: Scheduler.prepare), or None."""
-        model = self.live.s.model(job.model)
-        view = self.scheduler.registry.view()
-        if model is None and job.model not in view.model_names:
-            raise NotFound(f"The model `{clip(job.model)}` does not exist.", param="model")
-        limits, family = model or _DEFAULT_MODEL, job.family
+        limits, family = self.live.s.model(job.model) or _DEFAULT_MODEL, job.family
         info = JobInfo(
             model=job.model,
             prompt_tokens=0,  # counted by prepare() for the prompt routes
@@ -101,11 +97,19 @@ class Dispatcher:
                 raise InvalidRequest("the request body is nested too deeply") from None
         return info, exact
 
-    def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
-        """The request's flow, to await. Checks and the first plan happen here, so a refusal raises at once;
-        a request let in at once gets its flow's own coroutine, with no layer of this function's."""
+    def check(self, job: Job, rec: RequestRecord) -> None:
+        """The client's errors its model makes (none named where one is needed, one not served, a vLLM-only route
+        on other engines), raised before admission: they cost its tenant's quota nothing."""
         if not job.model:  # a /tokenize or /detokenize body may name none, as vLLM's: the one model served
             job.model = rec.model = self._only_model()
+        if self.live.s.model(job.model) is None and job.model not in self.scheduler.registry.view().model_names:
+            raise NotFound(f"The model `{clip(job.model)}` does not exist.", param="model")
+        if job.family.vllm_only:
+            self._require_vllm(job)
+
+    def serve(self, job: Job, sink: Sink, rec: RequestRecord) -> Awaitable[None]:
+        """The request's flow, to await (`check` has passed). The first plan happens here, so a refusal raises at
+        once; a request let in at once gets its flow's own coroutine, with no layer of this function's."""
         info, exact = self.job_info(job)
         if exact is not None:
             return self._serve_counted(exact, job, info, sink, rec)
@@ -120,8 +124,6 @@ class Dispatcher:
         rec.prompt_tokens, family = info.prompt_tokens, job.family
         if info.kv_predicted:  # the engines' KV events predict its cached tokens: the line says how well
             rec.info = info
-        if family.vllm_only:
-            self._require_vllm(job)
         if family.counts_only:
             try:
                 leg = self.scheduler.pick(info, _COUNT_ROLES)

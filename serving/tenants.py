@@ -101,7 +101,7 @@ class Place(Active):
         if self.side:
             if self.fair is not None:
                 super().__exit__()
-            self.tenants.settle(self)
+            self.tenants.settle(self, answered=exc[0] is None)
 
 
 class Ask:
@@ -251,16 +251,18 @@ class Tenants:
         if self.streaming:
             self._timer.arm()
 
-    def settle(self, place: Place) -> None:
+    def settle(self, place: Place, answered: bool) -> None:
         """A request ended: its place given back, the tokens it was served beyond those charged taken (or those
-        charged beyond them given back: a request no engine served is charged nothing)."""
+        charged beyond them given back: a request no engine served is charged nothing). `answered`: it ended
+        without an error (an engine's error relayed, a stream cut or abandoned: its output says nothing of the
+        tenant's usual one)."""
         self.streaming.discard(place)
         rec = place.rec
         reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
         out = rec.generated_tokens if reached else 0
         rest = (rec.prompt_tokens + out if reached else 0) - place.charged
         tpm = place.limits.tpm
-        if tpm and reached:
+        if tpm and reached and answered:
             tenant = place.job.tenant
             mean = self.expected.get(tenant)
             self.expected[tenant] = out if mean is None else mean + (out - mean) * EXPECTED_WEIGHT

@@ -19,8 +19,9 @@ from harness.loopback import free_port, wait_until
 from tests.conftest import MODEL
 from tests.test_quotas import RATELIMIT_HEADERS
 
-KEY_Q, KEY_T, KEY_N = "sk-rlerr-q", "sk-rlerr-t", "sk-rlerr-n"
+KEY_Q, KEY_T, KEY_M, KEY_N = "sk-rlerr-q", "sk-rlerr-t", "sk-rlerr-m", "sk-rlerr-n"
 RPM, TPM, TPM_T = 1000, 1_000_000, 6000
+TPM_M = 10**12  # full again within a microsecond: each answer's remaining tokens are the quota less its reservation
 PD = "qwen3-pd"
 MODELS = {"union": MODEL, "pd": PD}  # served, by layout; "gone" and "gone-pd": their engines listen nowhere
 GONE = {"union": "gone", "pd": "gone-pd"}
@@ -50,6 +51,7 @@ def coord(module_sims):
         "tenants": [
             {"name": "team-q", "keys": [KEY_Q], "rpm": RPM, "tpm": TPM},
             {"name": "team-t", "keys": [KEY_T], "tpm": TPM_T},
+            {"name": "team-m", "keys": [KEY_M], "tpm": TPM_M},
         ]
     }
     with Coordinator(cfg) as c:
@@ -134,8 +136,26 @@ def test_an_errors_tokens_are_the_levels_its_admission_left(coord):
     assert left[0] == left[1] <= TPM_T - 500 - 10, left  # (and its prompt's estimate: some 30 tokens)
 
 
+def test_an_engines_error_leaves_its_tenants_output_reservation_as_it_was(coord):
+    """A request reserves its tenant's mean output (what its answered requests were served). An engine's error relayed
+    served no output, and says nothing of the tenant's usual one: the next request reserves what it would have
+    without it. A request to a model no engine serves shows the reservation: refused at once, the bucket as full."""
+
+    def reserved() -> int:
+        status, headers = ask(coord, "openai", KEY_M, "gone", max_tokens=500)
+        assert status == 503
+        return TPM_M - int(headers["x-ratelimit-remaining-tokens"])
+
+    assert ask(coord, "openai", KEY_M, MODEL, max_tokens=40, extra_body={"ignore_eos": True})[0] == 200
+    before = reserved()
+    assert before - 40 < 20, before  # its output's mean, 40, and the prompt's estimate
+    for _ in range(4):
+        assert ask(coord, "openai", KEY_M, MODEL, LONG, max_tokens=40)[0] == 400
+    assert reserved() == before
+
+
 def test_an_error_before_the_quota_is_taken_tells_none(coord):
-    """A wrong key, a body that is no JSON, an x-priority that is no class: refused before the tenant's quota is
+    """A wrong key, a body that is no JSON, an x-priority that is no class, a model not served: refused before the tenant's quota is
     taken, so told nothing of it; the same key's next request is."""
     for key, route in ((KEY_Q + "-wrong", "openai"), (KEY_Q + "-wrong", "anthropic")):
         status, headers = ask(coord, route, key, MODEL)
@@ -144,6 +164,9 @@ def test_an_error_before_the_quota_is_taken_tells_none(coord):
     assert status == 400 and not quota_told(headers)
     status, headers = ask(coord, "anthropic", KEY_Q, MODEL, extra_headers={"x-priority": "urgent"})
     assert status == 400 and not quota_told(headers)
+    for route in ("openai", "anthropic"):  # a model not served here
+        status, headers = ask(coord, route, KEY_Q, "no-such-model")
+        assert status == 404 and not quota_told(headers)
     r = httpx.post(
         coord.url + "/v1/chat/completions",
         content=b"{not json",
