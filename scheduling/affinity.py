@@ -33,6 +33,14 @@ PROBES = 4
 _MASK = PREFIX_ENTRIES - 1
 
 
+def _home(key: int) -> int:
+    """A key's first probe position. A key is a prefix's CRC-32 above its length in blocks (scheduling/tokens.py):
+    its low bits are the length, the same for every prompt's hash at one boundary, so the CRC half picks the entry
+    (the length alone put every prompt's k-th hash in the same four entries, each new prompt overwriting the last
+    ones' prefixes)."""
+    return ((key >> 32) ^ key) & _MASK
+
+
 class PrefixIndex:
     needs_hashes = True  # it knows prompts by their block hashes (scheduling/tokens.py)
     needs_ids = False
@@ -46,7 +54,7 @@ class PrefixIndex:
 
     def _find(self, key: int) -> int:
         """The entry index holding `key`, or -1."""
-        keys, i = self.key, key & _MASK
+        keys, i = self.key, _home(key)
         for _ in range(PROBES):
             k = keys[i]
             if k == key:
@@ -70,7 +78,7 @@ class PrefixIndex:
         keys, slots, last, bit = self.key, self.slots, self.last, 1 << (slot % 64)
         for key in hashes:
             key = key or 1  # 0 marks an empty entry
-            i, victim = key & _MASK, -1
+            i, victim = _home(key), -1
             for p in range(PROBES):
                 k = keys[i]
                 if k == key:

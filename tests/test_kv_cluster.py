@@ -124,7 +124,9 @@ def test_three_subscribing_replicas_reach_one_replicas_hit_rate():
         bound = max(most_one, most_three) / tokens
         assert one > 0.5, f"one replica's hit rate {one:.3f}: the trace does not exercise the cache"
         assert abs(three - one) <= bound, f"three replicas {three:.3f}, one {one:.3f}, bound {bound:.3f}"
-        assert unsubscribed < one - bound, f"not subscribing {unsubscribed:.3f}, one {one:.3f}, bound {bound:.3f}"
+        # Below it, by less than one request's cached tokens since the estimate's table no longer forgets prefixes
+        # (0.643 against 0.766 before, 0.746 after: the estimate misses only the turns served outside).
+        assert unsubscribed < one, f"not subscribing {unsubscribed:.3f}, one {one:.3f}, bound {bound:.3f}"
     finally:
         redis.stop()
         for sim in sims:

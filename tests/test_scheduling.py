@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from array import array
 
@@ -466,6 +467,20 @@ def test_the_estimate_keys_a_prompt_by_its_cache_salt():
     assert w.index.cached_tokens(prepared("team-a"), t) > 0
     assert w.index.cached_tokens(prepared("team-b"), t) == 0
     assert w.index.cached_tokens(prepared(None), t) == 0
+
+
+def test_prefix_index_keeps_a_prefix_while_other_prompts_pass():
+    """A prompt's hashes carry its length in blocks in their low bits (the same at one boundary for every prompt):
+    the table must not be addressed by it, or each new prompt overwrites the last ones' prefixes (it did: the
+    hot system prompts of wall-clock seed 943840882 were forgotten a few prompts after being computed)."""
+    index = PrefixIndex(SharedState.create())
+    system = random.Random(1).randbytes(64 * 200)
+    hot = chained_hashes(system + random.Random(2).randbytes(64 * 10), 64)
+    index.record(hot, 3)
+    for k in range(200):  # other prompts, each its own text, on other slots
+        index.record(chained_hashes(random.Random(100 + k).randbytes(64 * 220), 64), 4 + k % 4)
+    again = chained_hashes(system + random.Random(3).randbytes(64 * 10), 64)
+    assert index.cached_blocks(again, 3) == 192  # the last boundary within the 200 shared blocks
 
 
 def test_prefix_index_survives_more_keys_than_entries():
