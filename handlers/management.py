@@ -37,7 +37,7 @@ async def readiness(request: Request):
     ctx = request.app.ctx
     if ctx.door.draining:
         return json({"status": "ok", "message": "draining", "ready": False}, status=503)
-    if ctx.cluster is not None and not ctx.cluster.first_synced:
+    if ctx.cluster is not None and not ctx.shared.globals.first_synced:
         message = "starting: the cluster store's instance set is not read yet"
         return json({"status": "ok", "message": message, "ready": False}, status=503)
     view = ctx.registry.view()

@@ -102,14 +102,8 @@ class Cluster:
         self.live, self.shared, self.worker, self.replica, self.registry = live, shared, worker, replica, registry
         registry.store = self  # a change of the instance set reaches every replica (`refresh`)
         self.on_event = on_event  # (kind, payload dict): an event another replica published
-        self.store = ClusterStore(
-            c.redis_url,
-            read_password(c.redis_password_file),
-            c.key_prefix,
-            c.redis_timeout_ms / 1000,
-            replica,
-            worker,
-        )
+        password = read_password(c.redis_password_file)
+        self.store = ClusterStore(c.redis_url, password, c.key_prefix, c.redis_timeout_ms / 1000, replica, worker)
         self.interval_s = c.sync_interval_ms / 1000
         self.ttl_ms = int(c.replica_ttl_s * 1000)
         # After the store lost its data, no tenant's quota is decided until every worker of the live replicas wrote
@@ -353,11 +347,7 @@ class Cluster:
         except StoreDown as e:
             self._down(e)
         finally:
-            self.shared.globals.first_synced = 1
-
-    @property
-    def first_synced(self) -> bool:
-        return bool(self.shared.globals.first_synced)
+            self.shared.globals.first_synced = 1  # (readiness waits for it: handlers/management.py)
 
     async def _sync(self) -> None:
         version, reports, epoch = await self.store.sync(self._report(), self.ttl_ms, self.settling_ms)
