@@ -297,7 +297,9 @@ class Tenants:
         self.streaming.discard(place)
         rec = place.rec
         reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
-        out = rec.generated_tokens if reached else 0
+        out = rec.output_tokens  # (`generated_tokens`' first case, inlined: a JSON answer's usage)
+        if out is None or not reached:
+            out = rec.generated_tokens if reached else 0
         rest = (rec.prompt_tokens + out if reached else 0) - place.charged
         limits = place.limits
         tpm = limits.tpm
