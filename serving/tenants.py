@@ -74,31 +74,19 @@ class Active:
 
 
 LOCAL, STORE = 1, 2  # where a request's quota was taken: this Coordinator's table, or the cluster store
+new_place = object.__new__
 
 
 class Place(Active):
     """An admitted request's quota too: its tokens charged as it is served (`Tenants.charge`), given back and
-    settled when the block ends. `side` 0 while the cluster store has not answered (or refused it): nothing held."""
+    settled when the block ends. `side` 0 while the cluster store has not answered (or refused it): nothing held.
+
+    Made by `Tenants.admit` only, which sets every field (`new_place`: calling the class, through an __init__, cost
+    1 k instructions more): `tenants`, Active's three, `limits`, `prompt` (its estimate), `reserved` (taken from its
+    tpm bucket when admitted: the prompt's estimate and its output's), `charged` (tokens taken from its tpm bucket so
+    far), `key` (its tenant's row, LOCAL, or hash, STORE) and `side`."""
 
     __slots__ = ("charged", "key", "limits", "prompt", "reserved", "side", "tenants")
-
-    def __init__(
-        self,
-        tenants: Tenants,
-        job: Job,
-        rec: RequestRecord,
-        limits: Limits,
-        prompt: int,
-        reserved: int,
-        key: int | str = 0,
-        side: int = 0,
-    ):
-        # (Active's fields set here: a call to its __init__ cost more than the line)
-        self.fair, self.job, self.rec = tenants.fair, job, rec
-        self.tenants, self.limits, self.prompt = tenants, limits, prompt
-        self.reserved = reserved  # taken from its tpm bucket when admitted: the prompt's estimate and output's
-        self.charged = reserved  # tokens taken from its tpm bucket so far
-        self.key, self.side = key, side  # its tenant's row (LOCAL) or hash (STORE); 0 while nothing is held
 
     def used(self) -> int:
         """Tokens served so far: its prompt (the scheduler's count once made, exact with the model's tokenizer;
@@ -107,10 +95,34 @@ class Place(Active):
         return (rec.prompt_tokens or self.prompt) + rec.generated_tokens
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self.side:
-            if self.fair is not None:
-                super().__exit__()
-            self.tenants.settle(self, exc_type is None)
+        """The request ended: its place given back, the tokens it was served beyond those charged taken (or those
+        charged beyond them given back: a request no engine served is charged nothing). Its output counts in its
+        tenant's mean when it ended without an error (an engine's error relayed, a stream cut or abandoned: its
+        output says nothing of the tenant's usual one). (Tenants' settlement, here: a call fewer a request.)"""
+        if not self.side:
+            return
+        if self.fair is not None:
+            super().__exit__()
+        tenants = self.tenants
+        tenants.streaming.discard(self)
+        rec = self.rec
+        reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
+        out = rec.output_tokens  # (`generated_tokens`' first case, inlined: a JSON answer's usage)
+        if out is None or not reached:
+            out = rec.generated_tokens if reached else 0
+        rest = (rec.prompt_tokens + out if reached else 0) - self.charged
+        limits = self.limits
+        tpm = limits.tpm
+        if tpm and reached and exc_type is None:
+            tenant = self.job.tenant
+            mean = tenants.expected.get(tenant)
+            if mean != out:  # (an output of the mean leaves it as it is)
+                mean = tenants.expected[tenant] = out if mean is None else mean + (out - mean) * EXPECTED_WEIGHT
+                tenants.reserving[tenant] = math.ceil(mean)
+        if self.side == LOCAL:
+            tenants.quotas.leave(self.key, rest, limits.token_ns)
+        else:
+            tenants.cluster.quotas.left(self.key, rest if tpm else 0, tpm)
 
 
 class Ask:
@@ -205,6 +217,9 @@ class Tenants:
                 return UNCOUNTED
             fair.arrive(tenant, job.priority)
             return Active(fair, job, rec)
+        place = new_place(Place)  # (see Place)
+        place.tenants, place.fair, place.job, place.rec, place.limits = self, self.fair, job, rec, limits
+        place.key = place.side = 0
         tpm = limits.tpm
         if tpm:
             # its expected output, at most its max_tokens and a minute's tokens (a max_tokens of 10**30 would not fit
@@ -215,10 +230,10 @@ class Tenants:
                 output = max_tokens
             if output > tpm:
                 output = tpm
-            prompt = len(job.raw) // 4
-            place = Place(self, job, rec, limits, prompt, prompt + output)
+            place.prompt = prompt = len(job.raw) // 4
+            place.reserved = place.charged = prompt + output
         else:
-            place = Place(self, job, rec, limits, 0, 0)
+            place.prompt = place.reserved = place.charged = 0
         cluster = self.cluster
         if cluster is not None and cluster.connected and door is not None:
             door.tenant = Ask(place, headers)
@@ -288,31 +303,6 @@ class Tenants:
             self.quotas.charge(batch)
         if self.streaming:
             self._timer.arm()
-
-    def settle(self, place: Place, answered: bool) -> None:
-        """A request ended: its place given back, the tokens it was served beyond those charged taken (or those
-        charged beyond them given back: a request no engine served is charged nothing). `answered`: it ended
-        without an error (an engine's error relayed, a stream cut or abandoned: its output says nothing of the
-        tenant's usual one)."""
-        self.streaming.discard(place)
-        rec = place.rec
-        reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
-        out = rec.output_tokens  # (`generated_tokens`' first case, inlined: a JSON answer's usage)
-        if out is None or not reached:
-            out = rec.generated_tokens if reached else 0
-        rest = (rec.prompt_tokens + out if reached else 0) - place.charged
-        limits = place.limits
-        tpm = limits.tpm
-        if tpm and reached and answered:
-            tenant = place.job.tenant
-            mean = self.expected.get(tenant)
-            if mean != out:  # (an output of the mean leaves it as it is)
-                mean = self.expected[tenant] = out if mean is None else mean + (out - mean) * EXPECTED_WEIGHT
-                self.reserving[tenant] = math.ceil(mean)
-        if place.side == LOCAL:
-            self.quotas.leave(place.key, rest, limits.token_ns)
-        else:
-            self.cluster.quotas.left(place.key, rest if tpm else 0, tpm)
 
     def label(self, tenant: str) -> str:
         """The tenant as a metric label: the first MAX_TENANT_LABELS the config names (tenant_config's tenants and
