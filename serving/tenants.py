@@ -28,7 +28,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
 
-from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, TenantLimits
+from config import OTHER_TENANT, PRIORITIES, STANDARD, Live, Settings, TenantLimits
 from errors import InvalidRequest, RateLimited, clip
 from scheduling.fairness import FairShare
 from serving.job import Job
@@ -74,22 +74,19 @@ class Active:
 
 
 LOCAL, STORE = 1, 2  # where a request's quota was taken: this Coordinator's table, or the cluster store
+new_place = object.__new__
 
 
 class Place(Active):
     """An admitted request's quota too: its tokens charged as it is served (`Tenants.charge`), given back and
-    settled when the block ends. `side` 0 while the cluster store has not answered (or refused it): nothing held."""
+    settled when the block ends. `side` 0 while the cluster store has not answered (or refused it): nothing held.
+
+    Made by `Tenants.admit` only, which sets every field (`new_place`: calling the class, through an __init__, cost
+    1 k instructions more): `tenants`, Active's three, `limits`, `prompt` (its estimate), `reserved` (taken from its
+    tpm bucket when admitted: the prompt's estimate and its output's), `charged` (tokens taken from its tpm bucket so
+    far), `key` (its tenant's row, LOCAL, or hash, STORE) and `side`."""
 
     __slots__ = ("charged", "key", "limits", "prompt", "reserved", "side", "tenants")
-
-    def __init__(self, tenants: Tenants, job: Job, rec: RequestRecord, limits: Limits, prompt: int, output: int):
-        # (Active's fields set here: a call to its __init__ cost more than the line)
-        self.fair, self.job, self.rec = tenants.fair, job, rec
-        self.tenants, self.limits, self.prompt = tenants, limits, prompt
-        self.reserved = prompt + output  # taken from its tpm bucket when admitted: the prompt's estimate and output's
-        self.key: int | str = 0  # its tenant's row (LOCAL) or hash (STORE)
-        self.side = 0
-        self.charged = self.reserved  # tokens taken from its tpm bucket so far
 
     def used(self) -> int:
         """Tokens served so far: its prompt (the scheduler's count once made, exact with the model's tokenizer;
@@ -97,11 +94,35 @@ class Place(Active):
         rec = self.rec
         return (rec.prompt_tokens or self.prompt) + rec.generated_tokens
 
-    def __exit__(self, *exc) -> None:
-        if self.side:
-            if self.fair is not None:
-                super().__exit__()
-            self.tenants.settle(self, answered=exc[0] is None)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """The request ended: its place given back, the tokens it was served beyond those charged taken (or those
+        charged beyond them given back: a request no engine served is charged nothing). Its output counts in its
+        tenant's mean when it ended without an error (an engine's error relayed, a stream cut or abandoned: its
+        output says nothing of the tenant's usual one). (Tenants' settlement, here: a call fewer a request.)"""
+        if not self.side:
+            return
+        if self.fair is not None:
+            super().__exit__()
+        tenants = self.tenants
+        tenants.streaming.discard(self)
+        rec = self.rec
+        reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
+        out = rec.output_tokens  # (`generated_tokens`' first case, inlined: a JSON answer's usage)
+        if out is None or not reached:
+            out = rec.generated_tokens if reached else 0
+        rest = (rec.prompt_tokens + out if reached else 0) - self.charged
+        limits = self.limits
+        tpm = limits.tpm
+        if tpm and reached and exc_type is None:
+            tenant = self.job.tenant
+            mean = tenants.expected.get(tenant)
+            if mean != out:  # (an output of the mean leaves it as it is)
+                mean = tenants.expected[tenant] = out if mean is None else mean + (out - mean) * EXPECTED_WEIGHT
+                tenants.reserving[tenant] = math.ceil(mean)
+        if self.side == LOCAL:
+            tenants.quotas.leave(self.key, rest, limits.token_ns)
+        else:
+            tenants.cluster.quotas.left(self.key, rest if tpm else 0, tpm)
 
 
 class Ask:
@@ -111,12 +132,12 @@ class Ask:
 
     def __init__(self, place: Place, headers: dict[str, str]):
         self.place, self.headers = place, headers
-        self.rpm, self.tpm, _ = place.limits
+        self.rpm, self.tpm = place.limits.rpm, place.limits.tpm
         self.key = str(tenant_hash(place.job.tenant))
 
     def args(self, epoch: str) -> tuple:
-        rpm, tpm, cap = self.place.limits
-        return (self.key, rpm, tpm, cap, self.place.reserved, epoch)
+        lim = self.place.limits
+        return (self.key, lim.rpm, lim.tpm, lim.max_inflight, self.place.reserved, epoch)
 
     def answer(self, refused: str, wait: float, state: list) -> None:
         """The store's verdict (`refused` "" when admitted) and the tenant's buckets after it: the headers, and
@@ -151,10 +172,11 @@ class Tenants:
         # tenant -> the output its requests were served, on average (this worker's, recent ones weigh more): what a
         # request of it reserves for its output, at most its max_tokens (unknown: all of max_tokens)
         self.expected: dict[str, float] = {}
+        self.reserving: dict[str, int] = {}  # tenant -> its `expected` rounded up, as a request of it reserves it
         self._timer = tick.timer(self.charge)  # the tokens served by streams under way, charged
-        # tenant -> (its limits, as `limits` gives them, and its quota from them: None without one), made once per
-        # tenant and config (a reload's limits are other objects)
-        self._quotas: dict[str, tuple[TenantLimits, Limits | None]] = {}
+        # tenant -> (the Settings it was worked out from, and its quota from them: None without one), made once per
+        # tenant and config (a reload's Settings is another object)
+        self._quotas: dict[str, tuple[Settings, Limits | None]] = {}
 
     def limits(self, tenant: str) -> TenantLimits:
         s = self.live.s
@@ -162,12 +184,12 @@ class Tenants:
 
     def quota(self, tenant: str) -> Limits | None:
         """The tenant's rpm, tpm and max_inflight; None when it has none of them."""
-        s = self.live.s  # (`limits`, inlined: read for every request)
-        lim = s.tenant_limits.get(tenant) or s.default_limits
+        s = self.live.s
         known = self._quotas.get(tenant)
-        if known is None or known[0] is not lim:
+        if known is None or known[0] is not s:
+            lim = s.tenant_limits.get(tenant) or s.default_limits  # (`limits`, inlined)
             quota = Limits(lim.rpm, lim.tpm, lim.max_inflight) if lim.rpm or lim.tpm or lim.max_inflight else None
-            known = self._quotas[tenant] = (lim, quota)
+            known = self._quotas[tenant] = (s, quota)
         return known[1]
 
     def classify(self, job: Job, header: str | None) -> None:
@@ -186,19 +208,32 @@ class Tenants:
         """`with tenants.admit(...)`: the request's quota held until the block ends, or RateLimited. The answer's
         x-ratelimit-* headers go into `headers` (a tenant with rpm or tpm only). In cluster mode, with the store
         reachable, the quota is asked in the door's round trip (`door`, its place: awaited in the block)."""
-        limits = self.quota(job.tenant)
+        tenant = job.tenant
+        known = self._quotas.get(tenant)  # (`quota`, inlined: read for every request)
+        limits = known[1] if known is not None and known[0] is self.live.s else self.quota(tenant)
         if limits is None:
             fair = self.fair
             if fair is None:
                 return UNCOUNTED
-            fair.arrive(job.tenant, job.priority)
+            fair.arrive(tenant, job.priority)
             return Active(fair, job, rec)
-        if limits.tpm:
-            # (at most a minute's tokens: a max_tokens of 10**30 would not fit the bucket's clock, and reserves no more)
-            output = min(job.max_tokens, math.ceil(self.expected.get(job.tenant, job.max_tokens)), limits.tpm)
-            place = Place(self, job, rec, limits, len(job.raw) // 4, output)
+        place = new_place(Place)  # (see Place)
+        place.tenants, place.fair, place.job, place.rec, place.limits = self, self.fair, job, rec, limits
+        place.key = place.side = 0
+        tpm = limits.tpm
+        if tpm:
+            # its expected output, at most its max_tokens and a minute's tokens (a max_tokens of 10**30 would not fit
+            # the bucket's clock, and reserves no more); comparisons: min() of three cost as much as the rest
+            max_tokens = job.max_tokens
+            output = self.reserving.get(tenant, max_tokens)
+            if output > max_tokens:
+                output = max_tokens
+            if output > tpm:
+                output = tpm
+            place.prompt = prompt = len(job.raw) // 4
+            place.reserved = place.charged = prompt + output
         else:
-            place = Place(self, job, rec, limits, 0, 0)
+            place.prompt = place.reserved = place.charged = 0
         cluster = self.cluster
         if cluster is not None and cluster.connected and door is not None:
             door.tenant = Ask(place, headers)
@@ -212,17 +247,35 @@ class Tenants:
         """The quota from this Coordinator's table: exact across its workers; in cluster mode (the store away) this
         replica's share of each limit (divided by the live replicas, rounded down, at least 1)."""
         limits = place.limits
-        if self.cluster is not None and self.cluster.replicas > 1:
-            n = self.cluster.replicas
-            limits = Limits(*(max(1, v // n) if v else 0 for v in limits))
-        at = self.quotas.slot(place.job.tenant)
+        cluster = self.cluster
+        if cluster is not None and cluster.replicas > 1:
+            limits = limits.share(cluster.replicas)
+        tenant = place.job.tenant
+        quotas = self.quotas
+        at = quotas.slots.get(tenant)  # (`slot`, inlined once found)
+        if at is None:
+            at = quotas.slot(tenant)
         # (the door's monotonic clock, one for every process on the host, in integers: no float to make and round)
-        refused, wait, requests, tokens = self.quotas.take(at, time.monotonic_ns(), limits, place.reserved)
-        _headers(headers, requests, tokens, limits.rpm, limits.tpm)
+        refused, wait, ahead, ahead_tokens = quotas.take(at, time.monotonic_ns(), limits, place.reserved)
+        if limits.rpm or limits.tpm:
+            # (`_headers`, from the buckets' times: the block made for the same times last is taken as it is)
+            known = limits.headers
+            if known[0] != ahead or known[1] != ahead_tokens:
+                requests, tokens = limits.levels(ahead, ahead_tokens)
+                known = limits.headers = (ahead, ahead_tokens, _block(requests, tokens, limits.rpm, limits.tpm))
+            name, block = known[2]
+            headers[name] = block
         if refused:
-            raise _refusal(refused, wait, self.limits(place.job.tenant))
+            raise _refusal(refused, wait, self.limits(tenant))
         place.key, place.side, place.limits = at, LOCAL, limits
-        self.held(place)
+        # (`held`, inlined)
+        if self.fair is not None:
+            self.fair.arrive(tenant, place.job.priority)
+        if limits.tpm:
+            self.streaming.add(place)
+            timer = self._timer
+            if not timer.armed:
+                timer.arm()
 
     def held(self, place: Place) -> None:
         """An admitted request's quota is held: its tenant is active, its tokens charged as they are served."""
@@ -242,7 +295,7 @@ class Tenants:
             used = place.used()
             if used > place.charged:  # (what it reserved beyond what it used so far is settled when it ends)
                 if place.side == LOCAL:
-                    batch.append((place.key, used - place.charged, place.limits.tpm))
+                    batch.append((place.key, used - place.charged, place.limits.token_ns))
                 else:
                     self.cluster.quotas.charge(place.key, used - place.charged, place.limits.tpm)
                 place.charged = used
@@ -250,26 +303,6 @@ class Tenants:
             self.quotas.charge(batch)
         if self.streaming:
             self._timer.arm()
-
-    def settle(self, place: Place, answered: bool) -> None:
-        """A request ended: its place given back, the tokens it was served beyond those charged taken (or those
-        charged beyond them given back: a request no engine served is charged nothing). `answered`: it ended
-        without an error (an engine's error relayed, a stream cut or abandoned: its output says nothing of the
-        tenant's usual one)."""
-        self.streaming.discard(place)
-        rec = place.rec
-        reached = rec.target is not None or rec.prefill is not None  # an engine served (some of) it
-        out = rec.generated_tokens if reached else 0
-        rest = (rec.prompt_tokens + out if reached else 0) - place.charged
-        tpm = place.limits.tpm
-        if tpm and reached and answered:
-            tenant = place.job.tenant
-            mean = self.expected.get(tenant)
-            self.expected[tenant] = out if mean is None else mean + (out - mean) * EXPECTED_WEIGHT
-        if place.side == LOCAL:
-            self.quotas.leave(place.key, rest, tpm)
-        else:
-            self.cluster.quotas.left(place.key, rest if tpm else 0, tpm)
 
     def label(self, tenant: str) -> str:
         """The tenant as a metric label: the first MAX_TENANT_LABELS the config names (tenant_config's tenants and

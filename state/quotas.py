@@ -15,7 +15,6 @@ places come back, as the door's global count does.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
 from state.shared import MAX_TENANTS, SharedState, TenantRow, tenant_hash
 
@@ -46,15 +45,40 @@ def wait_s(level_milli: int, need_milli: int, per_s: float) -> float:
     return max(0.0, (need_milli - level_milli) / (1000 * per_s))
 
 
-class Limits(NamedTuple):
-    rpm: int
-    tpm: int
-    max_inflight: int
+class Limits:
+    """A quota's limits (tenant_config's rpm, tpm, max_inflight: 0 for none) with what `take` and `leave` work out
+    from them: each rate's unit (`unit_ns`) and its full bucket's time. Made once per tenant and config
+    (serving/tenants.py `Tenants.quota`), not per request (each division of these integers cost about 0.7 k
+    instructions).
+
+    `headers`: serving/tenants.py's last x-ratelimit-* block for these limits, with the buckets' times short of full
+    it was made from: a bucket that refills between a tenant's requests leaves the same times request after request,
+    and the block is a function of them and the limits."""
+
+    __slots__ = ("headers", "max_inflight", "request_ns", "requests_ns", "rpm", "token_ns", "tokens_ns", "tpm")
+
+    def __init__(self, rpm: int, tpm: int, max_inflight: int):
+        self.rpm, self.tpm, self.max_inflight = rpm, tpm, max_inflight
+        self.request_ns = unit_ns(rpm) if rpm else 0
+        self.token_ns = unit_ns(tpm) if tpm else 0
+        self.requests_ns, self.tokens_ns = self.request_ns * rpm, self.token_ns * tpm  # a full bucket's time
+        self.headers: tuple = (-1, -1, None)
+
+    def share(self, n: int) -> Limits:
+        """One of `n` replicas' share: each limit divided by `n`, rounded down, at least 1 (0 stays none)."""
+        return Limits(*(max(1, v // n) if v else 0 for v in (self.rpm, self.tpm, self.max_inflight)))
+
+    def levels(self, requests_ahead_ns: int, tokens_ahead_ns: int) -> tuple[int, int]:
+        """The buckets' levels in milli-units (0 without a rate) from how long each is short of full (`take`'s)."""
+        return (
+            self.rpm * 1000 - requests_ahead_ns * 1000 // self.request_ns if self.rpm else 0,
+            self.tpm * 1000 - tokens_ahead_ns * 1000 // self.token_ns if self.tpm else 0,
+        )
 
 
 # An admission's verdict: (refused: "" when admitted, else "requests", "tokens" or "inflight"; seconds until it would
-# not be; the requests' and tokens' buckets' levels after it, in milli-units, for the client's headers). A plain
-# tuple: making a NamedTuple costs more than the rest of an admission's arithmetic.
+# not be; how long the requests' and tokens' buckets are short of full after it, in ns: `Limits.levels` makes them the
+# client's headers' levels). A plain tuple: making a NamedTuple costs more than the rest of an admission's arithmetic.
 Taken = tuple[str, float, int, int]
 
 
@@ -63,6 +87,8 @@ class TenantQuotas:
 
     def __init__(self, shared: SharedState, worker: int, num_workers: int):
         self.rows: list[TenantRow] = list(shared.tenants.rows)
+        # (The per-request sections call its acquire and release: `with` on it costs twice as much, its special
+        # methods looked up and bound each time, and its __exit__ called with three arguments.)
         self.lock = shared.hot_lock
         # Views of the columns, kept: making one costs more than reading through it.
         self.inflight = [shared.tenant_counts[i].inflight for i in range(max(num_workers, worker + 1))]
@@ -88,68 +114,86 @@ class TenantQuotas:
 
     def take(self, at: int, now_ns: int, limits: Limits, reserve_tokens: int) -> Taken:
         """Admit one request of the tenant at row `at`, reserving `reserve_tokens` of its tpm, or say why not."""
-        rpm, tpm, cap = limits
-        row = self.rows[at]
-        requests = tokens = 0
-        with self.lock:
+        row, lock = self.rows[at], self.lock
+        ahead = ahead_tokens = 0
+        lock.acquire()
+        try:
+            cap = limits.max_inflight
             if cap:
                 n = 0
                 for column in self.inflight:  # (a loop: sum() over a generator costs twice as much)
                     n += column[at]
                 if n >= cap:
-                    requests = level_milli(row.requests_full_ns, now_ns, rpm)
-                    return "inflight", 1.0, requests, level_milli(row.tokens_full_ns, now_ns, tpm)
+                    full, full_tokens = row.requests_full_ns, row.tokens_full_ns
+                    return (
+                        "inflight",
+                        1.0,
+                        full - now_ns if full > now_ns else 0,
+                        full_tokens - now_ns if full_tokens > now_ns else 0,
+                    )
+            rpm = limits.rpm
             if rpm:
-                per = -(-PER_MINUTE_NS // rpm)  # (unit_ns, inlined: twice a request)
+                per = limits.request_ns
                 full = row.requests_full_ns
                 ahead = (full - now_ns if full > now_ns else 0) + per  # with this request's
-                requests = rpm * 1000 - ahead * 1000 // per
-                if ahead > per * rpm:
-                    tokens = level_milli(row.tokens_full_ns, now_ns, tpm)
-                    return "requests", (ahead - per * rpm) / 1e9, requests + 1000, tokens
-            if tpm:
-                per_token = -(-PER_MINUTE_NS // tpm)
+                if ahead > limits.requests_ns:
+                    full = row.tokens_full_ns
+                    return (
+                        "requests",
+                        (ahead - limits.requests_ns) / 1e9,
+                        ahead - per,
+                        full - now_ns if full > now_ns else 0,
+                    )
+            if limits.tpm:
+                per_token = limits.token_ns
                 full = row.tokens_full_ns
                 ahead_tokens = full - now_ns if full > now_ns else 0
                 # a debt (or less than a token left): the next request waits until it is paid
-                if ahead_tokens + per_token > per_token * tpm:
+                if ahead_tokens + per_token > limits.tokens_ns:
                     return (
                         "tokens",
-                        (ahead_tokens + per_token - per_token * tpm) / 1e9,
-                        requests + 1000 if rpm else 0,
-                        tpm * 1000 - ahead_tokens * 1000 // per_token,
+                        (ahead_tokens + per_token - limits.tokens_ns) / 1e9,
+                        ahead - limits.request_ns if rpm else 0,
+                        ahead_tokens,
                     )
                 ahead_tokens += reserve_tokens * per_token
                 row.tokens_full_ns = now_ns + ahead_tokens
-                tokens = tpm * 1000 - ahead_tokens * 1000 // per_token
             if rpm:
                 row.requests_full_ns = now_ns + ahead
             self.my_inflight[at] += 1
-        return "", 0.0, requests, tokens
+        finally:
+            lock.release()
+        return "", 0.0, ahead, ahead_tokens
 
-    def leave(self, at: int, settle_tokens: int, tpm: int) -> None:
+    def leave(self, at: int, settle_tokens: int, token_ns: int) -> None:
         """A request of row `at` ended; `settle_tokens` (served less reserved) are taken from its tpm bucket (a
-        refund when negative, never beyond a full bucket)."""
+        refund when negative, never beyond a full bucket); `token_ns`: its tpm's unit (`Limits.token_ns`, 0 without
+        a tpm)."""
         self.my_inflight[at] -= 1  # only this worker writes its row: no lock
-        if tpm and settle_tokens:
+        if token_ns and settle_tokens:
             now_ns = time.monotonic_ns()
-            with self.lock:
-                _take_tokens(self.rows[at], settle_tokens, tpm, now_ns)
+            row, lock = self.rows[at], self.lock
+            lock.acquire()
+            try:
+                full = row.tokens_full_ns  # (_take_tokens, inlined)
+                row.tokens_full_ns = (full if full > now_ns else now_ns) + settle_tokens * token_ns
+            finally:
+                lock.release()
 
     def charge(self, batch: list[tuple[int, int, int]]) -> None:
-        """Tokens served beyond those taken, per row: (row, tokens, its tpm), all under one lock (a refund when
-        negative, never beyond a full bucket)."""
+        """Tokens served beyond those taken, per row: (row, tokens, its tpm's unit `Limits.token_ns`), all under one
+        lock (a refund when negative, never beyond a full bucket)."""
         now_ns = time.monotonic_ns()
         with self.lock:
-            for at, tokens, tpm in batch:
-                _take_tokens(self.rows[at], tokens, tpm, now_ns)
+            for at, tokens, token_ns in batch:
+                _take_tokens(self.rows[at], tokens, token_ns, now_ns)
 
 
-def _take_tokens(row: TenantRow, tokens: int, tpm: int, now_ns: int) -> None:
-    """`tokens` taken from the row's tpm bucket at `now_ns` (given back when negative: a time past is a full bucket,
-    so never beyond it). Under the lock."""
+def _take_tokens(row: TenantRow, tokens: int, token_ns: int, now_ns: int) -> None:
+    """`tokens` taken from the row's tpm bucket (its unit `token_ns`) at `now_ns` (given back when negative: a time
+    past is a full bucket, so never beyond it). Under the lock."""
     full = row.tokens_full_ns
-    row.tokens_full_ns = (full if full > now_ns else now_ns) + tokens * unit_ns(tpm)
+    row.tokens_full_ns = (full if full > now_ns else now_ns) + tokens * token_ns
 
 
 def unit_ns(per_minute: int) -> int:
