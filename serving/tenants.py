@@ -268,14 +268,7 @@ class Tenants:
         if refused:
             raise _refusal(refused, wait, self.limits(tenant))
         place.key, place.side, place.limits = at, LOCAL, limits
-        # (`held`, inlined)
-        if self.fair is not None:
-            self.fair.arrive(tenant, place.job.priority)
-        if limits.tpm:
-            self.streaming.add(place)
-            timer = self._timer
-            if not timer.armed:
-                timer.arm()
+        self.held(place)
 
     def held(self, place: Place) -> None:
         """An admitted request's quota is held: its tenant is active, its tokens charged as they are served."""
@@ -283,7 +276,9 @@ class Tenants:
             self.fair.arrive(place.job.tenant, place.job.priority)
         if place.limits.tpm:
             self.streaming.add(place)
-            self._timer.arm()
+            timer = self._timer
+            if not timer.armed:  # (armed already but for a request's first 50 ms: no call then)
+                timer.arm()
 
     def charge(self) -> None:
         """At each tick: the tokens served since the last charge (the output as it streams, the prompt's count

@@ -199,12 +199,3 @@ def _take_tokens(row: TenantRow, tokens: int, token_ns: int, now_ns: int) -> Non
 def unit_ns(per_minute: int) -> int:
     """The ns one unit of a rate of `per_minute` a minute takes to refill."""
     return -(-PER_MINUTE_NS // per_minute)
-
-
-def level_milli(full_ns: int, now_ns: int, per_minute: int) -> int:
-    """What a bucket of a rate of `per_minute` full again at `full_ns` holds at `now_ns`, in milli-units (below 0: a
-    debt; 0 without a rate)."""
-    if not per_minute:
-        return 0
-    per = unit_ns(per_minute)
-    return per_minute * 1000 - ((full_ns - now_ns) * 1000 // per if full_ns > now_ns else 0)

@@ -664,10 +664,11 @@ def test_a_giant_max_tokens_reserves_at_most_a_minutes_tokens():
     the quota was taken) holds a minute's tokens while it runs, not a number the bucket's clock cannot hold (the
     shared row's 64 bits would wrap, and the tenant's bucket read as anything, full included)."""
     from serving.observe import RequestRecord, Tick
-    from state.quotas import level_milli
+    from state.quotas import Limits
     from state.shared import SharedState
 
     quotas, tenants, job = tpm_tenant(SharedState.create(), Tick(), 1000, max_tokens=10**30)
     with tenants.admit(job, RequestRecord("giant", "/v1/chat/completions", tenant="t"), {}) as place:
-        left = level_milli(quotas.rows[place.key].tokens_full_ns, time.monotonic_ns(), 1000)
+        ahead_ns = quotas.rows[place.key].tokens_full_ns - time.monotonic_ns()
+        left = Limits(0, 1000, 0).levels(0, max(ahead_ns, 0))[1]
         assert -place.prompt * 1000 - 1000 <= left <= 0, left
