@@ -155,8 +155,8 @@ def test_an_engines_error_leaves_its_tenants_output_reservation_as_it_was(coord)
 
 
 def test_an_error_before_the_quota_is_taken_tells_none(coord):
-    """A wrong key, a body that is no JSON, an x-priority that is no class, a model not served: refused before the tenant's quota is
-    taken, so told nothing of it; the same key's next request is."""
+    """A wrong key, a body that is no JSON, an x-priority that is no class, a model not served: refused before the
+    tenant's quota is taken, so told nothing of it; the same key's next request is."""
     for key, route in ((KEY_Q + "-wrong", "openai"), (KEY_Q + "-wrong", "anthropic")):
         status, headers = ask(coord, route, key, MODEL)
         assert status == 401 and not quota_told(headers)
