@@ -187,7 +187,7 @@ class Tenants:
         s = self.live.s
         known = self._quotas.get(tenant)
         if known is None or known[0] is not s:
-            lim = s.tenant_limits.get(tenant) or s.default_limits  # (`limits`, inlined)
+            lim = self.limits(tenant)
             quota = Limits(lim.rpm, lim.tpm, lim.max_inflight) if lim.rpm or lim.tpm or lim.max_inflight else None
             known = self._quotas[tenant] = (s, quota)
         return known[1]
@@ -209,8 +209,7 @@ class Tenants:
         x-ratelimit-* headers go into `headers` (a tenant with rpm or tpm only). In cluster mode, with the store
         reachable, the quota is asked in the door's round trip (`door`, its place: awaited in the block)."""
         tenant = job.tenant
-        known = self._quotas.get(tenant)  # (`quota`, inlined: read for every request)
-        limits = known[1] if known is not None and known[0] is self.live.s else self.quota(tenant)
+        limits = self.quota(tenant)
         if limits is None:
             fair = self.fair
             if fair is None:
