@@ -1,12 +1,15 @@
-"""Prefix-cache hit rate of real vLLM engines on one multi-turn trace, per way of routing it.
+"""Prefix-cache hit rate of real vLLM engines on seeded multi-turn traces, per way of routing them.
 
     bash tests/e2e/vllm_up.sh python bench/kv_hitrate.py      # starts the e2e engines, runs, stops them
+    ... bench/kv_hitrate.py --seeds 33,7,8                      # one trace per seed (33, the default: the test's)
 
 The trace is harness/kv_trace.py's (the KV-event e2e test's): 16 chats of 5 turns over 3 shared system
 prompts, interleaved, greedy answers carried into the next turn, 2 requests in flight (`--concurrency`), sent to vllm_up.sh's
 two union engines (prefix caching, KV events, 32-token blocks, 64 blocks of cache each) from empty caches after
 the first engine answered 6 chats' first turns straight. The hit rate is the engines' own
-`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the run. Ways of routing:
+`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the run. Two runs of one trace can differ
+by a few hundredths (which requests share the engines' batches moves evictions), more than the gaps between the
+best ways of routing, so compare them over several seeds. Ways of routing:
 
 * the Coordinator's `round_robin`; `kv_cache_affinity` on its estimate (events off) and on the engines' KV
   events; `slo_aware` on KV events (with them: the share of requests whose predicted cached tokens equal
@@ -47,6 +50,7 @@ from harness.kv_trace import (  # noqa: E402
 from harness.loopback import free_ports, wait_until  # noqa: E402
 
 UNIONS = ("union", "union2")
+EVENTS = "Coordinator kv_cache_affinity, KV events"
 ROUTER = os.path.join(
     os.environ.get("MOTOR_E2E_CACHE", os.path.expanduser("~/.cache/motor-e2e")), "vllm-venv/bin/vllm-router"
 )
@@ -115,6 +119,7 @@ def main() -> None:
     ap.add_argument("--no-router", action="store_true", help="skip vllm-router (not installed)")
     ap.add_argument("--concurrency", type=int, default=CONCURRENCY, help="requests in flight")
     ap.add_argument("--only", default="", help="only the rows whose name contains one of these, comma-separated")
+    ap.add_argument("--seeds", default="33", help="the traces' seeds, comma-separated (33: the e2e test's trace)")
     args = ap.parse_args()
     try:
         env = {name: os.environ[f"MOTOR_E2E_{name.upper()}"] for name in UNIONS}
@@ -123,11 +128,11 @@ def main() -> None:
     except KeyError as e:
         raise SystemExit(f"{e} unset: run it as `bash tests/e2e/vllm_up.sh python bench/kv_hitrate.py`") from None
     env["urls"] = [f"http://{env[name]}" for name in UNIONS]
-    env["trace"] = make_trace()
     env["concurrency"] = args.concurrency
-    rows = []
-
+    seeds = [int(seed) for seed in args.seeds.split(",")]
     only = [word for word in args.only.split(",") if word]
+    rates: dict[str, list[float]] = {}
+    exacts: dict[str, list[float]] = {}
 
     def row(name: str, run) -> None:
         if only and not any(word in name for word in only):
@@ -135,30 +140,49 @@ def main() -> None:
         started = time.monotonic()
         got = run()
         rate, exact = got if isinstance(got, tuple) else (got, None)
-        rows.append((name, rate, exact))
+        rates.setdefault(name, []).append(rate)
+        if exact is not None:
+            exacts.setdefault(name, []).append(exact)
         print(
-            f"{name}: hit rate {rate:.3f}"
+            f"seed {env['seed']}, {name}: hit rate {rate:.3f}"
             + (f", exact predictions {exact:.3f}" if exact is not None else "")
             + f" ({time.monotonic() - started:.0f} s)",
             flush=True,
         )
 
-    row("Coordinator round_robin", lambda: through_coordinator(env, "round_robin", False))
-    row("Coordinator kv_cache_affinity, estimate", lambda: through_coordinator(env, "kv_cache_affinity", False))
-    row("Coordinator kv_cache_affinity, KV events", lambda: through_coordinator(env, "kv_cache_affinity", True))
-    row("Coordinator slo_aware, KV events", lambda: through_coordinator(env, "slo_aware", True))
-    row(
-        "sticky (chat i on engine i mod 2, direct)",
-        lambda: measure(
-            env["trace"], env["model"], env["urls"], lambda i: env["urls"][i % 2], env["concurrency"]
-        ).hit_rate,
-    )
-    if not args.no_router:
-        row("vllm-router 0.1.17 cache_aware", lambda: through_router(env, "cache_aware"))
-        row("vllm-router 0.1.17 kv_aware", lambda: through_router(env, "kv_aware"))
-    print("\n| routing | hit rate | exact cached-token predictions |\n|---|---:|---:|")
-    for name, rate, exact in rows:
-        print(f"| {name} | {rate:.3f} | {'' if exact is None else f'{exact:.3f}'} |")
+    for seed in seeds:
+        env["seed"], env["trace"] = seed, make_trace(seed)
+        row("Coordinator round_robin", lambda: through_coordinator(env, "round_robin", False))
+        row("Coordinator kv_cache_affinity, estimate", lambda: through_coordinator(env, "kv_cache_affinity", False))
+        row(EVENTS, lambda: through_coordinator(env, "kv_cache_affinity", True))
+        row("Coordinator slo_aware, KV events", lambda: through_coordinator(env, "slo_aware", True))
+        row(
+            "sticky (chat i on engine i mod 2, direct)",
+            lambda: measure(
+                env["trace"], env["model"], env["urls"], lambda i: env["urls"][i % 2], env["concurrency"]
+            ).hit_rate,
+        )
+        if not args.no_router:
+            row("vllm-router 0.1.17 cache_aware", lambda: through_router(env, "cache_aware"))
+            row("vllm-router 0.1.17 kv_aware", lambda: through_router(env, "kv_aware"))
+    print(table(seeds, rates, exacts))
+
+
+def table(seeds: list[int], rates: dict[str, list[float]], exacts: dict[str, list[float]]) -> str:
+    """Markdown: each routing's hit rate per trace seed and their mean, its exact predictions' mean, and (beside
+    KV events' row) the seeds on which KV events' rate was above it."""
+    events = rates.get(EVENTS)
+    head = "| routing | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | exact predictions | KV events above |"
+    lines = ["", head, "|---|" + "---:|" * (len(seeds) + 3)]
+    for name, got in rates.items():
+        exact = exacts.get(name)
+        above = "" if events is None or name == EVENTS else f"{sum(e > r for e, r in zip(events, got))} of {len(got)}"
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{r:.3f}" for r in got)
+            + f" | {sum(got) / len(got):.3f} | {'' if not exact else f'{sum(exact) / len(exact):.3f}'} | {above} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
