@@ -44,6 +44,7 @@ def _home(key: int) -> int:
 class PrefixIndex:
     needs_hashes = True  # it knows prompts by their block hashes (scheduling/tokens.py)
     needs_ids = False
+    tells_conversations = False  # it knows what was sent where, not which prompts other prompts extend
 
     def __init__(self, shared: SharedState, block_tokens: int = 16):
         # The table's columns (views made once): an entry's key, its bit mask of slots, and its last slot.

@@ -28,6 +28,7 @@ class JobInfo:
     prompt_bytes: int = 0  # its rendering's length, when an engine's count of it may calibrate the meter (else 0)
     engine_type: str | None = None  # only engines of this kind may serve it (Anthropic routes: vllm)
     priority: int = 1  # its x-priority class: 0 interactive, 1 standard, 2 batch (scheduling/fairness.py)
+    teaches: bool = True  # served whole, its timings can teach the model (it streams: a JSON answer has no TTFT)
     tenant: str = ""  # whose it is, and the tenant's weight: the admission queue's fair share
     weight: float = 1.0
     arrived: float = field(default_factory=lambda: clock.now())
@@ -57,6 +58,7 @@ class PrefixSource(Protocol):
 
     needs_hashes: bool  # it reads the prompt's block hashes (JobInfo.block_hashes: Scheduler.prepare makes them)
     needs_ids: bool  # it reads the prompt's exact token ids (JobInfo.prompt_keys: Scheduler.prepare makes them)
+    tells_conversations: bool  # `starts` and `chains` can answer (not always None and -1)
 
     def cached_tokens(self, job: JobInfo, target: Target) -> int:
         """The leading prompt tokens of `job` that `target` is believed to hold (0: none)."""

@@ -266,6 +266,7 @@ class KvEventSource:
         self.branches: dict[int, dict[int, None]] = {}
         self.needs_hashes = estimate.needs_hashes
         self.needs_ids = True
+        self.tells_conversations = True
         self.block_tokens = estimate.block_tokens
 
     def _live(self, slot: int) -> bool:

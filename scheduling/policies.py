@@ -22,8 +22,13 @@ A policy gets the usable candidates of one role and the request's `JobInfo` and 
   affinity is a lower prefill cost, not a rule; a faster or less busy engine is a sooner finish, so the
   pair chosen is also the one that spends the least capacity on the request. A prefill engine where the
   prompt would make a prefill admitted before it late (scheduling/predict.py's promises) is chosen only when
-  every one is, and then the plan is over budget. Before the model knows a
-  candidate it is tried once while idle, else load balancing decides. A request late on every prefill
+  every one is, and then the plan is over budget. On the engines' KV events, of the plans on time and judged
+  no worse than the soonest, a conversation's next turn stays with its history and a new conversation goes
+  where its future turns fit, as `kv_cache_affinity` places them: leaving a history computes it again and holds
+  it twice, evicting other conversations' histories, which no first-token prediction sees. Before the model knows a
+  candidate it is tried once while idle (by a request served whole only if it streams: a JSON answer teaches no
+  first token), else the prefill goes where `kv_cache_affinity` would place it on KV events, or to the least
+  loaded. A request late on every prefill
   engine goes to the one that finishes last (behind work that is late already). With `decode_alone`
   (`conditional_disaggregation`) each decode engine is also judged serving the request alone, computing
   the prompt itself (`_pick_alone`), and is chosen when that is clearly sooner within both budgets.
@@ -284,14 +289,8 @@ class KvCacheAffinity(LoadBalance):
         if len(cands) == 1 or self.index is None:
             return super().choose(cands, job)
         # A full prefix cache evicts some conversation's history for each block it stores, one with room
-        # nothing: each engine's cache fill weighs like its KV use does. Its size is what the engine's /metrics
-        # says, else what it held when it first evicted, else the largest known (engines of a role alike).
-        fills = {}
-        for t in cands:
-            held, size = self.index.cache_fill(t)
-            fills[t.slot] = held, int(self.health.get(t.slot, "cache_blocks")) or size
-        largest = max(size for _, size in fills.values())
-        fills = {slot: (held, size or largest) for slot, (held, size) in fills.items()}
+        # nothing: each engine's cache fill weighs like its KV use does.
+        fills = self.cache_fills(cands)
         load = {}
         for t in cands:
             held, size = fills[t.slot]
@@ -300,13 +299,7 @@ class KvCacheAffinity(LoadBalance):
         def score(t: Target) -> float:
             return load[t.slot]
 
-        best, holders = 0, []
-        for t in cands:
-            tokens = self.index.cached_tokens(job, t)
-            if tokens > best:
-                best, holders = tokens, [t]
-            elif tokens == best and tokens:
-                holders.append(t)
+        best, holders = self.holders(cands, job)
         target = holders[0] if holders else None
         if len(holders) > 1:
             # Equal holders (a shared system prompt on each): the estimate's most recent one, else the least
@@ -314,39 +307,20 @@ class KvCacheAffinity(LoadBalance):
             last = self.index.last_holder(job, best)
             target = next((t for t in holders if t.slot == last), None) or self.least(holders, score)
         # On the engines' events, a conversation's next turn stays with its history, and a new one (nothing held
-        # but a prefix several chains share) goes where its future turns fit. A history is on one engine at most.
-        verdicts = [self.index.starts(job, t, best) for t in holders or cands[:1]]
-        known = None not in verdicts
+        # but a prefix several chains share) goes where its future turns fit, then the overload rule, on load.
+        starts = self.conversation(cands, job, best, holders)
         job.opens = False
-        if known and any(verdicts):
-            chains = {t.slot: self.index.chains(t) for t in cands}
-            if min(chains.values()) >= 0:
+        if starts:
+            future = self.opening(cands, job, fills)
+            if future is not None:
                 job.opens = True
-                return self._open(cands, job, chains, fills)
+                target = self.least(cands, future)
+                return self.least(cands, self.score) if self._overloaded(target, cands, job, self.score) else target
         if target is None or self._overloaded(target, cands, job, score):
             return self.least(cands, score)
-        if known and not any(verdicts):
+        if starts is False:
             self.index.kept(job, target, best)  # a running conversation stays with its history
         return target
-
-    def _open(self, cands: list[Target], job: JobInfo, chains: dict[int, int], fills: dict) -> Target:
-        """A new conversation goes where its future turns fit: the fill each engine's cache will have with one
-        more conversation, as the conversations it holds predict it (their mean blocks each, over the cache's
-        size), and its prefill of the prompt (what it holds of it is free); then the overload rule, on load."""
-        total_chains = sum(chains.values())
-        total_held = sum(held for held, _ in fills.values())
-        per_chain = total_held / total_chains if total_chains else 0.0
-
-        def future(t: Target) -> float:
-            held, size = fills[t.slot]
-            n = chains[t.slot]
-            mean = held / n if n else per_chain
-            return self.uncached(t, job) / PROMPT_TOKENS_PER_LOAD + CACHE_FILL_WEIGHT * (n + 1) * mean / (
-                size or total_held or 1
-            )
-
-        target = self.least(cands, future)
-        return self.least(cands, self.score) if self._overloaded(target, cands, job, self.score) else target
 
     def _overloaded(self, target: Target, cands: list[Target], job: JobInfo, load) -> bool:
         """Leaving the holder recomputes the prefix elsewhere, and an engine batching continuously serves a few
@@ -359,8 +333,57 @@ class KvCacheAffinity(LoadBalance):
         self.judge(p, d, job)
         return p, d
 
+    def cache_fills(self, cands: list[Target]) -> dict[int, tuple[int, int]]:
+        """Each candidate's prefix cache: (blocks it holds, its size in blocks). The size is what the engine's
+        /metrics says, else what it held when it first evicted, else the largest known (engines of a role alike)."""
+        fills = {}
+        for t in cands:
+            held, size = self.index.cache_fill(t)
+            fills[t.slot] = held, int(self.health.get(t.slot, "cache_blocks")) or size
+        largest = max(size for _, size in fills.values())
+        return {slot: (held, size or largest) for slot, (held, size) in fills.items()}
 
-class SloAware(LoadBalance):
+    def holders(self, cands: list[Target], job: JobInfo) -> tuple[int, list[Target]]:
+        """The prompt's longest cached prefix in tokens and the candidates holding it (none when nothing is)."""
+        best, holders = 0, []
+        for t in cands:
+            tokens = self.index.cached_tokens(job, t)
+            if tokens > best:
+                best, holders = tokens, [t]
+            elif tokens == best and tokens:
+                holders.append(t)
+        return best, holders
+
+    def conversation(self, cands: list[Target], job: JobInfo, best: int, holders: list[Target]) -> bool | None:
+        """Whether `job` starts a conversation (True) or continues the history its holder has (False), as the
+        engines' events judge it (None: they cannot; a history is on one engine at most)."""
+        verdicts = [self.index.starts(job, t, best) for t in holders or cands[:1]]
+        return None if None in verdicts else any(verdicts)
+
+    def opening(self, cands: list[Target], job: JobInfo, fills: dict[int, tuple[int, int]]):
+        """How full each candidate's cache will be with this new conversation's future turns on it, as a score
+        (None: the conversations an engine holds are not known): (the conversations it holds + 1) x the blocks they
+        hold each, over its size, weighed like a full cache, plus the prefill of the prompt (what it holds is
+        free)."""
+        chains = {t.slot: self.index.chains(t) for t in cands}
+        if min(chains.values()) < 0:
+            return None
+        total_chains = sum(chains.values())
+        total_held = sum(held for held, _ in fills.values())
+        per_chain = total_held / total_chains if total_chains else 0.0
+
+        def future(t: Target) -> float:
+            held, size = fills[t.slot]
+            n = chains[t.slot]
+            mean = held / n if n else per_chain
+            return self.uncached(t, job) / PROMPT_TOKENS_PER_LOAD + CACHE_FILL_WEIGHT * (n + 1) * mean / (
+                size or total_held or 1
+            )
+
+        return future
+
+
+class SloAware(KvCacheAffinity):
     """The pair predicted to meet the TTFT and TPOT budgets (see the module docstring)."""
 
     name = "slo_aware"
@@ -381,6 +404,40 @@ class SloAware(LoadBalance):
         start = g.rr
         g.rr = start + 1
         return start
+
+    @property
+    def sees_conversations(self) -> bool:
+        """Whether the prefix source tells a conversation's next turn from a new one (the engines' KV events)."""
+        return self.index is not None and self.index.tells_conversations
+
+    def _unjudged(self, cands: list[Target], job: JobInfo) -> Target:
+        """Where a request goes that the model cannot judge (an engine not known yet; union engines serving only
+        JSON answers, which teach no first-token time): where `kv_cache_affinity` places it when the engines'
+        events tell conversations apart, else the least loaded."""
+        if self.sees_conversations:
+            return KvCacheAffinity.choose(self, cands, job)
+        return LoadBalance.choose(self, cands, job)
+
+    def _by_cache(self, cands: list[Target], job: JobInfo, fits: list[Target]) -> Target | None:
+        """Of `fits` (the candidates on time, and judged no worse than the soonest), the one the engines' caches
+        prefer: a conversation's next turn stays with its history, a new conversation goes where its future turns
+        fit (as `kv_cache_affinity` places it). None: no such choice (one candidate, or the events cannot tell).
+        Leaving a history computes it again and holds it twice, which the first token's prediction does not
+        see: it evicts other conversations' histories."""
+        if len(fits) < 2:
+            return None
+        best, holders = self.holders(cands, job)
+        starts = self.conversation(cands, job, best, holders)
+        if starts is False:
+            kept = next((t for t in fits if t.slot == holders[0].slot), None)
+            if kept is not None:
+                self.index.kept(job, kept, best)
+            return kept
+        if starts:
+            future = self.opening(cands, job, self.cache_fills(cands))
+            if future is not None:
+                return self.least(fits, future)
+        return None
 
     def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int, now: float) -> tuple | None:
         """(target, TPOT, first-token wait, TPOT allowance) of the decode target with the lowest predicted TPOT
@@ -409,11 +466,13 @@ class SloAware(LoadBalance):
         best = latest = None
         floor = UNKNOWN
         n = len(ps)
+        plans = {}
         for k in range(n):
             p = ps[(start + k) % n]
             finish, service, allowance, breaks = self.predict_prefill(p, job, now)
             if finish == UNKNOWN:
                 continue
+            plans[p.slot] = (p, finish, allowance, breaks)
             if (
                 best is None
                 or breaks < best[3]
@@ -425,7 +484,18 @@ class SloAware(LoadBalance):
             floor = min(floor, service)
         if best is None:
             return None
-        if best[1] > job.slo_ttft_ms / 1000.0 - (now - job.arrived):
+        left = job.slo_ttft_ms / 1000.0 - (now - job.arrived)
+        cached = None
+        if self.sees_conversations:
+            fits = [
+                p
+                for p, finish, allowance, breaks in plans.values()
+                if breaks <= best[3] and finish + allowance <= MARGIN * left
+            ]
+            cached = self._by_cache(ps, job, fits)
+        if cached is not None:
+            best = plans[cached.slot]
+        elif best[1] > left:
             # Late wherever it goes: where it delays the fewest requests that can still be on time, behind
             # the work that is late already (without admission it is served all the same).
             best = latest
@@ -443,7 +513,7 @@ class SloAware(LoadBalance):
         judged = d_pick is not None and d_new is None
         d = d_pick[0] if judged else d_new or LoadBalance.choose(self, ds, job)
         if p_pick is None or p_new is not None:
-            return p_new or LoadBalance.choose(self, ps, job), d
+            return p_new or self._unjudged(ps, job), d
         if not judged:
             return p_pick[0], d
         p, finish, allowance, floor, breaks = p_pick
@@ -529,16 +599,26 @@ class SloAware(LoadBalance):
         budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
         best = None
         n, start = len(cands), self._rotation()
+        plans = {}
         for k in range(n):
             t = cands[(start + k) % n]
             finish, service, allowance, breaks = self.predict_prefill(t, job, now)
             tpot = pred.step_s(t.slot, self.decode_batch(t, 0.0)) if finish != UNKNOWN else UNKNOWN
             if tpot == UNKNOWN:
-                return self._explore(cands, self._whole_known, start) or super().choose(cands, job)
+                # Only a request that can teach the model explores (a JSON answer would only spread the traffic).
+                explore = self._explore(cands, self._whole_known, start) if job.teaches else None
+                return explore or self._unjudged(cands, job)
             over, ttft = tpot > budget or breaks, finish + allowance + tpot
+            plans[t.slot] = (over, ttft, t, tpot, service + tpot, breaks)
             if best is None or over < best[0] or (over == best[0] and _clearly_less(ttft, best[1], 0.002)):
-                best = (over, ttft, t, tpot, service + tpot, breaks)
-        _, ttft, t, tpot, floor, breaks = best
+                best = plans[t.slot]
+        cached = None
+        if self.sees_conversations:
+            ttft_budget = MARGIN * (job.slo_ttft_ms / 1000.0 - (now - job.arrived))
+            cached = self._by_cache(
+                cands, job, [p[2] for p in plans.values() if p[0] <= best[0] and p[1] <= ttft_budget]
+            )
+        _, ttft, t, tpot, floor, breaks = plans[cached.slot] if cached is not None else best
         self._verdict(job, ttft, tpot, floor, breaks=breaks)
         return t
 

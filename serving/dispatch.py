@@ -86,6 +86,7 @@ class Dispatcher:
             slo_tpot_ms=job.slo_tpot_ms or limits.slo_tpot_ms,
             engine_type="vllm" if family.vllm_only else None,
             priority=job.priority,
+            teaches=job.stream,
             tenant=job.tenant,
             weight=job.weight,
         )

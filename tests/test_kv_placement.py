@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import pytest
+
 from harness.configs import coordinator_config
 from harness.coordinator import Coordinator
 from harness.loopback import CLIENT, wait_until
@@ -91,25 +93,33 @@ def test_the_answer_as_generated_is_no_conversation_of_its_own(raw):
     assert source.starts(opening, target, 3 * BLOCK) is True and source.chains(target) == 2
 
 
-def _send(coord, sims, ids: list[int]) -> int:
-    """Completes `ids` through the Coordinator; the index of the engine that served it."""
+def _send(coord, sims, ids: list[int], stream: bool = False, max_tokens: int = 2) -> int:
+    """Completes `ids` through the Coordinator (streamed, or one JSON answer); the index of the engine that served
+    it."""
     before = [len(s.requests()) for s in sims]
-    r = CLIENT.post(coord.url + "/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 1})
+    body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "stream": stream}
+    r = CLIENT.post(coord.url + "/v1/completions", json=body)
     assert r.status_code == 200, r.text
+    assert ("data: [DONE]" in r.text) == stream, r.text
     served = [i for i, s in enumerate(sims) if len(s.requests()) > before[i]]
     assert len(served) == 1
     return served[0]
 
 
+def _known(coord) -> list[bool]:
+    """Per engine, whether slo_aware's model knows it (its status page predicts a TTFT and a TPOT there)."""
+    body = CLIENT.get(coord.obs + "/status.json").json()
+    predicted = [ep["predicted"] for inst in body["instances"] for ep in inst["endpoints"]]
+    return [p["ttft_s"] is not None and p["tpot_s"] is not None for p in predicted]
+
+
 @contextmanager
-def _primed(cache_blocks: int):
-    """Two engine_sim engines of `cache_blocks` blocks of prefix cache, a Coordinator routing on their events, and
-    six conversations on one system prompt (5 blocks each, 3 of them the system prompt's) of which the first engine
-    served the first three straight (as another gateway's clients would)."""
-    sims, instances = engines_with_events(2, "union", prefix_cache_blocks=cache_blocks)
-    cfg = coordinator_config(
-        instances, scheduler_config={"scheduler_type": "kv_cache_affinity"}, kv_event_config={"enable": True}
-    )
+def _primed(cache_blocks: int, policy: str = "kv_cache_affinity", **sim):
+    """Two engine_sim engines of `cache_blocks` blocks of prefix cache, a Coordinator routing on their events with
+    `policy` (engine_sim `sim` settings beside), and six conversations on one system prompt (5 blocks each, 3 of them the system prompt's) of which
+    the first engine served the first three straight (as another gateway's clients would)."""
+    sims, instances = engines_with_events(2, "union", prefix_cache_blocks=cache_blocks, **sim)
+    cfg = coordinator_config(instances, scheduler_config={"scheduler_type": policy}, kv_event_config={"enable": True})
     chats = [SYSTEM + ids_of(f" conversation {k} asks a question of about two blocks in length " * 3) for k in range(6)]
     try:
         with Coordinator(cfg) as coord:
@@ -123,12 +133,23 @@ def _primed(cache_blocks: int):
             sim.stop()
 
 
-def test_a_new_conversation_goes_where_fewer_chains_live_and_a_running_one_stays():
+@pytest.mark.parametrize(
+    "policy, stream", [("kv_cache_affinity", False), ("slo_aware", False), ("slo_aware", True)], ids=str
+)
+def test_a_new_conversation_goes_where_fewer_chains_live_and_a_running_one_stays(policy, stream):
     """The first engine holds three conversations on a system prompt and has room for many more; the second holds
     nothing. New conversations on that system prompt go to the second engine (where their future turns will not
     crowd the first's), each until it holds as many: the cached system prompt alone does not hold them. Each
-    running conversation's next turn stays where its history is."""
-    with _primed(64) as (sims, coord, chats):
-        assert [_send(coord, sims, chat) for chat in chats[3:]] == [1, 1, 1]
+    running conversation's next turn stays where its history is.
+
+    `slo_aware` places them so while both engines are on time: on JSON answers, which teach its model no first
+    token (it cannot judge them), as `kv_cache_affinity` does; on streams, once its model knows both engines (a
+    few prompts shorter than a block, which no cache keeps), among the plans within budget."""
+    with _primed(64, policy, zero_latency=not stream) as (sims, coord, chats):  # streams' timings teach the model
+        if stream:
+            for k in range(12):
+                _send(coord, sims, ids_of(" warm up" * (1 + k % 4))[: BLOCK - 1], stream=True, max_tokens=8)
+            assert wait_until(lambda: all(_known(coord)), 5), _known(coord)
+        assert [_send(coord, sims, chat, stream) for chat in chats[3:]] == [1, 1, 1]
         turns = [chat + ids_of(" and a next turn of it") for chat in chats]
-        assert [_send(coord, sims, turn) for turn in turns] == [0, 0, 0, 1, 1, 1]
+        assert [_send(coord, sims, turn, stream) for turn in turns] == [0, 0, 0, 1, 1, 1]

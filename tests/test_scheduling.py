@@ -735,6 +735,7 @@ class ReportedPrefixes:
 
     needs_hashes = False
     needs_ids = False
+    tells_conversations = False
 
     def __init__(self, held: dict[int, int], last: int = -1):
         self.held, self.last, self.recorded, self.sent = held, last, [], []
