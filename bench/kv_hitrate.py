@@ -2,6 +2,7 @@
 
     bash tests/e2e/vllm_up.sh python bench/kv_hitrate.py      # starts the e2e engines, runs, stops them
     ... bench/kv_hitrate.py --seeds 33,7,8                      # one trace per seed (33, the default: the test's)
+    ... bench/kv_hitrate.py --stream                            # every answer streamed (the default: JSON)
 
 The trace is harness/kv_trace.py's (the KV-event e2e test's): 16 chats of 5 turns over 3 shared system
 prompts, interleaved, greedy answers carried into the next turn, 2 requests in flight (`--concurrency`), sent to vllm_up.sh's
@@ -62,7 +63,9 @@ def through_coordinator(env: dict, policy: str, kv_events: bool) -> tuple[float,
     with Coordinator(cfg, ready_timeout_s=180.0) as coord:
         if kv_events and not caught_up(coord, env["model"], env["urls"]):
             raise SystemExit(f"KV events not live: {kv_states(coord)}")
-        result = measure(env["trace"], env["model"], env["urls"], lambda i: coord.url, env["concurrency"])
+        result = measure(
+            env["trace"], env["model"], env["urls"], lambda i: coord.url, env["concurrency"], env["stream"]
+        )
         if not kv_events:
             return result.hit_rate, None
         n = len(result.usages)
@@ -86,7 +89,9 @@ def through_router(env: dict, policy: str) -> float:
         try:
             if not wait_until(lambda: _up(url), 120, 0.5):
                 raise SystemExit(f"vllm-router {policy} did not start: see {log_path}")
-            return measure(env["trace"], env["model"], env["urls"], lambda i: url, env["concurrency"]).hit_rate
+            return measure(
+                env["trace"], env["model"], env["urls"], lambda i: url, env["concurrency"], env["stream"]
+            ).hit_rate
         finally:
             proc.terminate()
 
@@ -120,6 +125,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=CONCURRENCY, help="requests in flight")
     ap.add_argument("--only", default="", help="only the rows whose name contains one of these, comma-separated")
     ap.add_argument("--seeds", default="33", help="the traces' seeds, comma-separated (33: the e2e test's trace)")
+    ap.add_argument("--stream", action="store_true", help="stream every answer (slo_aware learns only from streams)")
     args = ap.parse_args()
     try:
         env = {name: os.environ[f"MOTOR_E2E_{name.upper()}"] for name in UNIONS}
@@ -128,7 +134,7 @@ def main() -> None:
     except KeyError as e:
         raise SystemExit(f"{e} unset: run it as `bash tests/e2e/vllm_up.sh python bench/kv_hitrate.py`") from None
     env["urls"] = [f"http://{env[name]}" for name in UNIONS]
-    env["concurrency"] = args.concurrency
+    env["concurrency"], env["stream"] = args.concurrency, args.stream
     seeds = [int(seed) for seed in args.seeds.split(",")]
     only = [word for word in args.only.split(",") if word]
     rates: dict[str, list[float]] = {}
@@ -159,7 +165,7 @@ def main() -> None:
         row(
             "sticky (chat i on engine i mod 2, direct)",
             lambda: measure(
-                env["trace"], env["model"], env["urls"], lambda i: env["urls"][i % 2], env["concurrency"]
+                env["trace"], env["model"], env["urls"], lambda i: env["urls"][i % 2], env["concurrency"], env["stream"]
             ).hit_rate,
         )
         if not args.no_router:

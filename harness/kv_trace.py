@@ -70,13 +70,23 @@ def fresh(trace: Trace) -> Trace:
     return Trace([Chat(c.system, c.questions, c.primed) for c in trace.chats], trace.order)
 
 
-async def _turn(client: openai.AsyncOpenAI, model: str, chat: Chat, question: str) -> dict:
+async def _turn(client: openai.AsyncOpenAI, model: str, chat: Chat, question: str, stream: bool = False) -> dict:
     if not chat.messages:
         chat.messages.append({"role": "system", "content": chat.system})
     chat.messages.append({"role": "user", "content": question})
-    resp = await client.chat.completions.create(model=model, messages=chat.messages, **SAMPLING)
-    chat.messages.append({"role": "assistant", "content": resp.choices[0].message.content})
-    return resp.usage.model_dump()
+    if not stream:
+        resp = await client.chat.completions.create(model=model, messages=chat.messages, **SAMPLING)
+        chat.messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+        return resp.usage.model_dump()
+    text, usage = [], None
+    events = await client.chat.completions.create(
+        model=model, messages=chat.messages, stream=True, stream_options={"include_usage": True}, **SAMPLING
+    )
+    async for event in events:
+        text.extend(choice.delta.content or "" for choice in event.choices)
+        usage = event.usage or usage
+    chat.messages.append({"role": "assistant", "content": "".join(text)})
+    return usage.model_dump()
 
 
 async def prime(url: str, model: str, trace: Trace) -> None:
@@ -87,9 +97,11 @@ async def prime(url: str, model: str, trace: Trace) -> None:
                 await _turn(client, model, chat, "Before we start: " + chat.questions[0])
 
 
-async def run(trace: Trace, model: str, url_of: Callable[[int], str], concurrency: int = 1) -> list[dict]:
+async def run(
+    trace: Trace, model: str, url_of: Callable[[int], str], concurrency: int = 1, stream: bool = False
+) -> list[dict]:
     """Send the trace, chat i's turns to `url_of(i)`, in its order with up to `concurrency` requests in flight
-    (a turn waits for its chat's previous answer): each request's usage."""
+    (a turn waits for its chat's previous answer), streamed or as JSON answers: each request's usage."""
     clients: dict[str, openai.AsyncOpenAI] = {}
     asked = [0] * len(trace.chats)
     previous: list[asyncio.Task | None] = [None] * len(trace.chats)
@@ -102,7 +114,7 @@ async def run(trace: Trace, model: str, url_of: Callable[[int], str], concurrenc
             url = url_of(i)
             if url not in clients:
                 clients[url] = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            return await _turn(clients[url], model, trace.chats[i], question)
+            return await _turn(clients[url], model, trace.chats[i], question, stream)
         finally:
             slots.release()
 
@@ -147,14 +159,20 @@ class RunResult:
 
 
 def measure(
-    trace: Trace, model: str, engines: list[str], url_of: Callable[[int], str], concurrency: int = CONCURRENCY
+    trace: Trace,
+    model: str,
+    engines: list[str],
+    url_of: Callable[[int], str],
+    concurrency: int = CONCURRENCY,
+    stream: bool = False,
 ) -> RunResult:
-    """One run of the trace from empty caches: engines[0] primed first, then the trace through `url_of`."""
+    """One run of the trace from empty caches: engines[0] primed first, then the trace through `url_of` (streamed,
+    or as JSON answers)."""
     trace = fresh(trace)
     reset(engines)
     asyncio.run(prime(engines[0], model, trace))
     hits0, queries0 = prefix_counts(engines)
-    usages = asyncio.run(run(trace, model, url_of, concurrency))
+    usages = asyncio.run(run(trace, model, url_of, concurrency, stream))
     hits, queries = prefix_counts(engines)
     return RunResult((hits - hits0) / max(queries - queries0, 1.0), usages)
 
