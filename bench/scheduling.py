@@ -54,10 +54,14 @@ from scheduling.admission import AdmissionQueue, OverBudget  # noqa: E402
 from scheduling.affinity import PrefixIndex  # noqa: E402
 from scheduling.health import Health  # noqa: E402
 from scheduling.ledger import DECODE, PREFILL, Ledger  # noqa: E402
-from scheduling.policies import JobInfo, make_policy  # noqa: E402
+from scheduling.policies import JobInfo  # noqa: E402
 from scheduling.predict import Predictor  # noqa: E402
 from scheduling.registry import Registry  # noqa: E402
-from scheduling.scheduler import NoCapacity, Scheduler  # noqa: E402
+from scheduling.scheduler import (  # noqa: E402
+    NoCapacity,
+    Scheduler,
+    make_policy,
+)
 from scheduling.tokens import BYTES_PER_TOKEN, chained_hashes  # noqa: E402
 from state.shared import SharedState  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Instance selection policies (`scheduler_config.scheduler_type`).
+"""Instance selection policies (`scheduler_config.scheduler_type`); the registry of them is scheduling/scheduler.py's.
 
 A policy gets the usable candidates of one role and the request's `JobInfo` and returns one target;
 `choose_pair` picks a prefill and a decode target together. Every policy reads only shared counters
@@ -14,24 +14,8 @@ A policy gets the usable candidates of one role and the request's `JobInfo` and 
   the engines' events it tells a conversation's next turn (its cached prefix its own history) from a new one
   (a prefix other conversations share, or none): the first stays with its history unless load alone says
   otherwise, the second goes where fewer conversations' futures will fill the cache.
-* `slo_aware`: predicts each candidate's TTFT (queue wait + uncached prefill + the decode engine's first
-  step) and TPOT (the decode engine's step time with the batch it will have when this request joins)
-  from the learned model (scheduling/predict.py), and takes the decode engine with the lowest predicted
-  TPOT (preferring those within budget) and the prefill engine that finishes soonest, each with its
-  learned allowance for prediction errors. A cached prefix lowers a candidate's uncached tokens, so
-  affinity is a lower prefill cost, not a rule; a faster or less busy engine is a sooner finish, so the
-  pair chosen is also the one that spends the least capacity on the request. A prefill engine where the
-  prompt would make a prefill admitted before it late (scheduling/predict.py's promises) is chosen only when
-  every one is, and then the plan is over budget. On the engines' KV events, of the plans on time and judged
-  no worse than the soonest, a conversation's next turn stays with its history and a new conversation goes
-  where its future turns fit, as `kv_cache_affinity` places them: leaving a history computes it again and holds
-  it twice, evicting other conversations' histories, which no first-token prediction sees. Before the model knows a
-  candidate it is tried once while idle (by a request served whole only if it streams: a JSON answer teaches no
-  first token), else the prefill goes where `kv_cache_affinity` would place it on KV events, or to the least
-  loaded. A request late on every prefill
-  engine goes to the one that finishes last (behind work that is late already). With `decode_alone`
-  (`conditional_disaggregation`) each decode engine is also judged serving the request alone, computing
-  the prompt itself (`_pick_alone`), and is chosen when that is clearly sooner within both budgets.
+* `slo_aware` (scheduling/slo_aware.py): the pair predicted to meet the TTFT and TPOT budgets, from the learned
+  model; on the engines' KV events it places conversations as `kv_cache_affinity` does among the plans on time.
 
 Every plan carries a verdict (`JobInfo.feasible`): True or False when the model can judge the chosen
 pair against the budgets, None when it cannot yet; SLO admission (scheduling/admission.py) acts on it.
@@ -43,7 +27,7 @@ from scheduling import clock
 from scheduling.health import Health
 from scheduling.job import JobInfo, PrefixSource
 from scheduling.ledger import Ledger
-from scheduling.predict import BUSY_WINDOW_S, UNKNOWN, Predictor
+from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Target
 from state.shared import SharedState
 
@@ -51,18 +35,6 @@ from state.shared import SharedState
 # of it: room for what the allowances miss (the Coordinator's own delays, sudden load).
 MARGIN = 0.85
 TPOT_MARGIN = 0.85
-# Predictions within 5 % (plus 2 ms for a TTFT, 0.5 ms for a TPOT) of the best are ties; ties go to the
-# first candidate in an order that rotates with every request, so equal idle engines share the traffic.
-TIE = 0.05
-# Conditional disaggregation tries a decode engine whose prefill speed it does not know yet with prompts up
-# to this size (a few requests, until it knows): a longer one would stall the streams decoding there.
-EXPLORE_ALONE_TOKENS = 512
-# A prefill served on a decode engine may delay the streams there by at most what their predicted TPOT
-# leaves of this many tokens' budget (a stream's TPOT is its mean over its tokens).
-ALONE_STALL_TOKENS = 2
-# ... and it goes there only with a prompt at most this many times the mean of those computed there so far:
-# a speed learned from short prompts says little about a long one's.
-ALONE_EXTRAPOLATION = 4.0
 # A load score's units: one request, or this many prompt tokens to prefill, or this many output tokens to
 # decode (the engine's own queue counts in requests, its KV use up to 4.0).
 PROMPT_TOKENS_PER_LOAD = 2048.0
@@ -70,10 +42,6 @@ OUTPUT_TOKENS_PER_LOAD = 8192.0
 # `kv_cache_affinity` counts a full prefix cache as this much load: the weight `load_balance` gives the
 # engine's KV use (the same memory).
 CACHE_FILL_WEIGHT = 4.0
-
-
-def _clearly_less(a: float, b: float, absolute: float) -> bool:
-    return a < b - TIE * b - absolute
 
 
 class Policy:
@@ -381,251 +349,3 @@ class KvCacheAffinity(LoadBalance):
             )
 
         return future
-
-
-class SloAware(KvCacheAffinity):
-    """The pair predicted to meet the TTFT and TPOT budgets (see the module docstring)."""
-
-    name = "slo_aware"
-    uses_prefix = True
-
-    def _explore(self, cands: list[Target], known, start: int) -> Target | None:
-        """An idle candidate the model does not know yet (so it learns it), if any; rotating, so that engines
-        it never learns (whole requests that do not stream teach nothing) still share the traffic."""
-        n = len(cands)
-        for k in range(n):
-            t = cands[(start + k) % n]
-            if not known(t.slot) and not self.ledger.requests(t.slot) and not self.ledger.held(t.slot):
-                return t
-        return None
-
-    def _rotation(self) -> int:
-        g = self.shared.globals
-        start = g.rr
-        g.rr = start + 1
-        return start
-
-    @property
-    def sees_conversations(self) -> bool:
-        """Whether the prefix source tells a conversation's next turn from a new one (the engines' KV events)."""
-        return self.index is not None and self.index.tells_conversations
-
-    def _unjudged(self, cands: list[Target], job: JobInfo) -> Target:
-        """Where a request goes that the model cannot judge (an engine not known yet; union engines serving only
-        JSON answers, which teach no first-token time): where `kv_cache_affinity` places it when the engines'
-        events tell conversations apart, else the least loaded."""
-        if self.sees_conversations:
-            return KvCacheAffinity.choose(self, cands, job)
-        return LoadBalance.choose(self, cands, job)
-
-    def _by_cache(self, cands: list[Target], job: JobInfo, fits: list[Target]) -> Target | None:
-        """Of `fits` (the candidates on time, and judged no worse than the soonest), the one the engines' caches
-        prefer: a conversation's next turn stays with its history, a new conversation goes where its future turns
-        fit (as `kv_cache_affinity` places it). None: no such choice (one candidate, or the events cannot tell).
-        Leaving a history computes it again and holds it twice, which the first token's prediction does not
-        see: it evicts other conversations' histories."""
-        if len(fits) < 2:
-            return None
-        best, holders = self.holders(cands, job)
-        starts = self.conversation(cands, job, best, holders)
-        if starts is False:
-            kept = next((t for t in fits if t.slot == holders[0].slot), None)
-            if kept is not None:
-                self.index.kept(job, kept, best)
-            return kept
-        if starts:
-            future = self.opening(cands, job, self.cache_fills(cands))
-            if future is not None:
-                return self.least(fits, future)
-        return None
-
-    def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int, now: float) -> tuple | None:
-        """(target, TPOT, first-token wait, TPOT allowance) of the decode target with the lowest predicted TPOT
-        (allowance included), preferring those within the budget, among those the model knows (None: none)."""
-        budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
-        best = None
-        n = len(ds)
-        for k in range(n):
-            d = ds[(start + k) % n]
-            tpot, first = self.predict_decode(d, delay)
-            if tpot == UNKNOWN:
-                continue
-            allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
-            over = tpot + allowance > budget
-            if best is None or over < best[0] or (over == best[0] and _clearly_less(tpot + allowance, best[1], 0.0005)):
-                best = (over, tpot + allowance, d, tpot, first, allowance)
-        return best[2:] if best is not None else None
-
-    def _pick_prefill(
-        self, ps: list[Target], job: JobInfo, now: float, start: int
-    ) -> tuple[Target, float, float, float, bool] | None:
-        """The prefill target that finishes first, allowance included, preferring those where it makes no prefill
-        admitted before it late: (it, its expected finish, its allowance, the least expected service time of
-        any, whether it makes one late). When even the first would finish after the TTFT budget, the one that
-        finishes last: there it delays only requests that are late already."""
-        best = latest = None
-        floor = UNKNOWN
-        n = len(ps)
-        plans = {}
-        for k in range(n):
-            p = ps[(start + k) % n]
-            finish, service, allowance, breaks = self.predict_prefill(p, job, now)
-            if finish == UNKNOWN:
-                continue
-            plans[p.slot] = (p, finish, allowance, breaks)
-            if (
-                best is None
-                or breaks < best[3]
-                or (breaks == best[3] and _clearly_less(finish + allowance, best[1] + best[2], 0.002))
-            ):
-                best = (p, finish, allowance, breaks)
-            if latest is None or finish > latest[1]:
-                latest = (p, finish, allowance, breaks)
-            floor = min(floor, service)
-        if best is None:
-            return None
-        left = job.slo_ttft_ms / 1000.0 - (now - job.arrived)
-        cached = None
-        if self.sees_conversations:
-            fits = [
-                p
-                for p, finish, allowance, breaks in plans.values()
-                if breaks <= best[3] and finish + allowance <= MARGIN * left
-            ]
-            cached = self._by_cache(ps, job, fits)
-        if cached is not None:
-            best = plans[cached.slot]
-        elif best[1] > left:
-            # Late wherever it goes: where it delays the fewest requests that can still be on time, behind
-            # the work that is late already (without admission it is served all the same).
-            best = latest
-        return best[0], best[1], best[2], floor, best[3]
-
-    def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
-        pred = self.predictor
-        job.feasible = None
-        start, now = self._rotation(), clock.now()
-        p_pick = self._pick_prefill(ps, job, now, start)
-        d_pick = self._pick_decode(ds, job, p_pick[1], start, now) if p_pick is not None else None
-        # An engine the model does not know yet takes the request while it is idle, so that it learns it (the
-        # request is not judged); otherwise the known engines are judged, whatever the others.
-        p_new, d_new = self._explore(ps, pred.prefill_known, start), self._explore(ds, pred.decode_known, start)
-        judged = d_pick is not None and d_new is None
-        d = d_pick[0] if judged else d_new or LoadBalance.choose(self, ds, job)
-        if p_pick is None or p_new is not None:
-            return p_new or self._unjudged(ps, job), d
-        if not judged:
-            return p_pick[0], d
-        p, finish, allowance, floor, breaks = p_pick
-        _, tpot, first, tpot_allowance = d_pick
-        ttft = finish + allowance + first
-        if self.decode_alone:
-            alone = self._pick_alone(ds, job, now, start, ttft)
-            if alone is not None:
-                d, ttft_alone, tpot, floor, tpot_allowance = alone
-                job.alone = True
-                if ttft_alone == UNKNOWN:  # learning what D's prefill costs: no verdict on it yet
-                    return p, d
-                self._verdict(job, ttft_alone, tpot, floor, tpot_allowance)
-                return p, d
-        self._verdict(job, ttft, tpot, floor + first, tpot_allowance, breaks)
-        return p, d
-
-    def _pick_alone(self, ds: list[Target], job: JobInfo, now: float, start: int, ttft_pd: float) -> tuple | None:
-        """The decode engine that would serve the request alone (computing the prompt itself) when that is
-        predicted to give a clearly sooner first token than the pair (`ttft_pd`) within both budgets: (it,
-        its TTFT with allowance, its TPOT, the TTFT floor, the TPOT allowance); None: the pair serves.
-
-        Its prefill runs in the decode engine's steps, which costs the streams decoding there twice: once at
-        once (every one of them waits for it, and for the prefills before it there: at most what their TPOT
-        leaves of ALONE_STALL_TOKENS tokens' budget), and over time (the share of the engine's time spent
-        prefilling lengthens every step it does not spend decoding). So only short or mostly cached prompts
-        go to a busy decode engine. One whose prefill speed is not known yet is tried with a short prompt
-        while it prefills nothing and its streams have room (an UNKNOWN TTFT), so that the model learns it.
-        """
-        pred, best = self.predictor, None
-        tpot_budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
-        ttft_budget = MARGIN * (job.slo_ttft_ms / 1000.0 - (now - job.arrived))
-        n = len(ds)
-        for k in range(n):
-            d = ds[(start + k) % n]
-            step = pred.step_s(d.slot, self.decode_batch(d, 0.0))
-            if step == UNKNOWN:
-                continue
-            busy = pred.prefill_busy(d.slot, now)
-            if pred.prefill_known(d.slot) and self.uncached(d, job) > ALONE_EXTRAPOLATION * pred.mean_prefill_tokens(
-                d.slot
-            ):  # its prefill speed there is known for prompts of the sizes computed there so far
-                continue
-            finish, service, allowance, breaks = self.predict_prefill(d, job, now)
-            if breaks:  # it would make a prompt admitted there before it late
-                continue
-            # What its streams lose: the prompt's tokens (the fixed part of a prefill there is mostly the step
-            # it shares with them, which they take anyway).
-            stall = service - pred.base_s(d.slot)
-            if finish == UNKNOWN:
-                stall = 0.0
-            elif not _clearly_less(finish + allowance + step, ttft_pd, 0.002):
-                continue
-            busy += stall / BUSY_WINDOW_S
-            if busy >= 0.9:
-                continue
-            tpot = step / (1.0 - busy)
-            tpot_allowance = pred.tpot_allowance_s(d.slot, tpot, now)
-            slack = tpot_budget - tpot - tpot_allowance
-            prefilling = self.ledger.load(d.slot)[3]
-            if slack <= 0.0 or (prefilling + 1) * stall > ALONE_STALL_TOKENS * slack:
-                continue
-            if finish == UNKNOWN:
-                if not prefilling and job.prompt_tokens <= EXPLORE_ALONE_TOKENS and best is None:
-                    best = (d, UNKNOWN, tpot, 0.0, tpot_allowance)
-                continue
-            ttft = finish + allowance + tpot
-            if ttft <= ttft_budget and (best is None or best[1] == UNKNOWN or ttft < best[1]):
-                best = (d, ttft, tpot, service + tpot, tpot_allowance)
-        return best
-
-    def choose_whole(self, cands: list[Target], job: JobInfo) -> Target:
-        return self.choose(cands, job)
-
-    def _whole_known(self, slot: int) -> bool:
-        return self.predictor.prefill_known(slot) and self.predictor.decode_known(slot)
-
-    def choose(self, cands: list[Target], job: JobInfo) -> Target:
-        """One engine for the whole request: the soonest first token among those within the TPOT budget."""
-        pred = self.predictor
-        job.feasible = None
-        now = clock.now()
-        budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
-        best = None
-        n, start = len(cands), self._rotation()
-        plans = {}
-        for k in range(n):
-            t = cands[(start + k) % n]
-            finish, service, allowance, breaks = self.predict_prefill(t, job, now)
-            tpot = pred.step_s(t.slot, self.decode_batch(t, 0.0)) if finish != UNKNOWN else UNKNOWN
-            if tpot == UNKNOWN:
-                # Only a request that can teach the model explores (a JSON answer would only spread the traffic).
-                explore = self._explore(cands, self._whole_known, start) if job.teaches else None
-                return explore or self._unjudged(cands, job)
-            over, ttft = tpot > budget or breaks, finish + allowance + tpot
-            plans[t.slot] = (over, ttft, t, tpot, service + tpot, breaks)
-            if best is None or over < best[0] or (over == best[0] and _clearly_less(ttft, best[1], 0.002)):
-                best = plans[t.slot]
-        cached = None
-        if self.sees_conversations:
-            ttft_budget = MARGIN * (job.slo_ttft_ms / 1000.0 - (now - job.arrived))
-            cached = self._by_cache(
-                cands, job, [p[2] for p in plans.values() if p[0] <= best[0] and p[1] <= ttft_budget]
-            )
-        _, ttft, t, tpot, floor, breaks = plans[cached.slot] if cached is not None else best
-        self._verdict(job, ttft, tpot, floor, breaks=breaks)
-        return t
-
-
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LoadBalance, KvCacheAffinity, SloAware)}
-
-
-def make_policy(name: str, shared: SharedState, ledger: Ledger, health: Health, **model) -> Policy:
-    """The policy named by scheduler_type; `model` passes predictor, index, block_tokens, overload_factor."""
-    return POLICIES.get(name, LoadBalance)(shared, ledger, health, **model)

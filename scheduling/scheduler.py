@@ -24,9 +24,19 @@ from scheduling.fairness import BATCH, BATCH_SHARE, FairShare
 from scheduling.health import Health
 from scheduling.kv_index import TOKEN_BYTES, KvEventSource, KvIndex, PromptKeys, prompt_seed
 from scheduling.ledger import DECODE, PREFILL, WHOLE, Hold, Lease, Ledger
-from scheduling.policies import MARGIN, TPOT_MARGIN, JobInfo, Policy, PrefixSource, make_policy
+from scheduling.policies import (
+    MARGIN,
+    TPOT_MARGIN,
+    JobInfo,
+    KvCacheAffinity,
+    LoadBalance,
+    Policy,
+    PrefixSource,
+    RoundRobin,
+)
 from scheduling.predict import UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
+from scheduling.slo_aware import SloAware
 from scheduling.tokens import PromptMeter, salted_hashes
 
 log = logging.getLogger("coordinator.scheduler")
@@ -476,6 +486,14 @@ class Scheduler:
             if cands:
                 return self.policy.choose(cands, job)
         raise NoCapacity(f"no healthy instance of model {model!r} is available")
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LoadBalance, KvCacheAffinity, SloAware)}
+
+
+def make_policy(name: str, shared, ledger: Ledger, health: Health, **model) -> Policy:
+    """The policy named by scheduler_type; `model` passes predictor, index, block_tokens, overload_factor."""
+    return POLICIES.get(name, LoadBalance)(shared, ledger, health, **model)
 
 
 def prefix_source(settings, shared) -> PrefixSource:

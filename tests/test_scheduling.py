@@ -21,10 +21,10 @@ from scheduling.affinity import PrefixIndex
 from scheduling.exact import make_meter
 from scheduling.health import Health
 from scheduling.ledger import DECODE, LOAD_FIELDS, PREFILL, WHOLE, Ledger
-from scheduling.policies import JobInfo, make_policy
+from scheduling.policies import JobInfo
 from scheduling.predict import ALLOWANCE_HALF_LIFE_S, ALLOWANCE_QUIET_S, GROUP_S, UNKNOWN, Predictor
 from scheduling.registry import Registry, Target
-from scheduling.scheduler import LEARN_INTERVAL_S, Scheduler
+from scheduling.scheduler import LEARN_INTERVAL_S, Scheduler, make_policy
 from scheduling.scrape import EngineScrapes, parse_engine_metrics
 from scheduling.tokens import (
     CHAT,
