@@ -10,6 +10,8 @@ a request whose prefill is still running.
 
 from __future__ import annotations
 
+import collections
+import math
 from collections.abc import Callable
 
 from scheduling import clock
@@ -34,14 +36,44 @@ class Ledger:
         self.columns: list[tuple[LedgerCounts, ...]] = [
             tuple(ledger[row].slots[slot] for row in self.rows) for slot in range(MAX_SLOTS)
         ]
+        # This worker's decodes in flight per slot, by TPOT budget (microseconds): each row's `tpot_floor_us`.
+        self.budgets: list[collections.Counter] = [collections.Counter() for _ in range(MAX_SLOTS)]
         self.observer: Callable[[Lease], None] | None = None
         self.on_prefilled: Callable[[Lease], None] | None = None  # a lease's prompt is in its engine's cache now
 
     def lease(
-        self, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool = True, kind: str = ""
+        self,
+        slot: int,
+        prompt_tokens: int,
+        decode_tokens: int,
+        prefilling: bool = True,
+        kind: str = "",
+        tpot_budget_s: float = 0.0,
     ) -> Lease:
-        """Take load on `slot`: one request, its uncached prompt tokens (while prefilling) and its output budget."""
-        return Lease(self, slot, prompt_tokens, decode_tokens, prefilling, kind or (PREFILL if prefilling else DECODE))
+        """Take load on `slot`: one request, its uncached prompt tokens (while prefilling) and its output budget;
+        `tpot_budget_s` (0: none) the TPOT budget of the stream it decodes there, protected while it runs."""
+        lease = Lease(self, slot, prompt_tokens, decode_tokens, prefilling, kind or (PREFILL if prefilling else DECODE))
+        if tpot_budget_s > 0.0:
+            lease.tpot_budget_us = int(tpot_budget_s * 1e6)
+            self.move_budget(slot, lease.tpot_budget_us, 1)
+        return lease
+
+    def move_budget(self, slot: int, us: int, change: int) -> None:
+        """One decode with a TPOT budget of `us` more (+1) or fewer (-1) on `slot`: this worker's floor there."""
+        budgets = self.budgets[slot]
+        budgets[us] += change
+        if budgets[us] <= 0:
+            del budgets[us]
+        self.mine[slot].tpot_floor_us = min(budgets) if budgets else 0
+
+    def tpot_floor_s(self, slot: int) -> float:
+        """The tightest TPOT budget of the streams decoding on `slot` over all workers (inf: none)."""
+        floor = 0
+        for c in self.columns[slot]:
+            us = c.tpot_floor_us
+            if us and (not floor or us < floor):
+                floor = us
+        return floor / 1e6 if floor else math.inf
 
     def hold(self, slot: int) -> Hold:
         return Hold(self, slot)
@@ -106,6 +138,7 @@ class Lease:
         "shift",
         "slot",
         "started",
+        "tpot_budget_us",
     )
 
     def __init__(self, ledger: Ledger, slot: int, prompt_tokens: int, decode_tokens: int, prefilling: bool, kind: str):
@@ -117,6 +150,7 @@ class Lease:
         self.events = 0
         self.engine_uncached = -1  # uncached prompt tokens as the engine reported them (-1: not reported)
         self.batch = 0  # requests on the slot when this one started, itself included
+        self.tpot_budget_us = 0  # the TPOT budget it holds on the slot's floor (0: none)
         self.hashes: list[int] = []
         self.sample = False  # the learned model's fits take this request's timings (the scheduler decides as it leases)
         self.counts = c = ledger.mine[slot]
@@ -171,6 +205,8 @@ class Lease:
         _move_area(c, clock.now())
         c.requests -= 1
         c.decode_tokens -= self.decode_tokens
+        if self.tpot_budget_us:
+            self.ledger.move_budget(self.slot, self.tpot_budget_us, -1)
 
 
 class Hold:

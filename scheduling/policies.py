@@ -162,22 +162,38 @@ class Policy:
             return
         extra = tpot if p is None else first
         tpot_allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
-        self._verdict(job, finish + allowance + extra, tpot, service + extra, tpot_allowance, breaks)
+        self._verdict(job, d.slot, finish + allowance + extra, tpot, service + extra, tpot_allowance, breaks)
+
+    def tpot_budget_s(self, job: JobInfo, slot: int) -> float:
+        """The TPOT budget a plan decoding on `slot` is judged against: the request's own, or the tightest of the
+        streams decoding there (joining their batch slows them as much as it)."""
+        own = job.slo_tpot_ms / 1000.0
+        floor = self.ledger.tpot_floor_s(slot)
+        return floor if floor < own else own
 
     def _verdict(
-        self, job: JobInfo, ttft: float, tpot: float, floor: float, tpot_allowance: float = 0.0, breaks: bool = False
+        self,
+        job: JobInfo,
+        slot: int,
+        ttft: float,
+        tpot: float,
+        floor: float,
+        tpot_allowance: float = 0.0,
+        breaks: bool = False,
     ) -> None:
-        """`breaks`: the prefill would make one admitted before it late (a plan over its TTFT budget, as far as
-        admission goes: it waits or is refused until that prefill's last step has begun)."""
+        """`slot`: the decode engine's. `breaks`: the prefill would make one admitted before it late (a plan over
+        its TTFT budget, as far as admission goes: it waits or is refused until that prefill's last step has
+        begun)."""
         ttft_budget = job.slo_ttft_ms / 1000.0 - (clock.now() - job.arrived)
-        tpot_budget = job.slo_tpot_ms / 1000.0
+        tpot_budget = self.tpot_budget_s(job, slot)
+        job.tpot_budget_ms = tpot_budget * 1000.0
         job.tpot_model_s = tpot
         tpot += tpot_allowance
         job.ttft_s, job.tpot_s, job.floor_s = ttft, tpot, floor
         late, slow = breaks or ttft > MARGIN * ttft_budget, tpot > TPOT_MARGIN * tpot_budget
         job.feasible = not late and not slow
         job.over = "prefill and decode" if late and slow else "prefill" if late else "decode" if slow else ""
-        job.hopeless = floor > ttft_budget or job.tpot_model_s > tpot_budget
+        job.hopeless = floor > ttft_budget or job.tpot_model_s > job.slo_tpot_ms / 1000.0
         if not job.feasible:
             job.retry_after_s = max(1.0, ttft - MARGIN * ttft_budget)
 

@@ -311,13 +311,13 @@ class Scheduler:
             job.ttft_s,
             job.slo_ttft_ms / 1000,
             job.tpot_s,
-            job.slo_tpot_ms / 1000,
+            job.tpot_budget_ms / 1000,
             job.floor_s,
         )
         if self.admission == REJECT or self.queue is None:
             raise OverBudget(
                 f"no instance of model {job.model!r} can meet the SLO budget now ({job.over} saturated: predicted TTFT "
-                f"{job.ttft_s * 1000:.0f} ms of {job.slo_ttft_ms:.0f} ms, TPOT {job.tpot_s * 1000:.0f} ms of {job.slo_tpot_ms:.0f} ms)",
+                f"{job.ttft_s * 1000:.0f} ms of {job.slo_ttft_ms:.0f} ms, TPOT {job.tpot_s * 1000:.0f} ms of {job.tpot_budget_ms:.0f} ms)",
                 job.retry_after_s,
             )
         return None
@@ -334,7 +334,7 @@ class Scheduler:
             left_s = job.slo_ttft_ms / 1000.0 - (clock.now() - job.arrived)
             if (
                 job.ttft_s > BATCH_SHARE * MARGIN * left_s
-                or job.tpot_s > BATCH_SHARE * TPOT_MARGIN * job.slo_tpot_ms / 1000
+                or job.tpot_s > BATCH_SHARE * TPOT_MARGIN * job.tpot_budget_ms / 1000
             ):
                 job.feasible, job.over = False, "batch share"
         return plan
@@ -356,13 +356,18 @@ class Scheduler:
         first-token time): it may be a sample, and only such leases use up this worker's turn on the slot.
         """
         if kind == DECODE:
-            lease = self.ledger.lease(t.slot, 0, job.max_tokens, prefilling=False, kind=DECODE)
+            lease = self.ledger.lease(
+                t.slot, 0, job.max_tokens, prefilling=False, kind=DECODE, tpot_budget_s=job.slo_tpot_ms / 1000.0
+            )
             lease.predicted_tpot = job.tpot_model_s if job.feasible is not None else 0.0  # what the plan expected
         else:
             uncached = self.policy.uncached(t, job)
             job.cached_predicted = job.prompt_tokens - uncached
             idle = not self.ledger.load(t.slot)[3]  # no prefill in flight there: its queue is empty
-            lease = self.ledger.lease(t.slot, uncached, 1 if kind == PREFILL else job.max_tokens, kind=kind)
+            tpot_budget_s = job.slo_tpot_ms / 1000.0 if kind == WHOLE else 0.0
+            lease = self.ledger.lease(
+                t.slot, uncached, 1 if kind == PREFILL else job.max_tokens, kind=kind, tpot_budget_s=tpot_budget_s
+            )
             lease.hashes = job.block_hashes
             if self.index is not None:
                 self.index.placed(lease, job)
@@ -421,7 +426,9 @@ class Scheduler:
                 else:
                     batch = (lease.batch + self.ledger.requests(slot)) / 2.0
                 started = lease.started if lease.kind == DECODE else lease.first_at
-                pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot)
+                pred.learn_decode(
+                    slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot, lease.batch
+                )
         except Exception:  # learning must never fail a request
             log.exception("learning from a finished request failed")
         if self.queue is not None:

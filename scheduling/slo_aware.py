@@ -107,7 +107,6 @@ class SloAware(KvCacheAffinity):
     def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int, now: float) -> tuple | None:
         """(target, TPOT, first-token wait, TPOT allowance) of the decode target with the lowest predicted TPOT
         (allowance included), preferring those within the budget, among those the model knows (None: none)."""
-        budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
         best = None
         n = len(ds)
         for k in range(n):
@@ -116,7 +115,7 @@ class SloAware(KvCacheAffinity):
             if tpot == UNKNOWN:
                 continue
             allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
-            over = tpot + allowance > budget
+            over = tpot + allowance > TPOT_MARGIN * self.tpot_budget_s(job, d.slot)
             if best is None or over < best[0] or (over == best[0] and _clearly_less(tpot + allowance, best[1], 0.0005)):
                 best = (over, tpot + allowance, d, tpot, first, allowance)
         return best[2:] if best is not None else None
@@ -191,9 +190,9 @@ class SloAware(KvCacheAffinity):
                 job.alone = True
                 if ttft_alone == UNKNOWN:  # learning what D's prefill costs: no verdict on it yet
                     return p, d
-                self._verdict(job, ttft_alone, tpot, floor, tpot_allowance)
+                self._verdict(job, d.slot, ttft_alone, tpot, floor, tpot_allowance)
                 return p, d
-        self._verdict(job, ttft, tpot, floor + first, tpot_allowance, breaks)
+        self._verdict(job, d.slot, ttft, tpot, floor + first, tpot_allowance, breaks)
         return p, d
 
     def _pick_alone(self, ds: list[Target], job: JobInfo, now: float, start: int, ttft_pd: float) -> tuple | None:
@@ -209,7 +208,6 @@ class SloAware(KvCacheAffinity):
         while it prefills nothing and its streams have room (an UNKNOWN TTFT), so that the model learns it.
         """
         pred, best = self.predictor, None
-        tpot_budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
         ttft_budget = MARGIN * (job.slo_ttft_ms / 1000.0 - (now - job.arrived))
         n = len(ds)
         for k in range(n):
@@ -237,7 +235,7 @@ class SloAware(KvCacheAffinity):
                 continue
             tpot = step / (1.0 - busy)
             tpot_allowance = pred.tpot_allowance_s(d.slot, tpot, now)
-            slack = tpot_budget - tpot - tpot_allowance
+            slack = TPOT_MARGIN * self.tpot_budget_s(job, d.slot) - tpot - tpot_allowance
             prefilling = self.ledger.load(d.slot)[3]
             if slack <= 0.0 or (prefilling + 1) * stall > ALONE_STALL_TOKENS * slack:
                 continue
@@ -261,7 +259,6 @@ class SloAware(KvCacheAffinity):
         pred = self.predictor
         job.feasible = None
         now = clock.now()
-        budget = TPOT_MARGIN * job.slo_tpot_ms / 1000.0
         best = None
         n, start = len(cands), self._rotation()
         plans = {}
@@ -274,7 +271,7 @@ class SloAware(KvCacheAffinity):
                 # nothing, and the caches place it better than a turn of the rotation.
                 explore = job.teaches or not self.sees_conversations
                 return (explore and self._explore(cands, self._whole_known, start)) or self._unjudged(cands, job)
-            over, ttft = tpot > budget or breaks, finish + allowance + tpot
+            over, ttft = tpot > TPOT_MARGIN * self.tpot_budget_s(job, t.slot) or breaks, finish + allowance + tpot
             plans[t.slot] = (over, ttft, t, tpot, service + tpot, breaks)
             if best is None or over < best[0] or (over == best[0] and _clearly_less(ttft, best[1], 0.002)):
                 best = plans[t.slot]
@@ -285,5 +282,5 @@ class SloAware(KvCacheAffinity):
                 cands, job, [p[2] for p in plans.values() if p[0] <= best[0] and p[1] <= ttft_budget]
             )
         _, ttft, t, tpot, floor, breaks = plans[cached.slot] if cached is not None else best
-        self._verdict(job, ttft, tpot, floor, breaks=breaks)
+        self._verdict(job, t.slot, ttft, tpot, floor, breaks=breaks)
         return t

@@ -52,6 +52,9 @@ class LedgerCounts(Table):
         # mean batch is the growth of the sum of every row's area over its decode, over its duration.
         ("area_us", ctypes.c_int64),
         ("area_at_us", ctypes.c_int64),
+        # The tightest TPOT budget (microseconds) of this worker's decodes in flight on the slot (0: none): a
+        # request joining the batch is judged against it too, so a loose budget cannot slow a tight stream.
+        ("tpot_floor_us", ctypes.c_int64),
     ]
 
 

@@ -582,6 +582,28 @@ def test_allowances_are_the_confidence_quantile_of_recent_errors():
     assert pred.tpot_allowance_s(2, 0.040, t) == pytest.approx(0.010, rel=0.1)
 
 
+def test_the_tpot_allowance_leaves_out_what_streams_joining_later_cost():
+    """A stream whose batch grew after it joined is judged against the step its mean batch had: the streams that
+    joined later were each judged against the budgets in the batch. Slower than the step at its batch counts."""
+    t = time.monotonic()
+
+    def streams(pred: Predictor, per_token: float, joined: float) -> None:
+        nonlocal t
+        for _ in range(40):  # joined a batch of 2 (30 ms predicted), decoded in a mean batch of 6
+            pred.learn_decode(2, t, t + 0.1, t + 0.1 + per_token * 40, 43, 6.0, predicted=0.030, joined=joined)
+            t += 0.01
+
+    grown, unknown, slow = (Predictor(SharedState.create(), 0.95) for _ in range(3))
+    for pred in (grown, unknown, slow):
+        teach_decode(pred, 2, 0.02, 0.005)
+    streams(grown, 0.050, 2.0)  # the step of a batch of 6
+    streams(unknown, 0.050, 0.0)  # the same streams, their batch at joining not known: all of it is error
+    streams(slow, 0.0625, 2.0)  # a quarter slower than the step of their batch
+    assert grown.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.0, abs=0.0005)
+    assert unknown.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.020, rel=0.1)
+    assert slow.tpot_allowance_s(2, 0.030, t) > 0.004
+
+
 def test_allowances_narrow_with_time_without_evidence():
     """A bad moment cannot shut admission for good: after ALLOWANCE_QUIET_S without new evidence an allowance
     halves every ALLOWANCE_HALF_LIFE_S, so the requests admitted again bring the evidence."""
@@ -1089,6 +1111,28 @@ def test_reject_admission_refuses_a_plan_over_budget():
     assert e.value.retry_after_s >= 1.0 and "TTFT" in str(e.value)
     off, w2 = scheduler("slo_aware", "off")
     assert asyncio.run(admit(off, job(5000, ttft_ms=2000))).prefill is not None
+
+
+def test_a_request_joining_a_decode_batch_is_judged_against_the_tightest_budget_there():
+    """A loose TPOT budget cannot slow a tight stream past its own: a plan is judged against the tightest TPOT
+    budget of the streams decoding on its decode engine, another worker's included, until that stream ends."""
+    sched, w = scheduler("slo_aware", "reject")
+    p, d = slots(sched)
+    teach_prefill(w.predictor, p, 1000.0)
+    teach_decode(w.predictor, d, 0.02, 0.005)
+    decode = sched.registry.view().pool(MODEL, "decode")[0]
+    loose = [sched.lease(decode, job(100, tpot_ms=200), DECODE) for _ in range(3)]
+    assert asyncio.run(admit(sched, job(100, tpot_ms=200))).target.slot == d
+    # Another worker's stream with a 40 ms budget: five in the batch take 45 ms a token, over its 85 %.
+    tight = Ledger(w.shared, 1, 2).lease(d, 0, 50, prefilling=False, kind=DECODE, tpot_budget_s=0.040)
+    with pytest.raises(OverBudget) as e:
+        asyncio.run(admit(sched, job(100, tpot_ms=200)))
+    assert "decode saturated" in str(e.value) and "of 40 ms" in str(e.value)
+    tight.release()
+    assert asyncio.run(admit(sched, job(100, tpot_ms=200))).target.slot == d
+    for lease in loose:
+        lease.release()
+    assert not any(c.tpot_floor_us for c in w.ledger.columns[d])
 
 
 def test_queue_admission_waits_for_capacity_then_admits():
