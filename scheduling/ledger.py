@@ -54,7 +54,7 @@ class Ledger:
         `tpot_budget_s` (0: none) the TPOT budget of the stream it decodes there, protected while it runs."""
         lease = Lease(self, slot, prompt_tokens, decode_tokens, prefilling, kind or (PREFILL if prefilling else DECODE))
         if tpot_budget_s > 0.0:
-            lease.tpot_budget_us = int(tpot_budget_s * 1e6)
+            lease.tpot_budget_us = round(tpot_budget_s * 1e6)
             self.move_budget(slot, lease.tpot_budget_us, 1)
         return lease
 

@@ -169,7 +169,7 @@ class Policy:
         streams decoding there (joining their batch slows them as much as it)."""
         own = job.slo_tpot_ms / 1000.0
         floor = self.ledger.tpot_floor_s(slot)
-        return floor if floor < own else own
+        return floor if floor < own - 1e-6 else own  # (the floor is kept in whole microseconds)
 
     def _verdict(
         self,

@@ -336,33 +336,15 @@ class Predictor:
                 e.queue_shift_s = shift - early
 
     def learn_decode(
-        self,
-        slot: int,
-        started: float,
-        first: float,
-        done: float,
-        events: int,
-        batch: float,
-        predicted: float = 0.0,
-        joined: float = 0.0,
+        self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0
     ) -> None:
-        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, the
-        seconds per token predicted when it was planned (0: none), and the batch when it joined (0: not known).
-
-        Its error against the prediction leaves out what the streams that joined after it cost it (a mean batch
-        above the one it joined, at the step the current fit gives each): each of them was judged against the
-        tightest TPOT budget in the batch it joined (`Policy.tpot_budget_s`), so the batch grows only as far as
-        that budget allows. Counted in, growth that admission already bounds would widen the allowance of every
-        plan (streams admitted into a small batch see it double under load), refusing requests that fit."""
+        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, and
+        the seconds per token predicted when it was planned (0: none)."""
         e = self.rows[slot]
         with self.lock:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
-                    if batch > joined > 0.0:
-                        at_join, grown = self.step_s(slot, joined), self.step_s(slot, batch)
-                        if grown != UNKNOWN:
-                            predicted *= grown / at_join
                     error = per_token / predicted - 1.0
                     e.tpot_late_share = self._record(e.tpot_errors, e.tpot_count, e.tpot_late_at, error, done)
                     e.tpot_count, e.tpot_late_at = e.tpot_count + 1, done

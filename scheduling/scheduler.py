@@ -426,9 +426,7 @@ class Scheduler:
                 else:
                     batch = (lease.batch + self.ledger.requests(slot)) / 2.0
                 started = lease.started if lease.kind == DECODE else lease.first_at
-                pred.learn_decode(
-                    slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot, lease.batch
-                )
+                pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot)
         except Exception:  # learning must never fail a request
             log.exception("learning from a finished request failed")
         if self.queue is not None:

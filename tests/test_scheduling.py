@@ -582,28 +582,6 @@ def test_allowances_are_the_confidence_quantile_of_recent_errors():
     assert pred.tpot_allowance_s(2, 0.040, t) == pytest.approx(0.010, rel=0.1)
 
 
-def test_the_tpot_allowance_leaves_out_what_streams_joining_later_cost():
-    """A stream whose batch grew after it joined is judged against the step its mean batch had: the streams that
-    joined later were each judged against the budgets in the batch. Slower than the step at its batch counts."""
-    t = time.monotonic()
-
-    def streams(pred: Predictor, per_token: float, joined: float) -> None:
-        nonlocal t
-        for _ in range(40):  # joined a batch of 2 (30 ms predicted), decoded in a mean batch of 6
-            pred.learn_decode(2, t, t + 0.1, t + 0.1 + per_token * 40, 43, 6.0, predicted=0.030, joined=joined)
-            t += 0.01
-
-    grown, unknown, slow = (Predictor(SharedState.create(), 0.95) for _ in range(3))
-    for pred in (grown, unknown, slow):
-        teach_decode(pred, 2, 0.02, 0.005)
-    streams(grown, 0.050, 2.0)  # the step of a batch of 6
-    streams(unknown, 0.050, 0.0)  # the same streams, their batch at joining not known: all of it is error
-    streams(slow, 0.0625, 2.0)  # a quarter slower than the step of their batch
-    assert grown.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.0, abs=0.0005)
-    assert unknown.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.020, rel=0.1)
-    assert slow.tpot_allowance_s(2, 0.030, t) > 0.004
-
-
 def test_allowances_narrow_with_time_without_evidence():
     """A bad moment cannot shut admission for good: after ALLOWANCE_QUIET_S without new evidence an allowance
     halves every ALLOWANCE_HALF_LIFE_S, so the requests admitted again bring the evidence."""
