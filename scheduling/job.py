@@ -41,6 +41,7 @@ class JobInfo:
     ttft_s: float = 0.0  # predicted for the chosen engines, with their allowances for errors
     tpot_s: float = 0.0
     tpot_model_s: float = 0.0  # the decode model's own TPOT prediction (its errors are learned)
+    tpot_batch: float = 0.0  # the decode batch (itself included) that prediction is for
     tpot_budget_ms: float = 0.0  # the TPOT budget it was judged against: its own, or a tighter stream's there
     floor_s: float = 0.0  # expected TTFT with empty queues (no allowance): below this budget no wait can help
     hopeless: bool = False  # even that floor, or the expected TPOT, is over the budget

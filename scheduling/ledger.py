@@ -66,6 +66,20 @@ class Ledger:
             del budgets[us]
         self.mine[slot].tpot_floor_us = min(budgets) if budgets else 0
 
+    def record_verdict_batch(self, slot: int, batch: float, now: float) -> None:
+        """A plan admitted on its verdict joins `slot`'s decode batch now, predicted to make it `batch`."""
+        c = self.mine[slot]
+        c.judged_batch_milli, c.judged_at_us = int(batch * 1000), int(now * 1e6)
+
+    def verdict_batch(self, slot: int, since: float) -> float:
+        """The largest decode batch `slot` was let grow to by the last verdict of each worker after `since` (0:
+        none since)."""
+        since_us, most = int(since * 1e6), 0
+        for c in self.columns[slot]:
+            if c.judged_at_us > since_us and c.judged_batch_milli > most:
+                most = c.judged_batch_milli
+        return most / 1000
+
     def tpot_floor_s(self, slot: int) -> float:
         """The tightest TPOT budget of the streams decoding on `slot` over all workers (inf: none)."""
         floor = 0
@@ -130,6 +144,7 @@ class Lease:
         "ledger",
         "ok",
         "predicted",
+        "predicted_batch",
         "predicted_tpot",
         "prefilling",
         "prompt_tokens",
@@ -147,6 +162,7 @@ class Lease:
         self.released = self.ok = False
         self.started = clock.now()
         self.first_at = self.ended = self.predicted = self.predicted_tpot = self.shift = self.area0 = 0.0
+        self.predicted_batch = 0.0  # the decode batch `predicted_tpot` is for
         self.events = 0
         self.engine_uncached = -1  # uncached prompt tokens as the engine reported them (-1: not reported)
         self.batch = 0  # requests on the slot when this one started, itself included

@@ -113,17 +113,18 @@ class Policy:
         promised = held * (length / delay) if delay > length else float(held)
         return running + promised + 1.0
 
-    def predict_decode(self, d: Target, delay: float = 0.0) -> tuple[float, float]:
-        """(seconds per token, seconds from the decode leg's start to its first token) for a request whose
-        decode leg starts in `delay` seconds."""
+    def predict_decode(self, d: Target, delay: float = 0.0) -> tuple[float, float, float]:
+        """(seconds per token, seconds from the decode leg's start to its first token, the batch it joins) for a
+        request whose decode leg starts in `delay` seconds."""
         pred = self.predictor
-        tpot = pred.step_s(d.slot, self.decode_batch(d, delay))
+        batch = self.decode_batch(d, delay)
+        tpot = pred.step_s(d.slot, batch)
         if tpot == UNKNOWN:
-            return UNKNOWN, UNKNOWN
+            return UNKNOWN, UNKNOWN, batch
         busy = pred.prefill_busy(d.slot, clock.now())
         if busy > 0.0:  # prompts computed there (requests served whole or alone) take steps from its streams
             tpot /= 1.0 - busy if busy < 0.9 else 0.1
-        return tpot, pred.first_wait_s(d.slot) + tpot
+        return tpot, pred.first_wait_s(d.slot) + tpot, batch
 
     def predict_prefill(self, p: Target, job: JobInfo, now: float) -> tuple[float, float, float, bool]:
         """(seconds until `p` would finish this prompt's prefill, the same without queueing, the engine's
@@ -157,12 +158,12 @@ class Policy:
         finish, service, allowance, breaks = self.predict_prefill(p or d, job, now)
         if finish == UNKNOWN:
             return
-        tpot, first = self.predict_decode(d, finish if p is not None else 0.0)
+        tpot, first, batch = self.predict_decode(d, finish if p is not None else 0.0)
         if tpot == UNKNOWN:
             return
         extra = tpot if p is None else first
         tpot_allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
-        self._verdict(job, d.slot, finish + allowance + extra, tpot, service + extra, tpot_allowance, breaks)
+        self._verdict(job, d.slot, finish + allowance + extra, tpot, service + extra, tpot_allowance, breaks, batch)
 
     def tpot_budget_s(self, job: JobInfo, slot: int) -> float:
         """The TPOT budget a plan decoding on `slot` is judged against: the request's own, or the tightest of the
@@ -180,14 +181,15 @@ class Policy:
         floor: float,
         tpot_allowance: float = 0.0,
         breaks: bool = False,
+        batch: float = 0.0,
     ) -> None:
         """`slot`: the decode engine's. `breaks`: the prefill would make one admitted before it late (a plan over
         its TTFT budget, as far as admission goes: it waits or is refused until that prefill's last step has
-        begun)."""
+        begun). `batch`: the decode batch its TPOT was predicted for (0: not told)."""
         ttft_budget = job.slo_ttft_ms / 1000.0 - (clock.now() - job.arrived)
         tpot_budget = self.tpot_budget_s(job, slot)
         job.tpot_budget_ms = tpot_budget * 1000.0
-        job.tpot_model_s = tpot
+        job.tpot_model_s, job.tpot_batch = tpot, batch
         tpot += tpot_allowance
         job.ttft_s, job.tpot_s, job.floor_s = ttft, tpot, floor
         late, slow = breaks or ttft > MARGIN * ttft_budget, tpot > TPOT_MARGIN * tpot_budget

@@ -69,6 +69,11 @@ import math
 from state.shared import ERROR_RING, SharedState, endpoint_rows
 
 UNKNOWN = float("inf")
+# The decode fit's prior: a step's fixed part costs about as much as this many sequences.
+DECODE_FIXED_SEQS = 4.0
+# A decode stream whose step at one end of it was over this many times the other's (batch ramped or drained)
+# does not teach the step's line (`learn_decode`).
+STEADY_STEP_RATIO = 2.0
 # Prefill errors are shares of the predicted time from planning to finish, at least this long: a prefill
 # predicted to take a millisecond is not judged by how many milliseconds it missed by in relative terms.
 MIN_SPAN_S = 0.05
@@ -336,24 +341,56 @@ class Predictor:
                 e.queue_shift_s = shift - early
 
     def learn_decode(
-        self, slot: int, started: float, first: float, done: float, events: int, batch: float, predicted: float = 0.0
+        self,
+        slot: int,
+        started: float,
+        first: float,
+        done: float,
+        events: int,
+        batch: float,
+        predicted: float = 0.0,
+        planned: float = 0.0,
+        judged: float = 0.0,
+        ends: tuple[int, int] = (0, 0),
     ) -> None:
-        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, and
-        the seconds per token predicted when it was planned (0: none)."""
+        """A decode (or whole) stream: leg started, first and last event times, events seen, mean batch, the
+        seconds per token predicted when it was planned (0: none) for a batch of `planned`, and the largest batch
+        the verdicts of the requests that joined after it predicted (0: not known).
+
+        Its error against the prediction leaves out the growth of its batch that those verdicts predicted (a mean
+        batch above the planned one, up to theirs, at the step the current fit gives each): each of them was
+        judged against the tightest TPOT budget in the batch (`Policy.tpot_budget_s`), so that growth is bounded
+        by admission. Counted in, it would widen the allowance of every plan (streams admitted into a small batch
+        see it double under load) and refuse requests that fit. Growth past what they predicted stays in: it is
+        their batch predictions' error (short under bursts), and the allowance is what bounds it.
+
+        `ends`: the requests on the slot when it joined and when it ended (0: not known). A stream whose batch
+        ramped (or drained) that far, its step at one end over STEADY_STEP_RATIO times the other's (as the prior
+        prices a step), teaches its error but not the step's line once the engine is known: its tokens came
+        mostly at the slow end while its mean batch is over time, so it would flatten the line, and a line too
+        flat admits batches past the budget that no allowance learned from growth catches."""
         e = self.rows[slot]
         with self.lock:
             if events >= 5 and done > first:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
+                    grown = min(batch, judged)
+                    if grown > planned > 0.0:
+                        at_plan, at_grown = self.step_s(slot, planned), self.step_s(slot, grown)
+                        if at_grown != UNKNOWN:
+                            predicted *= at_grown / at_plan
                     error = per_token / predicted - 1.0
                     e.tpot_late_share = self._record(e.tpot_errors, e.tpot_count, e.tpot_late_at, error, done)
                     e.tpot_count, e.tpot_late_at = e.tpot_count + 1, done
-                sums, line = self._add_and_fit(
-                    (e.dc_n, e.dc_sx, e.dc_sy, e.dc_sxx, e.dc_sxy), batch, per_token, ratio_prior=False
-                )
-                e.dc_n, e.dc_sx, e.dc_sy, e.dc_sxx, e.dc_sxy = sums
-                if line is not None:
-                    e.decode_step_s, e.decode_per_seq_s = line
+                low, high = sorted(ends)
+                steady = not low or high + DECODE_FIXED_SEQS <= STEADY_STEP_RATIO * (low + DECODE_FIXED_SEQS)
+                if steady or e.dc_n < self.min_samples:
+                    sums, line = self._add_and_fit(
+                        (e.dc_n, e.dc_sx, e.dc_sy, e.dc_sxx, e.dc_sxy), batch, per_token, ratio_prior=False
+                    )
+                    e.dc_n, e.dc_sx, e.dc_sy, e.dc_sxx, e.dc_sxy = sums
+                    if line is not None:
+                        e.decode_step_s, e.decode_per_seq_s = line
             step = self.step_s(slot, batch)
             if step == UNKNOWN or started >= first:  # (a whole stream, timed from its first token: no decode leg wait)
                 return
@@ -400,8 +437,8 @@ class Predictor:
         if ratio_prior:  # prefill: time proportional to tokens unless the data say otherwise
             prior = my / mx if mx > 0 else 0.0
             weight = (0.1 * mx) ** 2
-        else:  # decode: the fixed part of a step costs about as much as 4 sequences
-            prior = my / (mx + 4.0)
+        else:  # decode: the fixed part of a step costs about as much as DECODE_FIXED_SEQS sequences
+            prior = my / (mx + DECODE_FIXED_SEQS)
             weight = 0.5
         b = (cxy + weight * prior) / (vx + weight) if vx + weight > 0 else prior
         # The prior holds where the line claims that more is free (noise: steps shared with other work) or that

@@ -360,6 +360,9 @@ class Scheduler:
                 t.slot, 0, job.max_tokens, prefilling=False, kind=DECODE, tpot_budget_s=job.slo_tpot_ms / 1000.0
             )
             lease.predicted_tpot = job.tpot_model_s if job.feasible is not None else 0.0  # what the plan expected
+            lease.predicted_batch = job.tpot_batch
+            if job.feasible:
+                self.ledger.record_verdict_batch(t.slot, job.tpot_batch, lease.started)
         else:
             uncached = self.policy.uncached(t, job)
             job.cached_predicted = job.prompt_tokens - uncached
@@ -372,7 +375,9 @@ class Scheduler:
             if self.index is not None:
                 self.index.placed(lease, job)
             if kind == WHOLE and job.feasible is not None:
-                lease.predicted_tpot = job.tpot_model_s
+                lease.predicted_tpot, lease.predicted_batch = job.tpot_model_s, job.tpot_batch
+                if job.feasible:
+                    self.ledger.record_verdict_batch(t.slot, job.tpot_batch, lease.started)
             if self.predictor is not None:
                 # A prefill admitted on its verdict may finish as much later as its plan left of its budget (a
                 # promise that admission keeps; without admission nothing is promised).
@@ -426,7 +431,19 @@ class Scheduler:
                 else:
                     batch = (lease.batch + self.ledger.requests(slot)) / 2.0
                 started = lease.started if lease.kind == DECODE else lease.first_at
-                pred.learn_decode(slot, started, lease.first_at, lease.ended, lease.events, batch, lease.predicted_tpot)
+                judged = self.ledger.verdict_batch(slot, lease.started) if lease.predicted_tpot else 0.0
+                pred.learn_decode(
+                    slot,
+                    started,
+                    lease.first_at,
+                    lease.ended,
+                    lease.events,
+                    batch,
+                    lease.predicted_tpot,
+                    lease.predicted_batch,
+                    judged,
+                    (lease.batch, self.ledger.requests(slot)),
+                )
         except Exception:  # learning must never fail a request
             log.exception("learning from a finished request failed")
         if self.queue is not None:

@@ -105,19 +105,20 @@ class SloAware(KvCacheAffinity):
         return None
 
     def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int, now: float) -> tuple | None:
-        """(target, TPOT, first-token wait, TPOT allowance) of the decode target with the lowest predicted TPOT
-        (allowance included), preferring those within the budget, among those the model knows (None: none)."""
+        """(target, TPOT, first-token wait, TPOT allowance, the batch it joins) of the decode target with the
+        lowest predicted TPOT (allowance included), preferring those within the budget, among those the model
+        knows (None: none)."""
         best = None
         n = len(ds)
         for k in range(n):
             d = ds[(start + k) % n]
-            tpot, first = self.predict_decode(d, delay)
+            tpot, first, batch = self.predict_decode(d, delay)
             if tpot == UNKNOWN:
                 continue
             allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
             over = tpot + allowance > TPOT_MARGIN * self.tpot_budget_s(job, d.slot)
             if best is None or over < best[0] or (over == best[0] and _clearly_less(tpot + allowance, best[1], 0.0005)):
-                best = (over, tpot + allowance, d, tpot, first, allowance)
+                best = (over, tpot + allowance, d, tpot, first, allowance, batch)
         return best[2:] if best is not None else None
 
     def _pick_prefill(
@@ -181,24 +182,25 @@ class SloAware(KvCacheAffinity):
         if not judged:
             return p_pick[0], d
         p, finish, allowance, floor, breaks = p_pick
-        _, tpot, first, tpot_allowance = d_pick
+        _, tpot, first, tpot_allowance, batch = d_pick
         ttft = finish + allowance + first
         if self.decode_alone:
             alone = self._pick_alone(ds, job, now, start, ttft)
             if alone is not None:
-                d, ttft_alone, tpot, floor, tpot_allowance = alone
+                d, ttft_alone, tpot, floor, tpot_allowance, batch = alone
                 job.alone = True
                 if ttft_alone == UNKNOWN:  # learning what D's prefill costs: no verdict on it yet
                     return p, d
-                self._verdict(job, d.slot, ttft_alone, tpot, floor, tpot_allowance)
+                self._verdict(job, d.slot, ttft_alone, tpot, floor, tpot_allowance, batch=batch)
                 return p, d
-        self._verdict(job, d.slot, ttft, tpot, floor + first, tpot_allowance, breaks)
+        self._verdict(job, d.slot, ttft, tpot, floor + first, tpot_allowance, breaks, batch)
         return p, d
 
     def _pick_alone(self, ds: list[Target], job: JobInfo, now: float, start: int, ttft_pd: float) -> tuple | None:
         """The decode engine that would serve the request alone (computing the prompt itself) when that is
         predicted to give a clearly sooner first token than the pair (`ttft_pd`) within both budgets: (it,
-        its TTFT with allowance, its TPOT, the TTFT floor, the TPOT allowance); None: the pair serves.
+        its TTFT with allowance, its TPOT, the TTFT floor, the TPOT allowance, the batch it joins); None: the
+        pair serves.
 
         Its prefill runs in the decode engine's steps, which costs the streams decoding there twice: once at
         once (every one of them waits for it, and for the prefills before it there: at most what their TPOT
@@ -212,7 +214,8 @@ class SloAware(KvCacheAffinity):
         n = len(ds)
         for k in range(n):
             d = ds[(start + k) % n]
-            step = pred.step_s(d.slot, self.decode_batch(d, 0.0))
+            batch = self.decode_batch(d, 0.0)
+            step = pred.step_s(d.slot, batch)
             if step == UNKNOWN:
                 continue
             busy = pred.prefill_busy(d.slot, now)
@@ -241,11 +244,11 @@ class SloAware(KvCacheAffinity):
                 continue
             if finish == UNKNOWN:
                 if not prefilling and job.prompt_tokens <= EXPLORE_ALONE_TOKENS and best is None:
-                    best = (d, UNKNOWN, tpot, 0.0, tpot_allowance)
+                    best = (d, UNKNOWN, tpot, 0.0, tpot_allowance, batch)
                 continue
             ttft = finish + allowance + tpot
             if ttft <= ttft_budget and (best is None or best[1] == UNKNOWN or ttft < best[1]):
-                best = (d, ttft, tpot, service + tpot, tpot_allowance)
+                best = (d, ttft, tpot, service + tpot, tpot_allowance, batch)
         return best
 
     def choose_whole(self, cands: list[Target], job: JobInfo) -> Target:
@@ -265,14 +268,15 @@ class SloAware(KvCacheAffinity):
         for k in range(n):
             t = cands[(start + k) % n]
             finish, service, allowance, breaks = self.predict_prefill(t, job, now)
-            tpot = pred.step_s(t.slot, self.decode_batch(t, 0.0)) if finish != UNKNOWN else UNKNOWN
+            batch = self.decode_batch(t, 0.0) if finish != UNKNOWN else 0.0
+            tpot = pred.step_s(t.slot, batch) if finish != UNKNOWN else UNKNOWN
             if tpot == UNKNOWN:
                 # On KV events only a request that can teach the model explores: a JSON answer teaches it
                 # nothing, and the caches place it better than a turn of the rotation.
                 explore = job.teaches or not self.sees_conversations
                 return (explore and self._explore(cands, self._whole_known, start)) or self._unjudged(cands, job)
             over, ttft = tpot > TPOT_MARGIN * self.tpot_budget_s(job, t.slot) or breaks, finish + allowance + tpot
-            plans[t.slot] = (over, ttft, t, tpot, service + tpot, breaks)
+            plans[t.slot] = (over, ttft, t, tpot, service + tpot, breaks, batch)
             if best is None or over < best[0] or (over == best[0] and _clearly_less(ttft, best[1], 0.002)):
                 best = plans[t.slot]
         cached = None
@@ -281,6 +285,6 @@ class SloAware(KvCacheAffinity):
             cached = self._by_cache(
                 cands, job, [p[2] for p in plans.values() if p[0] <= best[0] and p[1] <= ttft_budget]
             )
-        _, ttft, t, tpot, floor, breaks = plans[cached.slot] if cached is not None else best
-        self._verdict(job, t.slot, ttft, tpot, floor, breaks=breaks)
+        _, ttft, t, tpot, floor, breaks, batch = plans[cached.slot] if cached is not None else best
+        self._verdict(job, t.slot, ttft, tpot, floor, breaks=breaks, batch=batch)
         return t

@@ -55,6 +55,10 @@ class LedgerCounts(Table):
         # The tightest TPOT budget (microseconds) of this worker's decodes in flight on the slot (0: none): a
         # request joining the batch is judged against it too, so a loose budget cannot slow a tight stream.
         ("tpot_floor_us", ctypes.c_int64),
+        # The decode batch (thousandths, itself included) the last plan this worker admitted on a verdict
+        # predicted for the slot, and when it joined (clock microseconds): what admission let the batch grow to.
+        ("judged_batch_milli", ctypes.c_int64),
+        ("judged_at_us", ctypes.c_int64),
     ]
 
 

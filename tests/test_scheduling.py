@@ -582,6 +582,31 @@ def test_allowances_are_the_confidence_quantile_of_recent_errors():
     assert pred.tpot_allowance_s(2, 0.040, t) == pytest.approx(0.010, rel=0.1)
 
 
+def test_the_tpot_allowance_leaves_out_the_growth_later_verdicts_predicted():
+    """A stream whose batch grew after it was planned is judged against the step of the batch the verdicts of the
+    requests that joined after it predicted (each judged against the budgets in the batch), as far as it grew:
+    growth past their predictions is their error and stays in, and so does a stream slower than its batch's step."""
+    t = time.monotonic()
+
+    def streams(pred: Predictor, per_token: float, judged: float) -> None:
+        nonlocal t
+        for _ in range(40):  # planned for a batch of 2 (30 ms a token), decoded in a mean batch of 6
+            pred.learn_decode(2, t, t + 0.1, t + 0.1 + per_token * 40, 43, 6.0, 0.030, planned=2.0, judged=judged)
+            t += 0.01
+
+    predicted, unknown, short, slow = (Predictor(SharedState.create(), 0.95) for _ in range(4))
+    for pred in (predicted, unknown, short, slow):
+        teach_decode(pred, 2, 0.02, 0.005)
+    streams(predicted, 0.050, 6.0)  # the later verdicts predicted the batch of 6: no error
+    streams(unknown, 0.050, 0.0)  # no verdict since: all of the growth is error (50 / 30 ms)
+    streams(short, 0.050, 4.0)  # they predicted 4 (40 ms): the rest is error (50 / 40 ms)
+    streams(slow, 0.0625, 6.0)  # a quarter slower than the step of its batch
+    assert predicted.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.0, abs=0.0005)
+    assert unknown.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.020, rel=0.1)
+    assert short.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.0075, rel=0.15)
+    assert slow.tpot_allowance_s(2, 0.030, t) > 0.004
+
+
 def test_allowances_narrow_with_time_without_evidence():
     """A bad moment cannot shut admission for good: after ALLOWANCE_QUIET_S without new evidence an allowance
     halves every ALLOWANCE_HALF_LIFE_S, so the requests admitted again bring the evidence."""
@@ -1229,6 +1254,41 @@ def test_a_long_prompts_hashes_cover_prefixes_sparsely_and_find_a_shared_prefix_
         found = index.cached_blocks(chained_hashes(other, block), 5)
         assert shared_kib * 16 * 7 / 8 <= found <= shared_kib * 16  # never more than is shared
         assert index.last_owner(chained_hashes(other, block), found) == (5 if found else -1)
+
+
+def test_a_stream_whose_batch_ramped_teaches_its_error_not_the_steps_line():
+    """Tokens come mostly at a ramp's slow end while the mean batch is over time: once the engine is known, a stream
+    whose step at its end was over twice the one it joined (batch 1 to 8: 12 against 5 sequences' worth, with the
+    fixed part priced as 4) does not move the decode fit; its TPOT error counts."""
+    t = [100.0]
+    clock.use(lambda: t[0])
+    try:
+        sched, w = scheduler("slo_aware", "off")
+        d = sched.registry.view().pool(MODEL, "decode")[0]
+        teach_decode(w.predictor, d.slot, 0.02, 0.005)
+        e = w.shared.endpoints[d.slot]
+
+        def stream(others_at_end: int) -> tuple[float, int]:
+            t[0] += 10.0
+            a = sched.lease(d, job(100, max_tokens=10), DECODE)
+            a.predicted_tpot = 0.02
+            a.first_token()
+            others = [w.ledger.lease(d.slot, 0, 10, prefilling=False) for _ in range(others_at_end)]
+            t[0] += 1.0
+            a.events = 40
+            a.succeed()
+            a.release()
+            for o in others:
+                o.release()
+            return e.dc_n, e.tpot_count
+
+        n, count = e.dc_n, e.tpot_count
+        assert stream(2) == (pytest.approx(n * (1 - w.predictor.decay) + 1), count + 1)  # 1 to 3: steady
+        n = e.dc_n
+        assert stream(7) == (n, count + 2)  # 1 to 8: it ramped
+        assert not load_left(w.shared)
+    finally:
+        clock.use(time.monotonic)
 
 
 def test_a_streams_mean_batch_counts_the_streams_that_came_and_went(monkeypatch):
