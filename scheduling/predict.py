@@ -366,9 +366,9 @@ class Predictor:
 
         `ends`: the requests on the slot when it joined and when it ended (0: not known). A stream whose batch
         ramped (or drained) that far, its step at one end over STEADY_STEP_RATIO times the other's (as the prior
-        prices a step), teaches its error but not the step's line once the engine is known: its tokens came
-        mostly at the slow end while its mean batch is over time, so it would flatten the line, and a line too
-        flat admits batches past the budget that no allowance learned from growth catches."""
+        prices a step), teaches its error but not the step's line once the engine is known: most of its tokens
+        came in the short steps of the small batch while its mean batch is over time, so it would flatten the
+        line, and a line too flat admits batches past the budget that no allowance learned from growth catches."""
         e = self.rows[slot]
         with self.lock:
             if events >= 5 and done > first:

@@ -1257,9 +1257,9 @@ def test_a_long_prompts_hashes_cover_prefixes_sparsely_and_find_a_shared_prefix_
 
 
 def test_a_stream_whose_batch_ramped_teaches_its_error_not_the_steps_line():
-    """Tokens come mostly at a ramp's slow end while the mean batch is over time: once the engine is known, a stream
-    whose step at its end was over twice the one it joined (batch 1 to 8: 12 against 5 sequences' worth, with the
-    fixed part priced as 4) does not move the decode fit; its TPOT error counts."""
+    """A ramp's tokens come mostly in the small batch's short steps while the mean batch is over time: once the
+    engine is known, a stream whose step at its end was over twice the one it joined (batch 1 to 8: 12 against 5
+    sequences' worth, with the fixed part priced as 4) does not move the decode fit; its TPOT error counts."""
     t = [100.0]
     clock.use(lambda: t[0])
     try:
