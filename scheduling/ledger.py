@@ -10,7 +10,6 @@ a request whose prefill is still running.
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Callable
 
@@ -37,7 +36,7 @@ class Ledger:
             tuple(ledger[row].slots[slot] for row in self.rows) for slot in range(MAX_SLOTS)
         ]
         # This worker's decodes in flight per slot, by TPOT budget (microseconds): each row's `tpot_floor_us`.
-        self.budgets: list[collections.Counter] = [collections.Counter() for _ in range(MAX_SLOTS)]
+        self.budgets: list[dict[int, int]] = [{} for _ in range(MAX_SLOTS)]
         self.observer: Callable[[Lease], None] | None = None
         self.on_prefilled: Callable[[Lease], None] | None = None  # a lease's prompt is in its engine's cache now
 
@@ -60,11 +59,17 @@ class Ledger:
 
     def move_budget(self, slot: int, us: int, change: int) -> None:
         """One decode with a TPOT budget of `us` more (+1) or fewer (-1) on `slot`: this worker's floor there."""
-        budgets = self.budgets[slot]
-        budgets[us] += change
-        if budgets[us] <= 0:
+        budgets, row = self.budgets[slot], self.mine[slot]
+        left = budgets.get(us, 0) + change
+        if left > 0:
+            budgets[us] = left
+            floor = row.tpot_floor_us
+            if not floor or us < floor:
+                row.tpot_floor_us = us
+        else:
             del budgets[us]
-        self.mine[slot].tpot_floor_us = min(budgets) if budgets else 0
+            if us == row.tpot_floor_us:  # the tightest left: the next one up, if any
+                row.tpot_floor_us = min(budgets) if budgets else 0
 
     def record_verdict_batch(self, slot: int, batch: float, now: float) -> None:
         """A plan admitted on its verdict joins `slot`'s decode batch now, predicted to make it `batch`."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from array import array
@@ -1114,6 +1115,23 @@ def test_reject_admission_refuses_a_plan_over_budget():
     assert e.value.retry_after_s >= 1.0 and "TTFT" in str(e.value)
     off, w2 = scheduler("slo_aware", "off")
     assert asyncio.run(admit(off, job(5000, ttft_ms=2000))).prefill is not None
+
+
+def test_a_slots_tpot_floor_is_the_tightest_budget_of_the_streams_left():
+    w = World()
+    mine, theirs = w.ledger, Ledger(w.shared, 1, 2)
+    loose = mine.lease(2, 0, 10, prefilling=False, tpot_budget_s=0.060)
+    tight = [mine.lease(2, 0, 10, prefilling=False, tpot_budget_s=0.040) for _ in range(2)]
+    other = theirs.lease(2, 0, 10, prefilling=False, tpot_budget_s=0.050)
+    assert mine.tpot_floor_s(2) == pytest.approx(0.040) and mine.tpot_floor_s(3) == math.inf
+    tight[0].release()
+    assert mine.tpot_floor_s(2) == pytest.approx(0.040)
+    tight[1].release()
+    assert theirs.tpot_floor_s(2) == pytest.approx(0.050)  # another worker's stream is tighter than our 60 ms now
+    other.release()
+    assert mine.tpot_floor_s(2) == pytest.approx(0.060)
+    loose.release()
+    assert mine.tpot_floor_s(2) == math.inf and not load_left(w.shared)
 
 
 def test_a_request_joining_a_decode_batch_is_judged_against_the_tightest_budget_there():
