@@ -74,6 +74,9 @@ DECODE_FIXED_SEQS = 4.0
 # A decode stream whose step at one end of it was over this many times the other's (batch ramped or drained)
 # does not teach the step's line (`learn_decode`).
 STEADY_STEP_RATIO = 2.0
+# A decode engine that spent at least this share of its time lately computing prompts (requests served whole or
+# on D alone) is computing them: a stream's TPOT error there counts its batch's growth too (`learn_decode`).
+COMPUTING_BUSY = 0.01
 # Prefill errors are shares of the predicted time from planning to finish, at least this long: a prefill
 # predicted to take a millisecond is not judged by how many milliseconds it missed by in relative terms.
 MIN_SPAN_S = 0.05
@@ -362,7 +365,9 @@ class Predictor:
         judged against the tightest TPOT budget in the batch (`Policy.tpot_budget_s`), so that growth is bounded
         by admission. Counted in, it would widen the allowance of every plan (streams admitted into a small batch
         see it double under load) and refuse requests that fit. Growth past what they predicted stays in: it is
-        their batch predictions' error (short under bursts), and the allowance is what bounds it.
+        their batch predictions' error (short under bursts), and the allowance is what bounds it. So does all of
+        it on an engine computing prompts (`COMPUTING_BUSY`): their steps' prefill time, which slows the streams
+        there, is not in the batch the verdicts predicted.
 
         `ends`: the requests on the slot when it joined and when it ended (0: not known). A stream whose batch
         ramped (or drained) that far, its step at one end over STEADY_STEP_RATIO times the other's (as the prior
@@ -375,7 +380,8 @@ class Predictor:
                 per_token = (done - first) / (events - 3)  # framing: the role, finish and usage/[DONE] events
                 if predicted > 0.0:
                     grown = min(batch, judged)
-                    if grown > planned > 0.0:
+                    # (On an engine computing prompts, its steps' prefill time is no batch's: all of it counts.)
+                    if grown > planned > 0.0 and self.prefill_busy(slot, done) < COMPUTING_BUSY:
                         at_plan, at_grown = self.step_s(slot, planned), self.step_s(slot, grown)
                         if at_grown != UNKNOWN:
                             predicted *= at_grown / at_plan

@@ -586,7 +586,8 @@ def test_allowances_are_the_confidence_quantile_of_recent_errors():
 def test_the_tpot_allowance_leaves_out_the_growth_later_verdicts_predicted():
     """A stream whose batch grew after it was planned is judged against the step of the batch the verdicts of the
     requests that joined after it predicted (each judged against the budgets in the batch), as far as it grew:
-    growth past their predictions is their error and stays in, and so does a stream slower than its batch's step."""
+    growth past their predictions is their error and stays in, and so does a stream slower than its batch's step,
+    and all of the growth on an engine computing prompts (their prefill time in its steps is no batch's)."""
     t = time.monotonic()
 
     def streams(pred: Predictor, per_token: float, judged: float) -> None:
@@ -595,17 +596,21 @@ def test_the_tpot_allowance_leaves_out_the_growth_later_verdicts_predicted():
             pred.learn_decode(2, t, t + 0.1, t + 0.1 + per_token * 40, 43, 6.0, 0.030, planned=2.0, judged=judged)
             t += 0.01
 
-    predicted, unknown, short, slow = (Predictor(SharedState.create(), 0.95) for _ in range(4))
-    for pred in (predicted, unknown, short, slow):
+    predicted, unknown, short, slow, computing = (Predictor(SharedState.create(), 0.95) for _ in range(5))
+    for pred in (predicted, unknown, short, slow, computing):
         teach_decode(pred, 2, 0.02, 0.005)
+    teach_prefill(computing, 2, 1000.0)
+    computing.start_prefill(2, 1000, t)  # a second of prompt computed on the decode engine: half its time lately
     streams(predicted, 0.050, 6.0)  # the later verdicts predicted the batch of 6: no error
     streams(unknown, 0.050, 0.0)  # no verdict since: all of the growth is error (50 / 30 ms)
     streams(short, 0.050, 4.0)  # they predicted 4 (40 ms): the rest is error (50 / 40 ms)
     streams(slow, 0.0625, 6.0)  # a quarter slower than the step of its batch
+    streams(computing, 0.050, 6.0)
     assert predicted.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.0, abs=0.0005)
     assert unknown.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.020, rel=0.1)
     assert short.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.0075, rel=0.15)
     assert slow.tpot_allowance_s(2, 0.030, t) > 0.004
+    assert computing.tpot_allowance_s(2, 0.030, t) == pytest.approx(0.020, rel=0.1)
 
 
 def test_allowances_narrow_with_time_without_evidence():
