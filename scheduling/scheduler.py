@@ -431,7 +431,7 @@ class Scheduler:
                 else:
                     batch = (lease.batch + self.ledger.requests(slot)) / 2.0
                 started = lease.started if lease.kind == DECODE else lease.first_at
-                judged = self.ledger.verdict_batch(slot, lease.started) if lease.predicted_tpot else 0.0
+                let_grow = self.ledger.verdict_batch(slot, lease.started) if lease.predicted_tpot else 0.0
                 pred.learn_decode(
                     slot,
                     started,
@@ -441,7 +441,7 @@ class Scheduler:
                     batch,
                     lease.predicted_tpot,
                     lease.predicted_batch,
-                    judged,
+                    let_grow,
                     (lease.batch, self.ledger.requests(slot)),
                 )
         except Exception:  # learning must never fail a request
