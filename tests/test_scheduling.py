@@ -1279,6 +1279,55 @@ def test_a_long_prompts_hashes_cover_prefixes_sparsely_and_find_a_shared_prefix_
         assert index.last_owner(chained_hashes(other, block), found) == (5 if found else -1)
 
 
+def test_a_stream_learns_against_the_batch_the_verdicts_admitted_after_it_predicted(monkeypatch):
+    """The scheduler's side of the growth rule: a decode lease admitted on its verdict records the batch its plan
+    predicted, and a stream's sample is given its own plan's batch and the largest recorded after it started."""
+    t = [100.0]
+    clock.use(lambda: t[0])
+    try:
+        sched, w = scheduler("slo_aware", "reject")
+        p, d = slots(sched)
+        teach_prefill(w.predictor, p, 1000.0)
+        teach_decode(w.predictor, d, 0.02, 0.005)
+        decode = sched.registry.view().pool(MODEL, "decode")[0]
+        calls, learn_decode = [], w.predictor.learn_decode
+
+        def spy(*args) -> None:
+            calls.append(args[7:9])
+            learn_decode(*args)
+
+        monkeypatch.setattr(w.predictor, "learn_decode", spy)
+
+        def admitted():
+            info = job(100, max_tokens=10)
+            asyncio.run(admit(sched, info))
+            assert info.feasible and info.tpot_batch >= 1.0
+            lease = sched.lease(decode, info, DECODE)
+            lease.first_token()
+            return info, lease
+
+        first, a = admitted()
+        t[0] += 0.5
+        second, b = admitted()  # joins a's batch: its plan predicted a bigger one
+        assert second.tpot_batch > first.tpot_batch
+        assert w.ledger.verdict_batch(d, a.started) == pytest.approx(second.tpot_batch, abs=0.001)
+        assert w.ledger.verdict_batch(d, b.started) == 0.0  # none after the last
+        t[0] += 1.0
+        for lease in (a, b):
+            lease.events = 40
+            lease.succeed()
+            lease.release()
+        assert calls == [
+            (pytest.approx(first.tpot_batch), pytest.approx(second.tpot_batch, abs=0.001)),
+            (pytest.approx(second.tpot_batch), 0.0),
+        ]
+        unjudged = sched.lease(decode, job(100, max_tokens=10), DECODE)  # no verdict: nothing recorded
+        assert w.ledger.verdict_batch(d, b.started) == 0.0
+        unjudged.release()
+    finally:
+        clock.use(time.monotonic)
+
+
 def test_a_stream_whose_batch_ramped_teaches_its_error_not_the_steps_line():
     """A ramp's tokens come mostly in the small batch's short steps while the mean batch is over time: once the
     engine is known, a stream whose step at its end was over twice the one it joined (batch 1 to 8: 12 against 5
