@@ -34,7 +34,7 @@ class JobInfo:
     arrived: float = field(default_factory=lambda: clock.now())
     cached: dict[int, int] = field(default_factory=dict)  # slot -> cached prompt tokens (memo)
     cached_predicted: int = -1  # what the engine of its last prefill or whole lease was predicted to hold
-    opens: bool = False  # the last plan placed it as a new conversation (kv_cache_affinity on KV events)
+    opens: bool = False  # the last plan placed it as a new conversation (on KV events)
     failed: set[int] = field(default_factory=set)  # slots whose engine failed it: a continuation goes to none of them
     # The verdict of the last plan: can the chosen engines meet the budgets? (None: cannot tell.)
     feasible: bool | None = None

@@ -88,11 +88,13 @@ class SloAware(KvCacheAffinity):
         prefer: a conversation's next turn stays with its history, a new conversation goes where its future turns
         fit (as `kv_cache_affinity` places it). None: no such choice (one candidate, or the events cannot tell).
         Leaving a history computes it again and holds it twice, which the first token's prediction does not
-        see: it evicts other conversations' histories."""
-        if len(fits) < 2:
-            return None
+        see: it evicts other conversations' histories. Marks `job.opens` when it starts one, wherever it goes:
+        until its blocks are stored, the engine it is sent to counts it among its conversations."""
         best, holders = self.holders(cands, job)
         starts = self.conversation(cands, job, best, holders)
+        job.opens = starts is True
+        if len(fits) < 2:
+            return None
         if starts is False:
             kept = next((t for t in fits if t.slot == holders[0].slot), None)
             if kept is not None:
@@ -168,7 +170,7 @@ class SloAware(KvCacheAffinity):
 
     def choose_pair(self, ps: list[Target], ds: list[Target], job: JobInfo) -> tuple[Target, Target]:
         pred = self.predictor
-        job.feasible = None
+        job.feasible, job.opens = None, False
         start, now = self._rotation(), clock.now()
         p_pick = self._pick_prefill(ps, job, now, start)
         d_pick = self._pick_decode(ds, job, p_pick[1], start, now) if p_pick is not None else None
@@ -260,7 +262,7 @@ class SloAware(KvCacheAffinity):
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
         """One engine for the whole request: the soonest first token among those within the TPOT budget."""
         pred = self.predictor
-        job.feasible = None
+        job.feasible, job.opens = None, False
         now = clock.now()
         best = None
         n, start = len(cands), self._rotation()

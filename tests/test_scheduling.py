@@ -834,6 +834,52 @@ def test_a_second_prefix_source_takes_the_estimates_place():
     lease.release()
 
 
+class ToldConversations(ReportedPrefixes):
+    """A PrefixSource that tells a new conversation from a running one, as the engines' events do: `starting` is
+    what it says of every prompt, `conversations` how many each engine holds; it records each lease's slot with
+    whether its plan started a conversation."""
+
+    tells_conversations = True
+
+    def __init__(self, held: dict[int, int], starting: bool, conversations: dict[int, int]):
+        super().__init__(held)
+        self.starting, self.conversations = starting, conversations
+
+    def starts(self, job: JobInfo, target: Target, tokens: int) -> bool | None:
+        return self.starting
+
+    def chains(self, target: Target) -> int:
+        return self.conversations.get(target.slot, 0)
+
+    def placed(self, lease, job: JobInfo) -> None:
+        self.sent.append((lease.slot, job.opens))
+
+
+def test_slo_aware_marks_a_plan_that_starts_a_conversation_for_the_engine_it_goes_to():
+    """Until a new conversation's blocks are stored, its engine counts it among its conversations only if the
+    plan said it starts one (scheduling/kv_index.py `chains`), or a burst of new ones all see the same counts.
+    `slo_aware` says so whether it chose among plans on time or one is late everywhere, and not for a plan of
+    the same request that continues a conversation."""
+    s, ps, ds = slo_world()
+    told = ToldConversations({}, True, {0: 3, 1: 0})
+    told.fills = {0: (30, 64), 1: (0, 64)}
+    slo = make_policy("slo_aware", s.shared, s.ledger, s.health, predictor=s.predictor, index=told)
+    info = job(200, ttft_ms=5000)
+    p, _ = slo.choose_pair(ps, ds, info)
+    assert p.slot == 1 and info.opens  # where fewer conversations' futures fill the cache, both on time
+    late = job(200, ttft_ms=1)
+    slo.choose_pair(ps, ds, late)
+    assert late.feasible is False and late.opens
+    told.held, told.starting = {0: 128}, False  # a running conversation, its history on the first engine
+    slo.choose_pair(ps, ds, info)
+    assert not info.opens
+    told.starting = True
+    sched = Scheduler(Registry(s.shared), s.ledger, s.health, slo)
+    p, _ = slo.choose_pair(ps, ds, info)
+    sched.lease(p, info, PREFILL).release()
+    assert told.sent == [(p.slot, True)]
+
+
 def test_kv_cache_affinity_leaves_a_full_cache_for_one_with_room():
     """A holder whose prefix cache is full evicts some conversation's history for what it stores; an engine with
     room evicts nothing. Its size comes from its /metrics, or from what it held when it first evicted."""
