@@ -9,10 +9,12 @@ on a timer every `sync_interval_ms`:
   batch) when there are any, and at least every third of `replica_ttl_s` so that its keys live; after the store
   lost its data it writes its counts and its last word on its tenants' buckets again (no tenant's quota is
   decided until every worker of the live replicas has, or one silent would count as gone: `settling_ms`);
-- the sync owner (worker 0) publishes this replica's report (load per endpoint address; the endpoints its
-  breakers or health checks found broken; what slo_aware learned) and reads the others' in the same round trip:
-  their load becomes the ledger's remote row, their broken endpoints are avoided here until they say otherwise,
-  a model learned from more samples than this replica's replaces it, and a newer stored instance set is adopted;
+- the sync owner (worker 0) publishes this replica's report (load per endpoint address, and the tightest TPOT
+  budget of its streams on each; the endpoints its breakers or health checks found broken; what slo_aware
+  learned) and reads the others' in the same round trip: their load and tightest budgets become the ledger's
+  remote row (a plan is judged against the tightest budget decoding where it joins), their broken endpoints are
+  avoided here until they say otherwise, a model learned from more samples than this replica's replaces it, and
+  a newer stored instance set is adopted;
   when the store's epoch changed (it lost its data), every worker writes its count again and the stored set is
   adopted whatever its version (or, none stored, this one's seeds it);
 - the sync owner also listens on the events channel: trigger-mode prefill usage and stored responses' homes
@@ -395,12 +397,15 @@ class Cluster:
         """This replica's load per endpoint address (its workers' rows), and the endpoints it finds broken."""
         ledger, now = self.shared.ledger, time.time()
         rows = [ledger[row].slots for row in range(self.live.s.num_workers)]
-        load, avoid, learned = {}, {}, {}
+        load, avoid, learned, floors = {}, {}, {}, {}
         for t in self.registry.view().targets:
             mine = [row[t.slot] for row in rows]
             counts = [sum(getattr(c, f) for c in mine) for f in COUNTS]
             if any(counts):
                 load[address_key(t.address)] = counts
+            floor = min((c.tpot_floor_us for c in mine if c.tpot_floor_us), default=0)
+            if floor:
+                floors[address_key(t.address)] = floor
             e = self.shared.endpoints[t.slot]
             if e.healthy < 0.5:
                 avoid[address_key(t.address)] = now + self.ttl_ms / 1000
@@ -410,6 +415,7 @@ class Cluster:
                 learned[address_key(t.address)] = [getattr(e, f) for f in LEARNED]
         started = self.shared.globals.started_ms
         report = {"load": load, "avoid": avoid, "learned": learned, "started": started, "at": int(now * 1000)}
+        report["tpot_floor_us"] = floors
         report["workers"] = self.live.s.num_workers  # (what the store waits for after a loss: `_write_again`)
         return ujson.dumps(report).encode()
 
@@ -418,6 +424,7 @@ class Cluster:
         load: dict[str, list[int]] = {}
         avoid: dict[str, float] = {}
         learned: dict[str, list[float]] = {}  # the most samples another replica has of each endpoint
+        floors: dict[str, int] = {}  # the tightest TPOT budget of another replica's streams on each endpoint
         n_pf, n_dc = LEARNED.index("pf_n"), LEARNED.index("dc_n")
         replicas = [(self.replica, self.shared.globals.started_ms, int(time.time() * 1000))]
         workers = self.live.s.num_workers  # the live replicas' (0 once one does not say: unknown)
@@ -438,6 +445,9 @@ class Cluster:
                         total[f] += int(v)
                 for addr, until in report.get("avoid", {}).items():
                     avoid[addr] = max(avoid.get(addr, 0.0), float(until))
+                for addr, us in report.get("tpot_floor_us", {}).items():
+                    if int(us) > 0:
+                        floors[addr] = min(floors.get(addr, int(us)), int(us))
             except (ValueError, TypeError, AttributeError):
                 workers = 0
                 continue  # a report this version cannot read
@@ -449,6 +459,7 @@ class Cluster:
             counts = load.get(addr)
             for f, name in enumerate(COUNTS):
                 setattr(theirs, name, counts[f] if counts else 0)
+            theirs.tpot_floor_us = floors.get(addr, 0)
             e = self.shared.endpoints[t.slot]
             e.avoid_until = avoid.get(addr, 0.0)
             model = learned.get(addr)

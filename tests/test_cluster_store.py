@@ -154,3 +154,49 @@ def test_what_one_replica_learned_of_an_engine_reaches_a_replica_that_has_not(re
     bslot = b.registry.view().targets[0].slot
     assert [getattr(sb.endpoints[bslot], f) for f in LEARNED] == [getattr(ea, f) for f in LEARNED]
     assert ea.prefill_tps == 4321.0  # A kept its own
+
+
+def test_the_tightest_tpot_budget_decoding_on_an_engine_reaches_the_other_replicas(redis):
+    """A plan is judged against the tightest TPOT budget decoding where it joins (scheduling/ledger.py
+    `tpot_floor_s`), another replica's streams included: A's workers' tightest budget on the engine reaches B's
+    remote row through the real store, and goes when A's streams end."""
+    from dataclasses import replace
+
+    from config import ClusterConfig, Endpoint, Instance, Live, Settings
+    from scheduling.ledger import DECODE, Ledger
+    from scheduling.registry import Registry
+    from serving.cluster import Cluster
+    from state.shared import SharedState
+
+    url = f"redis://:s3cret%20pass@127.0.0.1:{redis.port}/0"
+    settings = replace(Settings(), num_workers=2, cluster=ClusterConfig(redis_url=url, key_prefix="t4:"))
+    engine = Instance(1, "decode", "m", (Endpoint(0, "127.0.0.1:8000"),))
+
+    def replica(name: str) -> tuple[Cluster, SharedState]:
+        shared = SharedState.create()
+        registry = Registry(shared)
+        registry.apply("set", [engine])
+        return Cluster(Live(settings), shared, 0, name, registry), shared
+
+    (a, sa), (b, sb) = replica("A"), replica("B")
+    slot, bslot = a.registry.view().targets[0].slot, b.registry.view().targets[0].slot
+    a0, a1 = Ledger(sa, 0, 2), Ledger(sa, 1, 2)  # A's two workers
+    seen = Ledger(sb, 0, 2, remote=True)  # what B's worker 0 judges against
+
+    async def floor_at_b(*leases_to_end) -> float:
+        for lease in leases_to_end:
+            lease.release()
+        await a._sync()
+        await b._sync()
+        return seen.tpot_floor_s(bslot)
+
+    async def go():
+        loose = a0.lease(slot, 0, 50, prefilling=False, kind=DECODE, tpot_budget_s=0.200)
+        tight = a1.lease(slot, 0, 50, prefilling=False, kind=DECODE, tpot_budget_s=0.040)
+        assert await floor_at_b() == pytest.approx(0.040)
+        assert await floor_at_b(tight) == pytest.approx(0.200)
+        assert await floor_at_b(loose) == float("inf")
+        for c in (a, b):
+            await c.store.close()
+
+    run(go())
