@@ -1,14 +1,18 @@
 """Wall-clock scheduling benchmark: the real Coordinator (`python app.py`) over HTTP against engine_sim processes.
 
-    python bench/wallclock.py [--seed N] [--requests 100] [--warmup 24] [--runs ...] [--load 1.0] [--check]
+    python bench/wallclock.py [--seed N] [--requests 100] [--warmup 24] [--fill N] [--runs ...] [--load 1.0] [--check]
 
 Each seed draws one workload (`draw`): 2-5 prefill engines and 1-4 decode engines up to 4x apart in speed,
 an arrival process (Poisson, bursty on/off, a ramp, a diurnal swell), a prompt mix (narrow, bimodal,
 long-tailed up to 32k tokens) with or without hot shared system prompts, an output mix, SLOs from tight to
 loose, a load of 50-150 % of the computed capacity, and one or two Coordinator workers. Every run (a policy
 and an admission mode) starts its own Coordinator on the same engines (prefix caches reset between runs),
-sends unmeasured warm-up requests at half load, then the measured ones, streaming /v1/completions with the
-budgets in `x-slo-ttft-ms` / `x-slo-tpot-ms`.
+sends unmeasured warm-up requests at half load (the model learns the engines), then unmeasured fill requests
+at the run's load, Poisson, for as long as a stream lasts at capacity, and straight after them the measured
+ones, streaming /v1/completions with the budgets in `x-slo-ttft-ms` / `x-slo-tpot-ms`. The fill is what makes
+the load the measured requests meet the load named: a decode batch grows to its steady size over one stream's
+life, and a window shorter than that (100 requests at 45 a second against streams of 5 s) meets batches a
+fraction of that size, where every policy is on time.
 
 Time is scaled: every engine runs `speedup` times as fast as its nominal speeds (engine_sim's `--speedup`,
 0.25-2), the budgets are divided and the arrival rate multiplied by the same factor, so the workload is the
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import functools
 import json
 import math
@@ -57,6 +62,7 @@ BLOCK = 16
 CHUNK = 8192  # engine_sim's max_num_batched_tokens (vLLM's default for chunked prefill)
 MAX_SEQS = 64
 MAX_LEN = 40_000
+FILL_MAX = 240  # fill requests at most (at --rate 4, a minute of wall time a run)
 DEFAULT_RUNS = "round_robin:off,load_balance:off,kv_cache_affinity:off,slo_aware:off,slo_aware:reject,slo_aware:queue"
 ARRIVALS = ("poisson", "bursty", "ramp", "diurnal")
 MIXES = ("narrow", "bimodal", "longtail")
@@ -136,28 +142,46 @@ def _out_tokens(w: Workload, rng: random.Random) -> int:
     return min(600, int(16 * rng.paretovariate(1.3)))
 
 
-def requests(w: Workload, n: int, rate: float, seed: int) -> list[Req]:
-    """`n` requests (arrivals in nominal seconds) at a mean `rate`; a bursty cycle is 12 s or a third of the window."""
+def requests(w: Workload, n: int, rate: float, seed: int, arrival: str = "") -> list[Req]:
+    """`n` requests (arrivals in nominal seconds) at a mean `rate`, arriving as `arrival` says (default: the
+    workload's process); a bursty cycle is 12 s or a third of the window."""
     rng = random.Random(seed)
-    times = arrival_times(w.arrival, n, rate, rng, min(12.0, n / rate / 3))
+    times = arrival_times(arrival or w.arrival, n, rate, rng, min(12.0, n / rate / 3))
     return draw_requests(
         times, rng, w.systems, w.hot_share, functools.partial(_user_tokens, w), functools.partial(_out_tokens, w)
     )
+
+
+def _sample(w: Workload) -> list[Req]:
+    """Requests enough to take the workload's means from."""
+    return requests(w, 4000, 1.0, w.seed + 99)
+
+
+def _steady_batches(w: Workload) -> list[tuple[int, float]]:
+    """Per decode engine, the largest batch whose step meets the TPOT budget, and that step in nominal seconds."""
+    out = []
+    for step, per_seq in w.decodes:
+        batch = min(MAX_SEQS, max(1, int((w.tpot_s * 1000 - step) / per_seq)))
+        out.append((batch, (step + per_seq * batch) / 1000))
+    return out
 
 
 def capacity(w: Workload) -> float:
     """Requests per nominal second the cluster sustains with perfect routing: the smaller of the prefill
     capacity (the engines' rates over the mean uncached prompt, hot prefixes cached) and the decode capacity
     (per engine, the largest batch whose step meets the TPOT budget, over the mean output)."""
-    sample = requests(w, 4000, 1.0, w.seed + 99)
+    sample = _sample(w)
     uncached = statistics.mean(r.user for r in sample)
     out = statistics.mean(r.out for r in sample)
     prefill = sum(rate / uncached for rate in w.prefills)
-    tokens_per_s = 0.0
-    for step, per_seq in w.decodes:
-        batch = min(MAX_SEQS, max(1, int((w.tpot_s * 1000 - step) / per_seq)))
-        tokens_per_s += batch / ((step + per_seq * batch) / 1000)
-    return min(prefill, tokens_per_s / out)
+    return min(prefill, sum(batch / step for batch, step in _steady_batches(w)) / out)
+
+
+def fill_requests(w: Workload, cap: float) -> int:
+    """The fill's requests: arrivals at the run's load for as long as a stream lasts at capacity (the mean
+    output at the slowest engine's steady step), at most FILL_MAX."""
+    life = statistics.mean(r.out for r in _sample(w)) * max(step for _, step in _steady_batches(w))
+    return min(FILL_MAX, math.ceil(w.load * cap * life))
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -286,17 +310,24 @@ async def send(
     return o
 
 
-async def replay(session, url: str, w: Workload, reqs: list[Req], speedup: float, tag: str, key0: int) -> list[Outcome]:
-    """`reqs` sent at their times, with `prompt_texts`' prompts."""
-    texts = prompt_texts(w, reqs, key0)  # made before the clock starts
+async def replay(
+    session, url: str, w: Workload, parts: list[tuple[list[Req], str, int]], speedup: float
+) -> list[list[Outcome]]:
+    """Each part's requests (with its tag, its prompts `prompt_texts`' from its key) sent at their times on one
+    clock; each part's outcomes."""
+    sends = []
+    for part, (reqs, tag, key0) in enumerate(parts):
+        texts = prompt_texts(w, reqs, key0)  # made before the clock starts
+        sends += [(r.at, part, k, r, texts[k], tag) for k, r in enumerate(reqs)]
+    sends.sort(key=lambda x: x[:3])
     start = time.monotonic()
-    tasks = []
-    for k, r in enumerate(reqs):
-        delay = start + r.at / speedup - time.monotonic()
+    tasks: list[list[asyncio.Task]] = [[] for _ in parts]
+    for at, part, k, r, text, tag in sends:
+        delay = start + at / speedup - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(send(session, url, w, r, k, texts[k], speedup, tag)))
-    return list(await asyncio.gather(*tasks))
+        tasks[part].append(asyncio.create_task(send(session, url, w, r, k, text, speedup, tag)))
+    return [list(await asyncio.gather(*t)) for t in tasks]
 
 
 @dataclass
@@ -342,8 +373,9 @@ def start_coordinator(w: Workload, engines: Engines, run: str, tries: int = 3) -
                 raise
 
 
-def run_one(w: Workload, cap: float, engines: Engines, run: str, n: int, warmup: int, speedup: float) -> Row:
-    """One run at `w.load` of the workload's capacity `cap`."""
+def run_one(w: Workload, cap: float, engines: Engines, run: str, n: int, warmup: int, fill: int, speedup: float) -> Row:
+    """One run at `w.load` of the workload's capacity `cap`: `warmup` requests at half load, then `fill` at the
+    run's load and the `n` measured ones after them."""
     with start_coordinator(w, engines, run) as coord:
         url = coord.url + "/v1/completions"
 
@@ -353,11 +385,14 @@ def run_one(w: Workload, cap: float, engines: Engines, run: str, n: int, warmup:
             async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
                 await engines.reset(session)
                 warmup_reqs = requests(w, warmup, 0.5 * cap, w.seed + 7)
-                warm = await replay(session, url, w, warmup_reqs, speedup, "warm", 10**6)
+                (warm,) = await replay(session, url, w, [(warmup_reqs, "warm", 10**6)], speedup)
                 await asyncio.sleep(1.0)
+                filling = requests(w, fill, w.load * cap, w.seed + 13, "poisson") if fill else []
                 reqs = requests(w, n, w.load * cap, w.seed)
-                out = await replay(session, url, w, reqs, speedup, "m", 0)
-                return warm, out, reqs[-1].at, await engines.records(session)
+                after = filling[-1].at if filling else 0.0
+                measured = [dataclasses.replace(r, at=r.at + after) for r in reqs]
+                filled, out = await replay(session, url, w, [(filling, "fill", 2 * 10**6), (measured, "m", 0)], speedup)
+                return warm + filled, out, reqs[-1].at, await engines.records(session)
 
         warm, outcomes, window, records = asyncio.run(go())
     ok = [o for o in outcomes if o.status == 200 and o.tokens]
@@ -595,6 +630,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--requests", type=int, default=100, help="measured requests per run")
     parser.add_argument("--warmup", type=int, default=24, help="unmeasured requests at half load first")
+    parser.add_argument(
+        "--fill",
+        type=int,
+        default=-1,
+        help="unmeasured requests at the run's load just before the measured ones (default: a stream's life, "
+        f"at most {FILL_MAX})",
+    )
     parser.add_argument("--rate", type=float, default=4.0, help="wall-clock arrivals a second to aim at")
     parser.add_argument("--runs", default=DEFAULT_RUNS, help="policy:admission runs, comma-separated")
     parser.add_argument("--workers", type=int, default=0, help="Coordinator workers (default: the seed's draw)")
@@ -614,9 +656,12 @@ def main(argv=None) -> int:
         w.load = args.load
     cap = capacity(w)
     speedup = speedup_for(w, cap, args.rate)
+    fill = fill_requests(w, cap) if args.fill < 0 else args.fill
     print(f"seed {args.seed}: {w.describe()}", flush=True)
     print(
-        f"# capacity {cap:.2f} req/s nominal, arrivals {w.load * cap:.2f} req/s; {speedup:.2f}x wall clock", flush=True
+        f"# capacity {cap:.2f} req/s nominal, arrivals {w.load * cap:.2f} req/s; {speedup:.2f}x wall clock; "
+        f"{fill} fill requests",
+        flush=True,
     )
     print(HEADER, flush=True)
     started = time.monotonic()
@@ -625,7 +670,7 @@ def main(argv=None) -> int:
     engines = Engines(w, speedup, workdir)
     try:
         for run in args.runs.split(","):
-            rows.append(run_one(w, cap, engines, run, args.requests, args.warmup, speedup))
+            rows.append(run_one(w, cap, engines, run, args.requests, args.warmup, fill, speedup))
             print(_format(rows[-1]), flush=True)
             if rows[-1].causes:
                 print(f"#   late: {why_late(rows[-1])}", flush=True)
@@ -639,6 +684,7 @@ def main(argv=None) -> int:
                     "seed": args.seed,
                     "workload": w.describe(),
                     "speedup": speedup,
+                    "fill": fill,
                     "rows": [
                         {
                             "run": r.run,

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import socketserver
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -318,6 +319,24 @@ def test_wallclock_prompts_are_the_same_in_every_process():
     assert out[0].strip() and out[0] == out[1]
 
 
+def test_wallclock_fills_a_decode_bound_workload_for_a_streams_life():
+    """The fill lasts as long as a stream at capacity (the mean output at the slowest engine's steady step): a
+    decode batch grows to its steady size over that long, and a measured window shorter than it meets less load
+    than its name (seed 894124953: 100 requests arrive in 2.2 s, streams last 5.3 s)."""
+    from bench import wallclock
+
+    w = wallclock.draw(894124953)
+    cap = wallclock.capacity(w)
+    out = statistics.mean(r.out for r in wallclock.requests(w, 4000, 1.0, w.seed + 99))
+    life = out * max(step for _, step in wallclock._steady_batches(w))
+    assert 100 / cap < 0.5 * life  # the measured window alone is under half a stream's life
+    w.load = 0.5
+    fill = wallclock.requests(w, wallclock.fill_requests(w, cap), 0.5 * cap, 1, "poisson")
+    assert 0.8 * life < fill[-1].at < 1.25 * life
+    w.load = 1.5
+    assert wallclock.fill_requests(w, cap) == wallclock.FILL_MAX
+
+
 def test_wallclock_bench_runs_the_coordinator_against_engine_sim(tmp_path):
     """A tiny wall-clock run: the real app.py and engine_sim processes, two policies, its rows and verdicts."""
     out = tmp_path / "wallclock.json"
@@ -329,6 +348,8 @@ def test_wallclock_bench_runs_the_coordinator_against_engine_sim(tmp_path):
         "10",
         "--warmup",
         "4",
+        "--fill",
+        "6",
         "--rate",
         "6",
         "--runs",
@@ -338,10 +359,11 @@ def test_wallclock_bench_runs_the_coordinator_against_engine_sim(tmp_path):
         timeout_s=240,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["run"] for r in rows] == ["round_robin:off", "slo_aware:reject"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["run"] for r in rows] == ["round_robin:off", "slo_aware:reject"] and result["fill"] == 6
     for r in rows:
-        assert r["answered"] + r["refused_n"] == 10, r
+        assert r["answered"] + r["refused_n"] == 10, r  # the measured ones: the fill is not counted
         assert 0.0 <= r["ontime"] <= 1.0 and r["goodput"] >= 0.0, r
     assert rows[0]["answered"] == 10  # round robin refuses nothing
     assert "admitted on-time, worst admitting run" in proc.stdout
