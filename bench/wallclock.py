@@ -307,6 +307,8 @@ async def send(
                 o.done = now
     except aiohttp.ClientError:
         o.status = 599
+    except asyncio.CancelledError:  # cut off by `replay`: what it had so far
+        pass
     return o
 
 
@@ -314,7 +316,8 @@ async def replay(
     session, url: str, w: Workload, parts: list[tuple[list[Req], str, int]], speedup: float
 ) -> list[list[Outcome]]:
     """Each part's requests (with its tag, its prompts `prompt_texts`' from its key) sent at their times on one
-    clock; each part's outcomes."""
+    clock; each part's outcomes. It ends when the last part's requests are done: the others' still streaming
+    then are cut off (a fill's long answers would otherwise hold every run for minutes after its measured end)."""
     sends = []
     for part, (reqs, tag, key0) in enumerate(parts):
         texts = prompt_texts(w, reqs, key0)  # made before the clock starts
@@ -327,7 +330,10 @@ async def replay(
         if delay > 0:
             await asyncio.sleep(delay)
         tasks[part].append(asyncio.create_task(send(session, url, w, r, k, text, speedup, tag)))
-    return [list(await asyncio.gather(*t)) for t in tasks]
+    last = await asyncio.gather(*tasks[-1])
+    for t in (t for part in tasks[:-1] for t in part):
+        t.cancel()
+    return [list(await asyncio.gather(*part)) for part in tasks[:-1]] + [list(last)]
 
 
 @dataclass
