@@ -116,27 +116,35 @@ def test_a_store_that_never_answers_fails_its_calls_after_the_timeout():
         silent.close()
 
 
-def test_what_one_replica_learned_of_an_engine_reaches_a_replica_that_has_not(redis):
-    """Two replicas' sync owners (their shared memory, their registries) through the real store: B, which has
-    learned nothing of the engine, takes A's model of it; A, which knows more, keeps its own."""
+def _two_replicas(redis, prefix: str, role: str, **settings):
+    """Two replicas' sync owners (their shared memory, their registries: one engine of `role`) on the real store,
+    as (Cluster, SharedState) pairs; `settings` beside the cluster section."""
     from dataclasses import replace
 
     from config import ClusterConfig, Endpoint, Instance, Live, Settings
     from scheduling.registry import Registry
-    from serving.cluster import LEARNED, Cluster
+    from serving.cluster import Cluster
     from state.shared import SharedState
 
     url = f"redis://:s3cret%20pass@127.0.0.1:{redis.port}/0"
-    settings = replace(Settings(), cluster=ClusterConfig(redis_url=url, key_prefix="t3:"))
-    engine = Instance(1, "union", "m", (Endpoint(0, "127.0.0.1:8000"),))
+    config = replace(Settings(), cluster=ClusterConfig(redis_url=url, key_prefix=prefix), **settings)
+    engine = Instance(1, role, "m", (Endpoint(0, "127.0.0.1:8000"),))
 
-    def replica(name: str) -> tuple[Cluster, SharedState]:
+    def replica(name: str):
         shared = SharedState.create()
         registry = Registry(shared)
         registry.apply("set", [engine])
-        return Cluster(Live(settings), shared, 0, name, registry), shared
+        return Cluster(Live(config), shared, 0, name, registry), shared
 
-    (a, sa), (b, sb) = replica("A"), replica("B")
+    return replica("A"), replica("B")
+
+
+def test_what_one_replica_learned_of_an_engine_reaches_a_replica_that_has_not(redis):
+    """Two replicas' sync owners (their shared memory, their registries) through the real store: B, which has
+    learned nothing of the engine, takes A's model of it; A, which knows more, keeps its own."""
+    from serving.cluster import LEARNED
+
+    (a, sa), (b, sb) = _two_replicas(redis, "t3:", "union")
     slot = a.registry.view().targets[0].slot
     ea = sa.endpoints[slot]
     for f in LEARNED:
@@ -160,25 +168,9 @@ def test_the_tightest_tpot_budget_decoding_on_an_engine_reaches_the_other_replic
     """A plan is judged against the tightest TPOT budget decoding where it joins (scheduling/ledger.py
     `tpot_floor_s`), another replica's streams included: A's workers' tightest budget on the engine reaches B's
     remote row through the real store, and goes when A's streams end."""
-    from dataclasses import replace
-
-    from config import ClusterConfig, Endpoint, Instance, Live, Settings
     from scheduling.ledger import DECODE, Ledger
-    from scheduling.registry import Registry
-    from serving.cluster import Cluster
-    from state.shared import SharedState
 
-    url = f"redis://:s3cret%20pass@127.0.0.1:{redis.port}/0"
-    settings = replace(Settings(), num_workers=2, cluster=ClusterConfig(redis_url=url, key_prefix="t4:"))
-    engine = Instance(1, "decode", "m", (Endpoint(0, "127.0.0.1:8000"),))
-
-    def replica(name: str) -> tuple[Cluster, SharedState]:
-        shared = SharedState.create()
-        registry = Registry(shared)
-        registry.apply("set", [engine])
-        return Cluster(Live(settings), shared, 0, name, registry), shared
-
-    (a, sa), (b, sb) = replica("A"), replica("B")
+    (a, sa), (b, sb) = _two_replicas(redis, "t4:", "decode", num_workers=2)
     slot, bslot = a.registry.view().targets[0].slot, b.registry.view().targets[0].slot
     a0, a1 = Ledger(sa, 0, 2), Ledger(sa, 1, 2)  # A's two workers
     seen = Ledger(sb, 0, 2, remote=True)  # what B's worker 0 judges against
