@@ -87,11 +87,7 @@ class Ledger:
 
     def tpot_floor_s(self, slot: int) -> float:
         """The tightest TPOT budget of the streams decoding on `slot` over all workers (inf: none)."""
-        floor = 0
-        for c in self.columns[slot]:
-            us = c.tpot_floor_us
-            if us and (not floor or us < floor):
-                floor = us
+        floor = tightest_us(c.tpot_floor_us for c in self.columns[slot])
         return floor / 1e6 if floor else math.inf
 
     def hold(self, slot: int) -> Hold:
@@ -122,6 +118,11 @@ class Ledger:
             at = c.area_at_us
             total += c.area_us + c.requests * (now_us - at) if at else c.area_us
         return total / 1e6
+
+
+def tightest_us(budgets) -> int:
+    """The least of TPOT budgets in microseconds, 0 (none) left out; 0 when there is none."""
+    return min((us for us in budgets if us > 0), default=0)
 
 
 def _move_area(c: LedgerCounts, now: float) -> None:

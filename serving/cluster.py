@@ -9,14 +9,13 @@ on a timer every `sync_interval_ms`:
   batch) when there are any, and at least every third of `replica_ttl_s` so that its keys live; after the store
   lost its data it writes its counts and its last word on its tenants' buckets again (no tenant's quota is
   decided until every worker of the live replicas has, or one silent would count as gone: `settling_ms`);
-- the sync owner (worker 0) publishes this replica's report (load per endpoint address, and the tightest TPOT
-  budget of its streams on each; the endpoints its breakers or health checks found broken; what slo_aware
-  learned) and reads the others' in the same round trip: their load and tightest budgets become the ledger's
-  remote row (a plan is judged against the tightest budget decoding where it joins), their broken endpoints are
-  avoided here until they say otherwise, a model learned from more samples than this replica's replaces it, and
-  a newer stored instance set is adopted;
-  when the store's epoch changed (it lost its data), every worker writes its count again and the stored set is
-  adopted whatever its version (or, none stored, this one's seeds it);
+- the sync owner (worker 0) publishes this replica's report (load and its streams' tightest TPOT budget per
+  endpoint address; the endpoints its breakers or health checks found broken; what slo_aware learned) and reads
+  the others' in the same round trip: their load and budgets become the ledger's remote row, their broken
+  endpoints are avoided here until they say otherwise, a model learned from more samples than this replica's
+  replaces it, and a newer stored instance set is adopted; when the store's epoch changed (it lost its data),
+  every worker writes its count again and the stored set is adopted whatever its version (or, none stored, this
+  one's seeds it);
 - the sync owner also listens on the events channel: trigger-mode prefill usage and stored responses' homes
   that another replica saw, written here as if a local worker had.
 
@@ -41,20 +40,13 @@ import ujson
 from config import Live, address_key
 from errors import RateLimited
 from scheduling.affinity import PrefixIndex
-from scheduling.ledger import LOAD_FIELDS
+from scheduling.ledger import LOAD_FIELDS, tightest_us
 from scheduling.policies import PrefixSource
 from scheduling.registry import RefreshError, RefreshResult, Registry
 from serving.cluster_quotas import StoreQuotas
 from serving.metrics import store_calls
 from state.cluster import ClusterStore, StoreDown
-from state.shared import (
-    BREAKER_OPEN,
-    MAX_REPLICAS,
-    REMOTE_ROW,
-    REPLICA_ID_BYTES,
-    SharedState,
-    worker_rows,
-)
+from state.shared import BREAKER_OPEN, REMOTE_ROW, SharedState, worker_rows, write_replicas
 
 log = logging.getLogger("coordinator.cluster")
 SETTLING_TRIES = 4  # an admit that finds the store lost its data: written again and asked again, this many times
@@ -403,9 +395,7 @@ class Cluster:
             counts = [sum(getattr(c, f) for c in mine) for f in COUNTS]
             if any(counts):
                 load[address_key(t.address)] = counts
-            floor = min((c.tpot_floor_us for c in mine if c.tpot_floor_us), default=0)
-            if floor:
-                floors[address_key(t.address)] = floor
+            floors[address_key(t.address)] = tightest_us(c.tpot_floor_us for c in mine)
             e = self.shared.endpoints[t.slot]
             if e.healthy < 0.5:
                 avoid[address_key(t.address)] = now + self.ttl_ms / 1000
@@ -446,12 +436,11 @@ class Cluster:
                 for addr, until in report.get("avoid", {}).items():
                     avoid[addr] = max(avoid.get(addr, 0.0), float(until))
                 for addr, us in report.get("tpot_floor_us", {}).items():
-                    if int(us) > 0:
-                        floors[addr] = min(floors.get(addr, int(us)), int(us))
+                    floors[addr] = tightest_us([floors.get(addr, 0), int(us)])
             except (ValueError, TypeError, AttributeError):
                 workers = 0
                 continue  # a report this version cannot read
-        self._seen(replicas)
+        write_replicas(self.shared, replicas)
         self.shared.globals.cluster_workers = workers
         remote = self.shared.ledger[REMOTE_ROW].slots
         for t in self.registry.view().targets:
@@ -467,16 +456,6 @@ class Cluster:
                 with self.shared.lock:  # the predictor's multi-field updates take it too
                     for name, v in zip(LEARNED, model):
                         setattr(e, name, v)
-
-    def _seen(self, replicas: list[tuple[str, int, int]]) -> None:
-        """The replicas this sync saw (this one first), with their start and report times, for the status page; an
-        empty id ends the list."""
-        rows = self.shared.replicas
-        for row, (replica, started_ms, reported_ms) in zip(rows, replicas[:MAX_REPLICAS]):
-            row.replica = replica.encode()[:REPLICA_ID_BYTES]
-            row.started_ms, row.reported_ms = started_ms, reported_ms
-        if len(replicas) < MAX_REPLICAS:
-            rows[len(replicas)].replica = b""
 
     # -- events between replicas ------------------------------------------------------------------------
 

@@ -453,6 +453,17 @@ def endpoint_rows(shared: SharedState) -> list[EndpointRow]:
     return [shared.endpoints[slot] for slot in range(MAX_SLOTS)]
 
 
+def write_replicas(shared: SharedState, replicas: list[tuple[str, int, int]]) -> None:
+    """The replicas a cluster sync saw (its own first), with their start and report times, for the status page;
+    an empty id ends the list."""
+    rows = shared.replicas
+    for row, (replica, started_ms, reported_ms) in zip(rows, replicas[:MAX_REPLICAS]):
+        row.replica = replica.encode()[:REPLICA_ID_BYTES]
+        row.started_ms, row.reported_ms = started_ms, reported_ms
+    if len(replicas) < MAX_REPLICAS:
+        rows[len(replicas)].replica = b""
+
+
 def worker_rows(shared: SharedState, worker: int, num_workers: int) -> tuple[WorkerRow, ...]:
     """The per-worker rows the caps sum, as seen by worker `worker`: every configured worker's, and its own."""
     return tuple(shared.workers[i] for i in range(max(num_workers, worker + 1)))
