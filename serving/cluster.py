@@ -395,7 +395,8 @@ class Cluster:
             counts = [sum(getattr(c, f) for c in mine) for f in COUNTS]
             if any(counts):
                 load[address_key(t.address)] = counts
-            floors[address_key(t.address)] = tightest_us(c.tpot_floor_us for c in mine)
+            if floor := tightest_us(c.tpot_floor_us for c in mine):
+                floors[address_key(t.address)] = floor
             e = self.shared.endpoints[t.slot]
             if e.healthy < 0.5:
                 avoid[address_key(t.address)] = now + self.ttl_ms / 1000

@@ -327,8 +327,7 @@ def test_wallclock_fills_a_decode_bound_workload_for_a_streams_life():
 
     w = wallclock.draw(894124953)
     cap = wallclock.capacity(w)
-    out = statistics.mean(r.out for r in wallclock.requests(w, 4000, 1.0, w.seed + 99))
-    life = out * max(step for _, step in wallclock._steady_batches(w))
+    life = statistics.mean(r.out for r in wallclock._sample(w)) * max(s for _, s in wallclock._steady_batches(w))
     assert 100 / cap < 0.5 * life  # the measured window alone is under half a stream's life
     w.load = 0.5
     fill = wallclock.requests(w, wallclock.fill_requests(w, cap), 0.5 * cap, 1, "poisson")
