@@ -301,7 +301,7 @@ class Scheduler:
         if self.admission == QUEUE and self.queue.ahead(job):  # it waits behind its betters (scheduling/admission.py)
             return None
         plan = self.judged(job)
-        if job.feasible is not False or self.admission == OFF or (self._idle(plan) and not job.hopeless):
+        if self.admits(job, plan):
             if self.fair is not None:
                 self.fair.admitted(job)
             return plan
@@ -323,8 +323,13 @@ class Scheduler:
         return None
 
     def queued(self, job: JobInfo) -> Awaitable[Plan]:
-        """Wait in the admission queue until a plan meets the budget (or the queue gives up: OverBudget)."""
-        return self.queue.wait(job, lambda: self.judged(job))
+        """Wait in the admission queue until a plan is admitted (or the queue gives up: OverBudget)."""
+        return self.queue.wait(job, lambda: self.judged(job), self.admits)
+
+    def admits(self, job: JobInfo, plan: Plan) -> bool:
+        """SLO admission's rule for a judged plan, the same on arrival and in the queue: its verdict, or engines
+        with nothing of ours in flight (`_idle`)."""
+        return job.feasible is not False or self.admission == OFF or (self._idle(plan) and not job.hopeless)
 
     def judged(self, job: JobInfo) -> Plan:
         """The plan, its verdict with the headroom a batch request leaves to the higher classes (fairness.py): its

@@ -1266,6 +1266,30 @@ def test_idle_engines_are_never_refused_a_request_they_can_serve():
         asyncio.run(admit(sched, job(5000, ttft_ms=3000)))
 
 
+def test_a_request_waiting_in_the_queue_is_let_in_when_its_engines_fall_idle():
+    """The queue admits by the rule a request meets on arrival: engines with nothing of ours in flight serve it
+    unless even its expected times miss the budget. Without it, a request queued while the engines were busy
+    waited on an allowance (or a fit) inflated by a bad moment, every later one queued behind it, nothing was let
+    in to teach the model otherwise, and the queue refused all of them until the allowance faded, or for good."""
+    sched, w = scheduler("slo_aware", "queue")
+    p, d = slots(sched)
+    teach_prefill(w.predictor, p, 1000.0)
+    teach_decode(w.predictor, d, 0.02, 0.005)
+    w.health.put(p, "late_share", 5.0)  # a bad moment, just now, left an allowance of five times the prediction
+    w.health.put(p, "late_at", time.monotonic())
+    busy = w.ledger.lease(d, 0, 10, prefilling=False)
+
+    async def scenario() -> None:
+        waiting = asyncio.ensure_future(admit(sched, job(500, ttft_ms=3000)))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and len(sched.queue) == 1  # engines at work: the allowance counts
+        busy.release()
+        plan = await asyncio.wait_for(waiting, 1.0)  # idle now: let in (the budget lasts 2.4 s more)
+        assert plan.prefill.slot == p
+
+    asyncio.run(scenario())
+
+
 def test_every_policy_judges_its_plan_when_the_model_knows_the_engines():
     for name in ("round_robin", "load_balance", "kv_cache_affinity"):
         sched, w = scheduler(name, "reject")
