@@ -62,15 +62,21 @@ EXACT_FLOOR = 0.95  # the issue's figure
 # Requests planned on the estimate because their ids took over EXACT_WAIT_S (0.25 s): none on a quiet machine;
 # CI's run, its cores shared with the vLLM engines, had some (motor_kv_prediction_total counted them nowhere then).
 UNPREDICTED_CEILING = 0.25
+RUNS = 3  # of the trace per kv_cache_affinity run, on the estimate and on KV events
 
 
 def test_kv_events_predict_vllms_cached_tokens_and_find_more_of_it(engines, model):
+    """KV events against the estimate over RUNS runs each of the trace: one run's hit rate moves with the timing of
+    completions on the loaded cores (the estimate 0.526-0.747 in the runs recorded in docs/kv-events.md and CI,
+    KV events 0.700-0.738), so one run each lost now and then (CI: 0.719 against 0.747). A run takes about 12 s."""
     rr = run_policy(engines, model, "round_robin", False)
-    estimate = run_policy(engines, model, "kv_cache_affinity", False)
-    events = run_policy(engines, model, "kv_cache_affinity", True)
+    estimate = [run_policy(engines, model, "kv_cache_affinity", False) for _ in range(RUNS)]
+    events = [run_policy(engines, model, "kv_cache_affinity", True) for _ in range(RUNS)]
     # Runs on 2 loaded cores gave 96.3-100 % once the subscriptions had caught up (the misses: blocks cached on
     # the engine before their events were applied).
-    assert events["exact"] >= EXACT_FLOOR, (events["outcomes"], events["misses"])
-    assert events["unpredicted"] <= UNPREDICTED_CEILING, events["outcomes"]
-    assert events["hit_rate"] > rr["hit_rate"], (events["hit_rate"], rr["hit_rate"])
-    assert events["hit_rate"] > estimate["hit_rate"], (events["hit_rate"], estimate["hit_rate"])
+    for run in events:
+        assert run["exact"] >= EXACT_FLOOR, (run["outcomes"], run["misses"])
+        assert run["unpredicted"] <= UNPREDICTED_CEILING, run["outcomes"]
+        assert run["hit_rate"] > rr["hit_rate"], (run["hit_rate"], rr["hit_rate"])
+    by_events, by_estimate = (sum(run["hit_rate"] for run in runs) / RUNS for runs in (events, estimate))
+    assert by_events > by_estimate, ([run["hit_rate"] for run in events], [run["hit_rate"] for run in estimate])
