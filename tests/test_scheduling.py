@@ -1248,13 +1248,20 @@ def test_queue_admission_gives_up_when_no_wait_can_help_and_when_full():
     asyncio.run(scenario())
 
 
-def test_idle_engines_are_never_refused_a_request_they_can_serve():
-    sched, w = scheduler("slo_aware", "reject")
+def after_a_bad_moment(admission: str) -> tuple[Scheduler, World, int, int]:
+    """An slo_aware scheduler whose model knows the engines, and whose prefill engine was, just now, five times
+    slower than predicted: (scheduler, world, prefill slot, decode slot)."""
+    sched, w = scheduler("slo_aware", admission)
     p, d = slots(sched)
     teach_prefill(w.predictor, p, 1000.0)
     teach_decode(w.predictor, d, 0.02, 0.005)
-    w.health.put(p, "late_share", 5.0)  # a bad moment, just now, left an allowance of five times the prediction
+    w.health.put(p, "late_share", 5.0)  # an allowance of five times the prediction
     w.health.put(p, "late_at", time.monotonic())
+    return sched, w, p, d
+
+
+def test_idle_engines_are_never_refused_a_request_they_can_serve():
+    sched, w, p, d = after_a_bad_moment("reject")
     assert w.predictor.allowance_s(p, 1.0, time.monotonic()) == pytest.approx(5.0, rel=0.05)
     plan = asyncio.run(admit(sched, job(500, ttft_ms=3000)))  # 0.5 s expected: served, and learned from
     assert plan.prefill.slot == p
@@ -1271,12 +1278,7 @@ def test_a_request_waiting_in_the_queue_is_let_in_when_its_engines_fall_idle():
     unless even its expected times miss the budget. Without it, a request queued while the engines were busy
     waited on an allowance (or a fit) inflated by a bad moment, every later one queued behind it, nothing was let
     in to teach the model otherwise, and the queue refused all of them until the allowance faded, or for good."""
-    sched, w = scheduler("slo_aware", "queue")
-    p, d = slots(sched)
-    teach_prefill(w.predictor, p, 1000.0)
-    teach_decode(w.predictor, d, 0.02, 0.005)
-    w.health.put(p, "late_share", 5.0)  # a bad moment, just now, left an allowance of five times the prediction
-    w.health.put(p, "late_at", time.monotonic())
+    sched, w, p, d = after_a_bad_moment("queue")
     busy = w.ledger.lease(d, 0, 10, prefilling=False)
 
     async def scenario() -> None:
