@@ -195,7 +195,11 @@ class Policy:
         late, slow = breaks or ttft > MARGIN * ttft_budget, tpot > TPOT_MARGIN * tpot_budget
         job.feasible = not late and not slow
         job.over = "prefill and decode" if late and slow else "prefill" if late else "decode" if slow else ""
-        job.hopeless = floor > ttft_budget or job.tpot_model_s > job.slo_tpot_ms / 1000.0
+        # (The engine's latency standing in for an unknown decode line was measured at some other batch: it cannot
+        # say that even an idle engine misses the TPOT budget.)
+        job.hopeless = floor > ttft_budget or (
+            job.tpot_model_s > job.slo_tpot_ms / 1000.0 and self.predictor.decode_fitted(slot)
+        )
         if not job.feasible:
             job.retry_after_s = max(1.0, ttft - MARGIN * ttft_budget)
 

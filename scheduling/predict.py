@@ -137,7 +137,12 @@ class Predictor:
         return e.pf_sx / n if n > 0.0 else 0.0
 
     def decode_known(self, slot: int) -> bool:
-        return self.rows[slot].dc_n >= self.min_samples or self.rows[slot].engine_itl_s > 0.0
+        return self.decode_fitted(slot) or self.rows[slot].engine_itl_s > 0.0
+
+    def decode_fitted(self, slot: int) -> bool:
+        """Known by its own line, not by the engine's mean inter-token latency standing in for one: that is the
+        latency at whatever batch the engine ran in the last scrape interval with tokens, and stays when it idles."""
+        return self.rows[slot].dc_n >= self.min_samples
 
     def step_s(self, slot: int, batch: float) -> float:
         """Seconds per output token with `batch` sequences running (inf when unknown)."""

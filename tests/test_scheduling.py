@@ -1292,6 +1292,22 @@ def test_a_request_waiting_in_the_queue_is_let_in_when_its_engines_fall_idle():
     asyncio.run(scenario())
 
 
+def test_the_engines_own_latency_standing_in_for_a_decode_line_never_makes_a_request_hopeless():
+    """Before the decode line is learned the engine's mean inter-token latency stands in for it: measured at the
+    batch the engine ran in the last scrape interval with tokens, and kept while it idles. After bursts of 32 streams
+    it said 39-41 ms against a 40 ms budget on an engine whose empty batch steps in 10 ms (tests/test_fairness.py's
+    saturation): every request was hopeless, idle engines took none, and the line was never learned."""
+    sched, w = scheduler("slo_aware", "reject")
+    p, d = slots(sched)
+    teach_prefill(w.predictor, p, 1000.0)
+    w.health.put(d, "engine_itl_s", 0.05)
+    plan = asyncio.run(admit(sched, job(500, ttft_ms=3000, tpot_ms=40)))  # idle engines: served, and learned from
+    assert plan.target.slot == d
+    teach_decode(w.predictor, d, 0.05, 0.002)  # its own line says an empty batch steps in 50 ms: hopeless
+    with pytest.raises(OverBudget):
+        asyncio.run(admit(sched, job(500, ttft_ms=3000, tpot_ms=40)))
+
+
 def test_every_policy_judges_its_plan_when_the_model_knows_the_engines():
     for name in ("round_robin", "load_balance", "kv_cache_affinity"):
         sched, w = scheduler(name, "reject")
