@@ -62,7 +62,7 @@ class AdmissionQueue:
         self.size = size
         self.tick_s = tick_s
         self.tries = tries_per_tick
-        self.heap: list = []  # [deadline, seq, future, job, plan_fn, admits_fn]
+        self.heap: list = []  # [deadline, seq, future, job, plan_fn]
         self.seq = itertools.count()
         self.fair = FairShare(shared, worker, num_workers)  # the tenants' counters the list is ordered by
         self.waiting = [0, 0, 0]  # requests waiting here, by class
@@ -72,8 +72,8 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return sum(1 for e in self.heap if not e[2].done())
 
-    async def wait(self, job, plan: Callable[[], object], admits: Callable[[object, object], bool]):
-        """Park `job` until `plan()` returns a plan that `admits(job, plan)`; returns that plan."""
+    async def wait(self, job, plan: Callable[[], object]):
+        """Park `job` until `plan()` returns a plan (None: not let in yet); returns that plan."""
         mine = self.mine
         with self.lock:
             if sum(row.queued for row in self.rows) >= self.size:
@@ -81,7 +81,7 @@ class AdmissionQueue:
             mine.queued += 1
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        heapq.heappush(self.heap, [job.arrived + job.slo_ttft_ms / 1000.0, next(self.seq), fut, job, plan, admits])
+        heapq.heappush(self.heap, [job.arrived + job.slo_ttft_ms / 1000.0, next(self.seq), fut, job, plan])
         self.waiting[job.priority] += 1
         if self.pump is None or self.pump.done():
             self.pump = loop.create_task(self._pump())
@@ -130,7 +130,7 @@ class AdmissionQueue:
                 heapq.heappop(heap)
             held: dict[str, int] = {}  # model -> the highest class of it not let in this tick
             for entry in self._order()[: self.tries]:
-                fut, job, plan, admits = entry[2], entry[3], entry[4], entry[5]
+                fut, job, plan = entry[2], entry[3], entry[4]
                 if fut.done():
                     continue
                 if held.get(job.model, job.priority) < job.priority:
@@ -140,7 +140,7 @@ class AdmissionQueue:
                 except Exception as e:  # NoCapacity and the like: the waiting request answers it
                     fut.set_exception(e)
                     continue
-                if admits(job, result):
+                if result is not None:
                     self.fair.admitted(job)
                     fut.set_result(result)
                     # Let the admitted request take its leases before the next one is judged.

@@ -324,7 +324,12 @@ class Scheduler:
 
     def queued(self, job: JobInfo) -> Awaitable[Plan]:
         """Wait in the admission queue until a plan is admitted (or the queue gives up: OverBudget)."""
-        return self.queue.wait(job, lambda: self.judged(job), self.admits)
+        return self.queue.wait(job, lambda: self._let_in(job))
+
+    def _let_in(self, job: JobInfo) -> Plan | None:
+        """The plan, if SLO admission lets it in now (None: not yet)."""
+        plan = self.judged(job)
+        return plan if self.admits(job, plan) else None
 
     def admits(self, job: JobInfo, plan: Plan) -> bool:
         """SLO admission's rule for a judged plan, the same on arrival and in the queue: its verdict, or engines
