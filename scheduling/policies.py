@@ -299,11 +299,9 @@ class KvCacheAffinity(LoadBalance):
         # On the engines' events, a conversation's next turn stays with its history, and a new one (nothing held
         # but a prefix several chains share) goes where its future turns fit, then the overload rule, on load.
         starts = self.conversation(cands, job, best, holders)
-        job.opens = False
         if starts:
             future = self.opening(cands, job, fills)
             if future is not None:
-                job.opens = True
                 target = self.least(cands, future)
                 return self.least(cands, self.score) if self._overloaded(target, cands, job, self.score) else target
         if target is None or self._overloaded(target, cands, job, score):
@@ -346,9 +344,13 @@ class KvCacheAffinity(LoadBalance):
 
     def conversation(self, cands: list[Target], job: JobInfo, best: int, holders: list[Target]) -> bool | None:
         """Whether `job` starts a conversation (True) or continues the history its holder has (False), as the
-        engines' events judge it (None: they cannot; a history is on one engine at most)."""
+        engines' events judge it (None: they cannot; a history is on one engine at most). Marks `job.opens` when it
+        starts one, wherever it goes: until its blocks are stored, the engine it is sent to counts it among its
+        conversations."""
         verdicts = [self.index.starts(job, t, best) for t in holders or cands[:1]]
-        return None if None in verdicts else any(verdicts)
+        starts = None if None in verdicts else any(verdicts)
+        job.opens = starts is True
+        return starts
 
     def opening(self, cands: list[Target], job: JobInfo, fills: dict[int, tuple[int, int]]):
         """How full each candidate's cache will be with this new conversation's future turns on it, as a score

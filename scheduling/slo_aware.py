@@ -88,11 +88,9 @@ class SloAware(KvCacheAffinity):
         prefer: a conversation's next turn stays with its history, a new conversation goes where its future turns
         fit (as `kv_cache_affinity` places it). None: no such choice (one candidate, or the events cannot tell).
         Leaving a history computes it again and holds it twice, which the first token's prediction does not
-        see: it evicts other conversations' histories. Marks `job.opens` when it starts one, wherever it goes:
-        until its blocks are stored, the engine it is sent to counts it among its conversations."""
+        see: it evicts other conversations' histories."""
         best, holders = self.holders(cands, job)
         starts = self.conversation(cands, job, best, holders)
-        job.opens = starts is True
         if len(fits) < 2:
             return None
         if starts is False:

@@ -880,6 +880,17 @@ def test_slo_aware_marks_a_plan_that_starts_a_conversation_for_the_engine_it_goe
     assert told.sent == [(p.slot, True)]
 
 
+def test_kv_cache_affinity_marks_a_new_conversation_it_cannot_weigh_the_futures_of():
+    """One engine's conversations are not known (its events not live): the new conversation is placed on load,
+    and still counts among the conversations of the engine it goes to, as `slo_aware`'s do."""
+    w = World()
+    told = ToldConversations({}, True, {0: -1, 1: 3})
+    affinity = make_policy("kv_cache_affinity", w.shared, w.ledger, w.health, index=told, block_tokens=BLOCK)
+    info = job(200)
+    affinity.choose([target(0, "union"), target(1, "union")], info)
+    assert info.opens
+
+
 def test_kv_cache_affinity_leaves_a_full_cache_for_one_with_room():
     """A holder whose prefix cache is full evicts some conversation's history for what it stores; an engine with
     room evicts nothing. Its size comes from its /metrics, or from what it held when it first evicted."""
