@@ -59,7 +59,8 @@ sequences for decode), and a line the samples put at a slope of zero or below, o
 is the prior, so no model claims that more tokens or a bigger batch are free, or a step costs nothing of its
 own. An endpoint is
 "known" after `min_samples` observations; before that the policies fall back to load balancing (and
-the engine's own mean inter-token latency, from /metrics, stands in for an unknown decode model).
+the engine's own mean inter-token latency, from /metrics, moved to the batch asked about along the prior,
+stands in for an unknown decode model).
 """
 
 from __future__ import annotations
@@ -145,12 +146,16 @@ class Predictor:
         return self.rows[slot].dc_n >= self.min_samples
 
     def step_s(self, slot: int, batch: float) -> float:
-        """Seconds per output token with `batch` sequences running (inf when unknown)."""
+        """Seconds per output token with `batch` sequences running (inf when unknown). Before the line is learned,
+        the engine's own mean inter-token latency, moved from the batch it was measured at to `batch` along the
+        line's prior (a fixed part worth `DECODE_FIXED_SEQS` sequences)."""
         e = self.rows[slot]
         if e.dc_n >= self.min_samples:
             return e.decode_step_s + e.decode_per_seq_s * batch
         itl = e.engine_itl_s
-        return itl if itl > 0.0 else UNKNOWN
+        if itl <= 0.0:
+            return UNKNOWN
+        return itl * (DECODE_FIXED_SEQS + batch) / (DECODE_FIXED_SEQS + e.engine_itl_batch)
 
     def tpot_allowance_s(self, slot: int, tpot_s: float, now: float) -> float:
         """What to add to a predicted TPOT of `tpot_s` so that a `confidence` share of streams stay within it."""

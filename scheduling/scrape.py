@@ -84,3 +84,6 @@ class EngineScrapes:
             total = m.get(f"{name}_sum", 0.0) - prev.get(f"{name}_sum", 0.0)
             if count > 0 and total >= 0:  # a counter reset (engine restart) gives a negative delta: skip it
                 self.health.put(slot, field, total / count)
+                if name == "itl":  # tokens came, so at least one sequence ran, whatever the gauges caught
+                    batch = (prev.get("running", 0.0) + m.get("running", 0.0)) / 2.0
+                    self.health.put(slot, "engine_itl_batch", max(batch, 1.0))

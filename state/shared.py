@@ -109,6 +109,7 @@ class EndpointRow(Table):
         *("dc_n", "dc_sx", "dc_sy", "dc_sxx", "dc_sxy"),
         "engine_ttft_s",  # engine's mean TTFT over the last scrape interval (vllm:time_to_first_token_seconds)
         "engine_itl_s",  # engine's mean inter-token latency over the last scrape interval
+        "engine_itl_batch",  # the sequences it ran then (its two scrapes' running gauge, their mean; at least 1)
         "late_share",  # prefill allowance: the confidence quantile of `late_errors` (a share of the predicted time)
         "late_at",  # when the prefill allowance last moved (it narrows with time since then)
         "late_count",  # prefill errors recorded so far (the next goes to late_errors[late_count % ERROR_RING])

@@ -630,10 +630,18 @@ def test_allowances_narrow_with_time_without_evidence():
     assert pred.allowance_s(1, 1.0, quiet + 10 * ALLOWANCE_HALF_LIFE_S) < 0.01
 
 
-def test_engine_itl_stands_in_for_an_unknown_decode_model():
+def test_engine_itl_stands_in_for_an_unknown_decode_model_at_the_batch_asked_about():
+    """Measured while the engine ran 16 sequences, its latency says little of a batch of 1: it is moved along the
+    line's prior (a fixed part worth 4 sequences), so an engine that idles after a burst is not judged at the
+    burst's batch."""
     world = World()
     world.health.put(5, "engine_itl_s", 0.04)
-    assert world.predictor.decode_known(5) and world.predictor.step_s(5, 3) == 0.04
+    world.health.put(5, "engine_itl_batch", 16.0)
+    pred = world.predictor
+    assert pred.decode_known(5) and not pred.decode_fitted(5)
+    assert pred.step_s(5, 16) == pytest.approx(0.04)
+    assert pred.step_s(5, 1) == pytest.approx(0.04 * 5 / 20)
+    assert pred.step_s(5, 36) == pytest.approx(0.08)
 
 
 # -- ledger --------------------------------------------------------------------------------------
@@ -1371,6 +1379,7 @@ def test_scrape_keeps_gauges_and_interval_means():
     )
     assert health.get(4, "engine_ttft_s") == pytest.approx(3.0)  # 6 s over 2 requests in the interval
     assert health.get(4, "engine_itl_s") == pytest.approx(0.04)
+    assert health.get(4, "engine_itl_batch") == pytest.approx(4.0)  # the interval's two gauges, 3 and 5
     scrapes.update(
         4, parse_engine_metrics(METRICS.format(running=0, ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0))
     )
