@@ -356,8 +356,7 @@ class KvCacheAffinity(LoadBalance):
         """How full each candidate's cache will be with this new conversation's future turns on it, as a score
         (None: the conversations an engine holds are not known): (the conversations it holds + 1) x the blocks they
         hold each, over its size, weighed like a full cache, plus the prefill of the prompt (what it holds is
-        free). An engine's conversations are taken to hold at least the mean over all engines': a full cache holds
-        less of each the more it holds (so the one with more would look emptier), and young ones grow."""
+        free)."""
         chains = {t.slot: self.index.chains(t) for t in cands}
         if min(chains.values()) < 0:
             return None
@@ -368,7 +367,7 @@ class KvCacheAffinity(LoadBalance):
         def future(t: Target) -> float:
             held, size = fills[t.slot]
             n = chains[t.slot]
-            mean = max(held / n, per_chain) if n else per_chain
+            mean = held / n if n else per_chain
             return self.uncached(t, job) / PROMPT_TOKENS_PER_LOAD + CACHE_FILL_WEIGHT * (n + 1) * mean / (
                 size or total_held or 1
             )

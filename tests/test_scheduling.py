@@ -888,20 +888,6 @@ def test_slo_aware_marks_a_plan_that_starts_a_conversation_for_the_engine_it_goe
     assert told.sent == [(p.slot, True)]
 
 
-def test_a_new_conversation_goes_to_the_full_cache_with_fewer_conversations():
-    """Two full caches: the one holding more conversations holds less of each, yet a new conversation's future
-    turns crowd it more. It goes where fewer live, whichever engine that is."""
-    w = World()
-    told = ToldConversations({}, True, {0: 8, 1: 7})
-    told.fills = {0: (64, 64), 1: (64, 64)}
-    affinity = make_policy("kv_cache_affinity", w.shared, w.ledger, w.health, index=told, block_tokens=BLOCK)
-    us = [target(0, "union"), target(1, "union")]
-    info = job(200)
-    assert affinity.choose(us, info).slot == 1 and info.opens
-    told.conversations = {0: 7, 1: 8}
-    assert affinity.choose(us, job(200)).slot == 0
-
-
 def test_kv_cache_affinity_marks_a_new_conversation_it_cannot_weigh_the_futures_of():
     """One engine's conversations are not known (its events not live): the new conversation is placed on load,
     and still counts among the conversations of the engine it goes to, as `slo_aware`'s do."""
