@@ -897,6 +897,9 @@ def test_kv_cache_affinity_marks_a_new_conversation_it_cannot_weigh_the_futures_
     info = job(200)
     affinity.choose([target(0, "union"), target(1, "union")], info)
     assert info.opens
+    told.held, told.starting = {1: 128}, False  # the next turn of a conversation held on the second engine
+    affinity.choose([target(0, "union"), target(1, "union")], info)
+    assert not info.opens
 
 
 def test_kv_cache_affinity_leaves_a_full_cache_for_one_with_room():
