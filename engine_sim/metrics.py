@@ -30,6 +30,15 @@ def render(server) -> str:
         "Number of requests waiting to be processed.",
         [f"vllm:num_requests_waiting{{{lab}}} {float(len(eng.waiting))}"],
     )
+    metric(  # every waiting request here waits for a place in the batch (its KV is pulled before it queues)
+        "vllm:num_requests_waiting_by_reason",
+        "gauge",
+        "Number of waiting requests by reason. Sum of all reasons equals vllm:num_requests_waiting.",
+        [
+            f'vllm:num_requests_waiting_by_reason{{{lab},reason="capacity"}} {float(len(eng.waiting))}',
+            f'vllm:num_requests_waiting_by_reason{{{lab},reason="deferred"}} 0.0',
+        ],
+    )
     metric(
         "vllm:kv_cache_usage_perc",
         "gauge",

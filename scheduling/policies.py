@@ -98,33 +98,53 @@ class Policy:
         `t` (prefilling now) start decoding at times spread over the next `delay` seconds, so min(1, L /
         delay) of them are still running when this one joins.
         """
-        ours, _, decode_tokens, _ = self.ledger.load(t.slot)
+        ours = self.ledger.requests(t.slot)
         held = self.ledger.held(t.slot)
         running, waiting, _ = self.health.engine_load(t.slot)
         # The engine may serve more than we sent it (other clients, a scrape older than our last completions).
         requests = int(running + waiting) if running + waiting > ours else ours
         if delay <= 0.0 or not (requests or held):
             return requests + held + 1.0
-        step = self.predictor.step_s(t.slot, requests + held)
-        # The mean output of our own requests there (those the engine runs beyond ours: like ours); without any,
-        # a typical one, never none (that would end the promised requests' decodes before they start).
-        length = (decode_tokens / ours if ours else 256.0) * step
+        cap = self.health.get(t.slot, "seq_cap")
+        step = self.predictor.step_s(t.slot, min(requests + held, cap) if cap else requests + held)
+        length = self.stream_s(t, step)
         running = requests * (1.0 - delay / length) if delay < length else 0.0
         promised = held * (length / delay) if delay > length else float(held)
         return running + promised + 1.0
 
-    def predict_decode(self, d: Target, delay: float = 0.0) -> tuple[float, float, float]:
-        """(seconds per token, seconds from the decode leg's start to its first token, the batch it joins) for a
-        request whose decode leg starts in `delay` seconds."""
+    def stream_s(self, t: Target, step: float) -> float:
+        """How long a stream on `t` lasts at `step` seconds a token: the mean output of our own requests there
+        (those the engine runs beyond ours: like ours); without any, a typical one, never none (that would end the
+        promised requests' decodes before they start)."""
+        ours, _, decode_tokens, _ = self.ledger.load(t.slot)
+        return (decode_tokens / ours if ours else 256.0) * step
+
+    def joined_step(self, t: Target, batch: float) -> tuple[float, float]:
+        """(seconds per decode step, seconds waiting for a place in the batch) of a sequence joining `t`'s batch of
+        `batch` (itself included). An engine runs at most so many sequences at once (`seq_cap`, seen in its
+        gauges: vLLM's max_num_seqs, or what its KV cache holds); those past it wait, and one of the running
+        leaves every stream's life / cap, while the step stays the cap's."""
+        cap = self.health.get(t.slot, "seq_cap")
+        if not cap or batch <= cap:
+            return self.predictor.step_s(t.slot, batch), 0.0
+        step = self.predictor.step_s(t.slot, cap)
+        if step == UNKNOWN:
+            return UNKNOWN, 0.0
+        return step, (batch - cap) * self.stream_s(t, step) / cap
+
+    def predict_decode(self, d: Target, delay: float = 0.0) -> tuple[float, float, float, float]:
+        """(seconds per token, seconds from the decode leg's start to its first token, the batch it joins, the part
+        of those seconds it waits for a place in the batch) for a request whose decode leg starts in `delay`
+        seconds."""
         pred = self.predictor
         batch = self.decode_batch(d, delay)
-        tpot = pred.step_s(d.slot, batch)
+        tpot, wait = self.joined_step(d, batch)
         if tpot == UNKNOWN:
-            return UNKNOWN, UNKNOWN, batch
+            return UNKNOWN, UNKNOWN, batch, 0.0
         busy = pred.prefill_busy(d.slot, clock.now())
         if busy > 0.0:  # prompts computed there (requests served whole or alone) take steps from its streams
             tpot /= 1.0 - busy if busy < 0.9 else 0.1
-        return tpot, pred.first_wait_s(d.slot) + tpot, batch
+        return tpot, pred.first_wait_s(d.slot) + wait + tpot, batch, wait
 
     def predict_prefill(self, p: Target, job: JobInfo, now: float) -> tuple[float, float, float, bool]:
         """(seconds until `p` would finish this prompt's prefill, the same without queueing, the engine's
@@ -158,12 +178,14 @@ class Policy:
         finish, service, allowance, breaks = self.predict_prefill(p or d, job, now)
         if finish == UNKNOWN:
             return
-        tpot, first, batch = self.predict_decode(d, finish if p is not None else 0.0)
+        tpot, first, batch, full = self.predict_decode(d, finish if p is not None else 0.0)
         if tpot == UNKNOWN:
             return
-        extra = tpot if p is None else first
+        extra = tpot + full if p is None else first
         tpot_allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
-        self._verdict(job, d.slot, finish + allowance + extra, tpot, service + extra, tpot_allowance, breaks, batch)
+        self._verdict(
+            job, d.slot, finish + allowance + extra, tpot, service + extra, tpot_allowance, breaks, batch, full
+        )
 
     def tpot_budget_s(self, job: JobInfo, slot: int) -> float:
         """The TPOT budget a plan decoding on `slot` is judged against: the request's own, or the tightest of the
@@ -182,10 +204,13 @@ class Policy:
         tpot_allowance: float = 0.0,
         breaks: bool = False,
         batch: float = 0.0,
+        full: float = 0.0,
     ) -> None:
         """`slot`: the decode engine's. `breaks`: the prefill would make one admitted before it late (a plan over
         its TTFT budget, as far as admission goes: it waits or is refused until that prefill's last step has
-        begun). `batch`: the decode batch its TPOT was predicted for (0: not told)."""
+        begun). `batch`: the decode batch its TPOT was predicted for (0: not told). `full`: the seconds of `ttft`
+        it waits for a place in the decode engine's batch (a plan late for them alone saturates the decode
+        stage, not the prefill's)."""
         ttft_budget = job.slo_ttft_ms / 1000.0 - (clock.now() - job.arrived)
         tpot_budget = self.tpot_budget_s(job, slot)
         job.tpot_budget_ms = tpot_budget * 1000.0
@@ -194,6 +219,8 @@ class Policy:
         job.ttft_s, job.tpot_s, job.floor_s = ttft, tpot, floor
         late, slow = breaks or ttft > MARGIN * ttft_budget, tpot > TPOT_MARGIN * tpot_budget
         job.feasible = not late and not slow
+        if late and not breaks and ttft - full <= MARGIN * ttft_budget:  # late only for a place in D's batch
+            late, slow = False, True
         job.over = "prefill and decode" if late and slow else "prefill" if late else "decode" if slow else ""
         # (The engine's latency standing in for an unknown decode line was measured at some other batch: it cannot
         # say that even an idle engine misses the TPOT budget.)

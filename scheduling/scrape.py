@@ -25,6 +25,9 @@ WANTED = {
 
 # An info gauge: its labels are the engine's cache config, among them the KV cache's size in blocks.
 CACHE_INFO = "vllm:cache_config_info"
+# The waiting requests by reason (vLLM 0.32 writes it; older ones may not): "capacity" waits for a place in the batch, "deferred" for
+# a transient cause such as its KV transfer.
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 
 
 def _label(line: str, name: str) -> str:
@@ -54,7 +57,11 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             if blocks.isdigit():
                 out["cache_blocks"] = out.get("cache_blocks", 0.0) + float(blocks)
             continue
-        key = WANTED.get(name)
+        key = (
+            "waiting_capacity"
+            if name == WAITING_BY_REASON and _label(line, "reason") == "capacity"
+            else WANTED.get(name)
+        )
         if key is None:
             continue
         try:
@@ -72,13 +79,16 @@ class EngineScrapes:
         self.health = health
         self.last: dict[int, dict[str, float]] = {}  # slot -> the previous scrape's histogram totals
 
-    def update(self, slot: int, m: dict[str, float]) -> None:
+    def update(self, slot: int, m: dict[str, float], decode: bool = False) -> None:
+        """One scrape of `slot` (`decode`: a decode engine's, whose queue says how many sequences it runs at most)."""
         self.health.set_engine_load(slot, m.get("running", 0.0), m.get("waiting", 0.0), m.get("kv_usage", 0.0))
         self.health.put(slot, "cache_blocks", m.get("cache_blocks", 0.0))
         prev = self.last.get(slot)
         self.last[slot] = m
         if prev is None:
             return
+        if decode:
+            self._seq_cap(slot, prev, m)
         for name, field in (("ttft", "engine_ttft_s"), ("itl", "engine_itl_s")):
             count = m.get(f"{name}_count", 0.0) - prev.get(f"{name}_count", 0.0)
             total = m.get(f"{name}_sum", 0.0) - prev.get(f"{name}_sum", 0.0)
@@ -87,3 +97,14 @@ class EngineScrapes:
                 if name == "itl":  # tokens came, so at least one sequence ran, whatever the gauges caught
                     batch = (prev.get("running", 0.0) + m.get("running", 0.0)) / 2.0
                     self.health.put(slot, "engine_itl_batch", max(batch, 1.0))
+
+    def _seq_cap(self, slot: int, prev: dict[str, float], m: dict[str, float]) -> None:
+        """A decode engine that ran as many sequences in two scrapes in a row while requests waited for a place
+        both times runs no more than that at once (vLLM's max_num_seqs, or what its KV cache held): `seq_cap`, the
+        most seen. Requests waiting for their KV transfer are no sign of it: without vLLM's reasons for waiting,
+        two scrapes alike are what tells a steady queue from a transfer's moment."""
+        running = m.get("running", 0.0)
+        if running < 1.0 or running != prev.get("running") or running <= self.health.get(slot, "seq_cap"):
+            return
+        if min(s.get("waiting_capacity", s.get("waiting", 0.0)) for s in (prev, m)) >= 1.0:
+            self.health.put(slot, "seq_cap", running)

@@ -105,20 +105,21 @@ class SloAware(KvCacheAffinity):
         return None
 
     def _pick_decode(self, ds: list[Target], job: JobInfo, delay: float, start: int, now: float) -> tuple | None:
-        """(target, TPOT, first-token wait, TPOT allowance, the batch it joins) of the decode target with the
-        lowest predicted TPOT (allowance included), preferring those within the budget, among those the model
-        knows (None: none)."""
+        """(target, TPOT, first-token wait, TPOT allowance, the batch it joins, the part of that wait spent waiting
+        for a place in its batch) of the decode target with the lowest predicted TPOT (allowance included),
+        preferring those within the budget, then those with a place free, among those the model knows (None:
+        none)."""
         best = None
         n = len(ds)
         for k in range(n):
             d = ds[(start + k) % n]
-            tpot, first, batch = self.predict_decode(d, delay)
+            tpot, first, batch, full = self.predict_decode(d, delay)
             if tpot == UNKNOWN:
                 continue
             allowance = self.predictor.tpot_allowance_s(d.slot, tpot, now)
-            over = tpot + allowance > TPOT_MARGIN * self.tpot_budget_s(job, d.slot)
-            if best is None or over < best[0] or (over == best[0] and _clearly_less(tpot + allowance, best[1], 0.0005)):
-                best = (over, tpot + allowance, d, tpot, first, allowance, batch)
+            rank = (tpot + allowance > TPOT_MARGIN * self.tpot_budget_s(job, d.slot), full)
+            if best is None or rank < best[0] or (rank == best[0] and _clearly_less(tpot + allowance, best[1], 0.0005)):
+                best = (rank, tpot + allowance, d, tpot, first, allowance, batch, full)
         return best[2:] if best is not None else None
 
     def _pick_prefill(
@@ -182,7 +183,7 @@ class SloAware(KvCacheAffinity):
         if not judged:
             return p_pick[0], d
         p, finish, allowance, floor, breaks = p_pick
-        _, tpot, first, tpot_allowance, batch = d_pick
+        _, tpot, first, tpot_allowance, batch, full = d_pick
         ttft = finish + allowance + first
         if self.decode_alone:
             alone = self._pick_alone(ds, job, now, start, ttft)
@@ -193,7 +194,7 @@ class SloAware(KvCacheAffinity):
                     return p, d
                 self._verdict(job, d.slot, ttft_alone, tpot, floor, tpot_allowance, batch=batch)
                 return p, d
-        self._verdict(job, d.slot, ttft, tpot, floor + first, tpot_allowance, breaks, batch)
+        self._verdict(job, d.slot, ttft, tpot, floor + first, tpot_allowance, breaks, batch, full)
         return p, d
 
     def _pick_alone(self, ds: list[Target], job: JobInfo, now: float, start: int, ttft_pd: float) -> tuple | None:
@@ -215,7 +216,7 @@ class SloAware(KvCacheAffinity):
         for k in range(n):
             d = ds[(start + k) % n]
             batch = self.decode_batch(d, 0.0)
-            step = pred.step_s(d.slot, batch)
+            step, wait = self.joined_step(d, batch)
             if step == UNKNOWN:
                 continue
             busy = pred.prefill_busy(d.slot, now)
@@ -246,9 +247,9 @@ class SloAware(KvCacheAffinity):
                 if not prefilling and job.prompt_tokens <= EXPLORE_ALONE_TOKENS and best is None:
                     best = (d, UNKNOWN, tpot, 0.0, tpot_allowance, batch)
                 continue
-            ttft = finish + allowance + tpot
+            ttft = finish + allowance + wait + tpot
             if ttft <= ttft_budget and (best is None or best[1] == UNKNOWN or ttft < best[1]):
-                best = (d, ttft, tpot, service + tpot, tpot_allowance, batch)
+                best = (d, ttft, tpot, service + wait + tpot, tpot_allowance, batch)
         return best
 
     def choose_whole(self, cands: list[Target], job: JobInfo) -> Target:
@@ -259,7 +260,6 @@ class SloAware(KvCacheAffinity):
 
     def choose(self, cands: list[Target], job: JobInfo) -> Target:
         """One engine for the whole request: the soonest first token among those within the TPOT budget."""
-        pred = self.predictor
         job.feasible, job.opens = None, False
         now = clock.now()
         best = None
@@ -269,14 +269,17 @@ class SloAware(KvCacheAffinity):
             t = cands[(start + k) % n]
             finish, service, allowance, breaks = self.predict_prefill(t, job, now)
             batch = self.decode_batch(t, 0.0) if finish != UNKNOWN else 0.0
-            tpot = pred.step_s(t.slot, batch) if finish != UNKNOWN else UNKNOWN
+            tpot, wait = self.joined_step(t, batch) if finish != UNKNOWN else (UNKNOWN, 0.0)
             if tpot == UNKNOWN:
                 # On KV events only a request that can teach the model explores: a JSON answer teaches it
                 # nothing, and the caches place it better than a turn of the rotation.
                 explore = job.teaches or not self.sees_conversations
                 return (explore and self._explore(cands, self._whole_known, start)) or self._unjudged(cands, job)
-            over, ttft = tpot > TPOT_MARGIN * self.tpot_budget_s(job, t.slot) or breaks, finish + allowance + tpot
-            plans[t.slot] = (over, ttft, t, tpot, service + tpot, breaks, batch)
+            over, ttft = (
+                tpot > TPOT_MARGIN * self.tpot_budget_s(job, t.slot) or breaks,
+                finish + allowance + wait + tpot,
+            )
+            plans[t.slot] = (over, ttft, t, tpot, service + wait + tpot, breaks, batch, wait)
             if best is None or over < best[0] or (over == best[0] and _clearly_less(ttft, best[1], 0.002)):
                 best = plans[t.slot]
         cached = None
@@ -285,6 +288,6 @@ class SloAware(KvCacheAffinity):
             cached = self._by_cache(
                 cands, job, [p[2] for p in plans.values() if p[0] <= best[0] and p[1] <= ttft_budget]
             )
-        _, ttft, t, tpot, floor, breaks, batch = plans[cached.slot] if cached is not None else best
-        self._verdict(job, t.slot, ttft, tpot, floor, breaks=breaks, batch=batch)
+        _, ttft, t, tpot, floor, breaks, batch, full = plans[cached.slot] if cached is not None else best
+        self._verdict(job, t.slot, ttft, tpot, floor, breaks=breaks, batch=batch, full=full)
         return t

@@ -107,4 +107,4 @@ class Background:
             return
         if status != 200:
             return
-        self.scrapes.update(t.slot, parse_engine_metrics(body.decode("utf-8", "replace")))
+        self.scrapes.update(t.slot, parse_engine_metrics(body.decode("utf-8", "replace")), t.role == "decode")

@@ -93,6 +93,8 @@ class EndpointRow(Table):
         "waiting",  # engine's vllm:num_requests_waiting
         "kv_usage",  # engine's vllm:kv_cache_usage_perc (0..1)
         "cache_blocks",  # its KV cache's size in blocks (vllm:cache_config_info's num_gpu_blocks; 0: not said)
+        "seq_cap",  # a decode engine's: the most sequences it ran while others waited for a place, two scrapes in a
+        # row (its max_num_seqs, or what its KV cache held then; 0: never seen full)
         "scraped_at",  # when the metrics above were read
         "prefill_tps",  # uncached prompt tokens prefilled per second
         "decode_step_s",  # seconds per decode step with an empty batch (intercept)

@@ -24,6 +24,7 @@ from scheduling.policies import JobInfo
 from scheduling.predict import ALLOWANCE_HALF_LIFE_S, ALLOWANCE_QUIET_S, Predictor
 from scheduling.registry import Registry
 from scheduling.scheduler import NoCapacity, Scheduler
+from scheduling.scrape import EngineScrapes, parse_engine_metrics
 from state.shared import SharedState
 from tests.test_scheduling import MODEL, World, admit, job, scheduler, slots, target
 
@@ -168,6 +169,84 @@ def test_the_decode_batch_counts_what_the_engine_runs_beyond_our_ledger():
     assert w.policy.decode_batch(d, 0.0) == 1.0
     w.health.set_engine_load(2, 6.0, 2.0, 0.0)  # the engine runs 6 and queues 2 we did not send
     assert w.policy.decode_batch(d, 0.0) == 9.0
+
+
+def page(running: float, capacity: float, deferred: float = 0.0) -> dict[str, float]:
+    """A decode engine's /metrics as vLLM 0.32 writes them, parsed: running, and waiting by reason."""
+    return parse_engine_metrics(
+        f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}\n'
+        f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {capacity + deferred}\n'
+        f'vllm:num_requests_waiting_by_reason{{engine="0",model_name="m",reason="capacity"}} {capacity}\n'
+        f'vllm:num_requests_waiting_by_reason{{engine="0",model_name="m",reason="deferred"}} {deferred}\n'
+    )
+
+
+def test_a_decode_engine_seen_full_twice_runs_no_more_and_a_stream_past_its_cap_waits_for_a_place():
+    """vLLM runs at most max_num_seqs sequences (fewer when its KV cache is full) and queues the rest: a stream
+    past that cap does not slow the batch, it waits for one of the running to end. The cap is what the engine ran
+    while requests waited for a place, two scrapes in a row; those waiting for their KV transfer are no sign."""
+    w = World("slo_aware")
+    scrapes = EngineScrapes(w.health)
+    teach_decode(w.predictor, 2, 0.01, 0.002)
+    d = target(2, "decode")
+    streams = [w.ledger.lease(2, 0, 100, prefilling=False) for _ in range(6)]  # ours: 6 streams of 100 tokens
+    scrapes.update(2, page(5.0, 0.0, 1.0), decode=True)
+    scrapes.update(2, page(5.0, 0.0, 1.0), decode=True)  # waiting for its KV: no cap
+    scrapes.update(2, page(4.0, 2.0), decode=True)
+    scrapes.update(2, page(5.0, 1.0), decode=True)  # a queue, but the running count moved
+    scrapes.update(3, page(5.0, 1.0))
+    scrapes.update(3, page(5.0, 1.0))  # not a decode engine's (a union engine's prompts wait for its token budget)
+    assert w.health.get(2, "seq_cap") == 0.0 and w.health.get(3, "seq_cap") == 0.0
+    tpot, first, batch, full = w.policy.predict_decode(d)
+    assert batch == 7 and tpot == pytest.approx(w.predictor.step_s(2, 7)) and full == 0.0
+    scrapes.update(2, page(5.0, 1.0), decode=True)  # 5 running beside a queue again: it runs 5 at most
+    assert w.health.get(2, "seq_cap") == 5.0
+    tpot, first, batch, full = w.policy.predict_decode(d)
+    step = w.predictor.step_s(2, 5)
+    assert step == pytest.approx(0.01 + 0.002 * 5, rel=0.05)
+    assert batch == 7 and tpot == pytest.approx(step)  # the batch stays at the cap
+    assert full == pytest.approx(2 * 100 * step / 5)  # second in line: one of the 5 ends every 100 steps / 5
+    assert first == pytest.approx(w.predictor.first_wait_s(2) + full + tpot)
+    scrapes.update(2, page(3.0, 0.0), decode=True)  # the queue drained: the cap stays what the engine can run
+    assert w.health.get(2, "seq_cap") == 5.0
+    for lease in streams:
+        lease.release()
+
+
+def full_decode_engine(w: World, slot: int, running: float) -> None:
+    """`slot`'s scrapes say it runs `running` and queues the rest."""
+    scrapes = EngineScrapes(w.health)
+    for _ in range(2):
+        scrapes.update(slot, page(running, 1.0), decode=True)
+
+
+def test_a_plan_late_only_for_a_place_on_a_full_decode_engine_is_refused_as_decode_saturated():
+    sched, w, p, (d,) = pd_scheduler("reject")
+    teach_prefill(w.predictor, p.slot, 1000.0)
+    teach_decode(w.predictor, d.slot, 0.01, 0.001)
+    streams = [w.ledger.lease(d.slot, 0, 200, prefilling=False) for _ in range(8)]
+    assert sched.try_admit(JobInfo(MODEL, 100, 20, 1000, 100)) is not None  # a batch of 9: in
+    full_decode_engine(w, d.slot, 8.0)
+    with pytest.raises(OverBudget) as refused:  # 200 tokens x 18 ms / 8 = 0.45 s a place, two in line: 0.9 s
+        sched.try_admit(JobInfo(MODEL, 100, 20, 1000, 100))
+    assert "(decode saturated:" in str(refused.value)
+    plan = sched.try_admit(JobInfo(MODEL, 100, 20, 3000, 100))  # a budget that waits for the place: in
+    assert plan is not None and plan.target.slot == d.slot
+    for lease in streams:
+        lease.release()
+
+
+def test_a_stream_goes_where_a_place_is_free_before_a_faster_engine_that_is_full():
+    sched, w, p, (fast, slow) = pd_scheduler("reject", decodes=2)
+    teach_prefill(w.predictor, p.slot, 1000.0)
+    teach_decode(w.predictor, fast.slot, 0.005, 0.0005)
+    teach_decode(w.predictor, slow.slot, 0.02, 0.002)
+    streams = [w.ledger.lease(fast.slot, 0, 200, prefilling=False) for _ in range(8)]
+    assert sched.try_admit(JobInfo(MODEL, 100, 20, 3000, 100)).target.slot == fast.slot  # the faster steps
+    full_decode_engine(w, fast.slot, 8.0)
+    assert sched.try_admit(JobInfo(MODEL, 100, 20, 3000, 100)).target.slot == slow.slot  # a place at once
+    for lease in streams:
+        lease.release()
 
 
 # -- admission -------------------------------------------------------------------------------------
