@@ -105,9 +105,7 @@ class Policy:
         requests = int(running + waiting) if running + waiting > ours else ours
         if delay <= 0.0 or not (requests or held):
             return requests + held + 1.0
-        cap = self.health.get(t.slot, "seq_cap")
-        step = self.predictor.step_s(t.slot, min(requests + held, cap) if cap else requests + held)
-        length = self.stream_s(t, step)
+        length = self.stream_s(t, self.joined_step(t, requests + held)[0])
         running = requests * (1.0 - delay / length) if delay < length else 0.0
         promised = held * (length / delay) if delay > length else float(held)
         return running + promised + 1.0

@@ -25,8 +25,8 @@ WANTED = {
 
 # An info gauge: its labels are the engine's cache config, among them the KV cache's size in blocks.
 CACHE_INFO = "vllm:cache_config_info"
-# The waiting requests by reason (vLLM 0.32 writes it; older ones may not): "capacity" waits for a place in the batch, "deferred" for
-# a transient cause such as its KV transfer.
+# The waiting requests by reason (vLLM 0.32 writes it; older ones may not): "capacity" waits for a place in the
+# batch, "deferred" for a transient cause such as its KV transfer.
 WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 
 

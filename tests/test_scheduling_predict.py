@@ -12,7 +12,9 @@ import asyncio
 import json
 import os
 import statistics
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -171,14 +173,18 @@ def test_the_decode_batch_counts_what_the_engine_runs_beyond_our_ledger():
     assert w.policy.decode_batch(d, 0.0) == 9.0
 
 
-def page(running: float, capacity: float, deferred: float = 0.0) -> dict[str, float]:
-    """A decode engine's /metrics as vLLM 0.32 writes them, parsed: running, and waiting by reason."""
-    return parse_engine_metrics(
+def metrics_text(running: float, capacity: float, deferred: float = 0.0) -> str:
+    """An engine's /metrics as vLLM 0.32 writes them: running, and waiting by reason."""
+    return (
         f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}\n'
         f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {capacity + deferred}\n'
         f'vllm:num_requests_waiting_by_reason{{engine="0",model_name="m",reason="capacity"}} {capacity}\n'
         f'vllm:num_requests_waiting_by_reason{{engine="0",model_name="m",reason="deferred"}} {deferred}\n'
     )
+
+
+def page(running: float, capacity: float, deferred: float = 0.0) -> dict[str, float]:
+    return parse_engine_metrics(metrics_text(running, capacity, deferred))
 
 
 def test_a_decode_engine_seen_full_twice_runs_no_more_and_a_stream_past_its_cap_waits_for_a_place():
@@ -211,6 +217,50 @@ def test_a_decode_engine_seen_full_twice_runs_no_more_and_a_stream_past_its_cap_
     assert w.health.get(2, "seq_cap") == 5.0
     for lease in streams:
         lease.release()
+
+
+def test_the_background_scrape_teaches_a_cap_to_decode_engines_only():
+    """Over HTTP, as the Coordinator scrapes: the same full page (5 running, one waiting for a place) read twice
+    teaches a decode engine's cap, and nothing on a union engine (its prompts also wait for a step's token budget)."""
+    from engines import EngineClient
+    from scheduling.health import Health
+    from scheduling.registry import Target
+    from serving.background import Background
+
+    body = metrics_text(5.0, 1.0).encode()
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def caps() -> tuple[float, float]:
+        settings = Live(Settings())
+        health = Health(SharedState.create())
+        client = EngineClient(settings)
+        background = Background(settings, None, health, client)
+        try:
+            for slot, role in ((0, "decode"), (1, "union")):
+                for _ in range(2):
+                    await background._scrape(Target(slot, 0, slot, role, "m", "vllm", url, url[7:], False))
+            return health.get(0, "seq_cap"), health.get(1, "seq_cap")
+        finally:
+            await client.close()
+
+    try:
+        assert asyncio.run(caps()) == (5.0, 0.0)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def full_decode_engine(w: World, slot: int, running: float) -> None:
