@@ -70,7 +70,10 @@ class Health:
             e.breaker = BREAKER_OPEN
 
     def set_healthy(self, slot: int, healthy: bool) -> None:
-        self.rows[slot].healthy = 1.0 if healthy else 0.0
+        e = self.rows[slot]
+        e.healthy = 1.0 if healthy else 0.0
+        if not healthy:
+            e.seq_cap = 0.0  # an engine that fails its check may come back restarted with other limits: learn anew
 
     def is_healthy(self, slot: int) -> bool:
         return self.rows[slot].healthy >= 0.5

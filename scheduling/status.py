@@ -27,6 +27,7 @@ class EndpointStatus:
     engine_running: float  # the engine's vllm:num_requests_running
     engine_waiting: float  # the engine's vllm:num_requests_waiting
     engine_kv_cache_usage: float  # the engine's vllm:kv_cache_usage_perc (0..1)
+    engine_seq_cap: float  # a decode engine's learned most sequences at once (scrape.py's seq_cap); 0 until seen
     kv_events: str = "off"  # its KV-event subscription (scheduling/kv_events.py): off, live, replaying, lost
     kv_blocks: int = 0  # the blocks the KV-event index holds for it
 
@@ -40,6 +41,7 @@ class EndpointStatus:
             "engine_running": self.engine_running,
             "engine_waiting": self.engine_waiting,
             "engine_kv_cache_usage": self.engine_kv_cache_usage,
+            "engine_seq_cap": int(self.engine_seq_cap) or None,
         }
 
 
@@ -63,6 +65,7 @@ def endpoint_status(view: Topology, ledger: Ledger, health: Health, kv=None) -> 
                 running,
                 waiting,
                 kv_usage,
+                health.get(t.slot, "seq_cap"),
                 STATE_NAMES.get(row.state, "off") if row is not None else "off",
                 row.blocks if row is not None else 0,
             )

@@ -215,6 +215,14 @@ class SharedStateCollector:
                 family("motor_engine_kv_cache_usage_perc", "The engine's vllm:kv_cache_usage_perc (0..1)"),
                 lambda s: s.engine_kv_cache_usage,
             ),
+            (
+                family(
+                    "motor_engine_seq_cap",
+                    "The most sequences the decode engine was seen running while requests waited for a place "
+                    "(0 until seen)",
+                ),
+                lambda s: s.engine_seq_cap,
+            ),
         ]
         kv_blocks = family("motor_kv_events_blocks", "Blocks of the engine's KV cache the KV-event index holds")
         kv_state = family(

@@ -24,6 +24,7 @@ from harness.clients import openai_client
 from harness.configs import coordinator_config, instance
 from harness.coordinator import Coordinator, logged_request_pids as worker_pids
 from harness.loopback import wait_until
+from harness.metrics import by_label
 from tests.conftest import MODEL
 
 WORKERS = 2
@@ -275,6 +276,38 @@ def test_instances_show_the_load_of_a_request_in_flight(cluster):
         # The engine's own gauge arrives with the next scrape.
         assert wait_until(lambda: instances(cluster)[1]["endpoints"][0]["load"]["engine_running"] >= 1)
     assert wait_until(lambda: instances(cluster)[1]["endpoints"][0]["load"]["inflight_requests"] == 0)
+
+
+def test_instances_show_the_decode_engines_learned_cap_once_it_was_full_twice(sims):
+    """A decode engine that runs 2 sequences at most (max_num_seqs) while more wait: /instances and /metrics show
+    the cap the scrapes learned, nothing for the prefill engine or before it was full, and nothing again once the
+    engine fails its health check."""
+    p, d = sims("prefill", speedup=10.0), sims("decode", speedup=10.0, max_num_seqs=2)
+    cfg = coordinator_config([instance(1, "prefill", MODEL, p.address), instance(2, "decode", MODEL, d.address)])
+
+    def caps(coord) -> dict[int, object]:
+        return {i: e["endpoints"][0]["load"]["engine_seq_cap"] for i, e in instances(coord).items()}
+
+    def stream() -> None:
+        body = chat_body(MODEL, max_tokens=300, ignore_eos=True, stream=True)
+        with httpx.stream("POST", coord.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            r.read()
+
+    with Coordinator(cfg) as coord:
+        assert caps(coord) == {1: None, 2: None}
+        threads = [threading.Thread(target=stream) for _ in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            assert wait_until(lambda: caps(coord)[2] == 2, timeout_s=20)
+            assert caps(coord)[1] is None
+            assert by_label(coord, "motor_engine_seq_cap", "instance") == {"1": 0.0, "2": 2.0}
+        finally:
+            for t in threads:
+                t.join(60)
+        # An engine that fails its health check may come back restarted with another max_num_seqs.
+        d.set_faults(health_status=503)
+        assert wait_until(lambda: caps(coord)[2] is None, timeout_s=10)
 
 
 # -- POST /instances/refresh -------------------------------------------------------------------------
