@@ -28,8 +28,9 @@ class Proc(subprocess.Popen):
         )
 
     def output(self) -> str:
-        """All the process has written so far."""
-        self.log.flush()
+        """All the process has written so far (its log stays readable after stop())."""
+        if not self.log.closed:
+            self.log.flush()
         with open(self.log_path, "rb") as f:
             return f.read().decode("utf-8", "replace")
 
