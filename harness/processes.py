@@ -28,9 +28,8 @@ class Proc(subprocess.Popen):
         )
 
     def output(self) -> str:
-        """All the process has written so far (its log stays readable after stop())."""
-        if not self.log.closed:
-            self.log.flush()
+        """All the process has written so far, also after stop() (the child writes the log through its own
+        descriptor: this process has nothing buffered to flush)."""
         with open(self.log_path, "rb") as f:
             return f.read().decode("utf-8", "replace")
 
