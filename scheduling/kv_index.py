@@ -238,15 +238,27 @@ def prompt_seed(cache_salt: object = None) -> bytes:
     return extra_bytes([cache_salt]) if cache_salt else b""
 
 
-# How long a finished request's prompt still counts as in flight: its events may trail its answer (the
-# subscriber thread shares the process, and the cores, with the workers).
+# How long a finished request's prompt still counts as in flight while its events do not show it stored: they may
+# trail its answer (the subscriber thread shares the process, and the cores, with the workers).
 INFLIGHT_GRACE_S = 1.0
 INFLIGHT_MAX = 256  # per slot and worker, the latest: what a lookup compares with stays bounded
 BRANCHES_MAX = 1024  # side branches remembered per slot and worker, the latest
 
 
-def _flying(lease) -> bool:
+def _flying(flight: Flight) -> bool:
+    lease = flight.lease
     return not lease.released or clock.now() - lease.ended < INFLIGHT_GRACE_S
+
+
+class Flight:
+    """A prompt this worker sent to an engine: its lease, its keys, whether it was placed as a new conversation,
+    and whether the engine's events have shown its blocks stored (from then on the index says what is left of
+    them: another prefill may evict them before the grace is over)."""
+
+    __slots__ = ("keys", "lease", "opens", "stored")
+
+    def __init__(self, lease, keys: PromptKeys, opens: bool):
+        self.lease, self.keys, self.opens, self.stored = lease, keys, opens, False
 
 
 class KvEventSource:
@@ -256,10 +268,10 @@ class KvEventSource:
 
     def __init__(self, index: KvIndex, estimate):
         self.index, self.estimate = index, estimate
-        # This worker's prompts in flight per slot, (lease, keys, whether it was placed as a new conversation): an
-        # engine computing a prompt holds its blocks for the requests after it before its events can say so (vLLM
-        # shares them even within one step), and a new conversation's chain is there before its events.
-        self.inflight: dict[int, list[tuple[object, PromptKeys, bool]]] = {}
+        # This worker's prompts in flight per slot: an engine computing a prompt holds its blocks for the requests
+        # after it before its events can say so (vLLM shares them even within one step), and a new conversation's
+        # chain is there before its events.
+        self.inflight: dict[int, list[Flight]] = {}
         # Per slot, the keys of blocks where a conversation this worker kept there left a side branch: the engine
         # cached a turn's answer as it generated it, and the next prompt rendered it otherwise. That branch's end
         # is a leaf of no conversation of its own once the next turn's blocks are stored beside it.
@@ -273,11 +285,11 @@ class KvEventSource:
         row = self.index.rows[slot]
         return row.state == KV_LIVE or row.state == KV_REPLAYING
 
-    def _in_flight(self, slot: int) -> list[tuple[object, PromptKeys, bool]]:
+    def _in_flight(self, slot: int) -> list[Flight]:
         flying = self.inflight.get(slot)
         if not flying:
             return []
-        flying[:] = [f for f in flying if _flying(f[0])]
+        flying[:] = [f for f in flying if _flying(f)]
         return flying
 
     def cached_tokens(self, job: JobInfo, target: Target) -> int:
@@ -293,8 +305,15 @@ class KvEventSource:
         if size <= 0:
             return 0
         best = 0
-        for _, other, _ in self._in_flight(slot):
-            lo, hi = best, min(prompt.blocks(size), other.n_tokens // size)  # all its full blocks get cached
+        row = self.index.rows[slot]
+        for flight in self._in_flight(slot):
+            other = flight.keys
+            full = other.n_tokens // size
+            if not flight.stored and full:
+                flight.stored = self.index.table.find(mixed(other.key(size, full), slot, row.epoch)) >= 0
+            if flight.stored:  # its events are in: what the index holds of it is what is left
+                continue
+            lo, hi = best, min(prompt.blocks(size), full)  # all its full blocks get cached
             if lo >= hi or other.key(size, lo + 1) != prompt.key(size, lo + 1):
                 continue
             while lo < hi:  # the first lo blocks are shared; none past hi
@@ -309,8 +328,8 @@ class KvEventSource:
     def placed(self, lease, job: JobInfo) -> None:
         if job.prompt_keys is not None:
             flying = self.inflight.setdefault(lease.slot, [])
-            flying[:] = [f for f in flying if _flying(f[0])][-INFLIGHT_MAX + 1 :]
-            flying.append((lease, job.prompt_keys, job.opens))
+            flying[:] = [f for f in flying if _flying(f)][-INFLIGHT_MAX + 1 :]
+            flying.append(Flight(lease, job.prompt_keys, job.opens))
 
     def starts(self, job: JobInfo, target: Target, tokens: int) -> bool | None:
         """Whether `job` starts a conversation rather than continues one, judged where it holds `tokens` (its
@@ -327,10 +346,10 @@ class KvEventSource:
             # Held through a prompt in flight there, its events not in yet: a conversation's next turn comes after
             # its last one is answered, so it continues only a finished prompt whose full blocks it shares all of.
             return not any(
-                lease.released
-                and other.n_tokens // size == blocks
-                and other.key(size, blocks) == prompt.key(size, blocks)
-                for lease, other, _ in self._in_flight(slot)
+                f.lease.released
+                and f.keys.n_tokens // size == blocks
+                and f.keys.key(size, blocks) == prompt.key(size, blocks)
+                for f in self._in_flight(slot)
             )
         return blocks == 0 or self.index.children_at(slot, prompt, blocks) > 1
 
@@ -364,9 +383,9 @@ class KvEventSource:
                 del branches[key]
             elif children > 1:  # the next turn's blocks beside the answer as generated
                 n -= 1
-        for _, keys, opens in self._in_flight(slot):
-            full = keys.n_tokens // size if size > 0 else 0
-            if opens and full and find(mixed(keys.key(size, full), slot, epoch)) < 0:
+        for f in self._in_flight(slot):
+            full = f.keys.n_tokens // size if size > 0 else 0
+            if f.opens and full and find(mixed(f.keys.key(size, full), slot, epoch)) < 0:
                 n += 1
         return max(n, 0)
 

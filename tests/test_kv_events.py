@@ -392,6 +392,36 @@ def test_a_prompt_in_flight_counts_as_held_until_its_events_come(raw):
     assert source.cached_tokens(job(turn), target) == 0
 
 
+def test_a_finished_prompt_whose_events_are_in_counts_only_what_is_left_of_it(raw):
+    """Once the events show a finished prompt stored, the index says what is left of it: another prefill on the
+    engine may evict its tail within the grace, and the next turn then finds only the head (vLLM measured it: a
+    turn 62 ms after its last, the history evicted by a prefill between them, predicted 160 tokens, found 96)."""
+    from scheduling.affinity import PrefixIndex
+    from scheduling.kv_index import KvEventSource
+    from scheduling.ledger import Ledger
+    from scheduling.policies import JobInfo
+
+    publisher, world = raw
+    publisher.send(0, [stored(PROMPT_B, 100)])  # the feed is live, its block size known
+    assert wait_until(lambda: world.cached(1, PROMPT_B) == 8 * BLOCK, 3)
+    source = KvEventSource(world.index, PrefixIndex(world.shared, BLOCK))
+    (target,) = world.registry.view().targets
+
+    def job(ids: list[int]) -> JobInfo:
+        return JobInfo("m", len(ids), 1, 1000, 50, prompt_keys=PromptKeys(ids_bytes(ids)))
+
+    turn = PROMPT_A + ids_of(" and the next turn of it")
+    lease = Ledger(world.shared, 0, 1).lease(target.slot, len(PROMPT_A), 1)
+    source.placed(lease, job(PROMPT_A))
+    publisher.send(1, [stored(PROMPT_A, 200)])
+    assert wait_until(lambda: world.cached(1, PROMPT_A) == 8 * BLOCK, 3)
+    lease.release()
+    assert source.cached_tokens(job(turn), target) == 8 * BLOCK
+    publisher.send(2, [{"type": "BlockRemoved", "block_hashes": [205, 206, 207], "medium": "GPU"}])
+    assert wait_until(lambda: world.row(1).seq == 2, 3)
+    assert source.cached_tokens(job(turn), target) == 5 * BLOCK  # within the grace: the eviction counts
+
+
 def test_blocks_are_scoped_by_cache_salt_and_lora(raw):
     """vLLM puts a request's cache_salt in its first block's extra keys and a LoRA's name in every block's: such
     blocks answer only a prompt of the same scope."""
