@@ -394,8 +394,7 @@ def test_a_prompt_in_flight_counts_as_held_until_its_events_come(raw):
 
 def test_a_finished_prompt_whose_events_are_in_counts_only_what_is_left_of_it(raw):
     """Once the events show a finished prompt stored, the index says what is left of it: another prefill on the
-    engine may evict its tail within the grace, and the next turn then finds only the head (vLLM measured it: a
-    turn 62 ms after its last, the history evicted by a prefill between them, predicted 160 tokens, found 96)."""
+    engine may evict its tail within the grace, and the next turn then finds only the head."""
     from scheduling.affinity import PrefixIndex
     from scheduling.kv_index import KvEventSource
     from scheduling.ledger import Ledger
