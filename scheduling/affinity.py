@@ -139,5 +139,8 @@ class PrefixIndex:
     def chains(self, target: Target) -> int:
         return -1
 
+    def previous_turn(self, job: JobInfo, tokens: int) -> int:
+        return -1  # it does not tell conversations
+
     def kept(self, job: JobInfo, target: Target, tokens: int) -> None:
         pass

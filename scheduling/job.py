@@ -79,6 +79,10 @@ class PrefixSource(Protocol):
     def chains(self, target: Target) -> int:
         """How many conversations (chains of blocks) `target` holds (-1: not known)."""
 
+    def previous_turn(self, job: JobInfo, tokens: int) -> int:
+        """The slot this worker sent `job`'s conversation's turn before it to, when that turn was a prompt `job`
+        extends whose full blocks end at its first `tokens` tokens (-1: none, or not known)."""
+
     def kept(self, job: JobInfo, target: Target, tokens: int) -> None:
         """`job`, a conversation's next turn (`starts` said False), stays on `target`, which holds `tokens` of it."""
 

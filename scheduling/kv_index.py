@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import zlib
 from bisect import bisect_right
+from collections import OrderedDict, deque
 
 from scheduling import clock
 from scheduling.policies import JobInfo
@@ -222,7 +223,15 @@ class PromptKeys:
         return max(self.n_tokens - 1, 0) // block_size
 
     def key(self, block_size: int, blocks: int) -> int:
-        end = self.offsets[0] + blocks * block_size * TOKEN_BYTES
+        return block_key(self._crc(self.offsets[0] + blocks * block_size * TOKEN_BYTES), blocks)
+
+    def head(self, tokens: int) -> tuple[int, int]:
+        """Its first `tokens` tokens, in its scope, as (their count, a CRC of them): equal for two prompts that
+        begin alike."""
+        return tokens, self._crc(self.offsets[0] + tokens * TOKEN_BYTES) ^ (self.offsets[0] << 32)
+
+    def _crc(self, end: int) -> int:
+        """The CRC of the bytes before `end`, from the nearest earlier one known."""
         crc = self.crcs.get(end)
         if crc is None:
             offsets = self.offsets
@@ -230,7 +239,7 @@ class PromptKeys:
             start = offsets[j]
             crc = self.crcs[end] = zlib.crc32(self.data[start:end], self.crcs[start])
             offsets.insert(j + 1, end)
-        return block_key(crc, blocks)
+        return crc
 
 
 def prompt_seed(cache_salt: object = None) -> bytes:
@@ -243,6 +252,8 @@ def prompt_seed(cache_salt: object = None) -> bytes:
 INFLIGHT_GRACE_S = 1.0
 INFLIGHT_MAX = 256  # per slot and worker, the latest: what a lookup compares with stays bounded
 BRANCHES_MAX = 1024  # side branches remembered per slot and worker, the latest
+TURNS_MAX = 4096  # prompts remembered per slot and worker by the key their full blocks end at, the latest ...
+TURNS_PER_KEY = 16  # ... and of those ending at one key (a shared system prompt's), the latest
 
 
 def _flying(flight: Flight) -> bool:
@@ -276,6 +287,11 @@ class KvEventSource:
         # cached a turn's answer as it generated it, and the next prompt rendered it otherwise. That branch's end
         # is a leaf of no conversation of its own once the next turn's blocks are stored beside it.
         self.branches: dict[int, dict[int, None]] = {}
+        # Per slot, this worker's prompts sent there by the key their full blocks end at, with a running stamp: a
+        # short first turn has no full block past the system prompt it opens with, so no block shows where its
+        # conversation went; its next turn extends it token for token.
+        self.turns: dict[int, OrderedDict[int, deque[tuple[int, tuple[int, int]]]]] = {}
+        self.stamp = 0
         self.needs_hashes = estimate.needs_hashes
         self.needs_ids = True
         self.tells_conversations = True
@@ -330,6 +346,35 @@ class KvEventSource:
             flying = self.inflight.setdefault(lease.slot, [])
             flying[:] = [f for f in flying if _flying(f)][-INFLIGHT_MAX + 1 :]
             flying.append(Flight(lease, job.prompt_keys, job.opens))
+            self._remember(lease.slot, job.prompt_keys)
+
+    def _remember(self, slot: int, prompt: PromptKeys) -> None:
+        size = self.index.rows[slot].block_size
+        if size <= 0:
+            return
+        turns = self.turns.setdefault(slot, OrderedDict())
+        key = prompt.key(size, prompt.n_tokens // size)
+        at = turns.pop(key, None) or deque(maxlen=TURNS_PER_KEY)
+        self.stamp += 1
+        at.append((self.stamp, prompt.head(prompt.n_tokens)))
+        turns[key] = at
+        if len(turns) > TURNS_MAX:
+            turns.popitem(last=False)
+
+    def previous_turn(self, job: JobInfo, tokens: int) -> int:
+        prompt = job.prompt_keys
+        if prompt is None or tokens <= 0:
+            return -1
+        slot, latest = -1, 0
+        for s, turns in self.turns.items():
+            size = self.index.rows[s].block_size
+            if size <= 0 or tokens % size:
+                continue
+            for stamp, head in turns.get(prompt.key(size, tokens // size), ()):
+                n = head[0]
+                if stamp > latest and tokens < n <= prompt.n_tokens and prompt.head(n) == head:
+                    slot, latest = s, stamp
+        return slot
 
     def starts(self, job: JobInfo, target: Target, tokens: int) -> bool | None:
         """Whether `job` starts a conversation rather than continues one, judged where it holds `tokens` (its

@@ -315,6 +315,7 @@ class KvCacheAffinity(LoadBalance):
             return load[t.slot]
 
         best, holders = self.holders(cands, job)
+        starts = self.conversation(cands, job, best, holders)
         target = holders[0] if holders else None
         if len(holders) > 1:
             # Equal holders (a shared system prompt on each): the estimate's most recent one, else the least
@@ -323,7 +324,6 @@ class KvCacheAffinity(LoadBalance):
             target = next((t for t in holders if t.slot == last), None) or self.least(holders, score)
         # On the engines' events, a conversation's next turn stays with its history, and a new one (nothing held
         # but a prefix several chains share) goes where its future turns fit, then the overload rule, on load.
-        starts = self.conversation(cands, job, best, holders)
         if starts:
             future = self.opening(cands, job, fills)
             if future is not None:
@@ -374,6 +374,13 @@ class KvCacheAffinity(LoadBalance):
         conversations."""
         verdicts = [self.index.starts(job, t, best) for t in holders or cands[:1]]
         starts = None if None in verdicts else any(verdicts)
+        if starts and holders:
+            # Held no further than a shared prefix, it may yet be the next turn of a short first one (no full block
+            # past that prefix shows where it went): if this worker sent that turn to a holder, it continues there
+            # (`holders` becomes that one).
+            back = self.index.previous_turn(job, best)
+            holders[:] = [t for t in holders if t.slot == back] or holders
+            starts = holders[0].slot != back
         job.opens = starts is True
         return starts
 
