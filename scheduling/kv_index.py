@@ -254,6 +254,7 @@ INFLIGHT_MAX = 256  # per slot and worker, the latest: what a lookup compares wi
 BRANCHES_MAX = 1024  # side branches remembered per slot and worker, the latest
 TURNS_MAX = 4096  # prompts remembered per slot and worker by the key their full blocks end at, the latest ...
 TURNS_PER_KEY = 16  # ... and of those ending at one key (a shared system prompt's), the latest
+UNKEYED_MAX = 64  # per slot and worker, the latest prompts sent before its first events
 
 
 def _flying(flight: Flight) -> bool:
@@ -291,6 +292,7 @@ class KvEventSource:
         # short first turn has no full block past the system prompt it opens with, so no block shows where its
         # conversation went; its next turn extends it token for token.
         self.turns: dict[int, OrderedDict[int, deque[tuple[int, tuple[int, int]]]]] = {}
+        self.unkeyed: dict[int, list[tuple[int, PromptKeys]]] = {}  # sent before the slot's block size was known
         self.stamp = 0
         self.needs_hashes = estimate.needs_hashes
         self.needs_ids = True
@@ -349,16 +351,25 @@ class KvEventSource:
             self._remember(lease.slot, job.prompt_keys)
 
     def _remember(self, slot: int, prompt: PromptKeys) -> None:
-        size = self.index.rows[slot].block_size
-        if size <= 0:
+        self.stamp += 1
+        unkeyed = self.unkeyed.setdefault(slot, [])
+        unkeyed.append((self.stamp, prompt))
+        del unkeyed[:-UNKEYED_MAX]
+        self._key_turns(slot)
+
+    def _key_turns(self, slot: int) -> None:
+        """Files `slot`'s prompts remembered before its block size was known (its first events)."""
+        size, unkeyed = self.index.rows[slot].block_size, self.unkeyed.get(slot)
+        if size <= 0 or not unkeyed:
             return
         turns = self.turns.setdefault(slot, OrderedDict())
-        key = prompt.key(size, prompt.n_tokens // size)
-        at = turns.pop(key, None) or deque(maxlen=TURNS_PER_KEY)
-        self.stamp += 1
-        at.append((self.stamp, prompt.head(prompt.n_tokens)))
-        turns[key] = at
-        if len(turns) > TURNS_MAX:
+        for stamp, prompt in unkeyed:
+            key = prompt.key(size, prompt.n_tokens // size)
+            at = turns.pop(key, None) or deque(maxlen=TURNS_PER_KEY)
+            at.append((stamp, prompt.head(prompt.n_tokens)))
+            turns[key] = at
+        unkeyed.clear()
+        while len(turns) > TURNS_MAX:
             turns.popitem(last=False)
 
     def previous_turn(self, job: JobInfo, tokens: int) -> int:
@@ -366,6 +377,8 @@ class KvEventSource:
         if prompt is None or tokens <= 0:
             return -1
         slot, latest = -1, 0
+        for s in [s for s, unkeyed in self.unkeyed.items() if unkeyed]:
+            self._key_turns(s)
         for s, turns in self.turns.items():
             size = self.index.rows[s].block_size
             if size <= 0 or tokens % size:

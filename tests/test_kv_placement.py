@@ -153,3 +153,19 @@ def test_a_new_conversation_goes_where_fewer_chains_live_and_a_running_one_stays
         assert [_send(coord, sims, chat, stream) for chat in chats[3:]] == [1, 1, 1]
         turns = [chat + ids_of(" and a next turn of it") for chat in chats]
         assert [_send(coord, sims, turn, stream) for turn in turns] == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("policy", ["kv_cache_affinity", "slo_aware"])
+def test_the_next_turn_of_a_short_first_turn_goes_back_where_that_turn_went(policy):
+    """A first turn shorter than a block past its system prompt leaves no block of its own: the engines hold the
+    system prompt alone of its next turn, as of any new conversation's. The Coordinator sent that turn, so the
+    next, which extends it token for token, goes back there, where a new conversation would not go."""
+    with _primed(64, policy) as (sims, coord, chats):
+        opening = SYSTEM + ids_of(" a short one")
+        assert len(opening) < 4 * BLOCK
+        assert _send(coord, sims, opening) == 1  # a new conversation: where fewer chains live
+        for k in range(5):  # another gateway's clients fill the second engine with conversations
+            complete(sims[1], SYSTEM + ids_of(f" elsewhere {k} asks a question of about two blocks in length " * 3))
+        assert wait_until(lambda: _kv_blocks(coord)[1] == 13, 5), _kv_blocks(coord)
+        assert _send(coord, sims, SYSTEM + ids_of(" another short one")) == 0  # a new one goes to the first now
+        assert _send(coord, sims, opening + ids_of(" an answer, and the next question")) == 1
