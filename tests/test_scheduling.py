@@ -795,6 +795,9 @@ class ReportedPrefixes:
     def chains(self, target: Target) -> int:
         return -1
 
+    def previous_turn(self, job: JobInfo, tokens: int) -> int:
+        return -1  # where a conversation's turn before went: not told
+
     def kept(self, job: JobInfo, target: Target, tokens: int) -> None:
         pass
 
