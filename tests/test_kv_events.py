@@ -362,24 +362,32 @@ def test_an_engine_publishing_on_a_unix_socket_is_followed(tmp_path):
         publisher.close()
 
 
-def test_a_prompt_in_flight_counts_as_held_until_its_events_come(raw):
-    """A request's prompt sent to an engine is cached there for the requests after it (vLLM shares its blocks
-    even within one step) before its events arrive: a second turn of it counts those blocks as held, until a
-    moment after the first request is done."""
+def _source_on_a_live_feed(publisher, world):
+    """The policies' KvEventSource over `world`'s index once its feed is live and its block size known (PROMPT_B
+    stored), its one target, and a JobInfo for token ids."""
     from scheduling.affinity import PrefixIndex
-    from scheduling.kv_index import INFLIGHT_GRACE_S, KvEventSource
-    from scheduling.ledger import Ledger
+    from scheduling.kv_index import KvEventSource
     from scheduling.policies import JobInfo
 
-    publisher, world = raw
-    publisher.send(0, [stored(PROMPT_B, 100)])  # the feed is live, its block size known
+    publisher.send(0, [stored(PROMPT_B, 100)])
     assert wait_until(lambda: world.cached(1, PROMPT_B) == 8 * BLOCK, 3)
-    source = KvEventSource(world.index, PrefixIndex(world.shared, BLOCK))
     (target,) = world.registry.view().targets
 
     def job(ids: list[int]) -> JobInfo:
         return JobInfo("m", len(ids), 1, 1000, 50, prompt_keys=PromptKeys(ids_bytes(ids)))
 
+    return KvEventSource(world.index, PrefixIndex(world.shared, BLOCK)), target, job
+
+
+def test_a_prompt_in_flight_counts_as_held_until_its_events_come(raw):
+    """A request's prompt sent to an engine is cached there for the requests after it (vLLM shares its blocks
+    even within one step) before its events arrive: a second turn of it counts those blocks as held, until a
+    moment after the first request is done."""
+    from scheduling.kv_index import INFLIGHT_GRACE_S
+    from scheduling.ledger import Ledger
+
+    publisher, world = raw
+    source, target, job = _source_on_a_live_feed(publisher, world)
     turn = PROMPT_A + ids_of(" and the next turn of it")
     assert source.cached_tokens(job(turn), target) == 0
     lease = Ledger(world.shared, 0, 1).lease(target.slot, len(PROMPT_A), 1)
@@ -395,20 +403,10 @@ def test_a_prompt_in_flight_counts_as_held_until_its_events_come(raw):
 def test_a_finished_prompt_whose_events_are_in_counts_only_what_is_left_of_it(raw):
     """Once the events show a finished prompt stored, the index says what is left of it: another prefill on the
     engine may evict its tail within the grace, and the next turn then finds only the head."""
-    from scheduling.affinity import PrefixIndex
-    from scheduling.kv_index import KvEventSource
     from scheduling.ledger import Ledger
-    from scheduling.policies import JobInfo
 
     publisher, world = raw
-    publisher.send(0, [stored(PROMPT_B, 100)])  # the feed is live, its block size known
-    assert wait_until(lambda: world.cached(1, PROMPT_B) == 8 * BLOCK, 3)
-    source = KvEventSource(world.index, PrefixIndex(world.shared, BLOCK))
-    (target,) = world.registry.view().targets
-
-    def job(ids: list[int]) -> JobInfo:
-        return JobInfo("m", len(ids), 1, 1000, 50, prompt_keys=PromptKeys(ids_bytes(ids)))
-
+    source, target, job = _source_on_a_live_feed(publisher, world)
     turn = PROMPT_A + ids_of(" and the next turn of it")
     lease = Ledger(world.shared, 0, 1).lease(target.slot, len(PROMPT_A), 1)
     source.placed(lease, job(PROMPT_A))
