@@ -358,7 +358,8 @@ class KvEventSource:
         self._key_turns(slot)
 
     def _key_turns(self, slot: int) -> None:
-        """Files `slot`'s prompts remembered before its block size was known (its first events)."""
+        """Files `slot`'s remembered prompts by the key their full blocks end at, once its block size is known (from
+        its first events; until then they wait)."""
         size, unkeyed = self.index.rows[slot].block_size, self.unkeyed.get(slot)
         if size <= 0 or not unkeyed:
             return
