@@ -12,7 +12,9 @@ goes through the store.
 payload); the payload is a batch `[ts, events, data_parallel_rank?]`, each event a map tagged by `type`:
 `BlockStored` (block_hashes, parent_block_hash, token_ids, block_size, lora_name, medium, extra_keys),
 `BlockRemoved` (block_hashes), `AllBlocksCleared`. A missed sequence number is asked of the engine's replay
-socket (ROUTER; this side a DEALER sends `["", start]` and gets `["", seq, payload]` per batch, then seq -1).
+socket (ROUTER; this side a DEALER sends `["", start]` and gets `["", seq, payload]` per batch, then seq -1); so
+is, whenever the SUB socket connects, everything from the next wanted number (0 at first): what the engine published
+before the subscription reached it, or while the connection was down.
 
 **What makes an engine's blocks forgotten** (its epoch moves on): `AllBlocksCleared`; a sequence number lower
 than expected (the engine restarted); a gap the replay cannot fill; the endpoint found unhealthy; a message that
@@ -21,7 +23,8 @@ makes predictions low until its next events.
 
 **States** (`GET /instances`, KvEndpointRow.state): `lost` until the SUB socket connects (ZMQ cannot tell an
 engine that publishes nothing from one not there) and while it is disconnected or over its budget; `live`;
-`replaying` while a gap is asked of the replay socket; `off` when not subscribed.
+`replaying` while a gap (or, at each connect, what came before it) is asked of the replay socket; `off` when not
+subscribed.
 
 **Bounds** against a broken or hostile publisher: a message over MAX_MESSAGE_BYTES closes that connection (ZMQ's
 MAXMSGSIZE); at most RCV_HWM messages wait per engine, so what waits is at most RCV_HWM x MAX_MESSAGE_BYTES;
@@ -344,7 +347,12 @@ class KvSubscriber:
                 if which == "sub" and row.state == KV_LIVE:
                     row.state = KV_LOST
             elif which == "sub" and row.state == KV_LOST and not feed.replaying_since:
-                row.state = KV_LIVE
+                # A PUB socket drops what it publishes before a subscription reaches it, and while the connection
+                # was down; no gap shows until the engine's next batch, which may be long in coming: ask now.
+                if feed.dealer is not None:
+                    self._ask_replay(feed, max(feed.expected, 0))
+                else:
+                    row.state = KV_LIVE
 
     def _live(self, feed: EngineFeed, frames: list[bytes], now: float) -> None:
         row = self.rows[feed.slot]

@@ -55,6 +55,7 @@ def test_a_long_conversation_is_predicted_from_its_exact_ids(tmp_path):
     cfg = _config(tmp_path, sim, pub, replay)
     try:
         with Coordinator(cfg) as coord:
+            publisher.serve_replay(10.0)  # what the subscriber asks at connect: nothing was published before
             assert httpx.get(coord.mgmt + "/instances").json()["prompt_tokens"] == {"m": "exact"}
             seq, first = 0, 100
             for turns in (1, 3):  # the second request is turn 3 of the same conversation: its pieces mostly cached

@@ -186,6 +186,23 @@ def test_a_late_subscriber_recovers_history_through_the_replay_socket():
         sim.stop()
 
 
+def test_what_an_engine_published_before_the_subscription_reached_it_is_asked_at_connect():
+    """A PUB socket drops what it sends before a subscription reaches it, and an engine that publishes nothing more
+    shows no gap: the connect itself asks the replay socket for everything from the start."""
+    pub, replay = free_ports(2)
+    publisher = RawPublisher(pub, replay)
+    publisher.send(0, [stored(PROMPT_A, 100)])  # nobody listens yet: dropped, but kept for the replay
+    world = Subscribed([instance(1, "127.0.0.1:1", pub, replay)])
+    try:
+        publisher.serve_replay()
+        assert publisher.asked == [0]
+        assert wait_until(lambda: world.cached(1, PROMPT_A) == 8 * BLOCK, 3)
+        assert world.row(1).state == KV_LIVE and world.row(1).seq == 0
+    finally:
+        world.close()
+        publisher.close()
+
+
 def test_without_a_replay_socket_what_was_missed_stays_unknown():
     pub = free_ports(1)[0]
     sim = sim_with_events(pub, None)
@@ -319,7 +336,8 @@ def raw():
     pub, replay = free_ports(2)
     publisher = RawPublisher(pub, replay)
     world = Subscribed([instance(1, "127.0.0.1:1", pub, replay)])
-    time.sleep(0.3)
+    publisher.serve_replay()  # what it asks at connect: nothing was published before
+    time.sleep(0.3)  # the SUB socket's subscription reaches the publisher
     yield publisher, world
     world.close()
     publisher.close()
@@ -333,7 +351,7 @@ def test_a_gap_is_filled_from_the_replay_socket(raw):
     publisher.send(1, [stored(b, 200, parent=103)], publish=False)  # lost on the way
     publisher.send(2, [{"type": "BlockRemoved", "block_hashes": [999], "medium": "GPU"}])
     publisher.serve_replay()
-    assert publisher.asked == [1]
+    assert publisher.asked == [0, 1]  # at connect, then the gap
     assert wait_until(lambda: world.cached(1, PROMPT_A) == 8 * BLOCK, 3)
     assert wait_until(lambda: world.row(1).state == KV_LIVE, 3)  # the replay's end marker came
     assert world.row(1).seq == 2
@@ -353,6 +371,7 @@ def test_an_engine_publishing_on_a_unix_socket_is_followed(tmp_path):
     publisher = RawPublisher(pub, replay)
     world = Subscribed([inst])
     try:
+        publisher.serve_replay()
         time.sleep(0.3)
         publisher.send(0, [stored(PROMPT_A, 100)])
         assert wait_until(lambda: world.cached(1, PROMPT_A) == 8 * BLOCK, 3)
@@ -536,6 +555,7 @@ def test_beyond_its_budget_an_engine_is_read_no_more_and_forgotten():
     budget = 3000.0  # units a second: a batch of 8 blocks costs about 20
     world = Subscribed([instance(1, "127.0.0.1:1", pub, replay)], budget_per_s=budget)
     try:
+        publisher.serve_replay()
         time.sleep(0.3)
         started = time.monotonic()
         flood(publisher, 1.0)
