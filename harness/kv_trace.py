@@ -211,7 +211,7 @@ def _kv_rows(coord) -> list[dict]:
 
 def caught_up(coord, model: str, engines: list[str], timeout_s: float = 60.0) -> bool:
     """Each engine computes a prompt of a few blocks straight, and the Coordinator's subscriptions take its events
-    in. A subscriber that joins an engine which served before replays the engine's history at its first message
+    in. A subscriber that joins an engine which served before replays the engine's history when it connects
     (`replaying`: predictions fall back to the estimate meanwhile); that start-up is not what a trace measures."""
 
     def settled() -> bool:
@@ -221,7 +221,8 @@ def caught_up(coord, model: str, engines: list[str], timeout_s: float = 60.0) ->
     attempt = 0
     while True:
         # Another prompt each time (a prompt the engine holds publishes no event): in 4 of 60 bench runs the first
-        # one's blocks never reached the index though both subscriptions were live; why was not found.
+        # one's blocks never reached the index though both subscriptions were live, likely published before the
+        # subscription reached the engine; the replay asked at connect covers all but one published just after it.
         prompt = f"Warm up {attempt}. " + " ".join(WORDS[k % len(WORDS)] for k in range(120))
         for url in engines:
             httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1}, timeout=120)
