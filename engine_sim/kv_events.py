@@ -3,7 +3,8 @@
 A PUB socket sends multipart messages (topic, 8-byte big-endian sequence number, msgpack batch); the batch is
 the array `[ts, events]`, each event a map tagged by `type` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`)
 with vLLM's field names. A ROUTER socket on the replay address answers `["", start]` with every kept batch from
-`start` on (`["", seq, payload]` each), then `["", -1, ""]`. The last `buffer_steps` batches are kept.
+`start` on (`["", topic, seq, payload]` each, as vLLM 0.32 does), then `["", "", -1, ""]`. The last
+`buffer_steps` batches are kept.
 
 Sends happen on the caller's thread (the engine's loop; PUB never blocks, ZMQ drops past its high-water mark);
 the replay socket is served by a thread of its own.
@@ -75,8 +76,8 @@ class KvEventPublisher:
             first = int.from_bytes(start, "big")
             for seq, payload in list(self.buffer):
                 if seq >= first:
-                    sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            sock.send_multipart((client, b"", END_SEQ, b""))
+                    sock.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+            sock.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
         self.stopping.set()

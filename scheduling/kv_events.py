@@ -12,7 +12,8 @@ goes through the store.
 payload); the payload is a batch `[ts, events, data_parallel_rank?]`, each event a map tagged by `type`:
 `BlockStored` (block_hashes, parent_block_hash, token_ids, block_size, lora_name, medium, extra_keys),
 `BlockRemoved` (block_hashes), `AllBlocksCleared`. A missed sequence number is asked of the engine's replay
-socket (ROUTER; this side a DEALER sends `["", start]` and gets `["", seq, payload]` per batch, then seq -1); so
+socket (ROUTER; this side a DEALER sends `["", start]` and gets `["", topic, seq, payload]` per batch, then seq -1;
+vLLM before 0.32 and SGLang leave the topic out); so
 is, whenever the SUB socket connects, everything from the next wanted number (0 at first): what the engine published
 before the subscription reached it, or while the connection was down.
 
@@ -111,6 +112,14 @@ class EventBatch(msgspec.Struct, array_like=True):
 
 
 _decode = msgspec.msgpack.Decoder(EventBatch).decode
+
+
+def _replay_answer(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """(sequence number, payload) of one message from a replay socket, None if it is none. vLLM 0.32 sends
+    `["", topic, seq, payload]` (the end: `["", "", -1, ""]`); earlier vLLM and SGLang `["", seq, payload]`."""
+    if len(frames) not in (3, 4) or frames[0] or len(frames[-2]) != 8:
+        return None
+    return int.from_bytes(frames[-2], "big", signed=True), frames[-1]
 
 
 def engine_hash(h: int | bytes) -> int:
@@ -387,16 +396,17 @@ class KvSubscriber:
         self.rows[feed.slot].state = KV_REPLAYING
 
     def _replayed(self, feed: EngineFeed, frames: list[bytes]) -> None:
-        if not feed.replaying_since or len(frames) != 3 or len(frames[1]) != 8:
+        answer = _replay_answer(frames) if feed.replaying_since else None
+        if answer is None:
             self.rows[feed.slot].dropped += 1
             return
-        seq = int.from_bytes(frames[1], "big", signed=True)
+        seq, payload = answer
         if seq == _END:
             self._replay_done(feed)
         elif seq >= feed.expected:
             if feed.expected > 0 and seq > feed.expected:  # the engine no longer has what was missed
                 self._forget(feed, KV_REPLAYING)
-            self._apply(feed, seq, frames[2])
+            self._apply(feed, seq, payload)
 
     def _replay_done(self, feed: EngineFeed) -> None:
         feed.replaying_since = 0.0

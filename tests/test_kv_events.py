@@ -300,16 +300,20 @@ class RawPublisher:
     def frames(self, *frames: bytes) -> None:
         self.pub.send_multipart(frames)
 
-    def serve_replay(self, timeout_s: float = 3.0) -> None:
+    def serve_replay(self, timeout_s: float = 3.0, topic: bool = True) -> None:
+        """Answer one replay request as vLLM 0.32 does, the topic before each sequence number (`topic=False`: as
+        earlier vLLM and SGLang do, without it)."""
         if not self.router.poll(int(timeout_s * 1000)):
             raise AssertionError("no replay request came")
         client, _, start = self.router.recv_multipart()
         first = int.from_bytes(start, "big")
         self.asked.append(first)
+        head = (client, b"", b"kv") if topic else (client, b"")
         for seq in sorted(self.kept):
             if seq >= first:
-                self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), self.kept[seq]))
-        self.router.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+                self.router.send_multipart((*head, seq.to_bytes(8, "big"), self.kept[seq]))
+        end = (client, b"", b"") if topic else (client, b"")
+        self.router.send_multipart((*end, (-1).to_bytes(8, "big", signed=True), b""))
 
     def close(self) -> None:
         self.pub.close(0)
@@ -343,14 +347,16 @@ def raw():
     publisher.close()
 
 
-def test_a_gap_is_filled_from_the_replay_socket(raw):
+@pytest.mark.parametrize("topic", [True, False], ids=["vllm-0.32", "earlier-vllm"])
+def test_a_gap_is_filled_from_the_replay_socket(raw, topic):
+    """vLLM 0.32's replay socket sends the topic before each sequence number; earlier vLLM and SGLang do not."""
     publisher, world = raw
     a, b = PROMPT_A[: 4 * BLOCK], PROMPT_A[4 * BLOCK : 8 * BLOCK]
     publisher.send(0, [stored(a, 100)])
     assert wait_until(lambda: world.cached(1, PROMPT_A) == 4 * BLOCK, 3)
     publisher.send(1, [stored(b, 200, parent=103)], publish=False)  # lost on the way
     publisher.send(2, [{"type": "BlockRemoved", "block_hashes": [999], "medium": "GPU"}])
-    publisher.serve_replay()
+    publisher.serve_replay(topic=topic)
     assert publisher.asked == [0, 1]  # at connect, then the gap
     assert wait_until(lambda: world.cached(1, PROMPT_A) == 8 * BLOCK, 3)
     assert wait_until(lambda: world.row(1).state == KV_LIVE, 3)  # the replay's end marker came
