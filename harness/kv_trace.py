@@ -146,10 +146,14 @@ def prefix_counts(urls: list[str]) -> tuple[float, float]:
     )
 
 
-def reset(urls: list[str]) -> None:
-    """Empty every engine's prefix cache (vLLM's POST /reset_prefix_cache, served with VLLM_SERVER_DEV_MODE=1)."""
+def reset(urls: list[str], model: str) -> None:
+    """Empty every engine's prefix cache (vLLM's POST /reset_prefix_cache, served with VLLM_SERVER_DEV_MODE=1), and
+    have each compute a prompt shorter than a block: vLLM publishes the reset's `AllBlocksCleared` with its next
+    step's events, and until then a subscriber sees the cache as it was."""
     for u in urls:
         r = httpx.post(u + "/reset_prefix_cache", timeout=30)
+        r.raise_for_status()
+        r = httpx.post(u + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1}, timeout=120)
         r.raise_for_status()
 
 
@@ -170,7 +174,7 @@ def measure(
     """One run of the trace from empty caches: engines[0] primed first, then the trace through `url_of` (streamed,
     or as JSON answers)."""
     trace = fresh(trace)
-    reset(engines)
+    reset(engines, model)
     asyncio.run(prime(engines[0], model, trace))
     hits0, queries0 = prefix_counts(engines)
     usages = asyncio.run(run(trace, model, url_of, concurrency, stream))
