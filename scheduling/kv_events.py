@@ -12,10 +12,10 @@ goes through the store.
 payload); the payload is a batch `[ts, events, data_parallel_rank?]`, each event a map tagged by `type`:
 `BlockStored` (block_hashes, parent_block_hash, token_ids, block_size, lora_name, medium, extra_keys),
 `BlockRemoved` (block_hashes), `AllBlocksCleared`. A missed sequence number is asked of the engine's replay
-socket (ROUTER; this side a DEALER sends `["", start]` and gets `["", topic, seq, payload]` per batch, then seq -1;
-vLLM before 0.32 and SGLang leave the topic out); so
-is, whenever the SUB socket connects, everything from the next wanted number (0 at first): what the engine published
-before the subscription reached it, or while the connection was down.
+socket (ROUTER; this side a DEALER sends `["", start]` and gets `["", topic, seq, payload]` per batch, then seq -1,
+as vLLM 0.32 sends them; earlier vLLM releases and SGLang leave the topic out). So is, whenever the SUB socket
+connects, everything from the next wanted number (0 at first): what the engine published before the subscription
+reached it, or while the connection was down.
 
 **What makes an engine's blocks forgotten** (its epoch moves on): `AllBlocksCleared`; a sequence number lower
 than expected (the engine restarted); a gap the replay cannot fill; the endpoint found unhealthy; a message that
