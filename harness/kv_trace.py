@@ -224,10 +224,8 @@ def caught_up(coord, model: str, engines: list[str], timeout_s: float = 60.0) ->
     deadline = time.monotonic() + timeout_s
     attempt = 0
     while True:
-        # Another prompt each time (a prompt the engine holds publishes no event): in 4 of 60 bench runs the first
-        # one's blocks never reached the index though both subscriptions were live, likely published before the
-        # subscription reached the engine (and vLLM 0.32's replay then went unread); the replay asked at connect
-        # covers all but a batch published just after it.
+        # Another prompt each time (a prompt the engine holds publishes no event): a batch published after the
+        # connect's replay and before the subscription reached the engine is seen only at the engine's next one.
         prompt = f"Warm up {attempt}. " + " ".join(WORDS[k % len(WORDS)] for k in range(120))
         for url in engines:
             httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1}, timeout=120)
